@@ -1,0 +1,32 @@
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: test demo conformance bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+# torch first, pinned: this machine's local CPU build, never a CUDA download.
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[test]"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+demo: $(STAMP)
+	$(BIN)/python -m hal info
+	$(BIN)/python -m hal demo
+
+conformance: $(STAMP)
+	$(BIN)/python -m hal conformance --backend $${HAL_BACKEND:-cpu}
+
+bench: $(STAMP)
+	$(BIN)/pip install -q -e ".[bench]"
+	$(BIN)/python benchmarks/ops.py
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -1,0 +1,14 @@
+"""The cpu backend's ops: the reference implementations, one file per op."""
+
+from verify_ops.copy_kv import copy_kv
+from verify_ops.greedy import verify_greedy
+from verify_ops.ngram import ngram_propose
+from verify_ops.paged_attention import paged_attention
+from verify_ops.rejection import verify_rejection
+from verify_ops.sample import sample
+from verify_ops.tree import verify_tree
+from verify_ops.typical import verify_typical
+from verify_ops.write_kv import write_kv
+
+__all__ = ["copy_kv", "ngram_propose", "paged_attention", "sample", "verify_greedy", "verify_rejection",
+           "verify_tree", "verify_typical", "write_kv"]

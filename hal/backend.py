@@ -1,0 +1,155 @@
+"""What a plugin registers (`BackendSpec`) and what users get (`Backend`).
+
+`Backend` wraps a backend's op module: each method validates its arguments
+(`hal.checks`) and then calls the backend's plain function directly. No pluggy
+call and no lookup by op name happens per op.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from torch import Tensor
+
+from hal import checks
+from hal.ops import Ops
+
+
+@dataclass(frozen=True)
+class BlockSizes:
+    """The KV block sizes a backend supports: ``lo <= bs <= hi``, a multiple of
+    ``multiple_of`` and, if ``power_of_two``, a power of two."""
+
+    lo: int = 1
+    hi: int = 1 << 16
+    multiple_of: int = 1
+    power_of_two: bool = True
+
+    def __contains__(self, bs: object) -> bool:
+        return (isinstance(bs, int) and not isinstance(bs, bool) and self.lo <= bs <= self.hi
+                and bs % self.multiple_of == 0 and (not self.power_of_two or bs & (bs - 1) == 0))
+
+    def __str__(self) -> str:
+        kind = "powers of two" if self.power_of_two else "sizes"
+        mult = f", multiples of {self.multiple_of}" if self.multiple_of > 1 else ""
+        return f"{kind} {self.lo}..{self.hi}{mult}"
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """A backend as a plugin registers it.
+
+    :param name: the name users select with ``HAL_BACKEND``.
+    :param device_type: the torch device type its tensors live on (``"cpu"``,
+        ``"cuda"``, ``"npu"``).
+    :param load: imports and returns the op module: an object with every
+        `hal.ops.Ops` function. Called only when the backend is selected.
+    :param probe: returns ``None`` when the backend can run here, else the
+        reason it cannot. Must be cheap and must not initialise a device
+        runtime unless that runtime is already imported.
+    :param priority: auto-selection picks the available backend with the
+        highest priority.
+    :param block_sizes: the KV block sizes it supports.
+    :param head_dim_align: head_dim must be a multiple of this.
+    :param validation: how it was validated, in words (shown by ``hal info``).
+    :param always_check_values: run value checks (NaN, ranges, sums) on every
+        call, not only under ``HAL_CHECK=1``. True where they cost no device sync.
+    """
+
+    name: str
+    device_type: str
+    load: Callable[[], Any]
+    probe: Callable[[], str | None] = lambda: None
+    priority: int = 0
+    block_sizes: BlockSizes = field(default_factory=BlockSizes)
+    head_dim_align: int = 1
+    validation: str = "unknown"
+    always_check_values: bool = False
+
+
+def _env_check_values() -> bool:
+    return os.environ.get("HAL_CHECK", "0") not in ("", "0")
+
+
+class Backend:
+    """One selected backend: its spec plus its validated ops.
+
+    The methods have the signatures and semantics documented on `hal.ops.Ops`;
+    each runs the argument checks and calls the backend's function.
+    """
+
+    def __init__(self, spec: BackendSpec, impl: Ops):
+        self.spec, self.impl = spec, impl
+        self.name, self.device_type = spec.name, spec.device_type
+        self.check_values = spec.always_check_values or _env_check_values()
+
+    def __repr__(self) -> str:
+        return f"Backend({self.name!r}, device_type={self.device_type!r})"
+
+    def sample(self, logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor,
+               seeds: Tensor, offsets: Tensor) -> tuple[Tensor, Tensor]:
+        """Checked `Ops.sample`."""
+        checks.sample(self, logits, temperature, top_k, top_p, seeds, offsets)
+        return self.impl.sample(logits, temperature, top_k, top_p, seeds, offsets)
+
+    def ngram_propose(self, token_ids: Tensor, num_tokens: Tensor, min_n: int, max_n: int,
+                      k: int) -> tuple[Tensor, Tensor]:
+        """Checked `Ops.ngram_propose`."""
+        checks.ngram_propose(self, token_ids, num_tokens, min_n, max_n, k)
+        return self.impl.ngram_propose(token_ids, num_tokens, min_n, max_n, k)
+
+    def verify_greedy(self, draft_token_ids: Tensor, cu_num_draft_tokens: Tensor,
+                      target_logits: Tensor, max_k: int) -> tuple[Tensor, Tensor]:
+        """Checked `Ops.verify_greedy`."""
+        checks.verify_greedy(self, draft_token_ids, cu_num_draft_tokens, target_logits, max_k)
+        return self.impl.verify_greedy(draft_token_ids, cu_num_draft_tokens, target_logits, max_k)
+
+    def verify_rejection(self, draft_token_ids: Tensor, cu_num_draft_tokens: Tensor,
+                         draft_probs: Tensor | None, target_probs: Tensor, seeds: Tensor,
+                         offsets: Tensor, max_k: int) -> tuple[Tensor, Tensor]:
+        """Checked `Ops.verify_rejection`."""
+        checks.verify_rejection(self, draft_token_ids, cu_num_draft_tokens, draft_probs,
+                                target_probs, seeds, offsets, max_k)
+        return self.impl.verify_rejection(draft_token_ids, cu_num_draft_tokens, draft_probs,
+                                          target_probs, seeds, offsets, max_k)
+
+    def verify_typical(self, draft_token_ids: Tensor, cu_num_draft_tokens: Tensor,
+                       target_probs: Tensor, seeds: Tensor, offsets: Tensor, max_k: int,
+                       posterior_threshold: float = 0.09,
+                       posterior_alpha: float = 0.3) -> tuple[Tensor, Tensor]:
+        """Checked `Ops.verify_typical`."""
+        checks.verify_typical(self, draft_token_ids, cu_num_draft_tokens, target_probs, seeds,
+                              offsets, max_k, posterior_threshold, posterior_alpha)
+        return self.impl.verify_typical(draft_token_ids, cu_num_draft_tokens, target_probs, seeds,
+                                        offsets, max_k, posterior_threshold, posterior_alpha)
+
+    def verify_tree(self, draft_token_ids: Tensor, cu_num_draft_tokens: Tensor, parent_ids: Tensor,
+                    target: Tensor, draft_probs: Tensor | None, seeds: Tensor | None,
+                    offsets: Tensor | None, max_k: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Checked `Ops.verify_tree`."""
+        checks.verify_tree(self, draft_token_ids, cu_num_draft_tokens, parent_ids, target,
+                           draft_probs, seeds, offsets, max_k)
+        return self.impl.verify_tree(draft_token_ids, cu_num_draft_tokens, parent_ids, target,
+                                     draft_probs, seeds, offsets, max_k)
+
+    def write_kv(self, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
+                 slot_mapping: Tensor) -> None:
+        """Checked `Ops.write_kv`."""
+        checks.write_kv(self, key, value, k_cache, v_cache, slot_mapping)
+        self.impl.write_kv(key, value, k_cache, v_cache, slot_mapping)
+
+    def paged_attention(self, query: Tensor, k_cache: Tensor, v_cache: Tensor,
+                        block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor,
+                        scale: float, tree_mask: Tensor | None = None) -> Tensor:
+        """Checked `Ops.paged_attention`."""
+        checks.paged_attention(self, query, k_cache, v_cache, block_tables, seq_lens,
+                               query_start_loc, scale, tree_mask)
+        return self.impl.paged_attention(query, k_cache, v_cache, block_tables, seq_lens,
+                                         query_start_loc, scale, tree_mask)
+
+    def copy_kv(self, k_cache: Tensor, v_cache: Tensor, src_slots: Tensor, dst_slots: Tensor) -> None:
+        """Checked `Ops.copy_kv`."""
+        checks.copy_kv(self, k_cache, v_cache, src_slots, dst_slots)
+        self.impl.copy_kv(k_cache, v_cache, src_slots, dst_slots)

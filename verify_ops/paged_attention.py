@@ -1,0 +1,43 @@
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def paged_attention(query: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
+                    seq_lens: Tensor, query_start_loc: Tensor, scale: float,
+                    tree_mask: Tensor | None) -> Tensor:
+    # Pad queries to [R, Q]; gather each request's blocks to [R, L] keys. Query i of a
+    # request sees keys j < ctx (= seq_len - q_len) and, among its own queries,
+    # j - ctx <= i (causal) or tree_mask[i, j - ctx]. fp32 softmax, GQA by head groups.
+    T, Hq, D = query.shape
+    _, bs, Hkv, _ = k_cache.shape
+    R, G = block_tables.shape[0], Hq // Hkv
+    qsl, seq = query_start_loc.long(), seq_lens.long()
+    q_len = qsl[1:] - qsl[:-1]
+    Q = int(q_len.max()) if R else 0
+    L = block_tables.shape[1] * bs
+    dev = query.device
+    qi = torch.arange(Q, device=dev)[None]
+    q_valid = qi < q_len[:, None]                                        # [R, Q]
+    q = query[(qsl[:-1, None] + qi).clamp(max=max(T - 1, 0))].float() if T else query.new_zeros(R, Q, Hq, D).float()
+    keys = k_cache[block_tables.long()].reshape(R, L, Hkv, D).float()
+    vals = v_cache[block_tables.long()].reshape(R, L, Hkv, D).float()
+
+    ctx = (seq - q_len)[:, None, None]
+    j = torch.arange(L, device=dev)[None, None]                          # [1, 1, L]
+    i = qi[:, :, None]                                                   # [1, Q, 1]
+    if tree_mask is None:
+        own = j - ctx <= i
+    else:
+        tm = tree_mask[(qsl[:-1, None] + qi).clamp(max=max(T - 1, 0))] if T else \
+            torch.zeros(R, Q, 1, dtype=torch.bool, device=dev)         # [R, Q, W]
+        jj = (j - ctx).clamp(0, tm.shape[-1] - 1).expand(R, Q, L)
+        own = tm.gather(2, jj)
+    visible = (j < seq[:, None, None]) & ((j < ctx) | own)               # [R, Q, L]
+    visible = visible | ~q_valid[:, :, None]                             # padding rows: avoid NaN
+
+    s = torch.einsum("rqhgd,rlhd->rhgql", q.view(R, Q, Hkv, G, D), keys) * scale
+    s = s.masked_fill(~visible[:, None, None], -torch.inf)
+    out = torch.einsum("rhgql,rlhd->rqhgd", s.softmax(-1), vals).reshape(R, Q, Hq, D)
+    return out[q_valid].to(query.dtype)
