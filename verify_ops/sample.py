@@ -17,7 +17,7 @@ def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, se
     k = top_k.long()
     use_k, use_p = (k >= 1) & (k < V), top_p < 1
     if bool((use_k | use_p).any()):
-        z_sorted, order = z.sort(-1, descending=True, stable=True)
+        z_sorted, order = z.sort(dim=-1, descending=True, stable=True)
         rank = torch.arange(V, device=z.device)[None]
         z_sorted = z_sorted.masked_fill(use_k[:, None] & (rank >= k[:, None]), -torch.inf)
         p_sorted = z_sorted.softmax(-1)
