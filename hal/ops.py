@@ -134,6 +134,8 @@ class Ops(Protocol):
         acceptances the bonus token is sampled from ``p`` at row ``k_r``.
         With one-hot ``p`` it reduces to greedy verification.
 
+        :param target_probs: ``[N + R, V]`` float probabilities.
+        :param seeds: ``[R]`` int64 (bonus draws). :param offsets: ``[R]`` int64, ``>= 0``.
         :param posterior_threshold: epsilon, in ``(0, 1]``.
         :param posterior_alpha: delta, in ``(0, 1]``.
         :returns: ``(output_token_ids [R, max_k+1] int32, num_accepted [R] int32)``.
@@ -167,6 +169,10 @@ class Ops(Protocol):
         leaf). Exact when siblings are i.i.d. draws from their ``q`` or
         deterministic.
 
+        :param parent_ids: ``[N]`` int32/int64, local parent index per node.
+        :param target: ``[N + R, V]``: logits (greedy) or probabilities (sampling).
+        :param draft_probs: ``[N, V]`` or ``None`` (sampling mode only).
+        :param seeds: ``[R]`` int64 or ``None`` (greedy). :param offsets: likewise.
         :returns: ``(output_token_ids [R, max_k+1] int32, accepted_nodes
             [R, max_k] int32, num_accepted [R] int32)``: the accepted path's
             tokens then the extra token, padded with -1; the accepted path's
@@ -218,6 +224,13 @@ class Ops(Protocol):
         :param src_slots: ``[M]`` int32/int64. :param dst_slots: ``[M]``, same dtype.
         """
 
+
+# The file each op lives in, the same in verify_ops/ and in every backends/<name>/.
+OP_FILES: dict[str, str] = {
+    "sample": "sample", "ngram_propose": "ngram", "verify_greedy": "greedy", "verify_rejection": "rejection",
+    "verify_typical": "typical", "verify_tree": "tree", "write_kv": "write_kv",
+    "paged_attention": "paged_attention", "copy_kv": "copy_kv",
+}
 
 OP_NAMES: tuple[str, ...] = tuple(n for n in vars(Ops) if not n.startswith("_")
                                   and callable(getattr(Ops, n)))

@@ -181,3 +181,16 @@ def test_padding_slots_leave_cache_untouched(backend):
             want_k[sl], want_v[sl] = k[t], v[t]
     assert torch.equal(host(c.k).view(-1, Hkv, D), want_k)
     assert torch.equal(host(c.v).view(-1, Hkv, D), want_v)
+
+
+@pytest.mark.hal_op("copy_kv")
+def test_copy_reads_all_sources_first(backend):
+    """A rotation of slots (each destination is another copy's source)."""
+    bs = next(b for b in (16, 32, 64, 128) if b in backend.spec.block_sizes)
+    c = Cache(backend, bs, 2, torch.float32, seed=9)
+    before_k, before_v = host(c.k).clone().view(-1, Hkv, D), host(c.v).clone().view(-1, Hkv, D)
+    src, dst = torch.tensor([1, 2, 3, bs + 1]), torch.tensor([2, 3, bs + 1, 1])
+    backend.copy_kv(c.k, c.v, *put(backend, src, dst))
+    want_k, want_v = before_k.clone(), before_v.clone()
+    want_k[dst], want_v[dst] = before_k[src], before_v[src]
+    assert torch.equal(host(c.k).view(-1, Hkv, D), want_k) and torch.equal(host(c.v).view(-1, Hkv, D), want_v)

@@ -1,0 +1,3 @@
+from hal.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,74 @@
+"""Deliberately broken backends, registered through the plugin path (``HAL_PLUGINS=tests.mutants``).
+
+Each mutant is the cpu backend with one reference op recompiled from its source
+with one planted change. The conformance suite must fail on every one.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from types import SimpleNamespace
+
+from hal import BackendSpec, hookimpl
+
+# name: (module, function, original text, planted text, a test that must catch it)
+MUTANTS = {
+    "unclamped-residual": ("verify_ops.rejection", "verify_rejection",
+                           "residual = (p - q * rejected).clamp(min=0)", "residual = (p - q * rejected)",
+                           "test_rejection.py"),
+    "bonus-from-q": ("verify_ops.rejection", "verify_rejection",
+                     "q * rejected).clamp(min=0)\n    residual = torch.where(",
+                     "q * rejected).clamp(min=0)\n    residual = torch.where(~rejected, q, residual)\n"
+                     "    residual = torch.where(", "test_rejection.py"),
+    "accept-boundary-inverted": ("verify_ops.rejection", "verify_rejection", "(u * q_x < p_x)", "(u * q_x <= p_x)",
+                                 "test_rejection.py::test_edge_rules"),
+    "tree-siblings-keep-residual": ("verify_ops.tree", "verify_tree",
+                                    "residual = torch.where((tried & ~acc)[:, None], rest, residual)",
+                                    "residual = residual", "test_tree.py::test_sampling_is_exact"),
+    "write-padding-slot": ("verify_ops.write_kv", "write_kv", "keep = slot_mapping >= 0",
+                           "keep = slot_mapping >= -1", "test_kv.py"),
+    "causal-off-by-one": ("verify_ops.paged_attention", "paged_attention", "own = j - ctx <= i",
+                          "own = j - ctx <= i + 1", "test_kv.py"),
+    "greedy-tie-flipped": ("verify_ops.greedy", "verify_greedy", "top = target_logits.argmax(-1)[rows]",
+                           "top = (target_logits.shape[-1] - 1 - target_logits.flip(-1).argmax(-1))[rows]",
+                           "test_greedy.py"),
+    "ngram-latest-match": ("verify_ops.ngram", "ngram_propose", "end = (match == best[:, None]).int().argmax(-1)",
+                           "end = L - 1 - (match == best[:, None]).int().flip(-1).argmax(-1)", "test_ngram.py"),
+    "top-p-drops-boundary": ("verify_ops.sample", "sample", "(mass_before >= top_p[:, None])",
+                             "(mass_before + p_sorted >= top_p[:, None])", "test_sample.py"),
+    "typical-entropy-sign": ("verify_ops.typical", "verify_typical", "posterior_alpha * torch.exp(-entropy)",
+                             "posterior_alpha * torch.exp(entropy)", "test_typical.py"),
+    "copy-kv-in-place": ("verify_ops.copy_kv", "copy_kv",
+                         "k, v = k_cache[src // bs, src % bs], v_cache[src // bs, src % bs]\n"
+                         "    k_cache[dst // bs, dst % bs] = k",
+                         "for s_, d_ in zip(src.tolist(), dst.tolist()):\n"
+                         "        k_cache[d_ // bs, d_ % bs] = k_cache[s_ // bs, s_ % bs]\n"
+                         "    v = v_cache[src // bs, src % bs]", "test_kv.py"),
+}
+
+
+def mutate(name: str):
+    """Compile the mutant's module with its one change; return the mutated function."""
+    module, func, old, new, _ = MUTANTS[name]
+    spec = importlib.util.find_spec(module)
+    src = open(spec.origin).read()
+    if src.count(old) != 1:
+        raise AssertionError(f"mutant {name}: expected the text once in {module}, found {src.count(old)}")
+    ns = {"__name__": f"{module}__mutant", "__file__": spec.origin}
+    exec(compile(src.replace(old, new), spec.origin, "exec"), ns)
+    return ns[func]
+
+
+def _load(name: str):
+    ops = importlib.import_module("backends.cpu.ops")
+    impl = SimpleNamespace(**{n: getattr(ops, n) for n in ops.__all__})
+    setattr(impl, MUTANTS[name][1], mutate(name))
+    return impl
+
+
+@hookimpl
+def register_backends(register):
+    for name in MUTANTS:
+        register(BackendSpec(name=f"mutant-{name}", device_type="cpu", load=lambda n=name: _load(n),
+                             priority=-100, validation="planted bug (tests only)", always_check_values=True))
