@@ -58,11 +58,12 @@ class Ops(Protocol):
 
         :param logits: ``[R, V]`` float logits.
         :param temperature: ``[R]`` float32, ``>= 0``; 0 means greedy.
-        :param top_k: ``[R]`` int32; keep the ``top_k`` most likely tokens.
+        :param top_k: ``[R]`` int32; keep tokens whose logit is at least the
+            ``top_k``-th largest (ties at the cutoff are kept, as in vLLM).
             ``top_k < 1`` or ``>= V`` disables it (vLLM uses -1 or 0).
         :param top_p: ``[R]`` float32 in ``(0, 1]``; keep the smallest set of
             most likely tokens whose mass reaches ``top_p`` (after top-k,
-            renormalised). 1 disables it.
+            renormalised; ties at the cutoff kept). 1 disables it.
         :param seeds: ``[R]`` int64. :param offsets: ``[R]`` int64, ``>= 0``.
         :returns: ``(tokens [R] int32, q [R, V] float32)``. ``q`` is
             ``softmax(filtered(logits / temperature))``; for temperature 0 it

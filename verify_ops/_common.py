@@ -36,13 +36,27 @@ def uniform(seeds: Tensor, offsets: Tensor, stream: int, index: Tensor) -> Tenso
     return (_lsr(x, 11).double() + 0.5) * (2.0 ** -53)
 
 
-def categorical(weights: Tensor, u: Tensor) -> Tensor:
+def categorical(weights: Tensor, u: Tensor, block: int = 256) -> Tensor:
     """Inverse-CDF draw per row from unnormalised non-negative ``weights [R, V]``
-    with uniforms ``u [R]``; never returns a zero-weight token of a non-zero row."""
-    cdf = weights.double().cumsum(-1)
-    idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
-    last_pos = weights.shape[-1] - 1 - (weights.flip(-1) > 0).int().argmax(-1)
-    return torch.minimum(idx, last_pos)
+    with uniforms ``u [R]``; never returns a zero-weight token of a non-zero row.
+
+    Two levels, both in float64: find the block of ``block`` tokens holding the
+    target mass, then the token inside it (one [R, V] pass instead of a cumsum)."""
+    R, V = weights.shape
+    block = min(block, V)
+    w = torch.nn.functional.pad(weights, (0, (-V) % block)).view(R, -1, block)
+    bcdf = w.sum(-1, dtype=torch.float64).cumsum(-1)                    # [R, nb]
+    target = u * bcdf[:, -1]
+    bi = torch.searchsorted(bcdf, target[:, None], right=True)[:, 0]
+    bi = torch.minimum(bi, _last_true(bcdf > torch.cat([bcdf.new_zeros(R, 1), bcdf[:, :-1]], 1)))
+    before = torch.where(bi > 0, bcdf.gather(1, (bi - 1).clamp(min=0)[:, None])[:, 0], 0.0)
+    inner = w[torch.arange(R, device=w.device), bi]                      # [R, block]
+    j = torch.searchsorted(inner.double().cumsum(-1), (target - before)[:, None], right=True)[:, 0]
+    return bi * block + torch.minimum(j, _last_true(inner > 0))
+
+
+def _last_true(mask: Tensor) -> Tensor:
+    return mask.shape[-1] - 1 - mask.flip(-1).int().argmax(-1)
 
 
 def ragged_layout(cu: Tensor, max_k: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:

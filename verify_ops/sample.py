@@ -8,22 +8,24 @@ from verify_ops._common import SAMPLE, categorical, uniform
 
 def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, seeds: Tensor,
            offsets: Tensor) -> tuple[Tensor, Tensor]:
-    # q = softmax(top_p(top_k(logits / T))); T == 0 rows: q = one_hot(argmax).
-    # top-k keeps ranks < k (stable sort: lower ids first on ties); top-p keeps a token
-    # while the mass strictly before it (after top-k, renormalised) is < top_p.
+    # q = softmax(z masked below a per-row cutoff), z = logits / T; T == 0 rows: one_hot(argmax).
+    # top-k cutoff: the k-th largest z. top-p cutoff: in descending order over the top-k set,
+    # the last z whose preceding (renormalised) mass is < top_p. Ties at a cutoff are kept.
     R, V = logits.shape
     greedy = temperature == 0
     z = logits.float() / torch.where(greedy, 1.0, temperature)[:, None]
     k = top_k.long()
     use_k, use_p = (k >= 1) & (k < V), top_p < 1
     if bool((use_k | use_p).any()):
-        z_sorted, order = z.sort(dim=-1, descending=True, stable=True)
-        rank = torch.arange(V, device=z.device)[None]
-        z_sorted = z_sorted.masked_fill(use_k[:, None] & (rank >= k[:, None]), -torch.inf)
-        p_sorted = z_sorted.softmax(-1)
-        mass_before = p_sorted.cumsum(-1) - p_sorted
-        z_sorted = z_sorted.masked_fill(use_p[:, None] & (mass_before >= top_p[:, None]) & (rank > 0), -torch.inf)
-        z = torch.empty_like(z).scatter_(1, order, z_sorted)
+        K = V if bool((use_p & ~use_k).any()) else int(k[use_k].max())   # sort only what is needed
+        vals = z.topk(K, dim=-1).values
+        cut = torch.where(use_k[:, None], vals.gather(1, (k.clamp(1, K) - 1)[:, None]), -torch.inf)
+        vals = vals.masked_fill(vals < cut, -torch.inf)
+        pv = vals.softmax(-1)
+        keep = (pv.cumsum(-1) - pv < top_p[:, None]) | (torch.arange(K, device=z.device) == 0)
+        p_cut = vals.masked_fill(~keep, torch.inf).amin(-1, keepdim=True)
+        cut = torch.where(use_p[:, None], torch.maximum(cut, p_cut), cut)
+        z = z.masked_fill(z < cut, -torch.inf)
     q = z.softmax(-1)
     top = logits.argmax(-1)
     q = torch.where(greedy[:, None], torch.zeros_like(q).scatter_(1, top[:, None], 1.0), q)

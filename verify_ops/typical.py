@@ -13,8 +13,8 @@ def verify_typical(draft_token_ids: Tensor, cu_num_draft_tokens: Tensor, target_
     # First rejection: argmax p_j; all accepted: bonus sampled from p_k.
     k, valid, draft_idx, rows = ragged_layout(cu_num_draft_tokens, max_k)
     x = take(draft_token_ids.long(), draft_idx)
-    p_all = target_probs.double()
-    entropy = -torch.special.xlogy(p_all, p_all).sum(-1)
+    p_all = target_probs.float()
+    entropy = -torch.special.xlogy(p_all, p_all).sum(-1)                  # nats, fp32
     threshold = torch.minimum(torch.full_like(entropy, posterior_threshold),
                               posterior_alpha * torch.exp(-entropy))
     p_x = p_all[rows[:, :max_k], x]

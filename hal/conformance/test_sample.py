@@ -14,9 +14,9 @@ def params(R, temperature, top_k, top_p):
 
 
 def expected_q(logits, temperature, top_k, top_p):
-    """The definition, one row at a time in float64."""
+    """The definition, one row at a time in float64 (inputs without ties)."""
     z = logits.double() / temperature
-    order = sorted(range(z.numel()), key=lambda v: (-z[v].item(), v))
+    order = sorted(range(z.numel()), key=lambda v: -z[v].item())
     keep = order[:top_k] if 0 < top_k < z.numel() else order
     p = torch.softmax(z[keep], 0)
     kept, mass = [], 0.0
@@ -53,6 +53,15 @@ def test_greedy_rows_are_one_hot_argmax(backend):
     tok, q = host(*backend.sample(*put(backend, logits, temp, top_k, top_p, seeds, offsets)))
     assert tok.tolist() == [1, 0, 3]
     assert torch.equal(q, torch.eye(4)[[1, 0, 3]])
+
+
+def test_ties_at_the_cutoff_are_kept(backend):
+    logits = torch.tensor([[3.0, 1.0, 2.0, 2.0, 0.0], [1.0, 1.0, 1.0, 1.0, 1.0]])
+    seeds, offsets = seeds_offsets(2)
+    temp, top_k, top_p = params(2, 1.0, 2, 1.0)
+    _, q = host(*backend.sample(*put(backend, logits, temp, top_k, top_p, seeds, offsets)))
+    assert (q[0] > 0).tolist() == [True, False, True, True, False]
+    assert bool((q[1] > 0).all()), "an all-tied row keeps every token"
 
 
 def test_mixed_rows_and_determinism(backend):
