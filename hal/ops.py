@@ -33,7 +33,8 @@ Conventions shared by the verify ops
 * Probability inputs must be finite, non-negative and sum to 1 per row within
   ``hal.checks.PROB_SUM_ATOL`` (1e-3 for fp32/fp64, 1e-2 for fp16/bf16).
   Logits may hold -inf (masked tokens) but not NaN or +inf.
-* Tie-break: every argmax returns the lowest token id among equal maxima.
+* Argmax is taken over values rounded to float32 (bf16/fp16 are exact there;
+  fp64 is rounded), and ties go to the lowest token id.
 
 KV cache
 --------

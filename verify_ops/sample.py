@@ -27,7 +27,7 @@ def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, se
         cut = torch.where(use_p[:, None], torch.maximum(cut, p_cut), cut)
         z = z.masked_fill(z < cut, -torch.inf)
     q = z.softmax(-1)
-    top = logits.argmax(-1)
+    top = logits.float().argmax(-1)
     q = torch.where(greedy[:, None], torch.zeros_like(q).scatter_(1, top[:, None], 1.0), q)
     u = uniform(seeds, offsets, SAMPLE, torch.zeros(1, dtype=torch.long, device=z.device))[:, 0]
     return torch.where(greedy, top, categorical(q, u)).int(), q

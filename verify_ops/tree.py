@@ -27,7 +27,7 @@ def verify_tree(draft_token_ids: Tensor, cu_num_draft_tokens: Tensor, parent_ids
         x = take(draft_token_ids.long(), flat)
         tried = (i < k) & (take(parent_ids.long(), flat) == cur)
         if greedy:
-            acc = tried & (x == target[row].argmax(-1))
+            acc = tried & (x == target[row].float().argmax(-1))
         else:
             q = take(draft_probs, flat).float() if draft_probs is not None else \
                 torch.zeros_like(residual).scatter_(1, x[:, None], 1.0)
@@ -46,7 +46,7 @@ def verify_tree(draft_token_ids: Tensor, cu_num_draft_tokens: Tensor, parent_ids
         if not greedy:
             residual = torch.where(acc[:, None], target[row].float(), residual)
     if greedy:
-        last = target[row].argmax(-1)
+        last = target[row].float().argmax(-1)
     else:
         last = categorical(residual, uniform(seeds, offsets, TREE_FINAL, torch.zeros(1, dtype=torch.long,
                                                                                       device=dev))[:, 0])

@@ -22,5 +22,5 @@ def verify_typical(draft_token_ids: Tensor, cu_num_draft_tokens: Tensor, target_
 
     p = target_probs[rows.gather(1, n_acc[:, None].long())[:, 0]]
     u = uniform(seeds, offsets, TYPICAL_BONUS, torch.zeros(1, dtype=torch.long, device=x.device))[:, 0]
-    last = torch.where(n_acc < k, p.argmax(-1), categorical(p, u))
+    last = torch.where(n_acc < k, p.float().argmax(-1), categorical(p, u))
     return emit(x, n_acc, last, max_k), n_acc.int()

@@ -161,10 +161,10 @@ def test_same_seed_same_output_and_batch_invariance(backend):
     alone = host(*backend.verify_rejection(*put(backend, torch.tensor([0]), torch.tensor([0, 1]), dprobs[3:4],
                                                 target[4:6], seeds[1:2], offsets[1:2]), 3))
     assert torch.equal(alone[0][0], a[0][1]) and alone[1][0] == a[1][1]
-    # and the offset matters: 200 offsets do not all give one answer
+    # and the offset matters: 40 offsets do not all give one answer
     outs = set()
-    for off in range(200):
+    for off in range(40):
         o = host(backend.verify_rejection(*put(backend, ids, cu, dprobs, target, seeds,
                                                torch.full((4,), off)), 3)[0])
         outs.add(tuple(o.flatten().tolist()))
-    assert len(outs) > 10
+    assert len(outs) > 5

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
+import tempfile
+from pathlib import Path
 from types import SimpleNamespace
 
 from hal import BackendSpec, hookimpl
@@ -30,8 +33,8 @@ MUTANTS = {
                            "keep = slot_mapping >= -1", "test_kv.py"),
     "causal-off-by-one": ("verify_ops.paged_attention", "paged_attention", "own = j - ctx <= i",
                           "own = j - ctx <= i + 1", "test_kv.py"),
-    "greedy-tie-flipped": ("verify_ops.greedy", "verify_greedy", "top = target_logits.argmax(-1)[rows]",
-                           "top = (target_logits.shape[-1] - 1 - target_logits.flip(-1).argmax(-1))[rows]",
+    "greedy-tie-flipped": ("verify_ops.greedy", "verify_greedy", "top = target_logits.float().argmax(-1)[rows]",
+                           "top = (target_logits.shape[-1] - 1 - target_logits.float().flip(-1).argmax(-1))[rows]",
                            "test_greedy.py"),
     "ngram-latest-match": ("verify_ops.ngram", "ngram_propose", "end = (match == best[:, None]).int().argmax(-1)",
                            "end = L - 1 - (match == best[:, None]).int().flip(-1).argmax(-1)", "test_ngram.py"),
@@ -48,27 +51,48 @@ MUTANTS = {
 }
 
 
+CUDA_MUTANTS = {
+    "cuda-causal-off-by-one": ("backends.cuda.paged_attention", "paged_attention",
+                               "limit = seq if HAS_TREE else ctx + i + 1", "limit = seq if HAS_TREE else ctx + i + 2",
+                               "test_kv.py"),
+    "cuda-accept-boundary-inverted": ("backends.cuda.rejection", "verify_rejection", "alive = act & (u * q_x < p_x)",
+                                      "alive = act & (u * q_x <= p_x)", "test_rejection.py::test_edge_rules"),
+    "cuda-tree-siblings-keep-residual": ("backends.cuda.tree", "verify_tree", "fresh = fresh & ~rej",
+                                         "fresh = fresh", "test_tree.py::test_sampling_is_exact"),
+}
+ALL = {**MUTANTS, **CUDA_MUTANTS}
+
+
 def mutate(name: str):
-    """Compile the mutant's module with its one change; return the mutated function."""
-    module, func, old, new, _ = MUTANTS[name]
+    """Import a copy of the mutant's module with its one change (from a file, so that
+    Triton can read the kernel source); return the mutated function."""
+    module, func, old, new, _ = ALL[name]
     spec = importlib.util.find_spec(module)
     src = open(spec.origin).read()
     if src.count(old) != 1:
         raise AssertionError(f"mutant {name}: expected the text once in {module}, found {src.count(old)}")
-    ns = {"__name__": f"{module}__mutant", "__file__": spec.origin}
-    exec(compile(src.replace(old, new), spec.origin, "exec"), ns)
-    return ns[func]
+    path = Path(tempfile.mkdtemp(prefix="hal-mutant-")) / f"{name.replace('-', '_')}.py"
+    path.write_text(src.replace(old, new))
+    mspec = importlib.util.spec_from_file_location(f"{module}__{name.replace('-', '_')}", path)
+    mod = importlib.util.module_from_spec(mspec)
+    mspec.loader.exec_module(mod)
+    return getattr(mod, func)
 
 
-def _load(name: str):
-    ops = importlib.import_module("backends.cpu.ops")
+def _load(name: str, ops_module: str):
+    ops = importlib.import_module(ops_module)
     impl = SimpleNamespace(**{n: getattr(ops, n) for n in ops.__all__})
-    setattr(impl, MUTANTS[name][1], mutate(name))
+    setattr(impl, ALL[name][1], mutate(name))
     return impl
 
 
 @hookimpl
 def register_backends(register):
     for name in MUTANTS:
-        register(BackendSpec(name=f"mutant-{name}", device_type="cpu", load=lambda n=name: _load(n),
+        register(BackendSpec(name=f"mutant-{name}", device_type="cpu", load=lambda n=name: _load(n, "backends.cpu.ops"),
                              priority=-100, validation="planted bug (tests only)", always_check_values=True))
+    for name in CUDA_MUTANTS:  # the cuda kernels under the Triton interpreter
+        register(BackendSpec(name=f"mutant-{name}", device_type="cpu",
+                             load=lambda n=name: _load(n, "backends.cuda.ops"), priority=-100,
+                             probe=lambda: None if os.environ.get("TRITON_INTERPRET") == "1" else "needs TRITON_INTERPRET=1",
+                             validation="planted bug (tests only)", always_check_values=True))

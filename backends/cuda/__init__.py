@@ -1,0 +1,47 @@
+"""The cuda backend: every op as a Triton kernel.
+
+Available on a real CUDA device, or on CPU tensors under the Triton interpreter
+(``TRITON_INTERPRET=1``, which must be set before the kernels are imported).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+
+from hal import BackendSpec, BlockSizes, hookimpl
+
+GPU_VALIDATION = "not yet run on a GPU"
+
+
+def interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _probe() -> str | None:
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed (pip install 'spec-hal[triton]')"
+    if interpreted():
+        return None
+    import torch
+    if not torch.cuda.is_available():
+        return "no CUDA device (set TRITON_INTERPRET=1 to run the kernels on CPU under the Triton interpreter)"
+    return None
+
+
+@hookimpl
+def register_backends(register):
+    interp = interpreted()
+    register(BackendSpec(
+        name="cuda",
+        device_type="cpu" if interp else "cuda",
+        load=lambda: importlib.import_module("backends.cuda.ops"),
+        probe=_probe,
+        priority=-10 if interp else 20,  # auto never prefers the (slow) interpreter over cpu
+        block_sizes=BlockSizes(lo=16, hi=128, power_of_two=True),
+        head_dim_align=16,
+        validation=("Triton interpreter on CPU (conformance in CI); real GPU: " + GPU_VALIDATION) if interp
+        else ("Triton kernels on a CUDA device; real GPU: " + GPU_VALIDATION),
+        always_check_values=interp,
+    ))

@@ -1,0 +1,107 @@
+"""Shared parts of the cuda backend: launch geometry and small @triton.jit helpers.
+
+Portable to triton-ascend: 1-D grids capped at a core count with a loop inside,
+no fp64 in kernels, argmax on fp32 values.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Random streams, one per use, as in verify_ops: draws never collide across ops.
+SAMPLE, ACCEPT, RECOVER, TYPICAL_BONUS, TREE_ACCEPT, TREE_FINAL = 1, 2, 3, 4, 5, 6
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def num_programs(work_items: int, device: torch.device) -> int:
+    """Programs to launch: one per work item, capped at a few per core (SM)."""
+    if INTERPRET or device.type != "cuda":
+        cap = 2  # the interpreter pays per program: few programs, loops inside
+    else:
+        cap = torch.cuda.get_device_properties(device).multi_processor_count * 4
+    return max(1, min(work_items, cap))
+
+
+def row_tiles(R: int, V: int) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_V): a [rows, vocab] tile; wide rows on a GPU, many rows when V is small."""
+    budget = 65536 if INTERPRET else 4096
+    block_v = min(triton.next_power_of_2(max(V, 1)), 1024 if not INTERPRET else 4096)
+    block_r = max(1, min(triton.next_power_of_2(max(R, 1)), budget // block_v))
+    return block_r, block_v
+
+
+@triton.jit
+def uniform(seed, offset, stream: tl.constexpr, idx):
+    """U[0, 1) from Philox (tl.rand) keyed by the request's (seed, offset)."""
+    key = seed ^ (offset * -7046029254386353131)
+    return tl.rand(key, stream * 16777216 + idx)
+
+
+@triton.jit
+def argmax_update(best_val, best_idx, vals, cols):
+    """Fold a [BR, BV] fp32 tile into running (max, argmax); ties keep the lowest id."""
+    tile_max = tl.max(vals, 1)
+    tile_idx = tl.min(tl.where(vals == tile_max[:, None], cols[None, :], 2147483647), 1)
+    better = tile_max > best_val
+    return tl.where(better, tile_max, best_val), tl.where(better, tile_idx, best_idx)
+
+
+@triton.jit
+def race_update(best_score, best_idx, w, seed, offset, stream: tl.constexpr, cols, col_mask):
+    """Exponential race: argmax_v w_v / E_v, E_v = -log(u_v), samples v with prob. w_v / sum(w)."""
+    u = uniform(seed[:, None], offset[:, None], stream, cols[None, :])
+    score = tl.where(col_mask[None, :], w / -tl.log(u), -1.0)
+    return argmax_update(best_score, best_idx, score, cols)
+
+
+@triton.jit
+def _copy_rows_kernel(src_ptr, src_idx_ptr, src_bs, src_s0, src_s1,
+                      dst_ptr, dst_idx_ptr, dst_bs, dst_s0, dst_s1,
+                      M, HD, NPROG, BLOCK_M: tl.constexpr, BLOCK_HD: tl.constexpr):
+    # Row m goes from src slot idx[m] to dst slot idx[m]; slot s = (s // bs, s % bs); -1 skips.
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_HD)
+    for m0 in range(pid * BLOCK_M, M, NPROG * BLOCK_M):
+        m = m0 + tl.arange(0, BLOCK_M)
+        mm = m < M
+        s = tl.load(src_idx_ptr + m, mask=mm, other=-1).to(tl.int64)
+        d = tl.load(dst_idx_ptr + m, mask=mm, other=-1).to(tl.int64)
+        ok = mm & (s >= 0) & (d >= 0)
+        for c0 in range(0, HD, BLOCK_HD):
+            c = c0 + cols
+            cm = ok[:, None] & (c < HD)[None, :]
+            x = tl.load(src_ptr + ((s // src_bs) * src_s0 + (s % src_bs) * src_s1)[:, None] + c[None, :], mask=cm)
+            tl.store(dst_ptr + ((d // dst_bs) * dst_s0 + (d % dst_bs) * dst_s1)[:, None] + c[None, :],
+                     x.to(dst_ptr.dtype.element_ty), mask=cm)
+
+
+def copy_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor) -> None:
+    """Copy rows between tensors viewed as [blocks, block_size, H*D] (a 2-D tensor is one block of rows)."""
+    def geom(t):
+        if t.dim() == 2:
+            return t.shape[0], t.stride(0) * t.shape[0], t.stride(0)
+        return t.shape[1], t.stride(0), t.stride(1)
+    M, HD = src_idx.shape[0], src.shape[-1] * (src.shape[-2] if src.dim() == 4 else 1)
+    if M == 0:
+        return
+    block_hd = min(triton.next_power_of_2(HD), 1024)
+    block_m = max(1, min(triton.next_power_of_2(M), (16384 if INTERPRET else 4096) // block_hd))
+    n = num_programs(triton.cdiv(M, block_m), src.device)
+    _copy_rows_kernel[(n,)](src, src_idx, *geom(src), dst, dst_idx, *geom(dst), M, HD, n,
+                            BLOCK_M=block_m, BLOCK_HD=block_hd)
+
+
+def require_packed_heads(name: str, t: torch.Tensor) -> None:
+    """[..., H, D] with D contiguous and H packed right above it (a row of H*D values)."""
+    from hal.errors import arg_error
+    if t.stride(-1) != 1 or t.stride(-2) != t.shape[-1]:
+        raise arg_error(name, "the last two dims contiguous (heads x head_dim)", f"strides {tuple(t.stride())}")
+
+
+def unit_stride(t: torch.Tensor | None) -> torch.Tensor | None:
+    """Rows with a unit last stride (a copy only when they are not)."""
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()

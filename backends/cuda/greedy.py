@@ -1,0 +1,53 @@
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from backends.cuda._common import argmax_update, num_programs, row_tiles, unit_stride
+
+
+@triton.jit
+def _verify_greedy_kernel(draft_ptr, cu_ptr, logits_ptr, stride_l, out_ptr, nacc_ptr, R, V, max_k, NPROG,
+                          BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
+    # Row j of request r: argmax of target row cu[r] + r + j (fp32, lowest id on ties);
+    # keep going while draft j equals it.
+    pid = tl.program_id(0)
+    for r0 in range(pid * BLOCK_R, R, NPROG * BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        rm = r < R
+        start = tl.load(cu_ptr + r, mask=rm, other=0).to(tl.int64)
+        k = tl.load(cu_ptr + r + 1, mask=rm, other=0).to(tl.int64) - start
+        alive = rm
+        n = tl.zeros([BLOCK_R], tl.int32)
+        for j in range(0, max_k + 1):
+            active = alive & (j <= k)
+            row = start + r + j
+            best = tl.full([BLOCK_R], float("-inf"), tl.float32)
+            arg = tl.zeros([BLOCK_R], tl.int32)
+            for v0 in range(0, V, BLOCK_V):
+                cols = v0 + tl.arange(0, BLOCK_V)
+                x = tl.load(logits_ptr + row[:, None] * stride_l + cols[None, :],
+                            mask=active[:, None] & (cols < V)[None, :], other=float("-inf")).to(tl.float32)
+                best, arg = argmax_update(best, arg, x, cols)
+            tl.store(out_ptr + r * (max_k + 1) + j, arg, mask=active)
+            d = tl.load(draft_ptr + start + j, mask=active & (j < k), other=-1)
+            alive = active & (j < k) & (d == arg)
+            n += alive.to(tl.int32)
+        tl.store(nacc_ptr + r, n, mask=rm)
+
+
+def verify_greedy(draft_token_ids: Tensor, cu_num_draft_tokens: Tensor, target_logits: Tensor,
+                  max_k: int) -> tuple[Tensor, Tensor]:
+    R, V = cu_num_draft_tokens.shape[0] - 1, target_logits.shape[1]
+    target_logits = unit_stride(target_logits)
+    dev = target_logits.device
+    out = torch.full((R, max_k + 1), -1, dtype=torch.int32, device=dev)
+    n_acc = torch.zeros(R, dtype=torch.int32, device=dev)
+    if R:
+        block_r, block_v = row_tiles(R, V)
+        n = num_programs(triton.cdiv(R, block_r), dev)
+        _verify_greedy_kernel[(n,)](draft_token_ids, cu_num_draft_tokens, target_logits, target_logits.stride(0),
+                                    out, n_acc, R, V, max_k, n, BLOCK_R=block_r, BLOCK_V=block_v)
+    return out, n_acc

@@ -1,0 +1,14 @@
+"""The cuda backend's ops: one Triton kernel file per op, the names of verify_ops/."""
+
+from backends.cuda.copy_kv import copy_kv
+from backends.cuda.greedy import verify_greedy
+from backends.cuda.ngram import ngram_propose
+from backends.cuda.paged_attention import paged_attention
+from backends.cuda.rejection import verify_rejection
+from backends.cuda.sample import sample
+from backends.cuda.tree import verify_tree
+from backends.cuda.typical import verify_typical
+from backends.cuda.write_kv import write_kv
+
+__all__ = ["copy_kv", "ngram_propose", "paged_attention", "sample", "verify_greedy", "verify_rejection",
+           "verify_tree", "verify_typical", "write_kv"]
