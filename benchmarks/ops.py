@@ -19,15 +19,22 @@ import torch
 import hal
 
 
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def timeit(fns: dict, reps: int) -> dict:
-    """Interleave the candidates rep by rep; median seconds each."""
+    """Interleave the candidates rep by rep; median seconds each (device synced)."""
     times = {k: [] for k in fns}
     for f in fns.values():
-        f()  # warm-up
+        f()  # warm-up (and Triton compilation)
     for _ in range(reps):
         for k, f in fns.items():
+            _sync()
             t = time.perf_counter()
             f()
+            _sync()
             times[k].append(time.perf_counter() - t)
     return {k: statistics.median(v) for k, v in times.items()}
 
@@ -88,54 +95,105 @@ def bench_vs_hf(reps: int) -> list[str]:
     ]
 
 
-def op_cases(be, R=64, k=5, V=32000):
+def op_cases(be, R=64, k=5, V=32000, ctx=1024):
+    """Realistic inputs for every op at one shape, on the backend's device."""
     d = be.device_type
     g = torch.Generator().manual_seed(1)
+    t = lambda *xs: [x.to(d) for x in xs]  # noqa: E731 (no copy for tensors already there)
     logits = torch.randn(R, V, generator=g)
-    target = torch.randn(R * (k + 1), V, generator=g)
-    p = target.softmax(-1)
+    p = torch.randn(R * (k + 1), V, generator=g).softmax(-1)
     q = torch.randn(R * k, V, generator=g).softmax(-1)
     ids = torch.randint(0, V, (R * k,), generator=g)
     cu = torch.arange(R + 1) * k
     seeds, offsets = torch.arange(R), torch.zeros(R, dtype=torch.long)
-    parents = torch.tensor([-1, -1, 0, 1, 2][:k] + [-1] * max(0, k - 5)).repeat(R)
+    parents = torch.tensor([-1] + [(i - 1) // 2 for i in range(1, k)]).repeat(R)  # a binary tree
     hist = torch.randint(0, 50, (R, 1024), generator=g)
     ntok = torch.full((R,), 1024, dtype=torch.int32)
-    bs, ctx, H, Hq, D = 16, 1024, 8, 32, 128
+    bs, H, Hq, D = 16, 8, 32, 128
     nb = R * ctx // bs
-    kc, vc = torch.randn(nb, bs, H, D, generator=g), torch.randn(nb, bs, H, D, generator=g)
+    kc, vc = torch.randn(nb, bs, H, D, device=d), torch.randn(nb, bs, H, D, device=d)  # big: made in place
     bt = torch.arange(nb, dtype=torch.int32).view(R, ctx // bs)
     key = torch.randn(R, H, D, generator=g)
     slots = torch.arange(R) * ctx + ctx - 1
     query = torch.randn(R, Hq, D, generator=g)
-    seq = torch.full((R,), ctx)
-    qsl = torch.arange(R + 1)
-    t = lambda *xs: [x.to(d) for x in xs]  # noqa: E731
+    seq, qsl = torch.full((R,), ctx), torch.arange(R + 1)
+    qv = torch.randn(R * (k + 1), Hq, D, generator=g)
+    qsl_v = torch.arange(R + 1) * (k + 1)
     temp, topk, topp = torch.ones(R), torch.full((R,), 50, dtype=torch.int32), torch.full((R,), 0.9)
+    a = dict(logits=t(logits, temp, topk, topp, seeds, offsets), hist=t(hist, ntok),
+             greedy=t(ids, cu, p), rej=t(ids, cu, q, p, seeds, offsets), typ=t(ids, cu, p, seeds, offsets),
+             tree=t(ids, cu, parents, p, q, seeds, offsets), kv=t(key, key, kc, vc, slots),
+             dec=t(query, kc, vc, bt, seq, qsl), ver=t(qv, kc, vc, bt, seq, qsl_v),
+             cp=t(kc, vc, slots.repeat(k) - torch.arange(R * k) % k, torch.arange(R * k)))
     return {
-        f"sample R={R} V={V} top-k 50 top-p 0.9": lambda: be.sample(*t(logits, temp, topk, topp, seeds, offsets)),
-        f"ngram_propose R={R} L=1024 n=1..3 k={k}": lambda: be.ngram_propose(*t(hist, ntok), 1, 3, k),
-        f"verify_greedy R={R} k={k} V={V}": lambda: be.verify_greedy(*t(ids, cu, target), k),
-        f"verify_rejection R={R} k={k} V={V}": lambda: be.verify_rejection(*t(ids, cu, q, p, seeds, offsets), k),
-        f"verify_typical R={R} k={k} V={V}": lambda: be.verify_typical(*t(ids, cu, p, seeds, offsets), k, 0.09, 0.3),
-        f"verify_tree R={R} nodes={k} V={V}": lambda: be.verify_tree(*t(ids, cu, parents, p, q, seeds, offsets), k),
-        f"write_kv T={R} H={H} D={D}": lambda: be.write_kv(*t(key, key, kc, vc, slots)),
-        f"paged_attention decode R={R} ctx={ctx} bs={bs} Hq={Hq} Hkv={H}":
-            lambda: be.paged_attention(*t(query, kc, vc, bt, seq, qsl), D ** -0.5, None),
-        f"copy_kv M={R * k}": lambda: be.copy_kv(*t(kc, vc, slots[:R].repeat(k) - torch.arange(R * k) % k,
-                                                    torch.arange(R * k))),
+        ("sample", "top-k 50, top-p 0.9"): lambda: be.sample(*a["logits"]),
+        ("ngram_propose", "L=1024, n 1..3"): lambda: be.ngram_propose(*a["hist"], 1, 3, k),
+        ("verify_greedy", ""): lambda: be.verify_greedy(*a["greedy"], k),
+        ("verify_rejection", ""): lambda: be.verify_rejection(*a["rej"], k),
+        ("verify_typical", ""): lambda: be.verify_typical(*a["typ"], k, 0.09, 0.3),
+        ("verify_tree", "binary tree"): lambda: be.verify_tree(*a["tree"], k),
+        ("write_kv", f"H={H} D={D}"): lambda: be.write_kv(*a["kv"]),
+        ("paged_attention", f"decode ctx={ctx} bs={bs} Hq={Hq} Hkv={H} D={D}"):
+            lambda: be.paged_attention(*a["dec"], D ** -0.5, None),
+        ("paged_attention", f"verify q_len={k + 1} ctx={ctx} bs={bs}"):
+            lambda: be.paged_attention(*a["ver"], D ** -0.5, None),
+        ("copy_kv", f"M={R * k}"): lambda: be.copy_kv(*a["cp"]),
     }
 
 
-def bench_ops(reps: int) -> list[str]:
-    lines = ["### Ops per backend (median ms; ratio = cpu time / backend time)", "",
-             "| op | backend | ms | vs cpu |", "|---|---|---:|---:|"]
-    backends = [b.name for b in hal.list_backends() if b.available and not b.name.startswith("mutant")]
-    cases = {name: op_cases(hal.get_backend(name)) for name in backends}
-    for op in cases["cpu"]:
-        t = timeit({name: cases[name][op] for name in backends}, reps)
-        for name in backends:
-            lines.append(f"| {op} | {name} | {t[name] * 1e3:.2f} | {t['cpu'] / t[name]:.2f}x |")
+# (R, k, V, ctx) grids. --full is for a GPU; the cpu reference is only timed where it is cheap.
+QUICK = [(1, 5, 32000, 512), (64, 5, 32000, 1024)]
+FULL = [(R, k, V, ctx) for R in (1, 16, 64, 256) for k in (1, 3, 5, 8) for V in (32000, 128256)
+        for ctx in ((512, 8192) if (k, V) == (5, 32000) else (2048,))]
+CPU_LIMIT = 64 * 6 * 32000  # target-tensor elements (and R * ctx <= 64 * 2048) for timing the cpu reference
+
+
+def bench_ops(reps: int, grid) -> list[str]:
+    rows = [b for b in hal.list_backends() if b.available and not b.name.startswith("mutant")]
+    skipped = [f"{b.name} ({b.validation})" for b in rows if "interpreter" in b.validation]
+    names = [b.name for b in rows if "interpreter" not in b.validation]
+    lines = ["### Ops per backend (median ms; `vs cpu` = cpu time / backend time, same inputs, one run)", ""]
+    if skipped:
+        lines += [f"Not timed (an interpreter, not a device): {', '.join(skipped)}.", ""]
+    cols = [f"{n} ms" for n in names] + [f"{n} vs cpu" for n in names if n != "cpu"]
+    lines += ["| op | shape | " + " | ".join(cols) + " |", "|---|---|" + "---:|" * len(cols)]
+    for R, k, V, ctx in grid:
+        with_cpu = R * (k + 1) * V <= CPU_LIMIT and R * ctx <= 64 * 2048
+        cases = {n: op_cases(hal.get_backend(n), R, k, V, ctx) for n in names if n != "cpu" or with_cpu}
+        for op in next(iter(cases.values())):
+            t = timeit({n: c[op] for n, c in cases.items()}, reps)
+            ms = " | ".join(f"{t[n] * 1e3:.3f}" if n in t else "—" for n in names)
+            ratio = [f"{t['cpu'] / t[n]:.1f}x" if "cpu" in t else "—" for n in names if n != "cpu"]
+            lines.append(f"| {op[0]} | R={R} k={k} V={V} ctx={ctx} {op[1]} | " + " | ".join([ms] + ratio) + " |")
+    return lines
+
+
+def bench_flashinfer(reps: int) -> list[str]:
+    """cuda `verify_rejection` beside flashinfer.sampling.chain_speculative_sampling (GPU only)."""
+    try:
+        import flashinfer
+    except Exception as e:  # noqa: BLE001
+        return [f"FlashInfer comparison skipped: flashinfer not importable ({type(e).__name__})."]
+    if not any(b.name == "cuda" and b.available and "interpreter" not in b.validation for b in hal.list_backends()):
+        return ["FlashInfer comparison skipped: no cuda backend on a device."]
+    be = hal.get_backend("cuda")
+    lines = ["### cuda `verify_rejection` vs FlashInfer `chain_speculative_sampling`", "",
+             "| R | k | V | spec-hal ms | FlashInfer ms | ratio (FlashInfer / spec-hal) |", "|---:|---:|---:|---:|---:|---:|"]
+    for R, k, V in [(1, 5, 32000), (64, 5, 32000), (256, 5, 128256)]:
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(R, k, V, generator=g).softmax(-1).cuda()
+        p = torch.randn(R, k + 1, V, generator=g).softmax(-1).cuda()
+        ids = torch.randint(0, V, (R, k), generator=g).cuda()
+        cu = (torch.arange(R + 1) * k).cuda()
+        seeds, offsets = torch.arange(R).cuda(), torch.zeros(R, dtype=torch.long).cuda()
+        ours = lambda: be.verify_rejection(ids.view(-1), cu, q.view(-1, V), p.view(-1, V), seeds, offsets, k)  # noqa
+        try:
+            theirs = lambda: flashinfer.sampling.chain_speculative_sampling(q, ids.int(), p)  # noqa: E731
+            theirs()
+        except Exception as e:  # noqa: BLE001
+            return lines + [f"FlashInfer call failed: {type(e).__name__}: {e}"]
+        t = timeit({"ours": ours, "fi": theirs}, reps)
+        lines.append(f"| {R} | {k} | {V} | {t['ours'] * 1e3:.3f} | {t['fi'] * 1e3:.3f} | {t['fi'] / t['ours']:.2f}x |")
     return lines
 
 
@@ -143,13 +201,19 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--out", default="benchmarks/results/ops-cpu.md")
+    ap.add_argument("--full", action="store_true", help="the whole R x k x V grid (meant for a GPU)")
+    ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers comparison")
     args = ap.parse_args()
     torch.manual_seed(0)
-    header = [f"# spec-hal op benchmarks", "",
-              f"Command: `python benchmarks/ops.py --reps {args.reps}`; torch {torch.__version__}, "
+    torch.set_num_threads(torch.get_num_threads())
+    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    cmd = "python benchmarks/ops.py " + " ".join(a for a in __import__("sys").argv[1:] if a != "--out")
+    header = ["# spec-hal op benchmarks", "",
+              f"Command: `{cmd.strip()}`; {dev}; torch {torch.__version__}, "
               f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}, "
               f"{time.strftime('%Y-%m-%d')}.", ""]
-    body = bench_vs_hf(args.reps) + [""] + bench_ops(args.reps)
+    body = ([] if args.no_hf else bench_vs_hf(args.reps) + [""]) + bench_ops(args.reps, FULL if args.full else QUICK)
+    body += [""] + bench_flashinfer(args.reps)
     text = "\n".join(header + body) + "\n"
     print(text)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

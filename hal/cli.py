@@ -33,7 +33,10 @@ def cmd_conformance(args, extra: list[str]) -> int:
     except hal.HalError as e:
         print(f"conformance: {e}", file=sys.stderr)
         return 2
-    return int(pytest.main(["--pyargs", "hal.conformance", "--hal-backend", args.backend,
+    from importlib.metadata import entry_points
+    installed = any(ep.value == "hal.conformance.plugin" for ep in entry_points(group="pytest11"))
+    plugin = [] if installed else ["-p", "hal.conformance.plugin"]  # running from a source tree
+    return int(pytest.main(["--pyargs", "hal.conformance", "--hal-backend", args.backend, *plugin,
                             "-p", "no:cacheprovider", "-q",
                             "-W", "ignore::pytest.PytestAssertRewriteWarning", *extra]))
 

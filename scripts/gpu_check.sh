@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The cuda backend's check on a real NVIDIA GPU (sized for one H200, under 8 minutes):
+#   1. the whole conformance suite on the GPU, without the Triton interpreter;
+#   2. benchmarks/ops.py over the R x k x V grid, beside FlashInfer where it imports.
+# Results land in benchmarks/results/ (or $OUT when set): gpu-conformance.txt, ops-gpu.md, gpu-env.txt.
+# Needs torch, triton, pytest, pluggy, numpy (the H200 image has them); installs spec-hal itself.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+RES=${OUT:-benchmarks/results}
+mkdir -p "$RES"
+unset TRITON_INTERPRET HAL_BACKEND
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+PY=${PYTHON:-python3}
+
+{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$RES/gpu-env.txt" 2>&1
+# Entry points need an install; without one, HAL_PLUGINS registers the same plugins.
+$PY -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || export HAL_PLUGINS=backends.cpu,backends.cuda
+$PY -m hal info | tee -a "$RES/gpu-env.txt"
+
+timeout 300 $PY -m hal conformance --backend cuda -rf 2>&1 | tee "$RES/gpu-conformance.txt"
+conf=${PIPESTATUS[0]}
+echo "conformance exit code: $conf" | tee -a "$RES/gpu-conformance.txt"
+
+timeout 180 $PY benchmarks/ops.py --full --no-hf --reps 10 --out "$RES/ops-gpu.md" > /dev/null 2>"$RES/ops-gpu.err"
+echo "benchmark exit code: $?" | tee -a "$RES/gpu-env.txt"
+exit "$conf"
