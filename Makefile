@@ -11,7 +11,7 @@ $(BIN)/python:
 # torch first, pinned: this machine's local CPU build, never a CUDA download.
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[test,triton]"
+	$(BIN)/pip install -q -e ".[test,triton,models]"
 	touch $(STAMP)
 
 test: $(STAMP)

@@ -6,6 +6,8 @@ import argparse
 import os
 import sys
 
+from hal.errors import HalError
+
 
 def cmd_info(_args) -> int:
     from hal import list_backends
@@ -41,7 +43,40 @@ def cmd_conformance(args, extra: list[str]) -> int:
                             "-W", "ignore::pytest.PytestAssertRewriteWarning", *extra]))
 
 
-def cmd_demo(_args) -> int:
+DEMO_PROMPTS = [
+    ("copy-heavy", "Fix the typo in this code and repeat it in full:\n"
+                   "def mean(values):\n    total = sum(values)\n    return totl / len(values)\n\n"
+                   "def variance(values):\n    m = mean(values)\n    return sum((v - m) ** 2 for v in values) / len(values)"),
+    ("open-ended", "Give me three tips for a good night's sleep."),
+]
+
+
+def cmd_demo(args) -> int:
+    """The main job: a real model, speculative vs plain decoding, on built-in prompts."""
+    import hal
+    if args.ops:
+        return demo_ops()
+    be = hal.get_backend()
+    try:
+        model, tok = load_model("smollm2-135m", be)
+    except HalError as e:
+        print(f"demo: the model could not be fetched ({e}); showing one verify round instead", file=sys.stderr)
+        return demo_ops()
+    print(f"model smollm2-135m (SmolLM2-135M-Instruct, GGUF Q4_1 dequantized to fp32), backend {be.name}, greedy\n")
+    for label, prompt in DEMO_PROMPTS:
+        print(f"=== {label} prompt ===\n{prompt}\n")
+        print("--- speculative (n-gram drafter, k=5) ---")
+        _, spec, ts, m = run_generate(model, tok, prompt, "ngram", 5, 0.0, 96, 0)
+        print("--- plain decoding ---")
+        _, plain, tp, _ = run_generate(model, tok, prompt, "none", 0, 0.0, 96, 0)
+        print(f"\n[{label}] speculative {len(spec) / ts:.1f} tok/s, plain {len(plain) / tp:.1f} tok/s, "
+              f"speedup {len(spec) / ts / (len(plain) / tp):.2f}x; acceptance rate {m.acceptance_rate:.2f}, "
+              f"mean acceptance length {m.mean_acceptance_length:.2f}; "
+              f"outputs {'identical' if spec == plain else 'DIFFERENT'}\n")
+    return 0
+
+
+def demo_ops() -> int:
     """One readable verify round on the selected backend."""
     import torch
 
@@ -71,6 +106,79 @@ def cmd_demo(_args) -> int:
     return 0
 
 
+def cmd_model(args) -> int:
+    from hal.models.fetch import fetch
+    print(fetch(args.name))
+    return 0
+
+
+def load_model(name: str, backend):
+    """(Llama, tokenizer) for a fetchable model name or a .gguf path."""
+    from pathlib import Path
+
+    from hal.models.fetch import MODELS, fetch
+    from hal.models.llama import load_gguf
+    path = fetch(name) if name in MODELS else Path(name)
+    return load_gguf(path, backend)
+
+
+def make_drafter(kind: str, target, backend):
+    from hal.drafters import ModelDrafter, NgramDrafter
+    if kind == "none":
+        return None
+    if kind == "ngram":
+        return NgramDrafter(backend)
+    if kind.startswith("self"):          # self or self:L
+        layers = int(kind.split(":")[1]) if ":" in kind else target.cfg.layers // 2
+        return ModelDrafter(target.layer_view(layers))
+    raise SystemExit(f"--draft: expected none, ngram or self[:L], got {kind!r}")
+
+
+def run_generate(model, tok, prompt: str, draft: str, k: int, temperature: float, max_tokens: int, seed: int,
+                 stream: bool = True):
+    """One request; returns (text, tokens, seconds, metrics)."""
+    import time
+
+    from hal.decoder import Request, SpeculativeDecoder
+    from hal.models.tokenizer import chatml
+    ids = tok.encode(chatml(prompt)).ids
+    shown = []
+
+    def show(_rid, new):  # stream: print the text that the new tokens complete
+        before = tok.decode(shown, skip_special_tokens=True)
+        shown.extend(new)
+        print(tok.decode(shown, skip_special_tokens=True)[len(before):], end="", flush=True)
+
+    dec = SpeculativeDecoder(model, make_drafter(draft, model, model.be), on_tokens=show if stream else None)
+    req = Request(ids, max_new_tokens=max_tokens, temperature=temperature, seed=seed, k=k if draft != "none" else 0,
+                  stop_ids=(model.cfg.eos_id,) if model.cfg.eos_id is not None else ())
+    t = time.perf_counter()
+    out = dec.generate([req])[0]
+    dt = time.perf_counter() - t
+    if stream:
+        print(flush=True)
+    return tok.decode(out, skip_special_tokens=True), out, dt, dec.metrics
+
+
+def cmd_generate(args) -> int:
+    import hal
+    be = hal.get_backend()
+    model, tok = load_model(args.model, be)
+    runs = [(args.draft, args.k)] + ([("none", 0)] if args.compare and args.draft != "none" else [])
+    results = []
+    for draft, k in runs:
+        print(f"--- {draft if draft != 'none' else 'plain decoding'} (backend {be.name}) ---")
+        text, out, dt, m = run_generate(model, tok, args.prompt, draft, k, args.temperature, args.max_tokens, args.seed)
+        results.append((draft, out, dt))
+        print(f"[{len(out)} tokens in {dt:.2f}s = {len(out) / dt:.1f} tok/s; acceptance rate "
+              f"{m.acceptance_rate:.2f}, mean acceptance length {m.mean_acceptance_length:.2f}]")
+    if len(results) == 2:
+        (_, spec, ts), (_, plain, tp) = results
+        same = "identical" if spec == plain else "different"
+        print(f"speedup {len(spec) / ts / (len(plain) / tp):.2f}x; outputs {same}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="spec-hal", description="spec-hal: speculative decoding HAL")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -79,10 +187,28 @@ def main(argv: list[str] | None = None) -> int:
                                            "(extra arguments go to pytest)")
     c.add_argument("--backend", required=True)
     c.add_argument("--plugin", action="append", default=[], help="extra plugin module (repeatable)")
-    sub.add_parser("demo", help="one readable verify round on the selected backend")
+    dm = sub.add_parser("demo", help="a real model, speculative vs plain decoding (--ops: one verify round)")
+    dm.add_argument("--ops", action="store_true", help="only show one verify round on toy logits")
+    mo = sub.add_parser("model", help="model files")
+    mo_sub = mo.add_subparsers(dest="model_cmd", required=True)
+    mf = mo_sub.add_parser("fetch", help="download and verify a model into $HAL_CACHE")
+    mf.add_argument("name")
+    g = sub.add_parser("generate", help="generate text with speculative decoding")
+    g.add_argument("--model", default="smollm2-135m", help="a fetchable name or a .gguf path")
+    g.add_argument("--draft", default="ngram", help="none, ngram, self or self:L (first L layers)")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--k", type=int, default=5)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--compare", action="store_true", help="also run plain decoding and compare")
     args, extra = ap.parse_known_args(argv)
     if args.cmd == "conformance":
         return cmd_conformance(args, extra)
     if extra:
         ap.error(f"unrecognized arguments: {' '.join(extra)}")
-    return {"info": cmd_info, "demo": cmd_demo}[args.cmd](args)
+    try:
+        return {"info": cmd_info, "demo": cmd_demo, "model": cmd_model, "generate": cmd_generate}[args.cmd](args)
+    except HalError as e:
+        print(f"spec-hal: {e}", file=sys.stderr)
+        return 2

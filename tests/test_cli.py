@@ -26,5 +26,5 @@ def test_conformance_cli_exit_codes():
 
 
 def test_demo_runs():
-    r = run("demo", HAL_BACKEND="cpu")
+    r = run("demo", "--ops", HAL_BACKEND="cpu")
     assert r.returncode == 0 and "accepted 2/4" in r.stdout

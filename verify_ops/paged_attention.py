@@ -9,7 +9,7 @@ def paged_attention(query: Tensor, k_cache: Tensor, v_cache: Tensor, block_table
                     tree_mask: Tensor | None) -> Tensor:
     # Pad queries to [R, Q]; gather each request's blocks to [R, L] keys. Query i of a
     # request sees keys j < ctx (= seq_len - q_len) and, among its own queries,
-    # j - ctx <= i (causal) or tree_mask[i, j - ctx]. fp32 softmax, GQA by head groups.
+    # j - ctx <= i (causal) or tree_mask[i, j - ctx]. fp32 softmax; GQA: head h reads kv head h // G.
     T, Hq, D = query.shape
     _, bs, Hkv, _ = k_cache.shape
     R, G = block_tables.shape[0], Hq // Hkv
@@ -37,7 +37,7 @@ def paged_attention(query: Tensor, k_cache: Tensor, v_cache: Tensor, block_table
     visible = (j < seq[:, None, None]) & ((j < ctx) | own)               # [R, Q, L]
     visible = visible | ~q_valid[:, :, None]                             # padding rows: avoid NaN
 
-    s = torch.einsum("rqhgd,rlhd->rhgql", q.view(R, Q, Hkv, G, D), keys) * scale
-    s = s.masked_fill(~visible[:, None, None], -torch.inf)
-    out = torch.einsum("rhgql,rlhd->rqhgd", s.softmax(-1), vals).reshape(R, Q, Hq, D)
-    return out[q_valid].to(query.dtype)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=visible[:, None], scale=scale,
+        enable_gqa=True)                                                 # [R, Hq, Q, D]
+    return out.transpose(1, 2)[q_valid].to(query.dtype)

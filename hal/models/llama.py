@@ -1,0 +1,198 @@
+"""A compact Llama-family runner (RMSNorm, RoPE, GQA attention, SwiGLU) over the HAL.
+
+Attention goes through the backend's ``write_kv`` and ``paged_attention``; the
+batch is ragged, so prefill, decode and multi-token verify share one forward.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from hal.errors import HalError
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    rope_base: float
+    eps: float
+    rope_interleaved: bool  # GGUF (llama.cpp) permutes q/k for adjacent-pair rotation
+    bos_id: int | None = None
+    eos_id: int | None = None
+
+
+@dataclass
+class Batch:
+    """One ragged forward: ``tokens``/``positions`` [T], KV slots [T], per-request
+    block tables, sequence lengths (after this step) and query offsets, and the token
+    rows whose logits are wanted."""
+
+    tokens: Tensor
+    positions: Tensor
+    slot_mapping: Tensor
+    block_tables: Tensor
+    seq_lens: Tensor
+    query_start_loc: Tensor
+    logits_rows: Tensor
+
+
+class Llama:
+    """Weights plus a forward pass; ``num_layers < config.layers`` gives a
+    self-speculative draft view that shares the weights (first L layers, final norm, head)."""
+
+    def __init__(self, config: LlamaConfig, weights: dict[str, Tensor], backend, num_layers: int | None = None):
+        self.cfg, self.be = config, backend
+        self.num_layers = config.layers if num_layers is None else num_layers
+        if not 1 <= self.num_layers <= config.layers:
+            raise HalError(f"num_layers: expected 1..{config.layers}, got {num_layers}")
+        w = weights
+        self.w = w
+        self.embed = w["embed"]
+        self.head = w.get("head", self.embed)
+        half = config.head_dim // 2
+        inv = 1.0 / (config.rope_base ** (torch.arange(half, dtype=torch.float64) / half))
+        self._inv_freq = inv
+        self._rope_cache = torch.empty(0, half, dtype=torch.complex64)
+
+    def layer_view(self, num_layers: int) -> "Llama":
+        return Llama(self.cfg, self.w, self.be, num_layers)
+
+    def _rope(self, positions: Tensor) -> Tensor:
+        """Unit complex rotations [T, D/2] for the positions."""
+        n = int(positions.max()) + 1 if positions.numel() else 0
+        if self._rope_cache.shape[0] < n:
+            ang = torch.arange(max(n, 2 * self._rope_cache.shape[0], 256), dtype=torch.float64)[:, None] * self._inv_freq
+            self._rope_cache = torch.polar(torch.ones_like(ang), ang).to(torch.complex64)
+        return self._rope_cache[positions]
+
+    def _apply_rope(self, x: Tensor, rot: Tensor) -> Tensor:
+        # x [T, H, D]: rotate pairs (x_a, x_b) as complex numbers x_a + i x_b by the position's angle
+        if self.cfg.rope_interleaved:      # pairs (2j, 2j+1)
+            return torch.view_as_real(torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+                                      * rot[:, None]).flatten(-2)
+        half = x.shape[-1] // 2            # pairs (j, j + D/2): HF's rotate_half
+        z = torch.complex(x[..., :half].float(), x[..., half:].float()) * rot[:, None]
+        return torch.cat([z.real, z.imag], -1)
+
+    def forward(self, batch: Batch, k_caches: list[Tensor], v_caches: list[Tensor],
+                tree_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Logits [len(logits_rows), V] (fp32) and the final hidden states of those rows."""
+        cfg = self.cfg
+        T = batch.tokens.shape[0]
+        h = self.embed[batch.tokens]
+        rot = self._rope(batch.positions)
+        nq, nk = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+        scale = cfg.head_dim ** -0.5
+        for i in range(self.num_layers):
+            # the first layer goes through the checked ops; the rest reuse the same, now valid, metadata
+            ops = self.be if i == 0 else self.be.impl
+            x = _rms_norm(h, self.w[f"{i}.attn_norm"], cfg.eps)
+            qkv = F.linear(x, self.w[f"{i}.wqkv"])
+            q = self._apply_rope(qkv[:, :nq].view(T, cfg.heads, cfg.head_dim), rot)
+            k = self._apply_rope(qkv[:, nq:nq + nk].view(T, cfg.kv_heads, cfg.head_dim), rot)
+            v = qkv[:, nq + nk:].view(T, cfg.kv_heads, cfg.head_dim)
+            ops.write_kv(k, v, k_caches[i], v_caches[i], batch.slot_mapping)
+            o = ops.paged_attention(q, k_caches[i], v_caches[i], batch.block_tables, batch.seq_lens,
+                                    batch.query_start_loc, scale, tree_mask)
+            h = h + F.linear(o.reshape(T, nq), self.w[f"{i}.wo"])
+            x = _rms_norm(h, self.w[f"{i}.ffn_norm"], cfg.eps)
+            gate, up = F.linear(x, self.w[f"{i}.wgu"]).split(cfg.ffn, -1)
+            h = h + F.linear(F.silu(gate) * up, self.w[f"{i}.wdown"])
+        out = _rms_norm(h[batch.logits_rows], self.w["norm"], cfg.eps)
+        return F.linear(out, self.head), out
+
+
+def _rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    return F.rms_norm(x, w.shape, w, eps)
+
+
+def _fuse(w: dict, layers: int) -> dict:
+    out = {"embed": w["embed"], "norm": w["norm"]}
+    if "head" in w:
+        out["head"] = w["head"]
+    for i in range(layers):
+        out[f"{i}.attn_norm"], out[f"{i}.ffn_norm"] = w[f"{i}.attn_norm"], w[f"{i}.ffn_norm"]
+        out[f"{i}.wqkv"] = torch.cat([w[f"{i}.wq"], w[f"{i}.wk"], w[f"{i}.wv"]]).contiguous()
+        out[f"{i}.wgu"] = torch.cat([w[f"{i}.wgate"], w[f"{i}.wup"]]).contiguous()
+        out[f"{i}.wo"], out[f"{i}.wdown"] = w[f"{i}.wo"].contiguous(), w[f"{i}.wdown"].contiguous()
+    return out
+
+
+GGUF_NAMES = {"attn_norm": "attn_norm", "ffn_norm": "ffn_norm", "attn_q": "wq", "attn_k": "wk", "attn_v": "wv",
+              "attn_output": "wo", "ffn_gate": "wgate", "ffn_up": "wup", "ffn_down": "wdown"}
+
+
+def load_gguf(path: str | Path, backend):
+    """(Llama, tokenizer) from a llama-architecture GGUF file, dequantized to fp32."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    from hal.models.tokenizer import from_gguf_fields
+    r = GGUFReader(str(path))
+    f = lambda k, d=None: r.fields[k].contents() if k in r.fields else d  # noqa: E731
+    if f("general.architecture") != "llama":
+        raise HalError(f"model: expected a llama-architecture GGUF, got {f('general.architecture')!r}")
+    heads, hidden = f("llama.attention.head_count"), f("llama.embedding_length")
+    cfg = LlamaConfig(hidden=hidden, layers=f("llama.block_count"), heads=heads,
+                      kv_heads=f("llama.attention.head_count_kv", heads), head_dim=hidden // heads,
+                      ffn=f("llama.feed_forward_length"), vocab=len(f("tokenizer.ggml.tokens")),
+                      rope_base=float(f("llama.rope.freq_base", 10000.0)),
+                      eps=float(f("llama.attention.layer_norm_rms_epsilon", 1e-5)), rope_interleaved=True,
+                      bos_id=f("tokenizer.ggml.bos_token_id"), eos_id=f("tokenizer.ggml.eos_token_id"))
+    w = {}
+    for t in r.tensors:
+        shape = [int(s) for s in reversed(t.shape.tolist())]
+        arr = torch.from_numpy(dequantize(t.data, t.tensor_type).reshape(shape).copy()).float()
+        parts = t.name.split(".")
+        if parts[0] == "blk":
+            w[f"{parts[1]}.{GGUF_NAMES[parts[2]]}"] = arr
+        else:
+            w[{"token_embd": "embed", "output_norm": "norm", "output": "head"}[parts[0]]] = arr
+    tok = from_gguf_fields({k: f(k) for k in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges",
+                                              "tokenizer.ggml.token_type")})
+    return Llama(cfg, _fuse(w, cfg.layers), backend), tok
+
+
+HF_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "wq",
+            "self_attn.k_proj": "wk", "self_attn.v_proj": "wv", "self_attn.o_proj": "wo", "mlp.gate_proj": "wgate",
+            "mlp.up_proj": "wup", "mlp.down_proj": "wdown"}
+
+
+def load_safetensors(folder: str | Path, backend) -> Llama:
+    """A Llama from an HF folder (config.json + *.safetensors), rotate-half RoPE."""
+    from safetensors.torch import load_file
+    folder = Path(folder)
+    c = json.loads((folder / "config.json").read_text())
+    heads = c["num_attention_heads"]
+    cfg = LlamaConfig(hidden=c["hidden_size"], layers=c["num_hidden_layers"], heads=heads,
+                      kv_heads=c.get("num_key_value_heads", heads),
+                      head_dim=c.get("head_dim", c["hidden_size"] // heads), ffn=c["intermediate_size"],
+                      vocab=c["vocab_size"], rope_base=float(c.get("rope_theta", 10000.0)),
+                      eps=float(c.get("rms_norm_eps", 1e-5)), rope_interleaved=False,
+                      bos_id=c.get("bos_token_id"), eos_id=c.get("eos_token_id"))
+    w = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        for name, t in load_file(str(file)).items():
+            t = t.float()
+            if name == "model.embed_tokens.weight":
+                w["embed"] = t
+            elif name == "model.norm.weight":
+                w["norm"] = t
+            elif name == "lm_head.weight":
+                w["head"] = t
+            elif name.startswith("model.layers."):
+                _, _, i, rest = name.split(".", 3)
+                w[f"{i}.{HF_NAMES[rest.removesuffix('.weight')]}"] = t
+    return Llama(cfg, _fuse(w, cfg.layers), backend)
