@@ -61,6 +61,7 @@ class Llama:
         self.w = w
         self.embed = w["embed"]
         self.head = w.get("head", self.embed)
+        self.head_t = w.setdefault("head_t", self.head.T.contiguous())  # [H, V]: the faster layout for M = 1
         half = config.head_dim // 2
         inv = 1.0 / (config.rope_base ** (torch.arange(half, dtype=torch.float64) / half))
         self._inv_freq = inv
@@ -111,7 +112,9 @@ class Llama:
             gate, up = F.linear(x, self.w[f"{i}.wgu"]).split(cfg.ffn, -1)
             h = h + F.linear(F.silu(gate) * up, self.w[f"{i}.wdown"])
         out = _rms_norm(h[batch.logits_rows], self.w["norm"], cfg.eps)
-        return F.linear(out, self.head), out
+        # MKL on CPU: x @ W^T is fastest from [H, V] for one row and from [V, H] for several
+        logits = out @ self.head_t if out.shape[0] == 1 else (self.head @ out.T).T
+        return logits, out
 
 
 def _rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
