@@ -27,6 +27,7 @@ conformance: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/pip install -q -e ".[bench]"
 	$(BIN)/python benchmarks/ops.py
+	$(BIN)/python benchmarks/e2e.py --k 8
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache
