@@ -15,7 +15,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q
+	TRITON_INTERPRET=1 HAL_ASCEND_EMULATE=1 $(BIN)/python -m pytest -q
 
 demo: $(STAMP)
 	$(BIN)/python -m hal info

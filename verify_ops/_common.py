@@ -88,3 +88,10 @@ def emit(prefix: Tensor, n_acc: Tensor, last: Tensor, max_k: int) -> Tensor:
 def take(t: Tensor, idx: Tensor) -> Tensor:
     """``t[idx]``, or zeros of that shape when ``t`` is empty (no drafts at all)."""
     return t[idx] if t.shape[0] else t.new_zeros(tuple(idx.shape) + tuple(t.shape[1:]))
+
+
+def uniform32(seeds: Tensor, offsets: Tensor, stream: int, index: Tensor) -> Tensor:
+    """Like `uniform`, in float32 (24 random bits) for devices without fp64."""
+    key = _mix(_mix(seeds + _wrap(stream * _GOLDEN)) ^ offsets)
+    x = _mix(key[:, None] + (index + 1) * _GOLDEN)
+    return (_lsr(x, 40).float() + 0.5) * (2.0 ** -24)

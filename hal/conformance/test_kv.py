@@ -59,7 +59,7 @@ class Cache:
 
 
 @pytest.mark.hal_op("write_kv", "paged_attention")
-@pytest.mark.parametrize("bs", [16, 32, 64, 128])
+@pytest.mark.parametrize("bs", [16, 32, 64, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_paged_attention_matches_dense(backend, bs, dtype):
     block_size_or_skip(backend, bs)

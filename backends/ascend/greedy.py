@@ -1,0 +1,28 @@
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from verify_ops.greedy import verify_greedy as _reference
+
+
+# A torch.library custom op: schema from the signature, a fake (meta) kernel, and the
+# reference composed of torch ops as the implementation (aclnn kernels on an NPU).
+@torch.library.custom_op("spec_hal_ascend::verify_greedy", mutates_args=())
+def _verify_greedy(
+        draft_token_ids: Tensor, cu_num_draft_tokens: Tensor, target_logits: Tensor, max_k: int) -> tuple[Tensor, Tensor]:
+    return _reference(
+        draft_token_ids, cu_num_draft_tokens, target_logits, max_k)
+
+
+@_verify_greedy.register_fake
+def _(draft_token_ids, cu_num_draft_tokens, target_logits, max_k):
+    R = cu_num_draft_tokens.shape[0] - 1
+    return (target_logits.new_empty((R, max_k + 1), dtype=torch.int32),
+            target_logits.new_empty((R,), dtype=torch.int32))
+
+
+def verify_greedy(
+        draft_token_ids: Tensor, cu_num_draft_tokens: Tensor, target_logits: Tensor, max_k: int) -> tuple[Tensor, Tensor]:
+    return _verify_greedy(
+        draft_token_ids, cu_num_draft_tokens, target_logits, max_k)

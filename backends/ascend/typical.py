@@ -1,0 +1,32 @@
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from verify_ops.typical import verify_typical as _reference
+
+
+# A torch.library custom op: schema from the signature, a fake (meta) kernel, and the
+# reference composed of torch ops as the implementation (aclnn kernels on an NPU).
+@torch.library.custom_op("spec_hal_ascend::verify_typical", mutates_args=())
+def _verify_typical(
+        draft_token_ids: Tensor, cu_num_draft_tokens: Tensor, target_probs: Tensor, seeds: Tensor,
+        offsets: Tensor, max_k: int, posterior_threshold: float, posterior_alpha: float) -> tuple[Tensor, Tensor]:
+    return _reference(
+        draft_token_ids, cu_num_draft_tokens, target_probs, seeds, offsets, max_k, posterior_threshold,
+        posterior_alpha)
+
+
+@_verify_typical.register_fake
+def _(draft_token_ids, cu_num_draft_tokens, target_probs, seeds, offsets, max_k, posterior_threshold, posterior_alpha):
+    R = cu_num_draft_tokens.shape[0] - 1
+    return (target_probs.new_empty((R, max_k + 1), dtype=torch.int32),
+            target_probs.new_empty((R,), dtype=torch.int32))
+
+
+def verify_typical(
+        draft_token_ids: Tensor, cu_num_draft_tokens: Tensor, target_probs: Tensor, seeds: Tensor,
+        offsets: Tensor, max_k: int, posterior_threshold: float, posterior_alpha: float) -> tuple[Tensor, Tensor]:
+    return _verify_typical(
+        draft_token_ids, cu_num_draft_tokens, target_probs, seeds, offsets, max_k, posterior_threshold,
+        posterior_alpha)
