@@ -34,6 +34,29 @@ def row_tiles(R: int, V: int) -> tuple[int, int]:
     return block_r, block_v
 
 
+def launch_rows(kernel, R: int, V: int, device: torch.device, *args, **constexprs) -> None:
+    """Launch a row-blocked kernel: ``kernel(*args, NPROG, BLOCK_R=, BLOCK_V=, **constexprs)``."""
+    block_r, block_v = row_tiles(R, V)
+    n = num_programs(triton.cdiv(R, block_r), device)
+    kernel[(n,)](*args, n, BLOCK_R=block_r, BLOCK_V=block_v, **constexprs)
+
+
+def verify_outputs(R: int, max_k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [R, max_k+1] int32 filled with -1, num_accepted [R] int32)."""
+    return (torch.full((R, max_k + 1), -1, dtype=torch.int32, device=device),
+            torch.zeros(R, dtype=torch.int32, device=device))
+
+
+@triton.jit
+def load_requests(cu_ptr, r0, R, BLOCK_R: tl.constexpr):
+    """A block of requests from r0: (r, in range, first draft index, number of drafts)."""
+    r = r0 + tl.arange(0, BLOCK_R)
+    rm = r < R
+    start = tl.load(cu_ptr + r, mask=rm, other=0).to(tl.int64)
+    k = tl.load(cu_ptr + r + 1, mask=rm, other=0).to(tl.int64) - start
+    return r, rm, start, k
+
+
 @triton.jit
 def uniform(seed, offset, stream: tl.constexpr, idx):
     """U[0, 1) from Philox (tl.rand) keyed by the request's (seed, offset)."""

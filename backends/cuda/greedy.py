@@ -1,11 +1,10 @@
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from backends.cuda._common import argmax_update, num_programs, row_tiles, unit_stride
+from backends.cuda._common import argmax_update, launch_rows, load_requests, unit_stride, verify_outputs
 
 
 @triton.jit
@@ -15,10 +14,7 @@ def _verify_greedy_kernel(draft_ptr, cu_ptr, logits_ptr, stride_l, out_ptr, nacc
     # keep going while draft j equals it.
     pid = tl.program_id(0)
     for r0 in range(pid * BLOCK_R, R, NPROG * BLOCK_R):
-        r = r0 + tl.arange(0, BLOCK_R)
-        rm = r < R
-        start = tl.load(cu_ptr + r, mask=rm, other=0).to(tl.int64)
-        k = tl.load(cu_ptr + r + 1, mask=rm, other=0).to(tl.int64) - start
+        r, rm, start, k = load_requests(cu_ptr, r0, R, BLOCK_R)
         alive = rm
         n = tl.zeros([BLOCK_R], tl.int32)
         for j in range(0, max_k + 1):
@@ -42,12 +38,8 @@ def verify_greedy(draft_token_ids: Tensor, cu_num_draft_tokens: Tensor, target_l
                   max_k: int) -> tuple[Tensor, Tensor]:
     R, V = cu_num_draft_tokens.shape[0] - 1, target_logits.shape[1]
     target_logits = unit_stride(target_logits)
-    dev = target_logits.device
-    out = torch.full((R, max_k + 1), -1, dtype=torch.int32, device=dev)
-    n_acc = torch.zeros(R, dtype=torch.int32, device=dev)
+    out, n_acc = verify_outputs(R, max_k, target_logits.device)
     if R:
-        block_r, block_v = row_tiles(R, V)
-        n = num_programs(triton.cdiv(R, block_r), dev)
-        _verify_greedy_kernel[(n,)](draft_token_ids, cu_num_draft_tokens, target_logits, target_logits.stride(0),
-                                    out, n_acc, R, V, max_k, n, BLOCK_R=block_r, BLOCK_V=block_v)
+        launch_rows(_verify_greedy_kernel, R, V, target_logits.device, draft_token_ids, cu_num_draft_tokens,
+                    target_logits, target_logits.stride(0), out, n_acc, R, V, max_k)
     return out, n_acc

@@ -5,7 +5,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from backends.cuda._common import SAMPLE, argmax_update, num_programs, race_update, row_tiles, unit_stride
+from backends.cuda._common import SAMPLE, argmax_update, launch_rows, race_update, unit_stride
 
 
 @triton.jit
@@ -119,8 +119,6 @@ def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, se
         on_host = dev.type == "cpu"
         k_iters = 32 if not on_host or bool(((top_k >= 1) & (top_k < V) & (temperature > 0)).any()) else 0
         p_iters = 32 if not on_host or bool(((top_p < 1) & (temperature > 0)).any()) else 0
-        block_r, block_v = row_tiles(R, V)
-        n = num_programs(triton.cdiv(R, block_r), dev)
-        _sample_kernel[(n,)](logits, logits.stride(0), temperature, top_k, top_p, seeds, offsets, tokens, q,
-                             R, V, k_iters, p_iters, n, BLOCK_R=block_r, BLOCK_V=block_v)
+        launch_rows(_sample_kernel, R, V, dev, logits, logits.stride(0), temperature, top_k, top_p, seeds, offsets,
+                    tokens, q, R, V, k_iters, p_iters)
     return tokens, q

@@ -5,8 +5,19 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from backends.cuda._common import (TREE_ACCEPT, TREE_FINAL, argmax_update, num_programs, race_update, row_tiles,
-                                   uniform, unit_stride)
+from backends.cuda._common import (TREE_ACCEPT, TREE_FINAL, argmax_update, launch_rows, load_requests, race_update,
+                                   uniform, unit_stride, verify_outputs)
+
+
+@triton.jit
+def _load_s_q(res_ptr, r, q_ptr, stride_q, node, x, cm, fresh, cols, V, HAS_Q: tl.constexpr):
+    """A vocabulary tile of the stored residual (rows not fresh) and of the node's q (one-hot without draft probs)."""
+    s = tl.load(res_ptr + r.to(tl.int64)[:, None] * V + cols[None, :], mask=cm & ~fresh[:, None], other=0.0)
+    if HAS_Q:
+        q = tl.load(q_ptr + node[:, None] * stride_q + cols[None, :], mask=cm, other=0.0).to(tl.float32)
+    else:
+        q = (cols[None, :] == x[:, None]).to(tl.float32)
+    return s, q
 
 
 @triton.jit
@@ -18,10 +29,7 @@ def _verify_tree_kernel(draft_ptr, cu_ptr, parent_ptr, t_ptr, stride_t, q_ptr, s
     # rejection r <- norm(max(r - q, 0)) (p if zero), kept in res_ptr; `fresh` means r == p(row).
     pid = tl.program_id(0)
     for r0 in range(pid * BLOCK_R, R, NPROG * BLOCK_R):
-        r = r0 + tl.arange(0, BLOCK_R)
-        rm = r < R
-        start = tl.load(cu_ptr + r, mask=rm, other=0).to(tl.int64)
-        k = tl.load(cu_ptr + r + 1, mask=rm, other=0).to(tl.int64) - start
+        r, rm, start, k = load_requests(cu_ptr, r0, R, BLOCK_R)
         if not GREEDY:
             seed = tl.load(seed_ptr + r, mask=rm, other=0)
             offset = tl.load(offset_ptr + r, mask=rm, other=0)
@@ -59,25 +67,13 @@ def _verify_tree_kernel(draft_ptr, cu_ptr, parent_ptr, t_ptr, stride_t, q_ptr, s
                     cm = rej[:, None] & (cols < V)[None, :]
                     p = tl.load(t_ptr + row[:, None] * stride_t + cols[None, :], mask=cm & fresh[:, None],
                                 other=0.0).to(tl.float32)
-                    s = tl.load(res_ptr + r.to(tl.int64)[:, None] * V + cols[None, :], mask=cm & ~fresh[:, None],
-                                other=0.0)
-                    if HAS_Q:
-                        q = tl.load(q_ptr + (start + i)[:, None] * stride_q + cols[None, :], mask=cm,
-                                    other=0.0).to(tl.float32)
-                    else:
-                        q = (cols[None, :] == x[:, None]).to(tl.float32)
+                    s, q = _load_s_q(res_ptr, r, q_ptr, stride_q, start + i, x, cm, fresh, cols, V, HAS_Q)
                     total += tl.sum(tl.maximum(tl.where(fresh[:, None], p, s) - q, 0.0), 1)
                 for v0 in range(0, V, BLOCK_V):
                     cols = v0 + tl.arange(0, BLOCK_V)
                     cm = rej[:, None] & (cols < V)[None, :]
                     p = tl.load(t_ptr + row[:, None] * stride_t + cols[None, :], mask=cm, other=0.0).to(tl.float32)
-                    s = tl.load(res_ptr + r.to(tl.int64)[:, None] * V + cols[None, :], mask=cm & ~fresh[:, None],
-                                other=0.0)
-                    if HAS_Q:
-                        q = tl.load(q_ptr + (start + i)[:, None] * stride_q + cols[None, :], mask=cm,
-                                    other=0.0).to(tl.float32)
-                    else:
-                        q = (cols[None, :] == x[:, None]).to(tl.float32)
+                    s, q = _load_s_q(res_ptr, r, q_ptr, stride_q, start + i, x, cm, fresh, cols, V, HAS_Q)
                     rest = tl.maximum(tl.where(fresh[:, None], p, s) - q, 0.0)
                     new = tl.where((total > 0.0)[:, None], rest / tl.maximum(total, 1e-30)[:, None], p)
                     tl.store(res_ptr + r.to(tl.int64)[:, None] * V + cols[None, :], new, mask=cm)
@@ -114,18 +110,14 @@ def verify_tree(draft_token_ids: Tensor, cu_num_draft_tokens: Tensor, parent_ids
     R, V = cu_num_draft_tokens.shape[0] - 1, target.shape[1]
     target, draft_probs = unit_stride(target), unit_stride(draft_probs)
     dev = target.device
-    out = torch.full((R, max_k + 1), -1, dtype=torch.int32, device=dev)
+    out, n_acc = verify_outputs(R, max_k, dev)
     nodes = torch.full((R, max_k), -1, dtype=torch.int32, device=dev)
-    n_acc = torch.zeros(R, dtype=torch.int32, device=dev)
     if R:
         greedy = seeds is None
         residual = target if greedy else torch.empty(R, V, dtype=torch.float32, device=dev)
         q = draft_probs if draft_probs is not None else target
-        block_r, block_v = row_tiles(R, V)
-        n = num_programs(triton.cdiv(R, block_r), dev)
-        _verify_tree_kernel[(n,)](draft_token_ids, cu_num_draft_tokens, parent_ids, target, target.stride(0), q,
-                                  q.stride(0), seeds if not greedy else cu_num_draft_tokens,
-                                  offsets if not greedy else cu_num_draft_tokens, residual, out, nodes, n_acc,
-                                  R, V, max_k, n, GREEDY=greedy, HAS_Q=draft_probs is not None,
-                                  BLOCK_R=block_r, BLOCK_V=block_v)
+        launch_rows(_verify_tree_kernel, R, V, dev, draft_token_ids, cu_num_draft_tokens, parent_ids, target,
+                    target.stride(0), q, q.stride(0), seeds if not greedy else cu_num_draft_tokens,
+                    offsets if not greedy else cu_num_draft_tokens, residual, out, nodes, n_acc, R, V, max_k,
+                    GREEDY=greedy, HAS_Q=draft_probs is not None)
     return out, nodes, n_acc

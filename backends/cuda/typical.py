@@ -1,11 +1,11 @@
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from backends.cuda._common import TYPICAL_BONUS, argmax_update, num_programs, race_update, row_tiles, unit_stride
+from backends.cuda._common import (TYPICAL_BONUS, argmax_update, launch_rows, load_requests, race_update, unit_stride,
+                                   verify_outputs)
 
 
 @triton.jit
@@ -15,10 +15,7 @@ def _verify_typical_kernel(draft_ptr, cu_ptr, p_ptr, stride_p, seed_ptr, offset_
     # all accepted: the bonus token races over p_k.
     pid = tl.program_id(0)
     for r0 in range(pid * BLOCK_R, R, NPROG * BLOCK_R):
-        r = r0 + tl.arange(0, BLOCK_R)
-        rm = r < R
-        start = tl.load(cu_ptr + r, mask=rm, other=0).to(tl.int64)
-        k = tl.load(cu_ptr + r + 1, mask=rm, other=0).to(tl.int64) - start
+        r, rm, start, k = load_requests(cu_ptr, r0, R, BLOCK_R)
         alive = rm
         n = tl.zeros([BLOCK_R], tl.int32)
         for j in range(0, max_k):
@@ -57,13 +54,9 @@ def verify_typical(draft_token_ids: Tensor, cu_num_draft_tokens: Tensor, target_
                    posterior_alpha: float) -> tuple[Tensor, Tensor]:
     R, V = cu_num_draft_tokens.shape[0] - 1, target_probs.shape[1]
     target_probs = unit_stride(target_probs)
-    dev = target_probs.device
-    out = torch.full((R, max_k + 1), -1, dtype=torch.int32, device=dev)
-    n_acc = torch.zeros(R, dtype=torch.int32, device=dev)
+    out, n_acc = verify_outputs(R, max_k, target_probs.device)
     if R:
-        block_r, block_v = row_tiles(R, V)
-        n = num_programs(triton.cdiv(R, block_r), dev)
-        _verify_typical_kernel[(n,)](draft_token_ids, cu_num_draft_tokens, target_probs, target_probs.stride(0),
-                                     seeds, offsets, out, n_acc, R, V, max_k, float(posterior_threshold),
-                                     float(posterior_alpha), n, BLOCK_R=block_r, BLOCK_V=block_v)
+        launch_rows(_verify_typical_kernel, R, V, target_probs.device, draft_token_ids, cu_num_draft_tokens,
+                    target_probs, target_probs.stride(0), seeds, offsets, out, n_acc, R, V, max_k,
+                    float(posterior_threshold), float(posterior_alpha))
     return out, n_acc
