@@ -27,6 +27,13 @@ def test_every_hookspec_is_documented():
         assert ":returns:" in doc and "Called" in doc, f"hookspec {f.__name__}: say what it returns and when it is called"
 
 
+def test_every_hookspec_is_exercised_by_a_test():
+    specs = [n for n, f in vars(hookspecs).items() if callable(f) and hasattr(f, f"{hookspecs.PROJECT}_spec")]
+    tests = "".join(p.read_text() for p in (ROOT / "tests").glob("test_*.py"))
+    for name in specs:
+        assert f"def {name}(" in tests, f"hookspec {name}: no test implements it"
+
+
 @pytest.mark.parametrize("op", OP_NAMES)
 def test_every_op_is_documented(op):
     doc = inspect.getdoc(getattr(Ops, op)) or ""

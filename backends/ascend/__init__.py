@@ -31,7 +31,9 @@ def _probe() -> str | None:
         return None
     if importlib.util.find_spec("torch_npu") is None:
         return "torch_npu is not installed (set HAL_ASCEND_EMULATE=1 to emulate the NPU ops on CPU)"
-    try:  # torch autoloads torch_npu unless TORCH_DEVICE_BACKEND_AUTOLOAD=0; import it explicitly either way
+    # torch autoloads installed device backends at `import torch` unless TORCH_DEVICE_BACKEND_AUTOLOAD=0
+    # (without CANN that autoload breaks `import torch` itself); with autoload off we import it here.
+    try:
         importlib.import_module("torch_npu")
         import torch
         if not torch.npu.is_available():

@@ -6,6 +6,7 @@ no fp64 in kernels, argmax on fp32 values.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -19,11 +20,13 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 def num_programs(work_items: int, device: torch.device) -> int:
     """Programs to launch: one per work item, capped at a few per core (SM)."""
-    if INTERPRET or device.type != "cuda":
-        cap = 2  # the interpreter pays per program: few programs, loops inside
-    else:
-        cap = torch.cuda.get_device_properties(device).multi_processor_count * 4
+    cap = 2 if INTERPRET or device.type != "cuda" else 4 * _sm_count(device.index)  # the interpreter pays per program
     return max(1, min(work_items, cap))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()).multi_processor_count
 
 
 def row_tiles(R: int, V: int) -> tuple[int, int]:
