@@ -16,6 +16,13 @@ def _key(z):
 
 
 @triton.jit
+def _z_tile(logits_ptr, stride_l, row, cols, mask, inv_t):
+    """A [rows, vocab] tile of z = logits / T in fp32 (-inf where masked)."""
+    return tl.load(logits_ptr + row[:, None] * stride_l + cols[None, :], mask=mask,
+                   other=float("-inf")).to(tl.float32) * inv_t[:, None]
+
+
+@triton.jit
 def _sample_kernel(logits_ptr, stride_l, temp_ptr, topk_ptr, topp_ptr, seed_ptr, offset_ptr, tok_ptr, q_ptr,
                    R, V, K_ITERS, P_ITERS, NPROG, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
     # z = logits / T. Cutoffs found by bisection on the order-preserving int key of z, so no
@@ -51,8 +58,7 @@ def _sample_kernel(logits_ptr, stride_l, temp_ptr, topk_ptr, topp_ptr, seed_ptr,
             for v0 in range(0, V, BLOCK_V):
                 cols = v0 + tl.arange(0, BLOCK_V)
                 cm = use_k[:, None] & (cols < V)[None, :]
-                z = tl.load(logits_ptr + row[:, None] * stride_l + cols[None, :], mask=cm,
-                            other=float("-inf")).to(tl.float32) * inv_t[:, None]
+                z = _z_tile(logits_ptr, stride_l, row, cols, cm, inv_t)
                 cnt += tl.sum((cm & (_key(z) >= mid[:, None])).to(tl.int64), 1)
             ok = cnt >= top_k
             lo = tl.where(ok, mid, lo)
@@ -62,8 +68,7 @@ def _sample_kernel(logits_ptr, stride_l, temp_ptr, topk_ptr, topp_ptr, seed_ptr,
         for v0 in range(0, V, BLOCK_V):
             cols = v0 + tl.arange(0, BLOCK_V)
             cm = use_p[:, None] & (cols < V)[None, :]
-            z = tl.load(logits_ptr + row[:, None] * stride_l + cols[None, :], mask=cm,
-                        other=float("-inf")).to(tl.float32) * inv_t[:, None]
+            z = _z_tile(logits_ptr, stride_l, row, cols, cm, inv_t)
             mass_k += tl.sum(tl.where(cm & (_key(z) >= cut[:, None]), tl.exp(z - zmax[:, None]), 0.0), 1)
         # top-p: the smallest key c with mass(key > c) < top_p * mass_k
         lo = tl.full([BLOCK_R], -2147483649, tl.int64)
@@ -74,8 +79,7 @@ def _sample_kernel(logits_ptr, stride_l, temp_ptr, topk_ptr, topp_ptr, seed_ptr,
             for v0 in range(0, V, BLOCK_V):
                 cols = v0 + tl.arange(0, BLOCK_V)
                 cm = use_p[:, None] & (cols < V)[None, :]
-                z = tl.load(logits_ptr + row[:, None] * stride_l + cols[None, :], mask=cm,
-                            other=float("-inf")).to(tl.float32) * inv_t[:, None]
+                z = _z_tile(logits_ptr, stride_l, row, cols, cm, inv_t)
                 kz = _key(z)
                 mass += tl.sum(tl.where(cm & (kz > mid[:, None]) & (kz >= cut[:, None]),
                                         tl.exp(z - zmax[:, None]), 0.0), 1)
@@ -87,8 +91,7 @@ def _sample_kernel(logits_ptr, stride_l, temp_ptr, topk_ptr, topp_ptr, seed_ptr,
         for v0 in range(0, V, BLOCK_V):
             cols = v0 + tl.arange(0, BLOCK_V)
             cm = rm[:, None] & (cols < V)[None, :]
-            z = tl.load(logits_ptr + row[:, None] * stride_l + cols[None, :], mask=cm,
-                        other=float("-inf")).to(tl.float32) * inv_t[:, None]
+            z = _z_tile(logits_ptr, stride_l, row, cols, cm, inv_t)
             total += tl.sum(tl.where(cm & (_key(z) >= cut[:, None]), tl.exp(z - zmax[:, None]), 0.0), 1)
         total = tl.where(total > 0.0, total, 1.0)  # padding rows
         seed = tl.load(seed_ptr + r, mask=rm, other=0)
@@ -98,8 +101,7 @@ def _sample_kernel(logits_ptr, stride_l, temp_ptr, topk_ptr, topp_ptr, seed_ptr,
         for v0 in range(0, V, BLOCK_V):
             cols = v0 + tl.arange(0, BLOCK_V)
             cm = rm[:, None] & (cols < V)[None, :]
-            z = tl.load(logits_ptr + row[:, None] * stride_l + cols[None, :], mask=cm,
-                        other=float("-inf")).to(tl.float32) * inv_t[:, None]
+            z = _z_tile(logits_ptr, stride_l, row, cols, cm, inv_t)
             q = tl.where(_key(z) >= cut[:, None], tl.exp(z - zmax[:, None]), 0.0) / total[:, None]
             q = tl.where(greedy[:, None], (cols[None, :] == top[:, None]).to(tl.float32), q)
             tl.store(q_ptr + row[:, None] * V + cols[None, :], q, mask=cm)
