@@ -12,20 +12,26 @@ def paged_attention(query: Tensor, k_cache: Tensor, v_cache: Tensor, block_table
     # j - ctx <= i (causal) or tree_mask[i, j - ctx]. fp32 softmax; GQA: head h reads kv head h // G.
     T, Hq, D = query.shape
     _, bs, Hkv, _ = k_cache.shape
-    R, G = block_tables.shape[0], Hq // Hkv
+    R = block_tables.shape[0]
     qsl, seq = query_start_loc.long(), seq_lens.long()
     q_len = qsl[1:] - qsl[:-1]
     Q = int(q_len.max()) if R else 0
     L = block_tables.shape[1] * bs
     dev = query.device
+    keys = k_cache[block_tables.long()].view(R, L, Hkv, D).float().transpose(1, 2)   # [R, Hkv, L, D]
+    vals = v_cache[block_tables.long()].view(R, L, Hkv, D).float().transpose(1, 2)
+    j = torch.arange(L, device=dev)
+    if Q == 1 and T == R and tree_mask is None:     # decode: one query per request, keys j < seq_len
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query.float().reshape(R, 1, Hq, D).transpose(1, 2), keys, vals,
+            attn_mask=(j[None] < seq[:, None])[:, None, None], scale=scale, enable_gqa=True)
+        return out.view(R, Hq, D).to(query.dtype)
     qi = torch.arange(Q, device=dev)[None]
     q_valid = qi < q_len[:, None]                                        # [R, Q]
     q = query[(qsl[:-1, None] + qi).clamp(max=max(T - 1, 0))].float() if T else query.new_zeros(R, Q, Hq, D).float()
-    keys = k_cache[block_tables.long()].reshape(R, L, Hkv, D).float()
-    vals = v_cache[block_tables.long()].reshape(R, L, Hkv, D).float()
 
     ctx = (seq - q_len)[:, None, None]
-    j = torch.arange(L, device=dev)[None, None]                          # [1, 1, L]
+    j = j[None, None]                                                    # [1, 1, L]
     i = qi[:, :, None]                                                   # [1, Q, 1]
     if tree_mask is None:
         own = j - ctx <= i
@@ -38,6 +44,5 @@ def paged_attention(query: Tensor, k_cache: Tensor, v_cache: Tensor, block_table
     visible = visible | ~q_valid[:, :, None]                             # padding rows: avoid NaN
 
     out = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=visible[:, None], scale=scale,
-        enable_gqa=True)                                                 # [R, Hq, Q, D]
+        q.transpose(1, 2), keys, vals, attn_mask=visible[:, None], scale=scale, enable_gqa=True)  # [R, Hq, Q, D]
     return out.transpose(1, 2)[q_valid].to(query.dtype)

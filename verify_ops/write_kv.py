@@ -7,6 +7,8 @@ def write_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_
     # slot = block * block_size + offset; slot -1 is padding and writes nothing.
     bs = k_cache.shape[1]
     keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
-    k_cache[slots // bs, slots % bs] = key[keep].to(k_cache.dtype)
-    v_cache[slots // bs, slots % bs] = value[keep].to(v_cache.dtype)
+    if not bool(keep.all()):  # host tensors: this check is free
+        slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
+    slots = slot_mapping.long()
+    k_cache[slots // bs, slots % bs] = key.to(k_cache.dtype)
+    v_cache[slots // bs, slots % bs] = value.to(v_cache.dtype)
