@@ -45,6 +45,7 @@ class State:
     generated: list[int] = field(default_factory=list)
     done: bool = False
     last_hidden: Tensor | None = None
+    req_k: int = 0  # drafts allowed this step: min(k, tokens left - 1)
 
     def next_offset(self) -> int:
         self.offset += 1
