@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from verify_ops._common import emit, ragged_layout, take

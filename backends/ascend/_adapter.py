@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from hal.errors import HalError, arg_error
+from hal.errors import arg_error
 
 MAX_VERIFY_Q = 16          # 1 + k on the TND verify path
 CAUSAL_MASK_SIZE = 2048    # sparse_mode=3 takes a fixed 2048 x 2048 int8 causal mask
@@ -83,7 +83,3 @@ def top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Call:
     k = torch.where((top_k >= 1) & (top_k < V), top_k, V).to(torch.int32)
     return Call("npu_top_k_top_p", (logits,), dict(p=top_p.to(logits.dtype), k=k))
 
-
-def require(cond: bool, message: str) -> None:
-    if not cond:
-        raise HalError(message)

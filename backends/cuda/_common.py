@@ -77,6 +77,19 @@ def argmax_update(best_val, best_idx, vals, cols):
 
 
 @triton.jit
+def row_argmax(ptr, stride, row, mask, V, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Argmax (fp32, lowest id on ties) of row ``row[i]`` of a [*, V] tensor, for rows where ``mask``."""
+    best = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    arg = tl.zeros([BLOCK_R], tl.int32)
+    for v0 in range(0, V, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        x = tl.load(ptr + row[:, None] * stride + cols[None, :], mask=mask[:, None] & (cols < V)[None, :],
+                    other=float("-inf")).to(tl.float32)
+        best, arg = argmax_update(best, arg, x, cols)
+    return best, arg
+
+
+@triton.jit
 def race_update(best_score, best_idx, w, seed, offset, stream: tl.constexpr, cols, col_mask):
     """Exponential race: argmax_v w_v / E_v, E_v = -log(u_v), samples v with prob. w_v / sum(w)."""
     u = uniform(seed[:, None], offset[:, None], stream, cols[None, :])

@@ -4,7 +4,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from backends.cuda._common import argmax_update, launch_rows, load_requests, unit_stride, verify_outputs
+from backends.cuda._common import launch_rows, load_requests, row_argmax, unit_stride, verify_outputs
 
 
 @triton.jit
@@ -20,13 +20,7 @@ def _verify_greedy_kernel(draft_ptr, cu_ptr, logits_ptr, stride_l, out_ptr, nacc
         for j in range(0, max_k + 1):
             active = alive & (j <= k)
             row = start + r + j
-            best = tl.full([BLOCK_R], float("-inf"), tl.float32)
-            arg = tl.zeros([BLOCK_R], tl.int32)
-            for v0 in range(0, V, BLOCK_V):
-                cols = v0 + tl.arange(0, BLOCK_V)
-                x = tl.load(logits_ptr + row[:, None] * stride_l + cols[None, :],
-                            mask=active[:, None] & (cols < V)[None, :], other=float("-inf")).to(tl.float32)
-                best, arg = argmax_update(best, arg, x, cols)
+            _, arg = row_argmax(logits_ptr, stride_l, row, active, V, BLOCK_R, BLOCK_V)
             tl.store(out_ptr + r * (max_k + 1) + j, arg, mask=active)
             d = tl.load(draft_ptr + start + j, mask=active & (j < k), other=-1)
             alive = active & (j < k) & (d == arg)

@@ -5,7 +5,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from backends.cuda._common import (TREE_ACCEPT, TREE_FINAL, argmax_update, launch_rows, load_requests, race_update,
+from backends.cuda._common import (TREE_ACCEPT, TREE_FINAL, launch_rows, load_requests, race_update, row_argmax,
                                    uniform, unit_stride, verify_outputs)
 
 
@@ -43,13 +43,7 @@ def _verify_tree_kernel(draft_ptr, cu_ptr, parent_ptr, t_ptr, stride_t, q_ptr, s
             tried = act & (par == cur)
             x = tl.load(draft_ptr + start + i, mask=tried, other=0).to(tl.int64)
             if GREEDY:
-                best = tl.full([BLOCK_R], float("-inf"), tl.float32)
-                arg = tl.zeros([BLOCK_R], tl.int32)
-                for v0 in range(0, V, BLOCK_V):
-                    cols = v0 + tl.arange(0, BLOCK_V)
-                    s = tl.load(t_ptr + row[:, None] * stride_t + cols[None, :],
-                                mask=tried[:, None] & (cols < V)[None, :], other=float("-inf")).to(tl.float32)
-                    best, arg = argmax_update(best, arg, s, cols)
+                _, arg = row_argmax(t_ptr, stride_t, row, tried, V, BLOCK_R, BLOCK_V)
                 acc = tried & (x == arg)
             else:
                 p_x = tl.load(t_ptr + row * stride_t + x, mask=tried & fresh, other=0.0).to(tl.float32)
@@ -84,16 +78,14 @@ def _verify_tree_kernel(draft_ptr, cu_ptr, parent_ptr, t_ptr, stride_t, q_ptr, s
             cur = tl.where(acc, i, cur)
             row = tl.where(acc, start + r + 1 + i, row)
             fresh = fresh | acc
-        best = tl.full([BLOCK_R], float("-inf") if GREEDY else -2.0, tl.float32)
-        arg = tl.zeros([BLOCK_R], tl.int32)
-        for v0 in range(0, V, BLOCK_V):
-            cols = v0 + tl.arange(0, BLOCK_V)
-            cm = rm[:, None] & (cols < V)[None, :]
-            if GREEDY:
-                s = tl.load(t_ptr + row[:, None] * stride_t + cols[None, :], mask=cm,
-                            other=float("-inf")).to(tl.float32)
-                best, arg = argmax_update(best, arg, s, cols)
-            else:
+        if GREEDY:
+            _, arg = row_argmax(t_ptr, stride_t, row, rm, V, BLOCK_R, BLOCK_V)
+        else:
+            best = tl.full([BLOCK_R], -2.0, tl.float32)
+            arg = tl.zeros([BLOCK_R], tl.int32)
+            for v0 in range(0, V, BLOCK_V):
+                cols = v0 + tl.arange(0, BLOCK_V)
+                cm = rm[:, None] & (cols < V)[None, :]
                 p = tl.load(t_ptr + row[:, None] * stride_t + cols[None, :], mask=cm & fresh[:, None],
                             other=0.0).to(tl.float32)
                 s = tl.load(res_ptr + r.to(tl.int64)[:, None] * V + cols[None, :], mask=cm & ~fresh[:, None],

@@ -22,7 +22,7 @@ def bs_of(be):
 def valid_args(be, op):
     """A small valid call of ``op`` on ``be``: (dict of arguments, in order)."""
     d = be.device_type
-    f32, i32, i64 = torch.float32, torch.int32, torch.int64
+    i32, i64 = torch.int32, torch.int64
     probs = lambda r: torch.full((r, 8), 1 / 8, device=d)  # noqa: E731
     ragged = dict(draft_token_ids=torch.tensor([1, 2, 3], device=d), cu_num_draft_tokens=torch.tensor([0, 1, 3],
                                                                                                       device=d))
