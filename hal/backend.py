@@ -56,6 +56,10 @@ class BackendSpec:
     :param validation: how it was validated, in words (shown by ``hal info``).
     :param always_check_values: run value checks (NaN, ranges, sums) on every
         call, not only under ``HAL_CHECK=1``. True where they cost no device sync.
+    :param devices: the device types a `hal.placement.Placement` may name to get this
+        backend (``"npu"`` for ascend); ``device_type`` is always one of them.
+    :param memory: ``(free, total)`` bytes of device ``index``, for the memory planner;
+        ``None`` where the backend cannot tell (plans then need explicit bytes).
     """
 
     name: str
@@ -67,6 +71,11 @@ class BackendSpec:
     head_dim_align: int = 1
     validation: str = "unknown"
     always_check_values: bool = False
+    devices: tuple[str, ...] = ()
+    memory: Callable[[int], tuple[int, int]] | None = None
+
+    def serves(self) -> tuple[str, ...]:
+        return (self.device_type, *self.devices)
 
 
 def _env_check_values() -> bool:

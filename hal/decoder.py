@@ -8,6 +8,7 @@ overwritten next step). ``k = 0`` is plain decoding through the same path.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -70,7 +71,7 @@ def forward(model: Llama, pool: kv.KVPool, seqs: list[kv.Sequence], chunks: list
             tree_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Feed ``chunks[r]`` after each sequence's committed tokens (reserved, not committed).
     Returns logits and hidden states for every fed row (``all_rows``) or each request's last."""
-    dev = model.be.device_type
+    dev = model.device
     slots, positions = [], []
     for s, c in zip(seqs, chunks):
         sl, copies = s.reserve(len(c))
@@ -100,13 +101,18 @@ def sampling_args(states: list[State], repeats: list[int], dev) -> tuple[Tensor,
 
 
 class SpeculativeDecoder:
-    """Batched generation with an optional drafter on the same or another backend."""
+    """Batched generation with an optional drafter on the same or another backend.
+
+    With a `hal.router.Router`, k is chosen per request and step (0 = plain decoding)
+    before anything is drafted; ``Request.k`` is then the cap. ``pool`` takes a KV pool
+    from a `hal.planner.Plan`."""
 
     def __init__(self, target: Llama, drafter: Drafter | None = None, num_blocks: int = 512, block_size: int = 16,
-                 metrics: SpecDecodeMetrics | None = None, on_tokens=None):
-        self.target, self.drafter, self.on_tokens = target, drafter, on_tokens
+                 metrics: SpecDecodeMetrics | None = None, on_tokens=None, router=None, pool: kv.KVPool | None = None):
+        self.target, self.drafter, self.on_tokens, self.router = target, drafter, on_tokens, router
         cfg = target.cfg
-        self.pool = kv.KVPool(target.be, num_blocks, block_size, cfg.kv_heads, cfg.head_dim, num_layers=cfg.layers)
+        self.pool = pool or kv.KVPool(target.be, num_blocks, block_size, cfg.kv_heads, cfg.head_dim,
+                                      num_layers=cfg.layers, device=target.device)
         self.metrics = metrics or SpecDecodeMetrics()
         self.steps = 0
 
@@ -116,6 +122,7 @@ class SpeculativeDecoder:
             if not r.prompt_ids:
                 raise HalError(f"requests[{i}].prompt_ids: expected at least one token, got none")
         states = [State(r, i, list(r.prompt_ids), self.pool.sequence()) for i, r in enumerate(requests)]
+        self._t0 = time.perf_counter()
         try:
             self._prefill(states)
             while live := [s for s in states if not s.done]:
@@ -125,6 +132,8 @@ class SpeculativeDecoder:
                 s.seq.free()
                 if self.drafter is not None:
                     self.drafter.release(s)
+                if self.router is not None:
+                    self.router.release(s)
         return [s.generated for s in states]
 
     def _emit(self, s: State, new: list[int]) -> None:
@@ -132,6 +141,11 @@ class SpeculativeDecoder:
         try:
             self._append(s, new)
         finally:
+            now = time.perf_counter() - self._t0
+            if n0 == 0 and s.generated:
+                self.metrics.first_token(s.rid, now)
+            if s.done:
+                self.metrics.finished(s.rid, now, len(s.generated))
             if self.on_tokens is not None:
                 self.on_tokens(s.rid, s.generated[n0:])
 
@@ -146,17 +160,26 @@ class SpeculativeDecoder:
     def _prefill(self, states: list[State]) -> None:
         be = self.target.be
         logits, hidden = forward(self.target, self.pool, [s.seq for s in states], [s.tokens for s in states], False)
-        tok, _ = be.sample(logits, *sampling_args(states, [1] * len(states), be.device_type))
+        tok, _ = be.sample(logits, *sampling_args(states, [1] * len(states), self.target.device))
         for i, s in enumerate(states):
             s.seq.commit(len(s.tokens))
             s.last_hidden = hidden[i]
             self._emit(s, [int(tok[i])])
 
+    def _choose_k(self, live: list[State]) -> None:
+        if self.drafter is None:
+            ks = [0] * len(live)
+        elif self.router is not None:
+            ks = self.router.choose(live)
+        else:  # never draft past max_new_tokens
+            ks = [min(s.req.k, s.req.max_new_tokens - len(s.generated) - 1) for s in live]
+        for s, k in zip(live, ks):
+            s.req_k = k
+
     def _step(self, live: list[State]) -> None:
-        be, dev = self.target.be, self.target.be.device_type
-        for s in live:  # never draft past max_new_tokens
-            s.req_k = min(s.req.k, s.req.max_new_tokens - len(s.generated) - 1)
-        if self.drafter is not None and any(s.req_k > 0 for s in live):
+        be, dev = self.target.be, self.target.device
+        self._choose_k(live)
+        if any(s.req_k > 0 for s in live):
             drafts, q = self.drafter.propose(live)
         else:
             drafts, q = [[] for _ in live], None
@@ -174,9 +197,12 @@ class SpeculativeDecoder:
             out, n_acc = be.verify_rejection(ids.to(dev), cu.to(dev), None if q is None else q.to(dev), p, seeds,
                                              offs, max_k)
         out, n_acc = out.cpu().tolist(), n_acc.cpu().tolist()
-        self.metrics.observe([len(d) for d in drafts], n_acc, [s.rid for s in live])
+        drafted = [len(d) for d in drafts]
+        self.metrics.observe(drafted, n_acc, [s.rid for s in live])
         if self.drafter is not None:
-            self.drafter.accepted(live, [len(d) for d in drafts], n_acc)
+            self.drafter.accepted(live, drafted, n_acc)
+        if self.router is not None:
+            self.router.observe(live, drafted, n_acc)
         row = 0
         for i, s in enumerate(live):
             s.seq.commit(n_acc[i] + 1)
@@ -184,3 +210,33 @@ class SpeculativeDecoder:
             row += len(drafts[i]) + 1
             self._emit(s, out[i][: n_acc[i] + 1])
         self.steps += 1
+
+    def profile_costs(self, max_tokens: int = 72, context: int = 256, reps: int = 3):
+        """A `hal.router.CostModel` measured here and now: the target forward over T fed
+        tokens (T = 1, 2, 3, 5, 9, ... up to ``max_tokens``, at a short context), the
+        extra cost of ``context`` tokens of attention, and the drafter's chain of k."""
+        from hal.router import CostModel, profile
+        seqs = [self.pool.sequence(), self.pool.sequence()]
+        try:
+            for q, n in zip(seqs, (16, 16 + context)):
+                forward(self.target, self.pool, [q], [[1] * n], False)
+                q.commit(n)
+            fwd = lambda T, q=seqs[0]: forward(self.target, self.pool, [q], [[1] * T], True)  # noqa: E731
+            verify = profile(fwd, [p for p in (1, 2, 3, 5, 9, 17, 33, 65, 129, 257) if p <= max_tokens], reps)
+            long = profile(lambda _: forward(self.target, self.pool, [seqs[1]], [[1]], True), [1], reps)[1]
+            per_context = max(0.0, long - verify[1]) / context
+        finally:
+            for q in seqs:
+                q.free()
+        draft = {}
+        if self.drafter is not None:
+            st = State(Request([1] * 16, k=1), -1, [1] * 16, seq=None)
+
+            def chain(k):
+                st.req_k = k
+                self.drafter.propose([st])
+            try:
+                draft = profile(chain, [1, 2, 4, 8], reps)
+            finally:
+                self.drafter.release(st)
+        return CostModel(verify, draft, per_context)

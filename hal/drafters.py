@@ -42,30 +42,39 @@ class NgramDrafter:
 class ModelDrafter:
     """A draft model with its own KV pool, on its own backend (device) if wanted.
 
-    Its KV holds a prefix of each request's history; ``propose`` catches up in one
-    ragged forward, then drafts autoregressively, sampling with the request's own
-    parameters and returning the q it sampled from.
+    Its KV holds a prefix of each request's history (plus its own earlier drafts);
+    ``propose`` keeps the longest cached prefix that matches, catches up in one ragged
+    forward, then drafts autoregressively, sampling with the request's own parameters
+    and returning the q it sampled from.
     """
 
-    def __init__(self, model: Llama, num_blocks: int = 512, block_size: int = 16):
+    def __init__(self, model: Llama, num_blocks: int = 512, block_size: int = 16, pool: kv.KVPool | None = None):
         self.model = model
         cfg = model.cfg
-        self.pool = kv.KVPool(model.be, num_blocks, block_size, cfg.kv_heads, cfg.head_dim,
-                              num_layers=model.num_layers)
+        self.pool = pool or kv.KVPool(model.be, num_blocks, block_size, cfg.kv_heads, cfg.head_dim,
+                                      num_layers=model.num_layers, device=model.device)
         self.seqs: dict[int, kv.Sequence] = {}
+        self.held: dict[int, list[int]] = {}  # the tokens whose KV the draft cache holds, per request
 
     def propose(self, states: list[State]) -> tuple[list[list[int]], Tensor | None]:
         be = self.model.be
         seqs = [self.seqs.setdefault(s.rid, self.pool.sequence()) for s in states]
-        chunks = [s.tokens[q.length:] for s, q in zip(states, seqs)]
+        chunks = []
+        for s, q in zip(states, seqs):  # keep the longest cached prefix of the history (stale drafts drop here)
+            held = self.held.setdefault(s.rid, [])
+            n = min(_common_prefix(held, s.tokens), len(s.tokens) - 1)
+            q.truncate(n)
+            del held[n:]
+            chunks.append(s.tokens[n:])
         drafts: list[list[int]] = [[] for _ in states]
         probs: list[list[Tensor]] = [[] for _ in states]
         K = max(s.req_k for s in states)
         for j in range(K):
             logits, _ = forward(self.model, self.pool, seqs, chunks, False)
-            for q, c in zip(seqs, chunks):
+            for s, q, c in zip(states, seqs, chunks):
                 q.commit(len(c))
-            tok, qd = be.sample(logits, *sampling_args(states, [1] * len(states), be.device_type))
+                self.held[s.rid] += c
+            tok, qd = be.sample(logits, *sampling_args(states, [1] * len(states), self.model.device))
             tok = tok.cpu().tolist()
             for i, s in enumerate(states):
                 if j < s.req_k:
@@ -77,15 +86,20 @@ class ModelDrafter:
         return drafts, (torch.stack(rows).float() if sampled and rows else None)
 
     def accepted(self, states, drafted, n_accepted) -> None:
-        for s, d, n in zip(states, drafted, n_accepted):
-            q = self.seqs[s.rid]
-            # the KV holds history + drafts[:K-1]; keep history + the accepted drafts it has
-            hist = len(s.tokens)
-            q.truncate(min(q.length, hist + n))
+        pass  # the next propose keeps the cached prefix that still matches the history
 
     def release(self, state: State) -> None:
         if (q := self.seqs.pop(state.rid, None)) is not None:
             q.free()
+        self.held.pop(state.rid, None)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
 
 
 EagleHead = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
@@ -106,7 +120,7 @@ class EagleDrafter:
         probs: list[list[Tensor]] = [[] for _ in states]
         for j in range(max(s.req_k for s in states)):
             logits, h = self.head(h, x)
-            tok, q = self.be.sample(logits.float(), *sampling_args(states, [1] * len(states), self.be.device_type))
+            tok, q = self.be.sample(logits.float(), *sampling_args(states, [1] * len(states), h.device))
             for i, s in enumerate(states):
                 if j < s.req_k:
                     drafts[i].append(int(tok[i]))

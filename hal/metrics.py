@@ -52,6 +52,22 @@ class SpecDecodeMetrics:
     def __init__(self) -> None:
         self.total = Counters()
         self.requests: dict[Hashable, Counters] = {}
+        self.ttft: list[float] = []   # seconds from arrival to the first token, per finished request
+        self.tpot: list[float] = []   # seconds per output token after the first, per finished request
+        self.e2e: list[float] = []    # seconds from arrival to the last token
+        self.draft_failures = 0       # the draft worker died or timed out; its requests fell back to plain decoding
+        self.stale_drafts = 0         # drafts dropped because they were not built on the committed prefix
+        self._first: dict[Hashable, float] = {}
+
+    def first_token(self, request_id: Hashable, seconds: float) -> None:
+        self._first[request_id] = seconds
+        self.ttft.append(seconds)
+
+    def finished(self, request_id: Hashable, seconds: float, num_tokens: int) -> None:
+        first = self._first.pop(request_id, seconds)
+        self.e2e.append(seconds)
+        if num_tokens > 1:
+            self.tpot.append((seconds - first) / (num_tokens - 1))
 
     def observe(self, num_draft_tokens: Iterable[int], num_accepted: Iterable[int],
                 request_ids: Iterable[Hashable] | None = None) -> None:

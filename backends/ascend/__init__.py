@@ -43,6 +43,11 @@ def _probe() -> str | None:
     return None
 
 
+def _memory(index: int) -> tuple[int, int]:
+    import torch
+    return torch.npu.mem_get_info(index)
+
+
 @hookimpl
 def register_backends(register):
     emu = emulated()
@@ -56,4 +61,6 @@ def register_backends(register):
         head_dim_align=16,
         validation=("emulated: " if emu else "") + VALIDATION,
         always_check_values=emu,
+        devices=("npu",),
+        memory=None if emu else _memory,
     ))

@@ -30,6 +30,11 @@ def _probe() -> str | None:
     return None
 
 
+def _memory(index: int) -> tuple[int, int]:
+    import torch
+    return torch.cuda.mem_get_info(index)
+
+
 @hookimpl
 def register_backends(register):
     interp = interpreted()
@@ -44,4 +49,6 @@ def register_backends(register):
         validation=("Triton interpreter on CPU (conformance in CI); real GPU: " + GPU_VALIDATION) if interp
         else ("Triton kernels on a CUDA device; real GPU: " + GPU_VALIDATION),
         always_check_values=interp,
+        devices=("cuda",),
+        memory=None if interp else _memory,
     ))

@@ -54,6 +54,7 @@ class Llama:
 
     def __init__(self, config: LlamaConfig, weights: dict[str, Tensor], backend, num_layers: int | None = None):
         self.cfg, self.be = config, backend
+        self.device = torch.device(backend.device_type)
         self.num_layers = config.layers if num_layers is None else num_layers
         if not 1 <= self.num_layers <= config.layers:
             raise HalError(f"num_layers: expected 1..{config.layers}, got {num_layers}")
@@ -68,14 +69,25 @@ class Llama:
         self._rope_cache = torch.empty(0, half, dtype=torch.complex64)
 
     def layer_view(self, num_layers: int) -> "Llama":
-        return Llama(self.cfg, self.w, self.be, num_layers)
+        view = Llama(self.cfg, self.w, self.be, num_layers)
+        view.device = self.device
+        return view
+
+    def to(self, device) -> "Llama":
+        """Move the weights to ``device`` (a `hal.placement.Side` device of this backend)."""
+        self.device = torch.device(device)
+        for name, t in self.w.items():
+            self.w[name] = t.to(self.device)
+        self.embed, self.head, self.head_t = self.w["embed"], self.w.get("head", self.w["embed"]), self.w["head_t"]
+        self._rope_cache = self._rope_cache.to(self.device)
+        return self
 
     def _rope(self, positions: Tensor) -> Tensor:
         """Unit complex rotations [T, D/2] for the positions."""
         n = int(positions.max()) + 1 if positions.numel() else 0
         if self._rope_cache.shape[0] < n:
             ang = torch.arange(max(n, 2 * self._rope_cache.shape[0], 256), dtype=torch.float64)[:, None] * self._inv_freq
-            self._rope_cache = torch.polar(torch.ones_like(ang), ang).to(torch.complex64)
+            self._rope_cache = torch.polar(torch.ones_like(ang), ang).to(self.device, torch.complex64)
         return self._rope_cache[positions]
 
     def _apply_rope(self, x: Tensor, rot: Tensor) -> Tensor:

@@ -1,0 +1,114 @@
+"""Where the draft and the target run, and how draft outputs cross between them.
+
+``Placement(draft="npu:0", target="cuda:0")`` or ``HAL_PLACEMENT="draft=ascend:0,target=cuda:0"``.
+A side names a backend (``cuda``, ``ascend``, ``cpu``, a plugin) or a torch device
+type that a registered backend serves (``npu`` -> ascend), with an optional index.
+Each side gets its backend from the registry; nothing here branches on a device name.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from hal.errors import HalError, arg_error
+
+
+@dataclass(frozen=True)
+class Side:
+    """One resolved side: its backend and the torch device its tensors live on."""
+
+    backend: object
+    device: torch.device
+    spec: str
+
+
+@dataclass(frozen=True)
+class Placement:
+    draft: str = "auto"
+    target: str = "auto"
+
+    @classmethod
+    def from_env(cls, value: str | None = None) -> "Placement":
+        """Parse ``HAL_PLACEMENT`` (``draft=...,target=...``; either may be omitted)."""
+        value = os.environ.get("HAL_PLACEMENT", "") if value is None else value
+        sides = {}
+        for part in filter(None, (p.strip() for p in value.split(","))):
+            key, eq, dev = part.partition("=")
+            if not eq or key.strip() not in ("draft", "target") or not dev.strip():
+                raise arg_error("HAL_PLACEMENT", "'draft=<backend or device>[:i],target=<backend or device>[:i]'",
+                                repr(value))
+            sides[key.strip()] = dev.strip()
+        return cls(**sides)
+
+    def resolve(self) -> tuple[Side, Side]:
+        """(draft side, target side)."""
+        return resolve_side(self.draft, "draft"), resolve_side(self.target, "target")
+
+
+def resolve_side(text: str, which: str = "device") -> Side:
+    """A backend for ``text``: a backend name, else the highest-priority available backend
+    that serves that device type. An explicit request never falls back silently."""
+    from hal import registry
+    name, _, index = text.partition(":")
+    if index and not index.isdigit():
+        raise arg_error(which, "'<backend or device type>[:<index>]'", repr(text))
+    if name == "auto":
+        be = registry.get_backend()
+    elif name in registry.specs():
+        be = registry.get_backend(name)
+    else:
+        serving = [r for r in registry.list_backends() if name in registry.specs()[r.name].serves()]
+        usable = [r for r in serving if r.available]
+        if not usable:
+            why = "; ".join(f"{r.name}: {r.reason}" for r in serving) or "no registered backend serves it"
+            raise HalError(f"{which}: expected an available backend or device type, got {text!r} ({why})")
+        be = registry.get_backend(usable[0].name)
+    dev = torch.device(be.device_type, int(index)) if index and be.device_type != "cpu" else torch.device(
+        be.device_type)
+    return Side(be, dev, text)
+
+
+def _pinned(shape, dtype) -> Tensor:
+    try:
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+    except RuntimeError:  # no accelerator runtime here: pageable host memory is all there is
+        return torch.empty(shape, dtype=dtype)
+
+
+def transfer(t: Tensor, device: torch.device) -> Tensor:
+    """Move ``t`` to ``device`` without blocking the host. Same device type: one
+    non-blocking copy (peer copy on one vendor). Different accelerator vendors: staged
+    through pinned host memory (device -> host, host -> device), both non-blocking."""
+    if t.device == device:
+        return t
+    if t.device.type == "cpu" or device.type == "cpu" or t.device.type == device.type:
+        src = t
+        if t.device.type == "cpu" and not t.is_pinned() and device.type != "cpu":
+            src = _pinned(t.shape, t.dtype).copy_(t)
+        return src.to(device, non_blocking=True)
+    host = _pinned(t.shape, t.dtype)
+    host.copy_(t, non_blocking=True)
+    return host.to(device, non_blocking=True)
+
+
+def sparse_q(q: Tensor) -> tuple[Tensor, Tensor]:
+    """Draft probabilities sampled with top-k (or top-p) are zero outside a few ids per row:
+    send (indices [N, W] int32, values [N, W]) with W the largest non-zero count instead of
+    [N, V]. Exact: every non-zero is kept (ties at a cutoff included)."""
+    if q.dim() != 2:
+        raise arg_error("q", "a [N, V] tensor", f"shape {list(q.shape)}")
+    width = max(int((q > 0).sum(-1).max()), 1) if q.shape[0] else 1  # one sync: q is leaving the device
+    vals, idx = q.topk(width, dim=-1)
+    return idx.to(torch.int32), vals
+
+
+def dense_q(indices: Tensor, values: Tensor, vocab: int) -> Tensor:
+    """Rebuild [N, V] draft probabilities from `sparse_q` output, on the indices' device."""
+    if indices.shape != values.shape or indices.dim() != 2:
+        raise arg_error("values", f"the indices' shape {list(indices.shape)}", f"shape {list(values.shape)}")
+    return torch.zeros(indices.shape[0], vocab, dtype=values.dtype, device=values.device).scatter_(
+        1, indices.long(), values)

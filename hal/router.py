@@ -1,0 +1,140 @@
+"""Routing and adaptive k: per request, speculate or not, and how many drafts.
+
+Leviathan et al.: with per-token acceptance a, k drafts yield E(k) = (1 - a^(k+1)) / (1 - a)
+tokens per verify step, and the (k+1)-th draft adds a^(k+1). A step's cost is the
+target forward over all fed tokens (profiled at start-up) plus the draft chain. The
+router adds drafts one at a time, to the request with the largest marginal gain, while
+batch tokens per second ``sum E / cost`` still rises; so k shrinks smoothly as the
+batch grows (no threshold cliff).
+
+Non-anticipating: `Router.choose` runs before anything is drafted and reads only
+finished steps (EWMA acceptance), prompt and context lengths and the batch size, so
+the choice of k never depends on this step's draws and the output distribution is
+unchanged (tests/test_routing.py, with the DSpark counterexample).
+"""
+
+from __future__ import annotations
+
+import time
+from bisect import bisect_left
+from dataclasses import dataclass, field
+
+from hal.errors import arg_error
+
+
+@dataclass
+class CostModel:
+    """Step cost in seconds: ``verify[T]`` for a target forward over T fed tokens (piecewise
+    linear between profiled points), plus ``per_context`` seconds per (fed token x
+    context token) for attention, plus ``draft[k]`` for a draft chain of k tokens."""
+
+    verify: dict[int, float]
+    draft: dict[int, float] = field(default_factory=dict)
+    per_context: float = 0.0
+
+    def step(self, ks: list[int], contexts: list[int]) -> float:
+        fed = sum(1 + k for k in ks)
+        attn = self.per_context * sum((1 + k) * c for k, c in zip(ks, contexts))
+        return _interp(self.verify, fed) + attn + (_interp(self.draft, max(ks)) if self.draft and max(ks, default=0) else 0.0)
+
+
+def _interp(table: dict[int, float], x: int) -> float:
+    xs = sorted(table)
+    if x <= xs[0]:
+        return table[xs[0]] * x / xs[0] if xs[0] else table[xs[0]]
+    if x >= xs[-1]:  # extrapolate with the last segment's slope
+        a, b = (xs[-2], xs[-1]) if len(xs) > 1 else (0, xs[-1])
+        slope = (table[b] - table.get(a, 0.0)) / (b - a)
+        return table[b] + slope * (x - b)
+    i = bisect_left(xs, x)
+    a, b = xs[i - 1], xs[i]
+    return table[a] + (table[b] - table[a]) * (x - a) / (b - a)
+
+
+def profile(fn, points: list[int], reps: int = 3) -> dict[int, float]:
+    """Median seconds of ``fn(x)`` for each x (after one warm-up call each)."""
+    out = {}
+    for x in points:
+        fn(x)
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn(x)
+            ts.append(time.perf_counter() - t)
+        out[x] = sorted(ts)[len(ts) // 2]
+    return out
+
+
+@dataclass
+class Ewma:
+    """Acceptance as decayed counts: accepted drafts over (accepted + first rejections)."""
+
+    decay: float
+    accepted: float = 0.0
+    trials: float = 0.0
+
+    def add(self, drafted: int, accepted: int) -> None:
+        self.accepted = self.decay * self.accepted + accepted
+        self.trials = self.decay * self.trials + accepted + (accepted < drafted)
+
+    def rate(self, prior: float, weight: float) -> float:
+        return (self.accepted + weight * prior) / (self.trials + weight)
+
+
+class Router:
+    """Chooses k per request (0 = plain decoding) to maximise expected tokens per second."""
+
+    def __init__(self, costs: CostModel, max_k: int = 8, prior: float = 0.6, request_decay: float = 0.7,
+                 global_decay: float = 0.95, prior_weight: float = 2.0, probe_every: int = 16):
+        if max_k < 0:
+            raise arg_error("max_k", "an int >= 0", max_k)
+        self.costs, self.max_k, self.prior, self.prior_weight = costs, max_k, prior, prior_weight
+        self.request_decay, self.probe_every = request_decay, probe_every
+        self.glob = Ewma(global_decay)
+        self.per: dict[object, Ewma] = {}
+        self.idle: dict[object, int] = {}
+
+    def acceptance(self, rid) -> float:
+        g = self.glob.rate(self.prior, 1.0)
+        e = self.per.get(rid)
+        return e.rate(g, self.prior_weight) if e else g
+
+    def choose(self, states) -> list[int]:
+        """k per live request, from finished steps only (see the module docstring)."""
+        n = len(states)
+        caps = [max(0, min(self.max_k, s.req.k, s.req.max_new_tokens - len(s.generated) - 1)) for s in states]
+        ctx = [len(s.tokens) for s in states]
+        alpha = [self.acceptance(s.rid) for s in states]
+        ks = [0] * n
+        tokens, cost = float(n), self.costs.step(ks, ctx)
+        while True:
+            gains = [alpha[i] ** (ks[i] + 1) if ks[i] < caps[i] else -1.0 for i in range(n)]
+            i = max(range(n), key=gains.__getitem__, default=None)
+            if i is None or gains[i] <= 0:
+                break
+            ks[i] += 1
+            c = self.costs.step(ks, ctx)
+            if (tokens + gains[i]) / c <= tokens / cost:
+                ks[i] -= 1
+                break
+            tokens, cost = tokens + gains[i], c
+        for i, s in enumerate(states):  # keep learning: probe an idle request with one draft now and then
+            self.idle[s.rid] = 0 if ks[i] else self.idle.get(s.rid, 0) + 1
+            if not ks[i] and caps[i] and self.probe_every and self.idle[s.rid] >= self.probe_every:
+                ks[i], self.idle[s.rid] = 1, 0
+        return ks
+
+    def observe(self, states, drafted: list[int], accepted: list[int]) -> None:
+        for s, d, a in zip(states, drafted, accepted):
+            if d:
+                self.per.setdefault(s.rid, Ewma(self.request_decay)).add(d, a)
+                self.glob.add(d, a)
+
+    def release(self, state) -> None:
+        self.per.pop(state.rid, None)
+        self.idle.pop(state.rid, None)
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Leviathan's E(k): tokens per verify step at per-token acceptance ``alpha``."""
+    return float(k + 1) if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)

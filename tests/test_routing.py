@@ -1,0 +1,155 @@
+"""Routing and adaptive k: the policy is non-anticipating, so the output distribution is
+the target's (DSpark counterexample included, and a planted peeking policy is caught);
+k follows acceptance and cost, and shrinks smoothly with batch size."""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import hal
+from hal.conformance._helpers import assert_distribution
+from hal.decoder import Request, SpeculativeDecoder
+from hal.drafters import EagleDrafter
+from hal.router import CostModel, Router, expected_tokens
+
+
+@dataclass
+class ToyConfig:
+    vocab: int
+    kv_heads: int = 1
+    head_dim: int = 16
+    layers: int = 1
+
+
+class ToyTarget:
+    """A target model whose next-token distribution is ``p`` at every position (the
+    test's stand-in for a network; every op on the path is the backend's own)."""
+
+    def __init__(self, be, p: torch.Tensor):
+        self.be, self.cfg, self.device = be, ToyConfig(p.numel()), torch.device(be.device_type)
+        self.logp = p.log()
+
+    def forward(self, batch, k_caches, v_caches, tree_mask=None):
+        n = batch.logits_rows.shape[0]
+        return self.logp.expand(n, -1).clone(), torch.zeros(n, 4)
+
+
+def constant_drafter(be, q: torch.Tensor) -> EagleDrafter:
+    """Drafts from ``q`` at every position (the DSpark draft), through the real drafter."""
+    return EagleDrafter(lambda h, x: (q.log().expand(len(x), -1), h), be)
+
+
+class PeekingDrafter:
+    """PLANTED non-anticipating violation: looks at the drafted tokens before deciding
+    how many to verify (keeps drafts only up to the first token 1): DSpark's counterexample."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def propose(self, states):
+        drafts, q = self.inner.propose(states)
+        keep = [d.index(1) if 1 in d else len(d) for d in drafts]
+        rows = torch.cat([torch.arange(sum(map(len, drafts[:i])), sum(map(len, drafts[:i])) + n)
+                          for i, n in enumerate(keep)])
+        return [d[:n] for d, n in zip(drafts, keep)], None if q is None else q[rows]
+
+    def accepted(self, *a):
+        pass
+
+    def release(self, s):
+        self.inner.release(s)
+
+
+def emitted(be, p, drafter, router, requests=12, tokens=160, seed=0):
+    target = ToyTarget(be, p)
+    dec = SpeculativeDecoder(target, drafter, num_blocks=64 * requests, router=router)
+    reqs = [Request([0], max_new_tokens=tokens, temperature=1.0, seed=seed * 1000 + i, k=6) for i in range(requests)]
+    return dec.generate(reqs), dec
+
+
+def adaptive_router(max_k=6):
+    # verify cost grows slowly with fed tokens: the router speculates and moves k with the EWMA
+    return Router(CostModel({1: 1.0, 8: 1.3, 64: 4.0}), max_k=max_k, request_decay=0.5)
+
+
+P2, Q2 = torch.tensor([0.7, 0.3]), torch.tensor([0.5, 0.5])
+
+
+@pytest.mark.parametrize("policy", ["fixed-k", "adaptive"])
+def test_dspark_counterexample_keeps_the_target_distribution(policy):
+    be = hal.get_backend("cpu")
+    router = adaptive_router() if policy == "adaptive" else None
+    out, dec = emitted(be, P2, constant_drafter(be, Q2), router)
+    toks = torch.tensor([t for o in out for t in o])
+    assert_distribution(toks, P2, f"DSpark p=(0.7,0.3) q=(0.5,0.5), {policy}")
+    pairs = torch.tensor([a * 2 + b for o in out for a, b in zip(o, o[1:])])
+    assert_distribution(pairs, torch.outer(P2, P2).flatten(), f"consecutive pairs, {policy}")
+    assert dec.metrics.total.num_draft_tokens > 500
+    if router is not None:  # the router really varied k
+        assert len(dec.metrics.total.drafts_per_position) >= 2
+
+
+def test_planted_peeking_policy_is_caught():
+    be = hal.get_backend("cpu")
+    out, _ = emitted(be, P2, PeekingDrafter(constant_drafter(be, Q2)), adaptive_router())
+    toks = torch.tensor([t for o in out for t in o])
+    with pytest.raises(AssertionError, match="chi-square"):
+        assert_distribution(toks, P2, "peeking policy")
+    share = float((toks == 0).float().mean())
+    assert 0.78 < share < 0.9, share  # DSpark: (0.7, 0.3) becomes about (0.85, 0.15)
+
+
+def test_adaptive_k_on_a_wider_vocabulary():
+    be = hal.get_backend("cpu")
+    g = torch.Generator().manual_seed(3)
+    p, q = torch.rand(6, generator=g) + 0.05, torch.rand(6, generator=g) + 0.05
+    p, q = p / p.sum(), q / q.sum()
+    out, dec = emitted(be, p, constant_drafter(be, q), adaptive_router(), seed=1)
+    assert_distribution(torch.tensor([t for o in out for t in o]), p, "adaptive k, V=6")
+
+
+class _S:  # the fields a router reads
+    def __init__(self, rid, k=8, ctx=100, left=100):
+        self.rid, self.tokens, self.generated = rid, [0] * ctx, []
+        self.req = Request([0], max_new_tokens=left, k=k)
+
+
+def test_router_follows_acceptance_and_respects_caps():
+    costs = CostModel({1: 1.0, 2: 1.05, 9: 1.6, 64: 6.0})
+    r = Router(costs, max_k=8)
+    hi, lo = _S("hi"), _S("lo")
+    for _ in range(20):
+        r.observe([hi, lo], [4, 4], [4, 0])
+    ks = r.choose([hi, lo])
+    assert ks[0] >= 4 and ks[1] == 0, ks
+    assert r.choose([_S("hi", k=2)])[0] <= 2                      # Request.k caps
+    assert r.choose([_S("hi", left=3)])[0] <= 2                   # never past max_new_tokens
+    assert Router(costs, max_k=0).choose([hi]) == [0]
+
+
+def test_idle_requests_are_probed():
+    r = Router(CostModel({1: 1.0, 2: 1.5}), max_k=4, probe_every=4)
+    s = _S("x")
+    for _ in range(10):
+        r.observe([s], [4], [0])
+    ks = [r.choose([s])[0] for _ in range(8)]
+    assert ks == [0, 0, 0, 1, 0, 0, 0, 1]
+
+
+def test_k_shrinks_smoothly_with_batch_size():
+    # compute-bound verify: cost grows linearly past 16 fed tokens
+    costs = CostModel({1: 1.0, 16: 1.2, 64: 4.8, 256: 19.2})
+    r = Router(costs, max_k=8, prior=0.8)
+    mean_k, tput = [], []
+    for b in (1, 2, 4, 8, 16, 32):
+        states = [_S(i) for i in range(b)]
+        ks = r.choose(states)
+        mean_k.append(sum(ks) / b)
+        tput.append(sum(expected_tokens(r.acceptance(s.rid), k) for s, k in zip(states, ks))
+                    / costs.step(ks, [100] * b))
+    assert all(a >= b for a, b in zip(mean_k, mean_k[1:])), mean_k
+    assert mean_k[0] >= 4 and mean_k[-1] <= 1, mean_k
+    plain = [b / costs.step([0] * b, [100] * b) for b in (1, 2, 4, 8, 16, 32)]
+    assert all(t >= p for t, p in zip(tput, plain)), (tput, plain)   # never worse than plain, by the model
+    assert all(b >= 0.95 * a for a, b in zip(tput, tput[1:])), tput  # no cliff
