@@ -58,6 +58,8 @@ class BackendSpec:
         call, not only under ``HAL_CHECK=1``. True where they cost no device sync.
     :param devices: the device types a `hal.placement.Placement` may name to get this
         backend (``"npu"`` for ascend); ``device_type`` is always one of them.
+    :param collective: the torch.distributed backend for links between two ranks that
+        both use this backend (``"nccl"``, ``"hccl"``); any other pair uses ``"gloo"``.
     :param memory: ``(free, total)`` bytes of device ``index``, for the memory planner;
         ``None`` where the backend cannot tell (plans then need explicit bytes).
     """
@@ -72,6 +74,7 @@ class BackendSpec:
     validation: str = "unknown"
     always_check_values: bool = False
     devices: tuple[str, ...] = ()
+    collective: str = "gloo"
     memory: Callable[[int], tuple[int, int]] | None = None
 
     def serves(self) -> tuple[str, ...]:

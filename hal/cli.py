@@ -113,12 +113,15 @@ def cmd_model(args) -> int:
 
 
 def load_model(name: str, backend):
-    """(Llama, tokenizer) for a fetchable model name or a .gguf path."""
+    """(Llama, tokenizer) for a fetchable model name or a .gguf path; (Llama, None) for an
+    HF folder (config.json + safetensors)."""
     from pathlib import Path
 
     from hal.models.fetch import MODELS, fetch
-    from hal.models.llama import load_gguf
+    from hal.models.llama import load_gguf, load_safetensors
     path = fetch(name) if name in MODELS else Path(name)
+    if path.is_dir():
+        return load_safetensors(path, backend), None
     return load_gguf(path, backend)
 
 

@@ -211,10 +211,11 @@ class SpeculativeDecoder:
             self._emit(s, out[i][: n_acc[i] + 1])
         self.steps += 1
 
-    def profile_costs(self, max_tokens: int = 72, context: int = 256, reps: int = 3):
+    def profile_costs(self, max_tokens: int = 72, context: int = 256, reps: int = 3, draft: bool = True):
         """A `hal.router.CostModel` measured here and now: the target forward over T fed
         tokens (T = 1, 2, 3, 5, 9, ... up to ``max_tokens``, at a short context), the
-        extra cost of ``context`` tokens of attention, and the drafter's chain of k."""
+        extra cost of ``context`` tokens of attention, and the drafter's chain of k
+        (``draft=False``: not profiled, e.g. a remote drafter whose work overlaps)."""
         from hal.router import CostModel, profile
         seqs = [self.pool.sequence(), self.pool.sequence()]
         try:
@@ -229,7 +230,7 @@ class SpeculativeDecoder:
             for q in seqs:
                 q.free()
         draft = {}
-        if self.drafter is not None:
+        if self.drafter is not None and draft:
             st = State(Request([1] * 16, k=1), -1, [1] * 16, seq=None)
 
             def chain(k):

@@ -112,3 +112,19 @@ def dense_q(indices: Tensor, values: Tensor, vocab: int) -> Tensor:
         raise arg_error("values", f"the indices' shape {list(indices.shape)}", f"shape {list(values.shape)}")
     return torch.zeros(indices.shape[0], vocab, dtype=values.dtype, device=values.device).scatter_(
         1, indices.long(), values)
+
+
+def link_backend(placement: Placement) -> str:
+    """The torch.distributed backend between the draft and target ranks: the backends'
+    own collective (nccl, hccl) when both sides name the same one, else gloo. Reads only
+    the registered specs (a rank cannot probe the other rank's devices)."""
+    from hal import registry
+
+    def collective(text: str) -> str:
+        name, specs = text.partition(":")[0], registry.specs()
+        if name in specs:
+            return specs[name].collective
+        serving = sorted((s for s in specs.values() if name in s.serves()), key=lambda s: -s.priority)
+        return serving[0].collective if serving else "gloo"
+    a, b = collective(placement.draft), collective(placement.target)
+    return a if a == b and "auto" not in (placement.draft, placement.target) else "gloo"

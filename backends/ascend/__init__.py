@@ -62,5 +62,6 @@ def register_backends(register):
         validation=("emulated: " if emu else "") + VALIDATION,
         always_check_values=emu,
         devices=("npu",),
+        collective="gloo" if emu else "hccl",
         memory=None if emu else _memory,
     ))

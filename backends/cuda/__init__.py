@@ -50,5 +50,6 @@ def register_backends(register):
         else ("Triton kernels on a CUDA device; real GPU: " + GPU_VALIDATION),
         always_check_values=interp,
         devices=("cuda",),
+        collective="gloo" if interp else "nccl",
         memory=None if interp else _memory,
     ))

@@ -1,0 +1,364 @@
+"""Draft and target in different processes or hosts.
+
+    torchrun --nproc-per-node 2 -m hal.serve --draft self:8 --prompt "..."
+    HAL_PLACEMENT="draft=cpu,target=cuda:0" torchrun --nproc-per-node 2 -m hal.serve ...
+
+Rank 0 runs the target and the `SpeculativeDecoder`; rank 1 is the draft worker. The
+link is gloo for cpu and cross-vendor pairs, the backends' own collective (nccl, hccl)
+when both sides share it. One round: the target sends COMMIT (the tokens it committed
+since the last round and each request's k), the worker answers DRAFTS built on exactly
+that committed prefix, which the target checks (base length and hash) before verifying;
+so the draft never builds on uncommitted tokens and a stale draft is dropped.
+
+Overlap: right after answering, while the target verifies, the worker drafts the next
+round assuming everything is accepted and guessing the bonus token (its own next
+draft). If the COMMIT that arrives matches that guess the reply is immediate; else the
+guess is dropped and the worker drafts afresh. If the worker dies or times out, the
+target finishes every request by plain decoding (identical output; counted in
+``metrics.draft_failures``). Without torchrun (WORLD_SIZE unset) the draft runs in-process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from hal.decoder import Request, SpeculativeDecoder, State
+from hal.errors import HalError
+from hal.placement import Placement, dense_q, link_backend, sparse_q, transfer
+
+COMMIT, DRAFTS, STOP = 1, 2, 3
+TARGET, DRAFT = 0, 1
+DRAFT_SEED = 1 << 40  # the worker's draws use (seed + DRAFT_SEED, offset): a stream the target never uses
+
+
+def history_hash(tokens: list[int]) -> int:
+    h = 1469598103934665603
+    for t in tokens:
+        h = ((h ^ (t + 1)) * 1099511628211) & ((1 << 62) - 1)
+    return h
+
+
+class Link:
+    """Messages between the two ranks: int64 words, optional float32 rows, optional int32
+    indices (sparse q). Sends are non-blocking; a receive may time out."""
+
+    def __init__(self, peer: int, device: torch.device):
+        self.peer, self.device, self._sending = peer, device, []
+
+    def send(self, words: list[int], rows: Tensor | None = None, idx: Tensor | None = None) -> None:
+        for w in self._sending:
+            w.wait()
+        parts = [torch.tensor(words, dtype=torch.long)]
+        parts += [rows.float().contiguous()] if rows is not None else []
+        parts += [idx.to(torch.int32).contiguous()] if idx is not None else []
+        r = rows.shape if rows is not None else (0, 0)
+        head = torch.tensor([len(words), r[0], r[1], idx is not None], dtype=torch.long)
+        parts = [transfer(t, self.device) for t in [head] + parts]
+        self._sending = [dist.isend(t, self.peer) for t in parts]
+        self._keep = parts
+
+    def recv(self, timeout: float | None) -> tuple[list[int], Tensor | None, Tensor | None]:
+        head = self._recv(torch.empty(4, dtype=torch.long), timeout).tolist()
+        words = self._recv(torch.empty(head[0], dtype=torch.long), timeout).tolist()
+        rows = self._recv(torch.empty(head[1], head[2]), timeout) if head[1] else None
+        idx = self._recv(torch.empty(head[1], head[2], dtype=torch.int32), timeout) if head[1] and head[3] else None
+        return words, rows, idx
+
+    def _recv(self, t: Tensor, timeout: float | None) -> Tensor:
+        t = t.to(self.device)
+        work = dist.irecv(t, self.peer)
+        if timeout is None:
+            work.wait()
+        else:
+            work.wait(timeout=datetime.timedelta(seconds=timeout))
+        return t
+
+
+class RemoteDrafter:
+    """The target's view of the draft worker (a `hal.decoder.Drafter`)."""
+
+    def __init__(self, link: Link, vocab: int, device: torch.device, metrics, timeout: float = 30.0,
+                 first_timeout: float = 600.0):
+        self.link, self.vocab, self.device, self.metrics = link, vocab, device, metrics
+        self.timeout, self.first_timeout = timeout, first_timeout
+        self.sent: dict[int, int] = {}     # rid -> tokens of its history the worker has
+        self.finished: list[int] = []
+        self.alive, self.rounds, self.guess_hits, self.guess_misses = True, 0, 0, 0
+
+    def propose(self, states: list[State]) -> tuple[list[list[int]], Tensor | None]:
+        empty = [[] for _ in states], None
+        if not self.alive:
+            return empty
+        live = {s.rid for s in states}
+        self.finished += [rid for rid in self.sent if rid not in live]
+        for rid in self.finished:
+            self.sent.pop(rid, None)
+        words, floats = [COMMIT, len(states), len(self.finished), *self.finished], []
+        self.finished = []
+        for s in states:
+            new = s.rid not in self.sent
+            words += [s.rid, s.req_k, len(s.tokens), int(new)]
+            if new:
+                words += [s.req.top_k, s.req.seed, s.req.max_new_tokens]
+                floats.append([s.req.temperature, s.req.top_p])
+            delta = s.tokens[self.sent.get(s.rid, 0):]
+            words += [len(delta), *delta]
+            self.sent[s.rid] = len(s.tokens)
+        try:
+            self.link.send(words, torch.tensor(floats) if floats else None)
+            reply, rows, idx = self.link.recv(self.timeout if self.rounds else self.first_timeout)
+        except RuntimeError as e:  # gloo: connection reset (the worker died) or a timeout
+            self._fail(e)
+            return empty
+        self.rounds += 1
+        drafts, keep, r, at = [], [], 0, 3
+        self.guess_hits += reply[1]
+        self.guess_misses += reply[2]
+        self.metrics.stale_drafts += reply[2]
+        for s in states:
+            rid, base_len, base_hash, n = reply[at:at + 4]
+            d = reply[at + 4:at + 4 + n]
+            at += 4 + n
+            ok = rid == s.rid and base_len == len(s.tokens) and base_hash == history_hash(s.tokens) and n <= max(
+                s.req_k, 0)
+            if not ok:  # not built on the committed prefix: dropped
+                self.metrics.stale_drafts += 1
+                d = []
+            keep += range(r, r + len(d))
+            r += n
+            drafts.append(d)
+        q = None
+        if rows is not None and keep:
+            rows = rows[keep] if len(keep) != rows.shape[0] else rows
+            q = transfer(rows, self.device) if idx is None else dense_q(
+                transfer(idx[keep] if len(keep) != idx.shape[0] else idx, self.device), transfer(rows, self.device),
+                self.vocab)
+        return drafts, q
+
+    def _fail(self, e: Exception) -> None:
+        self.alive = False
+        self.metrics.draft_failures += 1
+        print(f"hal.serve: draft worker lost ({type(e).__name__}: {str(e).splitlines()[0][:160]}); "
+              "finishing every request by plain decoding", file=sys.stderr, flush=True)
+
+    def accepted(self, states, drafted, n_accepted) -> None:
+        pass
+
+    def release(self, state: State) -> None:
+        if self.sent.pop(state.rid, None) is not None:
+            self.finished.append(state.rid)
+
+    def close(self) -> None:
+        if self.alive:
+            try:
+                self.link.send([STOP])
+                for w in self.link._sending:
+                    w.wait()
+            except RuntimeError:
+                pass
+
+
+def draft_worker(link: Link, drafter, fault: str = "") -> None:
+    """Serve DRAFTS for each COMMIT until STOP (see the module docstring)."""
+    states: dict[int, State] = {}
+    guess: dict[int, tuple[list[int], list[int], Tensor | None]] = {}  # rid -> (base, drafts, q rows)
+    replies = 0
+    while True:
+        words, floats, _ = link.recv(None)
+        if words[0] == STOP:
+            return
+        n, n_done = words[1], words[2]
+        for rid in words[3:3 + n_done]:
+            if (st := states.pop(rid, None)) is not None:
+                drafter.release(st)
+            guess.pop(rid, None)
+        at, f, order = 3 + n_done, 0, []
+        for _ in range(n):
+            rid, k, length, new = words[at:at + 4]
+            at += 4
+            if new:
+                top_k, seed, max_new = words[at:at + 3]
+                at += 3
+                temp, top_p = floats[f].tolist()
+                f += 1
+                req = Request([0], max_new_tokens=max_new, temperature=temp, top_k=top_k, top_p=top_p,
+                              seed=seed + DRAFT_SEED, k=k)
+                states[rid] = State(req, rid, [], seq=None)
+            st = states[rid]
+            nd = words[at]
+            st.tokens = st.tokens + words[at + 1:at + 1 + nd]
+            at += 1 + nd
+            if len(st.tokens) != length:
+                raise HalError(f"hal.serve: expected a committed history of {length} tokens for request {rid}, "
+                               f"got {len(st.tokens)} (protocol out of step)")
+            st.req_k = k
+            order.append(st)
+        # the guess holds when the target accepted every draft and its bonus token was the draft's guess
+        hits = [s for s in order if s.req_k and s.rid in guess and guess[s.rid][0] == s.tokens
+                and len(guess[s.rid][1]) >= s.req_k]
+        stale = sum(1 for s in order if s.rid in guess and s not in hits)
+        fresh = [s for s in order if s.req_k and s not in hits]
+        out: dict[int, tuple[list[int], Tensor | None]] = {s.rid: ([], None) for s in order}
+        for s in hits:
+            base, d, q = guess[s.rid]
+            out[s.rid] = (d[:s.req_k], None if q is None else q[:s.req_k])
+        if fresh:
+            d, q = drafter.propose(fresh)
+            r = 0
+            for s, ds in zip(fresh, d):
+                out[s.rid] = (ds, None if q is None else q[r:r + len(ds)])
+                r += len(ds)
+        guess.clear()
+        words, rows = [DRAFTS, len(hits), stale], []
+        for s in order:
+            ds, q = out[s.rid]
+            words += [s.rid, len(s.tokens), history_hash(s.tokens), len(ds), *ds]
+            if q is not None:
+                rows.append(q)
+        q = torch.cat(rows) if rows else None
+        sparse = q is not None and any(s.req.top_k > 0 or s.req.top_p < 1 for s in order)
+        idx, q = sparse_q(q) if sparse else (None, q)
+        link.send(words, q, idx)
+        replies += 1
+        if fault and replies == int(fault.split(":")[1]):  # fault injection for tests: HAL_SERVE_FAULT=
+            if fault.startswith("kill"):                   # kill:N (SIGKILL after N replies) or
+                os.kill(os.getpid(), signal.SIGKILL)       # hang:N:S (stop answering for S s, then exit)
+            time.sleep(float(fault.split(":")[2]))
+            os._exit(0)
+        # overlap: draft the next round on the guess "all accepted + my next token" while the target verifies
+        spec = [s for s in order if s.req_k]
+        if spec:
+            base = {s.rid: s.tokens for s in spec}
+            for s in spec:
+                s.tokens = s.tokens + out[s.rid][0]
+                s.req_k += 1
+            d, q = drafter.propose(spec)
+            r = 0
+            for s, ds in zip(spec, d):
+                if ds:
+                    guess[s.rid] = (s.tokens + ds[:1], ds[1:], None if q is None else q[r + 1:r + len(ds)])
+                r += len(ds)
+                s.tokens, s.req_k = base[s.rid], s.req_k - 1
+
+
+def build_drafter(kind: str, side, model_name: str):
+    """The worker's drafter: ``ngram``, ``self:L`` (first L layers of the model) or ``model:<gguf>``."""
+    from hal.drafters import ModelDrafter, NgramDrafter
+    if kind == "ngram":
+        return NgramDrafter(side.backend)
+    from hal.cli import load_model
+    if kind.startswith("self"):
+        model, _ = load_model(model_name, side.backend)
+        layers = int(kind.split(":")[1]) if ":" in kind else model.cfg.layers // 2
+        return ModelDrafter(model.to(side.device).layer_view(layers))
+    if kind.startswith("model:"):
+        model, _ = load_model(kind[len("model:"):], side.backend)
+        return ModelDrafter(model.to(side.device))
+    raise HalError(f"--draft: expected ngram, self[:L] or model:<path.gguf>, got {kind!r}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m hal.serve", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--draft", default="ngram", help="ngram, self[:L] or model:<path.gguf>")
+    ap.add_argument("--model", default="smollm2-135m", help="a fetchable name, a .gguf path or an HF folder")
+    ap.add_argument("--prompt", action="append", default=[], help="repeatable: one request each")
+    ap.add_argument("--prompt-ids", action="append", default=[], help="comma-separated token ids (repeatable); "
+                                                                      "for models without a tokenizer")
+    ap.add_argument("--k", type=int, default=8, help="k per step, or its cap with --route")
+    ap.add_argument("--route", action="store_true", help="adaptive k (profiles costs at start-up)")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--draft-timeout", type=float, default=30.0, help="seconds to wait for drafts before "
+                                                                       "falling back to plain decoding")
+    ap.add_argument("--out", help="write outputs and metrics as JSON here")
+    args = ap.parse_args(argv)
+    try:
+        return _run(args)
+    except HalError as e:
+        print(f"hal.serve: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
+    from hal.cli import load_model
+    from hal.metrics import SpecDecodeMetrics
+    from hal.models.tokenizer import chatml
+    placement = Placement.from_env()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world not in (1, 2):
+        raise HalError(f"WORLD_SIZE: expected 1 (in-process draft) or 2 (draft and target ranks), got {world}")
+    rank = int(os.environ.get("RANK", "0"))
+    if world == 2:
+        backend = link_backend(placement)
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=max(600.0, args.draft_timeout)))
+    draft_side, target_side = (None, None)
+    if rank == DRAFT:
+        from hal.placement import resolve_side
+        draft_side = resolve_side(placement.draft, "draft")
+        link = Link(TARGET, torch.device("cpu") if backend == "gloo" else draft_side.device)
+        drafter = build_drafter(args.draft, draft_side, args.model)
+        draft_worker(link, drafter, os.environ.get("HAL_SERVE_FAULT", ""))
+        dist.destroy_process_group()
+        return 0
+    from hal.placement import resolve_side
+    target_side = resolve_side(placement.target, "target")
+    model, tok = load_model(args.model, target_side.backend)
+    model.to(target_side.device)
+    metrics = SpecDecodeMetrics()
+    if world == 2:
+        link = Link(DRAFT, torch.device("cpu") if backend == "gloo" else target_side.device)
+        drafter = RemoteDrafter(link, model.cfg.vocab, target_side.device, metrics, args.draft_timeout)
+    else:
+        drafter = build_drafter(args.draft, resolve_side(placement.draft, "draft"), args.model)
+    router = None
+    dec = SpeculativeDecoder(model, drafter, metrics=metrics)
+    if args.route:
+        from hal.router import Router
+        router = dec.router = Router(dec.profile_costs(draft=world == 1), max_k=args.k)
+    stop = (model.cfg.eos_id,) if model.cfg.eos_id is not None else ()
+    prompts = [[int(t) for t in p.split(",")] for p in args.prompt_ids]
+    if args.prompt and tok is None:
+        raise HalError(f"--prompt: model {args.model} has no tokenizer; pass --prompt-ids")
+    prompts += [tok.encode(chatml(p)).ids for p in args.prompt]
+    if not prompts:
+        raise HalError("--prompt: expected at least one --prompt or --prompt-ids, got none")
+    reqs = [Request(p, max_new_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                    seed=args.seed + i, k=args.k, stop_ids=stop) for i, p in enumerate(prompts)]
+    t = time.perf_counter()
+    try:
+        outs = dec.generate(reqs)
+    finally:
+        if world == 2:
+            drafter.close()
+            if drafter.alive:
+                dist.destroy_process_group()
+    dt = time.perf_counter() - t
+    for p, o in zip(args.prompt_ids + args.prompt, outs):
+        print(f"=== {p[:60]!r}\n{o if tok is None else tok.decode(o, skip_special_tokens=True)}\n")
+    m = metrics
+    summary = {"outputs": outs, "seconds": dt, "tokens": sum(map(len, outs)), "world_size": world,
+               "link": backend if world == 2 else None, "target": f"{target_side.backend.name}@{target_side.device}",
+               "acceptance_rate": m.acceptance_rate, "mean_acceptance_length": m.mean_acceptance_length,
+               "draft_failures": m.draft_failures, "stale_drafts": m.stale_drafts,
+               "overlap_hits": getattr(drafter, "guess_hits", 0), "overlap_misses": getattr(drafter, "guess_misses", 0)}
+    print(json.dumps({k: v for k, v in summary.items() if k != "outputs"}), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(summary, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""Draft and target as two torch.distributed ranks (gloo on 127.0.0.1), launched the
+documented way (torchrun -m hal.serve): output identical to single-process plain greedy;
+the draft worker killed or hung mid-run: the target finishes by plain decoding, with
+identical output and the failure counted."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import hal
+from hal.decoder import Request, SpeculativeDecoder
+from hal.models.llama import load_safetensors
+from tests.test_llama_runner import H, HEADS, KV, LAYERS, V, FFN, hf_weights
+
+PROMPTS = ["1,2,3,4,5,6,7,8,9", "10,11,12,13,10,11,12"]
+N = 24
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from safetensors.torch import save_file
+    folder = tmp_path_factory.mktemp("tiny-serve")
+    save_file(hf_weights(torch.Generator().manual_seed(1)), str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(dict(
+        hidden_size=H, num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV,
+        intermediate_size=FFN, vocab_size=V, rope_theta=10000.0, rms_norm_eps=1e-5)))
+    return folder
+
+
+def plain(folder, backend: str, prompts=PROMPTS, n=N):
+    model = load_safetensors(folder, hal.get_backend(backend))
+    reqs = [Request([int(t) for t in p.split(",")], max_new_tokens=n, k=0) for p in prompts]
+    return SpeculativeDecoder(model, None, num_blocks=64).generate(reqs)
+
+
+def serve_args(folder, out, *extra):
+    args = ["--model", str(folder), "--out", str(out), "--max-tokens", str(N)]
+    for p in PROMPTS:
+        args += ["--prompt-ids", p]
+    return args + list(extra)
+
+
+def torchrun(args, env=None, timeout=300):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), "-m", "hal.serve", *args]
+    r = subprocess.run(cmd, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    return r
+
+
+def test_two_ranks_draft_cpu_target_cuda_interpreter(tiny, tmp_path):
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1 for the cuda backend on CPU")
+    out = tmp_path / "o.json"
+    torchrun(serve_args(tiny, out, "--draft", "self:1", "--k", "3"), {"HAL_PLACEMENT": "draft=cpu,target=cuda"})
+    got = json.loads(out.read_text())
+    assert got["world_size"] == 2 and got["link"] == "gloo" and got["target"].startswith("cuda")
+    assert got["outputs"] == plain(tiny, "cuda"), "two-rank greedy output differs from plain greedy"
+    assert got["draft_failures"] == 0 and got["acceptance_rate"] > 0
+    assert got["overlap_hits"] + got["overlap_misses"] > 0
+
+
+def test_two_ranks_cpu_sampled_with_sparse_q(tiny, tmp_path):
+    out = tmp_path / "o.json"
+    torchrun(serve_args(tiny, out, "--draft", "self:2", "--k", "4", "--temperature", "1.0", "--top-k", "5"),
+             {"HAL_PLACEMENT": "draft=cpu,target=cpu"})
+    got = json.loads(out.read_text())
+    assert [len(o) for o in got["outputs"]] == [N, N] and all(0 <= t < V for o in got["outputs"] for t in o)
+    # the draft is the target itself: with q crossing sparsely and exactly, every draft is accepted
+    assert got["acceptance_rate"] == 1.0 and got["overlap_hits"] > 0
+
+
+def test_two_ranks_real_model(tmp_path):
+    from hal.cli import load_model
+    try:
+        target, tok = load_model("smollm2-135m", hal.get_backend("cpu"))
+    except hal.HalError as e:
+        pytest.skip(f"model not fetchable: {e}")
+    from hal.models.tokenizer import chatml
+    prompts = ["Repeat this exactly: the cat sat on the mat, the cat sat on the mat.",
+               "Write a Python function that adds two numbers."]
+    out = tmp_path / "o.json"
+    torchrun(["--draft", "ngram", "--k", "5", "--max-tokens", "20", "--out", str(out)]
+             + [a for p in prompts for a in ("--prompt", p)])
+    got = json.loads(out.read_text())
+    reqs = [Request(tok.encode(chatml(p)).ids, max_new_tokens=20, k=0, stop_ids=(target.cfg.eos_id,))
+            for p in prompts]
+    assert got["outputs"] == SpeculativeDecoder(target, None, num_blocks=64).generate(reqs)
+    assert got["acceptance_rate"] > 0  # drafts crossed the link and were used
+
+
+def test_killed_draft_worker_target_finishes_by_plain_decoding(tiny, tmp_path):
+    out, port = tmp_path / "o.json", str(free_port())
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2",
+           "HAL_PLACEMENT": "draft=cpu,target=cpu"}
+    cmd = [sys.executable, "-m", "hal.serve", *serve_args(tiny, out, "--draft", "self:2", "--k", "2")]
+    draft = subprocess.Popen(cmd, env={**env, "RANK": "1", "HAL_SERVE_FAULT": "kill:2"},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    target = subprocess.run(cmd, env={**env, "RANK": "0"}, capture_output=True, text=True, timeout=300)
+    draft.wait(timeout=60)
+    assert draft.returncode == -9
+    assert target.returncode == 0, target.stderr[-3000:]
+    assert "draft worker lost" in target.stderr
+    got = json.loads(out.read_text())
+    assert got["outputs"] == plain(tiny, "cpu") and got["draft_failures"] == 1
+    assert got["mean_acceptance_length"] > 1  # it did speculate before the kill
+
+
+def test_hung_draft_worker_times_out_under_torchrun(tiny, tmp_path):
+    out = tmp_path / "o.json"
+    r = torchrun(serve_args(tiny, out, "--draft", "self:2", "--k", "2", "--draft-timeout", "2"),
+                 {"HAL_PLACEMENT": "draft=cpu,target=cpu", "HAL_SERVE_FAULT": "hang:3:6"})
+    got = json.loads(out.read_text())
+    assert "Timed out" in r.stderr
+    assert got["outputs"] == plain(tiny, "cpu") and got["draft_failures"] == 1
