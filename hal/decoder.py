@@ -179,10 +179,20 @@ class SpeculativeDecoder:
     def _step(self, live: list[State]) -> None:
         be, dev = self.target.be, self.target.device
         self._choose_k(live)
+        # a free deterministic drafter also drafts for requests routed to k = 0; those drafts are
+        # not verified, only scored against the emitted token (acceptance the router keeps learning)
+        shadow = {s.rid for s in live if s.req_k == 0 and s.req.temperature == 0 and s.req.max_new_tokens - len(
+            s.generated) > 1} if self.router is not None and getattr(self.drafter, "shadow", False) else set()
+        for s in live:
+            s.req_k = 1 if s.rid in shadow else s.req_k
         if any(s.req_k > 0 for s in live):
             drafts, q = self.drafter.propose(live)
         else:
             drafts, q = [[] for _ in live], None
+        guesses = {}
+        for i, s in enumerate(live):
+            if s.rid in shadow:
+                guesses[i], drafts[i], s.req_k = drafts[i][:1], [], 0
         ids, cu = torch.tensor([t for d in drafts for t in d], dtype=torch.long), torch.tensor(
             [0] + [len(d) for d in drafts]).cumsum(0)
         max_k = max(len(d) for d in drafts)
@@ -203,6 +213,9 @@ class SpeculativeDecoder:
             self.drafter.accepted(live, drafted, n_acc)
         if self.router is not None:
             self.router.observe(live, drafted, n_acc)
+            scored = [i for i, g in guesses.items() if g]
+            self.router.observe([live[i] for i in scored], [1] * len(scored),
+                                [int(guesses[i][0] == out[i][0]) for i in scored])
         row = 0
         for i, s in enumerate(live):
             s.seq.commit(n_acc[i] + 1)
@@ -211,11 +224,12 @@ class SpeculativeDecoder:
             self._emit(s, out[i][: n_acc[i] + 1])
         self.steps += 1
 
-    def profile_costs(self, max_tokens: int = 72, context: int = 256, reps: int = 3, draft: bool = True):
+    def profile_costs(self, max_tokens: int = 72, context: int = 256, reps: int = 5,
+                      profile_draft: bool = True):
         """A `hal.router.CostModel` measured here and now: the target forward over T fed
         tokens (T = 1, 2, 3, 5, 9, ... up to ``max_tokens``, at a short context), the
         extra cost of ``context`` tokens of attention, and the drafter's chain of k
-        (``draft=False``: not profiled, e.g. a remote drafter whose work overlaps)."""
+        (``profile_draft=False``: not profiled, e.g. a remote drafter whose work overlaps)."""
         from hal.router import CostModel, profile
         seqs = [self.pool.sequence(), self.pool.sequence()]
         try:
@@ -230,7 +244,7 @@ class SpeculativeDecoder:
             for q in seqs:
                 q.free()
         draft = {}
-        if self.drafter is not None and draft:
+        if self.drafter is not None and profile_draft:
             st = State(Request([1] * 16, k=1), -1, [1] * 16, seq=None)
 
             def chain(k):

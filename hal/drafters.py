@@ -15,7 +15,12 @@ from hal.models.llama import Llama
 
 
 class NgramDrafter:
-    """Prompt lookup through the backend's ``ngram_propose`` (vLLM semantics)."""
+    """Prompt lookup through the backend's ``ngram_propose`` (vLLM semantics).
+
+    ``shadow``: drafts are nearly free and deterministic, so a router may have it draft
+    for requests routed to k = 0 and score the first draft against the emitted token."""
+
+    shadow = True
 
     def __init__(self, backend, min_n: int = 1, max_n: int = 3):
         self.be, self.min_n, self.max_n = backend, min_n, max_n

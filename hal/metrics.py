@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Hashable, Iterable
 
-from hal.errors import arg_error
+from hal.errors import HalError, arg_error
 
 
 @dataclass
@@ -57,6 +57,7 @@ class SpecDecodeMetrics:
         self.e2e: list[float] = []    # seconds from arrival to the last token
         self.draft_failures = 0       # the draft worker died or timed out; its requests fell back to plain decoding
         self.stale_drafts = 0         # drafts dropped because they were not built on the committed prefix
+        self.acceptance_lengths: list[int] = []  # tokens emitted per request per verify step with drafts
         self._first: dict[Hashable, float] = {}
 
     def first_token(self, request_id: Hashable, seconds: float) -> None:
@@ -82,6 +83,8 @@ class SpecDecodeMetrics:
                 raise arg_error("num_accepted", f"0 <= accepted <= drafts ({k})", a)
             self.total.add(k, a)
             self.requests.setdefault(rid, Counters()).add(k, a)
+            if k > 0:
+                self.acceptance_lengths.append(1 + a)
 
     @property
     def acceptance_rate(self) -> float:
@@ -90,3 +93,53 @@ class SpecDecodeMetrics:
     @property
     def mean_acceptance_length(self) -> float:
         return self.total.mean_acceptance_length
+
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (``q`` in [0, 100]); 0.0 for no values."""
+    if not values:
+        return 0.0
+    v = sorted(values)
+    return v[min(len(v) - 1, max(0, -(-len(v) * q // 100) - 1))]
+
+
+def prometheus_text(m: SpecDecodeMetrics, prefix: str = "spec_hal") -> str:
+    """The metrics in Prometheus text format (needs the optional ``prometheus-client``):
+    counters, acceptance rate and length, per-position acceptance, acceptance-length and
+    TTFT/TPOT/end-to-end histograms, and their P50/P99."""
+    try:
+        import prometheus_client as pc
+    except ImportError as e:
+        raise HalError("prometheus export: expected the optional dependency prometheus-client "
+                       "(pip install 'spec-hal[metrics]'), got it missing") from e
+    reg = pc.CollectorRegistry()
+    t = m.total
+    for name, doc, v in (("drafts", "verify steps with at least one draft token", t.num_drafts),
+                         ("draft_tokens", "draft tokens proposed", t.num_draft_tokens),
+                         ("accepted_tokens", "draft tokens accepted", t.num_accepted_tokens),
+                         ("draft_failures", "draft worker deaths or timeouts (fell back to plain decoding)",
+                          m.draft_failures),
+                         ("stale_drafts", "drafts dropped: not built on the committed prefix", m.stale_drafts)):
+        pc.Counter(f"{prefix}_{name}", doc, registry=reg).inc(v)
+    pc.Gauge(f"{prefix}_acceptance_rate", "accepted / proposed draft tokens", registry=reg).set(m.acceptance_rate)
+    pc.Gauge(f"{prefix}_mean_acceptance_length", "tokens per verify step", registry=reg).set(
+        m.mean_acceptance_length)
+    pos = pc.Gauge(f"{prefix}_acceptance_by_position", "P(draft j accepted | proposed)", ["position"], registry=reg)
+    for j, a in enumerate(t.acceptance_by_position()):
+        pos.labels(str(j)).set(a)
+    hist = pc.Histogram(f"{prefix}_acceptance_length", "tokens emitted per request per verify step",
+                        buckets=[float(b) for b in range(1, 18)], registry=reg)
+    for a in m.acceptance_lengths:
+        hist.observe(a)
+    quant = pc.Gauge(f"{prefix}_latency_quantile_seconds", "P50/P99 latency", ["metric", "quantile"], registry=reg)
+    for name, doc, values in (("time_to_first_token", "TTFT", m.ttft), ("time_per_output_token", "TPOT", m.tpot),
+                              ("e2e_request_latency", "arrival to last token", m.e2e)):
+        h = pc.Histogram(f"{prefix}_{name}_seconds", doc, buckets=LATENCY_BUCKETS, registry=reg)
+        for v in values:
+            h.observe(v)
+        for q in (50, 99):
+            quant.labels(name, f"0.{q}").set(percentile(values, q))
+    return pc.generate_latest(reg).decode()

@@ -15,6 +15,7 @@ unchanged (tests/test_routing.py, with the DSpark counterexample).
 
 from __future__ import annotations
 
+import heapq
 import time
 from bisect import bisect_left
 from dataclasses import dataclass, field
@@ -32,10 +33,20 @@ class CostModel:
     draft: dict[int, float] = field(default_factory=dict)
     per_context: float = 0.0
 
+    def __post_init__(self):  # measured tables are noisy: make them non-decreasing
+        for table in (self.verify, self.draft):
+            run = 0.0
+            for x in sorted(table):
+                run = table[x] = max(run, table[x])
+
+    def cost(self, fed: int, fed_x_context: int, chain: int) -> float:
+        """A step feeding ``fed`` tokens with ``fed_x_context`` (fed token x context) pairs
+        and a draft chain of ``chain`` tokens."""
+        draft = _interp(self.draft, chain) if self.draft and chain else 0.0
+        return _interp(self.verify, fed) + self.per_context * fed_x_context + draft
+
     def step(self, ks: list[int], contexts: list[int]) -> float:
-        fed = sum(1 + k for k in ks)
-        attn = self.per_context * sum((1 + k) * c for k, c in zip(ks, contexts))
-        return _interp(self.verify, fed) + attn + (_interp(self.draft, max(ks)) if self.draft and max(ks, default=0) else 0.0)
+        return self.cost(sum(1 + k for k in ks), sum((1 + k) * c for k, c in zip(ks, contexts)), max(ks, default=0))
 
 
 def _interp(table: dict[int, float], x: int) -> float:
@@ -100,25 +111,36 @@ class Router:
         return e.rate(g, self.prior_weight) if e else g
 
     def choose(self, states) -> list[int]:
-        """k per live request, from finished steps only (see the module docstring)."""
+        """k per live request, from finished steps only (see the module docstring).
+
+        Drafts are added one at a time in order of marginal gain a_i^(k_i+1) up to every
+        cap; the best point on that path wins (a first draft can cost more than later
+        ones, e.g. when decode has a single-token fast path, so stopping early would be wrong)."""
         n = len(states)
         caps = [max(0, min(self.max_k, s.req.k, s.req.max_new_tokens - len(s.generated) - 1)) for s in states]
         ctx = [len(s.tokens) for s in states]
         alpha = [self.acceptance(s.rid) for s in states]
+        c = self.costs
+        fed, attn, top = n, sum(ctx), 0
+        tokens = float(n)
+        best, best_at = tokens / c.cost(fed, attn, top), 0
+        heap = [(-alpha[i], i, 1) for i in range(n) if caps[i]]
+        heapq.heapify(heap)
+        path = []
+        while heap:
+            g, i, k = heapq.heappop(heap)
+            tokens, fed, attn, top = tokens - g, fed + 1, attn + ctx[i], max(top, k)
+            path.append(i)
+            rate = tokens / c.cost(fed, attn, top)
+            if rate > best:
+                best, best_at = rate, len(path)
+            if k < caps[i]:
+                heapq.heappush(heap, (-alpha[i] ** (k + 1), i, k + 1))
         ks = [0] * n
-        tokens, cost = float(n), self.costs.step(ks, ctx)
-        while True:
-            gains = [alpha[i] ** (ks[i] + 1) if ks[i] < caps[i] else -1.0 for i in range(n)]
-            i = max(range(n), key=gains.__getitem__, default=None)
-            if i is None or gains[i] <= 0:
-                break
+        for i in path[:best_at]:
             ks[i] += 1
-            c = self.costs.step(ks, ctx)
-            if (tokens + gains[i]) / c <= tokens / cost:
-                ks[i] -= 1
-                break
-            tokens, cost = tokens + gains[i], c
         for i, s in enumerate(states):  # keep learning: probe an idle request with one draft now and then
+            # (drafters with ``shadow`` are scored for free by the decoder instead; set probe_every=0)
             self.idle[s.rid] = 0 if ks[i] else self.idle.get(s.rid, 0) + 1
             if not ks[i] and caps[i] and self.probe_every and self.idle[s.rid] >= self.probe_every:
                 ks[i], self.idle[s.rid] = 1, 0
@@ -127,6 +149,7 @@ class Router:
     def observe(self, states, drafted: list[int], accepted: list[int]) -> None:
         for s, d, a in zip(states, drafted, accepted):
             if d:
+                self.idle[s.rid] = 0
                 self.per.setdefault(s.rid, Ewma(self.request_decay)).add(d, a)
                 self.glob.add(d, a)
 

@@ -206,8 +206,9 @@ def draft_worker(link: Link, drafter, fault: str = "") -> None:
         # the guess holds when the target accepted every draft and its bonus token was the draft's guess
         hits = [s for s in order if s.req_k and s.rid in guess and guess[s.rid][0] == s.tokens
                 and len(guess[s.rid][1]) >= s.req_k]
-        stale = sum(1 for s in order if s.rid in guess and s not in hits)
-        fresh = [s for s in order if s.req_k and s not in hits]
+        hit_ids = {s.rid for s in hits}
+        stale = sum(1 for s in order if s.rid in guess and s.rid not in hit_ids)
+        fresh = [s for s in order if s.req_k and s.rid not in hit_ids]
         out: dict[int, tuple[list[int], Tensor | None]] = {s.rid: ([], None) for s in order}
         for s in hits:
             base, d, q = guess[s.rid]
@@ -322,11 +323,10 @@ def _run(args) -> int:
         drafter = RemoteDrafter(link, model.cfg.vocab, target_side.device, metrics, args.draft_timeout)
     else:
         drafter = build_drafter(args.draft, resolve_side(placement.draft, "draft"), args.model)
-    router = None
     dec = SpeculativeDecoder(model, drafter, metrics=metrics)
     if args.route:
         from hal.router import Router
-        router = dec.router = Router(dec.profile_costs(draft=world == 1), max_k=args.k)
+        dec.router = Router(dec.profile_costs(profile_draft=world == 1), max_k=args.k)
     stop = (model.cfg.eos_id,) if model.cfg.eos_id is not None else ()
     prompts = [[int(t) for t in p.split(",")] for p in args.prompt_ids]
     if args.prompt and tok is None:

@@ -24,3 +24,28 @@ def test_bad_counts_are_errors():
         m.observe([2], [3])
     with pytest.raises(hal.HalError):
         m.observe([2, 1], [1])
+
+
+def test_latency_and_prometheus_export():
+    pytest.importorskip("prometheus_client", reason="prometheus-client is the optional metrics extra")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from hal.metrics import percentile, prometheus_text
+    m = hal.SpecDecodeMetrics()
+    m.observe([3, 3], [3, 1], ["a", "b"])
+    for rid, first, last, n in (("a", 0.1, 1.1, 11), ("b", 0.2, 0.7, 6)):
+        m.first_token(rid, first)
+        m.finished(rid, last, n)
+    m.draft_failures = 1
+    assert m.ttft == [0.1, 0.2] and m.tpot == pytest.approx([0.1, 0.1]) and m.e2e == [1.1, 0.7]
+    assert percentile([5.0, 1.0, 3.0], 50) == 3.0 and percentile([1.0] * 99 + [9.0], 99) == 1.0
+    fams = {f.name: f for f in text_string_to_metric_families(prometheus_text(m))}
+    val = lambda fam, suffix="", **labels: next(  # noqa: E731
+        s.value for s in fams[fam].samples if s.name == fam + suffix and all(s.labels.get(k) == v
+                                                                             for k, v in labels.items()))
+    assert val("spec_hal_accepted_tokens", "_total") == 4 and val("spec_hal_draft_failures", "_total") == 1
+    assert val("spec_hal_acceptance_by_position", position="2") == 0.5
+    assert val("spec_hal_acceptance_length", "_bucket", le="2.0") == 1       # one step emitted 2 tokens
+    assert val("spec_hal_acceptance_length", "_count") == 2
+    assert val("spec_hal_time_to_first_token_seconds", "_count") == 2
+    assert val("spec_hal_latency_quantile_seconds", metric="e2e_request_latency", quantile="0.99") == 1.1
