@@ -1,4 +1,4 @@
-"""``python -m hal`` / ``spec-hal``: info, conformance, demo."""
+"""``python -m hal`` / ``spec-hal``: info, conformance, demo, model, generate, bench."""
 
 from __future__ import annotations
 
@@ -163,6 +163,38 @@ def run_generate(model, tok, prompt: str, draft: str, k: int, temperature: float
     return tok.decode(out, skip_special_tokens=True), out, dt, dec.metrics
 
 
+def cmd_bench(args) -> int:
+    """Routed speculative decoding on the demo prompts as one batch; a summary, then the
+    metrics in Prometheus text format."""
+    import time
+
+    import hal
+    from hal.decoder import Request, SpeculativeDecoder
+    from hal.metrics import percentile, prometheus_text, require_prometheus
+    from hal.models.tokenizer import chatml
+    from hal.router import Router
+    require_prometheus()  # fail before loading anything
+    be = hal.get_backend()
+    model, tok = load_model(args.model, be)
+    dec = SpeculativeDecoder(model, make_drafter(args.draft, model, be), num_blocks=128 * args.batch)
+    if not args.fixed_k:
+        dec.router = Router(dec.profile_costs(max_tokens=(args.k + 1) * len(DEMO_PROMPTS) * args.batch), max_k=args.k)
+    stop = (model.cfg.eos_id,) if model.cfg.eos_id is not None else ()
+    reqs = [Request(tok.encode(chatml(p)).ids, max_new_tokens=args.max_tokens, k=args.k, stop_ids=stop)
+            for _ in range(args.batch) for _, p in DEMO_PROMPTS]
+    t = time.perf_counter()
+    outs = dec.generate(reqs)
+    dt = time.perf_counter() - t
+    m = dec.metrics
+    n = sum(map(len, outs))
+    print(f"# {len(reqs)} requests, draft {args.draft}, {'fixed k=' if args.fixed_k else 'routed k<='}{args.k}, "
+          f"backend {be.name}: {n} tokens in {dt:.2f}s = {n / dt:.1f} tok/s; acceptance {m.acceptance_rate:.2f}, "
+          f"mean acceptance length {m.mean_acceptance_length:.2f}; TTFT P50 {percentile(m.ttft, 50) * 1e3:.0f} ms, "
+          f"TPOT P50 {percentile(m.tpot, 50) * 1e3:.1f} ms, P99 {percentile(m.tpot, 99) * 1e3:.1f} ms")
+    print(prometheus_text(m), end="")
+    return 0
+
+
 def cmd_generate(args) -> int:
     import hal
     be = hal.get_backend()
@@ -205,13 +237,22 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--compare", action="store_true", help="also run plain decoding and compare")
+    b = sub.add_parser("bench", help="routed speculative decoding on the demo prompts; prints a summary and "
+                                     "the metrics in Prometheus text format (needs prometheus-client)")
+    b.add_argument("--model", default="smollm2-135m")
+    b.add_argument("--draft", default="ngram", help="ngram, self or self:L")
+    b.add_argument("--k", type=int, default=8, help="the cap on k (routed) or k itself (--fixed-k)")
+    b.add_argument("--fixed-k", action="store_true", help="no router: always k drafts")
+    b.add_argument("--batch", type=int, default=1, help="copies of each demo prompt in the batch")
+    b.add_argument("--max-tokens", type=int, default=48)
     args, extra = ap.parse_known_args(argv)
     if args.cmd == "conformance":
         return cmd_conformance(args, extra)
     if extra:
         ap.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
-        return {"info": cmd_info, "demo": cmd_demo, "model": cmd_model, "generate": cmd_generate}[args.cmd](args)
+        return {"info": cmd_info, "demo": cmd_demo, "model": cmd_model, "generate": cmd_generate,
+                "bench": cmd_bench}[args.cmd](args)
     except HalError as e:
         print(f"spec-hal: {e}", file=sys.stderr)
         return 2

@@ -19,6 +19,7 @@ from hal import kv
 from hal.errors import HalError
 from hal.metrics import SpecDecodeMetrics
 from hal.models.llama import Batch, Llama
+from hal.placement import transfer
 
 
 @dataclass
@@ -204,7 +205,7 @@ class SpeculativeDecoder:
             _, p = be.sample(logits, *sampling_args(live, [len(d) + 1 for d in drafts], dev))
             seeds = torch.tensor([s.req.seed for s in live]).to(dev)
             offs = torch.tensor([s.next_offset() for s in live]).to(dev)
-            out, n_acc = be.verify_rejection(ids.to(dev), cu.to(dev), None if q is None else q.to(dev), p, seeds,
+            out, n_acc = be.verify_rejection(ids.to(dev), cu.to(dev), None if q is None else transfer(q, dev), p, seeds,
                                              offs, max_k)
         out, n_acc = out.cpu().tolist(), n_acc.cpu().tolist()
         drafted = [len(d) for d in drafts]
@@ -224,13 +225,17 @@ class SpeculativeDecoder:
             self._emit(s, out[i][: n_acc[i] + 1])
         self.steps += 1
 
-    def profile_costs(self, max_tokens: int = 72, context: int = 256, reps: int = 5,
+    def profile_costs(self, max_tokens: int = 72, context: int = 512, reps: int = 5,
                       profile_draft: bool = True):
         """A `hal.router.CostModel` measured here and now: the target forward over T fed
         tokens (T = 1, 2, 3, 5, 9, ... up to ``max_tokens``, at a short context), the
         extra cost of ``context`` tokens of attention, and the drafter's chain of k
         (``profile_draft=False``: not profiled, e.g. a remote drafter whose work overlaps)."""
         from hal.router import CostModel, profile
+        bs = self.pool.allocator.block_size  # stay inside the pool the plan gave us
+        room = (self.pool.allocator.num_free - 4) * bs
+        max_tokens = max(1, min(max_tokens, room // 2 - 16))
+        context = max(16, min(context, room - max_tokens - 64))
         seqs = [self.pool.sequence(), self.pool.sequence()]
         try:
             for q, n in zip(seqs, (16, 16 + context)):
@@ -238,8 +243,12 @@ class SpeculativeDecoder:
                 q.commit(n)
             fwd = lambda T, q=seqs[0]: forward(self.target, self.pool, [q], [[1] * T], True)  # noqa: E731
             verify = profile(fwd, [p for p in (1, 2, 3, 5, 9, 17, 33, 65, 129, 257) if p <= max_tokens], reps)
-            long = profile(lambda _: forward(self.target, self.pool, [seqs[1]], [[1]], True), [1], reps)[1]
-            per_context = max(0.0, long - verify[1]) / context
+            # attention: the same 9-token verify at a short and a long context (a difference of two
+            # noisy timings: a wide gap keeps it meaningful)
+            n = min(9, max_tokens)
+            long = profile(lambda _: forward(self.target, self.pool, [seqs[1]], [[1] * n], True), [1], reps)[1]
+            short = profile(lambda _: forward(self.target, self.pool, [seqs[0]], [[1] * n], True), [1], reps)[1]
+            per_context = max(0.0, long - short) / (n * context)
         finally:
             for q in seqs:
                 q.free()

@@ -106,15 +106,21 @@ def percentile(values: list[float], q: float) -> float:
     return v[min(len(v) - 1, max(0, -(-len(v) * q // 100) - 1))]
 
 
+def require_prometheus():
+    """The ``prometheus_client`` module, or a `HalError` saying how to install it."""
+    try:
+        import prometheus_client
+    except ImportError as e:
+        raise HalError("prometheus export: expected the optional dependency prometheus-client "
+                       "(pip install 'spec-hal[metrics]'), got it missing") from e
+    return prometheus_client
+
+
 def prometheus_text(m: SpecDecodeMetrics, prefix: str = "spec_hal") -> str:
     """The metrics in Prometheus text format (needs the optional ``prometheus-client``):
     counters, acceptance rate and length, per-position acceptance, acceptance-length and
     TTFT/TPOT/end-to-end histograms, and their P50/P99."""
-    try:
-        import prometheus_client as pc
-    except ImportError as e:
-        raise HalError("prometheus export: expected the optional dependency prometheus-client "
-                       "(pip install 'spec-hal[metrics]'), got it missing") from e
+    pc = require_prometheus()
     reg = pc.CollectorRegistry()
     t = m.total
     for name, doc, v in (("drafts", "verify steps with at least one draft token", t.num_drafts),

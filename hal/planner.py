@@ -41,6 +41,14 @@ class ModelMemory:
         wb = 0 if shared else sum(t.numel() * t.element_size() for t in {id(t): t for t in model.w.values()}.values())
         return cls(name, wb, model.num_layers, c.kv_heads, c.head_dim, c.hidden, c.ffn, c.vocab)
 
+    @classmethod
+    def from_config(cls, cfg, name: str, layers: int | None = None, owns_weights: bool = True) -> "ModelMemory":
+        """From a `hal.models.llama.LlamaConfig`, before any weight is loaded (``layers``:
+        a self-speculative view's depth)."""
+        from hal.models.llama import weight_bytes
+        return cls(name, weight_bytes(cfg) if owns_weights else 0, layers or cfg.layers, cfg.kv_heads, cfg.head_dim,
+                   cfg.hidden, cfg.ffn, cfg.vocab)
+
     def kv_bytes_per_token(self) -> int:
         return 2 * self.layers * self.kv_heads * self.head_dim * torch.empty(0, dtype=self.kv_dtype).element_size()
 
@@ -109,20 +117,24 @@ def headroom_bytes(mem: ModelMemory, max_batch_tokens: int, logits_rows: int) ->
     return act + 3 * logits_rows * mem.vocab * 4
 
 
-def plan_memory(target: ModelMemory, target_side, draft: ModelMemory | None = None, draft_side=None, *,
+def plan_memory(target: ModelMemory | None, target_side, draft: ModelMemory | None = None, draft_side=None, *,
                 max_seqs: int, max_context: int, max_k: int = 8, budget_fraction: float = 0.9,
                 budget_bytes: dict[str, int] | None = None, block_size: dict[str, int] | None = None,
-                extra_headroom: int = 0) -> Plan:
+                extra_headroom: int = 0, fill: bool = False) -> Plan:
     """Plan the target (and optional draft model) on their sides for ``max_seqs``
     concurrent sequences of up to ``max_context`` tokens each, verifying up to ``max_k``
-    drafts per step. Raises `HalError` if it cannot fit; allocates nothing."""
+    drafts per step. Raises `HalError` if it cannot fit; allocates nothing. The pools hold
+    exactly that (``fill=True``: all the budget leaves, as vLLM sizes its KV cache);
+    ``Plan.capacity`` says how many such sequences the budget could hold."""
     for name, v in (("max_seqs", max_seqs), ("max_context", max_context)):
         if not isinstance(v, int) or v < 1:
             raise arg_error(name, "an int >= 1", v)
     if not 0 < budget_fraction <= 1:
         raise arg_error("budget_fraction", "a fraction in (0, 1]", budget_fraction)
     budget_bytes, block_size = budget_bytes or {}, block_size or {}
-    sides = [("target", target, target_side)] + ([("draft", draft, draft_side)] if draft is not None else [])
+    sides = [(n, m, sd) for n, m, sd in (("target", target, target_side), ("draft", draft, draft_side)) if m is not None]
+    if not sides:
+        raise arg_error("target", "a ModelMemory (or a draft one)", None)
     devices: dict[str, DevicePlan] = {}
     pools: dict[str, PoolPlan] = {}
     tokens = max_seqs * (max_k + 1)
@@ -167,6 +179,12 @@ def plan_memory(target: ModelMemory, target_side, draft: ModelMemory | None = No
                        f"({need_blocks[worst]} KV blocks of {pools[worst].block_size} tokens per {worst} sequence), "
                        f"got room for {fits} sequences; lower max_seqs to {fits}, or max_context to about {ctx_fit}, "
                        "or raise the budget")
+    if not fill:
+        for d in devices.values():
+            d.kv = 0
+        for n, p in pools.items():
+            p.num_blocks = max_seqs * need_blocks[n]
+            devices[str(p.side.device)].kv += p.num_blocks * p.block_bytes
     return Plan(devices, pools, max_seqs, max_context, capacity)
 
 

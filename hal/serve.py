@@ -252,20 +252,45 @@ def draft_worker(link: Link, drafter, fault: str = "") -> None:
                 s.tokens, s.req_k = base[s.rid], s.req_k - 1
 
 
-def build_drafter(kind: str, side, model_name: str):
-    """The worker's drafter: ``ngram``, ``self:L`` (first L layers of the model) or ``model:<gguf>``."""
+def draft_memory(kind: str, model_path: str, shares_target: bool):
+    """(ModelMemory of the draft model or None for n-gram, its weights' path)."""
+    from hal.models.llama import read_config
+    from hal.planner import ModelMemory
+    if kind == "ngram":
+        return None, None
+    if kind.startswith("self"):
+        cfg = read_config(model_path)
+        layers = int(kind.split(":")[1]) if ":" in kind else cfg.layers // 2
+        return ModelMemory.from_config(cfg, "draft", layers, owns_weights=not shares_target), model_path
+    if kind.startswith("model:"):
+        path = kind[len("model:"):]
+        return ModelMemory.from_config(read_config(path), "draft"), path
+    raise HalError(f"--draft: expected ngram, self[:L] or model:<path.gguf>, got {kind!r}")
+
+
+def build_drafter(kind: str, side, path: str | None, pool, target=None):
+    """The drafter: ``ngram``, ``self:L`` (first L layers; the target's weights when
+    ``target`` is given) or ``model:<gguf>``, its KV in ``pool`` (from the memory plan)."""
+    from hal.cli import load_model
     from hal.drafters import ModelDrafter, NgramDrafter
     if kind == "ngram":
         return NgramDrafter(side.backend)
-    from hal.cli import load_model
-    if kind.startswith("self"):
-        model, _ = load_model(model_name, side.backend)
-        layers = int(kind.split(":")[1]) if ":" in kind else model.cfg.layers // 2
-        return ModelDrafter(model.to(side.device).layer_view(layers))
-    if kind.startswith("model:"):
-        model, _ = load_model(kind[len("model:"):], side.backend)
-        return ModelDrafter(model.to(side.device))
-    raise HalError(f"--draft: expected ngram, self[:L] or model:<path.gguf>, got {kind!r}")
+    model = target if target is not None and kind.startswith("self") else load_model(path, side.backend)[0].to(
+        side.device)
+    layers = int(kind.split(":")[1]) if kind.startswith("self:") else (
+        model.cfg.layers // 2 if kind == "self" else model.cfg.layers)
+    return ModelDrafter(model.layer_view(layers), pool=pool)
+
+
+def plan(args, target_mem, target_side, draft_mem, draft_side):
+    """This rank's memory plan (printed); raises `HalError` before anything is allocated."""
+    from hal.planner import GiB, plan_memory
+    p = plan_memory(target_mem, target_side, draft_mem, draft_side,
+                    max_seqs=max(1, len(args.prompt) + len(args.prompt_ids)), max_context=args.max_context,
+                    max_k=args.k, budget_fraction=args.memory_fraction,
+                    budget_bytes={"cpu": int(args.cpu_budget_gib * GiB)})
+    print(p.report(), file=sys.stderr, flush=True)
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -284,6 +309,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft-timeout", type=float, default=30.0, help="seconds to wait for drafts before "
                                                                        "falling back to plain decoding")
     ap.add_argument("--out", help="write outputs and metrics as JSON here")
+    ap.add_argument("--max-context", type=int, default=2048, help="prompt + generated tokens per request (planned)")
+    ap.add_argument("--memory-fraction", type=float, default=0.9, help="share of an accelerator's memory to plan in")
+    ap.add_argument("--cpu-budget-gib", type=float, default=4.0, help="memory budget of a cpu side, GiB")
     args = ap.parse_args(argv)
     try:
         return _run(args)
@@ -304,26 +332,36 @@ def _run(args) -> int:
     if world == 2:
         backend = link_backend(placement)
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=max(600.0, args.draft_timeout)))
-    draft_side, target_side = (None, None)
-    if rank == DRAFT:
-        from hal.placement import resolve_side
+    from hal.models.fetch import MODELS, fetch
+    from hal.models.llama import read_config
+    from hal.placement import resolve_side
+    from hal.planner import ModelMemory
+    path = str(fetch(args.model) if args.model in MODELS else args.model)
+    if rank == DRAFT:  # plan, allocate, load, serve
         draft_side = resolve_side(placement.draft, "draft")
+        mem, dpath = draft_memory(args.draft, path, shares_target=False)
+        pool = plan(args, None, None, mem, draft_side).allocate("draft") if mem is not None else None
         link = Link(TARGET, torch.device("cpu") if backend == "gloo" else draft_side.device)
-        drafter = build_drafter(args.draft, draft_side, args.model)
+        drafter = build_drafter(args.draft, draft_side, dpath, pool)
         draft_worker(link, drafter, os.environ.get("HAL_SERVE_FAULT", ""))
         dist.destroy_process_group()
         return 0
-    from hal.placement import resolve_side
     target_side = resolve_side(placement.target, "target")
-    model, tok = load_model(args.model, target_side.backend)
+    draft_side = resolve_side(placement.draft, "draft") if world == 1 else None
+    shares = world == 1 and draft_side.device == target_side.device
+    dmem, dpath = draft_memory(args.draft, path, shares) if world == 1 else (None, None)
+    mplan = plan(args, ModelMemory.from_config(read_config(path), "target"), target_side, dmem, draft_side)
+    pool = mplan.allocate("target")  # nothing was allocated before the plan passed
+    model, tok = load_model(path, target_side.backend)
     model.to(target_side.device)
     metrics = SpecDecodeMetrics()
     if world == 2:
         link = Link(DRAFT, torch.device("cpu") if backend == "gloo" else target_side.device)
         drafter = RemoteDrafter(link, model.cfg.vocab, target_side.device, metrics, args.draft_timeout)
     else:
-        drafter = build_drafter(args.draft, resolve_side(placement.draft, "draft"), args.model)
-    dec = SpeculativeDecoder(model, drafter, metrics=metrics)
+        drafter = build_drafter(args.draft, draft_side, dpath, mplan.allocate("draft") if dmem else None,
+                                target=model if shares else None)
+    dec = SpeculativeDecoder(model, drafter, metrics=metrics, pool=pool)
     if args.route:
         from hal.router import Router
         dec.router = Router(dec.profile_costs(profile_draft=world == 1), max_k=args.k)
@@ -334,6 +372,9 @@ def _run(args) -> int:
     prompts += [tok.encode(chatml(p)).ids for p in args.prompt]
     if not prompts:
         raise HalError("--prompt: expected at least one --prompt or --prompt-ids, got none")
+    if (longest := max(map(len, prompts)) + args.max_tokens) > args.max_context:
+        raise HalError(f"--max-context: expected at least the longest prompt + --max-tokens = {longest} tokens "
+                       f"(the memory plan's context), got {args.max_context}")
     reqs = [Request(p, max_new_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                     seed=args.seed + i, k=args.k, stop_ids=stop) for i, p in enumerate(prompts)]
     t = time.perf_counter()

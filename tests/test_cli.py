@@ -28,3 +28,16 @@ def test_conformance_cli_exit_codes():
 def test_demo_runs():
     r = run("demo", "--ops", HAL_BACKEND="cpu")
     assert r.returncode == 0 and "accepted 2/4" in r.stdout
+
+
+def test_bench_prints_prometheus_metrics():
+    r = run("bench", "--max-tokens", "8", "--k", "4", HAL_BACKEND="cpu")
+    if "model not fetchable" in r.stderr or "could not be downloaded" in r.stderr:
+        import pytest
+        pytest.skip(r.stderr[-300:])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "tok/s" in r.stdout and "TTFT P50" in r.stdout
+    for name in ("spec_hal_acceptance_by_position", "spec_hal_acceptance_length_bucket",
+                 "spec_hal_time_to_first_token_seconds_count 2.0", "spec_hal_time_per_output_token_seconds_bucket",
+                 'spec_hal_latency_quantile_seconds{metric="e2e_request_latency",quantile="0.99"}'):
+        assert name in r.stdout, name

@@ -85,3 +85,14 @@ def test_sampling_is_seeded_and_respects_limits(model):
     a, _ = run(target, NgramDrafter(target.be), PROMPTS, tok, n=12, temperature=0.8, top_p=0.9, seed=7)
     b, _ = run(target, NgramDrafter(target.be), PROMPTS, tok, n=12, temperature=0.8, top_p=0.9, seed=7)
     assert a == b and all(1 <= len(x) <= 12 for x in a)
+
+
+def test_routed_greedy_equals_plain(model, plain):
+    """Adaptive k on the real model (a profiled cost table): still token-for-token plain greedy."""
+    from hal.router import Router
+    target, tok = model
+    reqs = [Request(tok.encode(chatml(p)).ids, max_new_tokens=20, k=8, stop_ids=(2,)) for p in PROMPTS]
+    dec = SpeculativeDecoder(target, NgramDrafter(target.be), num_blocks=128)
+    dec.router = Router(dec.profile_costs(max_tokens=18, context=64, reps=1), max_k=8)
+    assert dec.generate(reqs) == plain
+    assert dec.metrics.total.num_draft_tokens > 0 and dec.steps < 40

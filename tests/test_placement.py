@@ -66,13 +66,15 @@ def test_transfer_same_device_is_free():
 
 def test_plan_accounts_for_weights_kv_and_headroom():
     cpu = resolve_side("cpu")
-    plan = plan_memory(SMOL, cpu, SMOL, cpu, max_seqs=8, max_context=2048, budget_bytes={"cpu": 4 * GiB})
+    plan = plan_memory(SMOL, cpu, SMOL, cpu, max_seqs=8, max_context=2048, budget_bytes={"cpu": 4 * GiB}, fill=True)
     d = plan.devices["cpu"]
     assert d.weights == 2 * SMOL.weight_bytes and d.total <= d.budget
     per_token = 2 * 30 * 3 * 64 * 4
     assert plan.pools["target"].block_bytes == 16 * per_token
     assert plan.capacity["target"] >= 8 and plan.pools["target"].num_blocks % (-(-(2048 + 9) // 16)) == 0
     assert "max concurrent sequences x context" in plan.report()
+    exact = plan_memory(SMOL, cpu, max_seqs=2, max_context=100, budget_bytes={"cpu": 4 * GiB})
+    assert exact.pools["target"].num_blocks == 2 * 7 and exact.capacity["target"] > 2   # ceil(109 / 16) = 7
     pool = plan.allocate("target")  # allocation happens only here, after the plan passed
     assert pool.k[0].shape == (plan.pools["target"].num_blocks, 16, 3, 64) and len(pool.k) == 30
 

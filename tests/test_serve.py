@@ -124,3 +124,21 @@ def test_hung_draft_worker_times_out_under_torchrun(tiny, tmp_path):
     got = json.loads(out.read_text())
     assert "Timed out" in r.stderr
     assert got["outputs"] == plain(tiny, "cpu") and got["draft_failures"] == 1
+
+
+def test_single_process_routed_and_planner_refusal(tiny, tmp_path):
+    out = tmp_path / "o.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
+    r = subprocess.run([sys.executable, "-m", "hal.serve", *serve_args(tiny, out, "--draft", "self:2", "--route")],
+                       env={**env, "HAL_PLACEMENT": "draft=cpu,target=cpu"}, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "max concurrent sequences x context" in r.stderr   # the plan is printed before anything is allocated
+    got = json.loads(out.read_text())
+    assert got["world_size"] == 1 and got["outputs"] == plain(tiny, "cpu")
+    bad = subprocess.run([sys.executable, "-m", "hal.serve", *serve_args(tiny, out, "--cpu-budget-gib", "1e-6")],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "memory plan on cpu" in bad.stderr and "raise the budget" in bad.stderr
+    short = subprocess.run([sys.executable, "-m", "hal.serve", *serve_args(tiny, out, "--max-context", "16")],
+                           env=env, capture_output=True, text=True, timeout=300)
+    assert short.returncode == 2 and "--max-context: expected at least" in short.stderr

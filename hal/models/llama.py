@@ -149,6 +149,45 @@ GGUF_NAMES = {"attn_norm": "attn_norm", "ffn_norm": "ffn_norm", "attn_q": "wq", 
               "attn_output": "wo", "ffn_gate": "wgate", "ffn_up": "wup", "ffn_down": "wdown"}
 
 
+def _gguf_config(r) -> LlamaConfig:
+    f = lambda k, d=None: r.fields[k].contents() if k in r.fields else d  # noqa: E731
+    if f("general.architecture") != "llama":
+        raise HalError(f"model: expected a llama-architecture GGUF, got {f('general.architecture')!r}")
+    heads, hidden = f("llama.attention.head_count"), f("llama.embedding_length")
+    return LlamaConfig(hidden=hidden, layers=f("llama.block_count"), heads=heads,
+                       kv_heads=f("llama.attention.head_count_kv", heads), head_dim=hidden // heads,
+                       ffn=f("llama.feed_forward_length"), vocab=len(f("tokenizer.ggml.tokens")),
+                       rope_base=float(f("llama.rope.freq_base", 10000.0)),
+                       eps=float(f("llama.attention.layer_norm_rms_epsilon", 1e-5)), rope_interleaved=True,
+                       bos_id=f("tokenizer.ggml.bos_token_id"), eos_id=f("tokenizer.ggml.eos_token_id"))
+
+
+def _hf_config(c: dict) -> LlamaConfig:
+    heads = c["num_attention_heads"]
+    return LlamaConfig(hidden=c["hidden_size"], layers=c["num_hidden_layers"], heads=heads,
+                       kv_heads=c.get("num_key_value_heads", heads),
+                       head_dim=c.get("head_dim", c["hidden_size"] // heads), ffn=c["intermediate_size"],
+                       vocab=c["vocab_size"], rope_base=float(c.get("rope_theta", 10000.0)),
+                       eps=float(c.get("rms_norm_eps", 1e-5)), rope_interleaved=False,
+                       bos_id=c.get("bos_token_id"), eos_id=c.get("eos_token_id"))
+
+
+def read_config(path: str | Path) -> LlamaConfig:
+    """The config of a GGUF file or an HF folder, without loading any weights."""
+    path = Path(path)
+    if path.is_dir():
+        return _hf_config(json.loads((path / "config.json").read_text()))
+    from gguf import GGUFReader
+    return _gguf_config(GGUFReader(str(path)))
+
+
+def weight_bytes(cfg: LlamaConfig) -> int:
+    """fp32 bytes the runner holds: embeddings, the [H, V] head copy, fused layer weights, norms."""
+    nq, nk = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    layer = cfg.hidden * (nq + 2 * nk) + nq * cfg.hidden + 3 * cfg.hidden * cfg.ffn + 2 * cfg.hidden
+    return 4 * (2 * cfg.vocab * cfg.hidden + cfg.layers * layer + cfg.hidden)
+
+
 def load_gguf(path: str | Path, backend):
     """(Llama, tokenizer) from a llama-architecture GGUF file, dequantized to fp32."""
     from gguf import GGUFReader
@@ -157,15 +196,7 @@ def load_gguf(path: str | Path, backend):
     from hal.models.tokenizer import from_gguf_fields
     r = GGUFReader(str(path))
     f = lambda k, d=None: r.fields[k].contents() if k in r.fields else d  # noqa: E731
-    if f("general.architecture") != "llama":
-        raise HalError(f"model: expected a llama-architecture GGUF, got {f('general.architecture')!r}")
-    heads, hidden = f("llama.attention.head_count"), f("llama.embedding_length")
-    cfg = LlamaConfig(hidden=hidden, layers=f("llama.block_count"), heads=heads,
-                      kv_heads=f("llama.attention.head_count_kv", heads), head_dim=hidden // heads,
-                      ffn=f("llama.feed_forward_length"), vocab=len(f("tokenizer.ggml.tokens")),
-                      rope_base=float(f("llama.rope.freq_base", 10000.0)),
-                      eps=float(f("llama.attention.layer_norm_rms_epsilon", 1e-5)), rope_interleaved=True,
-                      bos_id=f("tokenizer.ggml.bos_token_id"), eos_id=f("tokenizer.ggml.eos_token_id"))
+    cfg = _gguf_config(r)
     w = {}
     for t in r.tensors:
         shape = [int(s) for s in reversed(t.shape.tolist())]
@@ -189,14 +220,7 @@ def load_safetensors(folder: str | Path, backend) -> Llama:
     """A Llama from an HF folder (config.json + *.safetensors), rotate-half RoPE."""
     from safetensors.torch import load_file
     folder = Path(folder)
-    c = json.loads((folder / "config.json").read_text())
-    heads = c["num_attention_heads"]
-    cfg = LlamaConfig(hidden=c["hidden_size"], layers=c["num_hidden_layers"], heads=heads,
-                      kv_heads=c.get("num_key_value_heads", heads),
-                      head_dim=c.get("head_dim", c["hidden_size"] // heads), ffn=c["intermediate_size"],
-                      vocab=c["vocab_size"], rope_base=float(c.get("rope_theta", 10000.0)),
-                      eps=float(c.get("rms_norm_eps", 1e-5)), rope_interleaved=False,
-                      bos_id=c.get("bos_token_id"), eos_id=c.get("eos_token_id"))
+    cfg = _hf_config(json.loads((folder / "config.json").read_text()))
     w = {}
     for file in sorted(folder.glob("*.safetensors")):
         for name, t in load_file(str(file)).items():
