@@ -28,6 +28,7 @@ bench: $(STAMP)
 	$(BIN)/pip install -q -e ".[bench]"
 	$(BIN)/python benchmarks/ops.py
 	$(BIN)/python benchmarks/e2e.py --k 8
+	$(BIN)/python benchmarks/sched.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -73,7 +73,7 @@ def main() -> None:
     probe = SpeculativeDecoder(target, NgramDrafter(be), num_blocks=64)
     costs = probe.profile_costs(max_tokens=max(batches) * (K + 1))
     profile_s = time.perf_counter() - t0
-    lines = [f"# Routing and adaptive k (SmolLM2-135M-Instruct, greedy, cpu backend)\n",
+    lines = ["# Routing and adaptive k (SmolLM2-135M-Instruct, greedy, cpu backend)\n",
              f"Command: `python benchmarks/sched.py --max-new-tokens {n} --k {K} --reps {args.reps} "
              f"--batches {args.batches}`; {torch.get_num_threads()} threads, torch {torch.__version__}, "
              f"{time.strftime('%Y-%m-%d')}. Cost table profiled at start-up in {profile_s:.1f} s: target forward "
