@@ -2,7 +2,9 @@
 # The cuda backend's check on a real NVIDIA GPU (sized for one H200, under 8 minutes):
 #   1. the whole conformance suite on the GPU, without the Triton interpreter;
 #   2. benchmarks/ops.py over the R x k x V grid, beside FlashInfer where it imports.
-# Results land in benchmarks/results/ (or $OUT when set): gpu-conformance.txt, ops-gpu.md, gpu-env.txt.
+#   3. the scheduler's device paths (memory hook, plan, pinned transfer).
+# Results land in benchmarks/results/ (or $OUT when set): gpu-conformance.txt, ops-gpu.md, gpu-env.txt,
+# gpu-scheduler.txt.
 # Needs torch, triton, pytest, pluggy, numpy (the H200 image has them); installs spec-hal itself.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -21,6 +23,20 @@ $PY -m hal info | tee -a "$RES/gpu-env.txt"
 timeout 300 $PY -m hal conformance --backend cuda -rf 2>&1 | tee "$RES/gpu-conformance.txt"
 conf=${PIPESTATUS[0]}
 echo "conformance exit code: $conf" | tee -a "$RES/gpu-conformance.txt"
+
+# 3. the scheduler's device paths: memory planning against the real device, a pinned non-blocking transfer
+timeout 60 $PY - <<'PY' 2>&1 | tee "$RES/gpu-scheduler.txt"
+import torch
+from hal.placement import resolve_side, transfer
+from hal.planner import ModelMemory, plan_memory
+side = resolve_side("cuda:0", "target")
+print("free/total bytes:", side.backend.spec.memory(0), "collective:", side.backend.spec.collective)
+smol = ModelMemory("smollm2-135m", 651306240, 30, 3, 64, 576, 1536, 49152)
+print(plan_memory(smol, side, smol, side, max_seqs=256, max_context=8192).report())
+x = torch.randn(1024, 49152)
+assert torch.equal(transfer(x, side.device).cpu(), x)
+print("transfer ok")
+PY
 
 timeout 180 $PY benchmarks/ops.py --full --no-hf --reps 10 --out "$RES/ops-gpu.md" > /dev/null 2>"$RES/ops-gpu.err"
 echo "benchmark exit code: $?" | tee -a "$RES/gpu-env.txt"
