@@ -142,3 +142,56 @@ def test_single_process_routed_and_planner_refusal(tiny, tmp_path):
     short = subprocess.run([sys.executable, "-m", "hal.serve", *serve_args(tiny, out, "--max-context", "16")],
                            env=env, capture_output=True, text=True, timeout=300)
     assert short.returncode == 2 and "--max-context: expected at least" in short.stderr
+
+
+class QueueLink:
+    """The transport between two threads (the protocol, worker and target code are the real ones)."""
+
+    def __init__(self, inbox, outbox, tamper=None):
+        self.inbox, self.outbox, self.tamper, self._sending, self.n = inbox, outbox, tamper, [], 0
+
+    def send(self, words, rows=None, idx=None):
+        self.n += 1
+        self.outbox.put((self.tamper(list(words), self.n) if self.tamper else list(words), rows, idx))
+
+    def recv(self, timeout):
+        import queue
+        try:
+            return self.inbox.get(timeout=timeout or 60)
+        except queue.Empty:
+            raise RuntimeError("Timed out waiting for the draft worker") from None
+
+
+def in_process_two_sides(tiny, tamper=None, k=3):
+    import queue
+    import threading
+
+    from hal.drafters import ModelDrafter
+    from hal.metrics import SpecDecodeMetrics
+    from hal.serve import RemoteDrafter, draft_worker
+    be = hal.get_backend("cpu")
+    a, b = queue.Queue(), queue.Queue()
+    worker = threading.Thread(target=draft_worker, daemon=True,
+                              args=(QueueLink(a, b, tamper), ModelDrafter(load_safetensors(tiny, be))))
+    worker.start()
+    metrics = SpecDecodeMetrics()
+    remote = RemoteDrafter(QueueLink(b, a), V, torch.device("cpu"), metrics, timeout=30)
+    dec = SpeculativeDecoder(load_safetensors(tiny, be), remote, num_blocks=64, metrics=metrics)
+    out = dec.generate([Request([int(t) for t in p.split(",")], max_new_tokens=N, k=k) for p in PROMPTS])
+    remote.close()
+    worker.join(timeout=30)
+    return out, metrics, remote
+
+
+def test_protocol_in_process_overlap_and_stale_drafts_dropped(tiny):
+    out, m, remote = in_process_two_sides(tiny)
+    assert out == plain(tiny, "cpu") and m.stale_drafts == remote.guess_misses and remote.guess_hits > 0
+    assert m.total.num_draft_tokens > 0
+
+    def stale(words, n):  # PLANTED: every other DRAFTS reply claims a history the target never committed
+        if words[0] == 2 and n % 2 == 0:
+            words[5] ^= 1  # the first request's base hash
+        return words
+    out, m, remote = in_process_two_sides(tiny, stale)
+    assert out == plain(tiny, "cpu"), "a stale draft reached verification"
+    assert m.stale_drafts > remote.guess_misses  # the target dropped the planted ones itself
