@@ -54,7 +54,7 @@ def test_unknown_backend_lists_registered(monkeypatch):
 def test_unknown_backend_from_the_shell():
     env = dict(os.environ, HAL_BACKEND="nonsense")
     r = subprocess.run([sys.executable, "-c", "import hal; hal.get_backend()"], env=env, capture_output=True, text=True)
-    assert r.returncode != 0 and "HalError" in r.stderr and "registered: cpu" in r.stderr
+    assert r.returncode != 0 and "HalError" in r.stderr and "registered: " in r.stderr and "cpu (available)" in r.stderr
 
 
 def test_explicit_unavailable_backend_raises_with_reason_and_auto_skips_it():
@@ -118,3 +118,19 @@ def test_hal_check_env_turns_value_checks_on(monkeypatch):
     assert not hal.Backend(spec, cpu_ops()).check_values
     monkeypatch.setenv("HAL_CHECK", "1")
     assert hal.Backend(spec, cpu_ops()).check_values
+
+
+def test_placement_resolves_plugin_devices_and_picks_the_link():
+    from hal.placement import Placement, link_backend, resolve_side
+    hal.register_plugin(plugin(BackendSpec(name="vendorx", device_type="cpu", load=cpu_ops, devices=("xpu",),
+                                           collective="xccl"),
+                               BackendSpec(name="down", device_type="cpu", load=cpu_ops, devices=("ypu",),
+                                           probe=lambda: "no ypu here")))
+    assert resolve_side("xpu:1").backend.name == "vendorx"          # a device type a plugin serves
+    with pytest.raises(hal.HalError, match="draft: expected an available backend or device type, got 'ypu:0' "
+                                           r"\(down: no ypu here\)"):
+        resolve_side("ypu:0", "draft")                                 # explicit and unavailable: no fallback
+    assert link_backend(Placement("xpu:0", "vendorx:1")) == "xccl"     # same collective on both ends
+    assert link_backend(Placement("xpu:0", "cpu")) == "gloo"           # mixed pair
+    assert link_backend(Placement("cpu", "cpu")) == "gloo"
+    assert link_backend(Placement("auto", "xpu:0")) == "gloo"
