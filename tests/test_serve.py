@@ -195,3 +195,81 @@ def test_protocol_in_process_overlap_and_stale_drafts_dropped(tiny):
     out, m, remote = in_process_two_sides(tiny, stale)
     assert out == plain(tiny, "cpu"), "a stale draft reached verification"
     assert m.stale_drafts > remote.guess_misses  # the target dropped the planted ones itself
+
+
+class ConstantDrafter:
+    """Samples every draft from ``q`` through the backend's own `sample` (the DSpark draft)."""
+
+    def __init__(self, be, q):
+        self.be, self.logq = be, q.log()
+
+    def propose(self, states):
+        from hal.decoder import sampling_args
+        drafts, rows = [[] for _ in states], [[] for _ in states]
+        for j in range(max(s.req_k for s in states)):
+            tok, q = self.be.sample(self.logq.expand(len(states), -1).contiguous(),
+                                    *sampling_args(states, [1] * len(states), "cpu"))
+            for i, s in enumerate(states):
+                if j < s.req_k:
+                    drafts[i].append(int(tok[i]))
+                    rows[i].append(q[i])
+        flat = [r for rs in rows for r in rs]
+        return drafts, torch.stack(flat) if flat else None
+
+    def accepted(self, *a):
+        pass
+
+    def release(self, s):
+        pass
+
+
+def remote_sampled(drafter_cls):
+    import queue
+    import threading
+
+    from hal.metrics import SpecDecodeMetrics
+    from hal.serve import RemoteDrafter, draft_worker
+    from tests.test_routing import P2, Q2, ToyTarget
+    be = hal.get_backend("cpu")
+    a, b = queue.Queue(), queue.Queue()
+    worker = threading.Thread(target=draft_worker, args=(QueueLink(a, b), drafter_cls(be, Q2)), daemon=True)
+    worker.start()
+    metrics = SpecDecodeMetrics()
+    remote = RemoteDrafter(QueueLink(b, a), 2, torch.device("cpu"), metrics)
+    dec = SpeculativeDecoder(ToyTarget(be, P2), remote, num_blocks=12 * 16, metrics=metrics)
+    out = dec.generate([Request([0], max_new_tokens=160, temperature=1.0, seed=i, k=3) for i in range(12)])
+    remote.close()
+    worker.join(timeout=30)
+    return out, metrics, remote
+
+
+def test_remote_sampling_with_overlap_keeps_the_target_distribution():
+    """Sampled drafts from the worker, reused from the overlap guess when it holds: the emitted
+    tokens and consecutive pairs still follow p (DSpark p=(0.7,0.3), q=(0.5,0.5), chi-square)."""
+    from hal.conformance._helpers import assert_distribution
+    from tests.test_routing import P2
+    out, metrics, remote = remote_sampled(ConstantDrafter)
+    assert remote.guess_hits > 20 and metrics.total.num_draft_tokens > 200
+    assert_distribution(torch.tensor([t for o in out for t in o]), P2, "remote drafts with overlap")
+    pairs = torch.tensor([x * 2 + y for o in out for x, y in zip(o, o[1:])])
+    assert_distribution(pairs, torch.outer(P2, P2).flatten(), "consecutive pairs, remote drafts with overlap")
+
+
+class PeekingConstantDrafter(ConstantDrafter):
+    """PLANTED: the worker keeps drafts only up to the first token 1 (looks before choosing k)."""
+
+    def propose(self, states):
+        d, q = super().propose(states)
+        keep = [x.index(1) if 1 in x else len(x) for x in d]
+        rows, r = [], 0
+        for x, n in zip(d, keep):
+            rows, r = rows + list(range(r, r + n)), r + len(x)
+        return [x[:n] for x, n in zip(d, keep)], (q[rows] if q is not None and rows else None)
+
+
+def test_planted_peeking_worker_is_caught():
+    from hal.conformance._helpers import assert_distribution
+    from tests.test_routing import P2
+    out, _, _ = remote_sampled(PeekingConstantDrafter)
+    with pytest.raises(AssertionError, match="chi-square"):
+        assert_distribution(torch.tensor([t for o in out for t in o]), P2, "peeking worker")
