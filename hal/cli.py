@@ -22,6 +22,15 @@ def cmd_info(_args) -> int:
             print("  ".join("-" * w for w in widths))
     sel = os.environ.get("HAL_BACKEND", "auto")
     print(f"\nHAL_BACKEND={sel}")
+    if os.environ.get("HAL_PLACEMENT"):
+        from hal.placement import Placement, link_backend
+        p = Placement.from_env()
+        try:
+            d, t = p.resolve()
+            where = f"draft -> {d.backend.name} on {d.device}, target -> {t.backend.name} on {t.device}"
+        except HalError as e:
+            where = f"unresolvable here: {e}"
+        print(f"HAL_PLACEMENT={os.environ['HAL_PLACEMENT']}: {where}; link {link_backend(p)}")
     return 0
 
 
