@@ -336,7 +336,8 @@ def _run(args) -> int:
     from hal.models.llama import read_config
     from hal.placement import resolve_side
     from hal.planner import ModelMemory
-    path = str(fetch(args.model) if args.model in MODELS else args.model)
+    path = str(fetch(args.model) if args.model in MODELS and not (rank == DRAFT and args.draft == "ngram")
+               else args.model)  # an n-gram worker needs no weights
     if rank == DRAFT:  # plan, allocate, load, serve
         draft_side = resolve_side(placement.draft, "draft")
         mem, dpath = draft_memory(args.draft, path, shares_target=False)
