@@ -71,11 +71,16 @@ def cmd_demo(args) -> int:
     except HalError as e:
         print(f"demo: the model could not be fetched ({e}); showing one verify round instead", file=sys.stderr)
         return demo_ops()
-    print(f"model smollm2-135m (SmolLM2-135M-Instruct, GGUF Q4_1 dequantized to fp32), backend {be.name}, greedy\n")
+    from hal.decoder import SpeculativeDecoder
+    print(f"model smollm2-135m (SmolLM2-135M-Instruct, GGUF Q4_1 dequantized to fp32), backend {be.name}, greedy")
+    costs = SpeculativeDecoder(model, make_drafter("ngram", model, be), num_blocks=64).profile_costs(
+        max_tokens=9, context=128, reps=3)
+    print("cost table profiled: " + ", ".join(f"{t} tok {c * 1e3:.0f} ms" for t, c in sorted(costs.verify.items()))
+          + "\n")
     for label, prompt in DEMO_PROMPTS:
         print(f"=== {label} prompt ===\n{prompt}\n")
-        print("--- speculative (n-gram drafter, k=5) ---")
-        _, spec, ts, m = run_generate(model, tok, prompt, "ngram", 5, 0.0, 96, 0)
+        print("--- speculative (n-gram drafter, k <= 8 chosen per step by the router) ---")
+        _, spec, ts, m = run_generate(model, tok, prompt, "ngram", 8, 0.0, 96, 0, costs=costs)
         print("--- plain decoding ---")
         _, plain, tp, _ = run_generate(model, tok, prompt, "none", 0, 0.0, 96, 0)
         print(f"\n[{label}] speculative {len(spec) / ts:.1f} tok/s, plain {len(plain) / tp:.1f} tok/s, "
@@ -147,8 +152,9 @@ def make_drafter(kind: str, target, backend):
 
 
 def run_generate(model, tok, prompt: str, draft: str, k: int, temperature: float, max_tokens: int, seed: int,
-                 stream: bool = True):
-    """One request; returns (text, tokens, seconds, metrics)."""
+                 stream: bool = True, costs=None):
+    """One request; returns (text, tokens, seconds, metrics). With ``costs`` (a
+    `hal.router.CostModel`) a router picks k <= ``k`` per step."""
     import time
 
     from hal.decoder import Request, SpeculativeDecoder
@@ -162,6 +168,9 @@ def run_generate(model, tok, prompt: str, draft: str, k: int, temperature: float
         print(tok.decode(shown, skip_special_tokens=True)[len(before):], end="", flush=True)
 
     dec = SpeculativeDecoder(model, make_drafter(draft, model, model.be), on_tokens=show if stream else None)
+    if costs is not None and draft != "none":
+        from hal.router import Router
+        dec.router = Router(costs, max_k=k)
     req = Request(ids, max_new_tokens=max_tokens, temperature=temperature, seed=seed, k=k if draft != "none" else 0,
                   stop_ids=(model.cfg.eos_id,) if model.cfg.eos_id is not None else ())
     t = time.perf_counter()
