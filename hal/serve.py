@@ -53,11 +53,15 @@ class Link:
     indices (sparse q). Sends are non-blocking; a receive may time out."""
 
     def __init__(self, peer: int, device: torch.device):
-        self.peer, self.device, self._sending = peer, device, []
+        self.peer, self.device, self._sending, self._keep = peer, device, [], []
 
-    def send(self, words: list[int], rows: Tensor | None = None, idx: Tensor | None = None) -> None:
+    def flush(self) -> None:
+        """Wait until the last message has left."""
         for w in self._sending:
             w.wait()
+
+    def send(self, words: list[int], rows: Tensor | None = None, idx: Tensor | None = None) -> None:
+        self.flush()
         parts = [torch.tensor(words, dtype=torch.long)]
         parts += [rows.float().contiguous()] if rows is not None else []
         parts += [idx.to(torch.int32).contiguous()] if idx is not None else []
@@ -162,94 +166,120 @@ class RemoteDrafter:
         if self.alive:
             try:
                 self.link.send([STOP])
-                for w in self.link._sending:
-                    w.wait()
+                self.link.flush()
             except RuntimeError:
                 pass
+
+
+Guess = dict[int, tuple[list[int], list[int], Tensor | None]]  # rid -> (assumed history, drafts, q rows)
 
 
 def draft_worker(link: Link, drafter, fault: str = "") -> None:
     """Serve DRAFTS for each COMMIT until STOP (see the module docstring)."""
     states: dict[int, State] = {}
-    guess: dict[int, tuple[list[int], list[int], Tensor | None]] = {}  # rid -> (base, drafts, q rows)
+    guess: Guess = {}
     replies = 0
     while True:
         words, floats, _ = link.recv(None)
         if words[0] == STOP:
             return
-        n, n_done = words[1], words[2]
-        for rid in words[3:3 + n_done]:
-            if (st := states.pop(rid, None)) is not None:
-                drafter.release(st)
-            guess.pop(rid, None)
-        at, f, order = 3 + n_done, 0, []
-        for _ in range(n):
-            rid, k, length, new = words[at:at + 4]
-            at += 4
-            if new:
-                top_k, seed, max_new = words[at:at + 3]
-                at += 3
-                temp, top_p = floats[f].tolist()
-                f += 1
-                req = Request([0], max_new_tokens=max_new, temperature=temp, top_k=top_k, top_p=top_p,
-                              seed=seed + DRAFT_SEED, k=k)
-                states[rid] = State(req, rid, [], seq=None)
-            st = states[rid]
-            nd = words[at]
-            st.tokens = st.tokens + words[at + 1:at + 1 + nd]
-            at += 1 + nd
-            if len(st.tokens) != length:
-                raise HalError(f"hal.serve: expected a committed history of {length} tokens for request {rid}, "
-                               f"got {len(st.tokens)} (protocol out of step)")
-            st.req_k = k
-            order.append(st)
-        # the guess holds when the target accepted every draft and its bonus token was the draft's guess
-        hits = [s for s in order if s.req_k and s.rid in guess and guess[s.rid][0] == s.tokens
-                and len(guess[s.rid][1]) >= s.req_k]
-        hit_ids = {s.rid for s in hits}
-        stale = sum(1 for s in order if s.rid in guess and s.rid not in hit_ids)
-        fresh = [s for s in order if s.req_k and s.rid not in hit_ids]
-        out: dict[int, tuple[list[int], Tensor | None]] = {s.rid: ([], None) for s in order}
-        for s in hits:
-            base, d, q = guess[s.rid]
-            out[s.rid] = (d[:s.req_k], None if q is None else q[:s.req_k])
-        if fresh:
-            d, q = drafter.propose(fresh)
-            r = 0
-            for s, ds in zip(fresh, d):
-                out[s.rid] = (ds, None if q is None else q[r:r + len(ds)])
-                r += len(ds)
-        guess.clear()
-        words, rows = [DRAFTS, len(hits), stale], []
-        for s in order:
-            ds, q = out[s.rid]
-            words += [s.rid, len(s.tokens), history_hash(s.tokens), len(ds), *ds]
-            if q is not None:
-                rows.append(q)
-        q = torch.cat(rows) if rows else None
-        sparse = q is not None and any(s.req.top_k > 0 or s.req.top_p < 1 for s in order)
-        idx, q = sparse_q(q) if sparse else (None, q)
-        link.send(words, q, idx)
+        order = _apply_commit(words, floats, states, guess, drafter)
+        out, hits, stale = _drafts_for(order, guess, drafter)
+        _reply(link, order, out, hits, stale)
         replies += 1
         if fault and replies == int(fault.split(":")[1]):  # fault injection for tests: HAL_SERVE_FAULT=
             if fault.startswith("kill"):                   # kill:N (SIGKILL after N replies) or
                 os.kill(os.getpid(), signal.SIGKILL)       # hang:N:S (stop answering for S s, then exit)
             time.sleep(float(fault.split(":")[2]))
             os._exit(0)
-        # overlap: draft the next round on the guess "all accepted + my next token" while the target verifies
-        spec = [s for s in order if s.req_k]
-        if spec:
-            base = {s.rid: s.tokens for s in spec}
-            for s in spec:
-                s.tokens = s.tokens + out[s.rid][0]
-                s.req_k += 1
-            d, q = drafter.propose(spec)
-            r = 0
-            for s, ds in zip(spec, d):
-                if ds:
-                    guess[s.rid] = (s.tokens + ds[:1], ds[1:], None if q is None else q[r + 1:r + len(ds)])
-                r += len(ds)
-                s.tokens, s.req_k = base[s.rid], s.req_k - 1
+        guess = _guess_next(order, out, drafter)  # overlaps the target's verification
+
+
+def _apply_commit(words: list[int], floats, states: dict[int, State], guess: Guess, drafter) -> list[State]:
+    """Extend each request's committed history (new requests arrive with their sampling
+    parameters; finished ones are released). Returns the requests of this round, in order."""
+    n, n_done = words[1], words[2]
+    for rid in words[3:3 + n_done]:
+        if (st := states.pop(rid, None)) is not None:
+            drafter.release(st)
+        guess.pop(rid, None)
+    at, f, order = 3 + n_done, 0, []
+    for _ in range(n):
+        rid, k, length, new = words[at:at + 4]
+        at += 4
+        if new:
+            top_k, seed, max_new = words[at:at + 3]
+            at += 3
+            temp, top_p = floats[f].tolist()
+            f += 1
+            req = Request([0], max_new_tokens=max_new, temperature=temp, top_k=top_k, top_p=top_p,
+                          seed=seed + DRAFT_SEED, k=k)
+            states[rid] = State(req, rid, [], seq=None)
+        st, nd = states[rid], words[at]
+        st.tokens = st.tokens + words[at + 1:at + 1 + nd]
+        at += 1 + nd
+        if len(st.tokens) != length:
+            raise HalError(f"hal.serve: expected a committed history of {length} tokens for request {rid}, "
+                           f"got {len(st.tokens)} (protocol out of step)")
+        st.req_k = k
+        order.append(st)
+    return order
+
+
+def _drafts_for(order: list[State], guess: Guess, drafter):
+    """Each request's drafts (and q rows): the overlap guess where it holds (the target
+    accepted everything and its bonus token was the draft's guess), else fresh ones."""
+    hit_ids = {s.rid for s in order if s.req_k and s.rid in guess and guess[s.rid][0] == s.tokens
+               and len(guess[s.rid][1]) >= s.req_k}
+    stale = sum(1 for s in order if s.rid in guess and s.rid not in hit_ids)
+    out: dict[int, tuple[list[int], Tensor | None]] = {s.rid: ([], None) for s in order}
+    for rid in hit_ids:
+        _, d, q = guess[rid]
+        k = next(s.req_k for s in order if s.rid == rid)
+        out[rid] = (d[:k], None if q is None else q[:k])
+    fresh = [s for s in order if s.req_k and s.rid not in hit_ids]
+    if fresh:
+        d, q = drafter.propose(fresh)
+        r = 0
+        for s, ds in zip(fresh, d):
+            out[s.rid] = (ds, None if q is None else q[r:r + len(ds)])
+            r += len(ds)
+    return out, len(hit_ids), stale
+
+
+def _reply(link: Link, order: list[State], out, hits: int, stale: int) -> None:
+    """DRAFTS: per request its base (length, hash) and drafts; q rows sparse when sampled
+    with top-k/top-p."""
+    words, rows = [DRAFTS, hits, stale], []
+    for s in order:
+        ds, q = out[s.rid]
+        words += [s.rid, len(s.tokens), history_hash(s.tokens), len(ds), *ds]
+        if q is not None:
+            rows.append(q)
+    q = torch.cat(rows) if rows else None
+    sparse = q is not None and any(s.req.top_k > 0 or s.req.top_p < 1 for s in order)
+    idx, q = sparse_q(q) if sparse else (None, q)
+    link.send(words, q, idx)
+
+
+def _guess_next(order: list[State], out, drafter) -> Guess:
+    """Draft the next round assuming every draft is accepted: the chain continues with one
+    more token (the guessed bonus) and then the next round's drafts."""
+    spec = [s for s in order if s.req_k]
+    guess: Guess = {}
+    if not spec:
+        return guess
+    base = {s.rid: s.tokens for s in spec}
+    for s in spec:
+        s.tokens, s.req_k = s.tokens + out[s.rid][0], s.req_k + 1
+    d, q = drafter.propose(spec)
+    r = 0
+    for s, ds in zip(spec, d):
+        if ds:
+            guess[s.rid] = (s.tokens + ds[:1], ds[1:], None if q is None else q[r + 1:r + len(ds)])
+        r += len(ds)
+        s.tokens, s.req_k = base[s.rid], s.req_k - 1
+    return guess
 
 
 def draft_memory(kind: str, model_path: str, shares_target: bool):

@@ -148,7 +148,10 @@ class QueueLink:
     """The transport between two threads (the protocol, worker and target code are the real ones)."""
 
     def __init__(self, inbox, outbox, tamper=None):
-        self.inbox, self.outbox, self.tamper, self._sending, self.n = inbox, outbox, tamper, [], 0
+        self.inbox, self.outbox, self.tamper, self.n = inbox, outbox, tamper, 0
+
+    def flush(self):
+        pass
 
     def send(self, words, rows=None, idx=None):
         self.n += 1
