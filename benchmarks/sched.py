@@ -81,7 +81,7 @@ def main() -> None:
              + f"; attention {costs.per_context * 1e6:.2f} us per fed x context token; n-gram draft "
              + ", ".join(f"k={k} {c * 1e3:.2f} ms" for k, c in sorted(costs.draft.items())) + ".\n",
              "## Per prompt (median of interleaved reps)\n",
-             "| prompt | system | tokens | tok/s | vs plain | acceptance | mean acc. length | mean k chosen | same as plain |",
+             "| prompt | system | tokens | tok/s | vs plain | acceptance | mean acc. length | mean drafts per verify | same as plain |",
              "|---|---|---:|---:|---:|---:|---:|---:|---|"]
     systems = [("plain", 0, lambda: None), (f"n-gram k={K}", K, lambda: None),
                (f"n-gram routed k<={K}", K, lambda: Router(costs, max_k=K))]
@@ -104,7 +104,7 @@ def main() -> None:
             print(lines[-1], flush=True)
     lines += ["", "## Throughput against batch size (tokens/s over the whole batch; prompts cycle through the set)\n",
               f"| batch | plain | n-gram k={K} | k={K}, off above batch {args.threshold} (vLLM-style) | routed k<={K} "
-              "| routed vs plain | routed mean k | same as plain |",
+              "| routed vs plain | routed mean drafts per verify | same as plain |",
               "|---:|---:|---:|---:|---:|---:|---:|---|"]
     for b in batches:
         xs = [ids[i % len(ids)] for i in range(b)]
