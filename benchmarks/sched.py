@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 import hal
-from hal.decoder import Request, SpeculativeDecoder
+from hal.decoder import Request, SpeculativeDecoder, draft_room
 from hal.drafters import NgramDrafter
 from hal.models.fetch import fetch
 from hal.models.llama import load_gguf
@@ -36,7 +36,7 @@ class BatchThreshold:
         self.k, self.threshold = k, threshold
 
     def choose(self, states):
-        return [min(self.k, s.req.max_new_tokens - len(s.generated) - 1) if len(states) <= self.threshold else 0
+        return [min(self.k, draft_room(s)) if len(states) <= self.threshold else 0
                 for s in states]
 
     def observe(self, *a):

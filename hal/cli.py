@@ -172,7 +172,7 @@ def run_generate(model, tok, prompt: str, draft: str, k: int, temperature: float
         from hal.router import Router
         dec.router = Router(costs, max_k=k)
     req = Request(ids, max_new_tokens=max_tokens, temperature=temperature, seed=seed, k=k if draft != "none" else 0,
-                  stop_ids=(model.cfg.eos_id,) if model.cfg.eos_id is not None else ())
+                  stop_ids=model.cfg.stop_ids)
     t = time.perf_counter()
     out = dec.generate([req])[0]
     dt = time.perf_counter() - t
@@ -197,8 +197,7 @@ def cmd_bench(args) -> int:
     dec = SpeculativeDecoder(model, make_drafter(args.draft, model, be), num_blocks=128 * args.batch)
     if not args.fixed_k:
         dec.router = Router(dec.profile_costs(max_tokens=(args.k + 1) * len(DEMO_PROMPTS) * args.batch), max_k=args.k)
-    stop = (model.cfg.eos_id,) if model.cfg.eos_id is not None else ()
-    reqs = [Request(tok.encode(chatml(p)).ids, max_new_tokens=args.max_tokens, k=args.k, stop_ids=stop)
+    reqs = [Request(tok.encode(chatml(p)).ids, max_new_tokens=args.max_tokens, k=args.k, stop_ids=model.cfg.stop_ids)
             for _ in range(args.batch) for _, p in DEMO_PROMPTS]
     t = time.perf_counter()
     outs = dec.generate(reqs)

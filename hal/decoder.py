@@ -54,6 +54,11 @@ class State:
         return self.offset - 1
 
 
+def draft_room(s) -> int:
+    """Drafts a request may still take: a step emits accepted drafts + 1, never past max_new_tokens."""
+    return s.req.max_new_tokens - len(s.generated) - 1
+
+
 class Drafter(Protocol):
     """Proposes drafts for live requests; told what was accepted."""
 
@@ -173,7 +178,7 @@ class SpeculativeDecoder:
         elif self.router is not None:
             ks = self.router.choose(live)
         else:  # never draft past max_new_tokens
-            ks = [min(s.req.k, s.req.max_new_tokens - len(s.generated) - 1) for s in live]
+            ks = [min(s.req.k, draft_room(s)) for s in live]
         for s, k in zip(live, ks):
             s.req_k = k
 
@@ -182,8 +187,7 @@ class SpeculativeDecoder:
         self._choose_k(live)
         # a free deterministic drafter also drafts for requests routed to k = 0; those drafts are
         # not verified, only scored against the emitted token (acceptance the router keeps learning)
-        shadow = {s.rid for s in live if s.req_k == 0 and s.req.temperature == 0 and s.req.max_new_tokens - len(
-            s.generated) > 1} if self.router is not None and getattr(self.drafter, "shadow", False) else set()
+        shadow = {s.rid for s in live if s.req_k == 0 and s.req.temperature == 0 and draft_room(s) > 0} if self.router is not None and getattr(self.drafter, "shadow", False) else set()
         for s in live:
             s.req_k = 1 if s.rid in shadow else s.req_k
         if any(s.req_k > 0 for s in live):

@@ -20,6 +20,7 @@ import time
 from bisect import bisect_left
 from dataclasses import dataclass, field
 
+from hal.decoder import draft_room
 from hal.errors import arg_error
 
 
@@ -117,7 +118,7 @@ class Router:
         cap; the best point on that path wins (a first draft can cost more than later
         ones, e.g. when decode has a single-token fast path, so stopping early would be wrong)."""
         n = len(states)
-        caps = [max(0, min(self.max_k, s.req.k, s.req.max_new_tokens - len(s.generated) - 1)) for s in states]
+        caps = [max(0, min(self.max_k, s.req.k, draft_room(s))) for s in states]
         ctx = [len(s.tokens) for s in states]
         alpha = [self.acceptance(s.rid) for s in states]
         c = self.costs

@@ -41,8 +41,12 @@ TARGET, DRAFT = 0, 1
 DRAFT_SEED = 1 << 40  # the worker's draws use (seed + DRAFT_SEED, offset): a stream the target never uses
 
 
-def history_hash(tokens: list[int]) -> int:
-    h = 1469598103934665603
+HASH_SEED = 1469598103934665603
+
+
+def history_hash(tokens: list[int], h: int = HASH_SEED) -> int:
+    """A chained hash of a token history; ``history_hash(b, history_hash(a)) == history_hash(a + b)``,
+    so each side extends it with the tokens committed since the last round only."""
     for t in tokens:
         h = ((h ^ (t + 1)) * 1099511628211) & ((1 << 62) - 1)
     return h
@@ -96,6 +100,7 @@ class RemoteDrafter:
         self.link, self.vocab, self.device, self.metrics = link, vocab, device, metrics
         self.timeout, self.first_timeout = timeout, first_timeout
         self.sent: dict[int, int] = {}     # rid -> tokens of its history the worker has
+        self.hashes: dict[int, int] = {}   # rid -> history_hash of those tokens
         self.finished: list[int] = []
         self.alive, self.rounds, self.guess_hits, self.guess_misses = True, 0, 0, 0
 
@@ -107,6 +112,7 @@ class RemoteDrafter:
         self.finished += [rid for rid in self.sent if rid not in live]
         for rid in self.finished:
             self.sent.pop(rid, None)
+            self.hashes.pop(rid, None)
         words, floats = [COMMIT, len(states), len(self.finished), *self.finished], []
         self.finished = []
         for s in states:
@@ -118,6 +124,7 @@ class RemoteDrafter:
             delta = s.tokens[self.sent.get(s.rid, 0):]
             words += [len(delta), *delta]
             self.sent[s.rid] = len(s.tokens)
+            self.hashes[s.rid] = history_hash(delta, self.hashes.get(s.rid, HASH_SEED))
         try:
             self.link.send(words, torch.tensor(floats) if floats else None)
             reply, rows, idx = self.link.recv(self.timeout if self.rounds else self.first_timeout)
@@ -133,7 +140,7 @@ class RemoteDrafter:
             rid, base_len, base_hash, n = reply[at:at + 4]
             d = reply[at + 4:at + 4 + n]
             at += 4 + n
-            ok = rid == s.rid and base_len == len(s.tokens) and base_hash == history_hash(s.tokens) and n <= max(
+            ok = rid == s.rid and base_len == len(s.tokens) and base_hash == self.hashes[s.rid] and n <= max(
                 s.req_k, 0)
             if not ok:  # not built on the committed prefix: dropped
                 self.metrics.stale_drafts += 1
@@ -141,13 +148,10 @@ class RemoteDrafter:
             keep += range(r, r + len(d))
             r += n
             drafts.append(d)
-        q = None
-        if rows is not None and keep:
-            rows = rows[keep] if len(keep) != rows.shape[0] else rows
-            q = transfer(rows, self.device) if idx is None else dense_q(
-                transfer(idx[keep] if len(keep) != idx.shape[0] else idx, self.device), transfer(rows, self.device),
-                self.vocab)
-        return drafts, q
+        if rows is None or not keep:
+            return drafts, None
+        rows = transfer(rows[keep], self.device)
+        return drafts, rows if idx is None else dense_q(transfer(idx[keep], self.device), rows, self.vocab)
 
     def _fail(self, e: Exception) -> None:
         self.alive = False
@@ -159,6 +163,7 @@ class RemoteDrafter:
         pass
 
     def release(self, state: State) -> None:
+        self.hashes.pop(state.rid, None)
         if self.sent.pop(state.rid, None) is not None:
             self.finished.append(state.rid)
 
@@ -177,15 +182,16 @@ Guess = dict[int, tuple[list[int], list[int], Tensor | None]]  # rid -> (assumed
 def draft_worker(link: Link, drafter, fault: str = "") -> None:
     """Serve DRAFTS for each COMMIT until STOP (see the module docstring)."""
     states: dict[int, State] = {}
+    hashes: dict[int, int] = {}  # rid -> history_hash of its committed history
     guess: Guess = {}
     replies = 0
     while True:
         words, floats, _ = link.recv(None)
         if words[0] == STOP:
             return
-        order = _apply_commit(words, floats, states, guess, drafter)
+        order = _apply_commit(words, floats, states, hashes, guess, drafter)
         out, hits, stale = _drafts_for(order, guess, drafter)
-        _reply(link, order, out, hits, stale)
+        _reply(link, order, hashes, out, hits, stale)
         replies += 1
         if fault and replies == int(fault.split(":")[1]):  # fault injection for tests: HAL_SERVE_FAULT=
             if fault.startswith("kill"):                   # kill:N (SIGKILL after N replies) or
@@ -195,7 +201,8 @@ def draft_worker(link: Link, drafter, fault: str = "") -> None:
         guess = _guess_next(order, out, drafter)  # overlaps the target's verification
 
 
-def _apply_commit(words: list[int], floats, states: dict[int, State], guess: Guess, drafter) -> list[State]:
+def _apply_commit(words: list[int], floats, states: dict[int, State], hashes: dict[int, int], guess: Guess,
+                  drafter) -> list[State]:
     """Extend each request's committed history (new requests arrive with their sampling
     parameters; finished ones are released). Returns the requests of this round, in order."""
     n, n_done = words[1], words[2]
@@ -203,6 +210,7 @@ def _apply_commit(words: list[int], floats, states: dict[int, State], guess: Gue
         if (st := states.pop(rid, None)) is not None:
             drafter.release(st)
         guess.pop(rid, None)
+        hashes.pop(rid, None)
     at, f, order = 3 + n_done, 0, []
     for _ in range(n):
         rid, k, length, new = words[at:at + 4]
@@ -217,6 +225,7 @@ def _apply_commit(words: list[int], floats, states: dict[int, State], guess: Gue
             states[rid] = State(req, rid, [], seq=None)
         st, nd = states[rid], words[at]
         st.tokens = st.tokens + words[at + 1:at + 1 + nd]
+        hashes[rid] = history_hash(words[at + 1:at + 1 + nd], hashes.get(rid, HASH_SEED))
         at += 1 + nd
         if len(st.tokens) != length:
             raise HalError(f"hal.serve: expected a committed history of {length} tokens for request {rid}, "
@@ -233,10 +242,10 @@ def _drafts_for(order: list[State], guess: Guess, drafter):
                and len(guess[s.rid][1]) >= s.req_k}
     stale = sum(1 for s in order if s.rid in guess and s.rid not in hit_ids)
     out: dict[int, tuple[list[int], Tensor | None]] = {s.rid: ([], None) for s in order}
-    for rid in hit_ids:
-        _, d, q = guess[rid]
-        k = next(s.req_k for s in order if s.rid == rid)
-        out[rid] = (d[:k], None if q is None else q[:k])
+    for s in order:
+        if s.rid in hit_ids:
+            _, d, q = guess[s.rid]
+            out[s.rid] = (d[:s.req_k], None if q is None else q[:s.req_k])
     fresh = [s for s in order if s.req_k and s.rid not in hit_ids]
     if fresh:
         d, q = drafter.propose(fresh)
@@ -247,13 +256,13 @@ def _drafts_for(order: list[State], guess: Guess, drafter):
     return out, len(hit_ids), stale
 
 
-def _reply(link: Link, order: list[State], out, hits: int, stale: int) -> None:
+def _reply(link: Link, order: list[State], hashes: dict[int, int], out, hits: int, stale: int) -> None:
     """DRAFTS: per request its base (length, hash) and drafts; q rows sparse when sampled
     with top-k/top-p."""
     words, rows = [DRAFTS, hits, stale], []
     for s in order:
         ds, q = out[s.rid]
-        words += [s.rid, len(s.tokens), history_hash(s.tokens), len(ds), *ds]
+        words += [s.rid, len(s.tokens), hashes[s.rid], len(ds), *ds]
         if q is not None:
             rows.append(q)
     q = torch.cat(rows) if rows else None
@@ -396,7 +405,6 @@ def _run(args) -> int:
     if args.route:
         from hal.router import Router
         dec.router = Router(dec.profile_costs(profile_draft=world == 1), max_k=args.k)
-    stop = (model.cfg.eos_id,) if model.cfg.eos_id is not None else ()
     prompts = [[int(t) for t in p.split(",")] for p in args.prompt_ids]
     if args.prompt and tok is None:
         raise HalError(f"--prompt: model {args.model} has no tokenizer; pass --prompt-ids")
@@ -407,7 +415,7 @@ def _run(args) -> int:
         raise HalError(f"--max-context: expected at least the longest prompt + --max-tokens = {longest} tokens "
                        f"(the memory plan's context), got {args.max_context}")
     reqs = [Request(p, max_new_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                    seed=args.seed + i, k=args.k, stop_ids=stop) for i, p in enumerate(prompts)]
+                    seed=args.seed + i, k=args.k, stop_ids=model.cfg.stop_ids) for i, p in enumerate(prompts)]
     t = time.perf_counter()
     try:
         outs = dec.generate(reqs)

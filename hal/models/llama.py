@@ -32,6 +32,10 @@ class LlamaConfig:
     bos_id: int | None = None
     eos_id: int | None = None
 
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return (self.eos_id,) if self.eos_id is not None else ()
+
 
 @dataclass
 class Batch:
