@@ -20,6 +20,11 @@ FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INTS = (torch.int32, torch.int64)
 I64 = (torch.int64,)
 F32 = (torch.float32,)
+# Size arguments are bounded, so that an absurd value is refused instead of allocating
+# [R, max_k + 1] outputs or looping max_n times: k and max_k (drafts per request) and
+# min_n / max_n (n-gram lengths) are at most these.
+MAX_K = 1024
+MAX_NGRAM = 1024
 # Probability rows must sum to 1 within this absolute tolerance.
 PROB_SUM_ATOL = {torch.float16: 1e-2, torch.bfloat16: 1e-2, torch.float32: 1e-3, torch.float64: 1e-3}
 
@@ -63,11 +68,11 @@ def same_device(named: dict) -> None:
             raise arg_error(name, f"the same device as {first[0]} ({first[1]})", t.device)
 
 
-def int_arg(name: str, v, lo: int = 0) -> int:
+def int_arg(name: str, v, lo: int = 0, hi: int | None = None) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
         raise arg_error(name, "a Python int", type(v).__name__)
-    if v < lo:
-        raise arg_error(name, f"an int >= {lo}", v)
+    if v < lo or (hi is not None and v > hi):
+        raise arg_error(name, f"an int >= {lo}" if hi is None else f"an int in [{lo}, {hi}]", v)
     return v
 
 
@@ -139,7 +144,7 @@ def _ragged(be, draft_token_ids, cu_num_draft_tokens, max_k) -> tuple[int, int]:
     tensor(be, "cu_num_draft_tokens", cu_num_draft_tokens, INTS, ndim=1)
     if cu_num_draft_tokens.shape[0] < 1:
         raise arg_error("cu_num_draft_tokens", "shape [R+1] with R >= 0", "shape [0]")
-    int_arg("max_k", max_k)
+    int_arg("max_k", max_k, 0, MAX_K)
     return draft_token_ids.shape[0], cu_num_draft_tokens.shape[0] - 1
 
 
@@ -174,10 +179,10 @@ def ngram_propose(be, token_ids, num_tokens, min_n, max_n, k) -> None:
     tensor(be, "token_ids", token_ids, INTS, ndim=2)
     tensor(be, "num_tokens", num_tokens, INTS, (token_ids.shape[0],))
     same_device(dict(token_ids=token_ids, num_tokens=num_tokens))
-    int_arg("min_n", min_n, 1)
-    if int_arg("max_n", max_n, 1) < min_n:
+    int_arg("min_n", min_n, 1, MAX_NGRAM)
+    if int_arg("max_n", max_n, 1, MAX_NGRAM) < min_n:
         raise arg_error("max_n", f"an int >= min_n ({min_n})", max_n)
-    int_arg("k", k, 1)
+    int_arg("k", k, 1, MAX_K)
     if be.check_values:
         index_values("num_tokens", num_tokens, 0, token_ids.shape[1] + 1)
 

@@ -9,14 +9,23 @@ import torch
 from hal.errors import HalError, arg_error
 
 
+def _count(name: str, v, lo: int = 0) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise arg_error(name, "a Python int", type(v).__name__)
+    if v < lo:
+        raise arg_error(name, f"an int >= {lo}", v)
+    return v
+
+
 class BlockAllocator:
-    """Reference-counted physical blocks ``0..num_blocks-1``."""
+    """Reference-counted physical blocks ``0..num_blocks-1``.
+
+    Every method is all or nothing: one that raises `HalError` has changed nothing.
+    """
 
     def __init__(self, num_blocks: int, block_size: int):
-        if num_blocks < 1:
-            raise arg_error("num_blocks", "an int >= 1", num_blocks)
-        if block_size < 1:
-            raise arg_error("block_size", "an int >= 1", block_size)
+        _count("num_blocks", num_blocks, 1)
+        _count("block_size", block_size, 1)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.refcount = [0] * num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))
@@ -25,20 +34,30 @@ class BlockAllocator:
     def num_free(self) -> int:
         return len(self._free)
 
+    def _exhausted(self, need: int) -> HalError:
+        return HalError(f"KV pool: expected {need} free block{'s' * (need != 1)}, got {self.num_free} of "
+                        f"{self.num_blocks} (raise num_blocks or finish some sequences)")
+
     def allocate(self) -> int:
         if not self._free:
-            raise HalError(f"KV pool: expected a free block, got none of {self.num_blocks} "
-                           "(raise num_blocks or finish some sequences)")
+            raise self._exhausted(1)
         b = self._free.pop()
         self.refcount[b] = 1
         return b
 
+    def _live(self, b: int) -> None:
+        if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < self.num_blocks:
+            raise arg_error("block", f"a block id in [0, {self.num_blocks})", b)
+        if self.refcount[b] <= 0:
+            raise HalError(f"block {b}: expected a live block, got a free one (double free or use after free)",
+                           arg="block", expected="a live block", got="a free one")
+
     def incref(self, b: int) -> None:
+        self._live(b)
         self.refcount[b] += 1
 
     def decref(self, b: int) -> None:
-        if self.refcount[b] <= 0:
-            raise HalError(f"block {b}: expected a live block, got a free one (double free)")
+        self._live(b)
         self.refcount[b] -= 1
         if self.refcount[b] == 0:
             self._free.append(b)
@@ -51,6 +70,11 @@ class Sequence:
     ``commit(m)`` then advances ``length`` by the ``m <= n`` tokens that were
     kept. Rejected tokens are never erased: their slots are simply overwritten
     by the next reservation (rollback is free).
+
+    Every method is all or nothing: one that raises `HalError` (bad argument,
+    pool exhausted, sequence already freed) leaves the sequence, every other
+    sequence and the allocator exactly as they were. A freed sequence is dead:
+    every later call raises.
     """
 
     def __init__(self, allocator: BlockAllocator):
@@ -58,56 +82,64 @@ class Sequence:
         self.blocks: list[int] = []
         self.length = 0
         self.reserved = 0
+        self.freed = False
 
     @property
     def block_size(self) -> int:
         return self.allocator.block_size
+
+    def _alive(self, what: str) -> None:
+        if self.freed:
+            raise HalError(f"Sequence.{what}: expected a live sequence, got one already freed",
+                           arg="sequence", expected="a live sequence", got="a freed one")
 
     def slot(self, pos: int) -> int:
         return self.blocks[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def reserve(self, n: int) -> tuple[list[int], list[tuple[int, int]]]:
         """Slots for the next ``n`` positions, and ``(src_block, dst_block)`` copies
-        that must run (``copy_kv``) before writing: copy-on-write of shared blocks."""
-        if n < 0:
-            raise arg_error("n", "an int >= 0", n)
-        bs, copies = self.block_size, []
+        that must run (``copy_kv``) before writing: copy-on-write of shared blocks.
+
+        Counts every block it needs (new ones and copies) before taking any, so an
+        exhausted pool raises with nothing changed."""
+        self._alive("reserve")
+        _count("n", n)
+        a, bs = self.allocator, self.block_size
         need = -(-(self.length + n) // bs)
-        grown = []
-        try:
-            while len(self.blocks) < need:
-                grown.append(self.allocator.allocate())
-                self.blocks.append(grown[-1])
-            for bi in range(self.length // bs, need):
-                b = self.blocks[bi]
-                if self.allocator.refcount[b] > 1:  # shared with a fork: copy before writing
-                    nb = self.allocator.allocate()
-                    self.allocator.decref(b)
-                    self.blocks[bi] = nb
-                    copies.append((b, nb))
-        except HalError:
-            for b in grown:
-                self.blocks.remove(b)
-                self.allocator.decref(b)
-            raise
+        shared = [bi for bi in range(self.length // bs, min(need, len(self.blocks)))
+                  if a.refcount[self.blocks[bi]] > 1]
+        wanted = max(0, need - len(self.blocks)) + len(shared)
+        if wanted > a.num_free:
+            raise a._exhausted(wanted)
+        copies = []
+        for bi in shared:  # shared with a fork: copy before writing
+            b, nb = self.blocks[bi], a.allocate()
+            a.decref(b)
+            self.blocks[bi] = nb
+            copies.append((b, nb))
+        while len(self.blocks) < need:
+            self.blocks.append(a.allocate())
         self.reserved = n
         return [self.slot(p) for p in range(self.length, self.length + n)], copies
 
     def commit(self, m: int) -> None:
         """Keep the first ``m`` reserved tokens (accepted drafts + 1)."""
-        if not 0 <= m <= self.reserved:
-            raise arg_error("m", f"0 <= m <= reserved ({self.reserved})", m)
+        self._alive("commit")
+        if isinstance(m, bool) or not isinstance(m, int) or not 0 <= m <= self.reserved:
+            raise arg_error("m", f"an int, 0 <= m <= reserved ({self.reserved})", m)
         self.length += m
         self.reserved = 0
 
     def truncate(self, length: int) -> None:
         """Roll the committed length back; blocks stay allocated for reuse."""
-        if not 0 <= length <= self.length:
-            raise arg_error("length", f"0 <= length <= {self.length}", length)
+        self._alive("truncate")
+        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self.length:
+            raise arg_error("length", f"an int, 0 <= length <= {self.length}", length)
         self.length, self.reserved = length, 0
 
     def fork(self) -> "Sequence":
         """A child sharing every block (copy-on-write on its next write)."""
+        self._alive("fork")
         child = Sequence(self.allocator)
         child.blocks, child.length = list(self.blocks), self.length
         for b in child.blocks:
@@ -115,9 +147,13 @@ class Sequence:
         return child
 
     def free(self) -> None:
+        """Return every block; the sequence is dead afterwards (freeing twice raises)."""
+        self._alive("free")
+        for b in self.blocks:
+            self.allocator._live(b)
         for b in self.blocks:
             self.allocator.decref(b)
-        self.blocks, self.length, self.reserved = [], 0, 0
+        self.blocks, self.length, self.reserved, self.freed = [], 0, 0, True
 
 
 def block_copy_slots(copies: list[tuple[int, int]], block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,14 +183,14 @@ class KVPool:
 
     def __init__(self, backend, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, num_layers: int = 1, device: str | None = None):
+        _count("num_blocks", num_blocks, 1)
         if block_size not in backend.spec.block_sizes:
             raise arg_error("block_size", f"{backend.spec.block_sizes} for backend {backend.name}", block_size)
-        if head_dim % backend.spec.head_dim_align:
+        if _count("head_dim", head_dim, 1) % backend.spec.head_dim_align:
             raise arg_error("head_dim", f"a multiple of {backend.spec.head_dim_align} for backend {backend.name}",
                             head_dim)
         for name, v in (("num_kv_heads", num_kv_heads), ("num_layers", num_layers)):
-            if v < 1:
-                raise arg_error(name, "an int >= 1", v)
+            _count(name, v, 1)
         self.backend, self.allocator = backend, BlockAllocator(num_blocks, block_size)
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         dev = device or backend.device_type

@@ -32,7 +32,20 @@ Conventions shared by the verify ops
   not produce the same random draws as each other.
 * Probability inputs must be finite, non-negative and sum to 1 per row within
   ``hal.checks.PROB_SUM_ATOL`` (1e-3 for fp32/fp64, 1e-2 for fp16/bf16).
-  Logits may hold -inf (masked tokens) but not NaN or +inf.
+  They are used exactly as given: never renormalised and never clamped. So a
+  ``q(x)`` slightly above 1 (allowed by that tolerance) is used literally in
+  ``u * q(x) < p(x)``, as vLLM's rejection sampler does (SGLang caps q at 1;
+  we do not). Logits may hold -inf (masked tokens) but not NaN or +inf.
+* Layout: any strides are accepted, for every tensor argument (views,
+  transposes, slices with steps, expanded dims). A backend either reads the
+  strides or makes the argument contiguous; the result equals the result on
+  contiguous copies. In-place outputs (the KV caches) are updated in place
+  whatever their strides (head-padded caches included).
+* Sizes: ``max_k`` and ``k`` are at most ``hal.checks.MAX_K`` (1024),
+  ``min_n`` / ``max_n`` at most ``hal.checks.MAX_NGRAM`` (1024); larger
+  values are refused with `hal.HalError`. Empty batches (``R = 0``, ``T = 0``,
+  ``N = 0``, an empty history) are valid and give empty (or all-padding)
+  outputs.
 * Argmax is taken over values rounded to float32 (bf16/fp16 are exact there;
   fp64 is rounded), and ties go to the lowest token id.
 
@@ -48,6 +61,9 @@ from typing import Protocol, runtime_checkable
 
 from torch import Tensor
 
+SAMPLING_EPS = 1e-5
+"""A temperature below this is greedy (vLLM's ``_SAMPLING_EPS``): 1 / T would overflow."""
+
 
 @runtime_checkable
 class Ops(Protocol):
@@ -58,7 +74,8 @@ class Ops(Protocol):
         """Sample one token per row, returning the distribution actually sampled from.
 
         :param logits: ``[R, V]`` float logits.
-        :param temperature: ``[R]`` float32, ``>= 0``; 0 means greedy.
+        :param temperature: ``[R]`` float32, ``>= 0``; 0, and anything below
+            `SAMPLING_EPS` (1e-5), means greedy.
         :param top_k: ``[R]`` int32; keep tokens whose logit is at least the
             ``top_k``-th largest (ties at the cutoff are kept, as in vLLM).
             ``top_k < 1`` or ``>= V`` disables it (vLLM uses -1 or 0).
@@ -67,9 +84,14 @@ class Ops(Protocol):
             renormalised; ties at the cutoff kept). 1 disables it.
         :param seeds: ``[R]`` int64. :param offsets: ``[R]`` int64, ``>= 0``.
         :returns: ``(tokens [R] int32, q [R, V] float32)``. ``q`` is
-            ``softmax(filtered(logits / temperature))``; for temperature 0 it
-            is one-hot at the argmax (lowest id on ties) and the token is that
-            argmax. Filtered-out tokens have ``q == 0`` exactly.
+            ``softmax(filtered((logits - max) / temperature))`` (the max taken
+            first, so finite logits near the float32 limits never overflow);
+            for a greedy row it is one-hot at the argmax (lowest id on ties) and
+            the token is that argmax. Filtered-out tokens have ``q == 0`` exactly.
+            The draw is exact for the whole distribution: a token whose weight
+            is ``w`` times the largest is drawn at its rate at least down to
+            ``w ~ 1e-12`` (the long tail is not cut off by the 24 bits of a
+            float32 uniform). The same holds for every token an op samples.
         """
 
     def ngram_propose(self, token_ids: Tensor, num_tokens: Tensor, min_n: int, max_n: int,

@@ -44,7 +44,8 @@ def categorical(weights: Tensor, u: Tensor, block: int = 256) -> Tensor:
     target mass, then the token inside it (one [R, V] pass instead of a cumsum)."""
     R, V = weights.shape
     block = min(block, V)
-    w = torch.nn.functional.pad(weights, (0, (-V) % block)).view(R, -1, block)
+    w = torch.nn.functional.pad(weights, (0, (-V) % block))
+    w = w.view(R, w.shape[1] // block, block)
     bcdf = w.sum(-1, dtype=torch.float64).cumsum(-1)                    # [R, nb]
     target = u * bcdf[:, -1]
     bi = torch.searchsorted(bcdf, target[:, None], right=True)[:, 0]
@@ -90,8 +91,12 @@ def take(t: Tensor, idx: Tensor) -> Tensor:
     return t[idx] if t.shape[0] else t.new_zeros(tuple(idx.shape) + tuple(t.shape[1:]))
 
 
-def uniform32(seeds: Tensor, offsets: Tensor, stream: int, index: Tensor) -> Tensor:
-    """Like `uniform`, in float32 (24 random bits) for devices without fp64."""
+def exponential32(seeds: Tensor, offsets: Tensor, stream: int, index: Tensor) -> Tensor:
+    """Exp(1) draws in float32 for devices without fp64: ``-log1p(-u)`` with ``u`` built
+    from 64 random bits (``(hi + lo * 2^-32) * 2^-32``), so small draws, the ones that let
+    a long-tail token win an exponential race, keep their resolution down to 2^-65."""
     key = _mix(_mix(seeds + _wrap(stream * _GOLDEN)) ^ offsets)
     x = _mix(key[:, None] + (index + 1) * _GOLDEN)
-    return (_lsr(x, 40).float() + 0.5) * (2.0 ** -24)
+    hi, lo = _lsr(x, 32).float(), (x & 0xFFFFFFFF).float()
+    u = ((hi + (lo + 0.5) * 2.0 ** -32) * 2.0 ** -32).clamp(max=1 - 2.0 ** -24)
+    return -torch.log1p(-u)

@@ -18,8 +18,10 @@ def paged_attention(query: Tensor, k_cache: Tensor, v_cache: Tensor, block_table
     Q = int(q_len.max()) if R else 0
     L = block_tables.shape[1] * bs
     dev = query.device
-    keys = k_cache[block_tables.long()].view(R, L, Hkv, D).float().transpose(1, 2)   # [R, Hkv, L, D]
-    vals = v_cache[block_tables.long()].view(R, L, Hkv, D).float().transpose(1, 2)
+    used = torch.arange(block_tables.shape[1], device=dev)[None] * bs < seq[:, None]
+    bt = torch.where(used, block_tables.long(), 0)      # entries past seq_len are never read (nor checked)
+    keys = k_cache[bt].reshape(R, L, Hkv, D).float().transpose(1, 2)   # [R, Hkv, L, D]
+    vals = v_cache[bt].reshape(R, L, Hkv, D).float().transpose(1, 2)
     j = torch.arange(L, device=dev)
     if Q == 1 and T == R and tree_mask is None:     # decode: one query per request, keys j < seq_len
         out = torch.nn.functional.scaled_dot_product_attention(

@@ -3,17 +3,21 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from hal.ops import SAMPLING_EPS
 from verify_ops._common import SAMPLE, categorical, uniform
 
 
 def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, seeds: Tensor,
            offsets: Tensor) -> tuple[Tensor, Tensor]:
-    # q = softmax(z masked below a per-row cutoff), z = logits / T; T == 0 rows: one_hot(argmax).
+    # q = softmax(z masked below a per-row cutoff), z = (logits - max) / T (never overflows);
+    # T < SAMPLING_EPS rows: one_hot(argmax).
     # top-k cutoff: the k-th largest z. top-p cutoff: in descending order over the top-k set,
     # the last z whose preceding (renormalised) mass is < top_p. Ties at a cutoff are kept.
     R, V = logits.shape
-    greedy = temperature == 0
-    z = logits.float() / torch.where(greedy, 1.0, temperature)[:, None]
+    greedy = temperature < SAMPLING_EPS
+    x = logits.float()
+    m = x.amax(-1, keepdim=True)
+    z = (x - torch.where(m > -torch.inf, m, 0.0)) / torch.where(greedy, 1.0, temperature)[:, None]
     k = top_k.long()
     use_k, use_p = (k >= 1) & (k < V), top_p < 1
     if bool((use_k | use_p).any()):

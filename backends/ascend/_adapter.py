@@ -36,7 +36,7 @@ def run(call: Call) -> Any:
 def scatter_pa_kv_cache(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> Call:
     """write_kv -> npu_scatter_pa_kv_cache in the ND ("Norm") layout (the op's default is PA_NZ)."""
     return Call("npu_scatter_pa_kv_cache", (), dict(key=key, value=value.to(v_cache.dtype), key_cache=k_cache,
-                                                    value_cache=v_cache, slot_mapping=slot_mapping.to(torch.int32),
+                                                    value_cache=v_cache, slot_mapping=slot_mapping.to(torch.int32).contiguous(),
                                                     cache_mode="Norm"))
 
 
@@ -71,9 +71,11 @@ def fused_infer_attention(query: Tensor, k_cache: Tensor, v_cache: Tensor, block
         if q_len > MAX_VERIFY_Q and q_len != s:   # a verify step, not a prefill
             raise arg_error("query_start_loc", f"1 + k <= {MAX_VERIFY_Q} on the TND verify path (Ascend)",
                             f"{q_len} queries for request {r}")
-    return Call("npu_fused_infer_attention_score", (query, k_cache.view(nb, bs, Hkv * D), v_cache.view(nb, bs, Hkv * D)),
+    # reshape, not view: a head-padded (non-packed) cache is read through a packed copy
+    return Call("npu_fused_infer_attention_score", (query.contiguous(), k_cache.reshape(nb, bs, Hkv * D),
+                                                    v_cache.reshape(nb, bs, Hkv * D)),
                 dict(atten_mask=causal_mask(query.device), actual_seq_lengths=cu, actual_seq_lengths_kv=kv,
-                     block_table=block_tables, num_heads=Hq, num_key_value_heads=Hkv, scale=float(scale),
+                     block_table=block_tables.contiguous(), num_heads=Hq, num_key_value_heads=Hkv, scale=float(scale),
                      input_layout="TND", block_size=bs, sparse_mode=3))
 
 

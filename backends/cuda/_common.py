@@ -12,6 +12,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.random import uint_to_uniform_float
 
 # Random streams, one per use, as in verify_ops: draws never collide across ops.
 SAMPLE, ACCEPT, RECOVER, TYPICAL_BONUS, TREE_ACCEPT, TREE_FINAL = 1, 2, 3, 4, 5, 6
@@ -90,10 +91,26 @@ def row_argmax(ptr, stride, row, mask, V, BLOCK_R: tl.constexpr, BLOCK_V: tl.con
 
 
 @triton.jit
+def exponential(seed, offset, stream: tl.constexpr, idx):
+    """E ~ Exp(1) as -log1p(-u), u from two 31-bit Philox draws (fine down to ~2e-19).
+
+    A long-tail token (weight w << the largest) wins the race only when its E is tiny;
+    -log(u) with a float32 u <= 1 - 2^-24 never goes below 6e-8 and silently drops it.
+    log1p is Kahan's form (float32, no libdevice): exact where 1 - u rounds to 1."""
+    key = seed ^ (offset * -7046029254386353131)
+    a, b, _, _ = tl.randint4x(key, stream * 16777216 + idx)
+    u = uint_to_uniform_float(a) + uint_to_uniform_float(b) * 4.6566127342e-10
+    u = tl.minimum(tl.maximum(u, 1e-30), 0.99999994)
+    w = 1.0 - u
+    exact = w == 1.0
+    return tl.where(exact, u, -tl.log(w) * (u / tl.where(exact, 1.0, 1.0 - w)))
+
+
+@triton.jit
 def race_update(best_score, best_idx, w, seed, offset, stream: tl.constexpr, cols, col_mask):
-    """Exponential race: argmax_v w_v / E_v, E_v = -log(u_v), samples v with prob. w_v / sum(w)."""
-    u = uniform(seed[:, None], offset[:, None], stream, cols[None, :])
-    score = tl.where(col_mask[None, :], w / -tl.log(u), -1.0)
+    """Exponential race: argmax_v w_v / E_v, E_v ~ Exp(1), samples v with prob. w_v / sum(w)."""
+    e = exponential(seed[:, None], offset[:, None], stream, cols[None, :])
+    score = tl.where(col_mask[None, :], w / e, -1.0)
     return argmax_update(best_score, best_idx, score, cols)
 
 
@@ -134,11 +151,29 @@ def copy_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_i
                             BLOCK_M=block_m, BLOCK_HD=block_hd)
 
 
-def require_packed_heads(name: str, t: torch.Tensor) -> None:
+def packed_heads(t: torch.Tensor) -> bool:
     """[..., H, D] with D contiguous and H packed right above it (a row of H*D values)."""
-    from hal.errors import arg_error
-    if t.stride(-1) != 1 or t.stride(-2) != t.shape[-1]:
-        raise arg_error(name, "the last two dims contiguous (heads x head_dim)", f"strides {tuple(t.stride())}")
+    return t.stride(-1) == 1 and t.stride(-2) == t.shape[-1]
+
+
+def in_place(fn, *caches: torch.Tensor) -> None:
+    """Run ``fn(*caches)`` on packed-heads caches: the caches themselves when they are
+    (the usual layout), else packed copies that are written back (any strides accepted)."""
+    if all(packed_heads(c) for c in caches):
+        fn(*caches)
+        return
+    work = [c if packed_heads(c) else c.contiguous() for c in caches]
+    fn(*work)
+    for c, w in zip(caches, work):
+        if w is not c:
+            c.copy_(w)
+
+
+def dense(*ts: torch.Tensor | None):
+    """Contiguous index/parameter tensors (a copy only when one is not): kernels read
+    1-D and [R, W] arguments with unit strides. None passes through."""
+    out = tuple(t if t is None or t.is_contiguous() else t.contiguous() for t in ts)
+    return out if len(out) > 1 else out[0]
 
 
 def unit_stride(t: torch.Tensor | None) -> torch.Tensor | None:

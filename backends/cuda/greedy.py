@@ -4,7 +4,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from backends.cuda._common import launch_rows, load_requests, row_argmax, unit_stride, verify_outputs
+from backends.cuda._common import dense, launch_rows, load_requests, row_argmax, unit_stride, verify_outputs
 
 
 @triton.jit
@@ -32,6 +32,7 @@ def verify_greedy(draft_token_ids: Tensor, cu_num_draft_tokens: Tensor, target_l
                   max_k: int) -> tuple[Tensor, Tensor]:
     R, V = cu_num_draft_tokens.shape[0] - 1, target_logits.shape[1]
     target_logits = unit_stride(target_logits)
+    draft_token_ids, cu_num_draft_tokens = dense(draft_token_ids, cu_num_draft_tokens)
     out, n_acc = verify_outputs(R, max_k, target_logits.device)
     if R:
         launch_rows(_verify_greedy_kernel, R, V, target_logits.device, draft_token_ids, cu_num_draft_tokens,

@@ -5,7 +5,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from backends.cuda._common import num_programs
+from backends.cuda._common import dense, num_programs, unit_stride
 
 
 @triton.jit
@@ -46,7 +46,8 @@ def _ngram_propose_kernel(tok_ptr, stride_t, ntok_ptr, draft_ptr, num_ptr, R, L,
 
 def ngram_propose(token_ids: Tensor, num_tokens: Tensor, min_n: int, max_n: int, k: int) -> tuple[Tensor, Tensor]:
     R, L = token_ids.shape
-    token_ids = token_ids if token_ids.stride(1) == 1 else token_ids.contiguous()
+    token_ids, num_tokens = unit_stride(token_ids), dense(num_tokens)
+    max_n = min(max_n, L)  # no suffix is longer than the history
     drafts = torch.full((R, k), -1, dtype=torch.int32, device=token_ids.device)
     num = torch.zeros(R, dtype=torch.int32, device=token_ids.device)
     if R and L:

@@ -5,7 +5,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from backends.cuda._common import num_programs, require_packed_heads
+from backends.cuda._common import dense, num_programs, unit_stride
 
 
 @triton.jit
@@ -61,18 +61,18 @@ def _paged_attention_kernel(q_ptr, sq0, sq1, k_ptr, v_ptr, sk0, sk1, sk2, bt_ptr
 
 def paged_attention(query: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
                     query_start_loc: Tensor, scale: float, tree_mask: Tensor | None) -> Tensor:
-    require_packed_heads("k_cache", k_cache)
-    require_packed_heads("v_cache", v_cache)
     T, Hq, D = query.shape
     _, bs, Hkv, _ = k_cache.shape
-    query = query if query.stride(2) == 1 else query.contiguous()
+    # the kernel reads any strides but a unit one along head_dim (head-padded caches included)
+    query, k_cache, v_cache = unit_stride(query), unit_stride(k_cache), unit_stride(v_cache)
+    block_tables, seq_lens, query_start_loc, tree_mask = dense(block_tables, seq_lens, query_start_loc, tree_mask)
     out = torch.empty_like(query)
     R = block_tables.shape[0]
     if T == 0 or R == 0:
         return out
     q_len = query_start_loc[1:] - query_start_loc[:-1]
     req = torch.repeat_interleave(torch.arange(R, device=query.device), q_len, output_size=T)
-    mask = tree_mask.to(torch.int8) if tree_mask is not None else req
+    mask = tree_mask.to(torch.int8).contiguous() if tree_mask is not None else req
     n = num_programs(T * Hkv, query.device)
     _paged_attention_kernel[(n,)](query, query.stride(0), query.stride(1), k_cache, v_cache, k_cache.stride(0),
                                   k_cache.stride(1), k_cache.stride(2), block_tables, block_tables.stride(0),

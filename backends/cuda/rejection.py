@@ -4,7 +4,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from backends.cuda._common import (ACCEPT, RECOVER, launch_rows, load_requests, race_update, uniform, unit_stride,
+from backends.cuda._common import (ACCEPT, RECOVER, dense, launch_rows, load_requests, race_update, uniform, unit_stride,
                                    verify_outputs)
 
 
@@ -71,6 +71,7 @@ def verify_rejection(draft_token_ids: Tensor, cu_num_draft_tokens: Tensor, draft
                      target_probs: Tensor, seeds: Tensor, offsets: Tensor, max_k: int) -> tuple[Tensor, Tensor]:
     R, V = cu_num_draft_tokens.shape[0] - 1, target_probs.shape[1]
     target_probs, draft_probs = unit_stride(target_probs), unit_stride(draft_probs)
+    draft_token_ids, cu_num_draft_tokens, seeds, offsets = dense(draft_token_ids, cu_num_draft_tokens, seeds, offsets)
     out, n_acc = verify_outputs(R, max_k, target_probs.device)
     if R:
         q = draft_probs if draft_probs is not None else target_probs

@@ -5,7 +5,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from backends.cuda._common import (TREE_ACCEPT, TREE_FINAL, launch_rows, load_requests, race_update, row_argmax,
+from backends.cuda._common import (TREE_ACCEPT, TREE_FINAL, dense, launch_rows, load_requests, race_update, row_argmax,
                                    uniform, unit_stride, verify_outputs)
 
 
@@ -101,6 +101,8 @@ def verify_tree(draft_token_ids: Tensor, cu_num_draft_tokens: Tensor, parent_ids
                 max_k: int) -> tuple[Tensor, Tensor, Tensor]:
     R, V = cu_num_draft_tokens.shape[0] - 1, target.shape[1]
     target, draft_probs = unit_stride(target), unit_stride(draft_probs)
+    draft_token_ids, cu_num_draft_tokens, parent_ids, seeds, offsets = dense(
+        draft_token_ids, cu_num_draft_tokens, parent_ids, seeds, offsets)
     dev = target.device
     out, n_acc = verify_outputs(R, max_k, dev)
     nodes = torch.full((R, max_k), -1, dtype=torch.int32, device=dev)

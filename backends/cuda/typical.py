@@ -4,7 +4,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from backends.cuda._common import (TYPICAL_BONUS, argmax_update, launch_rows, load_requests, race_update, unit_stride,
+from backends.cuda._common import (TYPICAL_BONUS, argmax_update, dense, launch_rows, load_requests, race_update, unit_stride,
                                    verify_outputs)
 
 
@@ -54,6 +54,7 @@ def verify_typical(draft_token_ids: Tensor, cu_num_draft_tokens: Tensor, target_
                    posterior_alpha: float) -> tuple[Tensor, Tensor]:
     R, V = cu_num_draft_tokens.shape[0] - 1, target_probs.shape[1]
     target_probs = unit_stride(target_probs)
+    draft_token_ids, cu_num_draft_tokens, seeds, offsets = dense(draft_token_ids, cu_num_draft_tokens, seeds, offsets)
     out, n_acc = verify_outputs(R, max_k, target_probs.device)
     if R:
         launch_rows(_verify_typical_kernel, R, V, target_probs.device, draft_token_ids, cu_num_draft_tokens,
