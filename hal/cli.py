@@ -47,6 +47,15 @@ def cmd_conformance(args, extra: list[str]) -> int:
     from importlib.metadata import entry_points
     installed = any(ep.value == "hal.conformance.plugin" for ep in entry_points(group="pytest11"))
     plugin = [] if installed else ["-p", "hal.conformance.plugin"]  # running from a source tree
+    if args.fuzz is not None:
+        from hal.ops import OP_NAMES
+        if args.fuzz < 1:
+            print(f"conformance: --fuzz: expected a number of cases >= 1, got {args.fuzz}", file=sys.stderr)
+            return 2
+        os.environ["HAL_FUZZ_EXAMPLES"] = str(-(-args.fuzz // (3 * len(OP_NAMES))))
+        extra = ["-k", "test_fuzz", *extra]
+    if args.slow:
+        os.environ["HAL_SLOW"] = "1"
     return int(pytest.main(["--pyargs", "hal.conformance", "--hal-backend", args.backend, *plugin,
                             "-p", "no:cacheprovider", "-q",
                             "-W", "ignore::pytest.PytestAssertRewriteWarning", *extra]))
@@ -239,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
                                            "(extra arguments go to pytest)")
     c.add_argument("--backend", required=True)
     c.add_argument("--plugin", action="append", default=[], help="extra plugin module (repeatable)")
+    c.add_argument("--fuzz", type=int, metavar="N", help="run only the property-based fuzz, N cases in all "
+                                                          "(split evenly over the ops and properties)")
+    c.add_argument("--slow", action="store_true", help="also run the slow statistical tests (the long tail)")
     dm = sub.add_parser("demo", help="a real model, speculative vs plain decoding (--ops: one verify round)")
     dm.add_argument("--ops", action="store_true", help="only show one verify round on toy logits")
     mo = sub.add_parser("model", help="model files")

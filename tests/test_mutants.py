@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.mutants import ALL
+from tests.mutants import ALL, HOST_MUTANTS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,3 +33,16 @@ def test_mutants_change_their_source():
     from tests.mutants import mutate
     for name in ALL:
         assert callable(mutate(name))
+    for name in HOST_MUTANTS:
+        assert mutate(name) is not None
+
+
+def test_kv_state_machine_catches_a_non_atomic_reserve():
+    """The planted allocator takes copy-on-write blocks before it knows the pool can give them all."""
+    import hal
+    from hal.conformance.test_kv_state import run
+    from tests.mutants import mutate
+    planted = mutate("non-atomic-reserve")
+    with pytest.raises(AssertionError, match="changed the allocator|read back"):
+        run(hal.get_backend("cpu"), kv=planted, n=60)
+    run(hal.get_backend("cpu"), n=60)   # the real one passes the same search

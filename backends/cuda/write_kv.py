@@ -12,7 +12,8 @@ def write_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_
     if T == 0:
         return
     rows, slot_mapping = torch.arange(T, device=key.device), dense(slot_mapping)
-    key, value = key.reshape(T, -1).contiguous(), value.reshape(T, -1).contiguous()
+    # cast on the host side (torch's round-to-nearest-even, as the reference): the kernel only moves rows
+    key, value = key.reshape(T, -1).to(k_cache.dtype).contiguous(), value.reshape(T, -1).to(v_cache.dtype).contiguous()
 
     def write(kc, vc):
         copy_rows(key, rows, kc, slot_mapping)

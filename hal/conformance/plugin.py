@@ -41,3 +41,12 @@ def oracle():
     """The reference ops (`verify_ops`) behind the same argument checks."""
     from hal.conformance._helpers import oracle_backend
     return oracle_backend()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The fuzz figures (cases run, refused, equal to the oracle, exceptions, hangs), when it ran."""
+    import sys
+    fuzz = sys.modules.get("hal.conformance.test_fuzz")
+    if fuzz is not None and fuzz.STATS["cases"]:
+        terminalreporter.write_sep("-", "spec-hal fuzz")
+        terminalreporter.write_line(", ".join(f"{k}: {v}" for k, v in fuzz.STATS.items()))

@@ -60,13 +60,22 @@ CUDA_MUTANTS = {
     "cuda-tree-siblings-keep-residual": ("backends.cuda.tree", "verify_tree", "fresh = fresh & ~rej",
                                          "fresh = fresh", "test_tree.py::test_sampling_is_exact"),
 }
+CUDA_MUTANTS["cuda-ignores-strides"] = (
+    "backends.cuda.write_kv", "write_kv", "torch.arange(T, device=key.device), dense(slot_mapping)",
+    "torch.arange(T, device=key.device), slot_mapping", "test_fuzz.py")
 ALL = {**MUTANTS, **CUDA_MUTANTS}
+
+# Host-side mutants (not a backend): caught by tests that run them directly.
+HOST_MUTANTS = {
+    "non-atomic-reserve": ("hal.kv", None, "        if wanted > a.num_free:\n            raise a._exhausted(wanted)\n",
+                           "", "test_kv_state.py"),
+}
 
 
 def mutate(name: str):
     """Import a copy of the mutant's module with its one change (from a file, so that
     Triton can read the kernel source); return the mutated function."""
-    module, func, old, new, _ = ALL[name]
+    module, func, old, new, _ = {**ALL, **HOST_MUTANTS}[name]
     spec = importlib.util.find_spec(module)
     src = open(spec.origin).read()
     if src.count(old) != 1:
@@ -76,7 +85,7 @@ def mutate(name: str):
     mspec = importlib.util.spec_from_file_location(f"{module}__{name.replace('-', '_')}", path)
     mod = importlib.util.module_from_spec(mspec)
     mspec.loader.exec_module(mod)
-    return getattr(mod, func)
+    return mod if func is None else getattr(mod, func)
 
 
 def _load(name: str, ops_module: str):
