@@ -32,11 +32,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from hal.checks import MAX_K, prob_values
 from hal.decoder import Request, SpeculativeDecoder, State
 from hal.errors import HalError
 from hal.placement import Placement, dense_q, link_backend, sparse_q, transfer
 
 COMMIT, DRAFTS, STOP = 1, 2, 3
+MAX_WORDS, MAX_ROWS, MAX_COLS = 1 << 24, 1 << 20, 1 << 20  # what a peer's message header may announce
 TARGET, DRAFT = 0, 1
 DRAFT_SEED = 1 << 40  # the worker's draws use (seed + DRAFT_SEED, offset): a stream the target never uses
 
@@ -76,7 +78,12 @@ class Link:
         self._keep = parts
 
     def recv(self, timeout: float | None) -> tuple[list[int], Tensor | None, Tensor | None]:
+        """One message. The header comes from another process: sizes it announces are checked
+        before anything is allocated (`HalError` when out of bounds)."""
         head = self._recv(torch.empty(4, dtype=torch.long), timeout).tolist()
+        if not (1 <= head[0] <= MAX_WORDS and 0 <= head[1] <= MAX_ROWS and 0 <= head[2] <= MAX_COLS
+                and head[1] * head[2] <= MAX_ROWS * 64 and head[3] in (0, 1)):
+            raise HalError(f"hal.serve: expected a message header within bounds, got {head}")
         words = self._recv(torch.empty(head[0], dtype=torch.long), timeout).tolist()
         rows = self._recv(torch.empty(head[1], head[2]), timeout) if head[1] else None
         idx = self._recv(torch.empty(head[1], head[2], dtype=torch.int32), timeout) if head[1] and head[3] else None
@@ -96,13 +103,13 @@ class RemoteDrafter:
     """The target's view of the draft worker (a `hal.decoder.Drafter`)."""
 
     def __init__(self, link: Link, vocab: int, device: torch.device, metrics, timeout: float = 30.0,
-                 first_timeout: float = 600.0):
+                 first_timeout: float = 60.0):
         self.link, self.vocab, self.device, self.metrics = link, vocab, device, metrics
         self.timeout, self.first_timeout = timeout, first_timeout
         self.sent: dict[int, int] = {}     # rid -> tokens of its history the worker has
         self.hashes: dict[int, int] = {}   # rid -> history_hash of those tokens
         self.finished: list[int] = []
-        self.alive, self.rounds, self.guess_hits, self.guess_misses = True, 0, 0, 0
+        self.alive, self.lost, self.rounds, self.guess_hits, self.guess_misses = True, False, 0, 0, 0
 
     def propose(self, states: list[State]) -> tuple[list[list[int]], Tensor | None]:
         empty = [[] for _ in states], None
@@ -129,17 +136,54 @@ class RemoteDrafter:
             self.link.send(words, torch.tensor(floats) if floats else None)
             reply, rows, idx = self.link.recv(self.timeout if self.rounds else self.first_timeout)
         except RuntimeError as e:  # gloo: connection reset (the worker died) or a timeout
+            self.lost = True
+            self._fail(e)
+            return empty
+        except HalError as e:      # a header out of bounds
             self._fail(e)
             return empty
         self.rounds += 1
-        drafts, keep, r, at = [], [], 0, 3
+        try:
+            return self._accept(states, reply, rows, idx)
+        except HalError as e:      # the reply is not a valid DRAFTS message: plain decoding from here
+            self._fail(e)
+            return empty
+
+    def _accept(self, states: list[State], reply: list[int], rows, idx) -> tuple[list[list[int]], Tensor | None]:
+        """The drafts of a DRAFTS reply. It comes from another process, maybe another host:
+        every field is checked (kind, counts, lengths, token ids in [0, V), q rows) and a
+        malformed reply raises `HalError`; drafts not built on the committed prefix are dropped."""
+        def bad(what: str):
+            raise HalError(f"draft worker reply: expected {what}")
+        if len(reply) < 3 or reply[0] != DRAFTS:
+            bad(f"a DRAFTS message, got kind {reply[0] if reply else None} of {len(reply)} words")
+        if not (0 <= reply[1] <= len(states) and 0 <= reply[2] <= len(states)):
+            bad(f"overlap counts in [0, {len(states)}], got {reply[1:3]}")
+        parsed, at = [], 3
+        for s in states:
+            if at + 4 > len(reply):
+                bad(f"an entry for request {s.rid}, got a reply truncated at word {len(reply)}")
+            rid, base_len, base_hash, n = reply[at:at + 4]
+            if not 0 <= n <= MAX_K or at + 4 + n > len(reply):
+                bad(f"0 <= drafts <= {MAX_K} within the reply for request {s.rid}, got {n}")
+            d = reply[at + 4:at + 4 + n]
+            if any(not 0 <= t < self.vocab for t in d):
+                bad(f"draft token ids in [0, {self.vocab}) for request {s.rid}, got {[t for t in d if not 0 <= t < self.vocab][:4]}")
+            parsed.append((rid, base_len, base_hash, d))
+            at += 4 + n
+        if at != len(reply):
+            bad(f"{at} words, got {len(reply)}")
+        total = sum(len(p[3]) for p in parsed)
+        if rows is not None and (rows.dim() != 2 or rows.shape[0] != total or (idx is None and rows.shape[1] != self.vocab)):
+            bad(f"{total} q rows of width {self.vocab}, got shape {list(rows.shape)}")
+        if idx is not None and (rows is None or idx.shape != rows.shape or bool(((idx < 0) | (idx >= self.vocab)).any())):
+            bad(f"sparse q indices in [0, {self.vocab}) shaped like its values")
         self.guess_hits += reply[1]
         self.guess_misses += reply[2]
         self.metrics.stale_drafts += reply[2]
-        for s in states:
-            rid, base_len, base_hash, n = reply[at:at + 4]
-            d = reply[at + 4:at + 4 + n]
-            at += 4 + n
+        drafts, keep, r = [], [], 0
+        for s, (rid, base_len, base_hash, d) in zip(states, parsed):
+            n = len(d)
             ok = rid == s.rid and base_len == len(s.tokens) and base_hash == self.hashes[s.rid] and n <= max(
                 s.req_k, 0)
             if not ok:  # not built on the committed prefix: dropped
@@ -151,7 +195,9 @@ class RemoteDrafter:
         if rows is None or not keep:
             return drafts, None
         rows = transfer(rows[keep], self.device)
-        return drafts, rows if idx is None else dense_q(transfer(idx[keep], self.device), rows, self.vocab)
+        q = rows if idx is None else dense_q(transfer(idx[keep], self.device), rows, self.vocab)
+        prob_values("draft_probs (from the draft worker)", q)
+        return drafts, q
 
     def _fail(self, e: Exception) -> None:
         self.alive = False
@@ -168,7 +214,7 @@ class RemoteDrafter:
             self.finished.append(state.rid)
 
     def close(self) -> None:
-        if self.alive:
+        if not self.lost:  # a worker we stopped listening to (bad reply) still gets its STOP
             try:
                 self.link.send([STOP])
                 self.link.flush()
@@ -179,25 +225,28 @@ class RemoteDrafter:
 Guess = dict[int, tuple[list[int], list[int], Tensor | None]]  # rid -> (assumed history, drafts, q rows)
 
 
-def draft_worker(link: Link, drafter, fault: str = "") -> None:
-    """Serve DRAFTS for each COMMIT until STOP (see the module docstring)."""
+def draft_worker(link: Link, drafter, fault: str = "", idle: float | None = None) -> None:
+    """Serve DRAFTS for each COMMIT until STOP (see the module docstring); ``idle``: the
+    longest wait for the next COMMIT, in seconds (None: the link's default)."""
     states: dict[int, State] = {}
     hashes: dict[int, int] = {}  # rid -> history_hash of its committed history
     guess: Guess = {}
     replies = 0
     while True:
-        words, floats, _ = link.recv(None)
+        words, floats, _ = link.recv(idle)
         if words[0] == STOP:
             return
         order = _apply_commit(words, floats, states, hashes, guess, drafter)
         out, hits, stale = _drafts_for(order, guess, drafter)
-        _reply(link, order, hashes, out, hits, stale)
-        replies += 1
         if fault and replies == int(fault.split(":")[1]):  # fault injection for tests: HAL_SERVE_FAULT=
-            if fault.startswith("kill"):                   # kill:N (SIGKILL after N replies) or
-                os.kill(os.getpid(), signal.SIGKILL)       # hang:N:S (stop answering for S s, then exit)
-            time.sleep(float(fault.split(":")[2]))
-            os._exit(0)
+            if fault.startswith("kill"):                   # kill:N (SIGKILL after N replies),
+                os.kill(os.getpid(), signal.SIGKILL)       # hang:N:S (stop answering for S s, then exit),
+            if fault.startswith("hang"):                   # bad:N:KIND (reply N+1 malformed: KIND is
+                time.sleep(float(fault.split(":")[2]))     # kind, truncated, oov, negative or count)
+                os._exit(0)
+        _reply(link, order, hashes, out, hits, stale,
+               fault.split(":")[2] if fault.startswith("bad") and replies == int(fault.split(":")[1]) else "")
+        replies += 1
         guess = _guess_next(order, out, drafter)  # overlaps the target's verification
 
 
@@ -256,9 +305,10 @@ def _drafts_for(order: list[State], guess: Guess, drafter):
     return out, len(hit_ids), stale
 
 
-def _reply(link: Link, order: list[State], hashes: dict[int, int], out, hits: int, stale: int) -> None:
+def _reply(link: Link, order: list[State], hashes: dict[int, int], out, hits: int, stale: int,
+           corrupt: str = "") -> None:
     """DRAFTS: per request its base (length, hash) and drafts; q rows sparse when sampled
-    with top-k/top-p."""
+    with top-k/top-p. ``corrupt`` plants a malformed reply (fault injection for tests)."""
     words, rows = [DRAFTS, hits, stale], []
     for s in order:
         ds, q = out[s.rid]
@@ -268,7 +318,22 @@ def _reply(link: Link, order: list[State], hashes: dict[int, int], out, hits: in
     q = torch.cat(rows) if rows else None
     sparse = q is not None and any(s.req.top_k > 0 or s.req.top_p < 1 for s in order)
     idx, q = sparse_q(q) if sparse else (None, q)
-    link.send(words, q, idx)
+    link.send(corrupted(words, corrupt) if corrupt else words, q, idx)
+
+
+def corrupted(words: list[int], how: str) -> list[int]:
+    """A DRAFTS reply made invalid in one way (tests: the target must not trust it)."""
+    w = list(words)
+    first = 3 + 4  # the first request's first draft, when it has one
+    if how == "kind":
+        w[0] = 77
+    elif how == "truncated":
+        w = w[:max(4, len(w) // 2)]
+    elif how == "count":
+        w[3 + 3] = 1 << 40
+    elif how in ("oov", "negative"):
+        w = w[:3 + 3] + [w[3 + 3] + 1] + [1 << 20 if how == "oov" else -3] + w[first:]
+    return w
 
 
 def _guess_next(order: list[State], out, drafter) -> Guess:
@@ -345,6 +410,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--draft-startup-timeout", type=float, default=60.0,
+                    help="seconds the target waits for the draft worker to join and send its first drafts; "
+                         "then it serves alone by plain decoding")
     ap.add_argument("--draft-timeout", type=float, default=30.0, help="seconds to wait for drafts before "
                                                                        "falling back to plain decoding")
     ap.add_argument("--out", help="write outputs and metrics as JSON here")
@@ -368,9 +436,18 @@ def _run(args) -> int:
     if world not in (1, 2):
         raise HalError(f"WORLD_SIZE: expected 1 (in-process draft) or 2 (draft and target ranks), got {world}")
     rank = int(os.environ.get("RANK", "0"))
+    joined = False
     if world == 2:
         backend = link_backend(placement)
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=max(600.0, args.draft_timeout)))
+        try:  # bounded: a worker that dies before the rendezvous must not hold the target
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.draft_startup_timeout))
+            joined = True
+        except (RuntimeError, ValueError) as e:  # DistStoreError and friends: no peer within the timeout
+            if rank == DRAFT:
+                raise HalError(f"hal.serve: the target did not join within {args.draft_startup_timeout} s "
+                               f"({type(e).__name__})") from e
+            print(f"hal.serve: the draft worker did not join within {args.draft_startup_timeout} s "
+                  f"({type(e).__name__}); serving alone by plain decoding", file=sys.stderr, flush=True)
     from hal.models.fetch import MODELS, fetch
     from hal.models.llama import read_config
     from hal.placement import resolve_side
@@ -383,7 +460,7 @@ def _run(args) -> int:
         pool = plan(args, None, None, mem, draft_side).allocate("draft") if mem is not None else None
         link = Link(TARGET, torch.device("cpu") if backend == "gloo" else draft_side.device)
         drafter = build_drafter(args.draft, draft_side, dpath, pool)
-        draft_worker(link, drafter, os.environ.get("HAL_SERVE_FAULT", ""))
+        draft_worker(link, drafter, os.environ.get("HAL_SERVE_FAULT", ""), idle=max(600.0, args.draft_timeout))
         dist.destroy_process_group()
         return 0
     target_side = resolve_side(placement.target, "target")
@@ -395,9 +472,13 @@ def _run(args) -> int:
     model, tok = load_model(path, target_side.backend)
     model.to(target_side.device)
     metrics = SpecDecodeMetrics()
-    if world == 2:
+    if world == 2 and not joined:
+        drafter = None
+        metrics.draft_failures += 1
+    elif world == 2:
         link = Link(DRAFT, torch.device("cpu") if backend == "gloo" else target_side.device)
-        drafter = RemoteDrafter(link, model.cfg.vocab, target_side.device, metrics, args.draft_timeout)
+        drafter = RemoteDrafter(link, model.cfg.vocab, target_side.device, metrics, args.draft_timeout,
+                                first_timeout=args.draft_startup_timeout)
     else:
         drafter = build_drafter(args.draft, draft_side, dpath, mplan.allocate("draft") if dmem else None,
                                 target=model if shares else None)
@@ -420,9 +501,9 @@ def _run(args) -> int:
     try:
         outs = dec.generate(reqs)
     finally:
-        if world == 2:
+        if world == 2 and joined:
             drafter.close()
-            if drafter.alive:
+            if not drafter.lost:
                 dist.destroy_process_group()
     dt = time.perf_counter() - t
     for p, o in zip(args.prompt_ids + args.prompt, outs):

@@ -276,3 +276,58 @@ def test_planted_peeking_worker_is_caught():
     out, _, _ = remote_sampled(PeekingConstantDrafter)
     with pytest.raises(AssertionError, match="chi-square"):
         assert_distribution(torch.tensor([t for o in out for t in o]), P2, "peeking worker")
+
+
+# -- the target trusts nothing the worker sends (issue "Hardening", items 3 and 4) ----------------
+
+def _bad_reply(how):
+    from hal.serve import DRAFTS, corrupted
+
+    def tamper(words, n):   # PLANTED: the second DRAFTS reply is malformed
+        return corrupted(words, how) if words[0] == DRAFTS and n == 2 else words
+    return tamper
+
+
+@pytest.mark.parametrize("how", ["kind", "truncated", "oov", "negative", "count"])
+def test_malformed_reply_is_a_draft_failure(tiny, how):
+    """Out-of-vocab or negative draft ids, a truncated reply, a wrong message kind or an absurd
+    count: the target validates, counts a draft failure and finishes by plain decoding."""
+    out, m, remote = in_process_two_sides(tiny, _bad_reply(how))
+    assert out == plain(tiny, "cpu"), f"a {how} reply changed the output"
+    assert m.draft_failures == 1 and not remote.alive and not remote.lost
+    assert m.total.num_draft_tokens > 0          # it speculated before the bad reply
+
+
+def test_malformed_reply_over_the_link(tiny, tmp_path):
+    """The same through torchrun and gloo: the worker is told to STOP and both ranks exit."""
+    out = tmp_path / "o.json"
+    torchrun(serve_args(tiny, out, "--draft", "self:2", "--k", "2"),
+             {"HAL_PLACEMENT": "draft=cpu,target=cpu", "HAL_SERVE_FAULT": "bad:1:oov"})
+    got = json.loads(out.read_text())
+    assert got["outputs"] == plain(tiny, "cpu") and got["draft_failures"] == 1
+
+
+def test_worker_that_never_joins(tiny, tmp_path):
+    """No draft rank at all (it died before the rendezvous): the target waits
+    --draft-startup-timeout, then serves alone."""
+    import time
+    out = tmp_path / "o.json"
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
+           "RANK": "0", "HAL_PLACEMENT": "draft=cpu,target=cpu"}
+    t = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "hal.serve", *serve_args(tiny, out, "--draft", "self:2",
+                                                                       "--draft-startup-timeout", "3")],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "did not join" in r.stderr and time.monotonic() - t < 90
+    got = json.loads(out.read_text())
+    assert got["outputs"] == plain(tiny, "cpu") and got["draft_failures"] == 1
+
+
+def test_worker_that_stops_before_its_first_reply(tiny, tmp_path):
+    out = tmp_path / "o.json"
+    torchrun(serve_args(tiny, out, "--draft", "self:2", "--k", "2", "--draft-startup-timeout", "3"),
+             {"HAL_PLACEMENT": "draft=cpu,target=cpu", "HAL_SERVE_FAULT": "hang:0:6"})
+    got = json.loads(out.read_text())
+    assert got["outputs"] == plain(tiny, "cpu") and got["draft_failures"] == 1
+    assert got["mean_acceptance_length"] == 1.0 or got["mean_acceptance_length"] == 0   # never speculated
