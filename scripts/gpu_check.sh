@@ -23,6 +23,8 @@ $PY -m hal info | tee -a "$RES/gpu-env.txt"
 timeout 300 $PY -m hal conformance --backend cuda -rf 2>&1 | tee "$RES/gpu-conformance.txt"
 conf=${PIPESTATUS[0]}
 echo "conformance exit code: $conf" | tee -a "$RES/gpu-conformance.txt"
+# the long tail (2e9 token evaluations per op: seconds on a GPU, hours under the interpreter)
+timeout 120 $PY -m hal conformance --backend cuda --slow -k test_long_tail -rf 2>&1 | tee "$RES/gpu-long-tail.txt"
 
 # 3. the scheduler's device paths: memory planning against the real device, a pinned non-blocking transfer
 timeout 60 $PY - <<'PY' 2>&1 | tee "$RES/gpu-scheduler.txt"
