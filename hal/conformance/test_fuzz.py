@@ -37,7 +37,6 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database
                 suppress_health_check=list(HealthCheck))
 STATS: dict[str, int] = {"cases": 0, "refused with HalError": 0, "equal to the oracle": 0,
                          "strided equal to contiguous": 0, "other exceptions": 0, "hangs": 0, "wrong results": 0}
-PROB_OPS = ("verify_rejection", "verify_typical")
 
 
 class Hang(Exception):
