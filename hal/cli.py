@@ -7,6 +7,7 @@ import os
 import sys
 
 from hal.errors import HalError
+from hal.factories import load_model
 
 
 def cmd_info(_args) -> int:
@@ -135,29 +136,10 @@ def cmd_model(args) -> int:
     return 0
 
 
-def load_model(name: str, backend):
-    """(Llama, tokenizer) for a fetchable model name or a .gguf path; (Llama, None) for an
-    HF folder (config.json + safetensors)."""
-    from pathlib import Path
-
-    from hal.models.fetch import MODELS, fetch
-    from hal.models.llama import load_gguf, load_safetensors
-    path = fetch(name) if name in MODELS else Path(name)
-    if path.is_dir():
-        return load_safetensors(path, backend), None
-    return load_gguf(path, backend)
-
-
 def make_drafter(kind: str, target, backend):
-    from hal.drafters import ModelDrafter, NgramDrafter
-    if kind == "none":
-        return None
-    if kind == "ngram":
-        return NgramDrafter(backend)
-    if kind.startswith("self"):          # self or self:L
-        layers = int(kind.split(":")[1]) if ":" in kind else target.cfg.layers // 2
-        return ModelDrafter(target.layer_view(layers))
-    raise SystemExit(f"--draft: expected none, ngram or self[:L], got {kind!r}")
+    """The CLI's drafters: none, ngram or self[:L] over ``target`` (`hal.factories`)."""
+    from hal.factories import make_drafter as build, parse_draft
+    return build(parse_draft(kind, ("none", "ngram", "self")), backend, target=target)
 
 
 def run_generate(model, tok, prompt: str, draft: str, k: int, temperature: float, max_tokens: int, seed: int,

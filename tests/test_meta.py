@@ -88,3 +88,26 @@ def test_op_files_line_up():
             path = ROOT / folder / f"{fname}.py"
             assert path.exists(), f"{folder}: {fname}.py is missing"
             assert f"def {op}(" in path.read_text(), f"{path}: no function {op}"
+
+
+def test_library_code_never_imports_the_cli():
+    """hal.cli is a front end: library modules import what they share from hal.factories."""
+    import re
+    root = Path(__file__).resolve().parents[1] / "hal"
+    offenders = [str(p.relative_to(root)) for p in root.rglob("*.py")
+                 if p.name not in ("cli.py", "__main__.py") and re.search(r"^\s*(from hal\.cli import|import hal\.cli|from hal import cli)",
+                                                                        p.read_text(), re.M)]
+    assert not offenders, f"library modules import the CLI: {offenders}"
+
+
+def test_one_draft_grammar():
+    import hal
+    from hal.factories import DraftSpec, parse_draft
+    assert parse_draft("self:8") == DraftSpec("self", 8) and parse_draft("self") == DraftSpec("self")
+    assert parse_draft("model:/m.gguf") == DraftSpec("model", path="/m.gguf") and parse_draft("none").kind == "none"
+    for bad in ("self:0", "self:x", "model:", "eagle", "ngram:3", ""):
+        with pytest.raises(hal.HalError) as e:
+            parse_draft(bad)
+        assert e.value.arg == "--draft"
+    with pytest.raises(hal.HalError, match="ngram, self\\[:L\\] or|ngram, self\\[:L\\], model"):
+        parse_draft("none", ("ngram", "self", "model"))

@@ -82,7 +82,7 @@ def test_two_ranks_cpu_sampled_with_sparse_q(tiny, tmp_path):
 
 
 def test_two_ranks_real_model(tmp_path):
-    from hal.cli import load_model
+    from hal.factories import load_model
     try:
         target, tok = load_model("smollm2-135m", hal.get_backend("cpu"))
     except hal.HalError as e:
@@ -171,7 +171,8 @@ def in_process_two_sides(tiny, tamper=None, k=3):
 
     from hal.drafters import ModelDrafter
     from hal.metrics import SpecDecodeMetrics
-    from hal.serve import RemoteDrafter, draft_worker
+    from hal.remote import RemoteDrafter
+    from hal.worker import draft_worker
     be = hal.get_backend("cpu")
     a, b = queue.Queue(), queue.Queue()
     worker = threading.Thread(target=draft_worker, daemon=True,
@@ -231,7 +232,8 @@ def remote_sampled(drafter_cls):
     import threading
 
     from hal.metrics import SpecDecodeMetrics
-    from hal.serve import RemoteDrafter, draft_worker
+    from hal.remote import RemoteDrafter
+    from hal.worker import draft_worker
     from tests.test_routing import P2, Q2, ToyTarget
     be = hal.get_backend("cpu")
     a, b = queue.Queue(), queue.Queue()
@@ -281,7 +283,7 @@ def test_planted_peeking_worker_is_caught():
 # -- the target trusts nothing the worker sends (issue "Hardening", items 3 and 4) ----------------
 
 def _bad_reply(how):
-    from hal.serve import DRAFTS, corrupted
+    from hal.protocol import DRAFTS, corrupted
 
     def tamper(words, n):   # PLANTED: the second DRAFTS reply is malformed
         return corrupted(words, how) if words[0] == DRAFTS and n == 2 else words

@@ -1,0 +1,86 @@
+"""Model loading and the one ``--draft`` grammar, shared by the command line and the
+two-rank server (`hal.serve`): library code, which imports nothing from the CLI.
+
+``--draft`` is one of ``none``, ``ngram``, ``self`` / ``self:L`` (the target's first L
+layers; half of them by default) or ``model:<path>`` (a separate draft model)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import NamedTuple
+
+from hal.errors import HalError
+
+DRAFT_GRAMMAR = "none, ngram, self[:L] or model:<path>"
+
+
+class DraftSpec(NamedTuple):
+    kind: str                 # "none", "ngram", "self" or "model"
+    layers: int | None = None  # self: the first L layers (None: half the target's)
+    path: str | None = None    # model: the draft model's path
+
+
+def parse_draft(spec: str, allowed: tuple[str, ...] = ("none", "ngram", "self", "model")) -> DraftSpec:
+    """Parse a ``--draft`` value; `HalError` naming ``--draft`` when it is not one of ``allowed``."""
+    kind, _, rest = spec.partition(":")
+    expected = ", ".join(k + ("[:L]" if k == "self" else ":<path>" if k == "model" else "") for k in allowed)
+    try:
+        if kind in ("none", "ngram") and not rest:
+            d = DraftSpec(kind)
+        elif kind == "self":
+            layers = int(rest) if rest else None
+            if layers is not None and layers < 1:
+                raise ValueError(layers)
+            d = DraftSpec("self", layers)
+        elif kind == "model" and rest:
+            d = DraftSpec("model", path=rest)
+        else:
+            raise ValueError(spec)
+    except ValueError:
+        raise HalError(f"--draft: expected {expected}, got {spec!r}", arg="--draft", expected=expected,
+                       got=spec) from None
+    if d.kind not in allowed:
+        raise HalError(f"--draft: expected {expected}, got {spec!r}", arg="--draft", expected=expected, got=spec)
+    return d
+
+
+def load_model(name: str, backend):
+    """(Llama, tokenizer) for a fetchable model name or a .gguf path; (Llama, None) for an
+    HF folder (config.json + safetensors)."""
+    from hal.models.fetch import MODELS, fetch
+    from hal.models.llama import load_gguf, load_safetensors
+    path = fetch(name) if name in MODELS else Path(name)
+    if path.is_dir():
+        return load_safetensors(path, backend), None
+    return load_gguf(path, backend)
+
+
+def draft_memory(spec: DraftSpec, model_path: str, shares_target: bool):
+    """(ModelMemory of the draft model or None for n-gram/none, its weights' path)."""
+    from hal.models.llama import read_config
+    from hal.planner import ModelMemory
+    if spec.kind in ("none", "ngram"):
+        return None, None
+    if spec.kind == "self":
+        cfg = read_config(model_path)
+        return ModelMemory.from_config(cfg, "draft", spec.layers or cfg.layers // 2,
+                                       owns_weights=not shares_target), model_path
+    return ModelMemory.from_config(read_config(spec.path), "draft"), spec.path
+
+
+def make_drafter(spec: DraftSpec, backend, target=None, path: str | None = None, pool=None, device=None):
+    """The drafter for ``spec``: None, `NgramDrafter`, or a `ModelDrafter` over the first L
+    layers of ``target`` (self) or of the model at ``path`` (model, or self without a target),
+    its KV in ``pool`` when given."""
+    from hal.drafters import ModelDrafter, NgramDrafter
+    if spec.kind == "none":
+        return None
+    if spec.kind == "ngram":
+        return NgramDrafter(backend)
+    if target is not None and spec.kind == "self":
+        model = target
+    else:
+        model = load_model(path, backend)[0]
+        model = model.to(device) if device is not None else model
+    layers = model.cfg.layers if spec.kind == "model" else (spec.layers or model.cfg.layers // 2)
+    return ModelDrafter(model.layer_view(layers), pool=pool)
