@@ -43,6 +43,7 @@ def run_ours(target, drafter, ids, n, k):
     dec = SpeculativeDecoder(target, drafter, num_blocks=256)
     t = time.perf_counter()
     out = dec.generate([Request(ids, max_new_tokens=n, k=k, stop_ids=(2,))])[0]
+    target.be.synchronize()
     return out, time.perf_counter() - t, dec.metrics
 
 
@@ -66,8 +67,10 @@ def forward_cost(target, n_tokens, ctx=200, reps=7):
     seq.commit(ctx)
     times = []
     for _ in range(reps):
+        target.be.synchronize()
         t = time.perf_counter()
         forward(target, pool, [seq], [list(range(100, 100 + n_tokens))], True)
+        target.be.synchronize()
         times.append(time.perf_counter() - t)
     return sorted(times)[reps // 2]
 

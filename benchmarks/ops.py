@@ -19,9 +19,17 @@ import torch
 import hal
 
 
+_ACTIVE: dict = {}  # the backends being timed: each one's `synchronize` hook runs around every timing
+
+
+def _backend(name: str):
+    _ACTIVE[name] = be = hal.get_backend(name)
+    return be
+
+
 def _sync() -> None:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
+    for be in _ACTIVE.values():
+        be.synchronize()
 
 
 def timeit(fns: dict, reps: int) -> dict:
@@ -159,7 +167,7 @@ def bench_ops(reps: int, grid) -> list[str]:
     lines += ["| op | shape | " + " | ".join(cols) + " |", "|---|---|" + "---:|" * len(cols)]
     for R, k, V, ctx in grid:
         with_cpu = R * (k + 1) * V <= CPU_LIMIT and R * ctx <= 64 * 2048
-        cases = {n: op_cases(hal.get_backend(n), R, k, V, ctx) for n in names if n != "cpu" or with_cpu}
+        cases = {n: op_cases(_backend(n), R, k, V, ctx) for n in names if n != "cpu" or with_cpu}
         for op in next(iter(cases.values())):
             t = timeit({n: c[op] for n, c in cases.items()}, reps)
             ms = " | ".join(f"{t[n] * 1e3:.3f}" if n in t else "—" for n in names)
@@ -176,7 +184,7 @@ def bench_flashinfer(reps: int) -> list[str]:
         return [f"FlashInfer comparison skipped: flashinfer not importable ({type(e).__name__})."]
     if not any(b.name == "cuda" and b.available and "interpreter" not in b.validation for b in hal.list_backends()):
         return ["FlashInfer comparison skipped: no cuda backend on a device."]
-    be = hal.get_backend("cuda")
+    be = _backend("cuda")
     lines = ["### cuda `verify_rejection` vs FlashInfer `chain_speculative_sampling`", "",
              "| R | k | V | spec-hal ms | FlashInfer ms | ratio (FlashInfer / spec-hal) |", "|---:|---:|---:|---:|---:|---:|"]
     for R, k, V in [(1, 5, 32000), (64, 5, 32000), (256, 5, 128256)]:

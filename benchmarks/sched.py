@@ -35,7 +35,7 @@ class BatchThreshold:
     def __init__(self, k: int, threshold: int):
         self.k, self.threshold = k, threshold
 
-    def choose(self, states):
+    def choose(self, states, budget=None):
         return [min(self.k, draft_room(s)) if len(states) <= self.threshold else 0
                 for s in states]
 
@@ -52,6 +52,7 @@ def run(target, ids_list, n, k, policy=None):
     reqs = [Request(ids, max_new_tokens=n, k=k, stop_ids=(2,)) for ids in ids_list]
     t = time.perf_counter()
     out = dec.generate(reqs)
+    target.be.synchronize()
     return out, time.perf_counter() - t, dec.metrics
 
 

@@ -62,6 +62,10 @@ class BackendSpec:
         both use this backend (``"nccl"``, ``"hccl"``); any other pair uses ``"gloo"``.
     :param memory: ``(free, total)`` bytes of device ``index``, for the memory planner;
         ``None`` where the backend cannot tell (plans then need explicit bytes).
+    :param synchronize: waits until the device has finished all queued work
+        (``torch.cuda.synchronize``, ``torch.npu.synchronize``); every timing (the
+        router's profiler, ``benchmarks/``) goes through it. A no-op where ops run
+        synchronously on the host (cpu, the interpreter, the emulation).
     """
 
     name: str
@@ -76,6 +80,7 @@ class BackendSpec:
     devices: tuple[str, ...] = ()
     collective: str = "gloo"
     memory: Callable[[int], tuple[int, int]] | None = None
+    synchronize: Callable[[], None] = lambda: None
 
     def serves(self) -> tuple[str, ...]:
         return (self.device_type, *self.devices)
@@ -99,6 +104,10 @@ class Backend:
 
     def __repr__(self) -> str:
         return f"Backend({self.name!r}, device_type={self.device_type!r})"
+
+    def synchronize(self) -> None:
+        """Wait for the device's queued work (`BackendSpec.synchronize`)."""
+        self.spec.synchronize()
 
     def sample(self, logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor,
                seeds: Tensor, offsets: Tensor) -> tuple[Tensor, Tensor]:

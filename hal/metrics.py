@@ -57,6 +57,7 @@ class SpecDecodeMetrics:
         self.e2e: list[float] = []    # seconds from arrival to the last token
         self.draft_failures = 0       # the draft worker died or timed out; its requests fell back to plain decoding
         self.stale_drafts = 0         # drafts dropped because they were not built on the committed prefix
+        self.preemptions = 0          # running requests preempted when KV blocks ran out (recomputed later)
         self.acceptance_lengths: list[int] = []  # tokens emitted per request per verify step with drafts
         self._first: dict[Hashable, float] = {}
 

@@ -63,15 +63,19 @@ def _interp(table: dict[int, float], x: int) -> float:
     return table[a] + (table[b] - table[a]) * (x - a) / (b - a)
 
 
-def profile(fn, points: list[int], reps: int = 3) -> dict[int, float]:
-    """Median seconds of ``fn(x)`` for each x (after one warm-up call each)."""
+def profile(fn, points: list[int], reps: int = 3, synchronize=lambda: None) -> dict[int, float]:
+    """Median seconds of ``fn(x)`` for each x (after one warm-up call each); ``synchronize``
+    (a backend's) runs before the clock starts and before it stops: device launches are
+    asynchronous, so an unsynchronised timing measures only the launch."""
     out = {}
     for x in points:
         fn(x)
         ts = []
         for _ in range(reps):
+            synchronize()
             t = time.perf_counter()
             fn(x)
+            synchronize()
             ts.append(time.perf_counter() - t)
         out[x] = sorted(ts)[len(ts) // 2]
     return out
@@ -111,8 +115,9 @@ class Router:
         e = self.per.get(rid)
         return e.rate(g, self.prior_weight) if e else g
 
-    def choose(self, states) -> list[int]:
-        """k per live request, from finished steps only (see the module docstring).
+    def choose(self, states, budget: int | None = None) -> list[int]:
+        """k per live request, from finished steps only (see the module docstring); with
+        ``budget``, the tokens fed (one per request plus the drafts) stay within it.
 
         Drafts are added one at a time in order of marginal gain a_i^(k_i+1) up to every
         cap; the best point on that path wins (a first draft can cost more than later
@@ -128,7 +133,7 @@ class Router:
         heap = [(-alpha[i], i, 1) for i in range(n) if caps[i]]
         heapq.heapify(heap)
         path = []
-        while heap:
+        while heap and (budget is None or fed < budget):
             g, i, k = heapq.heappop(heap)
             tokens, fed, attn, top = tokens - g, fed + 1, attn + ctx[i], max(top, k)
             path.append(i)
@@ -143,7 +148,8 @@ class Router:
         for i, s in enumerate(states):  # keep learning: probe an idle request with one draft now and then
             # (drafters with ``shadow`` are scored for free by the decoder instead; set probe_every=0)
             self.idle[s.rid] = 0 if ks[i] else self.idle.get(s.rid, 0) + 1
-            if not ks[i] and caps[i] and self.probe_every and self.idle[s.rid] >= self.probe_every:
+            if not ks[i] and caps[i] and self.probe_every and self.idle[s.rid] >= self.probe_every and (
+                    budget is None or n + sum(ks) < budget):
                 ks[i], self.idle[s.rid] = 1, 0
         return ks
 
@@ -162,3 +168,56 @@ class Router:
 def expected_tokens(alpha: float, k: int) -> float:
     """Leviathan's E(k): tokens per verify step at per-token acceptance ``alpha``."""
     return float(k + 1) if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def profile_decoder(dec, max_tokens: int = 72, context: int = 512, reps: int = 5, profile_draft: bool = True):
+    """A `hal.router.CostModel` measured here and now: the target forward over T fed
+    tokens (T = 1, 2, 3, 5, 9, ... up to ``max_tokens``, at a short context), the
+    extra cost of ``context`` tokens of attention, and the drafter's chain of k
+    (``profile_draft=False``: not profiled, e.g. a remote drafter whose work overlaps)."""
+    from hal.decoder import Request, State, forward
+    backends = {id(b): b for b in (dec.target.be, _backend_of(dec.drafter)) if b is not None}.values()
+
+    def sync():
+        for b in backends:
+            b.synchronize()
+    bs = dec.pool.allocator.block_size  # stay inside the pool the plan gave us
+    room = (dec.pool.allocator.num_free - 4) * bs
+    max_tokens = max(1, min(max_tokens, room // 2 - 16))
+    context = max(16, min(context, room - max_tokens - 64))
+    seqs = [dec.pool.sequence(), dec.pool.sequence()]
+    try:
+        for q, n in zip(seqs, (16, 16 + context)):
+            forward(dec.target, dec.pool, [q], [[1] * n], False)
+            q.commit(n)
+        fwd = lambda T, q=seqs[0]: forward(dec.target, dec.pool, [q], [[1] * T], True)  # noqa: E731
+        verify = profile(fwd, [p for p in (1, 2, 3, 5, 9, 17, 33, 65, 129, 257) if p <= max_tokens], reps, sync)
+        # attention: the same 9-token verify at a short and a long context (a difference of two
+        # noisy timings: a wide gap keeps it meaningful)
+        n = min(9, max_tokens)
+        long = profile(lambda _: forward(dec.target, dec.pool, [seqs[1]], [[1] * n], True), [1], reps, sync)[1]
+        short = profile(lambda _: forward(dec.target, dec.pool, [seqs[0]], [[1] * n], True), [1], reps, sync)[1]
+        per_context = max(0.0, long - short) / (n * context)
+    finally:
+        for q in seqs:
+            q.free()
+    draft = {}
+    if dec.drafter is not None and profile_draft:
+        st = State(Request([1] * 16, k=1), -1, [1] * 16, seq=None)
+
+        def chain(k):
+            st.req_k = k
+            dec.drafter.propose([st])
+        try:
+            draft = profile(chain, [1, 2, 4, 8], reps, sync)
+        finally:
+            dec.drafter.release(st)
+    return CostModel(verify, draft, per_context)
+
+
+def _backend_of(drafter):
+    """The backend a drafter runs its ops on (None for none or a remote one)."""
+    if drafter is None:
+        return None
+    model = getattr(drafter, "model", None)
+    return getattr(drafter, "be", None) or getattr(model, "be", None)

@@ -9,10 +9,20 @@ from verify_ops._common import SAMPLE, categorical, uniform
 
 def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, seeds: Tensor,
            offsets: Tensor) -> tuple[Tensor, Tensor]:
-    # q = softmax(z masked below a per-row cutoff), z = (logits - max) / T (never overflows);
-    # T < SAMPLING_EPS rows: one_hot(argmax).
-    # top-k cutoff: the k-th largest z. top-p cutoff: in descending order over the top-k set,
-    # the last z whose preceding (renormalised) mass is < top_p. Ties at a cutoff are kept.
+    q, top = probs(logits, temperature, top_k, top_p)
+    greedy = temperature < SAMPLING_EPS
+    u = uniform(seeds, offsets, SAMPLE, torch.zeros(1, dtype=torch.long, device=q.device))[:, 0]
+    return torch.where(greedy, top, categorical(q, u)).int(), q
+
+
+def probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> tuple[Tensor, Tensor]:
+    """``(q [R, V] float32, argmax [R])``: the distribution `sample` draws from, without a draw
+    (vLLM's ``compute_probs``); plain torch, on any device.
+
+    q = softmax(z masked below a per-row cutoff), z = (logits - max) / T (never overflows);
+    T < SAMPLING_EPS rows: one_hot(argmax). top-k cutoff: the k-th largest z. top-p cutoff:
+    in descending order over the top-k set, the last z whose preceding (renormalised) mass
+    is < top_p. Ties at a cutoff are kept."""
     R, V = logits.shape
     greedy = temperature < SAMPLING_EPS
     x = logits.float()
@@ -32,6 +42,4 @@ def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, se
         z = z.masked_fill(z < cut, -torch.inf)
     q = z.softmax(-1)
     top = logits.float().argmax(-1)
-    q = torch.where(greedy[:, None], torch.zeros_like(q).scatter_(1, top[:, None], 1.0), q)
-    u = uniform(seeds, offsets, SAMPLE, torch.zeros(1, dtype=torch.long, device=z.device))[:, 0]
-    return torch.where(greedy, top, categorical(q, u)).int(), q
+    return torch.where(greedy[:, None], torch.zeros_like(q).scatter_(1, top[:, None], 1.0), q), top

@@ -43,6 +43,11 @@ def _probe() -> str | None:
     return None
 
 
+def _synchronize() -> None:
+    import torch
+    torch.npu.synchronize()
+
+
 def _memory(index: int) -> tuple[int, int]:
     import torch
     return torch.npu.mem_get_info(index)
@@ -64,4 +69,5 @@ def register_backends(register):
         devices=("npu",),
         collective="gloo" if emu else "hccl",
         memory=None if emu else _memory,
+        synchronize=(lambda: None) if emu else _synchronize,
     ))

@@ -30,6 +30,11 @@ def _probe() -> str | None:
     return None
 
 
+def _synchronize() -> None:
+    import torch
+    torch.cuda.synchronize()
+
+
 def _memory(index: int) -> tuple[int, int]:
     import torch
     return torch.cuda.mem_get_info(index)
@@ -52,4 +57,5 @@ def register_backends(register):
         devices=("cuda",),
         collective="gloo" if interp else "nccl",
         memory=None if interp else _memory,
+        synchronize=(lambda: None) if interp else _synchronize,
     ))

@@ -1,0 +1,178 @@
+"""Continuous batching against static batching on a stream of requests (SmolLM2-135M, greedy,
+n-gram drafts), side by side in one run, on the same arrival schedule.
+
+* static: today's `generate` on whatever has arrived, run to the end before the next batch;
+* continuous: `add_request` on arrival, one `step` at a time, under each
+  ``max_num_batched_tokens`` of ``--budgets`` (none = unbounded).
+
+Requests cycle through the prompts of benchmarks/e2e.py (three copy-heavy, one open-ended)
+with lengths cycling through ``--lengths``; arrivals are Poisson at ``--rate`` per second
+(seeded). Reported: throughput (generated tokens / seconds from the first arrival to the
+last token), TTFT and TPOT P50/P99, and whether every output equals the static run's.
+
+    python benchmarks/engine.py [--requests 32] [--rate 3] [--k 4] [--budgets none,256,64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from pathlib import Path
+
+import torch
+
+import hal
+from hal.decoder import Request, SamplingParams, SpeculativeDecoder
+from hal.drafters import NgramDrafter
+from hal.metrics import percentile
+from hal.models.fetch import fetch
+from hal.models.llama import load_gguf
+from hal.models.tokenizer import chatml
+
+from e2e import PROMPTS  # noqa: E402  (benchmarks/ is the script's folder)
+
+
+class Clock:
+    """Token timestamps per request, against its arrival."""
+
+    def __init__(self, arrivals: list[float]):
+        self.t0, self.arrivals = time.perf_counter(), arrivals
+        self.first: dict[int, float] = {}
+        self.last: dict[int, float] = {}
+        self.count: dict[int, int] = {}
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def wait_for(self, t: float) -> None:
+        if (d := t - self.now()) > 0:
+            time.sleep(d)
+
+    def tokens(self, i: int, n: int) -> None:
+        if n:
+            t = self.now()
+            self.first.setdefault(i, t)
+            self.last[i] = t
+            self.count[i] = self.count.get(i, 0) + n
+
+    def summary(self) -> dict:
+        ttft = [self.first[i] - self.arrivals[i] for i in self.first]
+        tpot = [(self.last[i] - self.first[i]) / (self.count[i] - 1) for i in self.first if self.count[i] > 1]
+        span = max(self.last.values()) - min(self.arrivals)
+        return dict(tok_s=sum(self.count.values()) / span, span=span, ttft50=percentile(ttft, 50),
+                    ttft99=percentile(ttft, 99), tpot50=percentile(tpot, 50), tpot99=percentile(tpot, 99))
+
+
+def run_static(target, be, reqs, arrivals, k):
+    clock, outs, i = Clock(arrivals), {}, 0
+    while i < len(reqs):
+        clock.wait_for(arrivals[i])
+        j = i
+        while j < len(reqs) and arrivals[j] <= clock.now():
+            j += 1
+        batch = list(range(i, j))
+        dec = SpeculativeDecoder(target, NgramDrafter(be), num_blocks=64 * len(batch) + 64,
+                                 on_tokens=lambda rid, new, b=batch: clock.tokens(b[rid], len(new)))
+        for n, o in zip(batch, dec.generate([reqs[n] for n in batch])):
+            outs[n] = o
+        i = j
+    target.be.synchronize()
+    return outs, clock.summary()
+
+
+def run_continuous(target, be, reqs, arrivals, k, budget, max_seqs, num_blocks):
+    clock, outs, i, ids = Clock(arrivals), {}, 0, {}
+    dec = SpeculativeDecoder(target, NgramDrafter(be), num_blocks=num_blocks, max_num_batched_tokens=budget,
+                             max_num_seqs=max_seqs)
+    while len(outs) < len(reqs) or dec.has_unfinished():
+        while i < len(reqs) and arrivals[i] <= clock.now():
+            r = reqs[i]
+            ids[dec.add_request(r.prompt_ids, SamplingParams(max_new_tokens=r.max_new_tokens, k=r.k,
+                                                             stop_ids=r.stop_ids))] = i
+            outs.setdefault(i, [])
+            i += 1
+        if not dec.has_unfinished():
+            clock.wait_for(arrivals[i])
+            continue
+        step = dec.step()
+        for rid, new in step.tokens.items():
+            outs[ids[rid]] += new
+            clock.tokens(ids[rid], len(new))
+    target.be.synchronize()
+    return outs, clock.summary(), dec.preemptions
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--rate", type=float, default=3.0, help="arrivals per second (Poisson)")
+    ap.add_argument("--lengths", default="16,48,24,64", help="max_new_tokens, cycled")
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--budgets", default="none,256,64", help="max_num_batched_tokens values (none: unbounded)")
+    ap.add_argument("--max-num-seqs", type=int, default=32)
+    ap.add_argument("--num-blocks", type=int, default=1024)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "engine.md"))
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    be = hal.get_backend("cpu")
+    target, tok = load_gguf(fetch("smollm2-135m"), be)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    ids = [tok.encode(chatml(p)).ids for _, _, p in PROMPTS]
+    reqs = [Request(ids[i % len(ids)], max_new_tokens=lengths[i % len(lengths)], k=args.k, stop_ids=(2,))
+            for i in range(args.requests)]
+    rng, t, arrivals = random.Random(0), 0.0, []
+    for _ in reqs:
+        arrivals.append(t)
+        t += rng.expovariate(args.rate)
+    budgets = [None if b == "none" else int(b) for b in args.budgets.split(",")]
+    ref, static = run_static(target, be, reqs, arrivals, args.k)
+    rows = [("static `generate` per arrived batch", static, True, 0)]
+    for b in budgets:
+        outs, s, pre = run_continuous(target, be, reqs, arrivals, args.k, b, args.max_num_seqs, args.num_blocks)
+        rows.append((f"continuous, max_num_batched_tokens={b or 'none'}", s, outs == ref, pre))
+    argv = __import__("sys").argv[1:]
+    cmd = "python benchmarks/engine.py " + " ".join(a for i, a in enumerate(argv)
+                                                    if a != "--out" and (i == 0 or argv[i - 1] != "--out"))
+    lines = ["# Continuous vs static batching (SmolLM2-135M-Instruct, greedy, n-gram k="
+             f"{args.k}, cpu backend)", "",
+             f"Command: `{cmd.strip()}`; {args.requests} requests, Poisson arrivals at {args.rate}/s over "
+             f"{arrivals[-1]:.1f} s, max_new_tokens cycling {lengths}; torch {torch.__version__}, "
+             f"{torch.get_num_threads()} threads, {time.strftime('%Y-%m-%d')}. One run, same schedule.", "",
+             "| engine | tok/s | vs static | TTFT P50 / P99 (s) | TPOT P50 / P99 (ms) | outputs = static | preemptions |",
+             "|---|---|---|---|---|---|---|"]
+    for name, s, same, pre in rows:
+        lines.append(f"| {name} | {s['tok_s']:.1f} | {s['tok_s'] / static['tok_s']:.2f}x | {s['ttft50']:.2f} / "
+                     f"{s['ttft99']:.2f} | {s['tpot50'] * 1e3:.0f} / {s['tpot99'] * 1e3:.0f} | "
+                     f"{'yes' if same else 'NO'} | {pre} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        names = ["static"] + [f"cont. {b or 'none'}" for b in budgets]
+        fig, (a, c) = plt.subplots(1, 2, figsize=(10, 3.6))
+        a.bar(names, [r[1]["tok_s"] for r in rows], color=["gray"] + ["tab:blue"] * len(budgets))
+        a.set_ylabel("generated tok/s")
+        a.set_title("throughput on a staggered stream")
+        x = range(len(rows))
+        c.bar([i - 0.2 for i in x], [r[1]["tpot50"] * 1e3 for r in rows], 0.4, label="P50")
+        c.bar([i + 0.2 for i in x], [r[1]["tpot99"] * 1e3 for r in rows], 0.4, label="P99")
+        c.set_xticks(list(x), names)
+        c.set_ylabel("TPOT (ms)")
+        c.set_title("time per output token")
+        c.legend()
+        for ax in (a, c):
+            ax.tick_params(axis="x", labelsize=8)
+        fig.tight_layout()
+        fig.savefig(out.with_suffix(".png"), dpi=100)
+    except ImportError:
+        print("matplotlib not installed: no PNG")
+
+
+if __name__ == "__main__":
+    main()

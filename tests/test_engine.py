@@ -1,0 +1,212 @@
+"""The request-level engine (`SpeculativeDecoder.add_request / abort / step /
+has_unfinished`): continuous batching, the token budget with chunked prefill, preemption,
+abort, mixed greedy/sampled batches and logprobs, on a tiny random Llama (real ops)."""
+
+import random
+
+import pytest
+import torch
+
+import hal
+from hal.conformance._helpers import assert_distribution
+from hal.decoder import Request, SamplingParams, SpeculativeDecoder
+from hal.drafters import ModelDrafter, NgramDrafter
+from hal.models.llama import load_safetensors
+from tests.test_serve import tiny  # noqa: F401  (the fixture: a tiny random model folder)
+
+PROMPTS = [[1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [5, 6, 7, 5, 6, 7, 5], [9, 8, 7, 6, 5, 4, 3, 2, 1, 9, 8, 7, 6, 5, 4, 3],
+           [11, 12, 11, 12, 11], [20, 21, 22, 23, 24, 25, 20, 21, 22, 23, 24, 25, 20, 21], [3, 3, 3]]
+N = 12
+
+
+@pytest.fixture(scope="module")
+def model(tiny):  # noqa: F811
+    return load_safetensors(tiny, hal.get_backend("cpu"))
+
+
+def engine(model, drafter="ngram", **kw):
+    d = NgramDrafter(model.be) if drafter == "ngram" else drafter
+    return SpeculativeDecoder(model, d, **{"num_blocks": 64, **kw})
+
+
+def alone(model, prompt, **params):
+    return engine(model).generate([Request(prompt, max_new_tokens=N, k=3, **params)])[0]
+
+
+@pytest.fixture(scope="module")
+def singles(model):
+    return [alone(model, p) for p in PROMPTS]
+
+
+def test_requests_arriving_at_random_steps_match_running_alone(model, singles):
+    rng = random.Random(4)
+    for trial in range(3):
+        dec = engine(model, max_num_batched_tokens=rng.choice([None, 12, 24]), max_num_seqs=4)
+        pending, got, ids = list(enumerate(PROMPTS)), {}, {}
+        rng.shuffle(pending)
+        steps = 0
+        while pending or dec.has_unfinished():
+            while pending and rng.random() < 0.4:
+                i, p = pending.pop()
+                ids[dec.add_request(p, SamplingParams(max_new_tokens=N, k=3))] = i
+            out = dec.step()
+            for rid, toks in out.tokens.items():
+                got.setdefault(ids[rid], []).extend(toks)
+            steps += 1
+            assert steps < 500, "the engine did not finish"
+        assert [got[i] for i in range(len(PROMPTS))] == singles, f"trial {trial}: arrival order changed an output"
+        assert dec.pool.allocator.num_free == dec.pool.allocator.num_blocks
+
+
+@pytest.mark.parametrize("budget", [6, 9, 16])
+def test_token_budget_is_never_exceeded(model, singles, budget):
+    dec = engine(model, max_num_batched_tokens=budget, max_num_seqs=4)
+    ids = [dec.add_request(p, SamplingParams(max_new_tokens=N, k=3)) for p in PROMPTS]
+    got, fed = {rid: [] for rid in ids}, []
+    while dec.has_unfinished():
+        out = dec.step()
+        fed.append(out.num_batched_tokens)
+        for rid, toks in out.tokens.items():
+            got[rid] += toks
+    assert max(fed) <= budget, f"a step fed {max(fed)} tokens over a budget of {budget}"
+    assert max(fed) == budget, "the budget was never used up (prefill must fill it)"
+    assert [got[r] for r in ids] == singles
+    # the 16-token prompt is longer than the smaller budgets: it was prefilled in chunks
+    assert budget >= len(PROMPTS[2]) or sum(1 for f in fed if f == budget) >= 2
+
+
+def test_preemption_under_a_tiny_pool(model, singles):
+    dec = engine(model, num_blocks=4, block_size=16, max_num_seqs=6)   # 64 slots for 6 requests of up to 28
+    outs = dec.generate([Request(p, max_new_tokens=N, k=3) for p in PROMPTS])
+    assert dec.preemptions > 0 and dec.metrics.preemptions == dec.preemptions, "the test must preempt"
+    assert outs == singles, "preemption (recompute) changed an output"
+    assert dec.pool.allocator.num_free == 4 and all(r == 0 for r in dec.pool.allocator.refcount)
+
+
+def test_abort_frees_target_and_draft_blocks(model):
+    drafter = ModelDrafter(model.layer_view(1), num_blocks=32)
+    dec = engine(model, drafter=drafter)
+    a = dec.add_request(PROMPTS[0], SamplingParams(max_new_tokens=30, k=2))
+    b = dec.add_request(PROMPTS[2], SamplingParams(max_new_tokens=30, k=2))
+    for _ in range(3):
+        dec.step()
+    assert dec.pool.allocator.num_free < 64 and drafter.pool.allocator.num_free < 32
+    assert dec.abort(a) and not dec.abort(a) and not dec.abort(12345)
+    out = dec.step()
+    assert a in out.finished and a not in out.tokens
+    while dec.has_unfinished():
+        dec.step()
+    assert dec.pool.allocator.num_free == 64 and drafter.pool.allocator.num_free == 32
+    assert dec.abort(b) is False
+
+
+def test_mixed_greedy_and_sampled_batch(model, singles):
+    """Greedy rows equal greedy alone; sampled rows equal the same request alone (randomness
+    is per request), so their law is the one the chi-square tests check for single runs."""
+    params = [dict(), dict(temperature=0.8, seed=7), dict(), dict(temperature=1.2, top_k=5, seed=3), dict(),
+              dict(temperature=0.5, top_p=0.9, seed=1)]
+    dec = engine(model, max_num_batched_tokens=24, max_num_seqs=6)
+    outs = dec.generate([Request(p, max_new_tokens=N, k=3, **kw) for p, kw in zip(PROMPTS, params)])
+    for i, kw in enumerate(params):
+        want = singles[i] if not kw else alone(model, PROMPTS[i], **kw)
+        assert outs[i] == want, f"request {i} ({kw or 'greedy'}) differs from running alone"
+
+
+def test_mixed_batches_keep_the_target_law():
+    """A toy target with p = (0.7, 0.3) everywhere, sampled rows mixed with greedy rows in
+    every step: the sampled tokens follow p (chi-square), greedy rows are all token 0."""
+    from tests.test_routing import P2, Q2, ToyTarget, constant_drafter
+    be = hal.get_backend("cpu")
+    dec = SpeculativeDecoder(ToyTarget(be, P2), constant_drafter(be, Q2), num_blocks=16 * 16)
+    reqs = [Request([0], max_new_tokens=120, temperature=1.0 if i % 2 else 0.0, seed=i, k=3) for i in range(16)]
+    outs = dec.generate(reqs)
+    assert all(t == 0 for o in outs[0::2] for t in o)
+    assert_distribution(torch.tensor([t for o in outs[1::2] for t in o]), P2, "sampled rows in mixed batches")
+
+
+def test_logprobs_match_log_softmax_of_the_target(model):
+    from hal.decoder import forward
+    from hal.kv import KVPool
+    dec = engine(model)
+    rid = dec.add_request(PROMPTS[0], SamplingParams(max_new_tokens=N, k=3, logprobs=3))
+    toks, lps = [], []
+    while dec.has_unfinished():
+        out = dec.step()
+        toks += out.tokens.get(rid, [])
+        lps += out.logprobs.get(rid, [])
+    assert len(lps) == len(toks) == N and dec.metrics.total.num_draft_tokens > 0
+    full = PROMPTS[0] + toks
+    pool = KVPool(model.be, 8, 16, model.cfg.kv_heads, model.cfg.head_dim, num_layers=model.cfg.layers)
+    seq = pool.sequence()
+    logits, _ = forward(model, pool, [seq], [full[:-1]], True)
+    ref = torch.log_softmax(logits.float(), -1)[len(PROMPTS[0]) - 1:]
+    for j, (t, e) in enumerate(zip(toks, lps)):
+        assert e["token"] == t
+        assert abs(e["logprob"] - float(ref[j, t])) < 1e-4, f"token {j}: {e['logprob']} vs {float(ref[j, t])}"
+        top = ref[j].topk(3)
+        assert [i for i, _ in e["top"]] == top.indices.tolist()
+        assert max(abs(v - w) for (_, v), w in zip(e["top"], top.values.tolist())) < 1e-4
+
+
+@pytest.mark.parametrize("name,bad", [("prompt_ids", []), ("prompt_ids", [10 ** 6]), ("prompt_ids", [-1]),
+                                      ("max_new_tokens", 0), ("k", -1), ("temperature", -0.5),
+                                      ("temperature", float("nan")), ("top_p", 0.0), ("logprobs", 21),
+                                      ("max_new_tokens", 10 ** 6)])
+def test_bad_requests_are_refused(model, name, bad):
+    dec = engine(model)
+    prompt, params = [1, 2], SamplingParams()
+    if name == "prompt_ids":
+        prompt = bad
+    else:
+        setattr(params, name, bad)
+    with pytest.raises(hal.HalError) as e:
+        dec.add_request(prompt, params)
+    assert str(e.value).startswith(name if name != "max_new_tokens" or bad == 0 else "prompt_ids")
+    assert not dec.has_unfinished()
+
+
+def test_engine_settings_are_checked(model):
+    with pytest.raises(hal.HalError, match="max_num_batched_tokens"):
+        engine(model, max_num_batched_tokens=2, max_num_seqs=4)
+    with pytest.raises(hal.HalError, match="max_num_seqs"):
+        engine(model, max_num_seqs=0)
+
+
+def test_profiling_goes_through_the_synchronize_hook(model):
+    """Device launches are asynchronous: every timing of the router's profiler is bracketed
+    by the backends' `synchronize` (cuda: torch.cuda.synchronize, npu: torch.npu.synchronize)."""
+    import dataclasses
+
+    from hal.backend import Backend
+    calls = []
+    cpu = hal.get_backend("cpu")
+    counting = Backend(dataclasses.replace(cpu.spec, synchronize=lambda: calls.append(1)), cpu.impl)
+    model.be = counting
+    try:
+        dec = engine(model)
+        dec.drafter.be = counting
+        dec.profile_costs(max_tokens=3, context=32, reps=2)
+    finally:
+        model.be = cpu
+    # 2 syncs per timed call: verify points 1, 2, 3 + the two attention points + 4 draft chain points, 2 reps each
+    assert len(calls) == 2 * 2 * (3 + 2 + 4)
+    assert hal.get_backend("cpu").spec.synchronize() is None
+
+
+def test_target_probs_equal_what_every_backend_samples_from():
+    """Verification takes p from `target_probs` (no draw, no offset spent): the same q that
+    each backend's `sample` returns, within 1e-5."""
+    from hal.decoder import target_probs
+    g = torch.Generator().manual_seed(5)
+    R, V = 12, 40
+    logits = torch.randn(R, V, generator=g) * 3
+    temp = torch.tensor([0.0, 0.7, 1.0, 1.3] * 3)
+    top_k = torch.tensor([0, 5, -1, 12] * 3, dtype=torch.int32)
+    top_p = torch.tensor([1.0, 0.9, 0.5, 1.0] * 3)
+    p = target_probs(logits, temp, top_k, top_p)
+    assert torch.allclose(p.sum(-1), torch.ones(R), atol=1e-5)
+    for b in hal.list_backends():
+        if b.available and not b.name.startswith("mutant"):
+            be = hal.get_backend(b.name)
+            _, q = be.sample(logits, temp, top_k, top_p, torch.arange(R), torch.zeros(R, dtype=torch.long))
+            torch.testing.assert_close(p, q.cpu(), atol=1e-5, rtol=0)
