@@ -9,6 +9,7 @@ length and hash per request), or the target gets STOP at the end. See `hal.serve
 from __future__ import annotations
 
 import datetime
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -77,6 +78,161 @@ class Link:
         else:
             work.wait(timeout=datetime.timedelta(seconds=timeout))
         return t
+
+
+# -- the messages: one typed class per kind, one encoder and one decoder each ----------------------
+# Wire form: int64 words (kind first), optional float32 rows, optional int32 indices (sparse q).
+#   COMMIT: [COMMIT, n, n_finished, *finished, n x (rid, k, length, new, [top_k, seed, max_new]
+#            if new, n_delta, *delta)], rows: one (temperature, top_p) row per new request
+#   DRAFTS: [DRAFTS, hits, stale, n x (rid, base_len, base_hash, n_drafts, *drafts)],
+#           rows: q rows of the drafts (dense [N, V], or sparse values with ``idx``)
+#   STOP:   [STOP]
+
+
+@dataclass
+class NewRequest:
+    """Sampling parameters of a request the worker has not seen yet."""
+
+    top_k: int
+    seed: int
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+
+
+@dataclass
+class CommitEntry:
+    rid: int
+    k: int
+    length: int              # the committed history's length after ``delta``
+    delta: list[int]         # tokens committed since the last round
+    new: NewRequest | None = None
+
+
+@dataclass
+class Commit:
+    entries: list[CommitEntry]
+    finished: list[int] = field(default_factory=list)
+
+
+@dataclass
+class DraftEntry:
+    rid: int
+    base_len: int            # the committed history the drafts were built on: its length
+    base_hash: int           # and its `history_hash`
+    tokens: list[int]
+
+
+@dataclass
+class Drafts:
+    hits: int                # overlap guesses that held this round
+    stale: int               # overlap guesses dropped
+    entries: list[DraftEntry]
+    q: Tensor | None = None  # [N, V] rows (dense), or the values of a sparse form with ``idx``
+    idx: Tensor | None = None
+
+
+@dataclass
+class Stop:
+    pass
+
+
+Message = Commit | Drafts | Stop
+
+
+def encode(msg: Message) -> tuple[list[int], Tensor | None, Tensor | None]:
+    """``(words, rows, idx)`` for `Link.send`."""
+    if isinstance(msg, Stop):
+        return [STOP], None, None
+    if isinstance(msg, Commit):
+        words, floats = [COMMIT, len(msg.entries), len(msg.finished), *msg.finished], []
+        for e in msg.entries:
+            words += [e.rid, e.k, e.length, int(e.new is not None)]
+            if e.new is not None:
+                words += [e.new.top_k, e.new.seed, e.new.max_new_tokens]
+                floats.append([e.new.temperature, e.new.top_p])
+            words += [len(e.delta), *e.delta]
+        return words, torch.tensor(floats, dtype=torch.float32) if floats else None, None
+    words = [DRAFTS, msg.hits, msg.stale]
+    for e in msg.entries:
+        words += [e.rid, e.base_len, e.base_hash, len(e.tokens), *e.tokens]
+    return words, msg.q, msg.idx
+
+
+class _Reader:
+    """Words read in order; every read is bounds-checked (`HalError`, never IndexError)."""
+
+    def __init__(self, words: list[int], what: str):
+        self.words, self.at, self.what = words, 0, what
+
+    def bad(self, expected: str, got) -> HalError:
+        return HalError(f"{self.what}: expected {expected}, got {got}", arg=self.what, expected=expected, got=str(got))
+
+    def take(self, n: int, name: str, lo: int | None = None, hi: int | None = None) -> list[int]:
+        if n < 0 or self.at + n > len(self.words):
+            raise self.bad(f"{n} more word(s) for {name} at word {self.at}", f"a message of {len(self.words)} words")
+        out = self.words[self.at:self.at + n]
+        self.at += n
+        for v in out:
+            if (lo is not None and v < lo) or (hi is not None and v >= hi):
+                raise self.bad(f"{name} in [{lo}, {hi})", v)
+        return out
+
+    def one(self, name: str, lo: int | None = None, hi: int | None = None) -> int:
+        return self.take(1, name, lo, hi)[0]
+
+    def done(self) -> None:
+        if self.at != len(self.words):
+            raise self.bad(f"{self.at} words", len(self.words))
+
+
+def decode(words: list[int], rows: Tensor | None, idx: Tensor | None, vocab: int | None = None,
+           max_k: int = 1 << 10) -> Message:
+    """The message in ``(words, rows, idx)`` from the peer: untrusted. Every count, length and
+    token id (in ``[0, vocab)`` when ``vocab`` is known) is checked; a malformed message raises
+    `HalError` naming what was expected. Values of q are checked by the receiver (a sum needs V)."""
+    r = _Reader(list(words), "protocol message")
+    kind = r.one("the message kind", COMMIT, STOP + 1)
+    if kind == STOP:
+        r.done()
+        return Stop()
+    hi_tok = vocab if vocab is not None else 1 << 62
+    if kind == COMMIT:
+        n, n_done = r.one("the request count", 0, MAX_ROWS), r.one("the finished count", 0, MAX_ROWS)
+        finished = r.take(n_done, "finished request ids", 0, 1 << 62)
+        entries, n_new = [], 0
+        for _ in range(n):
+            rid, k, length = r.one("a request id", 0, 1 << 62), r.one("k", 0, max_k + 1), r.one("a length", 0, 1 << 40)
+            new = None
+            if r.one("the new flag", 0, 2):
+                top_k, seed, max_new = r.one("top_k", -1, 1 << 31), r.one("a seed"), r.one("max_new_tokens", 1, 1 << 40)
+                new = NewRequest(top_k, seed, max_new, 0.0, 1.0)
+                n_new += 1
+            delta = r.take(r.one("a delta length", 0, MAX_WORDS), "committed token ids", 0, hi_tok)
+            entries.append(CommitEntry(rid, k, length, delta, new))
+        r.done()
+        if (rows is None) != (n_new == 0) or (rows is not None and tuple(rows.shape) != (n_new, 2)):
+            raise r.bad(f"{n_new} rows of (temperature, top_p)", None if rows is None else list(rows.shape))
+        news = [e.new for e in entries if e.new is not None]
+        for e, (t, p) in zip(news, rows.tolist() if rows is not None else []):
+            if not (0 <= t < float("inf") and 0 < p <= 1):
+                raise r.bad("a finite temperature >= 0 and top_p in (0, 1]", (t, p))
+            e.temperature, e.top_p = t, p
+        return Commit(entries, finished)
+    hits, stale = r.one("the overlap hits", 0, MAX_ROWS), r.one("the stale count", 0, MAX_ROWS)
+    entries = []
+    while r.at < len(r.words):
+        rid, base_len, base_hash = r.one("a request id", 0, 1 << 62), r.one("a base length", 0, 1 << 40), r.one("a hash")
+        entries.append(DraftEntry(rid, base_len, base_hash,
+                                  r.take(r.one("a draft count", 0, max_k + 1), "draft token ids", 0, hi_tok)))
+    total = sum(len(e.tokens) for e in entries)
+    if rows is not None and (rows.dim() != 2 or rows.shape[0] != total
+                             or (idx is None and vocab is not None and rows.shape[1] != vocab)):
+        raise r.bad(f"{total} q rows" + (f" of width {vocab}" if vocab else ""), list(rows.shape))
+    if idx is not None and (rows is None or idx.shape != rows.shape
+                            or bool(((idx < 0) | (idx >= hi_tok)).any())):
+        raise r.bad(f"sparse q indices in [0, {hi_tok}) shaped like its values", None if idx is None else list(idx.shape))
+    return Drafts(hits, stale, entries, rows, idx)
 
 
 def corrupted(words: list[int], how: str) -> list[int]:

@@ -13,7 +13,8 @@ from hal.checks import MAX_K, prob_values
 from hal.decoder import State
 from hal.errors import HalError
 from hal.placement import dense_q, transfer
-from hal.protocol import COMMIT, DRAFTS, HASH_SEED, STOP, Link, history_hash
+from hal.protocol import (HASH_SEED, Commit, CommitEntry, Drafts, Link, NewRequest, Stop, decode, encode,
+                          history_hash)
 
 class RemoteDrafter:
     """The target's view of the draft worker (a `hal.decoder.Drafter`)."""
@@ -36,21 +37,17 @@ class RemoteDrafter:
         for rid in self.finished:
             self.sent.pop(rid, None)
             self.hashes.pop(rid, None)
-        words, floats = [COMMIT, len(states), len(self.finished), *self.finished], []
-        self.finished = []
+        msg, self.finished = Commit([], self.finished), []
         for s in states:
-            new = s.rid not in self.sent
-            words += [s.rid, s.req_k, len(s.tokens), int(new)]
-            if new:
-                words += [s.req.top_k, s.req.seed, s.req.max_new_tokens]
-                floats.append([s.req.temperature, s.req.top_p])
+            new = None if s.rid in self.sent else NewRequest(s.req.top_k, s.req.seed, s.req.max_new_tokens,
+                                                              s.req.temperature, s.req.top_p)
             delta = s.tokens[self.sent.get(s.rid, 0):]
-            words += [len(delta), *delta]
+            msg.entries.append(CommitEntry(s.rid, s.req_k, len(s.tokens), delta, new))
             self.sent[s.rid] = len(s.tokens)
             self.hashes[s.rid] = history_hash(delta, self.hashes.get(s.rid, HASH_SEED))
         try:
-            self.link.send(words, torch.tensor(floats) if floats else None)
-            reply, rows, idx = self.link.recv(self.timeout if self.rounds else self.first_timeout)
+            self.link.send(*encode(msg)[:2])
+            reply = self.link.recv(self.timeout if self.rounds else self.first_timeout)
         except RuntimeError as e:  # gloo: connection reset (the worker died) or a timeout
             self.lost = True
             self._fail(e)
@@ -60,47 +57,27 @@ class RemoteDrafter:
             return empty
         self.rounds += 1
         try:
-            return self._accept(states, reply, rows, idx)
+            return self._accept(states, decode(*reply, vocab=self.vocab, max_k=MAX_K))
         except HalError as e:      # the reply is not a valid DRAFTS message: plain decoding from here
             self._fail(e)
             return empty
 
-    def _accept(self, states: list[State], reply: list[int], rows, idx) -> tuple[list[list[int]], Tensor | None]:
-        """The drafts of a DRAFTS reply. It comes from another process, maybe another host:
-        every field is checked (kind, counts, lengths, token ids in [0, V), q rows) and a
-        malformed reply raises `HalError`; drafts not built on the committed prefix are dropped."""
-        def bad(what: str):
-            raise HalError(f"draft worker reply: expected {what}")
-        if len(reply) < 3 or reply[0] != DRAFTS:
-            bad(f"a DRAFTS message, got kind {reply[0] if reply else None} of {len(reply)} words")
-        if not (0 <= reply[1] <= len(states) and 0 <= reply[2] <= len(states)):
-            bad(f"overlap counts in [0, {len(states)}], got {reply[1:3]}")
-        parsed, at = [], 3
-        for s in states:
-            if at + 4 > len(reply):
-                bad(f"an entry for request {s.rid}, got a reply truncated at word {len(reply)}")
-            rid, base_len, base_hash, n = reply[at:at + 4]
-            if not 0 <= n <= MAX_K or at + 4 + n > len(reply):
-                bad(f"0 <= drafts <= {MAX_K} within the reply for request {s.rid}, got {n}")
-            d = reply[at + 4:at + 4 + n]
-            if any(not 0 <= t < self.vocab for t in d):
-                bad(f"draft token ids in [0, {self.vocab}) for request {s.rid}, got {[t for t in d if not 0 <= t < self.vocab][:4]}")
-            parsed.append((rid, base_len, base_hash, d))
-            at += 4 + n
-        if at != len(reply):
-            bad(f"{at} words, got {len(reply)}")
-        total = sum(len(p[3]) for p in parsed)
-        if rows is not None and (rows.dim() != 2 or rows.shape[0] != total or (idx is None and rows.shape[1] != self.vocab)):
-            bad(f"{total} q rows of width {self.vocab}, got shape {list(rows.shape)}")
-        if idx is not None and (rows is None or idx.shape != rows.shape or bool(((idx < 0) | (idx >= self.vocab)).any())):
-            bad(f"sparse q indices in [0, {self.vocab}) shaped like its values")
-        self.guess_hits += reply[1]
-        self.guess_misses += reply[2]
-        self.metrics.stale_drafts += reply[2]
+    def _accept(self, states: list[State], reply) -> tuple[list[list[int]], Tensor | None]:
+        """The drafts of a decoded reply (`hal.protocol.decode` checked its structure): one
+        entry per request, q rows that are probabilities; drafts not built on the committed
+        prefix (base length and hash) are dropped."""
+        if not isinstance(reply, Drafts):
+            raise HalError(f"draft worker reply: expected DRAFTS, got {type(reply).__name__}")
+        if len(reply.entries) != len(states) or not (reply.hits <= len(states) and reply.stale <= len(states)):
+            raise HalError(f"draft worker reply: expected {len(states)} entries and overlap counts at most that, "
+                           f"got {len(reply.entries)} entries, counts {reply.hits}/{reply.stale}")
+        self.guess_hits += reply.hits
+        self.guess_misses += reply.stale
+        self.metrics.stale_drafts += reply.stale
         drafts, keep, r = [], [], 0
-        for s, (rid, base_len, base_hash, d) in zip(states, parsed):
-            n = len(d)
-            ok = rid == s.rid and base_len == len(s.tokens) and base_hash == self.hashes[s.rid] and n <= max(
+        for s, e in zip(states, reply.entries):
+            d, n = e.tokens, len(e.tokens)
+            ok = e.rid == s.rid and e.base_len == len(s.tokens) and e.base_hash == self.hashes[s.rid] and n <= max(
                 s.req_k, 0)
             if not ok:  # not built on the committed prefix: dropped
                 self.metrics.stale_drafts += 1
@@ -108,10 +85,10 @@ class RemoteDrafter:
             keep += range(r, r + len(d))
             r += n
             drafts.append(d)
-        if rows is None or not keep:
+        if reply.q is None or not keep:
             return drafts, None
-        rows = transfer(rows[keep], self.device)
-        q = rows if idx is None else dense_q(transfer(idx[keep], self.device), rows, self.vocab)
+        rows = transfer(reply.q[keep], self.device)
+        q = rows if reply.idx is None else dense_q(transfer(reply.idx[keep], self.device), rows, self.vocab)
         prob_values("draft_probs (from the draft worker)", q)
         return drafts, q
 
@@ -132,7 +109,7 @@ class RemoteDrafter:
     def close(self) -> None:
         if not self.lost:  # a worker we stopped listening to (bad reply) still gets its STOP
             try:
-                self.link.send([STOP])
+                self.link.send(*encode(Stop())[:2])
                 self.link.flush()
             except RuntimeError:
                 pass

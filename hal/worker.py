@@ -14,7 +14,8 @@ from torch import Tensor
 from hal.decoder import Request, State
 from hal.errors import HalError
 from hal.placement import sparse_q
-from hal.protocol import DRAFT_SEED, DRAFTS, HASH_SEED, STOP, Link, corrupted, history_hash
+from hal.protocol import (DRAFT_SEED, HASH_SEED, Commit, DraftEntry, Drafts, Link, Stop, corrupted, decode, encode,
+                          history_hash)
 
 Guess = dict[int, tuple[list[int], list[int], Tensor | None]]  # rid -> (assumed history, drafts, q rows)
 
@@ -27,10 +28,12 @@ def draft_worker(link: Link, drafter, fault: str = "", idle: float | None = None
     guess: Guess = {}
     replies = 0
     while True:
-        words, floats, _ = link.recv(idle)
-        if words[0] == STOP:
+        msg = decode(*link.recv(idle))   # the target is another process too: checked
+        if isinstance(msg, Stop):
             return
-        order = _apply_commit(words, floats, states, hashes, guess, drafter)
+        if not isinstance(msg, Commit):
+            raise HalError(f"hal.serve worker: expected COMMIT or STOP, got {type(msg).__name__}")
+        order = _apply_commit(msg, states, hashes, guess, drafter)
         out, hits, stale = _drafts_for(order, guess, drafter)
         if fault and replies == int(fault.split(":")[1]):  # fault injection for tests: HAL_SERVE_FAULT=
             if fault.startswith("kill"):                   # kill:N (SIGKILL after N replies),
@@ -44,36 +47,31 @@ def draft_worker(link: Link, drafter, fault: str = "", idle: float | None = None
         guess = _guess_next(order, out, drafter)  # overlaps the target's verification
 
 
-def _apply_commit(words: list[int], floats, states: dict[int, State], hashes: dict[int, int], guess: Guess,
+def _apply_commit(msg: Commit, states: dict[int, State], hashes: dict[int, int], guess: Guess,
                   drafter) -> list[State]:
     """Extend each request's committed history (new requests arrive with their sampling
     parameters; finished ones are released). Returns the requests of this round, in order."""
-    n, n_done = words[1], words[2]
-    for rid in words[3:3 + n_done]:
+    for rid in msg.finished:
         if (st := states.pop(rid, None)) is not None:
             drafter.release(st)
         guess.pop(rid, None)
         hashes.pop(rid, None)
-    at, f, order = 3 + n_done, 0, []
-    for _ in range(n):
-        rid, k, length, new = words[at:at + 4]
-        at += 4
-        if new:
-            top_k, seed, max_new = words[at:at + 3]
-            at += 3
-            temp, top_p = floats[f].tolist()
-            f += 1
-            req = Request([0], max_new_tokens=max_new, temperature=temp, top_k=top_k, top_p=top_p,
-                          seed=seed + DRAFT_SEED, k=k)
-            states[rid] = State(req, rid, [], seq=None)
-        st, nd = states[rid], words[at]
-        st.tokens = st.tokens + words[at + 1:at + 1 + nd]
-        hashes[rid] = history_hash(words[at + 1:at + 1 + nd], hashes.get(rid, HASH_SEED))
-        at += 1 + nd
-        if len(st.tokens) != length:
-            raise HalError(f"hal.serve: expected a committed history of {length} tokens for request {rid}, "
+    order = []
+    for e in msg.entries:
+        if e.new is not None:
+            n = e.new
+            req = Request([0], max_new_tokens=n.max_new_tokens, temperature=n.temperature, top_k=n.top_k,
+                          top_p=n.top_p, seed=n.seed + DRAFT_SEED, k=e.k)
+            states[e.rid] = State(req, e.rid, [], seq=None)
+        if e.rid not in states:
+            raise HalError(f"hal.serve worker: expected a known request or its parameters, got request {e.rid}")
+        st = states[e.rid]
+        st.tokens = st.tokens + e.delta
+        hashes[e.rid] = history_hash(e.delta, hashes.get(e.rid, HASH_SEED))
+        if len(st.tokens) != e.length:
+            raise HalError(f"hal.serve: expected a committed history of {e.length} tokens for request {e.rid}, "
                            f"got {len(st.tokens)} (protocol out of step)")
-        st.req_k = k
+        st.req_k = e.k
         order.append(st)
     return order
 
@@ -103,15 +101,12 @@ def _reply(link: Link, order: list[State], hashes: dict[int, int], out, hits: in
            corrupt: str = "") -> None:
     """DRAFTS: per request its base (length, hash) and drafts; q rows sparse when sampled
     with top-k/top-p. ``corrupt`` plants a malformed reply (fault injection for tests)."""
-    words, rows = [DRAFTS, hits, stale], []
-    for s in order:
-        ds, q = out[s.rid]
-        words += [s.rid, len(s.tokens), hashes[s.rid], len(ds), *ds]
-        if q is not None:
-            rows.append(q)
+    rows = [out[s.rid][1] for s in order if out[s.rid][1] is not None]
     q = torch.cat(rows) if rows else None
     sparse = q is not None and any(s.req.top_k > 0 or s.req.top_p < 1 for s in order)
     idx, q = sparse_q(q) if sparse else (None, q)
+    words, q, idx = encode(Drafts(hits, stale, [DraftEntry(s.rid, len(s.tokens), hashes[s.rid], out[s.rid][0])
+                                                for s in order], q, idx))
     link.send(corrupted(words, corrupt) if corrupt else words, q, idx)
 
 

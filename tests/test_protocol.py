@@ -1,0 +1,97 @@
+"""The two-rank protocol's typed messages (`hal.protocol`): every message round-trips
+through `encode` / `decode`, and anything else a peer may send (truncated, corrupted,
+out-of-range) is either refused with `HalError` or decodes to exactly what it encodes to:
+never another exception, never a silently different message."""
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import hal
+from hal.protocol import (Commit, CommitEntry, DraftEntry, Drafts, NewRequest, Stop, decode, encode,
+                          history_hash)
+
+V = 50
+ids = st.integers(0, V - 1)
+SETTINGS = settings(max_examples=300, deadline=None, derandomize=True, database=None)
+
+
+@st.composite
+def commits(draw):
+    entries = []
+    for rid in draw(st.lists(st.integers(0, 1000), unique=True, max_size=5)):
+        new = draw(st.none() | st.builds(NewRequest, st.integers(-1, 40), st.integers(-2 ** 63, 2 ** 63 - 1),
+                                         st.integers(1, 500), st.sampled_from([0.0, 0.5, 1.0, 2.0]),
+                                         st.sampled_from([0.25, 0.5, 1.0])))
+        delta = draw(st.lists(ids, max_size=6))
+        entries.append(CommitEntry(rid, draw(st.integers(0, 8)), draw(st.integers(0, 99)), delta, new))
+    return Commit(entries, draw(st.lists(st.integers(0, 1000), max_size=3)))
+
+
+@st.composite
+def drafts(draw):
+    entries = [DraftEntry(draw(st.integers(0, 1000)), draw(st.integers(0, 99)), history_hash(draw(st.lists(ids))),
+                          draw(st.lists(ids, max_size=8))) for _ in range(draw(st.integers(0, 4)))]
+    n = sum(len(e.tokens) for e in entries)
+    q = draw(st.sampled_from(["none", "dense", "sparse"]))
+    if q == "none" or n == 0:
+        return Drafts(draw(st.integers(0, 4)), draw(st.integers(0, 4)), entries)
+    g = torch.Generator().manual_seed(draw(st.integers(0, 1000)))
+    rows = torch.rand(n, V if q == "dense" else 4, generator=g)
+    idx = torch.randint(0, V, (n, 4), generator=g, dtype=torch.int32) if q == "sparse" else None
+    return Drafts(len(entries), 0, entries, rows, idx)
+
+
+def same(a, b) -> bool:
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, Drafts):
+        eq = lambda x, y: (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))  # noqa
+        return (a.hits, a.stale, a.entries) == (b.hits, b.stale, b.entries) and eq(a.q, b.q) and eq(a.idx, b.idx)
+    return a == b
+
+
+@SETTINGS
+@given(msg=st.one_of(commits(), drafts(), st.just(Stop())))
+def test_every_message_round_trips(msg):
+    assert same(decode(*encode(msg), vocab=V), msg)
+
+
+@SETTINGS
+@given(msg=st.one_of(commits(), drafts()), data=st.data())
+def test_truncated_or_corrupted_words_are_refused_or_consistent(msg, data):
+    words, rows, idx = encode(msg)
+    how = data.draw(st.sampled_from(["truncate", "corrupt", "append"]))
+    if how == "truncate":
+        words = words[:data.draw(st.integers(0, len(words) - 1))]
+    elif how == "corrupt":
+        i = data.draw(st.integers(0, len(words) - 1))
+        words = words[:i] + [data.draw(st.sampled_from([-1, -2 ** 40, V, 2 ** 40, 0, 1, 7]))] + words[i + 1:]
+    else:
+        words = words + data.draw(st.lists(st.integers(-5, 60), min_size=1, max_size=4))
+    try:
+        got = decode(words, rows, idx, vocab=V)
+    except hal.HalError as e:
+        assert "expected" in str(e) and "got" in str(e)
+        return
+    w2, r2, i2 = encode(got)       # accepted: it must be exactly the message those words spell
+    assert w2 == words
+
+
+def test_out_of_range_values_name_what_was_expected():
+    words, rows, idx = encode(Drafts(0, 0, [DraftEntry(3, 4, 5, [1, 2])]))
+    for bad, what in ((words[:3] + [3, 4, 5, 2, 1, V], "draft token ids"), ([99], "message kind"),
+                      (words[:6] + [2 ** 40, 1, 2], "draft count")):
+        try:
+            decode(bad, None, None, vocab=V)
+        except hal.HalError as e:
+            assert what in str(e), str(e)
+        else:
+            raise AssertionError(f"{bad} was accepted")
+    c = encode(Commit([CommitEntry(1, 2, 3, [4], NewRequest(0, 1, 5, 0.5, 1.0))]))
+    try:
+        decode(c[0], torch.tensor([[float("nan"), 1.0]]), None, vocab=V)
+    except hal.HalError as e:
+        assert "temperature" in str(e)
+    else:
+        raise AssertionError("a NaN temperature was accepted")
