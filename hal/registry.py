@@ -35,27 +35,61 @@ class BackendStatus:
     priority: int
 
 
+def _names(var: str) -> list[str]:
+    return [m.strip() for m in os.environ.get(var, "").split(",") if m.strip()]
+
+
+def disabled_plugins() -> list[str]:
+    """``HAL_DISABLE_PLUGINS``: entry-point (or ``HAL_PLUGINS`` module) names never loaded."""
+    return _names("HAL_DISABLE_PLUGINS")
+
+
+def _check_hooks(pm: pluggy.PluginManager) -> None:
+    """A misspelled hook is an error naming the plugin and the hook, not a silent no-op."""
+    try:
+        pm.check_pending()
+    except pluggy.PluginValidationError as e:
+        name = pm.get_name(e.plugin) or repr(e.plugin)
+        raise HalError(f"plugin {name}: expected only spec-hal hooks ({', '.join(sorted(pm.hook.__dict__))}), "
+                       f"got {e}", arg="plugin", expected="spec-hal hooks", got=str(e)) from None
+
+
 def plugin_manager() -> pluggy.PluginManager:
-    """The plugin manager, with entry points of group ``spec_hal`` and ``HAL_PLUGINS`` loaded."""
+    """The plugin manager: entry points of group ``spec_hal`` and ``HAL_PLUGINS`` modules,
+    less ``HAL_DISABLE_PLUGINS``; every hook checked against the hookspecs."""
     global _pm
     if _pm is None:
         pm = pluggy.PluginManager(hookspecs.PROJECT)
         pm.add_hookspecs(hookspecs)
-        pm.load_setuptools_entrypoints(hookspecs.PROJECT)
-        for mod in filter(None, (m.strip() for m in os.environ.get("HAL_PLUGINS", "").split(","))):
+        for name in disabled_plugins():
+            pm.set_blocked(name)
+        # pluggy's own loader: the importlib one where this pluggy has it (its setuptools name is a legacy alias)
+        load = getattr(pm, "load_importlib_entrypoints", None) or pm.load_setuptools_entrypoints
+        load(hookspecs.PROJECT)
+        for mod in _names("HAL_PLUGINS"):
+            if pm.is_blocked(mod):
+                continue
             try:
                 module = importlib.import_module(mod)
             except ImportError as e:
                 raise HalError(f"HAL_PLUGINS: expected importable module names, got {mod!r} ({e})") from e
             if not pm.is_registered(module):
-                pm.register(module)
+                pm.register(module, name=mod)
+        _check_hooks(pm)
         _pm = pm
     return _pm
 
 
 def register_plugin(plugin: object) -> None:
-    """Register a plugin object at run time (same hooks as an entry point)."""
-    plugin_manager().register(plugin)
+    """Register a plugin object at run time (same hooks as an entry point); a misspelled hook
+    is refused with nothing registered."""
+    pm = plugin_manager()
+    pm.register(plugin)
+    try:
+        _check_hooks(pm)
+    except HalError:
+        pm.unregister(plugin)
+        raise
     reset(keep_plugins=True)
 
 

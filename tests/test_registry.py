@@ -134,3 +134,52 @@ def test_placement_resolves_plugin_devices_and_picks_the_link():
     assert link_backend(Placement("xpu:0", "cpu")) == "gloo"           # mixed pair
     assert link_backend(Placement("cpu", "cpu")) == "gloo"
     assert link_backend(Placement("auto", "xpu:0")) == "gloo"
+
+
+def test_a_misspelled_hook_is_an_error_naming_plugin_and_hook(monkeypatch, tmp_path):
+    (tmp_path / "typo_hal_plugin.py").write_text(
+        "import hal\n@hal.hookimpl\ndef register_backend(register):\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("HAL_PLUGINS", "typo_hal_plugin")
+    hal.registry.reset()
+    try:
+        with pytest.raises(hal.HalError) as e:
+            hal.list_backends()
+        assert "typo_hal_plugin" in str(e.value) and "register_backend" in str(e.value)
+    finally:
+        monkeypatch.delenv("HAL_PLUGINS")
+        hal.registry.reset()
+    typo = types.ModuleType("typo_object")
+    typo.register_backend = hal.hookimpl(lambda register: None)
+    with pytest.raises(hal.HalError, match="register_backend"):
+        hal.register_plugin(typo)
+    assert "cpu" in [b.name for b in hal.list_backends()]      # nothing half-registered
+
+
+def test_disabled_plugins_are_not_loaded(monkeypatch):
+    monkeypatch.setenv("HAL_DISABLE_PLUGINS", "ascend, cuda")
+    hal.registry.reset()
+    try:
+        names = [b.name for b in hal.list_backends()]
+        assert "cpu" in names and "cuda" not in names and "ascend" not in names
+        with pytest.raises(hal.HalError, match="registered"):
+            hal.get_backend("cuda")
+    finally:
+        monkeypatch.delenv("HAL_DISABLE_PLUGINS")
+        hal.registry.reset()
+    assert "cuda" in [b.name for b in hal.list_backends()]
+
+
+def test_the_pytest_plugin_is_inert_in_another_project(tmp_path):
+    """A third-party project's own pytest run with spec-hal installed: its `backend` fixture is
+    its own (not parametrised over our backends), and ours do not exist."""
+    (tmp_path / "conftest.py").write_text("import pytest\n@pytest.fixture\ndef backend():\n    return 'theirs'\n")
+    (tmp_path / "test_theirs.py").write_text(
+        "def test_own_backend(backend):\n    assert backend == 'theirs'\n\n"
+        "def test_no_oracle(request):\n    import pytest\n"
+        "    with pytest.raises(pytest.FixtureLookupError):\n        request.getfixturevalue('oracle')\n")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "2 passed" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "spec-hal" in subprocess.run([sys.executable, "-m", "pytest", "--help"], cwd=tmp_path,
+                                        capture_output=True, text=True, timeout=120).stdout  # the plugin is loaded
