@@ -1,0 +1,71 @@
+"""vLLM v1's rejection-sampler layout on spec-hal's `verify_rejection`.
+
+vLLM (``vllm/v1/sample/rejection_sampler.py``) hands its sampler a ``SpecDecodeMetadata``
+whose ``cu_num_draft_tokens`` is the *inclusive* prefix sum ``[R]`` (no leading 0), the
+target logits at the draft positions ``[N, V]``, and the bonus tokens its own sampler drew
+``[R, 1]``. It returns ``[R, max_spec_len + 1]`` int32 with ``PLACEHOLDER_TOKEN_ID`` (-1)
+after the emitted tokens. Greedy requests (temperature below ``SAMPLING_EPS``) and random
+ones may share a batch. This module does not import vLLM: any object with the same
+attributes works, vLLM's own included.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+import hal
+from hal.errors import arg_error
+from hal.ops import SAMPLING_EPS
+
+PLACEHOLDER_TOKEN_ID = -1
+
+
+def rejection_sample(metadata, draft_probs: Tensor | None, logits: Tensor, bonus_token_ids: Tensor,
+                     temperature: Tensor | None = None, top_k: Tensor | None = None, top_p: Tensor | None = None,
+                     seeds: Tensor | None = None, offsets: Tensor | None = None, backend=None) -> Tensor:
+    """vLLM's ``RejectionSampler.forward`` output for ``metadata`` (``draft_token_ids [N]``,
+    inclusive ``cu_num_draft_tokens [R]``, ``max_spec_len``), the target ``logits [N, V]`` at
+    the draft positions and vLLM's ``bonus_token_ids [R, 1]``. ``temperature [R]`` (None: all
+    greedy), optional ``top_k``/``top_p`` as vLLM's sampling metadata; randomness from
+    ``seeds``/``offsets [R]`` (default: fresh seeds)."""
+    be = backend or hal.get_backend()
+    dev = logits.device
+    ids = torch.as_tensor(metadata.draft_token_ids, device=dev).long().reshape(-1)
+    incl = torch.as_tensor(metadata.cu_num_draft_tokens, device=dev).long().reshape(-1)
+    R, (N, V) = incl.numel(), logits.shape
+    if ids.numel() != N or (R and int(incl[-1]) != N):
+        raise arg_error("metadata.cu_num_draft_tokens", f"an inclusive prefix sum ending at {N} draft tokens "
+                        "(vLLM's layout: no leading 0)", incl.tolist()[:8])
+    bonus = torch.as_tensor(bonus_token_ids, device=dev).long().reshape(-1)
+    if bonus.numel() != R:
+        raise arg_error("bonus_token_ids", f"[{R}, 1]", list(bonus_token_ids.shape))
+    cu = torch.cat([incl.new_zeros(1), incl])
+    k = cu[1:] - cu[:-1]
+    temp = torch.zeros(R, device=dev) if temperature is None else temperature.to(dev).float()
+    rows_t = temp.repeat_interleave(k, output_size=N)
+    from verify_ops.sample import probs
+    p = probs(logits, rows_t, (top_k.to(dev).int() if top_k is not None else torch.zeros(R, dtype=torch.int32,
+                                                                                            device=dev)
+                               ).repeat_interleave(k, output_size=N),
+              (top_p.to(dev).float() if top_p is not None else torch.ones(R, device=dev)).repeat_interleave(
+                  k, output_size=N))[0]
+    # spec-hal's target rows: request r's k_r draft rows, then its bonus row (one-hot at vLLM's bonus token)
+    target = torch.zeros(N + R, V, device=dev)
+    req = torch.arange(R, device=dev)
+    target[torch.arange(N, device=dev) + req.repeat_interleave(k, output_size=N)] = p
+    target[cu[1:] + req, bonus] = 1.0
+    if seeds is None:
+        seeds = torch.randint(-(1 << 62), 1 << 62, (R,), device=dev)
+    offsets = torch.zeros(R, dtype=torch.long, device=dev) if offsets is None else offsets
+    max_k = int(metadata.max_spec_len)
+    greedy_draft = draft_probs is not None and bool((temp < SAMPLING_EPS).any())
+    q = draft_probs
+    if greedy_draft:  # a greedy request's draft is deterministic: one-hot q at it, whatever the drafter said
+        q = draft_probs.clone()
+        g = (temp < SAMPLING_EPS).repeat_interleave(k, output_size=N)
+        q[g] = torch.nn.functional.one_hot(ids[g], V).to(q.dtype)
+    out, _ = be.verify_rejection(ids.to(be.device_type), cu.to(be.device_type),
+                                 None if q is None else q.to(be.device_type), target.to(be.device_type),
+                                 seeds.to(be.device_type), offsets.to(be.device_type), max_k)
+    return out.to(dev)

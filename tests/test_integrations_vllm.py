@@ -1,0 +1,144 @@
+"""hal.integrations.vllm against vLLM's own expectations.
+
+The greedy cases and the seeded/distribution properties are transcribed as data from
+vLLM's ``tests/v1/sample/test_rejection_sampler.py`` (vllm-project/vllm, commit
+004fce2d0b6ad5146fa0f32b5e777dc8f5112d80): ``test_perfect_match``, ``test_early_mismatch``,
+``test_multiple_sequences``, ``test_single_token_sequence``, ``test_empty_sequence``,
+``test_multiple_mismatches``, ``test_parametrized_cases``, ``test_deterministic_when_seeded``
+and ``test_rejection_sampling_approximates_target_distribution`` (here a chi-square).
+vLLM is not installed or run here."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import hal
+from hal.conformance._helpers import assert_distribution
+from hal.integrations.vllm import PLACEHOLDER_TOKEN_ID as P
+from hal.integrations.vllm import rejection_sample
+
+# (spec_tokens, output_tokens (the last is the bonus), expected) -- vLLM's greedy cases
+GREEDY = {
+    "perfect_match": ([[1, 2, 3]], [[1, 2, 3, 4]], [[1, 2, 3, 4]]),
+    "early_mismatch": ([[1, 2, 3]], [[1, 5, 3, 4]], [[1, 5, P, P]]),
+    "multiple_sequences": ([[1, 2], [3]], [[1, 2, 5], [3, 4]], [[1, 2, 5], [3, 4, P]]),
+    "single_token_sequence": ([[1]], [[1, 2]], [[1, 2]]),
+    "empty_sequence": ([[]], [[5]], [[5]]),
+    "multiple_mismatches": ([[1, 2, 3], [4, 5, 6]], [[1, 2, 7, 6], [4, 8, 6, 9]], [[1, 2, 7, P], [4, 8, P, P]]),
+    "parametrized_perfect_with_bonus": ([[1, 2]], [[1, 2, 3]], [[1, 2, 3]]),
+    "parametrized_first_mismatch": ([[1]], [[2, 3]], [[2, P]]),
+    "parametrized_mixed": ([[1, 2], [3, 4]], [[1, 5, 6], [3, 4, 7]], [[1, 5, P], [3, 4, 7]]),
+}
+
+
+def make_dummy(spec_tokens):
+    """vLLM's ``SpecDecodeMetadata.make_dummy``: flat drafts, *inclusive* cu, max_spec_len."""
+    n = [len(t) for t in spec_tokens]
+    return SimpleNamespace(draft_token_ids=torch.tensor([t for s in spec_tokens for t in s], dtype=torch.int32),
+                           cu_num_draft_tokens=torch.tensor(n).cumsum(0).int(), max_spec_len=max(n))
+
+
+def logits_for(output_tokens, vocab=100):
+    """vLLM's ``create_logits_tensor``: 100 at each draft position's output token, -100 elsewhere."""
+    rows = [t for toks in output_tokens for t in toks[:-1]]
+    logits = torch.full((len(rows), vocab), -100.0)
+    logits[torch.arange(len(rows)), torch.tensor(rows, dtype=torch.long)] = 100.0
+    return logits
+
+
+@pytest.mark.parametrize("backend_name", ["cpu", "cuda", "ascend"])
+@pytest.mark.parametrize("case", list(GREEDY))
+def test_vllm_greedy_cases(backend_name, case):
+    be = hal.get_backend(backend_name) if any(b.name == backend_name and b.available for b in hal.list_backends()) \
+        else pytest.skip(f"{backend_name} unavailable here")
+    spec, outs, expected = GREEDY[case]
+    got = rejection_sample(make_dummy(spec), None, logits_for(outs), torch.tensor([[o[-1]] for o in outs]),
+                           backend=be)
+    assert got.dtype == torch.int32 and got.tolist() == expected
+
+
+def test_a_layout_slip_is_caught():
+    """Exclusive cu (spec-hal's own, with a leading 0) passed as vLLM's inclusive one reads as one
+    request too many: refused, naming the argument that disagrees."""
+    spec, outs, _ = GREEDY["multiple_sequences"]
+    md = make_dummy(spec)
+    md.cu_num_draft_tokens = torch.tensor([0, 2, 3])
+    with pytest.raises(hal.HalError) as e:
+        rejection_sample(md, None, logits_for(outs), torch.tensor([[5], [4]]), backend=hal.get_backend("cpu"))
+    assert e.value.arg in ("bonus_token_ids", "metadata.cu_num_draft_tokens")
+
+
+@pytest.mark.parametrize("old,new", [
+    ("cu = torch.cat([incl.new_zeros(1), incl])", "cu = torch.cat([incl, incl[-1:]])"),   # cu read as exclusive
+    ("target[cu[1:] + req, bonus] = 1.0", "target[cu[:-1] + req, bonus] = 1.0"),        # bonus row misplaced
+])
+def test_planted_layout_slips_fail_vllms_cases(old, new, tmp_path):
+    import importlib.util
+    src = open(importlib.util.find_spec("hal.integrations.vllm").origin).read()
+    assert src.count(old) == 1
+    path = tmp_path / "planted_vllm.py"
+    path.write_text(src.replace(old, new))
+    spec = importlib.util.spec_from_file_location("planted_vllm", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    wrong = 0
+    for spec_tokens, outs, expected in GREEDY.values():
+        try:
+            got = mod.rejection_sample(make_dummy(spec_tokens), None, logits_for(outs),
+                                       torch.tensor([[o[-1]] for o in outs]), backend=hal.get_backend("cpu"))
+            wrong += got.tolist() != expected
+        except (hal.HalError, RuntimeError, IndexError):
+            wrong += 1
+    assert wrong >= 3, f"the planted slip passed {len(GREEDY) - wrong} of {len(GREEDY)} of vLLM's cases"
+
+
+def test_vllm_deterministic_when_seeded():
+    g = torch.Generator().manual_seed(0)
+    B, k, V = 8, 3, 1000
+    draft_probs = torch.softmax(torch.rand(B * k, V, generator=g), -1)
+    logits = torch.rand(B * k, V, generator=g)
+    drafts = torch.randint(0, V, (B, k), generator=g)
+    bonus = torch.randint(0, V, (B, 1), generator=g)
+    md = make_dummy(drafts.tolist())
+    seeds = torch.arange(B)
+    runs = [rejection_sample(md, draft_probs, logits, bonus, temperature=torch.ones(B), seeds=seeds,
+                             backend=hal.get_backend("cpu")) for _ in range(5)]
+    assert all(torch.equal(r, runs[0]) for r in runs)
+
+
+def test_vllm_rejection_sampling_matches_the_target_distribution():
+    """vLLM's distribution test (V=10, k=2, draft and target random), as a chi-square at
+    alpha 1e-6 on 100,000 samples of the first emitted token."""
+    g = torch.Generator().manual_seed(1)
+    V, k, n = 10, 2, 100_000
+    q = torch.softmax(torch.rand(V, generator=g), -1)
+    target_logits = torch.rand(V, generator=g)
+    p = torch.softmax(target_logits, -1)
+    drafts = torch.multinomial(q, n * k, replacement=True, generator=g).view(n, k)
+    bonus = torch.multinomial(p, n, replacement=True, generator=g).view(n, 1)
+    out = rejection_sample(make_dummy(drafts.tolist()), q.repeat(n * k, 1), target_logits.repeat(n * k, 1), bonus,
+                           temperature=torch.ones(n), seeds=torch.arange(n), backend=hal.get_backend("cpu"))
+    assert_distribution(out[:, 0], p, "first emitted token")
+
+
+def test_mixed_greedy_and_random_requests():
+    """Per-request temperature: greedy rows behave exactly as vLLM's greedy path, random rows
+    keep the target law, in one batch."""
+    g = torch.Generator().manual_seed(2)
+    V, n = 6, 40_000
+    p_logits = torch.rand(V, generator=g) * 2
+    p = torch.softmax(p_logits, -1)
+    q = torch.softmax(torch.rand(V, generator=g), -1)
+    drafts = torch.multinomial(q, n, replacement=True, generator=g).view(n, 1)
+    temp = torch.tensor([0.0, 1.0]).repeat(n // 2)
+    bonus = torch.full((n, 1), 3)
+    out = rejection_sample(make_dummy(drafts.tolist()), q.repeat(n, 1), p_logits.repeat(n, 1), bonus,
+                           temperature=temp, seeds=torch.arange(n), backend=hal.get_backend("cpu"))
+    top = int(p_logits.argmax())
+    greedy, rnd = out[0::2], out[1::2]
+    d = drafts[0::2, 0]
+    want = torch.where(d == top, torch.tensor(3), torch.tensor(top))     # accepted -> bonus, else the argmax
+    assert torch.equal(greedy[:, 0], torch.where(d == top, d, torch.tensor(top)).int())
+    assert torch.equal(greedy[:, 1], torch.where(d == top, want, torch.tensor(P)).int())
+    assert_distribution(rnd[:, 0], p, "random rows in a mixed batch")
