@@ -142,3 +142,38 @@ def test_mixed_greedy_and_random_requests():
     assert torch.equal(greedy[:, 0], torch.where(d == top, d, torch.tensor(top)).int())
     assert torch.equal(greedy[:, 1], torch.where(d == top, want, torch.tensor(P)).int())
     assert_distribution(rnd[:, 0], p, "random rows in a mixed batch")
+
+
+# vLLM's tests/v1/spec_decode/test_ngram.py (vllm-project/vllm, commit 016e8ede870e3c087fdcdfb36ed3622112712f10):
+# (context, min_n, max_n, k, expected drafts or None)
+NGRAM = [
+    ([1, 2, 3, 4, 1, 2, 3, 5, 6], 2, 2, 2, None),
+    ([1, 2, 3, 4, 1, 2, 3], 2, 2, 3, [4, 1, 2]),
+    ([1, 2, 3, 4, 1, 2, 3], 2, 2, 2, [4, 1]),
+    ([1, 2, 3, 4, 1, 2, 3], 1, 1, 3, [4, 1, 2]),
+    ([1, 2, 3, 4, 1, 2, 3], 1, 1, 2, [4, 1]),
+    ([1, 3, 6, 2, 3, 4, 1, 2, 3], 2, 2, 3, [4, 1, 2]),
+    ([1, 3, 6, 2, 3, 4, 1, 2, 3], 1, 1, 2, [6, 2]),                       # the first match
+    ([1, 2, 3, 4, 5], 2, 2, 2, None),                                     # no match
+    ([1, 2, 3, 4, 1, 2, 3], 4, 4, 2, None),                               # no 4-gram
+    ([1, 2, 3, 4, 1, 2, 3], 3, 4, 2, [4, 1]),                             # a 3-gram
+    ([2, 3, 4, 5, 1, 2, 3, 4, 1, 2, 3, 4], 3, 4, 2, [1, 2]),              # the 4-gram wins, not [5, 1]
+    ([3, 4, 5, 2, 3, 4, 1, 2, 3, 4], 2, 4, 2, [1, 2]),                    # the 3-gram, not [5, 2]
+    ([1, 2, 3, 100, 1, 2, 3, 200, 1, 2, 3, 300, 1, 2, 3], 3, 3, 2, [100, 1]),   # the first 3-gram
+]
+
+
+@pytest.mark.parametrize("backend_name", ["cpu", "cuda", "ascend"])
+def test_vllm_ngram_cases(backend_name):
+    import numpy as np
+
+    from hal.integrations.vllm import NgramProposer
+    if not any(b.name == backend_name and b.available for b in hal.list_backends()):
+        pytest.skip(f"{backend_name} unavailable here")
+    be = hal.get_backend(backend_name)
+    for ctx, lo, hi, k, want in NGRAM:
+        got = NgramProposer(lo, hi, k, max_model_len=1024, backend=be).propose(np.array(ctx))
+        assert (got is None and want is None) or (got is not None and got.tolist() == want), (ctx, lo, hi, k, got)
+    batch = NgramProposer(1, 4, 3, backend=be).propose_batch([c for c, *_ in NGRAM])
+    assert len(batch) == len(NGRAM)
+    assert NgramProposer(1, 1, 3, max_model_len=8, backend=be).propose(np.array(NGRAM[1][0])).tolist() == [4]

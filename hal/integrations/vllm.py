@@ -11,6 +11,7 @@ attributes works, vLLM's own included.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -69,3 +70,32 @@ def rejection_sample(metadata, draft_probs: Tensor | None, logits: Tensor, bonus
                                  None if q is None else q.to(be.device_type), target.to(be.device_type),
                                  seeds.to(be.device_type), offsets.to(be.device_type), max_k)
     return out.to(dev)
+
+
+class NgramProposer:
+    """vLLM's prompt-lookup proposer interface (``vllm/v1/spec_decode/ngram_proposer.py``:
+    ``prompt_lookup_min``, ``prompt_lookup_max``, ``num_speculative_tokens``, ``max_model_len``),
+    on the backend's ``ngram_propose``: the longest suffix n-gram, its earliest match."""
+
+    def __init__(self, min_n: int, max_n: int, k: int, max_model_len: int = 1 << 20, backend=None):
+        self.min_n, self.max_n, self.k, self.max_model_len = min_n, max_n, k, max_model_len
+        self.be = backend or hal.get_backend()
+
+    def propose(self, context_token_ids):
+        """Drafts for one request (``np.ndarray`` of token ids), or None when nothing matches."""
+        out = self.propose_batch([context_token_ids])[0]
+        return None if out is None else np.asarray(out, dtype=np.int64)
+
+    def propose_batch(self, contexts) -> list[list[int] | None]:
+        """Drafts per request (None where nothing matches), in one ``ngram_propose`` call."""
+        R = len(contexts)
+        L = max((len(c) for c in contexts), default=0)
+        hist = torch.zeros(R, L, dtype=torch.long)
+        for i, c in enumerate(contexts):
+            hist[i, :len(c)] = torch.as_tensor(c, dtype=torch.long)
+        n = torch.tensor([len(c) for c in contexts], dtype=torch.long)
+        dev = self.be.device_type
+        drafts, num = self.be.ngram_propose(hist.to(dev), n.to(dev), self.min_n, self.max_n, self.k)
+        drafts, num = drafts.cpu().tolist(), num.cpu().tolist()
+        room = [self.max_model_len - len(c) for c in contexts]   # vLLM never drafts past max_model_len
+        return [d[:min(m, r)] if min(m, r) > 0 else None for d, m, r in zip(drafts, num, room)]
