@@ -184,7 +184,7 @@ class SpeculativeDecoder:
         if not live:
             return live
         self._choose_k(live, budget)
-        while sum(1 + s.req_k for s in live) > budget:
+        while sum(1 + s.req_k for s in live) > budget and any(s.req_k for s in live):
             max(live, key=lambda s: s.req_k).req_k -= 1
         while live and sum(self._blocks_for(s, 1 + s.req_k) for s in live) > self.pool.allocator.num_free:
             if any(s.req_k for s in live):
