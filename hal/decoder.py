@@ -24,61 +24,29 @@ from dataclasses import asdict
 import torch
 from torch import Tensor
 
-from hal import kv
+from hal import drafting, kv
 from hal.errors import HalError
+from hal.forward import forward, forward_tokens, logprob_rows, readback, sampling_tensors, target_probs
+from hal.history import HistoryBuffer
 from hal.metrics import SpecDecodeMetrics
-from hal.models.llama import Batch, Llama
+from hal.models.llama import Llama
 from hal.placement import transfer
-from hal.requests import (MAX_LOGPROBS, Drafter, Request, SamplingParams, State, StepOutput, check_request,
-                          draft_room)
+from hal.requests import (MAX_LOGPROBS, DraftBatch, Drafter, Proposal, Request, SamplingParams, State, StepOutput,
+                          check_request, draft_room)
 
-__all__ = ["MAX_LOGPROBS", "Drafter", "Request", "SamplingParams", "SpeculativeDecoder", "State", "StepOutput",
-           "draft_room", "forward", "sampling_args"]
-
-
-def forward(model: Llama, pool: kv.KVPool, seqs: list[kv.Sequence], chunks: list[list[int]], all_rows: bool,
-            tree_mask: Tensor | None = None, rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Feed ``chunks[r]`` after each sequence's committed tokens (reserved, not committed).
-    Returns logits and hidden states for every fed row (``all_rows``), each request's last,
-    or the fed rows ``rows`` (flat indices) when given."""
-    dev = model.device
-    slots, positions = [], []
-    for s, c in zip(seqs, chunks):
-        sl, copies = s.reserve(len(c))
-        if copies:
-            src, dst = kv.block_copy_slots(copies, s.block_size)
-            for kc, vc in zip(pool.k, pool.v):
-                model.be.copy_kv(kc, vc, src.to(dev), dst.to(dev))
-        slots += sl
-        positions += range(s.length, s.length + len(c))
-    lens = torch.tensor([len(c) for c in chunks])
-    qsl = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
-    if rows is None:
-        rows = torch.arange(int(qsl[-1])) if all_rows else qsl[1:] - 1
-    batch = Batch(tokens=torch.tensor([t for c in chunks for t in c]).to(dev), positions=torch.tensor(positions).to(dev),
-                  slot_mapping=torch.tensor(slots).to(dev), block_tables=kv.block_tables(seqs).to(dev),
-                  seq_lens=torch.tensor([s.length + len(c) for s, c in zip(seqs, chunks)]).to(dev),
-                  query_start_loc=qsl.to(dev), logits_rows=rows.to(dev))
-    return model.forward(batch, pool.k, pool.v, tree_mask)
+__all__ = ["MAX_LOGPROBS", "DraftBatch", "Drafter", "Proposal", "Request", "SamplingParams", "SpeculativeDecoder",
+           "State", "StepOutput", "draft_room", "forward", "sampling_args", "target_probs"]
 
 
 def sampling_args(states: list[State], repeats: list[int], dev, draw: bool = True) -> tuple[Tensor, ...]:
     """Per-row temperature, top-k, top-p, and (``draw``) seed and a fresh offset (one per
     request and call: only a call that draws spends an offset)."""
-    rep = lambda vals, dt: torch.tensor([v for v, n in zip(vals, repeats) for _ in range(n)], dtype=dt).to(dev)  # noqa
-    params = (rep([s.req.temperature for s in states], torch.float32), rep([s.req.top_k for s in states], torch.int32),
-              rep([s.req.top_p for s in states], torch.float32))
+    params = sampling_tensors([s.req for s in states], repeats, dev)
     if not draw:
         return params
     offs = [s.next_offset() for s in states]
-    return (*params, rep([s.req.seed for s in states], torch.long), rep(offs, torch.long))
-
-
-def target_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
-    """The target's p for verification: temperature, top-k and top-p applied, no draw spent
-    (vLLM's ``compute_probs``; the same q the backends' `sample` returns, in plain torch)."""
-    from verify_ops.sample import probs
-    return probs(logits, temperature, top_k, top_p)[0]
+    rep = lambda vals: torch.tensor([v for v, n in zip(vals, repeats) for _ in range(n)]).to(dev)  # noqa: E731
+    return (*params, rep([s.req.seed for s in states]), rep(offs))
 
 
 class SpeculativeDecoder:
@@ -110,6 +78,8 @@ class SpeculativeDecoder:
         self.prefilling: list[State] = []       # admitted, prompt partly in the KV
         self.running: list[State] = []          # decoding, in priority (arrival) order
         self._next_id, self._aborted, self._out = 0, [], StepOutput()
+        self.history = HistoryBuffer(target.device)
+        self._ahead: tuple[Proposal, dict[int, tuple[int, int]]] | None = None  # lookahead drafts: rid -> (slot, valid)
         self._t0 = time.perf_counter()
 
     # -- the request-level API ------------------------------------------------------------------
@@ -124,6 +94,7 @@ class SpeculativeDecoder:
         rid, self._next_id = self._next_id, self._next_id + 1
         self.waiting.append(State(req, rid, list(req.prompt_ids), self.pool.sequence(),
                                   arrival=time.perf_counter() - self._t0))
+        self.history.add(rid, req.prompt_ids)
         return rid
 
     def abort(self, rid: int) -> bool:
@@ -205,7 +176,7 @@ class SpeculativeDecoder:
         s.seq.free()
         s.seq, s.prefilled = self.pool.sequence(), 0
         if self.drafter is not None:
-            self.drafter.release(s)
+            self.drafter.release(s.rid)
         i = next((j for j, w in enumerate(self.waiting) if w.rid > s.rid), len(self.waiting))
         self.waiting.insert(i, s)   # priority (arrival) order
         self.preemptions += 1
@@ -214,8 +185,9 @@ class SpeculativeDecoder:
 
     def _release(self, s: State) -> None:
         s.seq.free()
+        self.history.release(s.rid)
         if self.drafter is not None:
-            self.drafter.release(s)
+            self.drafter.release(s.rid)
         if self.router is not None:
             self.router.release(s)
 
@@ -245,48 +217,20 @@ class SpeculativeDecoder:
             chunks.append((s, n))
         return chunks
 
-    def _finish_prefill(self, chunks: list[tuple[State, int]], logits: Tensor, hidden: Tensor) -> None:
-        """Commit the chunks (``logits``/``hidden``: each chunk's last row); a request whose
-        prompt is in goes to decoding, a fresh one with its first token sampled."""
+    def _finish_prefill(self, chunks: list[tuple[State, int]]) -> list[State]:
+        """Commit the chunks; a request whose prompt is in goes to decoding. Returns those
+        that still need their first token (fresh, not resumed after preemption)."""
         first = []
-        for i, (s, n) in enumerate(chunks):
+        for s, n in chunks:
             s.seq.commit(n)
             s.prefilled += n
             if s.prefilled == self._end(s):
                 self.prefilling.remove(s)
                 self.running.append(s)
                 self.running.sort(key=lambda x: x.rid)
-                s.last_hidden = hidden[i]
                 if not s.generated:
-                    first.append(i)
-        if first:
-            fs = [chunks[i][0] for i in first]
-            rows = logits[first]
-            tok, _ = self.target.be.sample(rows, *sampling_args(fs, [1] * len(fs), self.target.device))
-            lp = self._logprobs(fs, rows, tok, [1] * len(fs))
-            tok = tok.tolist()
-            for j, s in enumerate(fs):
-                self._emit(s, [tok[j]], lp[j] if lp else None)
-
-    def _logprobs(self, states: list[State], rows: Tensor, tokens: Tensor, counts: list[int]):
-        """Per state, per emitted row: the token's logprob under the target (log_softmax of its
-        logits, as vLLM's raw logprobs) and its ``logprobs`` top alternatives; None if nobody asked."""
-        want = [s.req.logprobs for s in states]
-        if all(w is None for w in want):
-            return None
-        lsm = torch.log_softmax(rows.float(), -1)
-        top_n = max(w or 0 for w in want)
-        chosen = lsm.gather(1, tokens.long().clamp(min=0)[:, None])[:, 0].tolist()
-        top = lsm.topk(top_n, -1) if top_n else None
-        tv, ti = (top.values.tolist(), top.indices.tolist()) if top is not None else (None, None)
-        out, r = [], 0
-        for s, n in zip(states, counts):
-            w = s.req.logprobs
-            out.append(None if w is None else [
-                {"token": int(tokens[r + j]), "logprob": chosen[r + j],
-                 "top": list(zip(ti[r + j][:w], tv[r + j][:w])) if w else []} for j in range(n)])
-            r += n
-        return out
+                    first.append(s)
+        return first
 
     def _emit(self, s: State, new: list[int], logprobs: list[dict] | None = None) -> None:
         n0 = len(s.generated)
@@ -323,74 +267,120 @@ class SpeculativeDecoder:
         for s, k in zip(live, ks):
             s.req_k = k
 
+    # -- one step ----------------------------------------------------------------------------------
+
     def _step(self, live: list[State], budget: int) -> int:
         """One ragged target forward: the running requests' ``[last token, drafts...]`` (all
         rows verified) and the prefill chunks planned with the budget left (their last rows).
-        Returns the tokens fed."""
+        Everything stays on the device until one readback. Returns the tokens fed."""
         be, dev = self.target.be, self.target.device
-        # a free deterministic drafter also drafts for requests routed to k = 0; those drafts are
-        # not verified, only scored against the emitted token (acceptance the router keeps learning)
-        shadow = {s.rid for s in live if s.req_k == 0 and s.req.temperature == 0 and draft_room(s) > 0} if self.router is not None and getattr(self.drafter, "shadow", False) else set()
-        for s in live:
-            s.req_k = 1 if s.rid in shadow else s.req_k
-        if any(s.req_k > 0 for s in live):
-            drafts, q = self.drafter.propose(live)
-        else:
-            drafts, q = [[] for _ in live], None
-        guesses = {}
-        for i, s in enumerate(live):
-            if s.rid in shadow:
-                guesses[i], drafts[i], s.req_k = drafts[i][:1], [], 0
-        fed = sum(len(d) + 1 for d in drafts)
+        ids, counts, q, guesses, prop = drafting.drafts_for(self.drafter, self.router is not None, self._ahead,
+                                                            self.history, live, dev)
+        self._ahead = None
+        fed = len(live) + sum(counts)
         pre = self._plan_prefill(budget - fed, self.pool.allocator.num_free - sum(
-            self._blocks_for(s, len(d) + 1) for s, d in zip(live, drafts)))
+            self._blocks_for(s, 1 + c) for s, c in zip(live, counts)))
         if not live and not pre:
             return 0
-        chunks = [[s.tokens[-1]] + d for s, d in zip(live, drafts)] + [
-            s.tokens[s.prefilled:s.prefilled + n] for s, n in pre]
-        ends = torch.tensor([len(c) for c in chunks]).cumsum(0)
+        lens, host, pos = [1 + c for c in counts] + [n for _, n in pre], [], []
+        for s, c in zip(live, counts):
+            pos += range(len(host) + 1, len(host) + 1 + c)
+            host += [s.tokens[-1]] + [0] * c
+        for s, n in pre:
+            host += s.tokens[s.prefilled:s.prefilled + n]
+        tokens = torch.tensor(host, dtype=torch.long).to(dev)
+        if pos:
+            tokens[torch.tensor(pos).to(dev)] = ids
+        ends = torch.tensor(lens).cumsum(0)
         rows = torch.cat([torch.arange(fed), ends[len(live):] - 1])
-        logits, hidden = forward(self.target, self.pool, [s.seq for s in live] + [s.seq for s, _ in pre], chunks,
-                                 True, rows=rows)
-        if pre:
-            self._finish_prefill(pre, logits[fed:], hidden[fed:])
-        if not live:
-            return fed + sum(n for _, n in pre)
-        logits, hidden = logits[:fed], hidden[:fed]
-        ids, cu = torch.tensor([t for d in drafts for t in d], dtype=torch.long), torch.tensor(
-            [0] + [len(d) for d in drafts]).cumsum(0)
-        max_k = max(len(d) for d in drafts)
+        logits, hidden = forward_tokens(self.target, self.pool, [s.seq for s in live] + [s.seq for s, _ in pre],
+                                        lens, tokens, rows=rows)
+        first = self._finish_prefill(pre)
+        where = {s.rid: i for i, (s, _) in enumerate(pre)}
+        reads: dict[str, Tensor] = {}
+        lp_want = [s.req.logprobs or 0 for s in live + first if s.req.logprobs is not None]
+        top_n = max(lp_want, default=0)
+        if live:
+            reads["out"], reads["acc"] = self._verify(live, counts, ids, q, logits[:fed])
+            if lp_want:
+                K1 = reads["out"].shape[1]
+                flat = torch.tensor([i * K1 + j for i, c in enumerate(counts) for j in range(c + 1)]).to(dev)
+                lp = logprob_rows(logits[:fed], reads["out"].reshape(-1)[flat], top_n)
+                reads.update(zip(("lp", "lp_top", "lp_ids"), lp))
+            self.history.write([s.rid for s in live], [len(s.tokens) for s in live], reads["out"])
+        if first:
+            sel = torch.tensor([where[s.rid] for s in first]).to(dev)
+            frows = logits[fed:][sel]
+            tok, _ = be.sample(frows, *sampling_args(first, [1] * len(first), dev))
+            reads["first"] = tok.long()
+            if lp_want:
+                reads.update(zip(("flp", "flp_top", "flp_ids"), logprob_rows(frows, tok, top_n)))
+            self.history.write([s.rid for s in first], [len(s.tokens) for s in first], reads["first"][:, None])
+        for s, _ in pre:
+            if s in self.running:
+                s.last_hidden = hidden[fed + where[s.rid]]
+        if guesses:
+            g = torch.tensor([j for _, j in guesses]).to(prop.draft_token_ids.device)
+            reads["hits"] = transfer(prop.draft_token_ids[g], dev) == reads["out"][[i for i, _ in guesses], 0]
+        nxt = drafting.lookahead(self.drafter, self.history, live, first,
+                                 [s for s, _ in pre if s in self.running and s not in first], reads.get("acc"), dev)
+        if nxt is not None and isinstance(nxt[0].num_valid, Tensor):
+            reads["valid"] = nxt[0].num_valid
+        got = dict(zip(reads, readback(*reads.values())))   # the one host sync of the step
+        self._commit(live, counts, guesses, got, hidden, top_n)
+        for j, s in enumerate(first):
+            lp = None
+            if s.req.logprobs is not None:
+                lp = [self._lp_entry(got, "flp", j, int(got["first"][j]), s.req.logprobs, top_n)]
+            self._emit(s, [int(got["first"][j])], lp)
+        if nxt is not None:
+            prop_next, (rids, caps, cu) = nxt
+            valid = caps if prop_next.num_valid is None else got.get("valid", prop_next.num_valid)
+            self._ahead = (prop_next, {rid: (c, int(v)) for rid, c, v in zip(rids, cu, valid)})
+        return fed + sum(n for _, n in pre)
+
+    def _verify(self, live: list[State], counts: list[int], ids: Tensor, q: Tensor | None, logits: Tensor):
+        be, dev = self.target.be, self.target.device
+        cu = torch.tensor([0, *counts]).cumsum(0).to(dev)
+        max_k = max(counts)
         if all(s.req.temperature == 0 for s in live):
-            out, n_acc = be.verify_greedy(ids.to(dev), cu.to(dev), logits, max_k)
-        else:  # mixed batches too: greedy rows get a one-hot p, which verifies exactly as greedy
-            p = target_probs(logits, *sampling_args(live, [len(d) + 1 for d in drafts], dev, draw=False))
-            seeds = torch.tensor([s.req.seed for s in live]).to(dev)
-            offs = torch.tensor([s.next_offset() for s in live]).to(dev)
-            out, n_acc = be.verify_rejection(ids.to(dev), cu.to(dev), None if q is None else transfer(q, dev), p, seeds,
-                                             offs, max_k)
-        lp = None
-        if any(s.req.logprobs is not None for s in live):
-            rows = torch.cat([torch.arange(c, c + int(n) + 1) for c, n in zip((cu[:-1] + torch.arange(len(live))).tolist(),
-                                                                            n_acc.cpu().tolist())])
-            emitted = torch.cat([out[i, :int(n_acc[i]) + 1] for i in range(len(live))])
-            lp = self._logprobs(live, logits[rows.to(logits.device)], emitted, [int(n) + 1 for n in n_acc.cpu()])
-        out, n_acc = out.cpu().tolist(), n_acc.cpu().tolist()
-        drafted = [len(d) for d in drafts]
-        self.metrics.observe(drafted, n_acc, [s.rid for s in live])
+            return be.verify_greedy(ids, cu, logits, max_k)
+        # mixed batches too: greedy rows get a one-hot p, which verifies exactly as greedy
+        p = target_probs(logits, *sampling_args(live, [c + 1 for c in counts], dev, draw=False), [s.req for s in live])
+        seeds = torch.tensor([s.req.seed for s in live]).to(dev)
+        offs = torch.tensor([s.next_offset() for s in live]).to(dev)
+        return be.verify_rejection(ids, cu, q, p, seeds, offs, max_k)
+
+    def _lp_entry(self, got, key: str, r: int, token: int, want: int, top_n: int) -> dict:
+        top = []
+        if want:
+            vals = got[key + "_top"][r * top_n:r * top_n + want]
+            ids = got[key + "_ids"][r * top_n:r * top_n + want]
+            top = [(int(i), v) for i, v in zip(ids, vals)]
+        return {"token": token, "logprob": got[key][r], "top": top}
+
+    def _commit(self, live, counts, guesses, got, hidden, top_n) -> None:
+        """Host bookkeeping of the verify result: KV lengths, metrics, router, drafter, emission."""
+        if not live:
+            return
+        K1 = len(got["out"]) // len(live)
+        out = [[int(t) for t in got["out"][i * K1:(i + 1) * K1]] for i in range(len(live))]
+        n_acc = [int(a) for a in got["acc"]]
+        self.metrics.observe(counts, n_acc, [s.rid for s in live])
         if self.drafter is not None:
-            self.drafter.accepted(live, drafted, n_acc)
+            self.drafter.commit([s.rid for s in live], [len(s.tokens) + a for s, a in zip(live, n_acc)])
         if self.router is not None:
-            self.router.observe(live, drafted, n_acc)
-            scored = [i for i, g in guesses.items() if g]
-            self.router.observe([live[i] for i in scored], [1] * len(scored),
-                                [int(guesses[i][0] == out[i][0]) for i in scored])
+            self.router.observe(live, counts, n_acc)
+            self.router.observe([live[i] for i, _ in guesses], [1] * len(guesses), [int(h) for h in got.get("hits", [])])
         row = 0
         for i, s in enumerate(live):
             s.seq.commit(n_acc[i] + 1)
             s.last_hidden = hidden[row + n_acc[i]]
-            row += len(drafts[i]) + 1
-            self._emit(s, out[i][: n_acc[i] + 1], lp[i] if lp else None)
-        return row + sum(n for _, n in pre)
+            lp = None
+            if s.req.logprobs is not None:
+                lp = [self._lp_entry(got, "lp", row + j, out[i][j], s.req.logprobs, top_n) for j in range(n_acc[i] + 1)]
+            row += counts[i] + 1
+            self._emit(s, out[i][: n_acc[i] + 1], lp)
 
     def profile_costs(self, max_tokens: int = 72, context: int = 512, reps: int = 5,
                       profile_draft: bool = True):

@@ -1,6 +1,7 @@
-"""Drafters behind one interface (`hal.decoder.Drafter`): n-gram prompt lookup, a
+"""Drafters behind one interface (`hal.requests.Drafter`): n-gram prompt lookup, a
 separate draft model (or the target's first L layers: self-speculative), and an
-EAGLE-style head hook."""
+EAGLE-style head hook. Each reads a `DraftBatch` and returns a `Proposal` on its own
+device; none reads anything back to the host."""
 
 from __future__ import annotations
 
@@ -10,48 +11,82 @@ import torch
 from torch import Tensor
 
 from hal import kv
-from hal.decoder import State, forward, sampling_args
+from hal.errors import HalError
+from hal.forward import forward_tokens, sampling_tensors
 from hal.models.llama import Llama
+from hal.placement import transfer
+from hal.requests import DraftBatch, Proposal
+
+
+def slots(drafts: Tensor, k: tuple[int, ...], probs: Tensor | None = None, num_valid=None) -> Proposal:
+    """A `Proposal` from padded drafts ``[R, K]`` (and q ``[R, K, V]``): the first ``k[i]`` of row i."""
+    R, K = drafts.shape[0], drafts.shape[1] if drafts.dim() == 2 else 0
+    dev = drafts.device
+    idx = torch.tensor([i * K + j for i, n in enumerate(k) for j in range(n)], dtype=torch.long).to(dev)
+    cu = torch.tensor([0, *k], dtype=torch.long).cumsum(0).to(dev)
+    ids = drafts.reshape(-1)[idx].long()
+    q = None if probs is None else probs.reshape(R * K, -1)[idx]
+    return Proposal(ids, cu, q, num_valid)
+
+
+def empty(R: int, device) -> Proposal:
+    return slots(torch.zeros(R, 0, dtype=torch.long, device=device), (0,) * R)
 
 
 class NgramDrafter:
     """Prompt lookup through the backend's ``ngram_propose`` (vLLM semantics).
 
-    ``shadow``: drafts are nearly free and deterministic, so a router may have it draft
-    for requests routed to k = 0 and score the first draft against the emitted token."""
+    ``lookahead``: it needs only the device history, so the engine runs it before its
+    readback. ``shadow``: drafts are free and deterministic, so a router may have it
+    draft for requests routed to k = 0 and score the first draft against the emitted token."""
 
     shadow = True
+    lookahead = True
 
     def __init__(self, backend, min_n: int = 1, max_n: int = 3):
         self.be, self.min_n, self.max_n = backend, min_n, max_n
 
-    def propose(self, states: list[State]) -> tuple[list[list[int]], Tensor | None]:
-        L = max(len(s.tokens) for s in states)
-        hist = torch.zeros(len(states), L, dtype=torch.long)
-        for i, s in enumerate(states):
-            hist[i, :len(s.tokens)] = torch.tensor(s.tokens)
-        k = max(max(s.req_k for s in states), 1)
-        dev = self.be.device_type
-        d, n = self.be.ngram_propose(hist.to(dev), torch.tensor([len(s.tokens) for s in states]).to(dev),
-                                     self.min_n, self.max_n, k)
-        d, n = d.cpu().tolist(), n.cpu().tolist()
-        return [d[i][:min(n[i], s.req_k)] for i, s in enumerate(states)], None
+    def propose(self, b: DraftBatch) -> Proposal:
+        dev = torch.device(self.be.device_type)
+        K = max(b.k, default=0)
+        if K == 0:
+            return empty(len(b.rids), dev)
+        d, n = self.be.ngram_propose(transfer(b.history, dev), transfer(b.num_tokens, dev), self.min_n, self.max_n, K)
+        return slots(d, b.k, None, torch.minimum(n, torch.tensor(b.k).to(dev)))
 
-    def accepted(self, states, drafted, n_accepted) -> None:
+    def commit(self, rids, kept) -> None:
         pass
 
-    def release(self, state) -> None:
+    def release(self, rid) -> None:
         pass
+
+
+def _sample_chain(b: DraftBatch, be, dev, step: Callable[[Tensor, int], Tensor]) -> Proposal:
+    """Draft max(k) tokens by ``step(x, j) -> logits`` (x: the previous draft), sampling each
+    request with its own parameters at Philox offset ``offsets[i] + j``."""
+    R, K = len(b.rids), max(b.k, default=0)
+    temp, top_k, top_p = sampling_tensors(b.params, [1] * R, dev)
+    seeds = torch.tensor([p.seed for p in b.params], dtype=torch.long).to(dev)
+    off = torch.tensor(b.offsets, dtype=torch.long).to(dev)
+    toks, qs, x = [], [], None
+    for j in range(K):
+        tok, q = be.sample(step(x, j).float(), temp, top_k, top_p, seeds, off + j)
+        x = tok.long()
+        toks.append(x)
+        qs.append(q)
+    sampled = any(p.temperature > 0 for p in b.params)
+    if not toks:
+        return empty(R, dev)
+    return slots(torch.stack(toks, 1), b.k, torch.stack(qs, 1).float() if sampled else None)
 
 
 class ModelDrafter:
     """A draft model with its own KV pool, on its own backend (device) if wanted.
 
-    Its KV holds a prefix of each request's history (plus its own earlier drafts);
-    ``propose`` keeps the longest cached prefix that matches, catches up in one ragged
-    forward, then drafts autoregressively, sampling with the request's own parameters
-    and returning the q it sampled from.
-    """
+    Its KV holds a prefix of each request's history plus its own drafts; ``propose``
+    keeps the part that `commit` confirmed, catches up in one ragged forward, then drafts
+    autoregressively, sampling with the request's own parameters and returning the q it
+    sampled from."""
 
     def __init__(self, model: Llama, num_blocks: int = 512, block_size: int = 16, pool: kv.KVPool | None = None):
         self.model = model
@@ -59,52 +94,51 @@ class ModelDrafter:
         self.pool = pool or kv.KVPool(model.be, num_blocks, block_size, cfg.kv_heads, cfg.head_dim,
                                       num_layers=model.num_layers, device=model.device)
         self.seqs: dict[int, kv.Sequence] = {}
-        self.held: dict[int, list[int]] = {}  # the tokens whose KV the draft cache holds, per request
+        self.valid: dict[int, int] = {}   # rid -> leading tokens of its draft KV known to be committed history
+        self.cached: dict[int, int] = {}  # rid -> tokens in its draft KV after the last propose
 
-    def propose(self, states: list[State]) -> tuple[list[list[int]], Tensor | None]:
-        be = self.model.be
-        seqs = [self.seqs.setdefault(s.rid, self.pool.sequence()) for s in states]
-        chunks = []
-        for s, q in zip(states, seqs):  # keep the longest cached prefix of the history (stale drafts drop here)
-            held = self.held.setdefault(s.rid, [])
-            n = min(_common_prefix(held, s.tokens), len(s.tokens) - 1)
+    def propose(self, b: DraftBatch) -> Proposal:
+        if b.lengths is None:
+            raise HalError("ModelDrafter.propose: expected host lengths (it is not a lookahead drafter), got None")
+        dev = self.model.device
+        hist = transfer(b.history, dev)
+        seqs, lens, rows, cols = [], [], [], []
+        for i, (rid, L) in enumerate(zip(b.rids, b.lengths)):
+            q = self.seqs.setdefault(rid, self.pool.sequence())
+            n = min(self.valid.get(rid, 0), L - 1)   # feed at least the last token
             q.truncate(n)
-            del held[n:]
-            chunks.append(s.tokens[n:])
-        drafts: list[list[int]] = [[] for _ in states]
-        probs: list[list[Tensor]] = [[] for _ in states]
-        K = max(s.req_k for s in states)
-        for j in range(K):
-            logits, _ = forward(self.model, self.pool, seqs, chunks, False)
-            for s, q, c in zip(states, seqs, chunks):
-                q.commit(len(c))
-                self.held[s.rid] += c
-            tok, qd = be.sample(logits, *sampling_args(states, [1] * len(states), self.model.device))
-            tok = tok.cpu().tolist()
-            for i, s in enumerate(states):
-                if j < s.req_k:
-                    drafts[i].append(tok[i])
-                    probs[i].append(qd[i])
-            chunks = [[t] for t in tok]
-        sampled = any(s.req.temperature > 0 for s in states)
-        rows = [p for ps in probs for p in ps]
-        return drafts, (torch.stack(rows).float() if sampled and rows else None)
+            seqs.append(q)
+            lens.append(L - n)
+            rows += [i] * (L - n)
+            cols += range(n, L)
+            self.valid[rid] = n
+        K = max(b.k, default=0)
+        if K == 0:
+            return empty(len(b.rids), dev)
+        up = lambda v: torch.tensor(v, dtype=torch.long).to(dev)  # noqa: E731
+        first = hist[up(rows), up(cols)]
 
-    def accepted(self, states, drafted, n_accepted) -> None:
-        pass  # the next propose keeps the cached prefix that still matches the history
+        def step(x, j):
+            tokens, ns = (first, lens) if j == 0 else (x, [1] * len(seqs))
+            logits, _ = forward_tokens(self.model, self.pool, seqs, ns, tokens)
+            for q, n in zip(seqs, ns):
+                q.commit(n)
+            return logits
+        prop = _sample_chain(b, self.model.be, dev, step)
+        for rid, L in zip(b.rids, b.lengths):  # the KV holds the history and drafts 1..K-1
+            self.valid[rid], self.cached[rid] = L, L + K - 1
+        return prop
 
-    def release(self, state: State) -> None:
-        if (q := self.seqs.pop(state.rid, None)) is not None:
+    def commit(self, rids, kept) -> None:
+        for rid, n in zip(rids, kept):
+            if rid in self.cached:
+                self.valid[rid] = min(self.cached.pop(rid), n)
+
+    def release(self, rid) -> None:
+        if (q := self.seqs.pop(rid, None)) is not None:
             q.free()
-        self.held.pop(state.rid, None)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+        self.valid.pop(rid, None)
+        self.cached.pop(rid, None)
 
 
 EagleHead = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
@@ -118,25 +152,20 @@ class EagleDrafter:
     def __init__(self, head: EagleHead, backend):
         self.head, self.be = head, backend
 
-    def propose(self, states: list[State]) -> tuple[list[list[int]], Tensor | None]:
-        h = torch.stack([s.last_hidden for s in states])
-        x = torch.tensor([s.tokens[-1] for s in states]).to(h.device)
-        drafts: list[list[int]] = [[] for _ in states]
-        probs: list[list[Tensor]] = [[] for _ in states]
-        for j in range(max(s.req_k for s in states)):
-            logits, h = self.head(h, x)
-            tok, q = self.be.sample(logits.float(), *sampling_args(states, [1] * len(states), h.device))
-            for i, s in enumerate(states):
-                if j < s.req_k:
-                    drafts[i].append(int(tok[i]))
-                    probs[i].append(q[i])
-            x = tok.long()
-        sampled = any(s.req.temperature > 0 for s in states)
-        rows = [p for ps in probs for p in ps]
-        return drafts, (torch.stack(rows) if sampled and rows else None)
+    def propose(self, b: DraftBatch) -> Proposal:
+        if b.hidden is None:
+            raise HalError("EagleDrafter.propose: expected the target's hidden states (DraftBatch.hidden), got None")
+        h = b.hidden
+        last = b.history.gather(1, (b.num_tokens - 1).clamp(min=0)[:, None])[:, 0]
+        state = {"h": h}
 
-    def accepted(self, states, drafted, n_accepted) -> None:
+        def step(x, j):
+            logits, state["h"] = self.head(state["h"], last.to(h.device) if x is None else x)
+            return logits
+        return _sample_chain(b, self.be, h.device, step)
+
+    def commit(self, rids, kept) -> None:
         pass
 
-    def release(self, state) -> None:
+    def release(self, rid) -> None:
         pass

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from hal.checks import MAX_K, prob_values
-from hal.decoder import State
+from hal.requests import DraftBatch, Proposal
 from hal.errors import HalError
 from hal.placement import dense_q, transfer
 from hal.protocol import (HASH_SEED, Commit, CommitEntry, Drafts, Link, NewRequest, Stop, decode, encode,
@@ -28,57 +28,57 @@ class RemoteDrafter:
         self.finished: list[int] = []
         self.alive, self.lost, self.rounds, self.guess_hits, self.guess_misses = True, False, 0, 0, 0
 
-    def propose(self, states: list[State]) -> tuple[list[list[int]], Tensor | None]:
-        empty = [[] for _ in states], None
+    def propose(self, b: DraftBatch) -> Proposal:
+        R = len(b.rids)
         if not self.alive:
-            return empty
-        live = {s.rid for s in states}
+            return self._proposal(b, [[] for _ in range(R)], None)
+        live = set(b.rids)
         self.finished += [rid for rid in self.sent if rid not in live]
         for rid in self.finished:
             self.sent.pop(rid, None)
             self.hashes.pop(rid, None)
         msg, self.finished = Commit([], self.finished), []
-        for s in states:
-            new = None if s.rid in self.sent else NewRequest(s.req.top_k, s.req.seed, s.req.max_new_tokens,
-                                                              s.req.temperature, s.req.top_p)
-            delta = s.tokens[self.sent.get(s.rid, 0):]
-            msg.entries.append(CommitEntry(s.rid, s.req_k, len(s.tokens), delta, new))
-            self.sent[s.rid] = len(s.tokens)
-            self.hashes[s.rid] = history_hash(delta, self.hashes.get(s.rid, HASH_SEED))
+        hist = transfer(b.history, torch.device("cpu"))   # the link carries host tensors
+        for i, (rid, p, L, k) in enumerate(zip(b.rids, b.params, b.lengths, b.k)):
+            new = None if rid in self.sent else NewRequest(p.top_k, p.seed, p.max_new_tokens, p.temperature, p.top_p)
+            delta = hist[i, self.sent.get(rid, 0):L].tolist()
+            msg.entries.append(CommitEntry(rid, k, L, delta, new))
+            self.sent[rid] = L
+            self.hashes[rid] = history_hash(delta, self.hashes.get(rid, HASH_SEED))
         try:
             self.link.send(*encode(msg)[:2])
             reply = self.link.recv(self.timeout if self.rounds else self.first_timeout)
         except RuntimeError as e:  # gloo: connection reset (the worker died) or a timeout
             self.lost = True
             self._fail(e)
-            return empty
+            return self._proposal(b, [[] for _ in range(R)], None)
         except HalError as e:      # a header out of bounds
             self._fail(e)
-            return empty
+            return self._proposal(b, [[] for _ in range(R)], None)
         self.rounds += 1
         try:
-            return self._accept(states, decode(*reply, vocab=self.vocab, max_k=MAX_K))
+            return self._proposal(b, *self._accept(b, decode(*reply, vocab=self.vocab, max_k=MAX_K)))
         except HalError as e:      # the reply is not a valid DRAFTS message: plain decoding from here
             self._fail(e)
-            return empty
+            return self._proposal(b, [[] for _ in range(R)], None)
 
-    def _accept(self, states: list[State], reply) -> tuple[list[list[int]], Tensor | None]:
+    def _accept(self, b: DraftBatch, reply) -> tuple[list[list[int]], Tensor | None]:
         """The drafts of a decoded reply (`hal.protocol.decode` checked its structure): one
         entry per request, q rows that are probabilities; drafts not built on the committed
         prefix (base length and hash) are dropped."""
         if not isinstance(reply, Drafts):
             raise HalError(f"draft worker reply: expected DRAFTS, got {type(reply).__name__}")
-        if len(reply.entries) != len(states) or not (reply.hits <= len(states) and reply.stale <= len(states)):
-            raise HalError(f"draft worker reply: expected {len(states)} entries and overlap counts at most that, "
+        R = len(b.rids)
+        if len(reply.entries) != R or not (reply.hits <= R and reply.stale <= R):
+            raise HalError(f"draft worker reply: expected {R} entries and overlap counts at most that, "
                            f"got {len(reply.entries)} entries, counts {reply.hits}/{reply.stale}")
         self.guess_hits += reply.hits
         self.guess_misses += reply.stale
         self.metrics.stale_drafts += reply.stale
         drafts, keep, r = [], [], 0
-        for s, e in zip(states, reply.entries):
+        for rid, L, k, e in zip(b.rids, b.lengths, b.k, reply.entries):
             d, n = e.tokens, len(e.tokens)
-            ok = e.rid == s.rid and e.base_len == len(s.tokens) and e.base_hash == self.hashes[s.rid] and n <= max(
-                s.req_k, 0)
+            ok = e.rid == rid and e.base_len == L and e.base_hash == self.hashes[rid] and n <= max(k, 0)
             if not ok:  # not built on the committed prefix: dropped
                 self.metrics.stale_drafts += 1
                 d = []
@@ -92,19 +92,37 @@ class RemoteDrafter:
         prob_values("draft_probs (from the draft worker)", q)
         return drafts, q
 
+    def _proposal(self, b: DraftBatch, drafts: list[list[int]], q: Tensor | None) -> Proposal:
+        """``k[i]`` slots per request: the worker's drafts first, then filler (token 0, a one-hot
+        q row); ``num_valid`` the drafts' counts (host ints)."""
+        N = sum(b.k)
+        ids = torch.zeros(N, dtype=torch.long)
+        at, r = [], 0
+        for d, k in zip(drafts, b.k):
+            ids[r:r + len(d)] = torch.tensor(d, dtype=torch.long)
+            at += range(r, r + len(d))
+            r += k
+        probs = None
+        if q is not None:
+            probs = torch.zeros(N, self.vocab, dtype=q.dtype, device=self.device)
+            probs[:, 0] = 1
+            probs[torch.tensor(at, dtype=torch.long).to(self.device)] = q
+        cu = torch.tensor([0, *b.k]).cumsum(0)
+        return Proposal(ids.to(self.device), cu.to(self.device), probs, tuple(len(d) for d in drafts))
+
     def _fail(self, e: Exception) -> None:
         self.alive = False
         self.metrics.draft_failures += 1
         print(f"hal.serve: draft worker lost ({type(e).__name__}: {str(e).splitlines()[0][:160]}); "
               "finishing every request by plain decoding", file=sys.stderr, flush=True)
 
-    def accepted(self, states, drafted, n_accepted) -> None:
+    def commit(self, rids, kept) -> None:
         pass
 
-    def release(self, state: State) -> None:
-        self.hashes.pop(state.rid, None)
-        if self.sent.pop(state.rid, None) is not None:
-            self.finished.append(state.rid)
+    def release(self, rid) -> None:
+        self.hashes.pop(rid, None)
+        if self.sent.pop(rid, None) is not None:
+            self.finished.append(rid)
 
     def close(self) -> None:
         if not self.lost:  # a worker we stopped listening to (bad reply) still gets its STOP

@@ -54,7 +54,7 @@ class StepOutput:
     num_batched_tokens: int = 0                                   # tokens fed to the target this step
 
 
-@dataclass
+@dataclass(eq=False)
 class State:
     """A request in flight. ``tokens`` is the committed history; the target's KV holds
     all of it but the last token."""
@@ -82,18 +82,56 @@ def draft_room(s) -> int:
     return s.req.max_new_tokens - len(s.generated) - 1
 
 
+@dataclass(frozen=True)
+class DraftBatch:
+    """What a drafter reads: a read-only view of the requests to draft for, one row each.
+    Drafters get data, never the engine's state."""
+
+    rids: tuple[int, ...]
+    params: tuple          # each request's sampling parameters (`SamplingParams` fields; do not modify)
+    history: Tensor        # [R, L] int64 committed token ids (a copy of the engine's `hal.history.HistoryBuffer`
+    #                        rows); row i is valid up to num_tokens[i], scratch after
+    num_tokens: Tensor     # [R] int64 committed lengths, on the history's device
+    lengths: tuple[int, ...] | None  # the same on the host; None on a lookahead call (not known before the readback)
+    k: tuple[int, ...]     # draft slots wanted per request
+    offsets: tuple[int, ...]  # draft j of request i may draw with Philox (seed, offsets[i] + j)
+    hidden: Tensor | None = None  # [R, H] the target's final hidden state at each request's last committed token
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """What a drafter returns: the op contract's CSR layout, on the drafter's device.
+
+    Row i has exactly ``k[i]`` slots (so the scheduler knows every size without reading
+    anything back). ``num_valid`` says how many leading slots are worth verifying (the
+    rest are filler): None (all), host ints, or an ``[R]`` device tensor (lookahead
+    drafters; the engine reads it with its one readback per step). A drafter whose drafts
+    are random must not shorten them by looking at the draws (DSpark's counterexample)."""
+
+    draft_token_ids: Tensor            # [N] int64
+    cu_num_draft_tokens: Tensor        # [R + 1] int64
+    draft_probs: Tensor | None = None  # [N, V] the q each draft was drawn from; None for deterministic drafts
+    num_valid: Tensor | tuple[int, ...] | None = None
+
+
 class Drafter(Protocol):
-    """Proposes drafts for live requests; told what was accepted."""
+    """Proposes drafts for live requests from a `DraftBatch`.
 
-    def propose(self, states: list[State]) -> tuple[list[list[int]], Tensor | None]:
-        """Per request up to ``state.req.k`` draft tokens, and their draft distributions
-        ``[N, V]`` (CSR order) or ``None`` for deterministic drafts."""
+    ``lookahead = True`` (optional attribute): the drafter needs only device data
+    (history, num_tokens), so the engine calls it right after verification, before its
+    one host readback, with ``lengths=None`` and ``k`` = each request's cap; the next
+    step verifies a prefix of those slots."""
 
-    def accepted(self, states: list[State], drafted: list[int], n_accepted: list[int]) -> None:
-        """After verification: ``n_accepted[i]`` of ``drafted[i]`` drafts were kept."""
+    def propose(self, batch: DraftBatch) -> Proposal:
+        """Drafts: exactly ``batch.k[i]`` slots for request i (see `Proposal`)."""
 
-    def release(self, state: State) -> None:
-        """The request finished."""
+    def commit(self, rids: list[int], kept: list[int]) -> None:
+        """After verification: the first ``kept[i]`` tokens of (the history request
+        ``rids[i]`` was last drafted from + those drafts) are committed; anything a drafter
+        cached beyond them is stale."""
+
+    def release(self, rid: int) -> None:
+        """The request finished, was aborted or preempted: drop what is kept for it."""
 
 
 def check_request(req: Request, vocab: int, allocator: kv.BlockAllocator) -> None:

@@ -20,6 +20,8 @@ import time
 from bisect import bisect_left
 from dataclasses import dataclass, field
 
+import torch
+
 from hal.decoder import draft_room
 from hal.errors import arg_error
 
@@ -175,7 +177,7 @@ def profile_decoder(dec, max_tokens: int = 72, context: int = 512, reps: int = 5
     tokens (T = 1, 2, 3, 5, 9, ... up to ``max_tokens``, at a short context), the
     extra cost of ``context`` tokens of attention, and the drafter's chain of k
     (``profile_draft=False``: not profiled, e.g. a remote drafter whose work overlaps)."""
-    from hal.decoder import Request, State, forward
+    from hal.decoder import DraftBatch, Request, forward
     backends = {id(b): b for b in (dec.target.be, _backend_of(dec.drafter)) if b is not None}.values()
 
     def sync():
@@ -203,15 +205,15 @@ def profile_decoder(dec, max_tokens: int = 72, context: int = 512, reps: int = 5
             q.free()
     draft = {}
     if dec.drafter is not None and profile_draft:
-        st = State(Request([1] * 16, k=1), -1, [1] * 16, seq=None)
-
-        def chain(k):
-            st.req_k = k
-            dec.drafter.propose([st])
+        dev = dec.target.device
+        req = Request([1] * 16)
+        hidden = torch.zeros(1, dec.target.cfg.hidden, device=dev)
+        view = lambda k: DraftBatch((-1,), (req,), torch.ones(1, 16, dtype=torch.long, device=dev),  # noqa: E731
+                                    torch.tensor([16], device=dev), (16,), (k,), (0,), hidden)
         try:
-            draft = profile(chain, [1, 2, 4, 8], reps, sync)
+            draft = profile(lambda k: dec.drafter.propose(view(k)), [1, 2, 4, 8], reps, sync)
         finally:
-            dec.drafter.release(st)
+            dec.drafter.release(-1)
     return CostModel(verify, draft, per_context)
 
 

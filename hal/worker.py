@@ -7,24 +7,39 @@ from __future__ import annotations
 import os
 import signal
 import time
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from hal.decoder import Request, State
 from hal.errors import HalError
+from hal.history import HistoryBuffer
 from hal.placement import sparse_q
 from hal.protocol import (DRAFT_SEED, HASH_SEED, Commit, DraftEntry, Drafts, Link, Stop, corrupted, decode, encode,
                           history_hash)
+from hal.requests import DraftBatch, SamplingParams
 
 Guess = dict[int, tuple[list[int], list[int], Tensor | None]]  # rid -> (assumed history, drafts, q rows)
+
+
+@dataclass
+class _Req:
+    """What the worker keeps per request: its parameters and committed tokens (host), the
+    hash of those, its Philox offset, and what the drafter last drafted (base + drafts)."""
+
+    params: SamplingParams
+    tokens: list[int] = field(default_factory=list)
+    hash: int = HASH_SEED
+    k: int = 0
+    offset: int = 0
+    last: list[int] | None = None
 
 
 def draft_worker(link: Link, drafter, fault: str = "", idle: float | None = None) -> None:
     """Serve DRAFTS for each COMMIT until STOP (see the module docstring); ``idle``: the
     longest wait for the next COMMIT, in seconds (None: the link's default)."""
-    states: dict[int, State] = {}
-    hashes: dict[int, int] = {}  # rid -> history_hash of its committed history
+    reqs: dict[int, _Req] = {}
+    hist = HistoryBuffer("cpu")   # the committed tokens the drafter reads (drafters move them to their device)
     guess: Guess = {}
     replies = 0
     while True:
@@ -33,98 +48,128 @@ def draft_worker(link: Link, drafter, fault: str = "", idle: float | None = None
             return
         if not isinstance(msg, Commit):
             raise HalError(f"hal.serve worker: expected COMMIT or STOP, got {type(msg).__name__}")
-        order = _apply_commit(msg, states, hashes, guess, drafter)
-        out, hits, stale = _drafts_for(order, guess, drafter)
+        order = _apply_commit(msg, reqs, hist, guess, drafter)
+        out, hits, stale = _drafts_for(order, reqs, hist, guess, drafter)
         if fault and replies == int(fault.split(":")[1]):  # fault injection for tests: HAL_SERVE_FAULT=
             if fault.startswith("kill"):                   # kill:N (SIGKILL after N replies),
                 os.kill(os.getpid(), signal.SIGKILL)       # hang:N:S (stop answering for S s, then exit),
             if fault.startswith("hang"):                   # bad:N:KIND (reply N+1 malformed: KIND is
                 time.sleep(float(fault.split(":")[2]))     # kind, truncated, oov, negative or count)
                 os._exit(0)
-        _reply(link, order, hashes, out, hits, stale,
+        _reply(link, order, reqs, out, hits, stale,
                fault.split(":")[2] if fault.startswith("bad") and replies == int(fault.split(":")[1]) else "")
         replies += 1
-        guess = _guess_next(order, out, drafter)  # overlaps the target's verification
+        guess = _guess_next(order, reqs, hist, out, drafter)  # overlaps the target's verification
 
 
-def _apply_commit(msg: Commit, states: dict[int, State], hashes: dict[int, int], guess: Guess,
-                  drafter) -> list[State]:
+def _apply_commit(msg: Commit, reqs: dict[int, _Req], hist: HistoryBuffer, guess: Guess, drafter) -> list[int]:
     """Extend each request's committed history (new requests arrive with their sampling
-    parameters; finished ones are released). Returns the requests of this round, in order."""
+    parameters; finished ones are released) and tell the drafter what of its last drafts
+    became history. Returns the requests of this round, in order."""
     for rid in msg.finished:
-        if (st := states.pop(rid, None)) is not None:
-            drafter.release(st)
+        if reqs.pop(rid, None) is not None:
+            drafter.release(rid)
+            hist.release(rid)
         guess.pop(rid, None)
-        hashes.pop(rid, None)
-    order = []
+    order, kept = [], []
     for e in msg.entries:
         if e.new is not None:
             n = e.new
-            req = Request([0], max_new_tokens=n.max_new_tokens, temperature=n.temperature, top_k=n.top_k,
-                          top_p=n.top_p, seed=n.seed + DRAFT_SEED, k=e.k)
-            states[e.rid] = State(req, e.rid, [], seq=None)
-        if e.rid not in states:
+            reqs[e.rid] = _Req(SamplingParams(max_new_tokens=n.max_new_tokens, temperature=n.temperature,
+                                              top_k=n.top_k, top_p=n.top_p, seed=n.seed + DRAFT_SEED))
+            hist.release(e.rid)
+            hist.add(e.rid, [])
+        if e.rid not in reqs:
             raise HalError(f"hal.serve worker: expected a known request or its parameters, got request {e.rid}")
-        st = states[e.rid]
-        st.tokens = st.tokens + e.delta
-        hashes[e.rid] = history_hash(e.delta, hashes.get(e.rid, HASH_SEED))
-        if len(st.tokens) != e.length:
+        r = reqs[e.rid]
+        if len(r.tokens) + len(e.delta) != e.length:
             raise HalError(f"hal.serve: expected a committed history of {e.length} tokens for request {e.rid}, "
-                           f"got {len(st.tokens)} (protocol out of step)")
-        st.req_k = e.k
-        order.append(st)
+                           f"got {len(r.tokens) + len(e.delta)} (protocol out of step)")
+        if e.delta:
+            hist.write([e.rid], [len(r.tokens)], torch.tensor([e.delta], dtype=torch.long))
+        r.tokens = r.tokens + e.delta
+        r.hash = history_hash(e.delta, r.hash)
+        r.k = e.k
+        if r.last is not None:
+            kept.append((e.rid, _common_prefix(r.last, r.tokens)))
+            r.last = None
+        order.append(e.rid)
+    if kept:
+        drafter.commit([rid for rid, _ in kept], [n for _, n in kept])
     return order
 
 
-def _drafts_for(order: list[State], guess: Guess, drafter):
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def _propose(drafter, reqs: dict[int, _Req], hist: HistoryBuffer, rids: list[int], ks: list[int],
+             bases: list[list[int]]) -> list[tuple[list[int], Tensor | None]]:
+    """Run the drafter on ``bases`` (the histories, already in ``hist``): host drafts and q rows."""
+    lens = [len(b) for b in bases]
+    batch = DraftBatch(tuple(rids), tuple(reqs[r].params for r in rids), hist.view(rids, max(lens)),
+                       torch.tensor(lens), tuple(lens), tuple(ks), tuple(reqs[r].offset for r in rids))
+    prop = drafter.propose(batch)
+    ids = prop.draft_token_ids.cpu().tolist()
+    valid = ks if prop.num_valid is None else [int(v) for v in (
+        prop.num_valid.cpu().tolist() if isinstance(prop.num_valid, Tensor) else prop.num_valid)]
+    q = None if prop.draft_probs is None else prop.draft_probs.cpu()
+    out, c = [], 0
+    for rid, k, n, base in zip(rids, ks, valid, bases):
+        d = ids[c:c + n]
+        out.append((d, None if q is None else q[c:c + n]))
+        reqs[rid].offset += k
+        reqs[rid].last = base + d
+        c += k
+    return out
+
+
+def _drafts_for(order: list[int], reqs: dict[int, _Req], hist: HistoryBuffer, guess: Guess, drafter):
     """Each request's drafts (and q rows): the overlap guess where it holds (the target
     accepted everything and its bonus token was the draft's guess), else fresh ones."""
-    hit_ids = {s.rid for s in order if s.req_k and s.rid in guess and guess[s.rid][0] == s.tokens
-               and len(guess[s.rid][1]) >= s.req_k}
-    stale = sum(1 for s in order if s.rid in guess and s.rid not in hit_ids)
-    out: dict[int, tuple[list[int], Tensor | None]] = {s.rid: ([], None) for s in order}
-    for s in order:
-        if s.rid in hit_ids:
-            _, d, q = guess[s.rid]
-            out[s.rid] = (d[:s.req_k], None if q is None else q[:s.req_k])
-    fresh = [s for s in order if s.req_k and s.rid not in hit_ids]
+    hit_ids = {rid for rid in order if reqs[rid].k and rid in guess and guess[rid][0] == reqs[rid].tokens
+               and len(guess[rid][1]) >= reqs[rid].k}
+    stale = sum(1 for rid in order if rid in guess and rid not in hit_ids)
+    out: dict[int, tuple[list[int], Tensor | None]] = {rid: ([], None) for rid in order}
+    for rid in hit_ids:
+        _, d, q = guess[rid]
+        k = reqs[rid].k
+        out[rid] = (d[:k], None if q is None else q[:k])
+    fresh = [rid for rid in order if reqs[rid].k and rid not in hit_ids]
     if fresh:
-        d, q = drafter.propose(fresh)
-        r = 0
-        for s, ds in zip(fresh, d):
-            out[s.rid] = (ds, None if q is None else q[r:r + len(ds)])
-            r += len(ds)
+        got = _propose(drafter, reqs, hist, fresh, [reqs[r].k for r in fresh], [reqs[r].tokens for r in fresh])
+        out.update(zip(fresh, got))
     return out, len(hit_ids), stale
 
 
-def _reply(link: Link, order: list[State], hashes: dict[int, int], out, hits: int, stale: int,
+def _reply(link: Link, order: list[int], reqs: dict[int, _Req], out, hits: int, stale: int,
            corrupt: str = "") -> None:
     """DRAFTS: per request its base (length, hash) and drafts; q rows sparse when sampled
     with top-k/top-p. ``corrupt`` plants a malformed reply (fault injection for tests)."""
-    rows = [out[s.rid][1] for s in order if out[s.rid][1] is not None]
+    rows = [out[rid][1] for rid in order if out[rid][1] is not None]
     q = torch.cat(rows) if rows else None
-    sparse = q is not None and any(s.req.top_k > 0 or s.req.top_p < 1 for s in order)
+    sparse = q is not None and any(reqs[r].params.top_k > 0 or reqs[r].params.top_p < 1 for r in order)
     idx, q = sparse_q(q) if sparse else (None, q)
-    words, q, idx = encode(Drafts(hits, stale, [DraftEntry(s.rid, len(s.tokens), hashes[s.rid], out[s.rid][0])
-                                                for s in order], q, idx))
+    words, q, idx = encode(Drafts(hits, stale, [DraftEntry(rid, len(reqs[rid].tokens), reqs[rid].hash, out[rid][0])
+                                                for rid in order], q, idx))
     link.send(corrupted(words, corrupt) if corrupt else words, q, idx)
 
 
-def _guess_next(order: list[State], out, drafter) -> Guess:
+def _guess_next(order: list[int], reqs: dict[int, _Req], hist: HistoryBuffer, out, drafter) -> Guess:
     """Draft the next round assuming every draft is accepted: the chain continues with one
     more token (the guessed bonus) and then the next round's drafts."""
-    spec = [s for s in order if s.req_k]
-    guess: Guess = {}
+    spec = [rid for rid in order if reqs[rid].k]
     if not spec:
-        return guess
-    base = {s.rid: s.tokens for s in spec}
-    for s in spec:
-        s.tokens, s.req_k = s.tokens + out[s.rid][0], s.req_k + 1
-    d, q = drafter.propose(spec)
-    r = 0
-    for s, ds in zip(spec, d):
-        if ds:
-            guess[s.rid] = (s.tokens + ds[:1], ds[1:], None if q is None else q[r + 1:r + len(ds)])
-        r += len(ds)
-        s.tokens, s.req_k = base[s.rid], s.req_k - 1
+        return {}
+    bases = [reqs[rid].tokens + out[rid][0] for rid in spec]
+    for rid in spec:   # the drafts sit after the committed tokens (scratch until the next COMMIT)
+        if out[rid][0]:
+            hist.write([rid], [len(reqs[rid].tokens)], torch.tensor([out[rid][0]], dtype=torch.long))
+    drafter.commit(spec, [len(b) for b in bases])   # assume all drafts accepted
+    got = _propose(drafter, reqs, hist, spec, [reqs[rid].k + 1 for rid in spec], bases)
+    guess: Guess = {}
+    for rid, base, (d, q) in zip(spec, bases, got):
+        if d:
+            guess[rid] = (base + d[:1], d[1:], None if q is None else q[1:])
     return guess

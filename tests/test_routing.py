@@ -2,6 +2,7 @@
 the target's (DSpark counterexample included, and a planted peeking policy is caught);
 k follows acceptance and cost, and shrinks smoothly with batch size."""
 
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -47,18 +48,18 @@ class PeekingDrafter:
     def __init__(self, inner):
         self.inner = inner
 
-    def propose(self, states):
-        drafts, q = self.inner.propose(states)
-        keep = [d.index(1) if 1 in d else len(d) for d in drafts]
-        rows = torch.cat([torch.arange(sum(map(len, drafts[:i])), sum(map(len, drafts[:i])) + n)
-                          for i, n in enumerate(keep)])
-        return [d[:n] for d, n in zip(drafts, keep)], None if q is None else q[rows]
+    def propose(self, batch):
+        prop = self.inner.propose(batch)
+        ids, cu = prop.draft_token_ids.tolist(), prop.cu_num_draft_tokens.tolist()
+        rows = [ids[a:b] for a, b in zip(cu, cu[1:])]
+        keep = tuple(d.index(1) if 1 in d else len(d) for d in rows)
+        return dataclasses.replace(prop, num_valid=keep)
 
-    def accepted(self, *a):
+    def commit(self, *a):
         pass
 
-    def release(self, s):
-        self.inner.release(s)
+    def release(self, rid):
+        self.inner.release(rid)
 
 
 def emitted(be, p, drafter, router, requests=12, tokens=160, seed=0):

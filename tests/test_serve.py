@@ -3,6 +3,7 @@ documented way (torchrun -m hal.serve): output identical to single-process plain
 the draft worker killed or hung mid-run: the target finishes by plain decoding, with
 identical output and the failure counted."""
 
+import dataclasses
 import json
 import os
 import socket
@@ -207,23 +208,14 @@ class ConstantDrafter:
     def __init__(self, be, q):
         self.be, self.logq = be, q.log()
 
-    def propose(self, states):
-        from hal.decoder import sampling_args
-        drafts, rows = [[] for _ in states], [[] for _ in states]
-        for j in range(max(s.req_k for s in states)):
-            tok, q = self.be.sample(self.logq.expand(len(states), -1).contiguous(),
-                                    *sampling_args(states, [1] * len(states), "cpu"))
-            for i, s in enumerate(states):
-                if j < s.req_k:
-                    drafts[i].append(int(tok[i]))
-                    rows[i].append(q[i])
-        flat = [r for rs in rows for r in rs]
-        return drafts, torch.stack(flat) if flat else None
+    def propose(self, batch):
+        from hal.drafters import _sample_chain
+        return _sample_chain(batch, self.be, "cpu", lambda x, j: self.logq.expand(len(batch.rids), -1).contiguous())
 
-    def accepted(self, *a):
+    def commit(self, *a):
         pass
 
-    def release(self, s):
+    def release(self, rid):
         pass
 
 
@@ -263,13 +255,11 @@ def test_remote_sampling_with_overlap_keeps_the_target_distribution():
 class PeekingConstantDrafter(ConstantDrafter):
     """PLANTED: the worker keeps drafts only up to the first token 1 (looks before choosing k)."""
 
-    def propose(self, states):
-        d, q = super().propose(states)
-        keep = [x.index(1) if 1 in x else len(x) for x in d]
-        rows, r = [], 0
-        for x, n in zip(d, keep):
-            rows, r = rows + list(range(r, r + n)), r + len(x)
-        return [x[:n] for x, n in zip(d, keep)], (q[rows] if q is not None and rows else None)
+    def propose(self, batch):
+        prop = super().propose(batch)
+        ids, cu = prop.draft_token_ids.tolist(), prop.cu_num_draft_tokens.tolist()
+        keep = tuple(d.index(1) if 1 in d else len(d) for d in (ids[a:b] for a, b in zip(cu, cu[1:])))
+        return dataclasses.replace(prop, num_valid=keep)
 
 
 def test_planted_peeking_worker_is_caught():

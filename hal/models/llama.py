@@ -50,6 +50,7 @@ class Batch:
     seq_lens: Tensor
     query_start_loc: Tensor
     logits_rows: Tensor
+    max_position: int | None = None  # max(positions) when the host knows it (no readback for the rope cache)
 
 
 class Llama:
@@ -86,9 +87,12 @@ class Llama:
         self._rope_cache = self._rope_cache.to(self.device)
         return self
 
-    def _rope(self, positions: Tensor) -> Tensor:
+    def _rope(self, positions: Tensor, max_position: int | None = None) -> Tensor:
         """Unit complex rotations [T, D/2] for the positions."""
-        n = int(positions.max()) + 1 if positions.numel() else 0
+        if max_position is not None:
+            n = max_position + 1
+        else:
+            n = int(positions.max()) + 1 if positions.numel() else 0
         if self._rope_cache.shape[0] < n:
             ang = torch.arange(max(n, 2 * self._rope_cache.shape[0], 256), dtype=torch.float64)[:, None] * self._inv_freq
             self._rope_cache = torch.polar(torch.ones_like(ang), ang).to(self.device, torch.complex64)
@@ -109,7 +113,7 @@ class Llama:
         cfg = self.cfg
         T = batch.tokens.shape[0]
         h = self.embed[batch.tokens]
-        rot = self._rope(batch.positions)
+        rot = self._rope(batch.positions, batch.max_position)
         nq, nk = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
         scale = cfg.head_dim ** -0.5
         for i in range(self.num_layers):
