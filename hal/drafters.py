@@ -96,10 +96,59 @@ class ModelDrafter:
         self.seqs: dict[int, kv.Sequence] = {}
         self.valid: dict[int, int] = {}   # rid -> leading tokens of its draft KV known to be committed history
         self.cached: dict[int, int] = {}  # rid -> tokens in its draft KV after the last propose
+        self.pool_full = 0                # requests left without drafts for a step: the draft pool was full
 
     def propose(self, b: DraftBatch) -> Proposal:
+        """Drafts for every request whose chain fits the draft pool; when it is full, the
+        latest requests' draft caches are dropped and they get no drafts this step (they
+        decode plainly; ``pool_full`` counts them)."""
         if b.lengths is None:
             raise HalError("ModelDrafter.propose: expected host lengths (it is not a lookahead drafter), got None")
+        K = max(b.k, default=0)
+        keep = self._make_room(b, K)
+        if len(keep) == len(b.rids):
+            return self._propose(b)
+        dev = self.model.device
+        sub = DraftBatch(tuple(b.rids[i] for i in keep), tuple(b.params[i] for i in keep),
+                         b.history[torch.tensor(keep, dtype=torch.long).to(b.history.device)],
+                         b.num_tokens[torch.tensor(keep, dtype=torch.long).to(b.num_tokens.device)],
+                         tuple(b.lengths[i] for i in keep), tuple(b.k[i] for i in keep),
+                         tuple(b.offsets[i] for i in keep),
+                         None if b.hidden is None else b.hidden[torch.tensor(keep).to(b.hidden.device)])
+        part = self._propose(sub) if keep else None
+        cu = [0]
+        for k in b.k:
+            cu.append(cu[-1] + k)
+        at = torch.tensor([cu[i] + j for i in keep for j in range(b.k[i])], dtype=torch.long).to(dev)
+        ids = torch.zeros(cu[-1], dtype=torch.long, device=dev)
+        probs = None
+        if part is not None and len(at):
+            ids[at] = part.draft_token_ids
+            if part.draft_probs is not None:
+                probs = torch.zeros(cu[-1], part.draft_probs.shape[1], device=dev)
+                probs[:, 0] = 1   # filler slots: valid rows, never verified
+                probs[at] = part.draft_probs
+        kept = set(keep)
+        return Proposal(ids, torch.tensor(cu).to(dev), probs,
+                        tuple(k if i in kept else 0 for i, k in enumerate(b.k)))
+
+    def _make_room(self, b: DraftBatch, K: int) -> list[int]:
+        """Rows whose draft chains fit the draft pool, freeing the latest requests' caches
+        until they do."""
+        a = self.pool.allocator
+        need = {rid: max(0, -(-(L + K - 1) // a.block_size) - len(self.seqs[rid].blocks if rid in self.seqs else ()))
+                for rid, L in zip(b.rids, b.lengths)} if K else {}
+        drop = set()
+        for rid in sorted(b.rids, reverse=True):
+            if sum(n for r, n in need.items() if r not in drop) <= a.num_free:
+                break
+            drop.add(rid)
+            self.release(rid)
+            need[rid] = 0
+            self.pool_full += 1
+        return [i for i, rid in enumerate(b.rids) if rid not in drop]
+
+    def _propose(self, b: DraftBatch) -> Proposal:
         dev = self.model.device
         hist = transfer(b.history, dev)
         seqs, lens, rows, cols = [], [], [], []

@@ -100,6 +100,22 @@ def test_abort_frees_target_and_draft_blocks(model):
     assert dec.abort(b) is False
 
 
+@pytest.mark.parametrize("sampled", [False, True])
+def test_a_full_draft_pool_drops_drafts_not_requests(model, singles, sampled):
+    """A draft pool with room for one request's chain: the others decode plainly that step
+    (their draft caches freed, latest first); outputs as alone, both pools all free after."""
+    drafter = ModelDrafter(model.layer_view(1), num_blocks=2, block_size=16)
+    dec = engine(model, drafter=drafter, max_num_seqs=6)
+    params = dict(temperature=0.7, seed=3) if sampled else {}
+    outs = dec.generate([Request(p, max_new_tokens=N, k=3, **params) for p in PROMPTS])
+    assert drafter.pool_full > 0, "the test must fill the draft pool"
+    assert dec.metrics.total.num_draft_tokens > 0
+    if not sampled:
+        assert outs == singles
+    assert all(len(o) == N for o in outs)
+    assert dec.pool.allocator.num_free == 64 and drafter.pool.allocator.num_free == 2
+
+
 def test_mixed_greedy_and_sampled_batch(model, singles):
     """Greedy rows equal greedy alone; sampled rows equal the same request alone (randomness
     is per request), so their law is the one the chi-square tests check for single runs."""
