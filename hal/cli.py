@@ -256,9 +256,13 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--fixed-k", action="store_true", help="no router: always k drafts")
     b.add_argument("--batch", type=int, default=1, help="copies of each demo prompt in the batch")
     b.add_argument("--max-tokens", type=int, default=48)
+    sub.add_parser("serve", help="an OpenAI-compatible HTTP server (spec-hal serve --help)", add_help=False)
     args, extra = ap.parse_known_args(argv)
     if args.cmd == "conformance":
         return cmd_conformance(args, extra)
+    if args.cmd == "serve":
+        from hal.api_server import main as serve_main
+        return serve_main(extra)
     if extra:
         ap.error(f"unrecognized arguments: {' '.join(extra)}")
     try:

@@ -119,7 +119,9 @@ class SpeculativeDecoder:
         self._out = out = StepOutput(finished=self._aborted)
         self._aborted = []
         budget = self.max_num_batched_tokens or 1 << 62
-        out.num_batched_tokens = self._step(self._fit(list(self.running), budget), budget)
+        live = self._fit(list(self.running), budget)
+        out.k = {s.rid: s.req_k for s in live}
+        out.num_batched_tokens = self._step(live, budget)
         for s in [s for s in self.running if s.done]:
             self.running.remove(s)
             self._release(s)

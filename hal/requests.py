@@ -52,6 +52,7 @@ class StepOutput:
     logprobs: dict[int, list[dict]] = field(default_factory=dict)  # per new token: token, logprob, top
     preempted: list[int] = field(default_factory=list)
     num_batched_tokens: int = 0                                   # tokens fed to the target this step
+    k: dict[int, int] = field(default_factory=dict)              # drafts allowed per running request (router's k)
 
 
 @dataclass(eq=False)

@@ -26,6 +26,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -40,39 +41,74 @@ from hal.worker import draft_worker
 
 SERVE_DRAFTS = ("ngram", "self", "model")
 
-def plan(args, target_mem, target_side, draft_mem, draft_side):
+def plan(args, target_mem, target_side, draft_mem, draft_side, max_seqs: int):
     """This rank's memory plan (printed); raises `HalError` before anything is allocated."""
     from hal.planner import GiB, plan_memory
     p = plan_memory(target_mem, target_side, draft_mem, draft_side,
-                    max_seqs=max(1, len(args.prompt) + len(args.prompt_ids)), max_context=args.max_context,
+                    max_seqs=max(1, max_seqs), max_context=args.max_context,
                     max_k=args.k, budget_fraction=args.memory_fraction,
                     budget_bytes={"cpu": int(args.cpu_budget_gib * GiB)})
     print(p.report(), file=sys.stderr, flush=True)
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hal.serve", description=__doc__.split("\n\n")[0])
+@dataclass
+class Target:
+    """What the target rank runs: the engine, its tokenizer (None for HF folders), and the
+    link state (``world`` 2: a draft rank; ``joined``: it answered the rendezvous)."""
+
+    dec: SpeculativeDecoder
+    tok: object
+    world: int
+    joined: bool
+    link: str | None
+    side: object
+
+    @property
+    def degraded(self) -> str | None:
+        """Why speculation is off for good (the draft rank is gone), else None."""
+        d = self.dec.drafter
+        if self.world == 2 and not self.joined:
+            return "the draft worker did not join; decoding plainly"
+        if isinstance(d, RemoteDrafter) and not d.alive:
+            return "the draft worker was lost; decoding plainly"
+        return None
+
+    def close(self) -> None:
+        if self.world == 2 and self.joined:
+            self.dec.drafter.close()
+            if not self.dec.drafter.lost:
+                dist.destroy_process_group()
+
+
+def add_engine_args(ap: argparse.ArgumentParser) -> None:
+    """The flags every target entry point shares (names as vLLM's where one exists)."""
     ap.add_argument("--draft", default="ngram", help="ngram, self[:L] or model:<path.gguf>")
     ap.add_argument("--model", default="smollm2-135m", help="a fetchable name, a .gguf path or an HF folder")
-    ap.add_argument("--prompt", action="append", default=[], help="repeatable: one request each")
-    ap.add_argument("--prompt-ids", action="append", default=[], help="comma-separated token ids (repeatable); "
-                                                                      "for models without a tokenizer")
     ap.add_argument("--k", type=int, default=8, help="k per step, or its cap with --route")
-    ap.add_argument("--route", action="store_true", help="adaptive k (profiles costs at start-up)")
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--top-k", type=int, default=0)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--route", action=argparse.BooleanOptionalAction, default=False,
+                    help="adaptive k (profiles costs at start-up)")
     ap.add_argument("--draft-startup-timeout", type=float, default=60.0,
                     help="seconds the target waits for the draft worker to join and send its first drafts; "
                          "then it serves alone by plain decoding")
     ap.add_argument("--draft-timeout", type=float, default=30.0, help="seconds to wait for drafts before "
                                                                        "falling back to plain decoding")
-    ap.add_argument("--out", help="write outputs and metrics as JSON here")
-    ap.add_argument("--max-context", type=int, default=2048, help="prompt + generated tokens per request (planned)")
     ap.add_argument("--memory-fraction", type=float, default=0.9, help="share of an accelerator's memory to plan in")
     ap.add_argument("--cpu-budget-gib", type=float, default=4.0, help="memory budget of a cpu side, GiB")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m hal.serve", description=__doc__.split("\n\n")[0])
+    add_engine_args(ap)
+    ap.add_argument("--prompt", action="append", default=[], help="repeatable: one request each")
+    ap.add_argument("--prompt-ids", action="append", default=[], help="comma-separated token ids (repeatable); "
+                                                                      "for models without a tokenizer")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", help="write outputs and metrics as JSON here")
+    ap.add_argument("--max-context", type=int, default=2048, help="prompt + generated tokens per request (planned)")
     args = ap.parse_args(argv)
     try:
         return _run(args)
@@ -81,16 +117,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _run(args) -> int:
+def start(args, max_seqs: int, engine_kw: dict | None = None) -> Target | None:
+    """Set this rank up: under torchrun the draft rank serves drafts until the target stops
+    (returns None); the target rank (or a single process) returns its `Target`."""
     from hal.metrics import SpecDecodeMetrics
-    from hal.models.tokenizer import chatml
-    spec = parse_draft(args.draft, SERVE_DRAFTS)
     placement = Placement.from_env()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world not in (1, 2):
         raise HalError(f"WORLD_SIZE: expected 1 (in-process draft) or 2 (draft and target ranks), got {world}")
+    spec = parse_draft(args.draft, SERVE_DRAFTS + (("none",) if world == 1 else ()))
     rank = int(os.environ.get("RANK", "0"))
-    joined = False
+    joined, backend = False, None
     if world == 2:
         backend = link_backend(placement)
         try:  # bounded: a worker that dies before the rendezvous must not hold the target
@@ -111,17 +148,17 @@ def _run(args) -> int:
     if rank == DRAFT:  # plan, allocate, load, serve
         draft_side = resolve_side(placement.draft, "draft")
         mem, dpath = draft_memory(spec, path, shares_target=False)
-        pool = plan(args, None, None, mem, draft_side).allocate("draft") if mem is not None else None
+        pool = plan(args, None, None, mem, draft_side, max_seqs).allocate("draft") if mem is not None else None
         link = Link(TARGET, torch.device("cpu") if backend == "gloo" else draft_side.device)
         drafter = make_drafter(spec, draft_side.backend, path=dpath, pool=pool, device=draft_side.device)
         draft_worker(link, drafter, os.environ.get("HAL_SERVE_FAULT", ""), idle=max(600.0, args.draft_timeout))
         dist.destroy_process_group()
-        return 0
+        return None
     target_side = resolve_side(placement.target, "target")
     draft_side = resolve_side(placement.draft, "draft") if world == 1 else None
     shares = world == 1 and draft_side.device == target_side.device
     dmem, dpath = draft_memory(spec, path, shares) if world == 1 else (None, None)
-    mplan = plan(args, ModelMemory.from_config(read_config(path), "target"), target_side, dmem, draft_side)
+    mplan = plan(args, ModelMemory.from_config(read_config(path), "target"), target_side, dmem, draft_side, max_seqs)
     pool = mplan.allocate("target")  # nothing was allocated before the plan passed
     model, tok = load_model(path, target_side.backend)
     model.to(target_side.device)
@@ -136,10 +173,20 @@ def _run(args) -> int:
     else:
         drafter = make_drafter(spec, draft_side.backend, target=model if shares else None, path=dpath,
                                pool=mplan.allocate("draft") if dmem else None, device=draft_side.device)
-    dec = SpeculativeDecoder(model, drafter, metrics=metrics, pool=pool)
-    if args.route:
+    dec = SpeculativeDecoder(model, drafter, metrics=metrics, pool=pool, **(engine_kw or {}))
+    if args.route and drafter is not None:
         from hal.router import Router
         dec.router = Router(dec.profile_costs(profile_draft=world == 1), max_k=args.k)
+    return Target(dec, tok, world, joined, backend, target_side)
+
+
+def _run(args) -> int:
+    from hal.models.tokenizer import chatml
+    t0 = start(args, len(args.prompt) + len(args.prompt_ids))
+    if t0 is None:   # the draft rank
+        return 0
+    dec, tok, world, backend, target_side = t0.dec, t0.tok, t0.world, t0.link, t0.side
+    model, drafter, metrics = dec.target, dec.drafter, dec.metrics
     prompts = [[int(t) for t in p.split(",")] for p in args.prompt_ids]
     if args.prompt and tok is None:
         raise HalError(f"--prompt: model {args.model} has no tokenizer; pass --prompt-ids")
@@ -155,10 +202,7 @@ def _run(args) -> int:
     try:
         outs = dec.generate(reqs)
     finally:
-        if world == 2 and joined:
-            drafter.close()
-            if not drafter.lost:
-                dist.destroy_process_group()
+        t0.close()
     dt = time.perf_counter() - t
     for p, o in zip(args.prompt_ids + args.prompt, outs):
         print(f"=== {p[:60]!r}\n{o if tok is None else tok.decode(o, skip_special_tokens=True)}\n")

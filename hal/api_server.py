@@ -1,0 +1,358 @@
+"""An OpenAI-compatible HTTP server with speculative decoding: ``spec-hal serve`` or
+``python -m hal serve`` (under torchrun with a draft rank: ``torchrun --nproc-per-node 2
+-m hal.api_server ...``; this process is then the target rank).
+
+FastAPI + uvicorn. One engine loop (`EngineLoop`) runs `SpeculativeDecoder.step` in its
+own thread; HTTP handlers talk to it through queues only, so a slow client never stalls
+a step. Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
+``stream``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus, updated
+every step). A client that disconnects is aborted and its KV blocks freed (target and
+draft); past ``--max-num-seqs + --max-queue-len`` requests in flight the answer is 503
+with ``Retry-After``; SIGTERM stops accepting, lets in-flight requests finish for up to
+``--shutdown-timeout`` seconds, aborts the rest and exits 0."""
+
+
+import argparse
+import asyncio
+import json
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+from contextlib import asynccontextmanager
+from dataclasses import asdict, dataclass, field
+
+from hal.errors import HalError
+from hal.openai_api import (ApiError, Parsed, TextState, chunk, logprobs_chat, logprobs_completion, new_id, parse,
+                            response, usage)
+from hal.requests import Request, check_request
+
+
+@dataclass
+class Handle:
+    """One HTTP request as the engine loop sees it; events go back through ``q``."""
+
+    parsed: Parsed
+    q: asyncio.Queue
+    aio: asyncio.AbstractEventLoop
+    arrival: float = field(default_factory=time.perf_counter)
+    rid: int | None = None
+    first: float | None = None
+    generated: int = 0
+    last: int | None = None
+    cancelled: bool = False
+    done: bool = False
+
+    def push(self, event: tuple) -> None:
+        try:
+            self.aio.call_soon_threadsafe(self.q.put_nowait, event)
+        except RuntimeError:   # the event loop is gone (shutdown)
+            pass
+
+
+class Busy(Exception):
+    pass
+
+
+class EngineLoop:
+    """Owns the engine: adds, aborts and steps in one thread. ``submit`` and ``abort`` are
+    safe from any thread; events reach each request's asyncio queue."""
+
+    def __init__(self, dec, metrics=None, max_in_flight: int = 256):
+        self.dec, self.metrics, self.max_in_flight = dec, metrics, max_in_flight
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.live: dict[int, Handle] = {}
+        self.in_flight, self._lock = 0, threading.Lock()
+        self._stop = threading.Event()
+        self.error: str | None = None
+        self.thread = threading.Thread(target=self._run, name="hal-engine", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        self.inbox.put(("wake", None))
+        self.thread.join(timeout)
+
+    def submit(self, h: Handle) -> None:
+        with self._lock:
+            if self.in_flight >= self.max_in_flight:
+                raise Busy
+            self.in_flight += 1
+        self.inbox.put(("add", h))
+
+    def abort(self, h: Handle) -> None:
+        self.inbox.put(("abort", h))
+
+    def _done(self, h: Handle, event: tuple) -> None:
+        if not h.done:
+            h.done = True
+            with self._lock:
+                self.in_flight -= 1
+            h.push(event)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._drain(block=not self.dec.has_unfinished())
+                if self.dec.has_unfinished():
+                    self._dispatch(self.dec.step())
+            except Exception as e:   # never leave a client hanging: fail what is in flight, keep serving
+                self.error = f"{type(e).__name__}: {e}"
+                traceback.print_exc(file=sys.stderr)
+                for rid, h in list(self.live.items()):
+                    self.dec.abort(rid)
+                    self._done(h, ("error", self.error))
+                self.live.clear()
+        for rid, h in list(self.live.items()):   # shutting down: abort what is left
+            self.dec.abort(rid)
+            self._done(h, ("finished", "abort"))
+        self.live.clear()
+
+    def _drain(self, block: bool) -> None:
+        items = []
+        try:
+            items.append(self.inbox.get(timeout=0.05) if block else self.inbox.get_nowait())
+            while True:
+                items.append(self.inbox.get_nowait())
+        except queue.Empty:
+            pass
+        for kind, h in items:
+            if kind == "add":
+                if h.cancelled:
+                    self._done(h, ("finished", "abort"))
+                    continue
+                try:
+                    h.rid = self.dec.add(Request(h.parsed.prompt_ids, **asdict(h.parsed.params)))
+                except HalError as e:
+                    self._done(h, ("error", str(e)))
+                    continue
+                self.live[h.rid] = h
+            elif kind == "abort":
+                h.cancelled = True
+                if h.rid is not None and self.live.pop(h.rid, None) is not None:
+                    self.dec.abort(h.rid)   # frees its blocks now, target and draft
+                    if self.metrics:
+                        self.metrics.finished(h.arrival, h.first, time.perf_counter(), len(h.parsed.prompt_ids),
+                                              h.generated, "abort")
+                    self._done(h, ("finished", "abort"))
+        if items and self.metrics:
+            self.metrics.gauges(self.dec)
+
+    def _dispatch(self, out) -> None:
+        now = time.perf_counter()
+        for rid, toks in out.tokens.items():
+            if (h := self.live.get(rid)) is None:
+                continue
+            if h.first is None:
+                h.first = now
+                if self.metrics:
+                    self.metrics.first_token(h.arrival, now)
+            h.generated += len(toks)
+            h.last = toks[-1]
+            h.push(("tokens", toks, out.logprobs.get(rid)))
+        if self.metrics:
+            self.metrics.step(self.dec, out)
+        for rid in out.finished:
+            if (h := self.live.pop(rid, None)) is None:
+                continue
+            reason = "stop" if h.last in h.parsed.params.stop_ids else "length"
+            if self.metrics:
+                self.metrics.finished(h.arrival, h.first, now, len(h.parsed.prompt_ids), h.generated, reason)
+            self._done(h, ("finished", reason))
+
+
+def make_app(target, served: str, max_model_len: int, default_k: int, max_in_flight: int):
+    """The FastAPI app over a `hal.serve.Target` (engine + tokenizer)."""
+    from fastapi import FastAPI, Request as HttpRequest
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    from hal.live_metrics import LiveMetrics
+    dec, tok = target.dec, target.tok
+    metrics = LiveMetrics(max_k=max(default_k, 1))
+    loop = EngineLoop(dec, metrics, max_in_flight)
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        loop.start()
+        try:
+            yield
+        finally:
+            loop.stop()
+            target.close()
+
+    app = FastAPI(title="spec-hal", lifespan=lifespan)
+    app.state.loop, app.state.metrics = loop, metrics
+
+    def error(e: ApiError):
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    async def accept(request: HttpRequest, chat: bool):
+        try:
+            body = json.loads(await request.body())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ApiError(f"body: expected JSON, got a parse error ({e})", "body") from None
+        p = parse(body, chat=chat, tok=tok, served=served, max_model_len=max_model_len, default_k=default_k,
+                  stop_ids=dec.target.cfg.stop_ids)
+        try:   # the engine's own checks (token ids, KV pool size), before the request is queued
+            check_request(Request(p.prompt_ids, **asdict(p.params)), dec.target.cfg.vocab, dec.pool.allocator)
+        except HalError as e:
+            field = str(e).split(":")[0]
+            raise ApiError(str(e), field if field.isidentifier() else None) from None
+        if loop.error is not None and not loop.thread.is_alive():
+            raise ApiError("the engine loop stopped", None, 503, "server_error")
+        h = Handle(p, asyncio.Queue(), asyncio.get_running_loop())
+        try:
+            loop.submit(h)
+        except Busy:
+            raise ApiError(f"server busy: {max_in_flight} requests in flight; retry later", None, 503,
+                           "server_busy", {"Retry-After": "1"}) from None
+        return p, h
+
+    async def events(h: Handle, request: HttpRequest, poll: bool):
+        """The request's engine events; ends the request if the client goes away."""
+        try:
+            while True:
+                try:
+                    ev = await asyncio.wait_for(h.q.get(), 0.5)
+                except asyncio.TimeoutError:
+                    if poll and await request.is_disconnected():
+                        return
+                    continue
+                yield ev
+                if ev[0] != "tokens":
+                    return
+        finally:
+            if not h.done:
+                loop.abort(h)
+
+    async def handle(request: HttpRequest, chat: bool):
+        try:
+            p, h = await accept(request, chat)
+        except ApiError as e:
+            return error(e)
+        rid, text, lp = new_id(chat), TextState(tok, p.stop), []
+        if p.stream:
+            return StreamingResponse(stream(p, h, rid, text, chat, request), media_type="text/event-stream")
+        parts, finish = [], "abort"
+        async for ev in events(h, request, poll=True):
+            if ev[0] == "tokens":
+                parts.append(text.add(ev[1]))
+                lp += ev[2] or []
+                if text.stopped:
+                    finish = "stop"
+                    break
+            elif ev[0] == "error":
+                return error(ApiError(ev[1], None, 500, "server_error"))
+            else:
+                finish = ev[1]
+        parts.append(text.finish())
+        n = text.kept_tokens if text.stopped else len(text.ids)
+        lps = None if p.logprobs is None else (logprobs_chat if chat else logprobs_completion)(tok, lp[:n])
+        return JSONResponse(response(chat, rid, p.model, "".join(parts), finish, lps,
+                                     usage(len(p.prompt_ids), n)))
+
+    async def stream(p: Parsed, h: Handle, rid: str, text: TextState, chat: bool, request):
+        def sse(obj) -> str:
+            return f"data: {json.dumps(obj)}\n\n"
+        if chat:
+            yield sse(chunk(True, rid, p.model, None, role=True))
+        else:   # an SSE comment: the response starts now, even while the request waits for a slot
+            yield ": spec-hal\n\n"
+        finish = "abort"
+        async for ev in events(h, request, poll=False):
+            if ev[0] == "tokens":
+                delta = text.add(ev[1])
+                lp = None
+                if p.logprobs is not None and ev[2]:
+                    keep = ev[2][:max(0, text.kept_tokens - (len(text.ids) - len(ev[1])))] if text.stopped else ev[2]
+                    lp = (logprobs_chat if chat else logprobs_completion)(tok, keep)
+                if delta or lp:
+                    yield sse(chunk(chat, rid, p.model, delta, lp=lp))
+                if text.stopped:
+                    finish = "stop"
+                    break
+            elif ev[0] == "error":
+                yield sse(ApiError(ev[1], None, 500, "server_error").body())
+                return
+            else:
+                finish = ev[1]
+        if tail := text.finish():
+            yield sse(chunk(chat, rid, p.model, tail))
+        yield sse(chunk(chat, rid, p.model, None if chat else "", finish=finish))
+        if p.include_usage:
+            n = text.kept_tokens if text.stopped else len(text.ids)
+            yield sse(chunk(chat, rid, p.model, None, use=usage(len(p.prompt_ids), n)))
+        yield "data: [DONE]\n\n"
+
+    @app.post("/v1/completions")
+    async def completions(request: HttpRequest):
+        return await handle(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: HttpRequest):
+        return await handle(request, chat=True)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": served, "object": "model", "created": int(time.time()),
+                                            "owned_by": "spec-hal", "max_model_len": max_model_len}]}
+
+    @app.get("/health")
+    async def health():
+        if not loop.thread.is_alive():
+            return JSONResponse({"status": "error", "reason": loop.error or "the engine loop stopped"}, 503)
+        why = target.degraded
+        return {"status": "ok"} if why is None else {"status": "degraded", "reason": why}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def main(argv: list[str] | None = None) -> int:
+    from hal.serve import add_engine_args, start
+    ap = argparse.ArgumentParser(prog="spec-hal serve", description=__doc__.split("\n\n")[0])
+    add_engine_args(ap)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--served-model-name", help="the model name clients send (default: --model)")
+    ap.add_argument("--max-num-batched-tokens", type=int, help="tokens fed to the target per step (none: unbounded)")
+    ap.add_argument("--max-num-seqs", type=int, default=32, help="requests running at once")
+    ap.add_argument("--max-model-len", type=int, default=2048, help="prompt + generated tokens per request")
+    ap.add_argument("--max-queue-len", type=int, default=256, help="requests waiting beyond --max-num-seqs; "
+                                                                    "past it: 503 with Retry-After")
+    ap.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds in-flight requests get on SIGTERM")
+    args = ap.parse_args(argv)
+    args.max_context = args.max_model_len
+    try:
+        import uvicorn
+        target = start(args, args.max_num_seqs, {"max_num_batched_tokens": args.max_num_batched_tokens,
+                                                 "max_num_seqs": args.max_num_seqs})
+        if target is None:   # the draft rank served until the target stopped
+            return 0
+        if target.tok is None:
+            raise HalError(f"--model: expected a model with a tokenizer (GGUF), got {args.model}")
+        app = make_app(target, args.served_model_name or args.model, args.max_model_len, args.k,
+                       args.max_num_seqs + args.max_queue_len)
+    except HalError as e:
+        print(f"spec-hal serve: {e}", file=sys.stderr)
+        return 2
+    print(f"spec-hal serve: http://{args.host}:{args.port}/v1 (model {args.served_model_name or args.model}, "
+          f"draft {args.draft}, k {args.k}{', routed' if args.route else ''})", file=sys.stderr, flush=True)
+    # uvicorn re-raises the SIGTERM it handled once it has shut down; with this handler
+    # in place that is a no-op, so a graceful stop exits 0
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
+                timeout_graceful_shutdown=max(1, int(args.shutdown_timeout)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

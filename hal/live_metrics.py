@@ -1,0 +1,92 @@
+"""Live Prometheus collectors for a serving engine, updated every step (vLLM's
+``vllm:spec_decode_*`` families, renamed ``spec_hal:*``, plus latency histograms, queue
+gauges, KV blocks per pool, faults and the router's k). Needs prometheus-client."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+
+LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+PER_TOKEN = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+
+
+class LiveMetrics:
+    """One registry; `step` folds one engine step in (deltas of the engine's counters)."""
+
+    def __init__(self, max_k: int = 16):
+        disable_created_metrics()   # as vLLM: no *_created series next to every counter
+        self.registry = r = CollectorRegistry()
+        p = "spec_hal:"
+        self.num_drafts = Counter(p + "spec_decode_num_drafts", "verify steps with at least one draft", registry=r)
+        self.num_draft_tokens = Counter(p + "spec_decode_num_draft_tokens", "draft tokens proposed", registry=r)
+        self.num_accepted = Counter(p + "spec_decode_num_accepted_tokens", "draft tokens accepted", registry=r)
+        self.per_pos = Counter(p + "spec_decode_num_accepted_tokens_per_pos", "accepted draft tokens by position",
+                               ["position"], registry=r)
+        self.ttft = Histogram(p + "time_to_first_token_seconds", "arrival to the first token", buckets=LATENCY,
+                              registry=r)
+        self.tpot = Histogram(p + "time_per_output_token_seconds", "seconds per output token after the first",
+                              buckets=PER_TOKEN, registry=r)
+        self.e2e = Histogram(p + "e2e_request_latency_seconds", "arrival to the last token", buckets=LATENCY,
+                             registry=r)
+        self.running = Gauge(p + "num_requests_running", "requests decoding", registry=r)
+        self.waiting = Gauge(p + "num_requests_waiting", "requests queued or prefilling", registry=r)
+        self.kv_used = Gauge(p + "kv_blocks_used", "KV blocks in use", ["pool"], registry=r)
+        self.kv_free = Gauge(p + "kv_blocks_free", "KV blocks free", ["pool"], registry=r)
+        self.preemptions = Counter(p + "num_preemptions", "requests preempted (recomputed later)", registry=r)
+        self.draft_failures = Counter(p + "draft_failures", "draft worker deaths, hangs or bad replies", registry=r)
+        self.stale_drafts = Counter(p + "stale_drafts", "drafts dropped: not built on the committed prefix",
+                                    registry=r)
+        self.router_k = Histogram(p + "router_k", "k chosen per request and step", registry=r,
+                                  buckets=tuple(range(max_k + 1)))
+        self.prompt_tokens = Counter(p + "prompt_tokens", "prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter(p + "generation_tokens", "tokens generated", registry=r)
+        self.requests = Counter(p + "request_success", "requests finished", ["finished_reason"], registry=r)
+        self._last = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "pos": [], "pre": 0, "fail": 0, "stale": 0}
+
+    def step(self, dec, out) -> None:
+        """After ``out = dec.step()``: counters by delta, gauges set, router k observed."""
+        m, last = dec.metrics, self._last
+        t = m.total
+        for name, counter, now in (("drafts", self.num_drafts, t.num_drafts),
+                                   ("draft_tokens", self.num_draft_tokens, t.num_draft_tokens),
+                                   ("accepted", self.num_accepted, t.num_accepted_tokens),
+                                   ("pre", self.preemptions, dec.preemptions),
+                                   ("fail", self.draft_failures, m.draft_failures),
+                                   ("stale", self.stale_drafts, m.stale_drafts)):
+            if now > last[name]:
+                counter.inc(now - last[name])
+            last[name] = now
+        pos = t.accepted_per_position
+        for j, n in enumerate(pos):
+            before = last["pos"][j] if j < len(last["pos"]) else 0
+            if n > before:
+                self.per_pos.labels(position=str(j)).inc(n - before)
+        last["pos"] = list(pos)
+        self.gauges(dec)
+        for k in out.k.values():
+            self.router_k.observe(k)
+        self.generation_tokens.inc(sum(len(v) for v in out.tokens.values()))
+
+    def gauges(self, dec) -> None:
+        """Queue lengths and KV blocks per pool, now (also after an abort outside a step)."""
+        self.running.set(len(dec.running))
+        self.waiting.set(len(dec.waiting) + len(dec.prefilling))
+        pools = [("target", dec.pool.allocator)]
+        if (dp := getattr(dec.drafter, "pool", None)) is not None:
+            pools.append(("draft", dp.allocator))
+        for name, a in pools:
+            self.kv_used.labels(pool=name).set(a.num_blocks - a.num_free)
+            self.kv_free.labels(pool=name).set(a.num_free)
+
+    def finished(self, arrival: float, first: float | None, end: float, prompt: int, generated: int,
+                 reason: str) -> None:
+        """A request ended (times in seconds on one clock)."""
+        self.requests.labels(finished_reason=reason).inc()
+        self.prompt_tokens.inc(prompt)
+        if first is not None:
+            self.e2e.observe(end - arrival)
+            if generated > 1:
+                self.tpot.observe((end - first) / (generated - 1))
+
+    def first_token(self, arrival: float, at: float) -> None:
+        self.ttft.observe(at - arrival)
