@@ -1,0 +1,192 @@
+"""Load benchmark: an open-loop client against `spec-hal serve` (SmolLM2-135M on this CPU).
+
+Poisson arrivals at each of ``--rates`` requests per second, a mixed prompt set (three
+copy-heavy prompts and one open-ended, from benchmarks/e2e.py) and fixed output lengths
+(``ignore_eos``), for each mode, interleaved rate by rate in one run:
+
+* plain: per-request ``"speculative": {"k": 0}`` on the fixed-k server;
+* fixed: n-gram drafts, k = ``--k`` every step (``--no-route``);
+* routed: n-gram drafts, the router's k per request and step (``--route``, cap ``--k``);
+* remote: routed, the drafter on a second torch.distributed rank (gloo on 127.0.0.1).
+
+Reported per mode and rate: throughput (generated tokens / seconds from the first arrival
+to the last token), TTFT / TPOT / end-to-end P50 and P99; a table and a PNG of P99 TPOT
+against request rate, one line per mode.
+
+    python benchmarks/load.py [--rates 1,2,4] [--requests 16] [--max-tokens 32] [--k 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).parent))
+from e2e import PROMPTS  # noqa: E402
+
+MODEL = "smollm2-135m"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(mode: str, k: int, port: int) -> list[subprocess.Popen]:
+    flags = ["--model", MODEL, "--draft", "ngram", "--k", str(k), "--port", str(port), "--max-num-seqs", "32",
+             "--max-model-len", "1024", "--cpu-budget-gib", "2"]
+    flags += ["--route"] if mode in ("routed", "remote") else ["--no-route"]
+    log = open(Path("/tmp") / f"hal-load-{mode}.log", "w")
+    if mode != "remote":
+        return [subprocess.Popen([sys.executable, "-m", "hal", "serve", *flags], stdout=log, stderr=log)]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    return [subprocess.Popen([sys.executable, "-m", "hal.api_server", *flags], env={**env, "RANK": str(r)},
+                             stdout=log, stderr=log) for r in (1, 0)]
+
+
+def wait_up(base: str, procs, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(p.poll() is not None for p in procs):
+            raise SystemExit(f"a server exited early; see /tmp/hal-load-*.log")
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"{base} did not come up within {timeout} s")
+
+
+async def one(client, base, prompt, n, k, t0, at, out):
+    await asyncio.sleep(max(0.0, at - (time.perf_counter() - t0)))
+    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": n, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    if k is not None:
+        body["speculative"] = {"k": k}
+    sent, stamps = time.perf_counter(), []
+    async with client.stream("POST", base + "/v1/chat/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                ch = json.loads(line[6:])
+                if ch["choices"] and ch["choices"][0]["delta"].get("content"):
+                    stamps.append(time.perf_counter())
+    if stamps:
+        out.append({"arrival": sent - t0, "ttft": stamps[0] - sent, "end": stamps[-1] - t0, "e2e": stamps[-1] - sent,
+                    "tpot": (stamps[-1] - stamps[0]) / max(1, n - 1), "tokens": n})
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))] if xs else float("nan")
+
+
+async def run_load(base, rate, requests, n, k, seed):
+    rng, t, arrivals = random.Random(seed), 0.0, []
+    for _ in range(requests):
+        arrivals.append(t)
+        t += rng.expovariate(rate)
+    out: list[dict] = []
+    t0 = time.perf_counter()
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=256)) as client:
+        await asyncio.gather(*(one(client, base, PROMPTS[i % len(PROMPTS)][2], n, k, t0, a, out)
+                               for i, a in enumerate(arrivals)))
+    span = max(o["end"] for o in out) - min(o["arrival"] for o in out)
+    return {"tok_s": sum(o["tokens"] for o in out) / span, "done": len(out),
+            **{f"{m}{q}": pct([o[m] for o in out], q) for m in ("ttft", "tpot", "e2e") for q in (50, 99)}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rates", default="1,2,4", help="requests per second (Poisson)")
+    ap.add_argument("--requests", type=int, default=16, help="requests per rate and mode")
+    ap.add_argument("--max-tokens", type=int, default=32, help="fixed output length (ignore_eos)")
+    ap.add_argument("--k", type=int, default=6)
+    ap.add_argument("--modes", default="plain,fixed,routed,remote")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "load.md"))
+    args = ap.parse_args()
+    rates = [float(r) for r in args.rates.split(",")]
+    modes = args.modes.split(",")
+    servers = {"fixed": "fixed", "plain": "fixed", "routed": "routed", "remote": "remote"}
+    procs, bases = [], {}
+    try:
+        for srv in dict.fromkeys(servers[m] for m in modes):
+            port = free_port()
+            ps = launch(srv, args.k, port)
+            procs += ps
+            bases[srv] = f"http://127.0.0.1:{port}"
+            wait_up(bases[srv], ps)
+        results = {}
+        bar = tqdm(total=len(rates) * len(modes), desc="load", unit="run")
+        for rate in rates:           # interleaved: every mode at one rate before the next rate
+            for mode in modes:
+                bar.set_postfix(rate=rate, mode=mode)
+                results[(mode, rate)] = asyncio.run(run_load(bases[servers[mode]], rate, args.requests,
+                                                             args.max_tokens, 0 if mode == "plain" else None,
+                                                             seed=int(rate * 100)))
+                bar.update()
+        bar.close()
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    report(args, rates, modes, results)
+
+
+def report(args, rates, modes, results) -> None:
+    import torch
+    cmd = "python benchmarks/load.py " + " ".join(a for a in sys.argv[1:])
+    lines = [f"# Load: open-loop Poisson arrivals against `spec-hal serve` (SmolLM2-135M-Instruct, cpu, "
+             f"n-gram drafts, k cap {args.k})", "",
+             f"Command: `{cmd.strip()}`; {args.requests} chat requests per mode and rate, prompts cycling three "
+             f"copy-heavy and one open-ended, {args.max_tokens} tokens each (ignore_eos), greedy; modes interleaved "
+             f"rate by rate in one run; torch {torch.__version__}, {os.cpu_count()} cores, "
+             f"{time.strftime('%Y-%m-%d')}.", "",
+             "| rate (req/s) | mode | tok/s | vs plain | TTFT P50 / P99 (s) | TPOT P50 / P99 (ms) | E2E P50 / P99 (s) |",
+             "|---|---|---|---|---|---|---|"]
+    for rate in rates:
+        plain = results.get(("plain", rate))
+        for mode in modes:
+            r = results[(mode, rate)]
+            rel = f"{r['tok_s'] / plain['tok_s']:.2f}x" if plain else "-"
+            lines.append(f"| {rate:g} | {mode} | {r['tok_s']:.1f} | {rel} | {r['ttft50']:.2f} / {r['ttft99']:.2f} | "
+                         f"{r['tpot50'] * 1e3:.0f} / {r['tpot99'] * 1e3:.0f} | {r['e2e50']:.2f} / {r['e2e99']:.2f} |")
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(1, 2, figsize=(10, 4))
+    for mode in modes:
+        ax[0].plot(rates, [results[(mode, r)]["tpot99"] * 1e3 for r in rates], marker="o", label=mode)
+        ax[1].plot(rates, [results[(mode, r)]["tok_s"] for r in rates], marker="o", label=mode)
+    ax[0].set(xlabel="request rate (req/s)", ylabel="P99 TPOT (ms)", title="P99 TPOT against load")
+    ax[1].set(xlabel="request rate (req/s)", ylabel="tokens/s", title="throughput against load")
+    for a in ax:
+        a.legend()
+        a.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(Path(args.out).with_suffix(".png"), dpi=110)
+
+
+if __name__ == "__main__":
+    main()
