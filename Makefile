@@ -25,12 +25,13 @@ conformance: $(STAMP)
 	$(BIN)/python -m hal conformance --backend $${HAL_BACKEND:-cpu}
 
 bench: $(STAMP)
-	$(BIN)/pip install -q -e ".[bench]"
+	$(BIN)/pip install -q -e ".[bench,serve]"
 	$(BIN)/python benchmarks/ops.py
 	$(BIN)/python benchmarks/e2e.py --k 8
 	$(BIN)/python benchmarks/sched.py
 	cd benchmarks && ../$(BIN)/python engine.py
 	cd benchmarks && ../$(BIN)/python serve.py
+	$(BIN)/python benchmarks/load.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -46,7 +46,7 @@ def free_port() -> int:
 
 def launch(mode: str, k: int, port: int) -> list[subprocess.Popen]:
     flags = ["--model", MODEL, "--draft", "ngram", "--k", str(k), "--port", str(port), "--max-num-seqs", "32",
-             "--max-model-len", "1024", "--cpu-budget-gib", "2"]
+             "--max-model-len", "512", "--cpu-budget-gib", "2"]
     flags += ["--route"] if mode in ("routed", "remote") else ["--no-route"]
     log = open(Path("/tmp") / f"hal-load-{mode}.log", "w")
     if mode != "remote":
