@@ -10,13 +10,14 @@ with lengths cycling through ``--lengths``; arrivals are Poisson at ``--rate`` p
 (seeded). Reported: throughput (generated tokens / seconds from the first arrival to the
 last token), TTFT and TPOT P50/P99, and whether every output equals the static run's.
 
-    python benchmarks/engine.py [--requests 32] [--rate 3] [--k 4] [--budgets none,256,64]
+    python benchmarks/engine.py [--requests 32] [--rate 3] [--k 4] [--budgets none,256,64] [--repeat 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import time
 from pathlib import Path
 
@@ -112,6 +113,7 @@ def main() -> None:
     ap.add_argument("--budgets", default="none,256,64", help="max_num_batched_tokens values (none: unbounded)")
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--num-blocks", type=int, default=1024)
+    ap.add_argument("--repeat", type=int, default=3, help="repetitions of every engine, interleaved (medians)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "engine.md"))
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -126,11 +128,22 @@ def main() -> None:
         arrivals.append(t)
         t += rng.expovariate(args.rate)
     budgets = [None if b == "none" else int(b) for b in args.budgets.split(",")]
-    ref, static = run_static(target, be, reqs, arrivals, args.k)
-    rows = [("static `generate` per arrived batch", static, True, 0)]
-    for b in budgets:
-        outs, s, pre = run_continuous(target, be, reqs, arrivals, args.k, b, args.max_num_seqs, args.num_blocks)
-        rows.append((f"continuous, max_num_batched_tokens={b or 'none'}", s, outs == ref, pre))
+    runs: dict[str, list] = {}   # engine -> [(summary, same output, preemptions)] per repetition
+    ref = None
+    for _ in range(args.repeat):  # interleaved: every engine once per repetition, on the same schedule
+        outs, s = run_static(target, be, reqs, arrivals, args.k)
+        ref = ref or outs
+        runs.setdefault("static `generate` per arrived batch", []).append((s, outs == ref, 0))
+        for b in budgets:
+            outs, s, pre = run_continuous(target, be, reqs, arrivals, args.k, b, args.max_num_seqs, args.num_blocks)
+            runs.setdefault(f"continuous, max_num_batched_tokens={b or 'none'}", []).append((s, outs == ref, pre))
+    base = [s["tok_s"] for s, _, _ in next(iter(runs.values()))]
+    rows = []
+    for name, rs in runs.items():   # the median of each figure; "vs static": the median per-repetition ratio
+        med = {key: statistics.median(s[key] for s, _, _ in rs) for key in rs[0][0]}
+        med["ratio"] = statistics.median(s["tok_s"] / b for (s, _, _), b in zip(rs, base))
+        rows.append((name, med, all(same for _, same, _ in rs), max(pre for _, _, pre in rs)))
+    static = rows[0][1]
     argv = __import__("sys").argv[1:]
     cmd = "python benchmarks/engine.py " + " ".join(a for i, a in enumerate(argv)
                                                     if a != "--out" and (i == 0 or argv[i - 1] != "--out"))
@@ -138,11 +151,12 @@ def main() -> None:
              f"{args.k}, cpu backend)", "",
              f"Command: `{cmd.strip()}`; {args.requests} requests, Poisson arrivals at {args.rate}/s over "
              f"{arrivals[-1]:.1f} s, max_new_tokens cycling {lengths}; torch {torch.__version__}, "
-             f"{torch.get_num_threads()} threads, {time.strftime('%Y-%m-%d')}. One run, same schedule.", "",
+             f"{torch.get_num_threads()} threads, {time.strftime('%Y-%m-%d')}. One run, same schedule; every engine "
+             f"{args.repeat} times, interleaved; medians (vs static: the median of the per-repetition ratios).", "",
              "| engine | tok/s | vs static | TTFT P50 / P99 (s) | TPOT P50 / P99 (ms) | outputs = static | preemptions |",
              "|---|---|---|---|---|---|---|"]
     for name, s, same, pre in rows:
-        lines.append(f"| {name} | {s['tok_s']:.1f} | {s['tok_s'] / static['tok_s']:.2f}x | {s['ttft50']:.2f} / "
+        lines.append(f"| {name} | {s['tok_s']:.1f} | {s['ratio']:.2f}x | {s['ttft50']:.2f} / "
                      f"{s['ttft99']:.2f} | {s['tpot50'] * 1e3:.0f} / {s['tpot99'] * 1e3:.0f} | "
                      f"{'yes' if same else 'NO'} | {pre} |")
     text = "\n".join(lines) + "\n"
