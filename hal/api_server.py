@@ -173,6 +173,7 @@ def make_app(target, served: str, max_model_len: int, default_k: int, max_in_fli
 
     from hal.live_metrics import LiveMetrics
     dec, tok = target.dec, target.tok
+    dec.metrics.bound(10_000)   # live figures go to prometheus; keep the in-process samples bounded
     metrics = LiveMetrics(max_k=max(default_k, 1))
     loop = EngineLoop(dec, metrics, max_in_flight)
 

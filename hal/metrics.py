@@ -60,6 +60,16 @@ class SpecDecodeMetrics:
         self.preemptions = 0          # running requests preempted when KV blocks ran out (recomputed later)
         self.acceptance_lengths: list[int] = []  # tokens emitted per request per verify step with drafts
         self._first: dict[Hashable, float] = {}
+        self._keep: int | None = None
+
+    def bound(self, n: int) -> "SpecDecodeMetrics":
+        """Keep only the latest ``n`` samples and per-request counters (a server runs for
+        days: the totals stay exact, the rest stops growing)."""
+        from collections import deque
+        self._keep = n
+        for name in ("ttft", "tpot", "e2e", "acceptance_lengths"):
+            setattr(self, name, deque(getattr(self, name), maxlen=n))
+        return self
 
     def first_token(self, request_id: Hashable, seconds: float) -> None:
         self._first[request_id] = seconds
@@ -84,6 +94,8 @@ class SpecDecodeMetrics:
                 raise arg_error("num_accepted", f"0 <= accepted <= drafts ({k})", a)
             self.total.add(k, a)
             self.requests.setdefault(rid, Counters()).add(k, a)
+            if self._keep is not None and len(self.requests) > self._keep:
+                del self.requests[next(iter(self.requests))]   # the oldest
             if k > 0:
                 self.acceptance_lengths.append(1 + a)
 

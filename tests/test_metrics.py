@@ -49,3 +49,15 @@ def test_latency_and_prometheus_export():
     assert val("spec_hal_acceptance_length", "_count") == 2
     assert val("spec_hal_time_to_first_token_seconds", "_count") == 2
     assert val("spec_hal_latency_quantile_seconds", metric="e2e_request_latency", quantile="0.99") == 1.1
+
+
+def test_bounded_metrics_keep_totals_and_stop_growing():
+    from hal.metrics import percentile
+    m = hal.SpecDecodeMetrics().bound(3)
+    for i in range(10):
+        m.observe([2], [1], [f"r{i}"])
+        m.first_token(f"r{i}", 0.1)
+        m.finished(f"r{i}", 0.5, 3)
+    assert m.total.num_draft_tokens == 20 and m.total.num_accepted_tokens == 10
+    assert list(m.requests) == ["r7", "r8", "r9"] and len(m.ttft) == len(m.tpot) == len(m.e2e) == 3
+    assert len(m.acceptance_lengths) == 3 and percentile(m.tpot, 50) == pytest.approx(0.2)
