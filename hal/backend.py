@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import torch
 from torch import Tensor
 
 from hal import checks
@@ -100,7 +101,17 @@ class Backend:
     def __init__(self, spec: BackendSpec, impl: Ops):
         self.spec, self.impl = spec, impl
         self.name, self.device_type = spec.name, spec.device_type
-        self.check_values = spec.always_check_values or _env_check_values()
+        self._check_values = spec.always_check_values or _env_check_values()
+
+    @property
+    def check_values(self) -> bool:
+        """Whether value checks run: never while ``torch.compile`` traces (reading values
+        would break the graph); shape, dtype and device checks always do."""
+        return self._check_values and not torch.compiler.is_compiling()
+
+    @check_values.setter
+    def check_values(self, on: bool) -> None:
+        self._check_values = on
 
     def __repr__(self) -> str:
         return f"Backend({self.name!r}, device_type={self.device_type!r})"

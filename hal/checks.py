@@ -269,7 +269,9 @@ def verify_tree(be, draft_token_ids, cu_num_draft_tokens, parent_ids, target, dr
 def kv_caches(be, k_cache, v_cache) -> None:
     tensor(be, "k_cache", k_cache, FLOATS, ndim=4)
     tensor(be, "v_cache", v_cache, (k_cache.dtype,), tuple(k_cache.shape))
-    if v_cache.data_ptr() == k_cache.data_ptr() and k_cache.numel():
+    # data pointers are not traceable: while torch.compile traces, only the same tensor object is caught
+    same = v_cache is k_cache if torch.compiler.is_compiling() else v_cache.data_ptr() == k_cache.data_ptr()
+    if same and k_cache.numel():
         raise arg_error("v_cache", "a cache apart from k_cache (one allocation is fine, the same memory is not)",
                         "the same memory as k_cache")
     bs, D = k_cache.shape[1], k_cache.shape[3]

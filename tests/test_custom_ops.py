@@ -1,4 +1,5 @@
-"""Every op that is a ``torch.library`` custom op (cuda: every launcher, ``spec_hal_cuda``;
+"""Every op that is a ``torch.library`` custom op (cpu: every reference op, ``spec_hal_cpu``;
+cuda: every launcher, ``spec_hal_cuda``;
 ascend: the verify/copy/tree-attention ops, ``spec_hal_ascend``) passes
 ``torch.library.opcheck``: schema and mutation annotations, fake (meta) kernel, autograd
 registration and AOT dispatch with dynamic shapes. On CPU the cuda ops run under the
@@ -19,6 +20,7 @@ ASCEND = {"verify_greedy": "verify_greedy", "verify_rejection": "verify_rejectio
 
 
 def cases():
+    yield from (("cpu", op, op) for op in OP_NAMES)
     if os.environ.get("TRITON_INTERPRET") == "1":
         yield from (("cuda", op, op) for op in OP_NAMES)
     if os.environ.get("HAL_ASCEND_EMULATE") == "1":
