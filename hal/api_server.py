@@ -165,6 +165,23 @@ class EngineLoop:
             self._done(h, ("finished", reason))
 
 
+MAX_BODY = 8 << 20   # bytes: far above any prompt within --max-model-len; a bigger body is refused unread
+
+
+async def read_body(request) -> bytes:
+    """The request body, refused with 413 past `MAX_BODY` (declared or streamed)."""
+    n = request.headers.get("content-length")
+    if n is not None and (not n.isdigit() or int(n) > MAX_BODY):
+        raise ApiError(f"body: expected at most {MAX_BODY} bytes, got {n}", "body", 413)
+    chunks, size = [], 0
+    async for c in request.stream():
+        size += len(c)
+        if size > MAX_BODY:
+            raise ApiError(f"body: expected at most {MAX_BODY} bytes, got more", "body", 413)
+        chunks.append(c)
+    return b"".join(chunks)
+
+
 def make_app(target, served: str, max_model_len: int, default_k: int, max_in_flight: int):
     """The FastAPI app over a `hal.serve.Target` (engine + tokenizer)."""
     from fastapi import FastAPI, Request as HttpRequest
@@ -194,7 +211,7 @@ def make_app(target, served: str, max_model_len: int, default_k: int, max_in_fli
 
     async def accept(request: HttpRequest, chat: bool):
         try:
-            body = json.loads(await request.body())
+            body = json.loads(await read_body(request))
         except (ValueError, UnicodeDecodeError) as e:
             raise ApiError(f"body: expected JSON, got a parse error ({e})", "body") from None
         p = parse(body, chat=chat, tok=tok, served=served, max_model_len=max_model_len, default_k=default_k,

@@ -157,20 +157,32 @@ def render_chat(messages) -> str:
 class TextState:
     """Incremental detokenization with stop strings (not included in the output, as
     OpenAI's): text is released once it cannot be the start of a stop string or the middle
-    of a multi-byte character."""
+    of a multi-byte character. Each step decodes only the tokens since the last complete
+    character (vLLM's prefix/read offsets), not the whole output."""
 
     tok: object
     stops: list[str]
     ids: list[int] = field(default_factory=list)
-    sent: int = 0
+    text: str = ""          # the decoded text so far (complete characters)
+    sent: int = 0           # characters of it released
     stopped: bool = False
-    kept_tokens: int = 0   # tokens whose text reached the output (all of them unless a stop string cut it)
+    kept_tokens: int = 0    # tokens whose text reached the output (all of them unless a stop string cut it)
+    _prefix: int = 0
+    _read: int = 0
+
+    def _decode(self) -> None:
+        d = lambda ids: self.tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+        before, after = d(self.ids[self._prefix:self._read]), d(self.ids[self._prefix:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.text += after[len(before):]
+            self._prefix, self._read = self._read, len(self.ids)
 
     def add(self, new: list[int]) -> str:
         if self.stopped:
             return ""
         self.ids += new
-        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        self._decode()
+        text = self.text
         hits = [i for i in (text.find(s, max(0, self.sent - len(s))) for s in self.stops) if i >= 0]
         if hits:
             cut = min(hits)
@@ -179,9 +191,7 @@ class TextState:
             delta, self.sent = text[self.sent:cut], cut
             return delta
         self.kept_tokens = len(self.ids)
-        safe = len(text.rstrip("\ufffd"))
-        if self.stops:
-            safe = min(safe, len(text) - max(len(s) for s in self.stops) + 1)
+        safe = len(text) - (max(len(s) for s in self.stops) - 1 if self.stops else 0)
         delta = text[self.sent:safe] if safe > self.sent else ""
         self.sent = max(self.sent, safe)
         return delta
@@ -189,7 +199,7 @@ class TextState:
     def finish(self) -> str:
         if self.stopped:
             return ""
-        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        text = self.tok.decode(self.ids, skip_special_tokens=True)   # whatever is left, incomplete bytes too
         delta, self.sent = text[self.sent:], len(text)
         return delta
 

@@ -221,6 +221,23 @@ def test_malformed_requests_get_400_naming_the_field(server, body, status, param
         assert "prompt_ids" in err["message"], err
 
 
+def test_a_huge_body_is_refused_unread(server):
+    r = httpx.post(server[1] + "/v1/completions", content=b"x" * (9 << 20), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["param"] == "body"
+
+
+def test_incremental_text_equals_a_whole_decode(reference):
+    """Streaming deltas (each step decoding only its own tokens) add up to the whole decode,
+    multi-byte characters split across tokens included."""
+    from hal.openai_api import TextState
+    _, tok = reference
+    ids = tok.encode("héllo wörld — ünïcödé ✓ 漢字 and emoji 🙂 end").ids
+    for chunk in (1, 2, 3):
+        st = TextState(tok, [])
+        out = "".join(st.add(ids[i:i + chunk]) for i in range(0, len(ids), chunk)) + st.finish()
+        assert out == tok.decode(ids, skip_special_tokens=True), chunk
+
+
 def test_chat_messages_are_checked(server):
     r = httpx.post(server[1] + "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "wizard",
                                                                                             "content": "x"}]})
