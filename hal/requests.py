@@ -13,9 +13,10 @@ from hal import kv
 from hal.errors import HalError
 
 
-@dataclass
-class Request:
-    prompt_ids: list[int]
+@dataclass(kw_only=True)
+class SamplingParams:
+    """Per-request parameters of `SpeculativeDecoder.add_request` (a `Request` without its prompt)."""
+
     max_new_tokens: int = 64
     temperature: float = 0.0
     top_k: int = 0
@@ -27,17 +28,10 @@ class Request:
 
 
 @dataclass
-class SamplingParams:
-    """Per-request parameters of `SpeculativeDecoder.add_request` (a `Request` without its prompt)."""
+class Request(SamplingParams):
+    """A prompt and its `SamplingParams` (given by keyword): ``Request(ids, max_new_tokens=32)``."""
 
-    max_new_tokens: int = 64
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-    k: int = 5
-    stop_ids: tuple[int, ...] = ()
-    logprobs: int | None = None
+    prompt_ids: list[int]
 
 
 MAX_LOGPROBS = 20
