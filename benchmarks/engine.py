@@ -10,7 +10,7 @@ with lengths cycling through ``--lengths``; arrivals are Poisson at ``--rate`` p
 (seeded). Reported: throughput (generated tokens / seconds from the first arrival to the
 last token), TTFT and TPOT P50/P99, and whether every output equals the static run's.
 
-    python benchmarks/engine.py [--requests 32] [--rate 3] [--k 4] [--budgets none,256,64] [--repeat 3]
+    python benchmarks/engine.py [--requests 32] [--rate 3] [--k 4] [--budgets none,256,64] [--repeat 3] [--route]
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class Clock:
                     ttft99=percentile(ttft, 99), tpot50=percentile(tpot, 50), tpot99=percentile(tpot, 99))
 
 
-def run_static(target, be, reqs, arrivals, k):
+def run_static(target, be, reqs, arrivals, k, router=None):
     clock, outs, i = Clock(arrivals), {}, 0
     while i < len(reqs):
         clock.wait_for(arrivals[i])
@@ -74,7 +74,8 @@ def run_static(target, be, reqs, arrivals, k):
             j += 1
         batch = list(range(i, j))
         dec = SpeculativeDecoder(target, NgramDrafter(be), num_blocks=64 * len(batch) + 64,
-                                 on_tokens=lambda rid, new, b=batch: clock.tokens(b[rid], len(new)))
+                                 on_tokens=lambda rid, new, b=batch: clock.tokens(b[rid], len(new)),
+                                 router=router and router())
         for n, o in zip(batch, dec.generate([reqs[n] for n in batch])):
             outs[n] = o
         i = j
@@ -82,10 +83,10 @@ def run_static(target, be, reqs, arrivals, k):
     return outs, clock.summary()
 
 
-def run_continuous(target, be, reqs, arrivals, k, budget, max_seqs, num_blocks):
+def run_continuous(target, be, reqs, arrivals, k, budget, max_seqs, num_blocks, router=None):
     clock, outs, i, ids = Clock(arrivals), {}, 0, {}
     dec = SpeculativeDecoder(target, NgramDrafter(be), num_blocks=num_blocks, max_num_batched_tokens=budget,
-                             max_num_seqs=max_seqs)
+                             max_num_seqs=max_seqs, router=router and router())
     while len(outs) < len(reqs) or dec.has_unfinished():
         while i < len(reqs) and arrivals[i] <= clock.now():
             r = reqs[i]
@@ -114,6 +115,7 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--num-blocks", type=int, default=1024)
     ap.add_argument("--repeat", type=int, default=3, help="repetitions of every engine, interleaved (medians)")
+    ap.add_argument("--route", action="store_true", help="every engine routed (k per request and step, cap --k)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "engine.md"))
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -128,14 +130,20 @@ def main() -> None:
         arrivals.append(t)
         t += rng.expovariate(args.rate)
     budgets = [None if b == "none" else int(b) for b in args.budgets.split(",")]
+    router = None
+    if args.route:   # the same measured costs for every engine; a fresh router per decoder
+        from hal.router import Router
+        costs = SpeculativeDecoder(target, NgramDrafter(be), num_blocks=256).profile_costs()
+        router = lambda: Router(costs, max_k=args.k)  # noqa: E731
     runs: dict[str, list] = {}   # engine -> [(summary, same output, preemptions)] per repetition
     ref = None
     for _ in range(args.repeat):  # interleaved: every engine once per repetition, on the same schedule
-        outs, s = run_static(target, be, reqs, arrivals, args.k)
+        outs, s = run_static(target, be, reqs, arrivals, args.k, router)
         ref = ref or outs
         runs.setdefault("static `generate` per arrived batch", []).append((s, outs == ref, 0))
         for b in budgets:
-            outs, s, pre = run_continuous(target, be, reqs, arrivals, args.k, b, args.max_num_seqs, args.num_blocks)
+            outs, s, pre = run_continuous(target, be, reqs, arrivals, args.k, b, args.max_num_seqs, args.num_blocks,
+                                          router)
             runs.setdefault(f"continuous, max_num_batched_tokens={b or 'none'}", []).append((s, outs == ref, pre))
     base = [s["tok_s"] for s, _, _ in next(iter(runs.values()))]
     rows = []
@@ -147,8 +155,8 @@ def main() -> None:
     argv = __import__("sys").argv[1:]
     cmd = "python benchmarks/engine.py " + " ".join(a for i, a in enumerate(argv)
                                                     if a != "--out" and (i == 0 or argv[i - 1] != "--out"))
-    lines = ["# Continuous vs static batching (SmolLM2-135M-Instruct, greedy, n-gram k="
-             f"{args.k}, cpu backend)", "",
+    lines = ["# Continuous vs static batching (SmolLM2-135M-Instruct, greedy, n-gram "
+             f"{'routed, k <= ' if args.route else 'k='}{args.k}, cpu backend)", "",
              f"Command: `{cmd.strip()}`; {args.requests} requests, Poisson arrivals at {args.rate}/s over "
              f"{arrivals[-1]:.1f} s, max_new_tokens cycling {lengths}; torch {torch.__version__}, "
              f"{torch.get_num_threads()} threads, {time.strftime('%Y-%m-%d')}. One run, same schedule; every engine "
