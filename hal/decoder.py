@@ -13,6 +13,10 @@ request is preempted (its blocks freed, recomputed later from its tokens). A req
 randomness is a function of its own seed and step counter only, so its output does not
 depend on what else runs, when it arrived, or whether it was chunked or preempted.
 ``k = 0`` is plain decoding through the same path.
+
+Drafters get data (`hal.requests.DraftBatch`) and return data (`hal.requests.Proposal`,
+on their own device); the step reads the device once, after verification (`hal.forward.
+readback`), and a lookahead drafter (n-gram) drafts the next step before that read.
 """
 
 from __future__ import annotations
