@@ -13,7 +13,7 @@ Reported per mode and rate: throughput (generated tokens / seconds from the firs
 to the last token), TTFT / TPOT / end-to-end P50 and P99; a table and a PNG of P99 TPOT
 against request rate, one line per mode.
 
-    python benchmarks/load.py [--rates 1,2,4] [--requests 16] [--max-tokens 32] [--k 6]
+    python benchmarks/load.py [--rates 1,2,4,8] [--requests 16] [--max-tokens 32] [--k 6]
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ async def run_load(base, rate, requests, n, k, seed):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rates", default="1,2,4", help="requests per second (Poisson)")
+    ap.add_argument("--rates", default="1,2,4,8", help="requests per second (Poisson)")
     ap.add_argument("--requests", type=int, default=16, help="requests per rate and mode")
     ap.add_argument("--max-tokens", type=int, default=32, help="fixed output length (ignore_eos)")
     ap.add_argument("--k", type=int, default=6)
