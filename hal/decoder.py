@@ -341,8 +341,9 @@ class SpeculativeDecoder:
             self._emit(s, [int(got["first"][j])], lp)
         if nxt is not None:
             prop_next, (rids, caps, cu) = nxt
-            valid = caps if prop_next.num_valid is None else got.get("valid", prop_next.num_valid)
-            self._ahead = (prop_next, {rid: (c, int(v)) for rid, c, v in zip(rids, cu, valid)})
+            valid = caps if prop_next.num_valid is None else drafting.valid_counts(
+                got.get("valid", prop_next.num_valid), caps)
+            self._ahead = (prop_next, {rid: (c, v) for rid, c, v in zip(rids, cu, valid)})
         return fed + sum(n for _, n in pre)
 
     def _verify(self, live: list[State], counts: list[int], ids: Tensor, q: Tensor | None, logits: Tensor):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from hal.errors import HalError
 from hal.forward import readback
 from hal.history import HistoryBuffer
 from hal.placement import transfer
@@ -29,6 +30,36 @@ def view(history: HistoryBuffer, states: list[State], k: list[int], num_tokens: 
                       None if any(h is None for h in hidden) or not hidden else torch.stack(hidden))
 
 
+def check_proposal(prop, ks: list[int]) -> None:
+    """`HalError` naming the field unless ``prop`` is a `Proposal` with ``ks[i]`` slots per
+    request (shapes only: nothing is read back)."""
+    R, N = len(ks), sum(ks)
+    if not isinstance(prop, Proposal):
+        raise HalError(f"drafter.propose: expected a hal.requests.Proposal, got {type(prop).__name__}")
+    ids, cu, q, valid = prop.draft_token_ids, prop.cu_num_draft_tokens, prop.draft_probs, prop.num_valid
+    if not isinstance(ids, Tensor) or ids.dim() != 1 or ids.shape[0] != N or ids.is_floating_point():
+        raise HalError(f"Proposal.draft_token_ids: expected an integer tensor [{N}] (sum of k), got "
+                       f"{list(ids.shape) if isinstance(ids, Tensor) else type(ids).__name__}")
+    if not isinstance(cu, Tensor) or list(cu.shape) != [R + 1]:
+        raise HalError(f"Proposal.cu_num_draft_tokens: expected a tensor [{R + 1}], got "
+                       f"{list(cu.shape) if isinstance(cu, Tensor) else type(cu).__name__}")
+    if q is not None and (not isinstance(q, Tensor) or q.dim() != 2 or q.shape[0] != N):
+        raise HalError(f"Proposal.draft_probs: expected None or a tensor [{N}, V], got "
+                       f"{list(q.shape) if isinstance(q, Tensor) else type(q).__name__}")
+    if valid is not None and (len(valid) != R if isinstance(valid, (tuple, list)) else
+                              not isinstance(valid, Tensor) or list(valid.shape) != [R]):
+        raise HalError(f"Proposal.num_valid: expected None, {R} ints or a tensor [{R}], got {valid!r:.80}")
+
+
+def valid_counts(valid, ks: list[int]) -> list[int]:
+    """``num_valid`` as host ints, each checked to lie in [0, k]."""
+    out = [int(v) for v in valid]
+    for v, k in zip(out, ks):
+        if not 0 <= v <= k:
+            raise HalError(f"Proposal.num_valid: expected values in [0, k] (k = {k}), got {v}")
+    return out
+
+
 def drafts_for(drafter, shadow_ok: bool, ahead: Ahead | None, history: HistoryBuffer, live: list[State], dev):
     """The drafts each live request verifies this step: ``(ids [N] on ``dev``, counts, q or
     None, shadow guesses [(live index, flat slot)], the proposal)``. ``shadow_ok``: a router
@@ -46,13 +77,15 @@ def drafts_for(drafter, shadow_ok: bool, ahead: Ahead | None, history: HistoryBu
         if not any(ks):
             return none
         prop = drafter.propose(view(history, live, ks))
+        check_proposal(prop, ks)
         for s, k in zip(live, ks):
             s.offset += k
         valid = prop.num_valid
         if valid is None:
             valid = ks
         elif isinstance(valid, Tensor):   # a variable-count drafter outside the lookahead: one more sync
-            valid = [int(v) for v in readback(valid)[0]]
+            valid = readback(valid)[0]
+        valid = valid_counts(valid, ks)
         cu = [0]
         for k in ks:
             cu.append(cu[-1] + k)
@@ -86,6 +119,7 @@ def lookahead(drafter, history: HistoryBuffer, live: list[State], first: list[St
     caps = [max(0, s.req.k) for s in states]
     width = max(len(s.tokens) for s in states) + max(caps, default=0) + 1
     prop = drafter.propose(view(history, states, caps, num_tokens, width))
+    check_proposal(prop, caps)
     cu = [0]
     for c in caps[:-1]:
         cu.append(cu[-1] + c)

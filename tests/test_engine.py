@@ -226,3 +226,31 @@ def test_target_probs_equal_what_every_backend_samples_from():
             be = hal.get_backend(b.name)
             _, q = be.sample(logits, temp, top_k, top_p, torch.arange(R), torch.zeros(R, dtype=torch.long))
             torch.testing.assert_close(p, q.cpu(), atol=1e-5, rtol=0)
+
+
+class BadDrafter(NgramDrafter):
+    """PLANTED: a third-party drafter that breaks the Proposal contract in one field."""
+
+    def __init__(self, be, how, lookahead):
+        super().__init__(be)
+        self.how, self.lookahead = how, lookahead
+
+    def propose(self, b):
+        import dataclasses
+        prop = super().propose(b)
+        if self.how == "ids":
+            return dataclasses.replace(prop, draft_token_ids=prop.draft_token_ids[1:])
+        if self.how == "cu":
+            return dataclasses.replace(prop, cu_num_draft_tokens=prop.cu_num_draft_tokens[:-1])
+        return dataclasses.replace(prop, num_valid=tuple(k + 1 for k in b.k))
+
+
+@pytest.mark.parametrize("lookahead", [True, False])
+@pytest.mark.parametrize("how,field", [("ids", "draft_token_ids"), ("cu", "cu_num_draft_tokens"),
+                                       ("valid", "num_valid")])
+def test_a_malformed_proposal_is_refused_naming_the_field(model, how, field, lookahead):
+    dec = engine(model, drafter=BadDrafter(model.be, how, lookahead))
+    dec.add(Request(PROMPTS[0], max_new_tokens=N, k=3))
+    with pytest.raises(hal.HalError, match=field):
+        while dec.has_unfinished():
+            dec.step()
