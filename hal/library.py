@@ -39,6 +39,12 @@ FAKES = {
 }
 
 
+def register_module(namespace: str, names: dict) -> None:
+    """Replace every op function in a backend's op module namespace (pass ``globals()``) by
+    its custom op ``namespace::op``."""
+    names.update(vars(register(namespace, {op: names[op] for op in FAKES})))
+
+
 def register(namespace: str, impls: dict) -> SimpleNamespace:
     """Register each ``impls[op]`` (a function with the `hal.ops.Ops` signature and type
     annotations) as ``namespace::op``; returns the custom ops, by op name."""

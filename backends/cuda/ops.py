@@ -12,15 +12,9 @@ from backends.cuda.sample import sample
 from backends.cuda.tree import verify_tree
 from backends.cuda.typical import verify_typical
 from backends.cuda.write_kv import write_kv
-from hal.library import register
+from hal.library import register_module
 
-_ops = register("spec_hal_cuda", {
-    "sample": sample, "ngram_propose": ngram_propose, "verify_greedy": verify_greedy,
-    "verify_rejection": verify_rejection, "verify_typical": verify_typical, "verify_tree": verify_tree,
-    "write_kv": write_kv, "paged_attention": paged_attention, "copy_kv": copy_kv})
-(copy_kv, ngram_propose, paged_attention, sample, verify_greedy, verify_rejection, verify_tree, verify_typical,
- write_kv) = (_ops.copy_kv, _ops.ngram_propose, _ops.paged_attention, _ops.sample, _ops.verify_greedy,
-              _ops.verify_rejection, _ops.verify_tree, _ops.verify_typical, _ops.write_kv)
+register_module("spec_hal_cuda", globals())   # each op imported above becomes spec_hal_cuda::<op>
 
 __all__ = ["copy_kv", "ngram_propose", "paged_attention", "sample", "verify_greedy", "verify_rejection",
            "verify_tree", "verify_typical", "write_kv"]
