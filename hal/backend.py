@@ -147,6 +147,15 @@ class Backend:
         return self.impl.verify_rejection(draft_token_ids, cu_num_draft_tokens, draft_probs,
                                           target_probs, seeds, offsets, max_k)
 
+    def verify_rejection_logits(self, draft_token_ids: Tensor, cu_num_draft_tokens: Tensor,
+                                draft_probs: Tensor | None, target_logits: Tensor, temperature: Tensor,
+                                seeds: Tensor, offsets: Tensor, max_k: int) -> tuple[Tensor, Tensor]:
+        """Checked `Ops.verify_rejection_logits`."""
+        checks.verify_rejection_logits(self, draft_token_ids, cu_num_draft_tokens, draft_probs, target_logits,
+                                       temperature, seeds, offsets, max_k)
+        return self.impl.verify_rejection_logits(draft_token_ids, cu_num_draft_tokens, draft_probs, target_logits,
+                                                 temperature, seeds, offsets, max_k)
+
     def verify_typical(self, draft_token_ids: Tensor, cu_num_draft_tokens: Tensor,
                        target_probs: Tensor, seeds: Tensor, offsets: Tensor, max_k: int,
                        posterior_threshold: float = 0.09,

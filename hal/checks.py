@@ -132,6 +132,11 @@ def cu_values(name: str, cu: Tensor, total: int, max_len: int | None, max_name: 
         raise arg_error(max_name, f"an int >= every per-request count ({int(d.max())})", max_len)
 
 
+def temperature_values(temperature: Tensor) -> None:
+    if bool((~torch.isfinite(temperature) | (temperature < 0)).any()):
+        raise arg_error("temperature", "finite values >= 0", temperature[~(temperature >= 0)].tolist()[:4] or "inf")
+
+
 def seeds_offsets(be, seeds, offsets, R: int) -> None:
     tensor(be, "seeds", seeds, I64, (R,))
     tensor(be, "offsets", offsets, I64, (R,))
@@ -166,8 +171,7 @@ def sample(be, logits, temperature, top_k, top_p, seeds, offsets) -> None:
     same_device(dict(logits=logits, temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds, offsets=offsets))
     if be.check_values:
         logits_values("logits", logits)
-        if bool((~torch.isfinite(temperature) | (temperature < 0)).any()):
-            raise arg_error("temperature", "finite values >= 0", temperature[~(temperature >= 0)].tolist()[:4] or "inf")
+        temperature_values(temperature)
         if bool((~(top_p > 0) | (top_p > 1)).any()):
             raise arg_error("top_p", "values in (0, 1]", top_p[~(top_p > 0) | (top_p > 1)].tolist()[:4])
         dead = (temperature > 0) & (logits == -math.inf).all(-1)
@@ -210,6 +214,34 @@ def verify_rejection(be, draft_token_ids, cu_num_draft_tokens, draft_probs, targ
     _ragged_values(be, draft_token_ids, cu_num_draft_tokens, max_k, V)
     if be.check_values:
         prob_values("target_probs", target_probs)
+        if draft_probs is not None:
+            prob_values("draft_probs", draft_probs)
+
+
+def verify_rejection_logits(be, draft_token_ids, cu_num_draft_tokens, draft_probs, target_logits, temperature,
+                            seeds, offsets, max_k) -> None:
+    N, R = _ragged(be, draft_token_ids, cu_num_draft_tokens, max_k)
+    tensor(be, "target_logits", target_logits, FLOATS, (N + R, None))
+    V = target_logits.shape[1]
+    if V < 1:
+        raise arg_error("target_logits", "a vocabulary of at least 1", f"shape {list(target_logits.shape)}")
+    if draft_probs is not None:
+        tensor(be, "draft_probs", draft_probs, FLOATS, (N, V))
+    tensor(be, "temperature", temperature, F32, (R,))
+    seeds_offsets(be, seeds, offsets, R)
+    same_device(dict(draft_token_ids=draft_token_ids, cu_num_draft_tokens=cu_num_draft_tokens,
+                     draft_probs=draft_probs, target_logits=target_logits, temperature=temperature, seeds=seeds,
+                     offsets=offsets))
+    _ragged_values(be, draft_token_ids, cu_num_draft_tokens, max_k, V)
+    if be.check_values:
+        temperature_values(temperature)
+        logits_values("target_logits", target_logits)
+        k = cu_num_draft_tokens[1:] - cu_num_draft_tokens[:-1]
+        sampled = (temperature > 0).repeat_interleave(k + 1, output_size=N + R)
+        dead = sampled & (target_logits == -math.inf).all(-1)
+        if bool(dead.any()):
+            raise arg_error("target_logits", "a finite logit in every row of a sampled request",
+                            f"row {_first_bad(dead)} all -inf")
         if draft_probs is not None:
             prob_values("draft_probs", draft_probs)
 

@@ -31,6 +31,7 @@ FAKES = {
                                                 ids.new_empty((ids.shape[0],), **I32)),
     "verify_greedy": lambda ids, cu, logits, max_k: _verify(ids, cu, max_k),
     "verify_rejection": lambda ids, cu, q, p, s, o, max_k: _verify(ids, cu, max_k),
+    "verify_rejection_logits": lambda ids, cu, q, logits, t, s, o, max_k: _verify(ids, cu, max_k),
     "verify_typical": lambda ids, cu, p, s, o, max_k, eps, delta: _verify(ids, cu, max_k),
     "verify_tree": _tree,
     "write_kv": lambda *_: None,

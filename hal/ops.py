@@ -146,6 +146,30 @@ class Ops(Protocol):
         :returns: ``(output_token_ids [R, max_k+1] int32, num_accepted [R] int32)``.
         """
 
+    def verify_rejection_logits(self, draft_token_ids: Tensor, cu_num_draft_tokens: Tensor,
+                                draft_probs: Tensor | None, target_logits: Tensor, temperature: Tensor,
+                                seeds: Tensor, offsets: Tensor, max_k: int) -> tuple[Tensor, Tensor]:
+        """`verify_rejection` and `verify_greedy` from the target's *logits*, greedy and sampled
+        requests mixed (the input vLLM's rejection sampler gets): no ``[N + R, V]`` softmax first.
+
+        Request ``r`` is greedy when ``temperature[r] < SAMPLING_EPS``: its rows are verified
+        exactly as `verify_greedy` (``draft_probs`` is ignored for it). Otherwise its target
+        rows are ``p = softmax(target_logits[row] / temperature[r])`` (the row max subtracted
+        first; a ``-inf`` logit gets ``p == 0`` exactly: mask tokens that top-k/top-p filter out
+        to ``-inf`` beforehand), and acceptance, residual and bonus follow `verify_rejection`
+        with those ``p`` (``u * q(x) < p(x)``, the same random streams). Each row is read for
+        one logsumexp, which gives ``p(x)`` at the draft; the full row ``p`` (and the residual
+        ``max(p - q, 0)``) is formed only at each request's first rejection, and at its bonus
+        row only when every draft was accepted.
+
+        :param draft_probs: ``[N, V]`` or ``None`` (one-hot ``q``, as in `verify_rejection`).
+        :param target_logits: ``[N + R, V]`` float logits; no NaN or +inf, and a finite value
+            in every row of a sampled request.
+        :param temperature: ``[R]`` float32, finite, ``>= 0``.
+        :param seeds: ``[R]`` int64. :param offsets: ``[R]`` int64, ``>= 0``.
+        :returns: ``(output_token_ids [R, max_k+1] int32, num_accepted [R] int32)``.
+        """
+
     def verify_typical(self, draft_token_ids: Tensor, cu_num_draft_tokens: Tensor,
                        target_probs: Tensor, seeds: Tensor, offsets: Tensor, max_k: int,
                        posterior_threshold: float, posterior_alpha: float) -> tuple[Tensor, Tensor]:
@@ -252,8 +276,8 @@ class Ops(Protocol):
 # The file each op lives in, the same in verify_ops/ and in every backends/<name>/.
 OP_FILES: dict[str, str] = {
     "sample": "sample", "ngram_propose": "ngram", "verify_greedy": "greedy", "verify_rejection": "rejection",
-    "verify_typical": "typical", "verify_tree": "tree", "write_kv": "write_kv",
-    "paged_attention": "paged_attention", "copy_kv": "copy_kv",
+    "verify_rejection_logits": "rejection_logits", "verify_typical": "typical", "verify_tree": "tree",
+    "write_kv": "write_kv", "paged_attention": "paged_attention", "copy_kv": "copy_kv",
 }
 
 OP_NAMES: tuple[str, ...] = tuple(n for n in vars(Ops) if not n.startswith("_")

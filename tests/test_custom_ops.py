@@ -14,7 +14,8 @@ import hal
 from hal.conformance.test_bad_input import valid_args
 from hal.ops import OP_NAMES
 
-ASCEND = {"verify_greedy": "verify_greedy", "verify_rejection": "verify_rejection", "verify_typical": "verify_typical",
+ASCEND = {"verify_greedy": "verify_greedy", "verify_rejection": "verify_rejection",
+          "verify_rejection_logits": "verify_rejection_logits", "verify_typical": "verify_typical",
           "verify_tree": "verify_tree", "ngram_propose": "ngram_propose", "copy_kv": "copy_kv",
           "paged_attention": "tree_attention"}
 

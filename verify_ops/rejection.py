@@ -15,13 +15,25 @@ def verify_rejection(draft_token_ids: Tensor, cu_num_draft_tokens: Tensor, draft
     k, valid, draft_idx, rows = ragged_layout(cu_num_draft_tokens, max_k)
     x = take(draft_token_ids.long(), draft_idx)
     p_x = target_probs[rows[:, :max_k], x].double()
+    n_acc = accepted(p_x, x, draft_idx, draft_probs, valid, seeds, offsets, max_k)
+    # The one distribution each request draws its last token from.
+    p = target_probs[rows.gather(1, n_acc[:, None].long())[:, 0]].float()
+    return emit(x, n_acc, recover(p, x, n_acc, k, draft_idx, draft_probs, seeds, offsets, max_k), max_k), n_acc.int()
+
+
+def accepted(p_x: Tensor, x: Tensor, draft_idx: Tensor, draft_probs: Tensor | None, valid: Tensor, seeds: Tensor,
+             offsets: Tensor, max_k: int) -> Tensor:
+    """Accepted prefix lengths ``[R]``: accept draft j iff ``u_j * q_j(x_j) < p_j(x_j)``."""
     q_x = draft_probs[draft_idx, x].double() if draft_probs is not None and x.numel() and \
         draft_probs.shape[0] else torch.ones_like(p_x)
     u = uniform(seeds, offsets, ACCEPT, torch.arange(max_k, device=x.device))
-    n_acc = ((u * q_x < p_x) & valid).int().cumprod(-1).sum(-1)
+    return ((u * q_x < p_x) & valid).int().cumprod(-1).sum(-1)
 
-    # The one distribution each request draws its last token from.
-    p = target_probs[rows.gather(1, n_acc[:, None].long())[:, 0]].float()
+
+def recover(p: Tensor, x: Tensor, n_acc: Tensor, k: Tensor, draft_idx: Tensor, draft_probs: Tensor | None,
+            seeds: Tensor, offsets: Tensor, max_k: int) -> Tensor:
+    """Each request's last token from its last row ``p [R, V]``: norm(max(p - q, 0)) at a
+    rejection (``p`` where that is all zero), ``p`` itself at the bonus row."""
     j = n_acc.long().clamp(max=max(max_k - 1, 0))[:, None]
     rejected = (n_acc < k)[:, None]
     if draft_probs is None:
@@ -31,4 +43,4 @@ def verify_rejection(draft_token_ids: Tensor, cu_num_draft_tokens: Tensor, draft
     residual = (p - q * rejected).clamp(min=0)
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
     u_last = uniform(seeds, offsets, RECOVER, torch.zeros(1, dtype=torch.long, device=x.device))[:, 0]
-    return emit(x, n_acc, categorical(residual, u_last), max_k), n_acc.int()
+    return categorical(residual, u_last)

@@ -5,10 +5,11 @@ from backends.ascend.greedy import verify_greedy
 from backends.ascend.ngram import ngram_propose
 from backends.ascend.paged_attention import paged_attention
 from backends.ascend.rejection import verify_rejection
+from backends.ascend.rejection_logits import verify_rejection_logits
 from backends.ascend.sample import sample
 from backends.ascend.tree import verify_tree
 from backends.ascend.typical import verify_typical
 from backends.ascend.write_kv import write_kv
 
 __all__ = ["copy_kv", "ngram_propose", "paged_attention", "sample", "verify_greedy", "verify_rejection",
-           "verify_tree", "verify_typical", "write_kv"]
+           "verify_rejection_logits", "verify_tree", "verify_typical", "write_kv"]

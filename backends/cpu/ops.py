@@ -9,6 +9,7 @@ from verify_ops.greedy import verify_greedy
 from verify_ops.ngram import ngram_propose
 from verify_ops.paged_attention import paged_attention
 from verify_ops.rejection import verify_rejection
+from verify_ops.rejection_logits import verify_rejection_logits
 from verify_ops.sample import sample
 from verify_ops.tree import verify_tree
 from verify_ops.typical import verify_typical
@@ -17,4 +18,4 @@ from verify_ops.write_kv import write_kv
 register_module("spec_hal_cpu", globals())   # each op imported above becomes spec_hal_cpu::<op>
 
 __all__ = ["copy_kv", "ngram_propose", "paged_attention", "sample", "verify_greedy", "verify_rejection",
-           "verify_tree", "verify_typical", "write_kv"]
+           "verify_rejection_logits", "verify_tree", "verify_typical", "write_kv"]

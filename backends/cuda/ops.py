@@ -8,6 +8,7 @@ from backends.cuda.greedy import verify_greedy
 from backends.cuda.ngram import ngram_propose
 from backends.cuda.paged_attention import paged_attention
 from backends.cuda.rejection import verify_rejection
+from backends.cuda.rejection_logits import verify_rejection_logits
 from backends.cuda.sample import sample
 from backends.cuda.tree import verify_tree
 from backends.cuda.typical import verify_typical
@@ -17,4 +18,4 @@ from hal.library import register_module
 register_module("spec_hal_cuda", globals())   # each op imported above becomes spec_hal_cuda::<op>
 
 __all__ = ["copy_kv", "ngram_propose", "paged_attention", "sample", "verify_greedy", "verify_rejection",
-           "verify_tree", "verify_typical", "write_kv"]
+           "verify_rejection_logits", "verify_tree", "verify_typical", "write_kv"]

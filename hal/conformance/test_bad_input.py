@@ -40,6 +40,9 @@ def valid_args(be, op):
         return dict(**ragged, target_logits=torch.zeros(5, 8, device=d), max_k=2)
     if op == "verify_rejection":
         return dict(**ragged, draft_probs=probs(3), target_probs=probs(5), **so, max_k=2)
+    if op == "verify_rejection_logits":
+        return dict(**ragged, draft_probs=probs(3), target_logits=torch.zeros(5, 8, device=d),
+                    temperature=torch.tensor([0.0, 0.8], device=d), **so, max_k=2)
     if op == "verify_typical":
         return dict(**ragged, target_probs=probs(5), **so, max_k=2, posterior_threshold=0.09, posterior_alpha=0.3)
     if op == "verify_tree":
@@ -105,7 +108,7 @@ def test_each_argument_is_checked(backend, op, name, how):
 SCALARS = [("verify_greedy", "max_k", -1), ("verify_greedy", "max_k", 1.5), ("ngram_propose", "min_n", 0),
            ("ngram_propose", "max_n", 0), ("ngram_propose", "k", 0), ("paged_attention", "scale", math.nan),
            ("verify_typical", "posterior_threshold", 0.0), ("verify_typical", "posterior_alpha", 2.0),
-           ("verify_rejection", "max_k", True)]
+           ("verify_rejection", "max_k", True), ("verify_rejection_logits", "max_k", 2 ** 40)]
 
 
 @pytest.mark.parametrize("op,name,value", SCALARS)
@@ -140,6 +143,12 @@ VALUES = [  # (op, argument, how to break its value, expected argument in the er
     ("verify_rejection", "target_probs", _unnorm, "target_probs"),
     ("verify_rejection", "draft_probs", _nan, "draft_probs"),
     ("verify_rejection", "draft_probs", lambda t: t - 0.1, "draft_probs"),
+    ("verify_rejection_logits", "target_logits", _nan, "target_logits"),
+    ("verify_rejection_logits", "target_logits", lambda t: t.masked_fill(torch.arange(5, device=t.device)[:, None] == 4,
+                                                                       -math.inf), "target_logits"),
+    ("verify_rejection_logits", "temperature", lambda t: t - 1, "temperature"),
+    ("verify_rejection_logits", "draft_probs", _unnorm, "draft_probs"),
+    ("verify_rejection_logits", "draft_token_ids", lambda t: t + 100, "draft_token_ids"),
     ("verify_typical", "target_probs", _unnorm, "target_probs"),
     ("verify_tree", "parent_ids", lambda t: torch.tensor([0, -1, 1], device=t.device), "parent_ids"),
     ("verify_tree", "target", _nan, "target"),

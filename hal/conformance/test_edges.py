@@ -157,14 +157,17 @@ def test_head_padded_cache(backend):
 
 # -- item 8: tiny temperatures are greedy; extreme finite logits never overflow ----------------
 
-@pytest.mark.hal_op("sample")
-@pytest.mark.parametrize("temperature,logits,token,q", [
+EXTREMES = [
     (1e-45, [1.0, 2.0, 0.5], 1, [0.0, 1.0, 0.0]),            # denormal T: greedy
     (9e-6, [1.0, 1.0 + 1e-6, 0.5], 1, [0.0, 1.0, 0.0]),      # below SAMPLING_EPS: greedy
     (0.5, [3e38, -3e38, 1e37], 0, [1.0, 0.0, 0.0]),          # (x - max) / T: no inf - inf
     (0.5, [-3e38, -3.3e38, -3e38], None, [0.5, 0.0, 0.5]),   # near -FLT_MAX, a tie
     (0.25, [3.3e38, 3.3e38, -3.3e38], None, [0.5, 0.5, 0.0]),
-])
+]
+
+
+@pytest.mark.hal_op("sample")
+@pytest.mark.parametrize("temperature,logits,token,q", EXTREMES)
 def test_tiny_temperature_and_extreme_logits(backend, temperature, logits, token, q):
     R = 400
     lg = torch.tensor([logits]).expand(R, 3)
@@ -173,6 +176,23 @@ def test_tiny_temperature_and_extreme_logits(backend, temperature, logits, token
     tok, qq = host(tok), host(qq)
     assert not torch.isnan(qq).any(), "q holds NaN"
     torch.testing.assert_close(qq, torch.tensor([q]).expand(R, 3), atol=1e-6, rtol=0)
+    if token is not None:
+        assert (tok == token).all()
+    else:
+        allowed = torch.tensor(q) > 0
+        assert allowed[tok.long()].all() and len(set(tok.tolist())) == 2, "both tied tokens are drawn"
+
+
+@pytest.mark.hal_op("verify_rejection_logits")
+@pytest.mark.parametrize("temperature,logits,token,q", EXTREMES)
+def test_tiny_temperature_and_extreme_logits_in_verify(backend, temperature, logits, token, q):
+    """The same rows as target logits (no drafts: the bonus token): drawn from q, never NaN."""
+    R = 400
+    out, n = host(*backend.verify_rejection_logits(*put(backend, torch.zeros(0, dtype=I64), torch.zeros(R + 1, dtype=I64),
+                                                        None, torch.tensor([logits]).expand(R, 3),
+                                                        torch.full((R,), temperature), torch.arange(R),
+                                                        torch.zeros(R, dtype=I64)), 0))
+    tok = out[:, 0]
     if token is not None:
         assert (tok == token).all()
     else:

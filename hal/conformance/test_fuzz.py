@@ -139,6 +139,12 @@ def valid_case(draw, be, op):
         dp = _probs(g, N, V, ft, zeros) if draw(st.booleans()) else None
         return dict(draft_token_ids=ids, cu_num_draft_tokens=cu, draft_probs=dp,
                     target_probs=_probs(g, N + R, V, ft, zeros), **so, max_k=max_k), V
+    if op == "verify_rejection_logits":
+        dp = _probs(g, N, V, ft, zeros) if draw(st.booleans()) else None
+        temp = torch.rand(R, generator=g) * 2
+        temp[torch.rand(R, generator=g) < 0.4] = 0
+        return dict(draft_token_ids=ids, cu_num_draft_tokens=cu, draft_probs=dp,
+                    target_logits=_logits(g, N + R, V, ft, zeros), temperature=temp, **so, max_k=max_k), V
     if op == "verify_typical":
         return dict(draft_token_ids=ids, cu_num_draft_tokens=cu, target_probs=_probs(g, N + R, V, ft, zeros), **so,
                     max_k=max_k, posterior_threshold=draw(st.sampled_from([0.09, 0.3, 1.0])),
@@ -235,7 +241,7 @@ TOL = {torch.float32: 1e-4, torch.float64: 1e-4, torch.float16: 2e-2, torch.bflo
 
 
 def _compare_to_oracle(op, args, got, want, V):
-    random = op in ("sample", "verify_rejection", "verify_typical") or (
+    random = op in ("sample", "verify_rejection", "verify_rejection_logits", "verify_typical") or (
         op == "verify_tree" and args.get("seeds") is not None)
     if op == "paged_attention":
         torch.testing.assert_close(got[0].double(), want[0].double(), atol=TOL[args["query"].dtype], rtol=0)
@@ -243,6 +249,10 @@ def _compare_to_oracle(op, args, got, want, V):
         torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-4)
         greedy = args["temperature"] < hal.ops.SAMPLING_EPS
         assert torch.equal(got[0][greedy], want[0][greedy]), "greedy rows differ from the oracle"
+        _structure(op, args, got, V)
+    elif op == "verify_rejection_logits":
+        greedy = args["temperature"] < hal.ops.SAMPLING_EPS
+        assert all(torch.equal(a[greedy], b[greedy]) for a, b in zip(got, want)), "greedy requests differ from the oracle"
         _structure(op, args, got, V)
     elif random:
         _structure(op, args, got, V)

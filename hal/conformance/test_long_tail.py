@@ -4,7 +4,7 @@ p = 0.999 on one token and 1e-3 spread over the other 49,151 (each 2e-8 of the t
 race whose exponentials come from a 24-bit uniform (E >= 6e-8) almost never emits the
 tail; the contract says it is emitted 1e-3 of the time. 30,000 draws per op (30 expected),
 chi-square on (top, tail) at alpha 1e-6, for `sample`, the bonus token of
-`verify_rejection` and the extra token of sampling `verify_tree`.
+`verify_rejection` (from probabilities and from logits) and the extra token of sampling `verify_tree`.
 
 About 2e9 token evaluations per op: a minute on the cpu reference, seconds on a GPU,
 hours under the Triton interpreter (there `tests/test_random.py` checks the race's
@@ -17,7 +17,7 @@ import torch
 
 from hal.conformance._helpers import assert_distribution, host, put
 
-pytestmark = [pytest.mark.hal_op("sample", "verify_rejection", "verify_tree"),
+pytestmark = [pytest.mark.hal_op("sample", "verify_rejection", "verify_rejection_logits", "verify_tree"),
               pytest.mark.skipif(os.environ.get("HAL_SLOW") != "1", reason="slow: run with --slow (HAL_SLOW=1)")]
 V, N, CHUNK = 49152, 30_000, 1000
 
@@ -28,7 +28,7 @@ def tail_probs():
     return p
 
 
-@pytest.mark.parametrize("op", ["sample", "verify_rejection", "verify_tree"])
+@pytest.mark.parametrize("op", ["sample", "verify_rejection", "verify_rejection_logits", "verify_tree"])
 def test_long_tail_mass(backend, op):
     p = tail_probs()
     pf = p.float()
@@ -44,6 +44,9 @@ def test_long_tail_mass(backend, op):
             args = put(backend, ids, cu, pf[None].expand(R, V), seeds, offs)
             if op == "verify_rejection":
                 out, _ = backend.verify_rejection(args[0], args[1], None, *args[2:], 0)
+            elif op == "verify_rejection_logits":
+                out, _ = backend.verify_rejection_logits(args[0], args[1], None, put(backend, pf.log()[None].expand(R, V)),
+                                                         put(backend, torch.ones(R)), *args[3:], 0)
             else:
                 out, _, _ = backend.verify_tree(args[0], args[1], args[0], args[2], None, *args[3:], 0)
             tok = out[:, 0]
