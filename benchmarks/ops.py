@@ -103,6 +103,60 @@ def bench_vs_hf(reps: int) -> list[str]:
     ]
 
 
+def bench_from_logits(reps: int) -> list[str]:
+    """`verify_rejection_logits` on the target's logits (vLLM's input) beside HF's row loop and
+    beside one `torch.logsumexp` pass over the same logits, on 1 and on 2 threads."""
+    try:
+        from transformers.generation.utils import _speculative_sampling
+    except ImportError:
+        return ["HF transformers not installed (pip install -e '.[bench]'): from-logits comparison skipped."]
+    from hal.integrations.vllm import rejection_sample
+    R, k, V = 64, 5, 49152
+    draft_logits, target_logits, drafts = rejection_inputs(R, k, V)
+    be = hal.get_backend("cpu")
+    cu, ids = torch.arange(R + 1) * k, drafts.reshape(-1)
+    seeds, offsets, temp = torch.arange(R), torch.zeros(R, dtype=torch.long), torch.ones(R)
+    q = draft_logits.reshape(R * k, V).softmax(-1)           # the drafter's `sample` output, reused
+    target = target_logits.reshape(R * (k + 1), V)
+    md = type("SpecDecodeMetadata", (), dict(draft_token_ids=ids, cu_num_draft_tokens=cu[1:], max_spec_len=k))
+    vllm_logits = target_logits[:, :k].reshape(R * k, V)
+    bonus = torch.zeros(R, 1, dtype=torch.long)
+
+    def hf():
+        for r in range(R):
+            cand = torch.cat([torch.zeros(1, 3, dtype=torch.long), drafts[r:r + 1]], 1)
+            _speculative_sampling(cand, draft_logits[r:r + 1], k, target_logits[r:r + 1])
+
+    fns = {"hf": hf,
+           "lse": lambda: torch.logsumexp(target, -1),
+           "op": lambda: be.impl.verify_rejection_logits(ids, cu, q, target, temp, seeds, offsets, k),
+           "checked": lambda: be.verify_rejection_logits(ids, cu, q, target, temp, seeds, offsets, k),
+           "softmax": lambda: be.impl.verify_rejection(ids, cu, q, target.softmax(-1), seeds, offsets, k),
+           "vllm": lambda: rejection_sample(md, q, vllm_logits, bonus, temperature=temp, seeds=seeds, backend=be)}
+    labels = {"hf": "HF `_speculative_sampling`, one row at a time",
+              "lse": "one `torch.logsumexp` pass over the same `[N+R, V]` logits",
+              "op": "spec-hal cpu `verify_rejection_logits`, value checks off",
+              "checked": "spec-hal cpu `verify_rejection_logits`, value checks on (the cpu default)",
+              "softmax": "target softmax + `verify_rejection` (the path before this op), checks off",
+              "vllm": "`hal.integrations.vllm.rejection_sample` (vLLM's layout: `[N, V]` logits + bonus ids)"}
+    lines = [f"### Verify from logits (R={R}, k={k}, V={V}, temperature 1, q reused from drafting)", "",
+             "Target: the op at least 2x HF's row loop and at most 1.5x one logsumexp pass, on 1 and 2 threads.", ""]
+    threads = torch.get_num_threads()
+    for n in (1, 2):
+        torch.set_num_threads(n)
+        t = timeit(fns, reps)
+        lines += [f"#### {n} thread{'s' if n > 1 else ''}", "",
+                  "| implementation | ms / batch | speedup vs HF | cost vs one logsumexp |", "|---|---:|---:|---:|"]
+        lines += [f"| {labels[key]} | {t[key] * 1e3:.1f} | {t['hf'] / t[key]:.2f}x | {t[key] / t['lse']:.2f}x |"
+                  for key in fns]
+        hf_ok, lse_ok = t["hf"] / t["op"] >= 2, t["op"] / t["lse"] <= 1.5
+        lines += ["", f"Op vs targets on {n} thread{'s' if n > 1 else ''}: {t['hf'] / t['op']:.2f}x HF "
+                      f"({'met' if hf_ok else 'missed'}), {t['op'] / t['lse']:.2f}x logsumexp "
+                      f"({'met' if lse_ok else 'missed'}).", ""]
+    torch.set_num_threads(threads)
+    return lines
+
+
 def op_cases(be, R=64, k=5, V=32000, ctx=1024):
     """Realistic inputs for every op at one shape, on the backend's device."""
     d = be.device_type
@@ -129,7 +183,8 @@ def op_cases(be, R=64, k=5, V=32000, ctx=1024):
     qsl_v = torch.arange(R + 1) * (k + 1)
     temp, topk, topp = torch.ones(R), torch.full((R,), 50, dtype=torch.int32), torch.full((R,), 0.9)
     a = dict(logits=t(logits, temp, topk, topp, seeds, offsets), hist=t(hist, ntok),
-             greedy=t(ids, cu, p), rej=t(ids, cu, q, p, seeds, offsets), typ=t(ids, cu, p, seeds, offsets),
+             greedy=t(ids, cu, p), rej=t(ids, cu, q, p, seeds, offsets),
+             rejl=t(ids, cu, q, p.log(), temp, seeds, offsets), typ=t(ids, cu, p, seeds, offsets),
              tree=t(ids, cu, parents, p, q, seeds, offsets), kv=t(key, key, kc, vc, slots),
              dec=t(query, kc, vc, bt, seq, qsl), ver=t(qv, kc, vc, bt, seq, qsl_v),
              cp=t(kc, vc, slots.repeat(k) - torch.arange(R * k) % k, torch.arange(R * k)))
@@ -138,6 +193,7 @@ def op_cases(be, R=64, k=5, V=32000, ctx=1024):
         ("ngram_propose", "L=1024, n 1..3"): lambda: be.ngram_propose(*a["hist"], 1, 3, k),
         ("verify_greedy", ""): lambda: be.verify_greedy(*a["greedy"], k),
         ("verify_rejection", ""): lambda: be.verify_rejection(*a["rej"], k),
+        ("verify_rejection_logits", ""): lambda: be.verify_rejection_logits(*a["rejl"], k),
         ("verify_typical", ""): lambda: be.verify_typical(*a["typ"], k, 0.09, 0.3),
         ("verify_tree", "binary tree"): lambda: be.verify_tree(*a["tree"], k),
         ("write_kv", f"H={H} D={D}"): lambda: be.write_kv(*a["kv"]),
@@ -220,7 +276,7 @@ def main() -> None:
               f"Command: `{cmd.strip()}`; {dev}; torch {torch.__version__}, "
               f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}, "
               f"{time.strftime('%Y-%m-%d')}.", ""]
-    body = ([] if args.no_hf else bench_vs_hf(args.reps) + [""]) + bench_ops(args.reps, FULL if args.full else QUICK)
+    body = ([] if args.no_hf else bench_vs_hf(args.reps) + [""] + bench_from_logits(args.reps) + [""]) + bench_ops(args.reps, FULL if args.full else QUICK)
     body += [""] + bench_flashinfer(args.reps)
     text = "\n".join(header + body) + "\n"
     print(text)

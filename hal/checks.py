@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from hal.errors import arg_error
+from hal.ops import SAMPLING_EPS
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INTS = (torch.int32, torch.int64)
@@ -88,14 +89,15 @@ def _first_bad(mask: Tensor) -> int:
     return int(mask.reshape(-1).nonzero()[0, 0]) if mask.dim() else 0
 
 
-def logits_values(name: str, t: Tensor) -> None:
-    """No NaN or +inf (one pass: max propagates NaN)."""
+def logits_values(name: str, t: Tensor) -> Tensor | None:
+    """No NaN or +inf (one pass: max propagates NaN); returns the row maxima (None when empty)."""
     if t.numel() == 0:
-        return
+        return None
     mx = t.amax(-1)
     bad = torch.isnan(mx) | (mx == math.inf)
     if bool(bad.any()):
         raise arg_error(name, "no NaN or +inf (-inf marks masked tokens)", f"NaN/+inf in row {_first_bad(bad)}")
+    return mx
 
 
 def prob_values(name: str, t: Tensor) -> None:
@@ -174,7 +176,7 @@ def sample(be, logits, temperature, top_k, top_p, seeds, offsets) -> None:
         temperature_values(temperature)
         if bool((~(top_p > 0) | (top_p > 1)).any()):
             raise arg_error("top_p", "values in (0, 1]", top_p[~(top_p > 0) | (top_p > 1)].tolist()[:4])
-        dead = (temperature > 0) & (logits == -math.inf).all(-1)
+        dead = (temperature >= SAMPLING_EPS) & (logits == -math.inf).all(-1)
         if bool(dead.any()):
             raise arg_error("logits", "a finite logit in every sampled row", f"row {_first_bad(dead)} all -inf")
 
@@ -235,11 +237,10 @@ def verify_rejection_logits(be, draft_token_ids, cu_num_draft_tokens, draft_prob
     _ragged_values(be, draft_token_ids, cu_num_draft_tokens, max_k, V)
     if be.check_values:
         temperature_values(temperature)
-        logits_values("target_logits", target_logits)
+        mx = logits_values("target_logits", target_logits)
         k = cu_num_draft_tokens[1:] - cu_num_draft_tokens[:-1]
-        sampled = (temperature > 0).repeat_interleave(k + 1, output_size=N + R)
-        dead = sampled & (target_logits == -math.inf).all(-1)
-        if bool(dead.any()):
+        sampled = (temperature >= SAMPLING_EPS).repeat_interleave(k + 1, output_size=N + R)
+        if mx is not None and bool((dead := sampled & (mx == -math.inf)).any()):
             raise arg_error("target_logits", "a finite logit in every row of a sampled request",
                             f"row {_first_bad(dead)} all -inf")
         if draft_probs is not None:

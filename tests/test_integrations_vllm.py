@@ -71,7 +71,7 @@ def test_a_layout_slip_is_caught():
 
 @pytest.mark.parametrize("old,new", [
     ("cu = torch.cat([incl.new_zeros(1), incl])", "cu = torch.cat([incl, incl[-1:]])"),   # cu read as exclusive
-    ("target[cu[1:] + req, bonus] = 1.0", "target[cu[:-1] + req, bonus] = 1.0"),        # bonus row misplaced
+    ("target[cu[1:] + req, bonus] = 0.0", "target[cu[:-1] + req, bonus] = 0.0"),        # bonus row misplaced
 ])
 def test_planted_layout_slips_fail_vllms_cases(old, new, tmp_path):
     import importlib.util
@@ -120,6 +120,24 @@ def test_vllm_rejection_sampling_matches_the_target_distribution():
     out = rejection_sample(make_dummy(drafts.tolist()), q.repeat(n * k, 1), target_logits.repeat(n * k, 1), bonus,
                            temperature=torch.ones(n), seeds=torch.arange(n), backend=hal.get_backend("cpu"))
     assert_distribution(out[:, 0], p, "first emitted token")
+
+
+def test_top_k_top_p_filter_the_target():
+    """vLLM applies top-k/top-p to the target logits before verifying: with top_k = 3 and
+    temperature 0.7 the first emitted token follows softmax(logits / 0.7) over the top 3 only."""
+    g = torch.Generator().manual_seed(4)
+    V, n = 8, 60_000
+    q = torch.softmax(torch.rand(V, generator=g), -1)
+    target_logits = torch.rand(V, generator=g) * 3
+    top3 = target_logits.topk(3).indices
+    p = torch.zeros(V)
+    p[top3] = torch.softmax(target_logits[top3] / 0.7, -1)
+    drafts = torch.multinomial(q, n, replacement=True, generator=g).view(n, 1)
+    out = rejection_sample(make_dummy(drafts.tolist()), q.repeat(n, 1), target_logits.repeat(n, 1),
+                           torch.zeros(n, 1, dtype=torch.long), temperature=torch.full((n,), 0.7),
+                           top_k=torch.full((n,), 3), top_p=torch.ones(n), seeds=torch.arange(n),
+                           backend=hal.get_backend("cpu"))
+    assert_distribution(out[:, 0], p, "first emitted token under top-k 3")
 
 
 def test_mixed_greedy_and_random_requests():

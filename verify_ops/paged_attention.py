@@ -15,7 +15,9 @@ def paged_attention(query: Tensor, k_cache: Tensor, v_cache: Tensor, block_table
     R = block_tables.shape[0]
     qsl, seq = query_start_loc.long(), seq_lens.long()
     q_len = qsl[1:] - qsl[:-1]
-    Q = int(q_len.max()) if R else 0
+    # the padded query width: the tree mask's (host-known, >= every q_len); else the longest query,
+    # read on the host: only the cpu backend runs this causal path, on host tensors
+    Q = tree_mask.shape[1] if tree_mask is not None else int(q_len.max()) if R else 0
     L = block_tables.shape[1] * bs
     dev = query.device
     used = torch.arange(block_tables.shape[1], device=dev)[None] * bs < seq[:, None]

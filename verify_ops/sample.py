@@ -20,10 +20,18 @@ def probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor,
     """``(q [R, V] float32, argmax [R])``: the distribution `sample` draws from, without a draw
     (vLLM's ``compute_probs``); plain torch, on any device.
 
-    q = softmax(z masked below a per-row cutoff), z = (logits - max) / T (never overflows);
-    T < SAMPLING_EPS rows: one_hot(argmax). top-k cutoff: the k-th largest z. top-p cutoff:
-    in descending order over the top-k set, the last z whose preceding (renormalised) mass
-    is < top_p. Ties at a cutoff are kept.
+    q = softmax(`filtered` z); T < SAMPLING_EPS rows: one_hot(argmax). ``sort``: see `filtered`."""
+    greedy = temperature < SAMPLING_EPS
+    q = filtered(logits, temperature, top_k, top_p, sort).softmax(-1)
+    top = logits.float().argmax(-1)
+    return torch.where(greedy[:, None], torch.zeros_like(q).scatter_(1, top[:, None], 1.0), q), top
+
+
+def filtered(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, sort: int | None = None) -> Tensor:
+    """z = (logits - max) / T (T = 1 on greedy rows; never overflows), float32, set to -inf
+    below a per-row cutoff. top-k cutoff: the k-th largest z. top-p cutoff: in descending order
+    over the top-k set, the last z whose preceding (renormalised) mass is < top_p. Ties at a
+    cutoff are kept.
 
     ``sort``: how many of each row's largest z the filters need (`sort_width`), when the
     caller knows it on the host; None reads it from ``top_k``/``top_p`` (a host sync)."""
@@ -46,9 +54,7 @@ def probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor,
         p_cut = vals.masked_fill(~keep, torch.inf).amin(-1, keepdim=True)
         cut = torch.where(use_p[:, None], torch.maximum(cut, p_cut), cut)
         z = z.masked_fill(z < cut, -torch.inf)
-    q = z.softmax(-1)
-    top = logits.float().argmax(-1)
-    return torch.where(greedy[:, None], torch.zeros_like(q).scatter_(1, top[:, None], 1.0), q), top
+    return z
 
 
 def sort_width(top_k: list[int], top_p: list[float], V: int) -> int:

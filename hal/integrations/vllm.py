@@ -1,4 +1,4 @@
-"""vLLM v1's rejection-sampler layout on spec-hal's `verify_rejection`.
+"""vLLM v1's rejection-sampler layout on spec-hal's `verify_rejection_logits`.
 
 vLLM (``vllm/v1/sample/rejection_sampler.py``) hands its sampler a ``SpecDecodeMetadata``
 whose ``cu_num_draft_tokens`` is the *inclusive* prefix sum ``[R]`` (no leading 0), the
@@ -18,6 +18,7 @@ from torch import Tensor
 import hal
 from hal.errors import arg_error
 from hal.ops import SAMPLING_EPS
+from verify_ops.sample import filtered
 
 PLACEHOLDER_TOKEN_ID = -1
 
@@ -29,7 +30,11 @@ def rejection_sample(metadata, draft_probs: Tensor | None, logits: Tensor, bonus
     inclusive ``cu_num_draft_tokens [R]``, ``max_spec_len``), the target ``logits [N, V]`` at
     the draft positions and vLLM's ``bonus_token_ids [R, 1]``. ``temperature [R]`` (None: all
     greedy), optional ``top_k``/``top_p`` as vLLM's sampling metadata; randomness from
-    ``seeds``/``offsets [R]`` (default: fresh seeds)."""
+    ``seeds``/``offsets [R]`` (default: fresh seeds).
+
+    One call of the backend's `verify_rejection_logits`: the logits are read once, never
+    softmaxed whole. Only when ``top_k``/``top_p`` are given are the rows filtered first
+    (``verify_ops.sample.filtered``: filtered-out tokens become -inf)."""
     be = backend or hal.get_backend()
     dev = logits.device
     ids = torch.as_tensor(metadata.draft_token_ids, device=dev).long().reshape(-1)
@@ -44,31 +49,24 @@ def rejection_sample(metadata, draft_probs: Tensor | None, logits: Tensor, bonus
     cu = torch.cat([incl.new_zeros(1), incl])
     k = cu[1:] - cu[:-1]
     temp = torch.zeros(R, device=dev) if temperature is None else temperature.to(dev).float()
-    rows_t = temp.repeat_interleave(k, output_size=N)
-    from verify_ops.sample import probs
-    p = probs(logits, rows_t, (top_k.to(dev).int() if top_k is not None else torch.zeros(R, dtype=torch.int32,
-                                                                                            device=dev)
-                               ).repeat_interleave(k, output_size=N),
-              (top_p.to(dev).float() if top_p is not None else torch.ones(R, device=dev)).repeat_interleave(
-                  k, output_size=N))[0]
-    # spec-hal's target rows: request r's k_r draft rows, then its bonus row (one-hot at vLLM's bonus token)
-    target = torch.zeros(N + R, V, device=dev)
+    z = logits
+    if top_k is not None or top_p is not None:
+        per_row = lambda t, fill: (fill if t is None else t.to(dev)).repeat_interleave(k, output_size=N)  # noqa: E731
+        z = filtered(logits, per_row(temp, None), per_row(top_k, torch.zeros(R, dtype=torch.int32, device=dev)).int(),
+                     per_row(top_p, torch.ones(R, device=dev)).float())
+        temp = torch.where(temp < SAMPLING_EPS, 0.0, 1.0)   # z is already divided by T
+    # spec-hal's target rows: request r's k_r draft rows, then its bonus row (only vLLM's bonus token finite)
+    target = torch.full((N + R, V), -torch.inf, device=dev, dtype=torch.float32)
     req = torch.arange(R, device=dev)
-    target[torch.arange(N, device=dev) + req.repeat_interleave(k, output_size=N)] = p
-    target[cu[1:] + req, bonus] = 1.0
+    target[torch.arange(N, device=dev) + req.repeat_interleave(k, output_size=N)] = z.float()
+    target[cu[1:] + req, bonus] = 0.0
     if seeds is None:
         seeds = torch.randint(-(1 << 62), 1 << 62, (R,), device=dev)
     offsets = torch.zeros(R, dtype=torch.long, device=dev) if offsets is None else offsets
-    max_k = int(metadata.max_spec_len)
-    greedy_draft = draft_probs is not None and bool((temp < SAMPLING_EPS).any())
-    q = draft_probs
-    if greedy_draft:  # a greedy request's draft is deterministic: one-hot q at it, whatever the drafter said
-        q = draft_probs.clone()
-        g = (temp < SAMPLING_EPS).repeat_interleave(k, output_size=N)
-        q[g] = torch.nn.functional.one_hot(ids[g], V).to(q.dtype)
-    out, _ = be.verify_rejection(ids.to(be.device_type), cu.to(be.device_type),
-                                 None if q is None else q.to(be.device_type), target.to(be.device_type),
-                                 seeds.to(be.device_type), offsets.to(be.device_type), max_k)
+    d = be.device_type
+    out, _ = be.verify_rejection_logits(ids.to(d), cu.to(d), None if draft_probs is None else draft_probs.to(d),
+                                        target.to(d), temp.to(d), seeds.to(d), offsets.to(d),
+                                        int(metadata.max_spec_len))
     return out.to(dev)
 
 
