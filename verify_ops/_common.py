@@ -44,7 +44,7 @@ def categorical(weights: Tensor, u: Tensor, block: int = 256) -> Tensor:
     target mass, then the token inside it (one [R, V] pass instead of a cumsum)."""
     R, V = weights.shape
     block = min(block, V)
-    w = torch.nn.functional.pad(weights, (0, (-V) % block))
+    w = torch.nn.functional.pad(weights, (0, (-V) % block)) if V % block else weights   # pad copies: only if needed
     w = w.view(R, w.shape[1] // block, block)
     bcdf = w.sum(-1, dtype=torch.float64).cumsum(-1)                    # [R, nb]
     target = u * bcdf[:, -1]

@@ -3,7 +3,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from verify_ops.rejection_logits import verify_rejection_logits as _reference
+from verify_ops.rejection_logits import from_logits
 
 
 # A torch.library custom op: schema from the signature, a fake (meta) kernel, and the
@@ -12,8 +12,8 @@ from verify_ops.rejection_logits import verify_rejection_logits as _reference
 def _verify_rejection_logits(
         draft_token_ids: Tensor, cu_num_draft_tokens: Tensor, draft_probs: Tensor | None, target_logits: Tensor,
         temperature: Tensor, seeds: Tensor, offsets: Tensor, max_k: int) -> tuple[Tensor, Tensor]:
-    return _reference(draft_token_ids, cu_num_draft_tokens, draft_probs, target_logits, temperature, seeds, offsets,
-                      max_k)
+    return from_logits(draft_token_ids, cu_num_draft_tokens, draft_probs, target_logits, temperature, seeds, offsets,
+                       max_k, None)    # all rows at once: few kernels on the NPU
 
 
 @_verify_rejection_logits.register_fake
