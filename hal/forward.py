@@ -41,7 +41,8 @@ def forward_tokens(model: Llama, pool: kv.KVPool, seqs: list[kv.Sequence], lens:
     up = lambda x: torch.as_tensor(x).to(dev, non_blocking=True)  # noqa: E731
     batch = Batch(tokens=tokens, positions=up(positions), slot_mapping=up(slots),
                   block_tables=kv.block_tables(seqs).to(dev), seq_lens=up([s.length + n for s, n in zip(seqs, lens)]),
-                  query_start_loc=qsl.to(dev), logits_rows=rows.to(dev), max_position=max(positions, default=-1))
+                  query_start_loc=qsl.to(dev), logits_rows=rows.to(dev), max_position=max(positions, default=-1),
+                  max_query=max(lens, default=0))
     return model.forward(batch, pool.k, pool.v, tree_mask)
 
 

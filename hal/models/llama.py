@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from hal.errors import HalError
+from hal.models import invariant
 
 
 @dataclass(frozen=True)
@@ -51,14 +52,22 @@ class Batch:
     query_start_loc: Tensor
     logits_rows: Tensor
     max_position: int | None = None  # max(positions) when the host knows it (no readback for the rope cache)
+    max_query: int | None = None     # the longest request's fed tokens, when the host knows it
 
 
 class Llama:
     """Weights plus a forward pass; ``num_layers < config.layers`` gives a
-    self-speculative draft view that shares the weights (first L layers, final norm, head)."""
+    self-speculative draft view that shares the weights (first L layers, final norm, head).
 
-    def __init__(self, config: LlamaConfig, weights: dict[str, Tensor], backend, num_layers: int | None = None):
-        self.cfg, self.be = config, backend
+    ``batch_invariant`` (the default): linear layers and causal attention run in fixed shapes
+    (`hal.models.invariant`), so a token's logits are bit-identical whatever else is in the
+    batch, and greedy speculative output equals plain greedy by construction. False: one
+    ``F.linear`` per layer and the backend's ``paged_attention`` (a tree mask always uses the
+    backend's op)."""
+
+    def __init__(self, config: LlamaConfig, weights: dict[str, Tensor], backend, num_layers: int | None = None,
+                 batch_invariant: bool = True):
+        self.cfg, self.be, self.batch_invariant = config, backend, batch_invariant
         self.device = torch.device(backend.device_type)
         self.num_layers = config.layers if num_layers is None else num_layers
         if not 1 <= self.num_layers <= config.layers:
@@ -74,7 +83,7 @@ class Llama:
         self._rope_cache = torch.empty(0, half, dtype=torch.complex64)
 
     def layer_view(self, num_layers: int) -> "Llama":
-        view = Llama(self.cfg, self.w, self.be, num_layers)
+        view = Llama(self.cfg, self.w, self.be, num_layers, self.batch_invariant)
         view.device = self.device
         return view
 
@@ -116,24 +125,35 @@ class Llama:
         rot = self._rope(batch.positions, batch.max_position)
         nq, nk = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
         scale = cfg.head_dim ** -0.5
+        inv = self.batch_invariant
+        lin = invariant.linear if inv else F.linear
+        max_query = batch.max_query
+        if inv and tree_mask is None and max_query is None:
+            max_query = int((batch.query_start_loc[1:] - batch.query_start_loc[:-1]).max()) if T else 0
         for i in range(self.num_layers):
             # the first layer goes through the checked ops; the rest reuse the same, now valid, metadata
             ops = self.be if i == 0 else self.be.impl
             x = _rms_norm(h, self.w[f"{i}.attn_norm"], cfg.eps)
-            qkv = F.linear(x, self.w[f"{i}.wqkv"])
+            qkv = lin(x, self.w[f"{i}.wqkv"])
             q = self._apply_rope(qkv[:, :nq].view(T, cfg.heads, cfg.head_dim), rot)
             k = self._apply_rope(qkv[:, nq:nq + nk].view(T, cfg.kv_heads, cfg.head_dim), rot)
             v = qkv[:, nq + nk:].view(T, cfg.kv_heads, cfg.head_dim)
             ops.write_kv(k, v, k_caches[i], v_caches[i], batch.slot_mapping)
-            o = ops.paged_attention(q, k_caches[i], v_caches[i], batch.block_tables, batch.seq_lens,
-                                    batch.query_start_loc, scale, tree_mask)
-            h = h + F.linear(o.reshape(T, nq), self.w[f"{i}.wo"])
+            if inv and tree_mask is None:
+                o = invariant.attention(q, k_caches[i], v_caches[i], batch.block_tables, batch.seq_lens,
+                                        batch.query_start_loc, scale, max_query)
+            else:
+                o = ops.paged_attention(q, k_caches[i], v_caches[i], batch.block_tables, batch.seq_lens,
+                                        batch.query_start_loc, scale, tree_mask)
+            h = h + lin(o.reshape(T, nq), self.w[f"{i}.wo"])
             x = _rms_norm(h, self.w[f"{i}.ffn_norm"], cfg.eps)
-            gate, up = F.linear(x, self.w[f"{i}.wgu"]).split(cfg.ffn, -1)
-            h = h + F.linear(F.silu(gate) * up, self.w[f"{i}.wdown"])
+            gate, up = lin(x, self.w[f"{i}.wgu"]).split(cfg.ffn, -1)
+            h = h + lin(F.silu(gate) * up, self.w[f"{i}.wdown"])
         out = _rms_norm(h[batch.logits_rows], self.w["norm"], cfg.eps)
-        # MKL on CPU: x @ W^T is fastest from [H, V] for one row and from [V, H] for several
-        logits = out @ self.head_t if out.shape[0] == 1 else (self.head @ out.T).T
+        if inv:
+            logits = invariant.linear(out, self.head)
+        else:   # MKL on CPU: x @ W^T is fastest from [H, V] for one row and from [V, H] for several
+            logits = out @ self.head_t if out.shape[0] == 1 else (self.head @ out.T).T
         return logits, out
 
 

@@ -1,0 +1,84 @@
+"""Batch-invariant building blocks of the runner (the default on every device; measured on CPU).
+
+A token's logits must not depend on what else is in the batch: otherwise greedy speculative
+output equals plain greedy only by luck (a near-tie flips when a 9-token verify rounds
+differently from a 1-token decode). vLLM's batch-invariant mode fixes the reduction order per
+output element; here the same comes from fixed shapes, checked bit for bit in
+``tests/test_invariance.py``:
+
+* linear layers: ``mm(W, X.T)`` over chunks of exactly 4 or 8 rows (zero-padded). Every
+  column of such a product is the same whatever the other columns hold and whichever of the
+  two widths ran it (measured: widths 1, 2, 3, 5, 6, 9, 16 differ). On this 2-core AVX2 CPU a
+  4-row chunk also streams the weights faster than the 1-row ``F.linear`` it replaces
+  (``benchmarks/linear.py``).
+* attention: query chunks of 8 (zero-padded) against keys padded to a multiple of 256;
+  ``q.k`` is a 64-long dot product per score; masked scores are -inf before the softmax
+  (trailing -inf change no row's sum); ``p @ V`` is summed in fixed 256-key blocks, so keys
+  a query cannot see add exact zeros.
+* norms, RoPE, SwiGLU and residuals are per row or per element.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+WIDTHS = (4, 8)       # row chunks whose products agree bit for bit (tests/test_invariance.py)
+Q_CHUNK = 8           # queries per attention chunk
+KEY_BLOCK = 256       # keys per p @ V block
+
+
+def linear(x: Tensor, w: Tensor) -> Tensor:
+    """``x @ w.T`` ([T, K] @ [N, K]^T), each row computed in a fixed-width chunk."""
+    T, K = x.shape
+    out = x.new_empty(T, w.shape[0])
+    a = 0
+    while a < T:
+        width = WIDTHS[0] if T - a <= WIDTHS[0] else WIDTHS[1]
+        b = min(a + width, T)
+        chunk = x[a:b].contiguous() if b - a == width else \
+            torch.cat([x[a:b], x.new_zeros(width - (b - a), K)])
+        out[a:b] = torch.mm(w, chunk.T).T[:b - a]
+        a = b
+    return out
+
+
+def attention(query: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
+              query_start_loc: Tensor, scale: float, max_query: int) -> Tensor:
+    """Causal paged attention over ragged queries (the `hal.ops.Ops.paged_attention` contract
+    without a tree mask), computed in fixed shapes. ``max_query``: the longest query (host)."""
+    T, Hq, D = query.shape
+    _, bs, Hkv, _ = k_cache.shape
+    G, R = Hq // Hkv, block_tables.shape[0]
+    dev = query.device
+    qsl, seq = query_start_loc.long(), seq_lens.long()
+    q_len = qsl[1:] - qsl[:-1]
+    ctx = seq - q_len
+    L = block_tables.shape[1] * bs
+    Lp = -(-max(L, 1) // KEY_BLOCK) * KEY_BLOCK
+    j = torch.arange(Lp, device=dev)
+    used = torch.arange(block_tables.shape[1], device=dev)[None] * bs < seq[:, None]
+    bt = torch.where(used, block_tables.long(), 0)
+    live = (j[None, :L] < seq[:, None])[..., None, None]                     # [R, L, 1, 1]
+    pad = lambda t: torch.nn.functional.pad(t, (0, 0, 0, 0, 0, Lp - L))     # noqa: E731  [R, Lp, Hkv, D]
+    keys = pad(torch.where(live, k_cache[bt].reshape(R, L, Hkv, D).float(), 0.0))
+    vals = pad(torch.where(live, v_cache[bt].reshape(R, L, Hkv, D).float(), 0.0))
+    keys = keys.permute(0, 2, 3, 1).reshape(R * Hkv, D, Lp).contiguous()     # [R*Hkv, D, Lp]
+    vals = vals.permute(0, 2, 1, 3).reshape(R * Hkv, Lp, D).contiguous()     # [R*Hkv, Lp, D]
+    out = query.new_empty(T + 1, Hq, D)       # row T takes the padding queries' outputs: no boolean indexing
+    for c0 in range(0, max(max_query, 0), Q_CHUNK):
+        qi = c0 + torch.arange(Q_CHUNK, device=dev)                           # local query index
+        valid = qi[None] < q_len[:, None]                                    # [R, C]
+        rows = (qsl[:-1, None] + qi).clamp(max=max(T - 1, 0))
+        q = torch.where(valid[..., None, None], query[rows].float(), 0.0)   # [R, C, Hq, D]
+        q = q.view(R, Q_CHUNK, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(R * Hkv, G * Q_CHUNK, D).contiguous()
+        s = torch.bmm(q, keys).view(R, Hkv, G, Q_CHUNK, Lp) * scale
+        see = (j[None, None] <= (ctx[:, None] + qi[None])[..., None]) | ~valid[..., None]   # [R, C, Lp]
+        s = torch.where(see[:, None, None], s, -torch.inf)
+        p = torch.softmax(s, -1).view(R * Hkv, G * Q_CHUNK, Lp)
+        acc = torch.zeros(R * Hkv, G * Q_CHUNK, D, device=dev)
+        for k0 in range(0, Lp, KEY_BLOCK):
+            acc = acc + torch.bmm(p[:, :, k0:k0 + KEY_BLOCK].contiguous(), vals[:, k0:k0 + KEY_BLOCK])
+        o = acc.view(R, Hkv, G, Q_CHUNK, D).permute(0, 3, 1, 2, 4).reshape(R, Q_CHUNK, Hq, D)
+        out[torch.where(valid, rows, T).flatten()] = o.flatten(0, 1).to(query.dtype)
+    return out[:T]

@@ -1,0 +1,143 @@
+"""Batch invariance of the runner (`hal.models.invariant`): a token's logits are bit-identical
+whether it is decoded alone, verified among k others, or batched with other requests, at the
+bundled model's shapes (hidden 576, 9 query / 3 KV heads of 64, ffn 1536, vocab 49152; random
+weights, 2 layers). Every layer kind is checked on its own, then the whole forward. The same
+comparisons on the plain path (``F.linear``, the backend's attention) show differences, so
+the tests can fail."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hal
+from hal.forward import forward
+from hal.kv import KVPool
+from hal.models import invariant
+from hal.models.llama import Llama, LlamaConfig
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]   # qkv, o, gate-up, down, lm_head
+
+
+@pytest.mark.parametrize("N,K", SHAPES)
+def test_linear_rows_do_not_depend_on_the_batch(N, K):
+    g = torch.Generator().manual_seed(N + K)
+    w = torch.randn(N, K, generator=g) * 0.05
+    x = torch.randn(1, K, generator=g)
+    alone = invariant.linear(x, w)
+    for T in (2, 3, 4, 5, 8, 9, 13):
+        for pos in (0, T // 2, T - 1):
+            batch = torch.randn(T, K, generator=g)
+            batch[pos] = x[0]
+            assert torch.equal(invariant.linear(batch, w)[pos], alone[0]), f"row {pos} of {T} differs from alone"
+
+
+def test_plain_linear_is_not_batch_invariant():
+    """The teeth: the layout it replaces gives a different row at M = 9 on this machine."""
+    g = torch.Generator().manual_seed(1)
+    diffs = []
+    for N, K in SHAPES:
+        w = torch.randn(N, K, generator=g) * 0.05
+        x = torch.randn(9, K, generator=g)
+        diffs.append(float((torch.nn.functional.linear(x, w)[4] - torch.nn.functional.linear(x[4:5], w)[0]).abs().max()))
+    assert max(diffs) > 0, "F.linear was batch-invariant here: the invariance tests would prove nothing"
+
+
+def _cache(g, blocks=12, bs=16, Hkv=3, D=64):
+    return torch.randn(blocks, bs, Hkv, D, generator=g), torch.randn(blocks, bs, Hkv, D, generator=g)
+
+
+def test_attention_query_does_not_depend_on_the_batch():
+    """The query at position 40: decoded alone (q_len 1), as query 5 of a 9-token verify, and
+    in a batch beside a longer request whose block table is wider: the same bits."""
+    g = torch.Generator().manual_seed(2)
+    kc, vc = _cache(g)
+    q_t = torch.randn(1, 9, 64, generator=g)
+    bt = torch.tensor([[0, 1, 2]], dtype=torch.int32)
+    alone = invariant.attention(q_t, kc, vc, bt, torch.tensor([41]), torch.tensor([0, 1]), 0.125, 1)
+    qv = torch.randn(9, 9, 64, generator=g)
+    qv[5] = q_t[0]
+    verify = invariant.attention(qv, kc, vc, bt, torch.tensor([44]), torch.tensor([0, 9]), 0.125, 9)
+    assert torch.equal(verify[5], alone[0])
+    other = torch.randn(3, 9, 64, generator=g)
+    mixed_q = torch.cat([other, qv])
+    bt2 = torch.tensor([[3, 4, 5, 6, 7, 8, 9, 10, 11, 11, 11, 11, 11, 11, 11, 11, 11, 11],
+                        [0, 1, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]], dtype=torch.int32)
+    mixed = invariant.attention(mixed_q, kc, vc, bt2, torch.tensor([140, 44]), torch.tensor([0, 3, 12]), 0.125, 9)
+    assert torch.equal(mixed[3 + 5], alone[0])
+    torch.testing.assert_close(alone, _reference(q_t, kc, vc, bt, torch.tensor([41]), torch.tensor([0, 1])),
+                               atol=1e-5, rtol=0)
+
+
+def _reference(q, kc, vc, bt, seq, qsl):
+    be = hal.get_backend("cpu")
+    return be.paged_attention(q, kc, vc, bt, seq, qsl, 0.125)
+
+
+def test_attention_matches_the_contract_on_ragged_batches():
+    g = torch.Generator().manual_seed(3)
+    kc, vc = _cache(g)
+    q = torch.randn(1 + 9 + 3, 9, 64, generator=g)
+    bt = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 0], [7, 8, 9, 10]], dtype=torch.int32)
+    seq, qsl = torch.tensor([17, 40, 64]), torch.tensor([0, 1, 10, 13])
+    torch.testing.assert_close(invariant.attention(q, kc, vc, bt, seq, qsl, 0.125, 9),
+                               _reference(q, kc, vc, bt, seq, qsl), atol=1e-5, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def model():
+    g = torch.Generator().manual_seed(4)
+    H, Hq, Hkv, D, F, V, L = 576, 9, 3, 64, 1536, 49152, 2
+    cfg = LlamaConfig(hidden=H, layers=L, heads=Hq, kv_heads=Hkv, head_dim=D, ffn=F, vocab=V, rope_base=10000.0,
+                      eps=1e-5, rope_interleaved=True)
+    w = {"embed": torch.randn(V, H, generator=g) * 0.5, "norm": 1 + 0.1 * torch.randn(H, generator=g)}
+    for i in range(L):
+        w[f"{i}.attn_norm"] = 1 + 0.1 * torch.randn(H, generator=g)
+        w[f"{i}.ffn_norm"] = 1 + 0.1 * torch.randn(H, generator=g)
+        w[f"{i}.wqkv"] = torch.randn((Hq + 2 * Hkv) * D, H, generator=g) * 0.05
+        w[f"{i}.wo"] = torch.randn(H, Hq * D, generator=g) * 0.05
+        w[f"{i}.wgu"] = torch.randn(2 * F, H, generator=g) * 0.05
+        w[f"{i}.wdown"] = torch.randn(H, F, generator=g) * 0.05
+    return Llama(cfg, w, hal.get_backend("cpu"))
+
+
+PROMPT = [(7 * i + 3) % 49152 for i in range(21)]
+TOKENS = [11, 2024, 7, 7, 40000, 3, 99, 512, 6]
+
+
+def _decoded_alone(model):
+    pool = KVPool(model.be, 32, 16, 3, 64, num_layers=2)
+    s = pool.sequence()
+    logits = [forward(model, pool, [s], [PROMPT], False)[0][0]]
+    s.commit(len(PROMPT))
+    for t in TOKENS:
+        logits.append(forward(model, pool, [s], [[t]], False)[0][0])
+        s.commit(1)
+    return torch.stack(logits)
+
+
+def _verified(model, k, neighbour):
+    """Prefill, then one forward over TOKENS[:k] (all rows), optionally beside another request."""
+    pool = KVPool(model.be, 32, 16, 3, 64, num_layers=2)
+    s, o = pool.sequence(), pool.sequence()
+    first = forward(model, pool, [s], [PROMPT], False)[0][0]
+    s.commit(len(PROMPT))
+    if neighbour:
+        forward(model, pool, [o], [list(range(50, 90))], False)
+        o.commit(40)
+        out = forward(model, pool, [o, s], [[5, 6, 7], TOKENS[:k]], True)[0][3:]
+    else:
+        out = forward(model, pool, [s], [TOKENS[:k]], True)[0]
+    return torch.cat([first[None], out])
+
+
+@pytest.mark.parametrize("k,neighbour", [(4, False), (9, False), (5, True)])
+def test_forward_rows_do_not_depend_on_the_batch(model, k, neighbour):
+    alone = _decoded_alone(model)
+    assert torch.equal(_verified(model, k, neighbour), alone[:k + 1]), "a verified row differs from its decode"
+
+
+def test_plain_forward_is_not_batch_invariant(model):
+    plain = Llama(model.cfg, model.w, model.be, batch_invariant=False)
+    assert not torch.equal(_verified(plain, 9, False), _decoded_alone(plain)), \
+        "the plain runner was batch-invariant here: the forward test would prove nothing"
