@@ -47,6 +47,10 @@ def _cache(g, blocks=12, bs=16, Hkv=3, D=64):
     return torch.randn(blocks, bs, Hkv, D, generator=g), torch.randn(blocks, bs, Hkv, D, generator=g)
 
 
+def attention(q, kc, vc, bt, seq, qsl, scale, max_query):
+    return invariant.attention(q, kc, vc, invariant.Plan(bt, seq, qsl, q.shape[0], kc.shape[1], max_query), scale)
+
+
 def test_attention_query_does_not_depend_on_the_batch():
     """The query at position 40: decoded alone (q_len 1), as query 5 of a 9-token verify, and
     in a batch beside a longer request whose block table is wider: the same bits."""
@@ -54,16 +58,16 @@ def test_attention_query_does_not_depend_on_the_batch():
     kc, vc = _cache(g)
     q_t = torch.randn(1, 9, 64, generator=g)
     bt = torch.tensor([[0, 1, 2]], dtype=torch.int32)
-    alone = invariant.attention(q_t, kc, vc, bt, torch.tensor([41]), torch.tensor([0, 1]), 0.125, 1)
+    alone = attention(q_t, kc, vc, bt, torch.tensor([41]), torch.tensor([0, 1]), 0.125, 1)
     qv = torch.randn(9, 9, 64, generator=g)
     qv[5] = q_t[0]
-    verify = invariant.attention(qv, kc, vc, bt, torch.tensor([44]), torch.tensor([0, 9]), 0.125, 9)
+    verify = attention(qv, kc, vc, bt, torch.tensor([44]), torch.tensor([0, 9]), 0.125, 9)
     assert torch.equal(verify[5], alone[0])
     other = torch.randn(3, 9, 64, generator=g)
     mixed_q = torch.cat([other, qv])
     bt2 = torch.tensor([[3, 4, 5, 6, 7, 8, 9, 10, 11, 11, 11, 11, 11, 11, 11, 11, 11, 11],
                         [0, 1, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]], dtype=torch.int32)
-    mixed = invariant.attention(mixed_q, kc, vc, bt2, torch.tensor([140, 44]), torch.tensor([0, 3, 12]), 0.125, 9)
+    mixed = attention(mixed_q, kc, vc, bt2, torch.tensor([140, 44]), torch.tensor([0, 3, 12]), 0.125, 9)
     assert torch.equal(mixed[3 + 5], alone[0])
     torch.testing.assert_close(alone, _reference(q_t, kc, vc, bt, torch.tensor([41]), torch.tensor([0, 1])),
                                atol=1e-5, rtol=0)
@@ -80,7 +84,7 @@ def test_attention_matches_the_contract_on_ragged_batches():
     q = torch.randn(1 + 9 + 3, 9, 64, generator=g)
     bt = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 0], [7, 8, 9, 10]], dtype=torch.int32)
     seq, qsl = torch.tensor([17, 40, 64]), torch.tensor([0, 1, 10, 13])
-    torch.testing.assert_close(invariant.attention(q, kc, vc, bt, seq, qsl, 0.125, 9),
+    torch.testing.assert_close(attention(q, kc, vc, bt, seq, qsl, 0.125, 9),
                                _reference(q, kc, vc, bt, seq, qsl), atol=1e-5, rtol=0)
 
 

@@ -43,42 +43,52 @@ def linear(x: Tensor, w: Tensor) -> Tensor:
     return out
 
 
-def attention(query: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
-              query_start_loc: Tensor, scale: float, max_query: int) -> Tensor:
+class Plan:
+    """What the attention of one forward needs besides the layer's tensors: computed once per
+    forward from the batch metadata (the same for every layer)."""
+
+    def __init__(self, block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor, T: int, bs: int,
+                 max_query: int):
+        dev = block_tables.device
+        R, nb = block_tables.shape
+        qsl, seq = query_start_loc.long(), seq_lens.long()
+        q_len = qsl[1:] - qsl[:-1]
+        ctx = seq - q_len
+        self.R, self.T, self.L = R, T, nb * bs
+        self.Lp = -(-max(self.L, 1) // KEY_BLOCK) * KEY_BLOCK
+        used = torch.arange(nb, device=dev)[None] * bs < seq[:, None]
+        self.bt = torch.where(used, block_tables.long(), 0)
+        self.live = (torch.arange(self.L, device=dev)[None] < seq[:, None])[..., None, None]     # [R, L, 1, 1]
+        j = torch.arange(self.Lp, device=dev)
+        self.chunks = []
+        for c0 in range(0, max(max_query, 0), Q_CHUNK):
+            qi = c0 + torch.arange(Q_CHUNK, device=dev)                       # local query index
+            valid = qi[None] < q_len[:, None]                                # [R, C]
+            rows = (qsl[:-1, None] + qi).clamp(max=max(T - 1, 0))
+            see = (j[None, None] <= (ctx[:, None] + qi[None])[..., None]) | ~valid[..., None]   # [R, C, Lp]
+            self.chunks.append((rows, valid[..., None, None], see[:, None, None], torch.where(valid, rows, T).flatten()))
+
+
+def attention(query: Tensor, k_cache: Tensor, v_cache: Tensor, plan: Plan, scale: float) -> Tensor:
     """Causal paged attention over ragged queries (the `hal.ops.Ops.paged_attention` contract
-    without a tree mask), computed in fixed shapes. ``max_query``: the longest query (host)."""
+    without a tree mask), computed in fixed shapes; ``plan`` holds the batch's metadata."""
     T, Hq, D = query.shape
-    _, bs, Hkv, _ = k_cache.shape
-    G, R = Hq // Hkv, block_tables.shape[0]
-    dev = query.device
-    qsl, seq = query_start_loc.long(), seq_lens.long()
-    q_len = qsl[1:] - qsl[:-1]
-    ctx = seq - q_len
-    L = block_tables.shape[1] * bs
-    Lp = -(-max(L, 1) // KEY_BLOCK) * KEY_BLOCK
-    j = torch.arange(Lp, device=dev)
-    used = torch.arange(block_tables.shape[1], device=dev)[None] * bs < seq[:, None]
-    bt = torch.where(used, block_tables.long(), 0)
-    live = (j[None, :L] < seq[:, None])[..., None, None]                     # [R, L, 1, 1]
+    Hkv = k_cache.shape[2]
+    G, R, L, Lp = Hq // Hkv, plan.R, plan.L, plan.Lp
     pad = lambda t: torch.nn.functional.pad(t, (0, 0, 0, 0, 0, Lp - L))     # noqa: E731  [R, Lp, Hkv, D]
-    keys = pad(torch.where(live, k_cache[bt].reshape(R, L, Hkv, D).float(), 0.0))
-    vals = pad(torch.where(live, v_cache[bt].reshape(R, L, Hkv, D).float(), 0.0))
+    keys = pad(torch.where(plan.live, k_cache[plan.bt].reshape(R, L, Hkv, D).float(), 0.0))
+    vals = pad(torch.where(plan.live, v_cache[plan.bt].reshape(R, L, Hkv, D).float(), 0.0))
     keys = keys.permute(0, 2, 3, 1).reshape(R * Hkv, D, Lp).contiguous()     # [R*Hkv, D, Lp]
     vals = vals.permute(0, 2, 1, 3).reshape(R * Hkv, Lp, D).contiguous()     # [R*Hkv, Lp, D]
     out = query.new_empty(T + 1, Hq, D)       # row T takes the padding queries' outputs: no boolean indexing
-    for c0 in range(0, max(max_query, 0), Q_CHUNK):
-        qi = c0 + torch.arange(Q_CHUNK, device=dev)                           # local query index
-        valid = qi[None] < q_len[:, None]                                    # [R, C]
-        rows = (qsl[:-1, None] + qi).clamp(max=max(T - 1, 0))
-        q = torch.where(valid[..., None, None], query[rows].float(), 0.0)   # [R, C, Hq, D]
+    for rows, valid, see, dest in plan.chunks:
+        q = torch.where(valid, query[rows].float(), 0.0)                    # [R, C, Hq, D]
         q = q.view(R, Q_CHUNK, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(R * Hkv, G * Q_CHUNK, D).contiguous()
-        s = torch.bmm(q, keys).view(R, Hkv, G, Q_CHUNK, Lp) * scale
-        see = (j[None, None] <= (ctx[:, None] + qi[None])[..., None]) | ~valid[..., None]   # [R, C, Lp]
-        s = torch.where(see[:, None, None], s, -torch.inf)
+        s = torch.where(see, torch.bmm(q, keys).view(R, Hkv, G, Q_CHUNK, Lp) * scale, -torch.inf)
         p = torch.softmax(s, -1).view(R * Hkv, G * Q_CHUNK, Lp)
-        acc = torch.zeros(R * Hkv, G * Q_CHUNK, D, device=dev)
-        for k0 in range(0, Lp, KEY_BLOCK):
+        acc = torch.bmm(p[:, :, :KEY_BLOCK].contiguous(), vals[:, :KEY_BLOCK])
+        for k0 in range(KEY_BLOCK, Lp, KEY_BLOCK):
             acc = acc + torch.bmm(p[:, :, k0:k0 + KEY_BLOCK].contiguous(), vals[:, k0:k0 + KEY_BLOCK])
-        o = acc.view(R, Hkv, G, Q_CHUNK, D).permute(0, 3, 1, 2, 4).reshape(R, Q_CHUNK, Hq, D)
-        out[torch.where(valid, rows, T).flatten()] = o.flatten(0, 1).to(query.dtype)
+        o = acc.view(R, Hkv, G, Q_CHUNK, D).permute(0, 3, 1, 2, 4).reshape(R * Q_CHUNK, Hq, D)
+        out[dest] = o.to(query.dtype)
     return out[:T]

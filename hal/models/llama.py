@@ -127,9 +127,13 @@ class Llama:
         scale = cfg.head_dim ** -0.5
         inv = self.batch_invariant
         lin = invariant.linear if inv else F.linear
-        max_query = batch.max_query
-        if inv and tree_mask is None and max_query is None:
-            max_query = int((batch.query_start_loc[1:] - batch.query_start_loc[:-1]).max()) if T else 0
+        plan = None
+        if inv and tree_mask is None:
+            max_query = batch.max_query
+            if max_query is None:
+                max_query = int((batch.query_start_loc[1:] - batch.query_start_loc[:-1]).max()) if T else 0
+            plan = invariant.Plan(batch.block_tables, batch.seq_lens, batch.query_start_loc, T,
+                                  k_caches[0].shape[1], max_query)
         for i in range(self.num_layers):
             # the first layer goes through the checked ops; the rest reuse the same, now valid, metadata
             ops = self.be if i == 0 else self.be.impl
@@ -139,9 +143,8 @@ class Llama:
             k = self._apply_rope(qkv[:, nq:nq + nk].view(T, cfg.kv_heads, cfg.head_dim), rot)
             v = qkv[:, nq + nk:].view(T, cfg.kv_heads, cfg.head_dim)
             ops.write_kv(k, v, k_caches[i], v_caches[i], batch.slot_mapping)
-            if inv and tree_mask is None:
-                o = invariant.attention(q, k_caches[i], v_caches[i], batch.block_tables, batch.seq_lens,
-                                        batch.query_start_loc, scale, max_query)
+            if plan is not None:
+                o = invariant.attention(q, k_caches[i], v_caches[i], plan, scale)
             else:
                 o = ops.paged_attention(q, k_caches[i], v_caches[i], batch.block_tables, batch.seq_lens,
                                         batch.query_start_loc, scale, tree_mask)
