@@ -27,7 +27,8 @@ conformance: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/pip install -q -e ".[bench,serve]"
 	$(BIN)/python benchmarks/ops.py
-	$(BIN)/python benchmarks/e2e.py --k 8
+	$(BIN)/python benchmarks/forward.py
+	$(BIN)/python benchmarks/e2e.py --k 3
 	$(BIN)/python benchmarks/sched.py
 	cd benchmarks && ../$(BIN)/python engine.py
 	cd benchmarks && ../$(BIN)/python serve.py
