@@ -57,6 +57,14 @@ def rejection_inputs(R=64, k=5, V=49152, seed=0):
     return draft_logits, target_logits, drafts
 
 
+def hf_row_loop(speculative_sampling, draft_logits, target_logits, drafts) -> None:
+    """HF's ``_speculative_sampling`` over a batch, one sequence at a time (as HF verifies)."""
+    R, k = drafts.shape
+    for r in range(R):
+        cand = torch.cat([torch.zeros(1, 3, dtype=torch.long), drafts[r:r + 1]], 1)
+        speculative_sampling(cand, draft_logits[r:r + 1], k, target_logits[r:r + 1])
+
+
 def bench_vs_hf(reps: int) -> list[str]:
     try:
         from transformers.generation.utils import _speculative_sampling
@@ -70,9 +78,7 @@ def bench_vs_hf(reps: int) -> list[str]:
     ids = drafts.reshape(-1)
 
     def hf():
-        for r in range(R):  # HF verifies one sequence at a time
-            cand = torch.cat([torch.zeros(1, 3, dtype=torch.long), drafts[r:r + 1]], 1)
-            _speculative_sampling(cand, draft_logits[r:r + 1], k, target_logits[r:r + 1])
+        hf_row_loop(_speculative_sampling, draft_logits, target_logits, drafts)
 
     q_probs = draft_logits.reshape(R * k, V).softmax(-1)   # what the drafter's `sample` returned
 
@@ -123,9 +129,7 @@ def bench_from_logits(reps: int) -> list[str]:
     bonus = torch.zeros(R, 1, dtype=torch.long)
 
     def hf():
-        for r in range(R):
-            cand = torch.cat([torch.zeros(1, 3, dtype=torch.long), drafts[r:r + 1]], 1)
-            _speculative_sampling(cand, draft_logits[r:r + 1], k, target_logits[r:r + 1])
+        hf_row_loop(_speculative_sampling, draft_logits, target_logits, drafts)
 
     fns = {"hf": hf,
            "lse": lambda: torch.logsumexp(target, -1),
