@@ -10,7 +10,7 @@ output element; here the same comes from fixed shapes, checked bit for bit in
   column of such a product is the same whatever the other columns hold and whichever of the
   two widths ran it (measured: widths 1, 2, 3, 5, 6, 9, 16 differ). On this 2-core AVX2 CPU a
   4-row chunk also streams the weights faster than the 1-row ``F.linear`` it replaces
-  (``benchmarks/linear.py``).
+  (``benchmarks/forward.py``). Rows are only comparable at one thread count.
 * attention: query chunks of 8 (zero-padded) against keys padded to a multiple of 256;
   ``q.k`` is a 64-long dot product per score; masked scores are -inf before the softmax
   (trailing -inf change no row's sum); ``p @ V`` is summed in fixed 256-key blocks, so keys
