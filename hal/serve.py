@@ -93,6 +93,9 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
                          "then it serves alone by plain decoding")
     ap.add_argument("--draft-timeout", type=float, default=30.0, help="seconds to wait for drafts before "
                                                                        "falling back to plain decoding")
+    ap.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
+                    help="compute the target in fixed shapes, so greedy output never depends on the batch "
+                         "(the default; --no-batch-invariant trades that for batched-decode throughput)")
     ap.add_argument("--memory-fraction", type=float, default=0.9, help="share of an accelerator's memory to plan in")
     ap.add_argument("--cpu-budget-gib", type=float, default=4.0, help="memory budget of a cpu side, GiB")
 
@@ -161,6 +164,7 @@ def start(args, max_seqs: int, engine_kw: dict | None = None) -> Target | None:
     mplan = plan(args, ModelMemory.from_config(read_config(path), "target"), target_side, dmem, draft_side, max_seqs)
     pool = mplan.allocate("target")  # nothing was allocated before the plan passed
     model, tok = load_model(path, target_side.backend)
+    model.batch_invariant = getattr(args, "batch_invariant", True)
     model.to(target_side.device)
     metrics = SpecDecodeMetrics()
     if world == 2 and not joined:

@@ -145,3 +145,13 @@ def test_plain_forward_is_not_batch_invariant(model):
     plain = Llama(model.cfg, model.w, model.be, batch_invariant=False)
     assert not torch.equal(_verified(plain, 9, False), _decoded_alone(plain)), \
         "the plain runner was batch-invariant here: the forward test would prove nothing"
+
+
+def test_serving_flag_turns_it_off():
+    import argparse
+
+    from hal.serve import add_engine_args
+    ap = argparse.ArgumentParser()
+    add_engine_args(ap)
+    assert ap.parse_args([]).batch_invariant is True
+    assert ap.parse_args(["--no-batch-invariant"]).batch_invariant is False

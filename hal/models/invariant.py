@@ -11,10 +11,10 @@ output element; here the same comes from fixed shapes, checked bit for bit in
   two widths ran it (measured: widths 1, 2, 3, 5, 6, 9, 16 differ). On this 2-core AVX2 CPU a
   4-row chunk also streams the weights faster than the 1-row ``F.linear`` it replaces
   (``benchmarks/forward.py``). Rows are only comparable at one thread count.
-* attention: query chunks of 8 (zero-padded) against keys padded to a multiple of 256;
-  ``q.k`` is a 64-long dot product per score; masked scores are -inf before the softmax
-  (trailing -inf change no row's sum); ``p @ V`` is summed in fixed 256-key blocks, so keys
-  a query cannot see add exact zeros.
+* attention: each (request, query, KV head) is one bmm entry of G rows (the group's query heads)
+  against keys padded to a multiple of 256; ``q.k`` is a 64-long dot product per score; masked
+  scores are -inf before the softmax (trailing -inf change no row's sum); ``p @ V`` is summed in
+  fixed 256-key blocks, so keys a query cannot see add exact zeros.
 * norms, RoPE, SwiGLU and residuals are per row or per element.
 """
 
@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 WIDTHS = (4, 8)       # row chunks whose products agree bit for bit (tests/test_invariance.py)
-Q_CHUNK = 8           # queries per attention chunk
+Q_CHUNK = 16          # query positions per attention chunk (bounds the key copies; results do not depend on it)
 KEY_BLOCK = 256       # keys per p @ V block
 
 
@@ -54,41 +54,52 @@ class Plan:
         qsl, seq = query_start_loc.long(), seq_lens.long()
         q_len = qsl[1:] - qsl[:-1]
         ctx = seq - q_len
-        self.R, self.T, self.L = R, T, nb * bs
-        self.Lp = -(-max(self.L, 1) // KEY_BLOCK) * KEY_BLOCK
-        used = torch.arange(nb, device=dev)[None] * bs < seq[:, None]
-        self.bt = torch.where(used, block_tables.long(), 0)
-        self.live = (torch.arange(self.L, device=dev)[None] < seq[:, None])[..., None, None]     # [R, L, 1, 1]
+        self.R, self.T = R, T
+        self.Lp = -(-max(nb * bs, 1) // KEY_BLOCK) * KEY_BLOCK
+        nbp = -(-self.Lp // bs)                                              # blocks covering Lp keys
+        used = torch.arange(nbp, device=dev)[None] * bs < seq[:, None]
+        bt = torch.nn.functional.pad(block_tables.long(), (0, nbp - nb))
+        self.bt = torch.where(used, bt, 0)                                   # [R, nbp]: unused entries read block 0
         j = torch.arange(self.Lp, device=dev)
+        self.live = (j[None] < seq[:, None])[..., None, None]                # [R, Lp, 1, 1]
         self.chunks = []
         for c0 in range(0, max(max_query, 0), Q_CHUNK):
-            qi = c0 + torch.arange(Q_CHUNK, device=dev)                       # local query index
-            valid = qi[None] < q_len[:, None]                                # [R, C]
+            n = min(Q_CHUNK, max_query - c0)
+            qi = c0 + torch.arange(n, device=dev)                             # local query index
+            valid = qi[None] < q_len[:, None]                                # [R, n]
             rows = (qsl[:-1, None] + qi).clamp(max=max(T - 1, 0))
-            see = (j[None, None] <= (ctx[:, None] + qi[None])[..., None]) | ~valid[..., None]   # [R, C, Lp]
-            self.chunks.append((rows, valid[..., None, None], see[:, None, None], torch.where(valid, rows, T).flatten()))
+            see = (j[None, None] <= (ctx[:, None] + qi[None])[..., None]) | ~valid[..., None]   # [R, n, Lp]
+            self.chunks.append((n, rows, valid[..., None, None], see[:, None, :, None],
+                                torch.where(valid, rows, T).flatten()))
 
 
 def attention(query: Tensor, k_cache: Tensor, v_cache: Tensor, plan: Plan, scale: float) -> Tensor:
     """Causal paged attention over ragged queries (the `hal.ops.Ops.paged_attention` contract
-    without a tree mask), computed in fixed shapes; ``plan`` holds the batch's metadata."""
+    without a tree mask), computed in fixed shapes; ``plan`` holds the batch's metadata.
+
+    Every (request, query, KV head) is its own bmm entry with the G query heads of that group
+    as rows: the product's shape per entry never depends on the batch, and a decode query
+    costs no padding. Chunks of up to ``Q_CHUNK`` query positions bound the copies of the keys."""
     T, Hq, D = query.shape
     Hkv = k_cache.shape[2]
-    G, R, L, Lp = Hq // Hkv, plan.R, plan.L, plan.Lp
-    pad = lambda t: torch.nn.functional.pad(t, (0, 0, 0, 0, 0, Lp - L))     # noqa: E731  [R, Lp, Hkv, D]
-    keys = pad(torch.where(plan.live, k_cache[plan.bt].reshape(R, L, Hkv, D).float(), 0.0))
-    vals = pad(torch.where(plan.live, v_cache[plan.bt].reshape(R, L, Hkv, D).float(), 0.0))
-    keys = keys.permute(0, 2, 3, 1).reshape(R * Hkv, D, Lp).contiguous()     # [R*Hkv, D, Lp]
-    vals = vals.permute(0, 2, 1, 3).reshape(R * Hkv, Lp, D).contiguous()     # [R*Hkv, Lp, D]
+    G, R, Lp = Hq // Hkv, plan.R, plan.Lp
+    # keys past a sequence's end are masked out of the scores; values there are zeroed, so that
+    # p = 0 never meets a NaN left in a reused block
+    keys = k_cache[plan.bt].reshape(R, -1, Hkv, D)[:, :Lp].float()
+    vals = torch.where(plan.live, v_cache[plan.bt].reshape(R, -1, Hkv, D)[:, :Lp].float(), 0.0)
+    keys = keys.permute(0, 2, 3, 1).contiguous()                            # [R, Hkv, D, Lp]
+    blocks = [vals[:, k0:k0 + KEY_BLOCK].permute(0, 2, 1, 3).contiguous()    # [R, Hkv, 256, D] each
+              for k0 in range(0, Lp, KEY_BLOCK)]
     out = query.new_empty(T + 1, Hq, D)       # row T takes the padding queries' outputs: no boolean indexing
-    for rows, valid, see, dest in plan.chunks:
-        q = torch.where(valid, query[rows].float(), 0.0)                    # [R, C, Hq, D]
-        q = q.view(R, Q_CHUNK, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(R * Hkv, G * Q_CHUNK, D).contiguous()
-        s = torch.where(see, torch.bmm(q, keys).view(R, Hkv, G, Q_CHUNK, Lp) * scale, -torch.inf)
-        p = torch.softmax(s, -1).view(R * Hkv, G * Q_CHUNK, Lp)
-        acc = torch.bmm(p[:, :, :KEY_BLOCK].contiguous(), vals[:, :KEY_BLOCK])
-        for k0 in range(KEY_BLOCK, Lp, KEY_BLOCK):
-            acc = acc + torch.bmm(p[:, :, k0:k0 + KEY_BLOCK].contiguous(), vals[:, k0:k0 + KEY_BLOCK])
-        o = acc.view(R, Hkv, G, Q_CHUNK, D).permute(0, 3, 1, 2, 4).reshape(R * Q_CHUNK, Hq, D)
+    for n, rows, valid, see, dest in plan.chunks:
+        per = lambda t: t[:, :, None].expand(R, Hkv, n, *t.shape[2:]).reshape(R * Hkv * n, *t.shape[2:])  # noqa
+        q = torch.where(valid, query[rows].float(), 0.0)                    # [R, n, Hq, D]
+        q = q.view(R, n, Hkv, G, D).permute(0, 2, 1, 3, 4).reshape(R * Hkv * n, G, D)
+        s = torch.bmm(q, per(keys)).view(R, Hkv, n, G, Lp) * scale
+        p = torch.softmax(torch.where(see, s, -torch.inf), -1).view(R * Hkv * n, G, Lp)
+        acc = torch.bmm(p[:, :, :KEY_BLOCK].contiguous(), per(blocks[0]))
+        for b, k0 in enumerate(range(KEY_BLOCK, Lp, KEY_BLOCK), 1):
+            acc = acc + torch.bmm(p[:, :, k0:k0 + KEY_BLOCK].contiguous(), per(blocks[b]))
+        o = acc.view(R, Hkv, n, G, D).permute(0, 2, 1, 3, 4).reshape(R * n, Hq, D)
         out[dest] = o.to(query.dtype)
     return out[:T]
