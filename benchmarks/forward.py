@@ -1,7 +1,7 @@
 """The runner's forward cost at M fed tokens (SmolLM2-135M, GGUF Q4_1 -> fp32, 200 cached
 tokens), batch-invariant (the default) beside the plain path (``F.linear`` and the
-backend's attention), and HF transformers' one-token decode on the same GGUF, all
-interleaved in one run (medians). Writes benchmarks/results/forward.md.
+backend's attention), batched one-token decodes in both modes, and HF transformers'
+one-token decode on the same GGUF, all interleaved in one run (medians). Writes benchmarks/results/forward.md.
 
     python benchmarks/forward.py [--reps 9] [--threads 2]
 """
@@ -22,6 +22,7 @@ from hal.models.fetch import fetch
 from hal.models.llama import Llama, load_gguf
 
 MS = (1, 2, 4, 5, 8, 9, 17)
+BATCHES = (4, 16)
 CTX = 200
 
 
@@ -32,6 +33,17 @@ def ours(model, m):
     forward(model, pool, [seq], [list(range(10, 10 + CTX))], False)
     seq.commit(CTX)
     return lambda: forward(model, pool, [seq], [list(range(100, 100 + m))], True)
+
+
+def batch_decode(model, R):
+    """One forward of R requests decoding one token each, every one after CTX cached tokens."""
+    cfg = model.cfg
+    pool = KVPool(model.be, R * (CTX // 16 + 2), 16, cfg.kv_heads, cfg.head_dim, num_layers=cfg.layers)
+    seqs = [pool.sequence() for _ in range(R)]
+    for s in seqs:
+        forward(model, pool, [s], [list(range(10, 10 + CTX))], False)
+        s.commit(CTX)
+    return lambda: forward(model, pool, seqs, [[100]] * R, False)
 
 
 def hf_decode(path):
@@ -62,6 +74,9 @@ def main() -> None:
         for m in MS:
             fns[("invariant", m)] = ours(inv, m)
             fns[("plain", m)] = ours(plain, m)
+        for r in BATCHES:
+            fns[("invariant-batch", r)] = batch_decode(inv, r)
+            fns[("plain-batch", r)] = batch_decode(plain, r)
         if not args.no_hf:
             fns[("hf", 1)] = hf_decode(path)
         times = {key: [] for key in fns}
@@ -83,6 +98,10 @@ def main() -> None:
     for m in MS:
         a, b = t[("invariant", m)], t[("plain", m)]
         lines.append(f"| {m} | {a * 1e3:.1f} | {a / i1:.2f} | {b * 1e3:.1f} | {b / p1:.2f} | {a / b:.2f} |")
+    lines += ["", f"Batched decode: R requests, one token each, {CTX} cached tokens each.", "",
+              "| R | batch-invariant ms | plain ms | invariant / plain |", "|---:|---:|---:|---:|"]
+    lines += [f"| {r} | {t[('invariant-batch', r)] * 1e3:.1f} | {t[('plain-batch', r)] * 1e3:.1f} | "
+              f"{t[('invariant-batch', r)] / t[('plain-batch', r)]:.2f} |" for r in BATCHES]
     if ("hf", 1) in t:
         h = t[("hf", 1)]
         lines += ["", f"HF transformers one-token decode (same GGUF, DynamicCache at {CTX} tokens): {h * 1e3:.1f} ms; "
