@@ -4,6 +4,7 @@ import torch
 from torch import Tensor
 
 from backends.ascend import _adapter
+from hal.library import FAKES
 from verify_ops.paged_attention import paged_attention as _reference
 
 
@@ -13,9 +14,7 @@ def _tree_attention(query: Tensor, k_cache: Tensor, v_cache: Tensor, block_table
     return _reference(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, tree_mask)
 
 
-@_tree_attention.register_fake
-def _(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, tree_mask):
-    return torch.empty_like(query)
+_tree_attention.register_fake(FAKES["paged_attention"])   # the contract's fake kernel (hal.library)
 
 
 def paged_attention(query: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,

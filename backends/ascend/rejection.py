@@ -3,6 +3,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from hal.library import FAKES
 from verify_ops.rejection import verify_rejection as _reference
 
 
@@ -16,11 +17,7 @@ def _verify_rejection(
         draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, seeds, offsets, max_k)
 
 
-@_verify_rejection.register_fake
-def _(draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, seeds, offsets, max_k):
-    R = cu_num_draft_tokens.shape[0] - 1
-    return (target_probs.new_empty((R, max_k + 1), dtype=torch.int32),
-            target_probs.new_empty((R,), dtype=torch.int32))
+_verify_rejection.register_fake(FAKES["verify_rejection"])   # the contract's fake kernel (hal.library)
 
 
 def verify_rejection(

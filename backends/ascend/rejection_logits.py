@@ -3,6 +3,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from hal.library import FAKES
 from verify_ops.rejection_logits import from_logits
 
 
@@ -16,11 +17,7 @@ def _verify_rejection_logits(
                        max_k, None)    # all rows at once: few kernels on the NPU
 
 
-@_verify_rejection_logits.register_fake
-def _(draft_token_ids, cu_num_draft_tokens, draft_probs, target_logits, temperature, seeds, offsets, max_k):
-    R = cu_num_draft_tokens.shape[0] - 1
-    return (target_logits.new_empty((R, max_k + 1), dtype=torch.int32),
-            target_logits.new_empty((R,), dtype=torch.int32))
+_verify_rejection_logits.register_fake(FAKES["verify_rejection_logits"])   # the contract's fake kernel (hal.library)
 
 
 def verify_rejection_logits(

@@ -3,6 +3,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from hal.library import FAKES
 from verify_ops.typical import verify_typical as _reference
 
 
@@ -17,11 +18,7 @@ def _verify_typical(
         posterior_alpha)
 
 
-@_verify_typical.register_fake
-def _(draft_token_ids, cu_num_draft_tokens, target_probs, seeds, offsets, max_k, posterior_threshold, posterior_alpha):
-    R = cu_num_draft_tokens.shape[0] - 1
-    return (target_probs.new_empty((R, max_k + 1), dtype=torch.int32),
-            target_probs.new_empty((R,), dtype=torch.int32))
+_verify_typical.register_fake(FAKES["verify_typical"])   # the contract's fake kernel (hal.library)
 
 
 def verify_typical(

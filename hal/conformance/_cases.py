@@ -8,6 +8,8 @@ import math
 import torch
 from hypothesis import strategies as st
 
+from hal.conformance._helpers import bs_of
+
 FLOAT = st.sampled_from([torch.float32, torch.float32, torch.float16, torch.bfloat16, torch.float64])
 INT = st.sampled_from([torch.int64, torch.int32])
 
@@ -26,10 +28,6 @@ def _logits(g, rows, V, dtype, masked):
     m = torch.rand(rows, V, generator=g) < masked
     m[:, 0] = False
     return x.masked_fill(m, -math.inf)
-
-
-def bs_of(be):
-    return next(b for b in (16, 32, 64, 128) if b in be.spec.block_sizes)
 
 
 @st.composite

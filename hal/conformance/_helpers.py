@@ -22,6 +22,11 @@ def oracle_backend():
                                always_check_values=True), mod)
 
 
+def bs_of(be) -> int:
+    """The smallest common KV block size the backend supports."""
+    return next(b for b in (16, 32, 64, 128, 256) if b in be.spec.block_sizes)
+
+
 def put(be, *ts):
     """Move tensors (None passes through) to the backend's device."""
     out = tuple(None if t is None else t.to(be.device_type) for t in ts)

@@ -9,14 +9,11 @@ import torch
 
 import hal
 import hal.conformance._helpers
+from hal.conformance._helpers import bs_of
 from hal.backend import Backend
 from hal.ops import OP_NAMES
 
 pytestmark = pytest.mark.hal_op(*OP_NAMES)
-
-
-def bs_of(be):
-    return next(b for b in (16, 32, 64, 128, 256) if b in be.spec.block_sizes)
 
 
 def valid_args(be, op):

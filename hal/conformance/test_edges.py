@@ -9,13 +9,9 @@ import torch
 
 import hal
 from hal.checks import MAX_K, MAX_NGRAM
-from hal.conformance._helpers import host, put
+from hal.conformance._helpers import bs_of, host, put
 
 I64 = torch.int64
-
-
-def bs_of(be):
-    return next(b for b in (16, 32, 64, 128) if b in be.spec.block_sizes)
 
 
 def empty_so(be, R=0):
