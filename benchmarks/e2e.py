@@ -39,8 +39,11 @@ PROMPTS = [
 K_PROMPT = 2  # the speedup-against-k sweep runs on the copy prompt "edit code"
 
 
-def run_ours(target, drafter, ids, n, k):
+def run_ours(target, drafter, ids, n, k, costs=None):
     dec = SpeculativeDecoder(target, drafter, num_blocks=256)
+    if costs is not None:
+        from hal.router import Router
+        dec.router = Router(costs, max_k=k)
     t = time.perf_counter()
     out = dec.generate([Request(ids, max_new_tokens=n, k=k, stop_ids=(2,))])[0]
     target.be.synchronize()
@@ -81,6 +84,9 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--self-layers", type=int, default=20)
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--head", help="an EAGLE head folder (default: the one shipped for the model)")
+    ap.add_argument("--eagle-k", type=int, default=4, help="chain length of the fixed-k EAGLE rows")
+    ap.add_argument("--heldout", type=int, default=8, help="held-out prompts for the head's acceptance table")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     torch.set_num_threads(2)
@@ -97,6 +103,18 @@ def main() -> None:
                (f"spec-hal ngram k={k}", lambda ids: run_ours(target, NgramDrafter(be), ids, n, k)),
                (f"spec-hal self-spec L={args.self_layers} k=3",
                 lambda ids: run_ours(target, ModelDrafter(target.layer_view(args.self_layers)), ids, n, 3))]
+    from hal.eagle import HeadDrafter, NgramOrHead, load_eagle, shipped_head
+    head = load_eagle(args.head or shipped_head("smollm2-135m"), target)
+    ek = args.eagle_k
+    eagle = lambda: HeadDrafter(head)  # noqa: E731
+    both = lambda: NgramOrHead(NgramDrafter(be, min_n=2), HeadDrafter(head))  # noqa: E731
+    with torch.inference_mode():   # cost tables for the routers (and the Leviathan bound), measured here
+        costs = {name: SpeculativeDecoder(target, make(), num_blocks=256).profile_costs(max_tokens=17, context=200)
+                 for name, make in (("eagle", eagle), ("both", both))}
+    systems += [(f"spec-hal eagle k={ek}", lambda ids: run_ours(target, eagle(), ids, n, ek)),
+                (f"spec-hal eagle routed k<={k + 2}", lambda ids: run_ours(target, eagle(), ids, n, k + 2, costs["eagle"])),
+                (f"spec-hal ngram+eagle routed k<={k + 2}",
+                 lambda ids: run_ours(target, both(), ids, n, k + 2, costs["both"]))]
     if hf is not None:
         systems += [("HF generate plain", lambda ids: (*run_hf(hf, ids, n), None)),
                     (f"HF prompt lookup k={k}", lambda ids: (*run_hf(hf, ids, n, k), None))]
@@ -121,7 +139,29 @@ def main() -> None:
             o, dt, _ = run_ours(target, NgramDrafter(be), copy_ids[K_PROMPT], n, kk)
             speedups.append((len(o) / dt) / (len(plain_t[0]) / plain_t[1]))
         c1, ck = forward_cost(target, 1), forward_cost(target, k + 1)
-    write(args, rows, accept_pos, ks, speedups, c1, ck, k, hf is not None)
+        cek = forward_cost(target, ek + 1)
+        # the head on prompts it never saw (held-out topics): acceptance and speed, chain k
+        from hal import eagle_data
+        held = eagle_data.prompts(heldout=True)[:args.heldout]
+        held_tot, held_t, plain_t_sum, held_same = None, 0.0, 0.0, True
+        for p in held:
+            ids = tok.encode(chatml(p)).ids
+            po, pt, _ = run_ours(target, None, ids, n, 0)
+            eo, et, m = run_ours(target, eagle(), ids, n, ek)
+            held_tot = m.total if held_tot is None else _merge(held_tot, m.total)
+            held_t, plain_t_sum = held_t + et, plain_t_sum + pt * len(eo) / max(1, len(po))
+            held_same &= eo == po
+    draft_k = costs["eagle"].draft
+    heldout = dict(n=len(held), tau=held_tot.mean_acceptance_length, acc=held_tot.acceptance_rate,
+                   pos=held_tot.acceptance_by_position(), speedup=plain_t_sum / held_t, same=held_same,
+                   bound=held_tot.mean_acceptance_length * c1 / (cek + _interp_draft(draft_k, ek)))
+    write(args, rows, accept_pos, ks, speedups, c1, ck, k, hf is not None, dict(ek=ek, cek=cek, draft=draft_k,
+                                                                                 heldout=heldout))
+
+
+def _interp_draft(table, k):
+    from hal.router import _interp
+    return _interp(table, k) if table else 0.0
 
 
 def _merge(a, b):
@@ -143,14 +183,15 @@ def fmt(x) -> str:
     return "" if x is None else f"{x:.2f}"
 
 
-def write(args, rows, accept_pos, ks, speedups, c1, ck, k, with_hf):
+def write(args, rows, accept_pos, ks, speedups, c1, ck, k, with_hf, eg):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     by = {}
     for r in rows:
         by.setdefault(r["prompt"], {})[r["system"]] = r
     lines = ["# spec-hal end-to-end benchmark (SmolLM2-135M-Instruct, GGUF Q4_1 -> fp32, greedy)", "",
-             f"Command: `python benchmarks/e2e.py --max-new-tokens {args.max_new_tokens} --k {k}`; "
+             f"Command: `python benchmarks/e2e.py --max-new-tokens {args.max_new_tokens} --k {k} --eagle-k "
+             f"{eg['ek']}`; "
              f"2 threads, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}. All systems in one run, same input ids.",
              "", "| prompt | system | tokens | tok/s | vs spec-hal plain | vs HF plain | vs HF prompt lookup | "
              "acceptance | mean acc. length | same as plain greedy | Leviathan efficiency |",
@@ -161,8 +202,11 @@ def write(args, rows, accept_pos, ks, speedups, c1, ck, k, with_hf):
         hf_pld = sysrows.get(f"HF prompt lookup k={k}", {}).get("tps")
         for name, r in sysrows.items():
             eff = ""
-            if r["mal"] is not None and name.startswith("spec-hal ngram"):
+            if r["mal"] is not None and name.startswith(f"spec-hal ngram k={k}"):
                 bound = r["mal"] * c1 / ck    # tau * cost_1 / cost_{k+1}, n-gram drafting ~free
+                eff = f"{(r['tps'] / plain) / bound:.2f}"
+            if r["mal"] is not None and name == f"spec-hal eagle k={eg['ek']}":   # + the head's chain
+                bound = r["mal"] * c1 / (eg["cek"] + _interp_draft(eg["draft"], eg["ek"]))
                 eff = f"{(r['tps'] / plain) / bound:.2f}"
             f = lambda x: f"{r['tps'] / x:.2f}x" if x else "—"  # noqa: E731
             lines.append(f"| {prompt} | {name} | {r['tokens']} | {r['tps']:.1f} | {r['tps'] / plain:.2f}x | "
@@ -170,7 +214,15 @@ def write(args, rows, accept_pos, ks, speedups, c1, ck, k, with_hf):
                          f"{fmt(r['mal'])} | "
                          f"{'yes' if r['same'] else 'no'} | {eff} |")
     lines += ["", f"Target forward cost: 1 token {c1 * 1e3:.1f} ms, {k + 1} tokens {ck * 1e3:.1f} ms "
-              f"(ratio {ck / c1:.2f}). Leviathan efficiency = measured speedup / (tau * cost_1 / cost_(k+1)).",
+              f"(ratio {ck / c1:.2f}), {eg['ek'] + 1} tokens {eg['cek'] * 1e3:.1f} ms; the head's chain of "
+              f"{eg['ek']} drafts {_interp_draft(eg['draft'], eg['ek']) * 1e3:.1f} ms. Leviathan efficiency = "
+              f"measured speedup / (tau * cost_1 / (cost_(k+1) + draft chain)).",
+              "", f"EAGLE head on {eg['heldout']['n']} held-out prompts (topics never trained on), chain "
+              f"k={eg['ek']}: mean acceptance length tau {eg['heldout']['tau']:.2f}, acceptance "
+              f"{eg['heldout']['acc']:.2f}, by position " + ", ".join(f"{p:.2f}" for p in eg['heldout']['pos']) +
+              f"; speedup vs plain {eg['heldout']['speedup']:.2f}x (bound {eg['heldout']['bound']:.2f}x, "
+              f"efficiency {eg['heldout']['speedup'] / eg['heldout']['bound']:.2f}); outputs "
+              f"{'identical' if eg['heldout']['same'] else 'DIFFERENT'} to plain greedy.",
               "", "Speedup of n-gram speculative decoding against k (copy prompt 'edit code'): " +
               ", ".join(f"k={a}: {b:.2f}x" for a, b in zip(ks, speedups)), ""]
     if accept_pos is not None:

@@ -1,4 +1,4 @@
-"""``python -m hal`` / ``spec-hal``: info, conformance, demo, model, generate, bench."""
+"""``python -m hal`` / ``spec-hal``: info, conformance, demo, model, generate, bench, train-head."""
 
 from __future__ import annotations
 
@@ -83,14 +83,16 @@ def cmd_demo(args) -> int:
         return demo_ops()
     from hal.decoder import SpeculativeDecoder
     print(f"model smollm2-135m (SmolLM2-135M-Instruct, GGUF Q4_1 dequantized to fp32), backend {be.name}, greedy")
-    costs = SpeculativeDecoder(model, make_drafter("ngram", model, be), num_blocks=64).profile_costs(
+    draft = "ngram+eagle"   # n-gram lookup where it matches, the shipped EAGLE head elsewhere
+    costs = SpeculativeDecoder(model, make_drafter(draft, model, be), num_blocks=64).profile_costs(
         max_tokens=9, context=128, reps=3)
     print("cost table profiled: " + ", ".join(f"{t} tok {c * 1e3:.0f} ms" for t, c in sorted(costs.verify.items()))
           + "\n")
     for label, prompt in DEMO_PROMPTS:
         print(f"=== {label} prompt ===\n{prompt}\n")
-        print("--- speculative (n-gram drafter, k <= 8 chosen per step by the router) ---")
-        _, spec, ts, m = run_generate(model, tok, prompt, "ngram", 8, 0.0, 96, 0, costs=costs)
+        print("--- speculative (n-gram lookup where it matches, else the EAGLE head; k <= 6 chosen per step "
+              "by the router) ---")
+        _, spec, ts, m = run_generate(model, tok, prompt, draft, 6, 0.0, 96, 0, costs=costs)
         print("--- plain decoding ---")
         _, plain, tp, _ = run_generate(model, tok, prompt, "none", 0, 0.0, 96, 0)
         print(f"\n[{label}] speculative {len(spec) / ts:.1f} tok/s, plain {len(plain) / tp:.1f} tok/s, "
@@ -136,14 +138,31 @@ def cmd_model(args) -> int:
     return 0
 
 
-def make_drafter(kind: str, target, backend):
-    """The CLI's drafters: none, ngram or self[:L] over ``target`` (`hal.factories`)."""
+CLI_DRAFTS = ("none", "ngram", "self", "eagle", "ngram+eagle")
+
+
+def make_drafter(kind: str, target, backend, model: str = "smollm2-135m"):
+    """The CLI's drafters over ``target`` (`hal.factories`): none, ngram, self[:L],
+    eagle[:<folder>] or ngram+eagle[:<folder>] (without a folder: the head shipped for ``model``)."""
     from hal.factories import make_drafter as build, parse_draft
-    return build(parse_draft(kind, ("none", "ngram", "self")), backend, target=target)
+    return build(parse_draft(kind, CLI_DRAFTS), backend, target=target, path=model)
+
+
+def cmd_train_head(args) -> int:
+    from pathlib import Path
+
+    from hal.eagle_train import build_data, train
+    data = build_data(args.model, args.max_new_tokens, args.limit)
+    out = Path(args.out or f"{Path(args.model).stem}-eagle")
+    summary = train(args.model, out, args.minutes, args.draft_vocab, batch=args.batch, lr=args.lr, seed=args.seed,
+                    data=data)
+    print(f"head written to {out}/ (model.safetensors, config.json, loss.png, train.json): "
+          f"{summary['steps']} steps, {summary['epochs']} epochs, validation top-1 {summary['val_top1']:.3f}")
+    return 0
 
 
 def run_generate(model, tok, prompt: str, draft: str, k: int, temperature: float, max_tokens: int, seed: int,
-                 stream: bool = True, costs=None):
+                 stream: bool = True, costs=None, model_name: str = "smollm2-135m"):
     """One request; returns (text, tokens, seconds, metrics). With ``costs`` (a
     `hal.router.CostModel`) a router picks k <= ``k`` per step."""
     import time
@@ -158,7 +177,7 @@ def run_generate(model, tok, prompt: str, draft: str, k: int, temperature: float
         shown.extend(new)
         print(tok.decode(shown, skip_special_tokens=True)[len(before):], end="", flush=True)
 
-    dec = SpeculativeDecoder(model, make_drafter(draft, model, model.be), on_tokens=show if stream else None)
+    dec = SpeculativeDecoder(model, make_drafter(draft, model, model.be, model_name), on_tokens=show if stream else None)
     if costs is not None and draft != "none":
         from hal.router import Router
         dec.router = Router(costs, max_k=k)
@@ -185,7 +204,7 @@ def cmd_bench(args) -> int:
     require_prometheus()  # fail before loading anything
     be = hal.get_backend()
     model, tok = load_model(args.model, be)
-    dec = SpeculativeDecoder(model, make_drafter(args.draft, model, be), num_blocks=128 * args.batch)
+    dec = SpeculativeDecoder(model, make_drafter(args.draft, model, be, args.model), num_blocks=128 * args.batch)
     if not args.fixed_k:
         dec.router = Router(dec.profile_costs(max_tokens=(args.k + 1) * len(DEMO_PROMPTS) * args.batch), max_k=args.k)
     reqs = [Request(tok.encode(chatml(p)).ids, max_new_tokens=args.max_tokens, k=args.k, stop_ids=model.cfg.stop_ids)
@@ -211,7 +230,8 @@ def cmd_generate(args) -> int:
     results = []
     for draft, k in runs:
         print(f"--- {draft if draft != 'none' else 'plain decoding'} (backend {be.name}) ---")
-        text, out, dt, m = run_generate(model, tok, args.prompt, draft, k, args.temperature, args.max_tokens, args.seed)
+        text, out, dt, m = run_generate(model, tok, args.prompt, draft, k, args.temperature, args.max_tokens, args.seed,
+                                        model_name=args.model)
         results.append((draft, out, dt))
         print(f"[{len(out)} tokens in {dt:.2f}s = {len(out) / dt:.1f} tok/s; acceptance rate "
               f"{m.acceptance_rate:.2f}, mean acceptance length {m.mean_acceptance_length:.2f}]")
@@ -241,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     mf.add_argument("name")
     g = sub.add_parser("generate", help="generate text with speculative decoding")
     g.add_argument("--model", default="smollm2-135m", help="a fetchable name or a .gguf path")
-    g.add_argument("--draft", default="ngram", help="none, ngram, self or self:L (first L layers)")
+    g.add_argument("--draft", default="ngram", help="none, ngram, self[:L] (first L layers), eagle[:<folder>] "
+                                                    "(an EAGLE head; default: the shipped one) or ngram+eagle[:<folder>]")
     g.add_argument("--prompt", required=True)
     g.add_argument("--k", type=int, default=5)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -251,11 +272,23 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("bench", help="routed speculative decoding on the demo prompts; prints a summary and "
                                      "the metrics in Prometheus text format (needs prometheus-client)")
     b.add_argument("--model", default="smollm2-135m")
-    b.add_argument("--draft", default="ngram", help="ngram, self or self:L")
+    b.add_argument("--draft", default="ngram", help="ngram, self[:L], eagle[:<folder>] or ngram+eagle[:<folder>]")
     b.add_argument("--k", type=int, default=8, help="the cap on k (routed) or k itself (--fixed-k)")
     b.add_argument("--fixed-k", action="store_true", help="no router: always k drafts")
     b.add_argument("--batch", type=int, default=1, help="copies of each demo prompt in the batch")
     b.add_argument("--max-tokens", type=int, default=48)
+    th = sub.add_parser("train-head", help="train an EAGLE head for a model by self-distillation (CPU; "
+                                           "needs tqdm and matplotlib: pip install 'spec-hal[train]')")
+    th.add_argument("--model", default="smollm2-135m", help="a fetchable name or a .gguf path")
+    th.add_argument("--minutes", type=float, default=40.0, help="training time (data generation comes first, "
+                                                                 "cached under $HAL_CACHE/eagle)")
+    th.add_argument("--out", help="output folder (default: <model>-eagle)")
+    th.add_argument("--draft-vocab", type=int, default=8192, help="the head's vocabulary: the N most frequent ids")
+    th.add_argument("--max-new-tokens", type=int, default=128, help="response length when generating the data")
+    th.add_argument("--limit", type=int, help="only the first N prompts (a quick run)")
+    th.add_argument("--batch", type=int, default=8)
+    th.add_argument("--lr", type=float, default=1e-3)
+    th.add_argument("--seed", type=int, default=0)
     sub.add_parser("serve", help="an OpenAI-compatible HTTP server (spec-hal serve --help)", add_help=False)
     args, extra = ap.parse_known_args(argv)
     if args.cmd == "conformance":
@@ -267,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return {"info": cmd_info, "demo": cmd_demo, "model": cmd_model, "generate": cmd_generate,
-                "bench": cmd_bench}[args.cmd](args)
+                "bench": cmd_bench, "train-head": cmd_train_head}[args.cmd](args)
     except HalError as e:
         print(f"spec-hal: {e}", file=sys.stderr)
         return 2

@@ -180,7 +180,7 @@ class SpeculativeDecoder:
         tokens (everything but the last goes back into the KV; nothing is sampled again)."""
         (self.running if s in self.running else self.prefilling).remove(s)
         s.seq.free()
-        s.seq, s.prefilled = self.pool.sequence(), 0
+        s.seq, s.prefilled, s.features = self.pool.sequence(), 0, []
         if self.drafter is not None:
             self.drafter.release(s.rid)
         i = next((j for j, w in enumerate(self.waiting) if w.rid > s.rid), len(self.waiting))
@@ -299,8 +299,10 @@ class SpeculativeDecoder:
             tokens[torch.tensor(pos).to(dev)] = ids
         ends = torch.tensor(lens).cumsum(0)
         rows = torch.cat([torch.arange(fed), ends[len(live):] - 1])
+        layers = getattr(self.drafter, "features", None)   # the drafter reads every fed row's feature
         logits, hidden = forward_tokens(self.target, self.pool, [s.seq for s in live] + [s.seq for s, _ in pre],
-                                        lens, tokens, rows=rows)
+                                        lens, tokens, rows=rows, feature_layers=layers or (),
+                                        hidden_rows=None if layers is None else torch.arange(sum(lens)))
         first = self._finish_prefill(pre)
         where = {s.rid: i for i, (s, _) in enumerate(pre)}
         reads: dict[str, Tensor] = {}
@@ -322,8 +324,12 @@ class SpeculativeDecoder:
             if lp_want:
                 reads.update(zip(("flp", "flp_top", "flp_ids"), logprob_rows(frows, tok, top_n)))
             self.history.write([s.rid for s in first], [len(s.tokens) for s in first], reads["first"][:, None])
-        for s, _ in pre:
-            if s in self.running:
+        at = fed
+        for j, (s, n) in enumerate(pre):
+            at += n
+            if layers is not None:
+                s.features.append(hidden[at - n:at])
+            elif s in self.running:
                 s.last_hidden = hidden[fed + where[s.rid]]
         if guesses:
             g = torch.tensor([j for _, j in guesses]).to(prop.draft_token_ids.device)
@@ -333,7 +339,7 @@ class SpeculativeDecoder:
         if nxt is not None and isinstance(nxt[0].num_valid, Tensor):
             reads["valid"] = nxt[0].num_valid
         got = dict(zip(reads, readback(*reads.values())))   # the one host sync of the step
-        self._commit(live, counts, guesses, got, hidden, top_n)
+        self._commit(live, counts, guesses, got, hidden, top_n, layers is not None)
         for j, s in enumerate(first):
             lp = None
             if s.req.logprobs is not None:
@@ -366,7 +372,7 @@ class SpeculativeDecoder:
             top = [(int(i), v) for i, v in zip(ids, vals)]
         return {"token": token, "logprob": got[key][r], "top": top}
 
-    def _commit(self, live, counts, guesses, got, hidden, top_n) -> None:
+    def _commit(self, live, counts, guesses, got, hidden, top_n, features: bool = False) -> None:
         """Host bookkeeping of the verify result: KV lengths, metrics, router, drafter, emission."""
         if not live:
             return
@@ -382,7 +388,10 @@ class SpeculativeDecoder:
         row = 0
         for i, s in enumerate(live):
             s.seq.commit(n_acc[i] + 1)
-            s.last_hidden = hidden[row + n_acc[i]]
+            if features:   # the rows that produced the accepted drafts and the bonus token
+                s.features.append(hidden[row:row + n_acc[i] + 1])
+            else:
+                s.last_hidden = hidden[row + n_acc[i]]
             lp = None
             if s.req.logprobs is not None:
                 lp = [self._lp_entry(got, "lp", row + j, out[i][j], s.req.logprobs, top_n) for j in range(n_acc[i] + 1)]

@@ -61,6 +61,45 @@ class NgramDrafter:
         pass
 
 
+def subset(b: DraftBatch, keep: list[int]) -> DraftBatch:
+    """The rows ``keep`` of a `DraftBatch` (its features too)."""
+    pick = lambda t: t[torch.tensor(keep, dtype=torch.long).to(t.device)]  # noqa: E731
+    feats, counts = b.features, b.num_features
+    if feats is not None:
+        cu = [0]
+        for n in counts:
+            cu.append(cu[-1] + n)
+        feats = pick_rows(feats, [j for i in keep for j in range(cu[i], cu[i + 1])])
+        counts = tuple(counts[i] for i in keep)
+    return DraftBatch(tuple(b.rids[i] for i in keep), tuple(b.params[i] for i in keep), pick(b.history),
+                      pick(b.num_tokens), None if b.lengths is None else tuple(b.lengths[i] for i in keep),
+                      tuple(b.k[i] for i in keep), tuple(b.offsets[i] for i in keep),
+                      None if b.hidden is None else pick(b.hidden), feats, counts)
+
+
+def pick_rows(t: Tensor, rows: list[int]) -> Tensor:
+    return t[torch.tensor(rows, dtype=torch.long).to(t.device)]
+
+
+def widen(b: DraftBatch, keep: list[int], part: Proposal | None, dev) -> Proposal:
+    """A `Proposal` for all of ``b`` from one for its rows ``keep``: the others get their
+    ``k`` slots as filler (``num_valid`` 0)."""
+    cu = [0]
+    for k in b.k:
+        cu.append(cu[-1] + k)
+    at = torch.tensor([cu[i] + j for i in keep for j in range(b.k[i])], dtype=torch.long).to(dev)
+    ids = torch.zeros(cu[-1], dtype=torch.long, device=dev)
+    probs = None
+    if part is not None and len(at):
+        ids[at] = part.draft_token_ids
+        if part.draft_probs is not None:
+            probs = torch.zeros(cu[-1], part.draft_probs.shape[1], device=dev)
+            probs[:, 0] = 1   # filler slots: valid rows, never verified
+            probs[at] = part.draft_probs
+    kept = set(keep)
+    return Proposal(ids, torch.tensor(cu).to(dev), probs, tuple(k if i in kept else 0 for i, k in enumerate(b.k)))
+
+
 def _sample_chain(b: DraftBatch, be, dev, step: Callable[[Tensor, int], Tensor]) -> Proposal:
     """Draft max(k) tokens by ``step(x, j) -> logits`` (x: the previous draft), sampling each
     request with its own parameters at Philox offset ``offsets[i] + j``."""
@@ -108,29 +147,7 @@ class ModelDrafter:
         keep = self._make_room(b, K)
         if len(keep) == len(b.rids):
             return self._propose(b)
-        dev = self.model.device
-        sub = DraftBatch(tuple(b.rids[i] for i in keep), tuple(b.params[i] for i in keep),
-                         b.history[torch.tensor(keep, dtype=torch.long).to(b.history.device)],
-                         b.num_tokens[torch.tensor(keep, dtype=torch.long).to(b.num_tokens.device)],
-                         tuple(b.lengths[i] for i in keep), tuple(b.k[i] for i in keep),
-                         tuple(b.offsets[i] for i in keep),
-                         None if b.hidden is None else b.hidden[torch.tensor(keep).to(b.hidden.device)])
-        part = self._propose(sub) if keep else None
-        cu = [0]
-        for k in b.k:
-            cu.append(cu[-1] + k)
-        at = torch.tensor([cu[i] + j for i in keep for j in range(b.k[i])], dtype=torch.long).to(dev)
-        ids = torch.zeros(cu[-1], dtype=torch.long, device=dev)
-        probs = None
-        if part is not None and len(at):
-            ids[at] = part.draft_token_ids
-            if part.draft_probs is not None:
-                probs = torch.zeros(cu[-1], part.draft_probs.shape[1], device=dev)
-                probs[:, 0] = 1   # filler slots: valid rows, never verified
-                probs[at] = part.draft_probs
-        kept = set(keep)
-        return Proposal(ids, torch.tensor(cu).to(dev), probs,
-                        tuple(k if i in kept else 0 for i, k in enumerate(b.k)))
+        return widen(b, keep, self._propose(subset(b, keep)) if keep else None, self.model.device)
 
     def _make_room(self, b: DraftBatch, K: int) -> list[int]:
         """Rows whose draft chains fit the draft pool, freeing the latest requests' caches

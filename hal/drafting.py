@@ -23,11 +23,13 @@ def view(history: HistoryBuffer, states: list[State], k: list[int], num_tokens: 
     rids = [s.rid for s in states]
     lens = [len(s.tokens) for s in states]
     hidden = [s.last_hidden for s in states]
+    feats = [f for s in states for f in s.features]
     return DraftBatch(tuple(rids), tuple(s.req for s in states), history.view(rids, width or max(lens, default=0)),
                       num_tokens if num_tokens is not None else torch.tensor(lens).to(history.device),
                       None if num_tokens is not None else tuple(lens), tuple(k),
                       () if num_tokens is not None else tuple(s.offset for s in states),
-                      None if any(h is None for h in hidden) or not hidden else torch.stack(hidden))
+                      None if any(h is None for h in hidden) or not hidden else torch.stack(hidden),
+                      torch.cat(feats) if feats else None, tuple(sum(len(f) for f in s.features) for s in states))
 
 
 def check_proposal(prop, ks: list[int]) -> None:
@@ -78,6 +80,8 @@ def drafts_for(drafter, shadow_ok: bool, ahead: Ahead | None, history: HistoryBu
             return none
         prop = drafter.propose(view(history, live, ks))
         check_proposal(prop, ks)
+        for s in live:
+            s.features = []    # passed once
         for s, k in zip(live, ks):
             s.offset += k
         valid = prop.num_valid

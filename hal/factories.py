@@ -2,7 +2,10 @@
 two-rank server (`hal.serve`): library code, which imports nothing from the CLI.
 
 ``--draft`` is one of ``none``, ``ngram``, ``self`` / ``self:L`` (the target's first L
-layers; half of them by default) or ``model:<path>`` (a separate draft model)."""
+layers; half of them by default), ``model:<path>`` (a separate draft model), ``eagle`` /
+``eagle:<path>`` (an EAGLE head: the one shipped for the model, or a folder in the published
+EAGLE-1 / EAGLE-3 layout) or ``ngram+eagle[:<path>]`` (n-gram lookup where it finds a match,
+the head elsewhere)."""
 
 from __future__ import annotations
 
@@ -11,19 +14,21 @@ from typing import NamedTuple
 
 from hal.errors import HalError
 
-DRAFT_GRAMMAR = "none, ngram, self[:L] or model:<path>"
+DRAFT_GRAMMAR = "none, ngram, self[:L], model:<path>, eagle[:<path>] or ngram+eagle[:<path>]"
 
 
 class DraftSpec(NamedTuple):
-    kind: str                 # "none", "ngram", "self" or "model"
+    kind: str                 # "none", "ngram", "self", "model", "eagle" or "ngram+eagle"
     layers: int | None = None  # self: the first L layers (None: half the target's)
-    path: str | None = None    # model: the draft model's path
+    path: str | None = None    # model: the draft model's path; eagle: the head's folder (None: the shipped one)
 
 
-def parse_draft(spec: str, allowed: tuple[str, ...] = ("none", "ngram", "self", "model")) -> DraftSpec:
+def parse_draft(spec: str, allowed: tuple[str, ...] = ("none", "ngram", "self", "model", "eagle", "ngram+eagle")
+                ) -> DraftSpec:
     """Parse a ``--draft`` value; `HalError` naming ``--draft`` when it is not one of ``allowed``."""
     kind, _, rest = spec.partition(":")
-    expected = ", ".join(k + ("[:L]" if k == "self" else ":<path>" if k == "model" else "") for k in allowed)
+    expected = ", ".join(k + ("[:L]" if k == "self" else ":<path>" if k == "model" else "[:<path>]" if "eagle" in k
+                              else "") for k in allowed)
     try:
         if kind in ("none", "ngram") and not rest:
             d = DraftSpec(kind)
@@ -34,6 +39,8 @@ def parse_draft(spec: str, allowed: tuple[str, ...] = ("none", "ngram", "self", 
             d = DraftSpec("self", layers)
         elif kind == "model" and rest:
             d = DraftSpec("model", path=rest)
+        elif kind in ("eagle", "ngram+eagle"):
+            d = DraftSpec(kind, path=rest or None)
         else:
             raise ValueError(spec)
     except ValueError:
@@ -59,7 +66,7 @@ def draft_memory(spec: DraftSpec, model_path: str, shares_target: bool):
     """(ModelMemory of the draft model or None for n-gram/none, its weights' path)."""
     from hal.models.llama import read_config
     from hal.planner import ModelMemory
-    if spec.kind in ("none", "ngram"):
+    if spec.kind in ("none", "ngram", "eagle", "ngram+eagle"):   # a head's KV is 1/L of the target's: in its slack
         return None, None
     if spec.kind == "self":
         cfg = read_config(model_path)
@@ -69,14 +76,22 @@ def draft_memory(spec: DraftSpec, model_path: str, shares_target: bool):
 
 
 def make_drafter(spec: DraftSpec, backend, target=None, path: str | None = None, pool=None, device=None):
-    """The drafter for ``spec``: None, `NgramDrafter`, or a `ModelDrafter` over the first L
+    """The drafter for ``spec``: None, `NgramDrafter`, a `ModelDrafter` over the first L
     layers of ``target`` (self) or of the model at ``path`` (model, or self without a target),
-    its KV in ``pool`` when given."""
+    its KV in ``pool`` when given, or a `hal.eagle.HeadDrafter` for ``target`` (eagle: the head
+    shipped for the model named ``path`` unless the spec names a folder)."""
     from hal.drafters import ModelDrafter, NgramDrafter
     if spec.kind == "none":
         return None
     if spec.kind == "ngram":
         return NgramDrafter(backend)
+    if spec.kind in ("eagle", "ngram+eagle"):
+        from hal.eagle import HeadDrafter, NgramOrHead, load_eagle, shipped_head
+        if target is None:
+            raise HalError(f"--draft {spec.kind}: expected the target model in this process (an EAGLE head reads "
+                           f"its features and shares its embeddings), got a separate draft rank", arg="--draft")
+        head = HeadDrafter(load_eagle(spec.path or shipped_head(path or ""), target))
+        return head if spec.kind == "eagle" else NgramOrHead(NgramDrafter(backend, min_n=2), head)
     if target is not None and spec.kind == "self":
         model = target
     else:

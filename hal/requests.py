@@ -62,6 +62,7 @@ class State:
     generated: list[int] = field(default_factory=list)
     done: bool = False
     last_hidden: Tensor | None = None
+    features: list[Tensor] = field(default_factory=list)  # target features not yet passed to the drafter
     req_k: int = 0  # drafts allowed this step: min(k, tokens left - 1)
     prefilled: int = 0       # tokens of ``tokens`` already in the KV during (re)prefill
     arrival: float = 0.0
@@ -91,6 +92,10 @@ class DraftBatch:
     k: tuple[int, ...]     # draft slots wanted per request
     offsets: tuple[int, ...]  # draft j of request i may draw with Philox (seed, offsets[i] + j)
     hidden: Tensor | None = None  # [R, H] the target's final hidden state at each request's last committed token
+    features: Tensor | None = None  # [sum(num_features), F] for a drafter with ``features`` (an EAGLE head): the
+    #                                 target's features not passed before, each request's rows in order, ending
+    #                                 at the position that produced its last committed token (lengths[i] - 2)
+    num_features: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -115,7 +120,12 @@ class Drafter(Protocol):
     ``lookahead = True`` (optional attribute): the drafter needs only device data
     (history, num_tokens), so the engine calls it right after verification, before its
     one host readback, with ``lengths=None`` and ``k`` = each request's cap; the next
-    step verifies a prefix of those slots."""
+    step verifies a prefix of those slots.
+
+    ``features`` (optional attribute, a tuple of target layer indices): the drafter reads the
+    target's features (`DraftBatch.features`): the residual streams entering those layers,
+    concatenated, or for ``()`` the final normed hidden state. Each position's feature is
+    passed once, in order, to the first `propose` after it was computed."""
 
     def propose(self, batch: DraftBatch) -> Proposal:
         """Drafts: exactly ``batch.k[i]`` slots for request i (see `Proposal`)."""

@@ -208,8 +208,11 @@ def profile_decoder(dec, max_tokens: int = 72, context: int = 512, reps: int = 5
         dev = dec.target.device
         req = Request([1] * 16)
         hidden = torch.zeros(1, dec.target.cfg.hidden, device=dev)
+        layers = getattr(dec.drafter, "features", None)
+        feats = None if layers is None else torch.zeros(15, dec.target.cfg.hidden * max(1, len(layers)), device=dev)
         view = lambda k: DraftBatch((-1,), (req,), torch.ones(1, 16, dtype=torch.long, device=dev),  # noqa: E731
-                                    torch.tensor([16], device=dev), (16,), (k,), (0,), hidden)
+                                    torch.tensor([16], device=dev), (16,), (k,), (0,), hidden, feats,
+                                    (0,) if feats is None else (15,))
         try:
             draft = profile(lambda k: dec.drafter.propose(view(k)), [1, 2, 4, 8], reps, sync)
         finally:

@@ -83,7 +83,8 @@ class Target:
 
 def add_engine_args(ap: argparse.ArgumentParser) -> None:
     """The flags every target entry point shares (names as vLLM's where one exists)."""
-    ap.add_argument("--draft", default="ngram", help="ngram, self[:L] or model:<path.gguf>")
+    ap.add_argument("--draft", default="ngram", help="ngram, self[:L], model:<path.gguf>; in one process also "
+                                                     "eagle[:<folder>] and ngram+eagle[:<folder>]")
     ap.add_argument("--model", default="smollm2-135m", help="a fetchable name, a .gguf path or an HF folder")
     ap.add_argument("--k", type=int, default=8, help="k per step, or its cap with --route")
     ap.add_argument("--route", action=argparse.BooleanOptionalAction, default=False,
@@ -128,7 +129,7 @@ def start(args, max_seqs: int, engine_kw: dict | None = None) -> Target | None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world not in (1, 2):
         raise HalError(f"WORLD_SIZE: expected 1 (in-process draft) or 2 (draft and target ranks), got {world}")
-    spec = parse_draft(args.draft, SERVE_DRAFTS + (("none",) if world == 1 else ()))
+    spec = parse_draft(args.draft, SERVE_DRAFTS + (("none", "eagle", "ngram+eagle") if world == 1 else ()))
     rank = int(os.environ.get("RANK", "0"))
     joined, backend = False, None
     if world == 2:
@@ -175,7 +176,9 @@ def start(args, max_seqs: int, engine_kw: dict | None = None) -> Target | None:
         drafter = RemoteDrafter(link, model.cfg.vocab, target_side.device, metrics, args.draft_timeout,
                                 first_timeout=args.draft_startup_timeout)
     else:
-        drafter = make_drafter(spec, draft_side.backend, target=model if shares else None, path=dpath,
+        head = spec.kind in ("eagle", "ngram+eagle")   # a head reads the target's features: on its device
+        drafter = make_drafter(spec, draft_side.backend, target=model if shares or head else None,
+                               path=args.model if head else dpath,
                                pool=mplan.allocate("draft") if dmem else None, device=draft_side.device)
     dec = SpeculativeDecoder(model, drafter, metrics=metrics, pool=pool, **(engine_kw or {}))
     if args.route and drafter is not None:

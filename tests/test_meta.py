@@ -110,7 +110,9 @@ def test_one_draft_grammar():
     from hal.factories import DraftSpec, parse_draft
     assert parse_draft("self:8") == DraftSpec("self", 8) and parse_draft("self") == DraftSpec("self")
     assert parse_draft("model:/m.gguf") == DraftSpec("model", path="/m.gguf") and parse_draft("none").kind == "none"
-    for bad in ("self:0", "self:x", "model:", "eagle", "ngram:3", ""):
+    assert parse_draft("eagle") == DraftSpec("eagle") and parse_draft("eagle:/h") == DraftSpec("eagle", path="/h")
+    assert parse_draft("ngram+eagle") == DraftSpec("ngram+eagle")
+    for bad in ("self:0", "self:x", "model:", "eagles", "ngram:3", "ngram+self", ""):
         with pytest.raises(hal.HalError) as e:
             parse_draft(bad)
         assert e.value.arg == "--draft"

@@ -16,6 +16,7 @@ import hal
 import hal.decoder
 from hal.decoder import Request, SpeculativeDecoder
 from hal.drafters import EagleDrafter, ModelDrafter, NgramDrafter
+from hal.eagle import HeadDrafter
 from hal.models.llama import load_safetensors
 from tests.test_serve import tiny  # noqa: F401  (the fixture: a tiny random model folder)
 
@@ -80,10 +81,23 @@ def drafters(model):
     return {"ngram": lambda: NgramDrafter(model.be),
             "self-speculative": lambda: ModelDrafter(model.layer_view(1), num_blocks=64),
             "eagle-toy": lambda: EagleDrafter(lambda h, x: (torch.nn.functional.one_hot(x, model.cfg.vocab).float(), h),
-                                              model.be)}
+                                              model.be),
+            "eagle-head": lambda: HeadDrafter(random_head(model), num_blocks=64)}
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "self-speculative", "eagle-toy", "none"])
+def random_head(model):
+    """An EAGLE-1 head with random weights over half the vocabulary (FR-Spec's d2t)."""
+    from hal.eagle import EagleConfig, EagleModel
+    c = model.cfg
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g) * 0.1  # noqa: E731
+    w = {"fc": r(c.hidden, 2 * c.hidden), "fc_bias": r(c.hidden), "ffn_norm": 1 + r(c.hidden),
+         "wqkv": r((c.heads + 2 * c.kv_heads) * c.head_dim, c.hidden), "wo": r(c.hidden, c.heads * c.head_dim),
+         "wgu": r(2 * c.ffn, c.hidden), "wdown": r(c.hidden, c.ffn), "draft_ids": torch.arange(0, c.vocab, 2)}
+    return EagleModel(EagleConfig(1, c.hidden, c.heads, c.kv_heads, c.head_dim, c.ffn, 10000.0, c.eps), w, model)
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "self-speculative", "eagle-toy", "eagle-head", "none"])
 @pytest.mark.parametrize("mixed", [False, True])
 def test_one_host_sync_per_decode_step(tiny, counter, drafter, mixed):  # noqa: F811
     """Every step reads the device once (steps with nothing to read: zero), whatever the

@@ -53,6 +53,9 @@ class Batch:
     logits_rows: Tensor
     max_position: int | None = None  # max(positions) when the host knows it (no readback for the rope cache)
     max_query: int | None = None     # the longest request's fed tokens, when the host knows it
+    hidden_rows: Tensor | None = None  # rows whose hidden states are returned (None: logits_rows)
+    feature_layers: tuple[int, ...] = ()  # return the residual stream entering these layers, concatenated
+    #                                       (EAGLE-3's features), instead of the final normed hidden state
 
 
 class Llama:
@@ -77,14 +80,11 @@ class Llama:
         self.embed = w["embed"]
         self.head = w.get("head", self.embed)
         self.head_t = w.setdefault("head_t", self.head.T.contiguous())  # [H, V]: the faster layout for M = 1
-        half = config.head_dim // 2
-        inv = 1.0 / (config.rope_base ** (torch.arange(half, dtype=torch.float64) / half))
-        self._inv_freq = inv
-        self._rope_cache = torch.empty(0, half, dtype=torch.complex64)
+        self.rope = Rope(config.head_dim, config.rope_base, config.rope_interleaved).to(self.device)
 
     def layer_view(self, num_layers: int) -> "Llama":
         view = Llama(self.cfg, self.w, self.be, num_layers, self.batch_invariant)
-        view.device = self.device
+        view.device, view.rope = self.device, self.rope
         return view
 
     def to(self, device) -> "Llama":
@@ -93,36 +93,18 @@ class Llama:
         for name, t in self.w.items():
             self.w[name] = t.to(self.device)
         self.embed, self.head, self.head_t = self.w["embed"], self.w.get("head", self.w["embed"]), self.w["head_t"]
-        self._rope_cache = self._rope_cache.to(self.device)
+        self.rope.to(self.device)
         return self
-
-    def _rope(self, positions: Tensor, max_position: int | None = None) -> Tensor:
-        """Unit complex rotations [T, D/2] for the positions."""
-        if max_position is not None:
-            n = max_position + 1
-        else:
-            n = int(positions.max()) + 1 if positions.numel() else 0
-        if self._rope_cache.shape[0] < n:
-            ang = torch.arange(max(n, 2 * self._rope_cache.shape[0], 256), dtype=torch.float64)[:, None] * self._inv_freq
-            self._rope_cache = torch.polar(torch.ones_like(ang), ang).to(self.device, torch.complex64)
-        return self._rope_cache[positions]
-
-    def _apply_rope(self, x: Tensor, rot: Tensor) -> Tensor:
-        # x [T, H, D]: rotate pairs (x_a, x_b) as complex numbers x_a + i x_b by the position's angle
-        if self.cfg.rope_interleaved:      # pairs (2j, 2j+1)
-            return torch.view_as_real(torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
-                                      * rot[:, None]).flatten(-2)
-        half = x.shape[-1] // 2            # pairs (j, j + D/2): HF's rotate_half
-        z = torch.complex(x[..., :half].float(), x[..., half:].float()) * rot[:, None]
-        return torch.cat([z.real, z.imag], -1)
 
     def forward(self, batch: Batch, k_caches: list[Tensor], v_caches: list[Tensor],
                 tree_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Logits [len(logits_rows), V] (fp32) and the final hidden states of those rows."""
+        """Logits [len(logits_rows), V] (fp32) and the final (normed) hidden states of those
+        rows, or of ``batch.hidden_rows`` when given (an EAGLE head's features: every fed row,
+        without paying the lm_head for them)."""
         cfg = self.cfg
         T = batch.tokens.shape[0]
         h = self.embed[batch.tokens]
-        rot = self._rope(batch.positions, batch.max_position)
+        rot = self.rope(batch.positions, batch.max_position)
         nq, nk = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
         scale = cfg.head_dim ** -0.5
         inv = self.batch_invariant
@@ -134,13 +116,16 @@ class Llama:
                 max_query = int((batch.query_start_loc[1:] - batch.query_start_loc[:-1]).max()) if T else 0
             plan = invariant.Plan(batch.block_tables, batch.seq_lens, batch.query_start_loc, T,
                                   k_caches[0].shape[1], max_query)
+        taps = []
         for i in range(self.num_layers):
+            if i in batch.feature_layers:
+                taps.append(h)
             # the first layer goes through the checked ops; the rest reuse the same, now valid, metadata
             ops = self.be if i == 0 else self.be.impl
             x = _rms_norm(h, self.w[f"{i}.attn_norm"], cfg.eps)
             qkv = lin(x, self.w[f"{i}.wqkv"])
-            q = self._apply_rope(qkv[:, :nq].view(T, cfg.heads, cfg.head_dim), rot)
-            k = self._apply_rope(qkv[:, nq:nq + nk].view(T, cfg.kv_heads, cfg.head_dim), rot)
+            q = self.rope.apply(qkv[:, :nq].view(T, cfg.heads, cfg.head_dim), rot)
+            k = self.rope.apply(qkv[:, nq:nq + nk].view(T, cfg.kv_heads, cfg.head_dim), rot)
             v = qkv[:, nq + nk:].view(T, cfg.kv_heads, cfg.head_dim)
             ops.write_kv(k, v, k_caches[i], v_caches[i], batch.slot_mapping)
             if plan is not None:
@@ -157,7 +142,49 @@ class Llama:
             logits = invariant.linear(out, self.head)
         else:   # MKL on CPU: x @ W^T is fastest from [H, V] for one row and from [V, H] for several
             logits = out @ self.head_t if out.shape[0] == 1 else (self.head @ out.T).T
+        rows = batch.logits_rows if batch.hidden_rows is None else batch.hidden_rows
+        if batch.feature_layers:
+            if len(taps) != len(batch.feature_layers):
+                raise HalError(f"feature_layers: expected distinct layer indices in [0, {self.num_layers}), "
+                               f"got {batch.feature_layers}")
+            out = torch.cat([t[rows] for t in taps], -1)
+        elif batch.hidden_rows is not None:
+            out = _rms_norm(h[rows], self.w["norm"], cfg.eps)
         return logits, out
+
+
+class Rope:
+    """Rotary embeddings: a cached table of unit rotations and their application to q / k."""
+
+    def __init__(self, head_dim: int, base: float, interleaved: bool):
+        half = head_dim // 2
+        self.inv_freq = 1.0 / (base ** (torch.arange(half, dtype=torch.float64) / half))
+        self.interleaved = interleaved    # GGUF: pairs (2j, 2j+1); HF: pairs (j, j + D/2) (rotate_half)
+        self.cache = torch.empty(0, half, dtype=torch.complex64)
+
+    def to(self, device) -> "Rope":
+        self.cache = self.cache.to(device)
+        return self
+
+    def __call__(self, positions: Tensor, max_position: int | None = None) -> Tensor:
+        """Unit complex rotations [T, D/2] for the positions."""
+        if max_position is not None:
+            n = max_position + 1
+        else:
+            n = int(positions.max()) + 1 if positions.numel() else 0
+        if self.cache.shape[0] < n:
+            ang = torch.arange(max(n, 2 * self.cache.shape[0], 256), dtype=torch.float64)[:, None] * self.inv_freq
+            self.cache = torch.polar(torch.ones_like(ang), ang).to(self.cache.device, torch.complex64)
+        return self.cache[positions]
+
+    def apply(self, x: Tensor, rot: Tensor) -> Tensor:
+        """x [T, H, D]: rotate pairs (x_a, x_b) as complex numbers x_a + i x_b by the position's angle."""
+        if self.interleaved:
+            return torch.view_as_real(torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+                                      * rot[:, None]).flatten(-2)
+        half = x.shape[-1] // 2
+        z = torch.complex(x[..., :half].float(), x[..., half:].float()) * rot[:, None]
+        return torch.cat([z.real, z.imag], -1)
 
 
 def _rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:

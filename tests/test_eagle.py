@@ -1,0 +1,211 @@
+"""EAGLE heads: the published EAGLE-1 / EAGLE-3 layouts load (tiny random heads written in
+exactly those layouts), the head's KV path equals the training module, the engine passes
+every target feature once and in order (each first draft equals a from-scratch recompute),
+and greedy output with a head drafter equals plain greedy."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import hal
+from hal import kv
+from hal.decoder import SpeculativeDecoder
+from hal.eagle import HeadDrafter, load_eagle
+from hal.eagle_train import TrainHead
+from hal.errors import HalError
+from hal.forward import forward_tokens, make_batch
+from hal.models.llama import Llama, LlamaConfig
+from hal.requests import Request
+
+H, HEADS, KV, D, FFN, V, LAYERS = 64, 4, 2, 16, 128, 96, 8
+
+
+@pytest.fixture(scope="module")
+def target():
+    g = torch.Generator().manual_seed(7)
+    cfg = LlamaConfig(hidden=H, layers=LAYERS, heads=HEADS, kv_heads=KV, head_dim=D, ffn=FFN, vocab=V,
+                      rope_base=10000.0, eps=1e-5, rope_interleaved=True)
+    w = {"embed": torch.randn(V, H, generator=g), "norm": 1 + 0.1 * torch.randn(H, generator=g)}
+    for i in range(LAYERS):
+        w[f"{i}.attn_norm"] = 1 + 0.1 * torch.randn(H, generator=g)
+        w[f"{i}.ffn_norm"] = 1 + 0.1 * torch.randn(H, generator=g)
+        w[f"{i}.wqkv"] = torch.randn((HEADS + 2 * KV) * D, H, generator=g) * 0.15
+        w[f"{i}.wo"] = torch.randn(H, HEADS * D, generator=g) * 0.15
+        w[f"{i}.wgu"] = torch.randn(2 * FFN, H, generator=g) * 0.15
+        w[f"{i}.wdown"] = torch.randn(H, FFN, generator=g) * 0.15
+    return Llama(cfg, w, hal.get_backend("cpu"))
+
+
+def config(**extra) -> dict:
+    return {"architectures": ["LlamaForCausalLM"], "hidden_size": H, "num_attention_heads": HEADS,
+            "num_key_value_heads": KV, "intermediate_size": FFN, "num_hidden_layers": 1, "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0, "vocab_size": V, **extra}
+
+
+DRAFT = torch.tensor(sorted(set(range(0, V, 2)) | {1, 3, 5}))   # a reduced draft vocabulary
+
+
+def eagle1(tmp_path, seed=0, draft=True):
+    """A random EAGLE-1 head in the published layout (+ FR-Spec's d2t), via the training module."""
+    torch.manual_seed(seed)
+    head = TrainHead(H, HEADS, KV, FFN, 10000.0, 1e-5)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    t = {n: x.detach().contiguous() for n, x in head.weights().items()}
+    if draft:
+        t["d2t"] = DRAFT - torch.arange(len(DRAFT))
+    save_file(t, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(config(draft_vocab_size=len(DRAFT) if draft else V)))
+    return head, tmp_path
+
+
+def eagle3(tmp_path, seed=1, layer_ids=None):
+    """A random EAGLE-3 head in exactly the published layout (midlayer.*, fc [H, 3H], lm_head
+    over the draft vocabulary, d2t / t2d)."""
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g) * 0.2  # noqa: E731
+    t = {"fc.weight": r(H, 3 * H), "norm.weight": 1 + r(H), "lm_head.weight": r(len(DRAFT), H),
+         "d2t": DRAFT - torch.arange(len(DRAFT)), "t2d": torch.isin(torch.arange(V), DRAFT),
+         "midlayer.input_layernorm.weight": 1 + r(H), "midlayer.hidden_norm.weight": 1 + r(H),
+         "midlayer.post_attention_layernorm.weight": 1 + r(H),
+         "midlayer.self_attn.q_proj.weight": r(HEADS * D, 2 * H), "midlayer.self_attn.k_proj.weight": r(KV * D, 2 * H),
+         "midlayer.self_attn.v_proj.weight": r(KV * D, 2 * H), "midlayer.self_attn.o_proj.weight": r(H, HEADS * D),
+         "midlayer.mlp.gate_proj.weight": r(FFN, H), "midlayer.mlp.up_proj.weight": r(FFN, H),
+         "midlayer.mlp.down_proj.weight": r(H, FFN)}
+    save_file(t, str(tmp_path / "model.safetensors"))
+    extra = {"draft_vocab_size": len(DRAFT)}
+    if layer_ids is not None:
+        extra["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": layer_ids}
+    (tmp_path / "config.json").write_text(json.dumps(config(**extra)))
+    return tmp_path
+
+
+def head_logits(model, ids: list[int], feats: torch.Tensor) -> torch.Tensor:
+    """The head's draft-vocabulary logits for pairs (feats[t], ids[t + 1]), from scratch."""
+    pool = kv.KVPool(model.be, 8, 16, model.cfg.kv_heads, model.cfg.head_dim, num_layers=1)
+    q = pool.sequence()
+    toks = torch.tensor(ids[1:])
+    b = make_batch(model.be, model.device, pool, [q], [len(toks)], toks, all_rows=True)
+    return model.forward(b, pool.k[0], pool.v[0], toks, feats[:len(toks)], True)[0]
+
+
+def target_features(target, ids: list[int], layers) -> torch.Tensor:
+    pool = kv.KVPool(target.be, 8, 16, KV, D, num_layers=LAYERS)
+    rows = torch.arange(len(ids))
+    return forward_tokens(target, pool, [pool.sequence()], [len(ids)], torch.tensor(ids), rows=rows[-1:],
+                          hidden_rows=rows, feature_layers=layers)[1]
+
+
+def test_eagle1_layout_equals_the_training_module(target, tmp_path):
+    train, path = eagle1(tmp_path)
+    head = load_eagle(path, target)
+    assert head.cfg.version == 1 and head.feature_layers == () and head.cfg.draft_vocab == len(DRAFT)
+    ids = [(5 * i + 1) % V for i in range(37)]
+    f = target_features(target, ids, ())
+    got = head_logits(head, ids, f)
+    with torch.no_grad():
+        want = train(target.embed[torch.tensor(ids[1:])][None], f[None, :-1])[0] @ target.head[DRAFT].T
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_eagle3_layout_taps_three_layers(target, tmp_path):
+    head = load_eagle(eagle3(tmp_path), target)
+    assert head.cfg.version == 3 and head.feature_layers == (2, LAYERS // 2, LAYERS - 3)
+    assert torch.equal(head.draft_ids, DRAFT)
+    f = target_features(target, [1, 2, 3, 4], head.feature_layers)
+    assert f.shape == (4, 3 * H)
+    other = load_eagle(eagle3(tmp_path / "..", layer_ids=[0, 3, 5]), target)
+    assert other.feature_layers == (1, 4, 6)     # ids name layer outputs; the runner taps the next layer's input
+
+
+def lossless(target, drafter, prompts, **kw):
+    plain = SpeculativeDecoder(target, None).generate([Request(p, max_new_tokens=24, k=0) for p in prompts])
+    dec = SpeculativeDecoder(target, drafter, **kw)
+    spec = dec.generate([Request(p, max_new_tokens=24, k=4) for p in prompts])
+    assert spec == plain
+    return dec
+
+
+PROMPTS = [[3, 17, 17, 40, 2, 9], [50, 51, 52], list(range(1, 40, 3)), [7]]
+
+
+@pytest.mark.parametrize("layout", ["eagle1", "eagle3"])
+def test_head_drafter_is_lossless_and_first_drafts_match_a_recompute(target, tmp_path, layout):
+    head = load_eagle(eagle1(tmp_path)[1] if layout == "eagle1" else eagle3(tmp_path), target)
+    seen = []
+
+    class Recording(HeadDrafter):
+        def propose(self, b):
+            p = super().propose(b)
+            seen.append((b, p))
+            return p
+    dec = lossless(target, Recording(head), PROMPTS, max_num_batched_tokens=16, max_num_seqs=4)
+    assert dec.metrics.total.num_draft_tokens > 0
+    checked = 0
+    for b, p in seen:
+        cu = p.cu_num_draft_tokens.tolist()
+        for i, (L, k) in enumerate(zip(b.lengths, b.k)):
+            if k == 0:
+                continue
+            ids = b.history[i, :L].tolist()
+            ref = head_logits(head, ids, target_features(target, ids, head.feature_layers))[-1]
+            top2 = ref.topk(2).values
+            if top2[0] - top2[1] > 1e-4:    # no near-tie: the drafted id is the recompute's argmax
+                assert int(p.draft_token_ids[cu[i]]) == int(DRAFT[ref.argmax()])
+                checked += 1
+    assert checked >= 10
+
+
+def test_head_drafter_survives_preemption_and_sampling(target, tmp_path):
+    head = load_eagle(eagle1(tmp_path)[1], target)
+    lossless(target, HeadDrafter(head), PROMPTS, num_blocks=7, max_num_seqs=4)   # the target pool preempts
+    runs = []
+    for _ in range(2):
+        dec = SpeculativeDecoder(target, HeadDrafter(head))
+        runs.append(dec.generate([Request(p, max_new_tokens=16, k=3, temperature=0.8, seed=5) for p in PROMPTS]))
+    assert runs[0] == runs[1] and all(len(r) == 16 for r in runs[0])
+
+
+def test_a_full_head_pool_means_no_drafts_not_wrong_ones(target, tmp_path):
+    head = load_eagle(eagle1(tmp_path)[1], target)
+    d = HeadDrafter(head, num_blocks=2)
+    lossless(target, d, PROMPTS)
+    assert d.lost > 0
+
+
+def test_bad_heads_are_refused(target, tmp_path):
+    with pytest.raises(HalError, match="config.json"):
+        load_eagle(tmp_path / "nothing", target)
+    path = eagle3(tmp_path)
+    t = __import__("safetensors.torch", fromlist=["load_file"]).load_file(str(path / "model.safetensors"))
+    t["fc.weight"] = t["fc.weight"][:, :2 * H].contiguous()
+    save_file(t, str(path / "model.safetensors"))
+    with pytest.raises(HalError, match=r"head weight fc: expected shape \[64, 192\]"):
+        load_eagle(path, target)
+    t["fc.weight"] = torch.zeros(H, 3 * H)
+    t["d2t"] = t["d2t"] + V
+    save_file(t, str(path / "model.safetensors"))
+    with pytest.raises(HalError, match="d2t"):
+        load_eagle(path, target)
+    del t["midlayer.hidden_norm.weight"]
+    save_file(t, str(path / "model.safetensors"))
+    with pytest.raises(HalError, match="hidden_norm"):
+        load_eagle(path, target)
+
+
+def test_train_head_learns_and_writes_a_loadable_head(target, tmp_path):
+    from hal import eagle_data
+    from hal.eagle_train import train
+    seqs = [[(3 * i + j * j) % V for j in range(40)] for i in range(12)]
+    torch.save({"ids": seqs, "features": eagle_data.features(target, seqs)}, tmp_path / "data.pt")
+    s = train("tiny", tmp_path / "head", minutes=5, draft_size=48, batch=4, lr=3e-3, data=tmp_path / "data.pt",
+              target=target, max_steps=60)
+    assert s["steps"] == 60 and s["last_loss"] < 0.5 * s["first_loss"], s
+    head = load_eagle(tmp_path / "head", target)     # fp16 weights in the EAGLE-1 layout, with d2t
+    assert head.cfg.draft_vocab == 48 and (tmp_path / "head" / "loss.png").stat().st_size > 1000
+    lossless(target, HeadDrafter(head), PROMPTS)
