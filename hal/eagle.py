@@ -39,6 +39,7 @@ class EagleConfig:
     eps: float
     feature_layers: tuple[int, ...] = ()  # EAGLE-3: target layers whose input residual streams are the features
     draft_vocab: int | None = None        # None: the target's whole vocabulary
+    rope_scaling: dict | None = None      # HF's rope_scaling (llama3 or none)
 
 
 class EagleModel:
@@ -68,7 +69,7 @@ class EagleModel:
         if self.draft_ids is not None and (self.draft_ids.min() < 0 or self.draft_ids.max() >= tc.vocab):
             raise HalError(f"head d2t: expected draft ids mapping into [0, {tc.vocab}), got "
                            f"[{int(self.draft_ids.min())}, {int(self.draft_ids.max())}]")
-        self.rope = Rope(cfg.head_dim, cfg.rope_base, False).to(self.device)
+        self.rope = Rope(cfg.head_dim, cfg.rope_base, False, cfg.rope_scaling).to(self.device)
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
@@ -181,7 +182,8 @@ def load_eagle(path: str | Path, target: Llama) -> EagleModel:
                       head_dim=c.get("head_dim", c["hidden_size"] // heads), ffn=c["intermediate_size"],
                       rope_base=float(c.get("rope_theta", 10000.0)), eps=float(c.get("rms_norm_eps", 1e-5)),
                       feature_layers=layers if version == 3 else (),
-                      draft_vocab=c.get("draft_vocab_size") if "draft_ids" in w or "head" in w else None)
+                      draft_vocab=c.get("draft_vocab_size") if "draft_ids" in w or "head" in w else None,
+                      rope_scaling=c.get("rope_scaling"))
     return EagleModel(cfg, w, target)
 
 

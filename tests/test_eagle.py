@@ -209,3 +209,20 @@ def test_train_head_learns_and_writes_a_loadable_head(target, tmp_path):
     head = load_eagle(tmp_path / "head", target)     # fp16 weights in the EAGLE-1 layout, with d2t
     assert head.cfg.draft_vocab == 48 and (tmp_path / "head" / "loss.png").stat().st_size > 1000
     lossless(target, HeadDrafter(head), PROMPTS)
+
+
+def test_llama3_rope_scaling_matches_transformers():
+    """Published Llama-3.1 EAGLE heads carry rope_scaling (llama3); ours equals transformers'."""
+    from transformers import LlamaConfig as HFConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from hal.models.llama import Rope
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    hf = HFConfig(hidden_size=4096, num_attention_heads=32, rope_theta=500000.0, rope_scaling=scaling)
+    want = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")[0].double()
+    got = Rope(128, 500000.0, False, scaling).inv_freq
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    assert not torch.allclose(got, Rope(128, 500000.0, False).inv_freq)
+    with pytest.raises(HalError, match="rope_scaling"):
+        Rope(128, 500000.0, False, {"rope_type": "yarn", "factor": 4.0})

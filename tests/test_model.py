@@ -9,6 +9,7 @@ import torch
 import hal
 from hal.decoder import Request, SpeculativeDecoder
 from hal.drafters import EagleDrafter, ModelDrafter, NgramDrafter
+from hal.factories import make_drafter, parse_draft
 from hal.models.llama import Llama
 from hal.models.tokenizer import chatml
 
@@ -47,7 +48,7 @@ def test_plain_decoding_is_sensible(model, plain):
     assert "def" in tok.decode(plain[1])
 
 
-@pytest.mark.parametrize("kind", ["ngram", "self-speculative", "draft-model", "eagle-toy"])
+@pytest.mark.parametrize("kind", ["ngram", "self-speculative", "draft-model", "eagle-toy", "eagle", "ngram+eagle"])
 def test_greedy_speculative_equals_plain(model, plain, kind):
     target, tok = model
     be = target.be
@@ -57,12 +58,14 @@ def test_greedy_speculative_equals_plain(model, plain, kind):
         "draft-model": lambda: ModelDrafter(Llama(target.cfg, target.w, be)),   # a separate model instance
         "eagle-toy": lambda: EagleDrafter(lambda h, x: (torch.nn.functional.one_hot(x, target.cfg.vocab).float(), h),
                                           be),                                   # toy head: repeat the last token
+        "eagle": lambda: make_drafter(parse_draft("eagle"), be, target, "smollm2-135m"),   # the shipped head
+        "ngram+eagle": lambda: make_drafter(parse_draft("ngram+eagle"), be, target, "smollm2-135m"),
     }[kind]()
     out, dec = run(target, drafter, PROMPTS, tok)
     assert out == plain, f"{kind}: speculative greedy output differs from plain greedy"
     m = dec.metrics
     assert m.total.num_draft_tokens > 0
-    if kind in ("ngram", "draft-model"):
+    if kind in ("ngram", "draft-model", "eagle", "ngram+eagle"):
         assert m.acceptance_rate > 0.3, m.acceptance_rate
     if kind == "draft-model":
         assert m.acceptance_rate == 1.0, "the same weights must accept every draft"
@@ -96,3 +99,15 @@ def test_routed_greedy_equals_plain(model, plain):
     dec.router = Router(dec.profile_costs(max_tokens=18, context=64, reps=1), max_k=8)
     assert dec.generate(reqs) == plain
     assert dec.metrics.total.num_draft_tokens > 0 and dec.steps < 40
+
+
+def test_the_shipped_head_drafts_well_on_unseen_text(model):
+    """The trained head on a held-out prompt (a topic it never saw), greedy, k = 4: outputs
+    equal plain and it accepts well (a misaligned feature or a broken head accepts ~0)."""
+    from hal import eagle_data
+    target, tok = model
+    prompt = eagle_data.prompts(heldout=True)[0]
+    drafter = make_drafter(parse_draft("eagle"), target.be, target, "smollm2-135m")
+    out, dec = run(target, drafter, [prompt], tok, k=4, n=40)
+    assert out == run(target, None, [prompt], tok, k=0, n=40)[0]
+    assert dec.metrics.mean_acceptance_length > 1.8, dec.metrics.mean_acceptance_length

@@ -156,9 +156,18 @@ class Llama:
 class Rope:
     """Rotary embeddings: a cached table of unit rotations and their application to q / k."""
 
-    def __init__(self, head_dim: int, base: float, interleaved: bool):
+    def __init__(self, head_dim: int, base: float, interleaved: bool, scaling: dict | None = None):
         half = head_dim // 2
         self.inv_freq = 1.0 / (base ** (torch.arange(half, dtype=torch.float64) / half))
+        kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+        if kind == "llama3":   # Llama 3.1: low frequencies slowed by `factor`, a smooth ramp between
+            f, lo, hi, ctx = (float(scaling[k]) for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                                          "original_max_position_embeddings"))
+            wavelen = 2 * torch.pi / self.inv_freq
+            smooth = ((ctx / wavelen - lo) / (hi - lo)).clamp(0, 1)
+            self.inv_freq = (1 - smooth) * self.inv_freq / f + smooth * self.inv_freq
+        elif kind != "default":
+            raise HalError(f"rope_scaling: expected none or llama3, got {scaling!r}")
         self.interleaved = interleaved    # GGUF: pairs (2j, 2j+1); HF: pairs (j, j + D/2) (rotate_half)
         self.cache = torch.empty(0, half, dtype=torch.complex64)
 
