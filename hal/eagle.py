@@ -45,8 +45,11 @@ class EagleConfig:
 class EagleModel:
     """An EAGLE head's weights (internal names) and its forward over the head's own KV."""
 
-    def __init__(self, cfg: EagleConfig, w: dict[str, Tensor], target: Llama):
-        self.cfg, self.be, self.device = cfg, target.be, target.device
+    def __init__(self, cfg: EagleConfig, w: dict[str, Tensor], target: Llama, backend=None, device=None):
+        self.be = backend or target.be     # a placement may put the head on another backend / device
+        self.device = torch.device(device) if device is not None else (
+            target.device if backend is None else torch.device(backend.device_type))
+        self.cfg = cfg
         tc = target.cfg
         if cfg.hidden != tc.hidden:
             raise HalError(f"head hidden_size: expected the target's {tc.hidden}, got {cfg.hidden}")
@@ -60,11 +63,12 @@ class EagleModel:
                 raise HalError(f"head weight {name}: expected shape {list(shape)}, got "
                                f"{list(w[name].shape) if name in w else 'nothing'}")
         self.w = {n: t.to(self.device, torch.float32) for n, t in w.items()}
-        self.embed = self.w.get("embed", target.embed)
+        self.embed = self.w.get("embed", target.embed.to(self.device))
         ids = self.w.get("draft_ids")
-        self.draft_ids = None if ids is None else ids.long()
+        self.draft_ids = None if ids is None else ids.long().to(self.device)
         if "head" not in self.w:   # the target's lm_head, restricted to the draft vocabulary
-            self.w["head"] = target.head if ids is None else target.head[self.draft_ids].contiguous()
+            head = target.head.to(self.device)
+            self.w["head"] = head if ids is None else head[self.draft_ids].contiguous()
         self.head, self.vocab = self.w["head"], tc.vocab
         if self.draft_ids is not None and (self.draft_ids.min() < 0 or self.draft_ids.max() >= tc.vocab):
             raise HalError(f"head d2t: expected draft ids mapping into [0, {tc.vocab}), got "
@@ -138,10 +142,32 @@ def _read_tensors(folder: Path) -> dict[str, Tensor]:
     return out
 
 
-def load_eagle(path: str | Path, target: Llama) -> EagleModel:
+def _layers(c: dict, version: int, target_layers: int) -> tuple[int, ...]:
+    ids = (c.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    L = target_layers   # ids name layer outputs; the runner taps the next layer's input
+    return (tuple(i + 1 for i in ids) if ids else (2, L // 2, L - 3)) if version == 3 else ()
+
+
+def head_feature_layers(path: str | Path, target_layers: int) -> tuple[int, ...]:
+    """The target layers a head's features come from (``()``: the final normed hidden state),
+    read from its folder without loading the weights (the target rank of a remote head)."""
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise HalError(f"head: expected a folder with config.json, got {str(path)!r}")
+    names: list[str] = []
+    for f in sorted(folder.glob("*.safetensors")):
+        from safetensors import safe_open
+        with safe_open(str(f), "pt") as h:
+            names += list(h.keys())
+    version = 3 if any(n.startswith("midlayer.") for n in names) else 1
+    return _layers(json.loads((folder / "config.json").read_text()), version, target_layers)
+
+
+def load_eagle(path: str | Path, target: Llama, backend=None, device=None) -> EagleModel:
     """An EAGLE-1 or EAGLE-3 head from a folder in the published HF layout (config.json +
-    safetensors or pytorch_model.bin), for ``target``. The version is read off the names:
-    ``midlayer.*`` is EAGLE-3, ``layers.0.*`` EAGLE-1."""
+    safetensors or pytorch_model.bin), for ``target`` (its embeddings and lm_head, unless the
+    head has its own), on ``backend`` / ``device`` (default: the target's). The version is
+    read off the names: ``midlayer.*`` is EAGLE-3, ``layers.0.*`` EAGLE-1."""
     folder = Path(path)
     if not (folder / "config.json").is_file():
         raise HalError(f"head: expected a folder with config.json, got {str(path)!r}")
@@ -174,17 +200,15 @@ def load_eagle(path: str | Path, target: Llama) -> EagleModel:
     w["wqkv"] = torch.cat([w.pop("wq"), w.pop("wk"), w.pop("wv")])
     w["wgu"] = torch.cat([w.pop("wgate"), w.pop("wup")])
     heads = c["num_attention_heads"]
-    L = target.cfg.layers
-    ids = (c.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    layers = tuple(i + 1 for i in ids) if ids else (2, L // 2, L - 3)   # ids name outputs; we tap layer inputs
+    layers = _layers(c, version, target.cfg.layers)
     cfg = EagleConfig(version=version, hidden=c["hidden_size"], heads=heads,
                       kv_heads=c.get("num_key_value_heads", heads),
                       head_dim=c.get("head_dim", c["hidden_size"] // heads), ffn=c["intermediate_size"],
                       rope_base=float(c.get("rope_theta", 10000.0)), eps=float(c.get("rms_norm_eps", 1e-5)),
-                      feature_layers=layers if version == 3 else (),
+                      feature_layers=layers,
                       draft_vocab=c.get("draft_vocab_size") if "draft_ids" in w or "head" in w else None,
                       rope_scaling=c.get("rope_scaling"))
-    return EagleModel(cfg, w, target)
+    return EagleModel(cfg, w, target, backend, device)
 
 
 # -- drafting ------------------------------------------------------------------------------------
@@ -271,6 +295,8 @@ class HeadDrafter:
         for q, n in zip(seqs, lens):
             q.commit(n)
         state = {"h": h[batch.logits_rows]}
+        if all(p.temperature == 0 for p in b.params):   # greedy: argmax over the draft vocabulary, no sampler
+            return self._greedy_chain(b, seqs, logits0, state["h"])
 
         def step(prev, j):
             if j == 0:
@@ -282,6 +308,20 @@ class HeadDrafter:
             state["h"] = hh
             return head.full_logits(logits)
         return _sample_chain(b, self.be, dev, step)
+
+    def _greedy_chain(self, b: DraftBatch, seqs, logits: Tensor, h: Tensor) -> Proposal:
+        from hal.drafters import slots
+        from hal.forward import make_batch
+        head, dev, toks = self.head, self.head.device, []
+        for j in range(max(b.k, default=0)):
+            if j:
+                bt = make_batch(self.be, dev, self.pool, seqs, [1] * len(seqs), toks[-1])
+                logits, h = head.forward(bt, self.pool.k[0], self.pool.v[0], toks[-1], h, False)
+                for q in seqs:
+                    q.commit(1)
+            best = logits.argmax(-1)
+            toks.append(best if head.draft_ids is None else head.draft_ids[best])
+        return slots(torch.stack(toks, 1) if toks else torch.zeros(len(seqs), 0, dtype=torch.long, device=dev), b.k)
 
     def _lose(self, rid: int) -> None:
         if rid not in self.lost_rids:

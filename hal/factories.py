@@ -90,7 +90,7 @@ def make_drafter(spec: DraftSpec, backend, target=None, path: str | None = None,
         if target is None:
             raise HalError(f"--draft {spec.kind}: expected the target model in this process (an EAGLE head reads "
                            f"its features and shares its embeddings), got a separate draft rank", arg="--draft")
-        head = HeadDrafter(load_eagle(spec.path or shipped_head(path or ""), target))
+        head = HeadDrafter(load_eagle(spec.path or shipped_head(path or ""), target, backend, device))
         return head if spec.kind == "eagle" else NgramOrHead(NgramDrafter(backend, min_n=2), head)
     if target is not None and spec.kind == "self":
         model = target

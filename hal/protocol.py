@@ -9,6 +9,7 @@ length and hash per request), or the target gets STOP at the end. See `hal.serve
 from __future__ import annotations
 
 import datetime
+import struct
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +42,7 @@ class Link:
 
     def __init__(self, peer: int, device: torch.device):
         self.peer, self.device, self._sending, self._keep = peer, device, [], []
+        self.bytes_sent = self.bytes_received = 0   # payload bytes, headers included
 
     def flush(self) -> None:
         """Wait until the last message has left."""
@@ -55,6 +57,7 @@ class Link:
         r = rows.shape if rows is not None else (0, 0)
         head = torch.tensor([len(words), r[0], r[1], idx is not None], dtype=torch.long)
         parts = [transfer(t, self.device) for t in [head] + parts]
+        self.bytes_sent += sum(t.numel() * t.element_size() for t in parts)
         self._sending = [dist.isend(t, self.peer) for t in parts]
         self._keep = parts
 
@@ -77,13 +80,15 @@ class Link:
             work.wait()
         else:
             work.wait(timeout=datetime.timedelta(seconds=timeout))
+        self.bytes_received += t.numel() * t.element_size()
         return t
 
 
 # -- the messages: one typed class per kind, one encoder and one decoder each ----------------------
 # Wire form: int64 words (kind first), optional float32 rows, optional int32 indices (sparse q).
-#   COMMIT: [COMMIT, n, n_finished, *finished, n x (rid, k, length, new, [top_k, seed, max_new]
-#            if new, n_delta, *delta)], rows: one (temperature, top_p) row per new request
+#   COMMIT: [COMMIT, n, n_finished, *finished, n x (rid, k, length, new, [top_k, seed, max_new,
+#            temperature, top_p (IEEE-754 float64 bits)] if new, n_delta, *delta, n_features)],
+#           rows: the target's features, n_features rows per request in order (an EAGLE head's input)
 #   DRAFTS: [DRAFTS, hits, stale, n x (rid, base_len, base_hash, n_drafts, *drafts)],
 #           rows: q rows of the drafts (dense [N, V], or sparse values with ``idx``)
 #   STOP:   [STOP]
@@ -107,6 +112,13 @@ class CommitEntry:
     length: int              # the committed history's length after ``delta``
     delta: list[int]         # tokens committed since the last round
     new: NewRequest | None = None
+    features: Tensor | None = None  # [n, F] the target's features not sent before (`hal.requests.DraftBatch`)
+
+    def __eq__(self, other) -> bool:
+        f, g = self.features, getattr(other, "features", None)
+        return (isinstance(other, CommitEntry) and (self.rid, self.k, self.length, self.delta, self.new)
+                == (other.rid, other.k, other.length, other.delta, other.new)
+                and ((f is None and g is None) or (f is not None and g is not None and torch.equal(f, g))))
 
 
 @dataclass
@@ -145,18 +157,30 @@ def encode(msg: Message) -> tuple[list[int], Tensor | None, Tensor | None]:
     if isinstance(msg, Stop):
         return [STOP], None, None
     if isinstance(msg, Commit):
-        words, floats = [COMMIT, len(msg.entries), len(msg.finished), *msg.finished], []
+        words, feats = [COMMIT, len(msg.entries), len(msg.finished), *msg.finished], []
         for e in msg.entries:
             words += [e.rid, e.k, e.length, int(e.new is not None)]
             if e.new is not None:
-                words += [e.new.top_k, e.new.seed, e.new.max_new_tokens]
-                floats.append([e.new.temperature, e.new.top_p])
-            words += [len(e.delta), *e.delta]
-        return words, torch.tensor(floats, dtype=torch.float32) if floats else None, None
+                words += [e.new.top_k, e.new.seed, e.new.max_new_tokens, float_word(e.new.temperature),
+                          float_word(e.new.top_p)]
+            n = 0 if e.features is None else e.features.shape[0]
+            words += [len(e.delta), *e.delta, n]
+            if n:
+                feats.append(e.features)
+        return words, torch.cat(feats) if feats else None, None
     words = [DRAFTS, msg.hits, msg.stale]
     for e in msg.entries:
         words += [e.rid, e.base_len, e.base_hash, len(e.tokens), *e.tokens]
     return words, msg.q, msg.idx
+
+
+def float_word(x: float) -> int:
+    """A float64 as the int64 word with its bits (exact both ways)."""
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def word_float(w: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", w))[0]
 
 
 class _Reader:
@@ -200,24 +224,28 @@ def decode(words: list[int], rows: Tensor | None, idx: Tensor | None, vocab: int
     if kind == COMMIT:
         n, n_done = r.one("the request count", 0, MAX_ROWS), r.one("the finished count", 0, MAX_ROWS)
         finished = r.take(n_done, "finished request ids", 0, 1 << 62)
-        entries, n_new = [], 0
+        entries, counts = [], []
         for _ in range(n):
             rid, k, length = r.one("a request id", 0, 1 << 62), r.one("k", 0, max_k + 1), r.one("a length", 0, 1 << 40)
             new = None
             if r.one("the new flag", 0, 2):
                 top_k, seed, max_new = r.one("top_k", -1, 1 << 31), r.one("a seed"), r.one("max_new_tokens", 1, 1 << 40)
-                new = NewRequest(top_k, seed, max_new, 0.0, 1.0)
-                n_new += 1
+                t, p = word_float(r.one("a temperature")), word_float(r.one("a top_p"))
+                if not (0 <= t < float("inf") and 0 < p <= 1):
+                    raise r.bad("a finite temperature >= 0 and top_p in (0, 1]", (t, p))
+                new = NewRequest(top_k, seed, max_new, t, p)
             delta = r.take(r.one("a delta length", 0, MAX_WORDS), "committed token ids", 0, hi_tok)
+            counts.append(r.one("a feature row count", 0, MAX_ROWS))
             entries.append(CommitEntry(rid, k, length, delta, new))
         r.done()
-        if (rows is None) != (n_new == 0) or (rows is not None and tuple(rows.shape) != (n_new, 2)):
-            raise r.bad(f"{n_new} rows of (temperature, top_p)", None if rows is None else list(rows.shape))
-        news = [e.new for e in entries if e.new is not None]
-        for e, (t, p) in zip(news, rows.tolist() if rows is not None else []):
-            if not (0 <= t < float("inf") and 0 < p <= 1):
-                raise r.bad("a finite temperature >= 0 and top_p in (0, 1]", (t, p))
-            e.temperature, e.top_p = t, p
+        total = sum(counts)
+        if (rows is None) != (total == 0) or (rows is not None and (rows.dim() != 2 or rows.shape[0] != total)):
+            raise r.bad(f"{total} feature rows", None if rows is None else list(rows.shape))
+        if rows is not None and not bool(torch.isfinite(rows).all()):
+            raise r.bad("finite features", "NaN or inf")
+        at = 0
+        for e, c in zip(entries, counts):
+            e.features, at = (rows[at:at + c] if c else None), at + c
         return Commit(entries, finished)
     hits, stale = r.one("the overlap hits", 0, MAX_ROWS), r.one("the stale count", 0, MAX_ROWS)
     entries = []

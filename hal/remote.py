@@ -5,6 +5,7 @@ worker sends; a dead, silent or malformed worker leaves plain decoding (counted)
 from __future__ import annotations
 
 import sys
+import time
 
 import torch
 from torch import Tensor
@@ -20,13 +21,16 @@ class RemoteDrafter:
     """The target's view of the draft worker (a `hal.decoder.Drafter`)."""
 
     def __init__(self, link: Link, vocab: int, device: torch.device, metrics, timeout: float = 30.0,
-                 first_timeout: float = 60.0):
+                 first_timeout: float = 60.0, features: tuple[int, ...] | None = None):
         self.link, self.vocab, self.device, self.metrics = link, vocab, device, metrics
+        if features is not None:   # the worker runs an EAGLE head: send it the target's features
+            self.features = tuple(features)
         self.timeout, self.first_timeout = timeout, first_timeout
         self.sent: dict[int, int] = {}     # rid -> tokens of its history the worker has
         self.hashes: dict[int, int] = {}   # rid -> history_hash of those tokens
         self.finished: list[int] = []
         self.alive, self.lost, self.rounds, self.guess_hits, self.guess_misses = True, False, 0, 0, 0
+        self.wait_s = 0.0   # seconds the target spent in a round (send, the worker's drafting, receive)
 
     def propose(self, b: DraftBatch) -> Proposal:
         R = len(b.rids)
@@ -39,15 +43,21 @@ class RemoteDrafter:
             self.hashes.pop(rid, None)
         msg, self.finished = Commit([], self.finished), []
         hist = transfer(b.history, torch.device("cpu"))   # the link carries host tensors
+        feats = None if b.features is None else transfer(b.features, torch.device("cpu")).float()
+        at = 0
         for i, (rid, p, L, k) in enumerate(zip(b.rids, b.params, b.lengths, b.k)):
             new = None if rid in self.sent else NewRequest(p.top_k, p.seed, p.max_new_tokens, p.temperature, p.top_p)
             delta = hist[i, self.sent.get(rid, 0):L].tolist()
-            msg.entries.append(CommitEntry(rid, k, L, delta, new))
+            n = b.num_features[i] if b.num_features else 0
+            msg.entries.append(CommitEntry(rid, k, L, delta, new, feats[at:at + n] if n else None))
+            at += n
             self.sent[rid] = L
             self.hashes[rid] = history_hash(delta, self.hashes.get(rid, HASH_SEED))
         try:
+            t0 = time.perf_counter()
             self.link.send(*encode(msg)[:2])
             reply = self.link.recv(self.timeout if self.rounds else self.first_timeout)
+            self.wait_s += time.perf_counter() - t0
         except RuntimeError as e:  # gloo: connection reset (the worker died) or a timeout
             self.lost = True
             self._fail(e)

@@ -39,7 +39,7 @@ from hal.protocol import DRAFT, TARGET, Link
 from hal.remote import RemoteDrafter
 from hal.worker import draft_worker
 
-SERVE_DRAFTS = ("ngram", "self", "model")
+SERVE_DRAFTS = ("ngram", "self", "model", "eagle", "ngram+eagle")
 
 def plan(args, target_mem, target_side, draft_mem, draft_side, max_seqs: int):
     """This rank's memory plan (printed); raises `HalError` before anything is allocated."""
@@ -83,8 +83,8 @@ class Target:
 
 def add_engine_args(ap: argparse.ArgumentParser) -> None:
     """The flags every target entry point shares (names as vLLM's where one exists)."""
-    ap.add_argument("--draft", default="ngram", help="ngram, self[:L], model:<path.gguf>; in one process also "
-                                                     "eagle[:<folder>] and ngram+eagle[:<folder>]")
+    ap.add_argument("--draft", default="ngram", help="ngram, self[:L], model:<path.gguf>, eagle[:<folder>] "
+                                                     "(an EAGLE head; default: the shipped one) or ngram+eagle[:<folder>]")
     ap.add_argument("--model", default="smollm2-135m", help="a fetchable name, a .gguf path or an HF folder")
     ap.add_argument("--k", type=int, default=8, help="k per step, or its cap with --route")
     ap.add_argument("--route", action=argparse.BooleanOptionalAction, default=False,
@@ -129,7 +129,7 @@ def start(args, max_seqs: int, engine_kw: dict | None = None) -> Target | None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world not in (1, 2):
         raise HalError(f"WORLD_SIZE: expected 1 (in-process draft) or 2 (draft and target ranks), got {world}")
-    spec = parse_draft(args.draft, SERVE_DRAFTS + (("none", "eagle", "ngram+eagle") if world == 1 else ()))
+    spec = parse_draft(args.draft, SERVE_DRAFTS + (("none",) if world == 1 else ()))
     rank = int(os.environ.get("RANK", "0"))
     joined, backend = False, None
     if world == 2:
@@ -149,12 +149,16 @@ def start(args, max_seqs: int, engine_kw: dict | None = None) -> Target | None:
     from hal.planner import ModelMemory
     path = str(fetch(args.model) if args.model in MODELS and not (rank == DRAFT and spec.kind == "ngram")
                else args.model)  # an n-gram worker needs no weights
+    head = spec.kind in ("eagle", "ngram+eagle")   # an EAGLE head: it reads the target's features
     if rank == DRAFT:  # plan, allocate, load, serve
         draft_side = resolve_side(placement.draft, "draft")
         mem, dpath = draft_memory(spec, path, shares_target=False)
         pool = plan(args, None, None, mem, draft_side, max_seqs).allocate("draft") if mem is not None else None
         link = Link(TARGET, torch.device("cpu") if backend == "gloo" else draft_side.device)
-        drafter = make_drafter(spec, draft_side.backend, path=dpath, pool=pool, device=draft_side.device)
+        # a head shares the target's embeddings and lm_head: this rank loads the weights for them
+        tw = load_model(path, draft_side.backend)[0].to(draft_side.device) if head else None
+        drafter = make_drafter(spec, draft_side.backend, target=tw, path=args.model if head else dpath, pool=pool,
+                               device=draft_side.device)
         draft_worker(link, drafter, os.environ.get("HAL_SERVE_FAULT", ""), idle=max(600.0, args.draft_timeout))
         dist.destroy_process_group()
         return None
@@ -173,10 +177,13 @@ def start(args, max_seqs: int, engine_kw: dict | None = None) -> Target | None:
         metrics.draft_failures += 1
     elif world == 2:
         link = Link(DRAFT, torch.device("cpu") if backend == "gloo" else target_side.device)
+        layers = None
+        if head:
+            from hal.eagle import head_feature_layers, shipped_head
+            layers = head_feature_layers(spec.path or shipped_head(args.model), model.cfg.layers)
         drafter = RemoteDrafter(link, model.cfg.vocab, target_side.device, metrics, args.draft_timeout,
-                                first_timeout=args.draft_startup_timeout)
+                                first_timeout=args.draft_startup_timeout, features=layers)
     else:
-        head = spec.kind in ("eagle", "ngram+eagle")   # a head reads the target's features: on its device
         drafter = make_drafter(spec, draft_side.backend, target=model if shares or head else None,
                                path=args.model if head else dpath,
                                pool=mplan.allocate("draft") if dmem else None, device=draft_side.device)
@@ -218,7 +225,11 @@ def _run(args) -> int:
                "link": backend if world == 2 else None, "target": f"{target_side.backend.name}@{target_side.device}",
                "acceptance_rate": m.acceptance_rate, "mean_acceptance_length": m.mean_acceptance_length,
                "draft_failures": m.draft_failures, "stale_drafts": m.stale_drafts,
-               "overlap_hits": getattr(drafter, "guess_hits", 0), "overlap_misses": getattr(drafter, "guess_misses", 0)}
+               "overlap_hits": getattr(drafter, "guess_hits", 0), "overlap_misses": getattr(drafter, "guess_misses", 0),
+               "steps": dec.steps}
+    if world == 2 and drafter is not None:   # what crossed the link, and the share of time spent in rounds
+        summary.update(rounds=drafter.rounds, round_trip_seconds=drafter.wait_s,
+                       bytes_sent=drafter.link.bytes_sent, bytes_received=drafter.link.bytes_received)
     print(json.dumps({k: v for k, v in summary.items() if k != "outputs"}), flush=True)
     if args.out:
         with open(args.out, "w") as f:

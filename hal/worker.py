@@ -33,6 +33,7 @@ class _Req:
     k: int = 0
     offset: int = 0
     last: list[int] | None = None
+    features: list[Tensor] = field(default_factory=list)   # the target's features not yet given to the drafter
 
 
 def draft_worker(link: Link, drafter, fault: str = "", idle: float | None = None) -> None:
@@ -89,6 +90,8 @@ def _apply_commit(msg: Commit, reqs: dict[int, _Req], hist: HistoryBuffer, guess
             hist.write([e.rid], [len(r.tokens)], torch.tensor([e.delta], dtype=torch.long))
         r.tokens = r.tokens + e.delta
         r.hash = history_hash(e.delta, r.hash)
+        if e.features is not None:
+            r.features.append(e.features)
         r.k = e.k
         if r.last is not None:
             kept.append((e.rid, _common_prefix(r.last, r.tokens)))
@@ -108,9 +111,13 @@ def _propose(drafter, reqs: dict[int, _Req], hist: HistoryBuffer, rids: list[int
              bases: list[list[int]]) -> list[tuple[list[int], Tensor | None]]:
     """Run the drafter on ``bases`` (the histories, already in ``hist``): host drafts and q rows."""
     lens = [len(b) for b in bases]
+    feats = [f for r in rids for f in reqs[r].features]
     batch = DraftBatch(tuple(rids), tuple(reqs[r].params for r in rids), hist.view(rids, max(lens)),
-                       torch.tensor(lens), tuple(lens), tuple(ks), tuple(reqs[r].offset for r in rids))
+                       torch.tensor(lens), tuple(lens), tuple(ks), tuple(reqs[r].offset for r in rids), None,
+                       torch.cat(feats) if feats else None, tuple(sum(len(f) for f in reqs[r].features) for r in rids))
     prop = drafter.propose(batch)
+    for r in rids:
+        reqs[r].features = []   # passed once
     ids = prop.draft_token_ids.cpu().tolist()
     valid = ks if prop.num_valid is None else [int(v) for v in (
         prop.num_valid.cpu().tolist() if isinstance(prop.num_valid, Tensor) else prop.num_valid)]
@@ -136,7 +143,8 @@ def _drafts_for(order: list[int], reqs: dict[int, _Req], hist: HistoryBuffer, gu
         _, d, q = guess[rid]
         k = reqs[rid].k
         out[rid] = (d[:k], None if q is None else q[:k])
-    fresh = [rid for rid in order if reqs[rid].k and rid not in hit_ids]
+    # a feature drafter (an EAGLE head) is passed every request's new features, drafting or not
+    fresh = [rid for rid in order if (reqs[rid].k or reqs[rid].features) and rid not in hit_ids]
     if fresh:
         got = _propose(drafter, reqs, hist, fresh, [reqs[r].k for r in fresh], [reqs[r].tokens for r in fresh])
         out.update(zip(fresh, got))
@@ -160,7 +168,7 @@ def _guess_next(order: list[int], reqs: dict[int, _Req], hist: HistoryBuffer, ou
     """Draft the next round assuming every draft is accepted: the chain continues with one
     more token (the guessed bonus) and then the next round's drafts."""
     spec = [rid for rid in order if reqs[rid].k]
-    if not spec:
+    if not spec or getattr(drafter, "features", None) is not None:   # no features for guessed tokens
         return {}
     bases = [reqs[rid].tokens + out[rid][0] for rid in spec]
     for rid in spec:   # the drafts sit after the committed tokens (scratch until the next COMMIT)

@@ -226,3 +226,51 @@ def test_llama3_rope_scaling_matches_transformers():
     assert not torch.allclose(got, Rope(128, 500000.0, False).inv_freq)
     with pytest.raises(HalError, match="rope_scaling"):
         Rope(128, 500000.0, False, {"rope_type": "yarn", "factor": 4.0})
+
+
+def test_a_head_on_the_draft_rank_gets_the_features_over_the_link(target, tmp_path):
+    """EAGLE-3 head in the draft worker (in-process link): every feature crosses once, so its
+    drafts (and acceptance) are exactly those of the same head in-process; greedy == plain."""
+    import queue
+    import threading
+
+    from hal.metrics import SpecDecodeMetrics
+    from hal.remote import RemoteDrafter
+    from hal.worker import draft_worker
+    from tests.test_serve import QueueLink
+    head = load_eagle(eagle3(tmp_path), target)
+    local = lossless(target, HeadDrafter(head), PROMPTS)
+    a, b = queue.Queue(), queue.Queue()
+    sent = []
+
+    class Counting(QueueLink):
+        def send(self, words, rows=None, idx=None):
+            sent.append(0 if rows is None else rows.numel() * rows.element_size())
+            super().send(words, rows, idx)
+    worker = threading.Thread(target=draft_worker, daemon=True, args=(QueueLink(a, b), HeadDrafter(head)))
+    worker.start()
+    metrics = SpecDecodeMetrics()
+    remote = RemoteDrafter(Counting(b, a), V, torch.device("cpu"), metrics, timeout=30, features=head.feature_layers)
+    dec = lossless(target, remote, PROMPTS, metrics=metrics)
+    remote.close()
+    worker.join(timeout=30)
+    assert metrics.draft_failures == 0
+    assert metrics.total.accepted_per_position == local.metrics.total.accepted_per_position
+    assert metrics.total.num_draft_tokens == local.metrics.total.num_draft_tokens > 0
+    rows = sum(sent) // (3 * H * 4)                   # features are [T, 3H] float32 rows, each position once
+    assert sum(len(p) for p in PROMPTS) < rows <= sum(len(p) for p in PROMPTS) + 24 * len(PROMPTS)
+    assert dec.steps > 0
+
+
+def test_the_head_on_another_backend(target, tmp_path):
+    """Placement for heads as for models: the head on the cuda backend (Triton interpreter),
+    the target on cpu; features cross devices with `hal.placement.transfer`."""
+    import os
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1 for the cuda backend on CPU")
+    from hal.factories import make_drafter, parse_draft
+    cuda = hal.get_backend("cuda")
+    d = make_drafter(parse_draft(f"eagle:{eagle1(tmp_path)[1]}"), cuda, target, device=cuda.device_type)
+    assert d.head.be is cuda
+    dec = lossless(target, d, PROMPTS[:2])
+    assert dec.metrics.total.num_draft_tokens > 0

@@ -88,10 +88,26 @@ def test_out_of_range_values_name_what_was_expected():
             assert what in str(e), str(e)
         else:
             raise AssertionError(f"{bad} was accepted")
-    c = encode(Commit([CommitEntry(1, 2, 3, [4], NewRequest(0, 1, 5, 0.5, 1.0))]))
+    c = encode(Commit([CommitEntry(1, 2, 3, [4], NewRequest(0, 1, 5, float("nan"), 1.0))]))
     try:
-        decode(c[0], torch.tensor([[float("nan"), 1.0]]), None, vocab=V)
+        decode(c[0], None, None, vocab=V)
     except hal.HalError as e:
         assert "temperature" in str(e)
     else:
         raise AssertionError("a NaN temperature was accepted")
+
+
+def test_features_ride_with_commit_and_are_checked():
+    f = torch.randn(5, 8)
+    msg = Commit([CommitEntry(1, 2, 3, [4], None, f[:2]), CommitEntry(7, 0, 9, [], None, None),
+                  CommitEntry(8, 1, 4, [1, 2], NewRequest(0, 1, 5, 0.5, 1.0), f[2:])])
+    words, rows, idx = encode(msg)
+    assert same(decode(words, rows, idx, vocab=V), msg) and rows.shape == (5, 8)
+    for bad, what in ((rows[:4], "5 feature rows"), (None, "5 feature rows"),
+                      (torch.cat([rows[:4], torch.full((1, 8), float("nan"))]), "finite features")):
+        try:
+            decode(words, bad, None, vocab=V)
+        except hal.HalError as e:
+            assert what in str(e), str(e)
+        else:
+            raise AssertionError(f"{what}: accepted")
