@@ -18,26 +18,15 @@ from hal.eagle import HeadDrafter, load_eagle
 from hal.eagle_train import TrainHead
 from hal.errors import HalError
 from hal.forward import forward_tokens, make_batch
-from hal.models.llama import Llama, LlamaConfig
 from hal.requests import Request
+from tests.models import random_llama
 
 H, HEADS, KV, D, FFN, V, LAYERS = 64, 4, 2, 16, 128, 96, 8
 
 
 @pytest.fixture(scope="module")
 def target():
-    g = torch.Generator().manual_seed(7)
-    cfg = LlamaConfig(hidden=H, layers=LAYERS, heads=HEADS, kv_heads=KV, head_dim=D, ffn=FFN, vocab=V,
-                      rope_base=10000.0, eps=1e-5, rope_interleaved=True)
-    w = {"embed": torch.randn(V, H, generator=g), "norm": 1 + 0.1 * torch.randn(H, generator=g)}
-    for i in range(LAYERS):
-        w[f"{i}.attn_norm"] = 1 + 0.1 * torch.randn(H, generator=g)
-        w[f"{i}.ffn_norm"] = 1 + 0.1 * torch.randn(H, generator=g)
-        w[f"{i}.wqkv"] = torch.randn((HEADS + 2 * KV) * D, H, generator=g) * 0.15
-        w[f"{i}.wo"] = torch.randn(H, HEADS * D, generator=g) * 0.15
-        w[f"{i}.wgu"] = torch.randn(2 * FFN, H, generator=g) * 0.15
-        w[f"{i}.wdown"] = torch.randn(H, FFN, generator=g) * 0.15
-    return Llama(cfg, w, hal.get_backend("cpu"))
+    return random_llama(H, LAYERS, HEADS, KV, D, FFN, V, seed=7, scale=0.15)
 
 
 def config(**extra) -> dict:
@@ -274,3 +263,23 @@ def test_the_head_on_another_backend(target, tmp_path):
     assert d.head.be is cuda
     dec = lossless(target, d, PROMPTS[:2])
     assert dec.metrics.total.num_draft_tokens > 0
+
+
+def test_ngram_or_head_is_lossless_and_uses_both(target, tmp_path):
+    from hal.drafters import NgramDrafter
+    from hal.eagle import NgramOrHead
+    head = load_eagle(eagle1(tmp_path)[1], target)
+    prompts = PROMPTS + [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]]          # one copy-heavy prompt: the lookup matches
+    calls = []
+
+    class Counting(HeadDrafter):
+        def propose(self, b):
+            calls.append(sum(b.k))
+            return super().propose(b)
+    d = NgramOrHead(NgramDrafter(target.be, min_n=2), Counting(head))
+    lossless(target, d, prompts)
+    assert any(calls)                                          # the head drafted for some requests,
+    assert any(c < 4 * len(prompts) for c in calls)            # and not for those the lookup covered
+    runs = [SpeculativeDecoder(target, NgramOrHead(NgramDrafter(target.be), HeadDrafter(head))).generate(
+        [Request(p, max_new_tokens=12, k=3, temperature=0.7, seed=3) for p in prompts]) for _ in range(2)]
+    assert runs[0] == runs[1] and all(len(o) == 12 for o in runs[0])

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 import hal
+from tests.models import random_llama
 from hal.forward import forward
 from hal.kv import KVPool
 from hal.models import invariant
-from hal.models.llama import Llama, LlamaConfig
+from hal.models.llama import Llama
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]   # qkv, o, gate-up, down, lm_head
 
@@ -89,20 +90,8 @@ def test_attention_matches_the_contract_on_ragged_batches():
 
 
 @pytest.fixture(scope="module")
-def model():
-    g = torch.Generator().manual_seed(4)
-    H, Hq, Hkv, D, F, V, L = 576, 9, 3, 64, 1536, 49152, 2
-    cfg = LlamaConfig(hidden=H, layers=L, heads=Hq, kv_heads=Hkv, head_dim=D, ffn=F, vocab=V, rope_base=10000.0,
-                      eps=1e-5, rope_interleaved=True)
-    w = {"embed": torch.randn(V, H, generator=g) * 0.5, "norm": 1 + 0.1 * torch.randn(H, generator=g)}
-    for i in range(L):
-        w[f"{i}.attn_norm"] = 1 + 0.1 * torch.randn(H, generator=g)
-        w[f"{i}.ffn_norm"] = 1 + 0.1 * torch.randn(H, generator=g)
-        w[f"{i}.wqkv"] = torch.randn((Hq + 2 * Hkv) * D, H, generator=g) * 0.05
-        w[f"{i}.wo"] = torch.randn(H, Hq * D, generator=g) * 0.05
-        w[f"{i}.wgu"] = torch.randn(2 * F, H, generator=g) * 0.05
-        w[f"{i}.wdown"] = torch.randn(H, F, generator=g) * 0.05
-    return Llama(cfg, w, hal.get_backend("cpu"))
+def model():   # SmolLM2-135M's shapes, 2 layers
+    return random_llama(576, 2, 9, 3, 64, 1536, 49152, seed=4, scale=0.05, embed_scale=0.5)
 
 
 PROMPT = [(7 * i + 3) % 49152 for i in range(21)]
