@@ -211,7 +211,7 @@ def train(model: str, out: Path, minutes: float = 40.0, draft_size: int = 8192, 
             steps += 1
             curve.append((time.time() - t0, steps, reg.item(), ce.item(), acc.item(), None))
             bar.n = int(min(budget, time.time() - t0))
-            bar.set_postfix(epoch=epoch, reg=f"{float(reg):.3f}", ce=f"{float(ce):.2f}", acc=f"{float(acc):.2f}")
+            bar.set_postfix(epoch=epoch, reg=f"{curve[-1][2]:.3f}", ce=f"{curve[-1][3]:.2f}", acc=f"{curve[-1][4]:.2f}")
             bar.refresh()
         epoch += 1
         with torch.no_grad():

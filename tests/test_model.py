@@ -65,8 +65,10 @@ def test_greedy_speculative_equals_plain(model, plain, kind):
     assert out == plain, f"{kind}: speculative greedy output differs from plain greedy"
     m = dec.metrics
     assert m.total.num_draft_tokens > 0
-    if kind in ("ngram", "draft-model", "eagle", "ngram+eagle"):
+    if kind in ("ngram", "draft-model", "ngram+eagle"):
         assert m.acceptance_rate > 0.3, m.acceptance_rate
+    if kind == "eagle":   # the head alone on a copy prompt and a code prompt (a broken head accepts ~0)
+        assert m.acceptance_rate > 0.15, m.acceptance_rate
     if kind == "draft-model":
         assert m.acceptance_rate == 1.0, "the same weights must accept every draft"
 
