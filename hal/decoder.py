@@ -30,7 +30,8 @@ from torch import Tensor
 
 from hal import drafting, kv
 from hal.errors import HalError
-from hal.forward import forward, forward_tokens, logprob_rows, readback, sampling_tensors, target_probs
+from hal.forward import (forward, forward_tokens, logprob_entry, logprob_rows, readback, sampling_tensors,
+                         target_probs)
 from hal.history import HistoryBuffer
 from hal.metrics import SpecDecodeMetrics
 from hal.models.llama import Llama
@@ -343,7 +344,7 @@ class SpeculativeDecoder:
         for j, s in enumerate(first):
             lp = None
             if s.req.logprobs is not None:
-                lp = [self._lp_entry(got, "flp", j, int(got["first"][j]), s.req.logprobs, top_n)]
+                lp = [logprob_entry(got, "flp", j, int(got["first"][j]), s.req.logprobs, top_n)]
             self._emit(s, [int(got["first"][j])], lp)
         if nxt is not None:
             prop_next, (rids, caps, cu) = nxt
@@ -363,14 +364,6 @@ class SpeculativeDecoder:
         seeds = torch.tensor([s.req.seed for s in live]).to(dev)
         offs = torch.tensor([s.next_offset() for s in live]).to(dev)
         return be.verify_rejection(ids, cu, q, p, seeds, offs, max_k)
-
-    def _lp_entry(self, got, key: str, r: int, token: int, want: int, top_n: int) -> dict:
-        top = []
-        if want:
-            vals = got[key + "_top"][r * top_n:r * top_n + want]
-            ids = got[key + "_ids"][r * top_n:r * top_n + want]
-            top = [(int(i), v) for i, v in zip(ids, vals)]
-        return {"token": token, "logprob": got[key][r], "top": top}
 
     def _commit(self, live, counts, guesses, got, hidden, top_n, features: bool = False) -> None:
         """Host bookkeeping of the verify result: KV lengths, metrics, router, drafter, emission."""
@@ -394,7 +387,7 @@ class SpeculativeDecoder:
                 s.last_hidden = hidden[row + n_acc[i]]
             lp = None
             if s.req.logprobs is not None:
-                lp = [self._lp_entry(got, "lp", row + j, out[i][j], s.req.logprobs, top_n) for j in range(n_acc[i] + 1)]
+                lp = [logprob_entry(got, "lp", row + j, out[i][j], s.req.logprobs, top_n) for j in range(n_acc[i] + 1)]
             row += counts[i] + 1
             self._emit(s, out[i][: n_acc[i] + 1], lp)
 

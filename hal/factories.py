@@ -78,7 +78,7 @@ def draft_memory(spec: DraftSpec, model_path: str, shares_target: bool):
 def make_drafter(spec: DraftSpec, backend, target=None, path: str | None = None, pool=None, device=None):
     """The drafter for ``spec``: None, `NgramDrafter`, a `ModelDrafter` over the first L
     layers of ``target`` (self) or of the model at ``path`` (model, or self without a target),
-    its KV in ``pool`` when given, or a `hal.eagle.HeadDrafter` for ``target`` (eagle: the head
+    its KV in ``pool`` when given, or a `hal.eagle_drafters.HeadDrafter` for ``target`` (eagle: the head
     shipped for the model named ``path`` unless the spec names a folder)."""
     from hal.drafters import ModelDrafter, NgramDrafter
     if spec.kind == "none":
@@ -86,7 +86,8 @@ def make_drafter(spec: DraftSpec, backend, target=None, path: str | None = None,
     if spec.kind == "ngram":
         return NgramDrafter(backend)
     if spec.kind in ("eagle", "ngram+eagle"):
-        from hal.eagle import HeadDrafter, NgramOrHead, load_eagle, shipped_head
+        from hal.eagle import load_eagle, shipped_head
+        from hal.eagle_drafters import HeadDrafter, NgramOrHead
         if target is None:
             raise HalError(f"--draft {spec.kind}: expected the target model in this process (an EAGLE head reads "
                            f"its features and shares its embeddings), got a separate draft rank", arg="--draft")

@@ -85,6 +85,17 @@ def logprob_rows(rows: Tensor, tokens: Tensor, top_n: int) -> list[Tensor]:
     return out
 
 
+def logprob_entry(got: dict, key: str, r: int, token: int, want: int, top_n: int) -> dict:
+    """Row ``r``'s logprob entry from the readback ``got`` (``key``, ``key_top``, ``key_ids``):
+    the emitted token, its logprob and the ``want`` best alternatives of the ``top_n`` read."""
+    top = []
+    if want:
+        vals = got[key + "_top"][r * top_n:r * top_n + want]
+        ids = got[key + "_ids"][r * top_n:r * top_n + want]
+        top = [(int(i), v) for i, v in zip(ids, vals)]
+    return {"token": token, "logprob": got[key][r], "top": top}
+
+
 def readback(*tensors: Tensor) -> list[list]:
     """The one device-to-host transfer of a step: every tensor, flattened, in one copy
     (as float64, exact for token ids and counts below 2**53). Returns a list per tensor."""

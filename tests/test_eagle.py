@@ -14,7 +14,8 @@ from safetensors.torch import save_file
 import hal
 from hal import kv
 from hal.decoder import SpeculativeDecoder
-from hal.eagle import HeadDrafter, load_eagle
+from hal.eagle import load_eagle
+from hal.eagle_drafters import HeadDrafter
 from hal.eagle_train import TrainHead
 from hal.errors import HalError
 from hal.forward import forward_tokens, make_batch
@@ -267,7 +268,7 @@ def test_the_head_on_another_backend(target, tmp_path):
 
 def test_ngram_or_head_is_lossless_and_uses_both(target, tmp_path):
     from hal.drafters import NgramDrafter
-    from hal.eagle import NgramOrHead
+    from hal.eagle_drafters import NgramOrHead
     head = load_eagle(eagle1(tmp_path)[1], target)
     prompts = PROMPTS + [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]]          # one copy-heavy prompt: the lookup matches
     calls = []

@@ -16,7 +16,7 @@ import hal
 import hal.decoder
 from hal.decoder import Request, SpeculativeDecoder
 from hal.drafters import EagleDrafter, ModelDrafter, NgramDrafter
-from hal.eagle import HeadDrafter
+from hal.eagle_drafters import HeadDrafter
 from hal.models.llama import load_safetensors
 from tests.test_serve import tiny  # noqa: F401  (the fixture: a tiny random model folder)
 

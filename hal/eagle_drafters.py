@@ -1,0 +1,197 @@
+"""Drafting with an EAGLE head (`hal.eagle.EagleModel`): `HeadDrafter` keeps the head's own KV
+and is passed every target feature once; `NgramOrHead` takes n-gram lookup's drafts where it
+matches and the head's elsewhere. Both are `hal.requests.Drafter` s with ``features``."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from hal import kv
+from hal.eagle import EagleModel
+from hal.errors import HalError
+from hal.requests import DraftBatch, Proposal
+
+
+class HeadDrafter:
+    """Drafts a chain with an `EagleModel` (a `hal.requests.Drafter` with ``features``).
+
+    Per request its KV holds the pairs (f_t, x_{t+1}) of every committed position whose
+    target feature it was passed (``valid``); each `propose` drops its previous scratch
+    steps, feeds the new pairs in one ragged forward (the last one again when nothing is
+    new), then drafts ``k`` tokens, each step feeding the head's own output back. A request
+    whose features it missed (its KV was dropped while the request kept running) gets no
+    drafts again (``lost`` counts them)."""
+
+    def __init__(self, head: EagleModel, num_blocks: int = 512, block_size: int = 16):
+        self.head, self.be = head, head.be
+        c = head.cfg
+        self.pool = kv.KVPool(head.be, num_blocks, block_size, c.kv_heads, c.head_dim, num_layers=1,
+                              device=head.device)
+        self.seqs: dict[int, kv.Sequence] = {}
+        self.valid: dict[int, int] = {}      # rid -> pairs from target features in its KV (positions 0..valid-1)
+        self.last: dict[int, Tensor] = {}    # rid -> the newest target feature passed (position valid - 1)
+        self.lost_rids: set[int] = set()
+        self.lost = 0
+
+    @property
+    def features(self) -> tuple[int, ...]:
+        return self.head.feature_layers
+
+    def propose(self, b: DraftBatch) -> Proposal:
+        from hal.drafters import empty, subset, widen
+        if b.lengths is None:
+            raise HalError("HeadDrafter.propose: expected host lengths (it is not a lookahead drafter), got None")
+        if b.features is None and sum(b.num_features):
+            raise HalError("HeadDrafter.propose: expected DraftBatch.features, got None")
+        dev = self.head.device
+        cu = [0]
+        for n in b.num_features or (0,) * len(b.rids):
+            cu.append(cu[-1] + n)
+        keep, plan, K = [], [], max(b.k, default=0)
+        a, need = self.pool.allocator, 0
+        for i, (rid, L) in enumerate(zip(b.rids, b.lengths)):
+            n = cu[i + 1] - cu[i]
+            start, v = L - 1 - n, self.valid.get(rid, 0)
+            q = self.seqs.get(rid)
+            need += max(0, -(-(L - 1 + K) // a.block_size) - (len(q.blocks) if q is not None else 0))
+            if start > v or (n == 0 and rid not in self.last) or rid in self.lost_rids or need > a.num_free:
+                self._lose(rid)
+                continue
+            keep.append(i)
+            plan.append((rid, L, max(0, v - start)))   # skip features it already has
+        if not keep:
+            return empty(len(b.rids), dev) if not any(b.k) else widen(b, [], None, dev)
+        sub = b if len(keep) == len(b.rids) else subset(b, keep)
+        part = self._propose(sub, plan)
+        return part if sub is b else widen(b, keep, part, dev)
+
+    def _propose(self, b: DraftBatch, plan) -> Proposal:
+        from hal.drafters import _sample_chain
+        from hal.forward import make_batch
+        dev, head = self.head.device, self.head
+        feats = None if b.features is None else b.features.to(dev, torch.float32)
+        xs, toks, seqs, lens = [], [], [], []
+        hist = b.history.to(dev)
+        end = 0
+        for i, ((rid, L, skip), n) in enumerate(zip(plan, b.num_features or (0,) * len(plan))):
+            a, z, end = end + skip, end + n, end + n    # this request's rows of b.features, minus those it has
+            q = self.seqs.setdefault(rid, self.pool.sequence())
+            if z > a:                     # new target features: positions L-1-(z-a) .. L-2
+                x = feats[a:z]
+                self.last[rid] = x[-1]
+            else:                         # nothing new: feed the newest pair again
+                x = self.last[rid][None]
+            p0 = L - 1 - x.shape[0]
+            q.truncate(p0)
+            xs.append(x)
+            toks.append(hist[i, p0 + 1:L])
+            seqs.append(q)
+            lens.append(x.shape[0])
+            self.valid[rid] = L - 1
+        tokens, x = torch.cat(toks), torch.cat(xs)
+        batch = make_batch(self.be, dev, self.pool, seqs, lens, tokens)
+        logits0, h = head.forward(batch, self.pool.k[0], self.pool.v[0], tokens, x, True)
+        for q, n in zip(seqs, lens):
+            q.commit(n)
+        state = {"h": h[batch.logits_rows]}
+        if all(p.temperature == 0 for p in b.params):   # greedy: argmax over the draft vocabulary, no sampler
+            return self._greedy_chain(b, seqs, logits0, state["h"])
+
+        def step(prev, j):
+            if j == 0:
+                return head.full_logits(logits0)
+            bt = make_batch(self.be, dev, self.pool, seqs, [1] * len(seqs), prev)
+            logits, hh = head.forward(bt, self.pool.k[0], self.pool.v[0], prev, state["h"], False)
+            for q in seqs:
+                q.commit(1)
+            state["h"] = hh
+            return head.full_logits(logits)
+        return _sample_chain(b, self.be, dev, step)
+
+    def _greedy_chain(self, b: DraftBatch, seqs, logits: Tensor, h: Tensor) -> Proposal:
+        from hal.drafters import slots
+        from hal.forward import make_batch
+        head, dev, toks = self.head, self.head.device, []
+        for j in range(max(b.k, default=0)):
+            if j:
+                bt = make_batch(self.be, dev, self.pool, seqs, [1] * len(seqs), toks[-1])
+                logits, h = head.forward(bt, self.pool.k[0], self.pool.v[0], toks[-1], h, False)
+                for q in seqs:
+                    q.commit(1)
+            best = logits.argmax(-1)
+            toks.append(best if head.draft_ids is None else head.draft_ids[best])
+        return slots(torch.stack(toks, 1) if toks else torch.zeros(len(seqs), 0, dtype=torch.long, device=dev), b.k)
+
+    def _lose(self, rid: int) -> None:
+        if rid not in self.lost_rids:
+            self.release(rid)
+            self.lost_rids.add(rid)
+            self.lost += 1
+
+    def commit(self, rids, kept) -> None:
+        pass   # draft steps are scratch: only target features are kept (truncated at the next call)
+
+    def release(self, rid) -> None:
+        if (q := self.seqs.pop(rid, None)) is not None:
+            q.free()
+        self.valid.pop(rid, None)
+        self.last.pop(rid, None)
+        self.lost_rids.discard(rid)   # a preempted request comes back with all its features
+
+
+class NgramOrHead:
+    """Best of both per request: n-gram lookup's drafts where it finds a match (copy-heavy
+    text), the head's elsewhere (open-ended text). One extra host read per step (whether
+    the lookup matched); the head is always passed its features, drafting 0 tokens for
+    the rows the lookup covers."""
+
+    def __init__(self, ngram, head: HeadDrafter):
+        self.ngram, self.head, self.be = ngram, head, head.be
+
+    @property
+    def features(self) -> tuple[int, ...]:
+        return self.head.features
+
+    def propose(self, b: DraftBatch) -> Proposal:
+        from dataclasses import replace
+
+        from hal.forward import readback
+        dev = self.head.head.device
+        ng = self.ngram.propose(b)
+        found = [int(v) for v in readback(torch.as_tensor(ng.num_valid))[0]] if ng.num_valid is not None else list(b.k)
+        use = [f > 0 and k > 0 for f, k in zip(found, b.k)]
+        hp = self.head.propose(replace(b, k=tuple(0 if u else k for u, k in zip(use, b.k))))
+        cu = [0]
+        for k in b.k:
+            cu.append(cu[-1] + k)
+        hcu = [0]
+        for u, k in zip(use, b.k):
+            hcu.append(hcu[-1] + (0 if u else k))
+        src_ng = [cu[i] + j for i, u in enumerate(use) if u for j in range(b.k[i])]
+        at_ng = src_ng
+        at_h = [cu[i] + j for i, u in enumerate(use) if not u for j in range(b.k[i])]
+        ids = torch.zeros(cu[-1], dtype=torch.long, device=dev)
+        up = lambda v: torch.tensor(v, dtype=torch.long).to(dev)  # noqa: E731
+        if at_ng:
+            ids[up(at_ng)] = ng.draft_token_ids.to(dev)[up(src_ng)]
+        if at_h:
+            ids[up(at_h)] = hp.draft_token_ids
+        probs = None
+        if hp.draft_probs is not None:   # the lookup's drafts are deterministic: q is a point mass
+            probs = torch.zeros(cu[-1], hp.draft_probs.shape[1], device=dev)
+            if at_h:
+                probs[up(at_h)] = hp.draft_probs
+            if at_ng:
+                probs[up(at_ng), ids[up(at_ng)]] = 1.0
+        hv = hp.num_valid if hp.num_valid is not None else tuple(0 if u else k for u, k in zip(use, b.k))
+        valid = tuple(min(f, k) if u else int(hv[i]) for i, (u, f, k) in enumerate(zip(use, found, b.k)))
+        return Proposal(ids, up(cu), probs, valid)
+
+    def commit(self, rids, kept) -> None:
+        self.ngram.commit(rids, kept)
+        self.head.commit(rids, kept)
+
+    def release(self, rid) -> None:
+        self.ngram.release(rid)
+        self.head.release(rid)
