@@ -30,6 +30,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/forward.py
 	$(BIN)/python benchmarks/e2e.py --k 3
 	$(BIN)/python benchmarks/remote_head.py
+	$(BIN)/python benchmarks/head_heldout.py
 	$(BIN)/python benchmarks/sched.py
 	cd benchmarks && ../$(BIN)/python engine.py
 	cd benchmarks && ../$(BIN)/python serve.py
