@@ -4,11 +4,15 @@ matches and the head's elsewhere. Both are `hal.requests.Drafter` s with ``featu
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import Tensor
 
 from hal import kv
+from hal.drafters import _sample_chain, empty, slots, subset, widen
 from hal.eagle import EagleModel
+from hal.forward import make_batch, readback
 from hal.errors import HalError
 from hal.requests import DraftBatch, Proposal
 
@@ -39,7 +43,6 @@ class HeadDrafter:
         return self.head.feature_layers
 
     def propose(self, b: DraftBatch) -> Proposal:
-        from hal.drafters import empty, subset, widen
         if b.lengths is None:
             raise HalError("HeadDrafter.propose: expected host lengths (it is not a lookahead drafter), got None")
         if b.features is None and sum(b.num_features):
@@ -67,8 +70,6 @@ class HeadDrafter:
         return part if sub is b else widen(b, keep, part, dev)
 
     def _propose(self, b: DraftBatch, plan) -> Proposal:
-        from hal.drafters import _sample_chain
-        from hal.forward import make_batch
         dev, head = self.head.device, self.head
         feats = None if b.features is None else b.features.to(dev, torch.float32)
         xs, toks, seqs, lens = [], [], [], []
@@ -101,24 +102,23 @@ class HeadDrafter:
         def step(prev, j):
             if j == 0:
                 return head.full_logits(logits0)
-            bt = make_batch(self.be, dev, self.pool, seqs, [1] * len(seqs), prev)
-            logits, hh = head.forward(bt, self.pool.k[0], self.pool.v[0], prev, state["h"], False)
-            for q in seqs:
-                q.commit(1)
-            state["h"] = hh
+            logits, state["h"] = self._feed(seqs, prev, state["h"])
             return head.full_logits(logits)
         return _sample_chain(b, self.be, dev, step)
 
+    def _feed(self, seqs, tokens: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
+        """One draft step: each request's previous draft with the head's own output (scratch KV)."""
+        bt = make_batch(self.be, self.head.device, self.pool, seqs, [1] * len(seqs), tokens)
+        logits, h = self.head.forward(bt, self.pool.k[0], self.pool.v[0], tokens, h, False)
+        for q in seqs:
+            q.commit(1)
+        return logits, h
+
     def _greedy_chain(self, b: DraftBatch, seqs, logits: Tensor, h: Tensor) -> Proposal:
-        from hal.drafters import slots
-        from hal.forward import make_batch
         head, dev, toks = self.head, self.head.device, []
         for j in range(max(b.k, default=0)):
             if j:
-                bt = make_batch(self.be, dev, self.pool, seqs, [1] * len(seqs), toks[-1])
-                logits, h = head.forward(bt, self.pool.k[0], self.pool.v[0], toks[-1], h, False)
-                for q in seqs:
-                    q.commit(1)
+                logits, h = self._feed(seqs, toks[-1], h)
             best = logits.argmax(-1)
             toks.append(best if head.draft_ids is None else head.draft_ids[best])
         return slots(torch.stack(toks, 1) if toks else torch.zeros(len(seqs), 0, dtype=torch.long, device=dev), b.k)
@@ -154,9 +154,6 @@ class NgramOrHead:
         return self.head.features
 
     def propose(self, b: DraftBatch) -> Proposal:
-        from dataclasses import replace
-
-        from hal.forward import readback
         dev = self.head.head.device
         ng = self.ngram.propose(b)
         found = [int(v) for v in readback(torch.as_tensor(ng.num_valid))[0]] if ng.num_valid is not None else list(b.k)

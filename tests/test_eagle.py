@@ -284,3 +284,18 @@ def test_ngram_or_head_is_lossless_and_uses_both(target, tmp_path):
     runs = [SpeculativeDecoder(target, NgramOrHead(NgramDrafter(target.be), HeadDrafter(head))).generate(
         [Request(p, max_new_tokens=12, k=3, temperature=0.7, seed=3) for p in prompts]) for _ in range(2)]
     assert runs[0] == runs[1] and all(len(o) == 12 for o in runs[0])
+
+
+def test_eagle_drafts_name_what_is_missing(target, tmp_path):
+    from hal.eagle import shipped_head
+    from hal.factories import make_drafter, parse_draft
+    with pytest.raises(HalError, match="--draft eagle: expected a model with a shipped head") as e:
+        shipped_head("no-such-model")
+    assert e.value.arg == "--draft"
+    with pytest.raises(HalError, match="expected the target model in this process"):
+        make_drafter(parse_draft(f"eagle:{tmp_path}"), target.be)
+    d = HeadDrafter(load_eagle(eagle1(tmp_path)[1], target))
+    b = __import__("hal.requests", fromlist=["DraftBatch"]).DraftBatch(
+        (0,), (Request([1, 2]),), torch.tensor([[1, 2]]), torch.tensor([2]), (2,), (1,), (0,), None, None, (1,))
+    with pytest.raises(HalError, match="DraftBatch.features"):
+        d.propose(b)
