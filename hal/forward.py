@@ -21,23 +21,25 @@ def forward(model: Llama, pool: kv.KVPool, seqs: list[kv.Sequence], chunks: list
 def forward_tokens(model: Llama, pool: kv.KVPool, seqs: list[kv.Sequence], lens: list[int], tokens: Tensor,
                    all_rows: bool = False, tree_mask: Tensor | None = None,
                    rows: Tensor | None = None, hidden_rows: Tensor | None = None,
-                   feature_layers: tuple[int, ...] = ()) -> tuple[Tensor, Tensor]:
+                   feature_layers: tuple[int, ...] = (), depth: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Feed ``lens[r]`` tokens (``tokens``: all of them, flat, on the model's device) after
     each sequence's committed tokens (reserved, not committed). Returns logits and hidden
     states for every fed row (``all_rows``), each request's last, or the fed rows ``rows``
     (flat indices) when given; hidden states of ``hidden_rows`` instead when given (the
-    residual streams entering ``feature_layers``, concatenated, when named). Reads nothing
-    back from the device."""
-    batch = make_batch(model.be, model.device, pool, seqs, lens, tokens, all_rows, rows)
+    residual streams entering ``feature_layers``, concatenated, when named). A draft tree
+    (``tree_mask``, `hal.trees.layout`) gives each row its ``depth``: its position is its
+    request's first fed position + depth. Reads nothing back from the device."""
+    batch = make_batch(model.be, model.device, pool, seqs, lens, tokens, all_rows, rows, depth)
     batch.hidden_rows = None if hidden_rows is None else hidden_rows.to(model.device)
     batch.feature_layers = tuple(feature_layers)
     return model.forward(batch, pool.k, pool.v, tree_mask)
 
 
 def make_batch(be, dev, pool: kv.KVPool, seqs: list[kv.Sequence], lens: list[int], tokens: Tensor,
-               all_rows: bool = False, rows: Tensor | None = None) -> Batch:
+               all_rows: bool = False, rows: Tensor | None = None, depth: Tensor | None = None) -> Batch:
     """The `Batch` of one ragged forward over ``pool``: reserves ``lens[r]`` slots after each
-    sequence's committed tokens (copying shared blocks first) and builds the metadata."""
+    sequence's committed tokens (copying shared blocks first) and builds the metadata
+    (positions: consecutive, or each request's first position + ``depth`` [T])."""
     slots, positions = [], []
     for s, n in zip(seqs, lens):
         sl, copies = s.reserve(n)
@@ -51,7 +53,10 @@ def make_batch(be, dev, pool: kv.KVPool, seqs: list[kv.Sequence], lens: list[int
     if rows is None:
         rows = torch.arange(int(qsl[-1])) if all_rows else qsl[1:] - 1
     up = lambda x: torch.as_tensor(x).to(dev, non_blocking=True)  # noqa: E731
-    return Batch(tokens=tokens, positions=up(positions), slot_mapping=up(slots),
+    pos = up(positions)
+    if depth is not None:
+        pos = torch.tensor([s.length for s, n in zip(seqs, lens) for _ in range(n)]).to(dev) + depth.to(dev)
+    return Batch(tokens=tokens, positions=pos, slot_mapping=up(slots),
                  block_tables=kv.block_tables(seqs).to(dev), seq_lens=up([s.length + n for s, n in zip(seqs, lens)]),
                  query_start_loc=qsl.to(dev), logits_rows=rows.to(dev), max_position=max(positions, default=-1),
                  max_query=max(lens, default=0))

@@ -144,3 +144,75 @@ def test_serving_flag_turns_it_off():
     add_engine_args(ap)
     assert ap.parse_args([]).batch_invariant is True
     assert ap.parse_args(["--no-batch-invariant"]).batch_invariant is False
+
+
+PARENTS = [-1, -1, 0, 0, 2, 1, 4]     # a 7-node tree: two children of the root, a depth-4 path
+
+
+def _tree_rows(model, neighbour: bool):
+    """Prefill PROMPT[:-1], then one tree forward over [PROMPT[-1], TOKENS[:7]] with PARENTS
+    (optionally after another request's prefill chunk in the same batch): every fed row's logits."""
+    from hal import trees
+    from hal.forward import forward_tokens
+    pool = KVPool(model.be, 32, 16, 3, 64, num_layers=2)
+    s, o = pool.sequence(), pool.sequence()
+    forward(model, pool, [s], [PROMPT[:-1]], False)
+    s.commit(len(PROMPT) - 1)
+    parents = torch.tensor(PARENTS)
+    seqs, extra, fed = [s], [], [PROMPT[-1]] + TOKENS[:7]
+    if neighbour:
+        seqs, extra, fed = [s, o], [13], fed + list(range(60, 73))
+    depth, mask = trees.layout(parents, [7], extra, torch.device("cpu"))
+    logits, _ = forward_tokens(model, pool, seqs, [8] + extra, torch.tensor(fed), all_rows=True,
+                               tree_mask=mask, depth=depth)
+    return logits[:8]
+
+
+def _path_decoded(model, node: int):
+    """The logits of node ``node`` when its path is decoded one token at a time after PROMPT."""
+    path, n = [], node
+    while n >= 0:
+        path.insert(0, TOKENS[n])
+        n = PARENTS[n]
+    pool = KVPool(model.be, 32, 16, 3, 64, num_layers=2)
+    s = pool.sequence()
+    forward(model, pool, [s], [PROMPT], False)
+    s.commit(len(PROMPT))
+    for t in path:
+        out = forward(model, pool, [s], [[t]], False)[0][0]
+        s.commit(1)
+    return out
+
+
+@pytest.mark.parametrize("neighbour", [False, True])
+def test_tree_rows_equal_their_paths_decoded(model, neighbour):
+    """A tree verify's node rows are the bits of decoding each node's path as a chain (the
+    keys gathered in chain order; positions context + depth), also beside a prefill chunk."""
+    rows = _tree_rows(model, neighbour)
+    assert torch.equal(rows[0], _decoded_alone(model)[0])
+    for node in range(len(PARENTS)):
+        assert torch.equal(rows[1 + node], _path_decoded(model, node)), f"node {node} differs from its path"
+
+
+def test_tree_attention_needs_chain_order(model, monkeypatch):
+    """The teeth: masking the same keys where they lie (no gather into chain order) changes
+    some node's bits, so the test above can fail."""
+    real = invariant.Plan.__init__
+
+    def in_place(self, bt, seq, qsl, T, bs, max_query, tree_mask=None):
+        real(self, bt, seq, qsl, T, bs, max_query, tree_mask)
+        if tree_mask is None:
+            return
+        ctx = seq.long() - (qsl[1:] - qsl[:-1]).long()
+        j = torch.arange(self.Lp + max_query)
+        for i, (n, rows, valid, see, dest, order) in enumerate(self.chunks):
+            m = tree_mask[rows][..., :max_query]
+            vis = (j < ctx[:, None, None]).expand(*m.shape[:2], -1).clone()
+            vis.scatter_(2, ctx[:, None, None] + torch.arange(max_query).expand_as(m), m)
+            see = vis[..., :self.Lp] | ~valid[..., 0, 0][..., None]
+            self.chunks[i] = (n, rows, valid, see[:, None, :, None], dest, None)
+
+    monkeypatch.setattr(invariant.Plan, "__init__", in_place)
+    rows = _tree_rows(model, False)
+    assert not all(torch.equal(rows[1 + n], _path_decoded(model, n)) for n in range(len(PARENTS))), \
+        "masking in place gave the chain's bits: the tree test would prove nothing"

@@ -15,6 +15,9 @@ output element; here the same comes from fixed shapes, checked bit for bit in
   against keys padded to a multiple of 256; ``q.k`` is a 64-long dot product per score; masked
   scores are -inf before the softmax (trailing -inf change no row's sum); ``p @ V`` is summed in
   fixed 256-key blocks, so keys a query cannot see add exact zeros.
+* tree attention (a verify of a draft tree): a node's keys are gathered into the order its
+  path would have as a chain (context, then its ancestors by depth, then itself), so every
+  node's row is the row a chain decode of its path computes (positions come from the caller).
 * norms, RoPE, SwiGLU and residuals are per row or per element.
 """
 
@@ -48,7 +51,7 @@ class Plan:
     forward from the batch metadata (the same for every layer)."""
 
     def __init__(self, block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor, T: int, bs: int,
-                 max_query: int):
+                 max_query: int, tree_mask: Tensor | None = None):
         dev = block_tables.device
         R, nb = block_tables.shape
         qsl, seq = query_start_loc.long(), seq_lens.long()
@@ -68,9 +71,17 @@ class Plan:
             qi = c0 + torch.arange(n, device=dev)                             # local query index
             valid = qi[None] < q_len[:, None]                                # [R, n]
             rows = (qsl[:-1, None] + qi).clamp(max=max(T - 1, 0))
-            see = (j[None, None] <= (ctx[:, None] + qi[None])[..., None]) | ~valid[..., None]   # [R, n, Lp]
+            order, seen = None, qi[None] + 1                                 # causal: itself and before
+            if tree_mask is not None:   # the query's visible step tokens (ancestors, itself), in chain order
+                m = tree_mask[rows][..., :max_query] & (torch.arange(max_query, device=dev) < q_len[:, None, None])
+                seen = m.sum(-1)
+                at = torch.where(m, ctx[:, None, None] + m.cumsum(-1) - 1, self.Lp)
+                order = torch.arange(self.Lp + 1, device=dev).expand(R, n, self.Lp + 1).clone().scatter_(
+                    2, at, (ctx[:, None, None] + torch.arange(max_query, device=dev)).expand(R, n, max_query))
+                order = order[..., :self.Lp]                                 # chain slot -> key position
+            see = (j[None, None] < (ctx[:, None] + seen)[..., None]) | ~valid[..., None]   # [R, n, Lp]
             self.chunks.append((n, rows, valid[..., None, None], see[:, None, :, None],
-                                torch.where(valid, rows, T).flatten()))
+                                torch.where(valid, rows, T).flatten(), order))
 
 
 def attention(query: Tensor, k_cache: Tensor, v_cache: Tensor, plan: Plan, scale: float) -> Tensor:
@@ -79,7 +90,8 @@ def attention(query: Tensor, k_cache: Tensor, v_cache: Tensor, plan: Plan, scale
 
     Every (request, query, KV head) is its own bmm entry with the G query heads of that group
     as rows: the product's shape per entry never depends on the batch, and a decode query
-    costs no padding. Chunks of up to ``Q_CHUNK`` query positions bound the copies of the keys."""
+    costs no padding. Chunks of up to ``Q_CHUNK`` query positions bound the copies of the keys.
+    With a tree mask (in ``plan``) each query's keys are gathered in its path's chain order."""
     T, Hq, D = query.shape
     Hkv = k_cache.shape[2]
     G, R, Lp = Hq // Hkv, plan.R, plan.Lp
@@ -87,19 +99,26 @@ def attention(query: Tensor, k_cache: Tensor, v_cache: Tensor, plan: Plan, scale
     # p = 0 never meets a NaN left in a reused block
     keys = k_cache[plan.bt].reshape(R, -1, Hkv, D)[:, :Lp].float()
     vals = torch.where(plan.live, v_cache[plan.bt].reshape(R, -1, Hkv, D)[:, :Lp].float(), 0.0)
-    keys = keys.permute(0, 2, 3, 1).contiguous()                            # [R, Hkv, D, Lp]
+    ar = torch.arange(R, device=query.device)[:, None, None]
+    kt = keys.permute(0, 2, 3, 1).contiguous()                              # [R, Hkv, D, Lp]
     blocks = [vals[:, k0:k0 + KEY_BLOCK].permute(0, 2, 1, 3).contiguous()    # [R, Hkv, 256, D] each
               for k0 in range(0, Lp, KEY_BLOCK)]
     out = query.new_empty(T + 1, Hq, D)       # row T takes the padding queries' outputs: no boolean indexing
-    for n, rows, valid, see, dest in plan.chunks:
+    for n, rows, valid, see, dest, order in plan.chunks:
         per = lambda t: t[:, :, None].expand(R, Hkv, n, *t.shape[2:]).reshape(R * Hkv * n, *t.shape[2:])  # noqa
+        if order is None:
+            kq, vq = per(kt), [per(b) for b in blocks]
+        else:                                  # [R, n, Lp, Hkv, D] gathered per query -> the same entry layout
+            kq = keys[ar, order].permute(0, 3, 1, 4, 2).reshape(R * Hkv * n, D, Lp)
+            vg = vals[ar, order].permute(0, 3, 1, 2, 4)
+            vq = [vg[:, :, :, k0:k0 + KEY_BLOCK].reshape(R * Hkv * n, KEY_BLOCK, D) for k0 in range(0, Lp, KEY_BLOCK)]
         q = torch.where(valid, query[rows].float(), 0.0)                    # [R, n, Hq, D]
         q = q.view(R, n, Hkv, G, D).permute(0, 2, 1, 3, 4).reshape(R * Hkv * n, G, D)
-        s = torch.bmm(q, per(keys)).view(R, Hkv, n, G, Lp) * scale
+        s = torch.bmm(q, kq).view(R, Hkv, n, G, Lp) * scale
         p = torch.softmax(torch.where(see, s, -torch.inf), -1).view(R * Hkv * n, G, Lp)
-        acc = torch.bmm(p[:, :, :KEY_BLOCK].contiguous(), per(blocks[0]))
+        acc = torch.bmm(p[:, :, :KEY_BLOCK].contiguous(), vq[0])
         for b, k0 in enumerate(range(KEY_BLOCK, Lp, KEY_BLOCK), 1):
-            acc = acc + torch.bmm(p[:, :, k0:k0 + KEY_BLOCK].contiguous(), per(blocks[b]))
+            acc = acc + torch.bmm(p[:, :, k0:k0 + KEY_BLOCK].contiguous(), vq[b])
         o = acc.view(R, Hkv, n, G, D).permute(0, 2, 1, 3, 4).reshape(R * n, Hq, D)
         out[dest] = o.to(query.dtype)
     return out[:T]

@@ -65,8 +65,8 @@ class Llama:
     ``batch_invariant`` (the default): linear layers and causal attention run in fixed shapes
     (`hal.models.invariant`), so a token's logits are bit-identical whatever else is in the
     batch, and greedy speculative output equals plain greedy by construction. False: one
-    ``F.linear`` per layer and the backend's ``paged_attention`` (a tree mask always uses the
-    backend's op)."""
+    ``F.linear`` per layer and the backend's ``paged_attention``. With a tree mask the caller
+    gives each node its position (context + depth) in ``batch.positions``."""
 
     def __init__(self, config: LlamaConfig, weights: dict[str, Tensor], backend, num_layers: int | None = None,
                  batch_invariant: bool = True):
@@ -110,12 +110,12 @@ class Llama:
         inv = self.batch_invariant
         lin = invariant.linear if inv else F.linear
         plan = None
-        if inv and tree_mask is None:
+        if inv:
             max_query = batch.max_query
             if max_query is None:
                 max_query = int((batch.query_start_loc[1:] - batch.query_start_loc[:-1]).max()) if T else 0
             plan = invariant.Plan(batch.block_tables, batch.seq_lens, batch.query_start_loc, T,
-                                  k_caches[0].shape[1], max_query)
+                                  k_caches[0].shape[1], max_query, tree_mask)
         taps = []
         for i in range(self.num_layers):
             if i in batch.feature_layers:

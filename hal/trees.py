@@ -1,0 +1,89 @@
+"""Draft trees in the engine (EAGLE-2 / SpecInfer): a step feeds each request's
+``[root, node 0, node 1, ...]`` (the root is its last committed token) with the tree mask,
+each node at position context + depth; `hal.ops.Ops.verify_tree` accepts a path; `compact`
+moves the path's KV down to contiguous slots with ``copy_kv``. Everything stays on the
+device: the layout is built from the parents tensor, the compaction from the accepted nodes.
+
+A chain is the tree ``parents = [-1, 0, 1, ...]``; on the batch-invariant runner every node's
+logits are the bits a chain decode of its path computes (`hal.models.invariant`), so greedy
+tree decoding equals plain greedy by construction."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from hal import kv
+
+
+def chain_parents(k: int, device=None) -> Tensor:
+    """``[-1, 0, 1, ..., k - 2]``: the parents of a chain of ``k`` drafts."""
+    return torch.arange(-1, k - 1, device=device)
+
+
+def ancestors(parents: Tensor, counts: list[int], dev) -> Tensor:
+    """``[R, W, W]`` bool (W = 1 + max count): fed row i of request r sees fed row j (the
+    root is row 0, node n is row 1 + n; padding rows see only themselves)."""
+    R, W = len(counts), 1 + max(counts, default=0)
+    real = torch.tensor([[j < c for j in range(W - 1)] for c in counts], dtype=torch.bool).view(R, W - 1).to(dev)
+    idx = torch.tensor([a + j for a, c in zip(_starts(counts), counts) for j in range(W - 1)],
+                       dtype=torch.long).view(R, W - 1).to(dev)
+    up = torch.arange(W, device=dev).expand(R, W).clone()     # row -> its parent's row (root, padding: itself)
+    if parents.numel():
+        par = parents.to(dev).long()[idx.clamp(max=parents.numel() - 1)] + 1
+        up[:, 1:] = torch.where(real, par, up[:, 1:])
+    seen = torch.eye(W, dtype=torch.bool, device=dev).expand(R, W, W).clone()
+    cur = torch.arange(W, device=dev).expand(R, W)
+    for _ in range(W - 1):
+        cur = up.gather(1, cur)
+        seen.scatter_(2, cur[..., None], True)
+    return seen
+
+
+def _starts(counts: list[int]) -> list[int]:
+    out, at = [], 0
+    for c in counts:
+        out.append(at)
+        at += c
+    return out
+
+
+def layout(parents: Tensor, counts: list[int], extra: list[int], dev) -> tuple[Tensor, Tensor]:
+    """The forward's tree metadata for ``len(counts)`` tree requests feeding ``1 + counts[r]``
+    rows, followed by requests feeding ``extra[r]`` causal rows (prefill chunks):
+    ``(depth [T]`` (a row's position minus its request's first fed position), ``mask [T, W])``."""
+    seen = ancestors(parents, counts, dev)
+    W = max([seen.shape[1]] + extra)
+    rows = [seen[r, :1 + c] for r, c in enumerate(counts)]
+    rows += [torch.ones(n, n, dtype=torch.bool, device=dev).tril() for n in extra]
+    mask = torch.cat([torch.nn.functional.pad(m, (0, W - m.shape[1])) for m in rows]) if rows else \
+        torch.zeros(0, W, dtype=torch.bool, device=dev)
+    depth = torch.cat([m.sum(-1) - 1 for m in rows]) if rows else torch.zeros(0, dtype=torch.long, device=dev)
+    return depth, mask
+
+
+def path_rows(nodes: Tensor, counts: list[int], dev) -> Tensor:
+    """``[R, max_k + 1]`` flat fed rows whose logits produced each output token of the
+    accepted path (the root's, then each accepted node's; padding repeats the root)."""
+    base = torch.tensor(_starts([1 + c for c in counts])).to(dev)
+    n = nodes.long()
+    step = torch.where(n >= 0, n + 1, 0)
+    return base[:, None] + torch.cat([torch.zeros_like(step[:, :1]), step], 1)
+
+
+def compact(be, pool: kv.KVPool, seqs: list[kv.Sequence], counts: list[int], nodes: Tensor) -> None:
+    """Move each request's accepted path (``nodes`` [R, max_k], -1 padded, from `verify_tree`)
+    to the slots right after its root, in every layer (a chain's path is already there:
+    those copies are to themselves)."""
+    dst_host = [s.slot(s.length + 1 + j) for s, c in zip(seqs, counts) for j in range(c)]
+    if not dst_host:
+        return
+    dev = nodes.device
+    dst = torch.tensor(dst_host).to(dev)
+    r = torch.tensor([i for i, c in enumerate(counts) for _ in range(c)]).to(dev)
+    j = torch.tensor([j for c in counts for j in range(c)]).to(dev)
+    start = torch.tensor(_starts(counts)).to(dev)
+    n = nodes.long()[r, j]
+    src = dst[torch.where(n >= 0, start[r] + n.clamp(min=0), start[r] + j)]
+    for kc, vc in zip(pool.k, pool.v):
+        be.copy_kv(kc, vc, src, dst)
