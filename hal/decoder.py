@@ -28,10 +28,9 @@ from dataclasses import asdict
 import torch
 from torch import Tensor
 
-from hal import drafting, kv
+from hal import drafting, kv, trees
 from hal.errors import HalError
-from hal.forward import (forward, forward_tokens, logprob_entry, logprob_rows, readback, sampling_tensors,
-                         target_probs)
+from hal.forward import forward, forward_tokens, logprob_entry, logprob_rows, readback, sampling_args, target_probs
 from hal.history import HistoryBuffer
 from hal.metrics import SpecDecodeMetrics
 from hal.models.llama import Llama
@@ -41,17 +40,6 @@ from hal.requests import (MAX_LOGPROBS, DraftBatch, Drafter, Proposal, Request, 
 
 __all__ = ["MAX_LOGPROBS", "DraftBatch", "Drafter", "Proposal", "Request", "SamplingParams", "SpeculativeDecoder",
            "State", "StepOutput", "draft_room", "forward", "sampling_args", "target_probs"]
-
-
-def sampling_args(states: list[State], repeats: list[int], dev, draw: bool = True) -> tuple[Tensor, ...]:
-    """Per-row temperature, top-k, top-p, and (``draw``) seed and a fresh offset (one per
-    request and call: only a call that draws spends an offset)."""
-    params = sampling_tensors([s.req for s in states], repeats, dev)
-    if not draw:
-        return params
-    offs = [s.next_offset() for s in states]
-    rep = lambda vals: torch.tensor([v for v, n in zip(vals, repeats) for _ in range(n)]).to(dev)  # noqa: E731
-    return (*params, rep([s.req.seed for s in states]), rep(offs))
 
 
 class SpeculativeDecoder:
@@ -281,7 +269,7 @@ class SpeculativeDecoder:
         rows verified) and the prefill chunks planned with the budget left (their last rows).
         Everything stays on the device until one readback. Returns the tokens fed."""
         be, dev = self.target.be, self.target.device
-        ids, counts, q, guesses, prop = drafting.drafts_for(self.drafter, self.router is not None, self._ahead,
+        ids, counts, q, guesses, prop, par = drafting.drafts_for(self.drafter, self.router is not None, self._ahead,
                                                             self.history, live, dev)
         self._ahead = None
         fed = len(live) + sum(counts)
@@ -301,20 +289,26 @@ class SpeculativeDecoder:
         ends = torch.tensor(lens).cumsum(0)
         rows = torch.cat([torch.arange(fed), ends[len(live):] - 1])
         layers = getattr(self.drafter, "features", None)   # the drafter reads every fed row's feature
+        depth, mask = (None, None) if par is None else trees.layout(par, counts, [n for _, n in pre], dev)
         logits, hidden = forward_tokens(self.target, self.pool, [s.seq for s in live] + [s.seq for s, _ in pre],
                                         lens, tokens, rows=rows, feature_layers=layers or (),
-                                        hidden_rows=None if layers is None else torch.arange(sum(lens)))
+                                        hidden_rows=None if layers is None else torch.arange(sum(lens)),
+                                        tree_mask=mask, depth=depth)
         first = self._finish_prefill(pre)
         where = {s.rid: i for i, (s, _) in enumerate(pre)}
         reads: dict[str, Tensor] = {}
         lp_want = [s.req.logprobs or 0 for s in live + first if s.req.logprobs is not None]
         top_n = max(lp_want, default=0)
         if live:
-            reads["out"], reads["acc"] = self._verify(live, counts, ids, q, logits[:fed])
+            reads.update(trees.verify(be, live, counts, ids, q, logits[:fed], par))
+            if par is not None:   # the accepted path's KV moves next to its root
+                trees.compact(be, self.pool, [s.seq for s in live], counts, reads["nodes"])
             if lp_want:
                 K1 = reads["out"].shape[1]
                 flat = torch.tensor([i * K1 + j for i, c in enumerate(counts) for j in range(c + 1)]).to(dev)
-                lp = logprob_rows(logits[:fed], reads["out"].reshape(-1)[flat], top_n)
+                lrows = logits[:fed] if par is None else logits[:fed][trees.path_rows(reads["nodes"], counts, dev)
+                                                                      .reshape(-1)[flat]]
+                lp = logprob_rows(lrows, reads["out"].reshape(-1)[flat], top_n)
                 reads.update(zip(("lp", "lp_top", "lp_ids"), lp))
             self.history.write([s.rid for s in live], [len(s.tokens) for s in live], reads["out"])
         if first:
@@ -353,18 +347,6 @@ class SpeculativeDecoder:
             self._ahead = (prop_next, {rid: (c, v) for rid, c, v in zip(rids, cu, valid)})
         return fed + sum(n for _, n in pre)
 
-    def _verify(self, live: list[State], counts: list[int], ids: Tensor, q: Tensor | None, logits: Tensor):
-        be, dev = self.target.be, self.target.device
-        cu = torch.tensor([0, *counts]).cumsum(0).to(dev)
-        max_k = max(counts)
-        if all(s.req.temperature == 0 for s in live):
-            return be.verify_greedy(ids, cu, logits, max_k)
-        # mixed batches too: greedy rows get a one-hot p, which verifies exactly as greedy
-        p = target_probs(logits, *sampling_args(live, [c + 1 for c in counts], dev, draw=False), [s.req for s in live])
-        seeds = torch.tensor([s.req.seed for s in live]).to(dev)
-        offs = torch.tensor([s.next_offset() for s in live]).to(dev)
-        return be.verify_rejection(ids, cu, q, p, seeds, offs, max_k)
-
     def _commit(self, live, counts, guesses, got, hidden, top_n, features: bool = False) -> None:
         """Host bookkeeping of the verify result: KV lengths, metrics, router, drafter, emission."""
         if not live:
@@ -378,13 +360,15 @@ class SpeculativeDecoder:
         if self.router is not None:
             self.router.observe(live, counts, n_acc)
             self.router.observe([live[i] for i, _ in guesses], [1] * len(guesses), [int(h) for h in got.get("hits", [])])
-        row = 0
+        row, K = 0, K1 - 1
         for i, s in enumerate(live):
             s.seq.commit(n_acc[i] + 1)
+            path = range(row, row + n_acc[i] + 1) if "nodes" not in got else \
+                [row] + [row + 1 + int(n) for n in got["nodes"][i * K:i * K + n_acc[i]]]
             if features:   # the rows that produced the accepted drafts and the bonus token
-                s.features.append(hidden[row:row + n_acc[i] + 1])
+                s.features.append(hidden[list(path)])
             else:
-                s.last_hidden = hidden[row + n_acc[i]]
+                s.last_hidden = hidden[path[-1]]
             lp = None
             if s.req.logprobs is not None:
                 lp = [logprob_entry(got, "lp", row + j, out[i][j], s.req.logprobs, top_n) for j in range(n_acc[i] + 1)]

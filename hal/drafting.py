@@ -48,6 +48,10 @@ def check_proposal(prop, ks: list[int]) -> None:
     if q is not None and (not isinstance(q, Tensor) or q.dim() != 2 or q.shape[0] != N):
         raise HalError(f"Proposal.draft_probs: expected None or a tensor [{N}, V], got "
                        f"{list(q.shape) if isinstance(q, Tensor) else type(q).__name__}")
+    par = prop.parent_ids
+    if par is not None and (not isinstance(par, Tensor) or list(par.shape) != [N] or par.is_floating_point()):
+        raise HalError(f"Proposal.parent_ids: expected None or an integer tensor [{N}], got "
+                       f"{list(par.shape) if isinstance(par, Tensor) else type(par).__name__}")
     if valid is not None and (len(valid) != R if isinstance(valid, (tuple, list)) else
                               not isinstance(valid, Tensor) or list(valid.shape) != [R]):
         raise HalError(f"Proposal.num_valid: expected None, {R} ints or a tensor [{R}], got {valid!r:.80}")
@@ -64,10 +68,10 @@ def valid_counts(valid, ks: list[int]) -> list[int]:
 
 def drafts_for(drafter, shadow_ok: bool, ahead: Ahead | None, history: HistoryBuffer, live: list[State], dev):
     """The drafts each live request verifies this step: ``(ids [N] on ``dev``, counts, q or
-    None, shadow guesses [(live index, flat slot)], the proposal)``. ``shadow_ok``: a router
+    None, shadow guesses [(live index, flat slot)], the proposal, parents [N] or None)``. ``shadow_ok``: a router
     scores a free deterministic drafter's first draft for requests routed to k = 0 (those
     drafts are not verified, only compared with the emitted token)."""
-    none = (torch.zeros(0, dtype=torch.long, device=dev), [0] * len(live), None, [], None)
+    none = (torch.zeros(0, dtype=torch.long, device=dev), [0] * len(live), None, [], None, None)
     if drafter is None or not live:
         return none
     shadow = {s.rid for s in live if s.req_k == 0 and s.req.temperature == 0 and draft_room(s) > 0} if (
@@ -98,11 +102,14 @@ def drafts_for(drafter, shadow_ok: bool, ahead: Ahead | None, history: HistoryBu
     guesses = [(i, where[s.rid][0]) for i, s in enumerate(live) if s.rid in shadow and where[s.rid][1] > 0]
     idx = torch.tensor([where[s.rid][0] + j for s, n in zip(live, counts) for j in range(n)], dtype=torch.long)
     ids, q = none[0], None
+    par = None if prop.parent_ids is None else none[0]
     if len(idx):
         ids = transfer(prop.draft_token_ids[idx.to(prop.draft_token_ids.device)], dev)
         if prop.draft_probs is not None:
             q = transfer(prop.draft_probs[idx.to(prop.draft_probs.device)], dev)
-    return ids, counts, q, guesses, prop
+        if prop.parent_ids is not None:   # a prefix of a row's slots is a tree: local parents stay valid
+            par = transfer(prop.parent_ids[idx.to(prop.parent_ids.device)], dev).long()
+    return ids, counts, q, guesses, prop, par
 
 
 def lookahead(drafter, history: HistoryBuffer, live: list[State], first: list[State], resumed: list[State],

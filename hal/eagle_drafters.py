@@ -9,7 +9,7 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from hal import kv
+from hal import kv, trees
 from hal.drafters import _sample_chain, empty, slots, subset, widen
 from hal.eagle import EagleModel
 from hal.forward import make_batch, readback
@@ -25,10 +25,16 @@ class HeadDrafter:
     steps, feeds the new pairs in one ragged forward (the last one again when nothing is
     new), then drafts ``k`` tokens, each step feeding the head's own output back. A request
     whose features it missed (its KV was dropped while the request kept running) gets no
-    drafts again (``lost`` counts them)."""
+    drafts again (``lost`` counts them).
 
-    def __init__(self, head: EagleModel, num_blocks: int = 512, block_size: int = 16):
-        self.head, self.be = head, head.be
+    ``tree=(topk, depth)``: EAGLE-2's dynamic tree instead of a chain (`_tree`), for greedy and
+    sampled requests alike (siblings are deterministic, so sampled ones verify exactly)."""
+
+    def __init__(self, head: EagleModel, num_blocks: int = 512, block_size: int = 16,
+                 tree: tuple[int, int] | None = None):
+        if tree is not None and not (len(tree) == 2 and all(isinstance(v, int) and v >= 1 for v in tree)):
+            raise HalError(f"tree: expected None or (topk >= 1, depth >= 1), got {tree!r}")
+        self.head, self.be, self.tree = head, head.be, tree
         c = head.cfg
         self.pool = kv.KVPool(head.be, num_blocks, block_size, c.kv_heads, c.head_dim, num_layers=1,
                               device=head.device)
@@ -52,6 +58,8 @@ class HeadDrafter:
         for n in b.num_features or (0,) * len(b.rids):
             cu.append(cu[-1] + n)
         keep, plan, K = [], [], max(b.k, default=0)
+        if self.tree is not None and K:   # the re-fed expanded nodes of the deepest level
+            K = self.tree[0] * (self.tree[1] - 1)
         a, need = self.pool.allocator, 0
         for i, (rid, L) in enumerate(zip(b.rids, b.lengths)):
             n = cu[i + 1] - cu[i]
@@ -96,6 +104,8 @@ class HeadDrafter:
         for q, n in zip(seqs, lens):
             q.commit(n)
         state = {"h": h[batch.logits_rows]}
+        if self.tree is not None:
+            return self._tree(b, seqs, logits0, state["h"])
         if all(p.temperature == 0 for p in b.params):   # greedy: argmax over the draft vocabulary, no sampler
             return self._greedy_chain(b, seqs, logits0, state["h"])
 
@@ -122,6 +132,65 @@ class HeadDrafter:
             best = logits.argmax(-1)
             toks.append(best if head.draft_ids is None else head.draft_ids[best])
         return slots(torch.stack(toks, 1) if toks else torch.zeros(len(seqs), 0, dtype=torch.long, device=dev), b.k)
+
+    def _tree(self, b: DraftBatch, seqs, logits: Tensor, h: Tensor) -> Proposal:
+        """EAGLE-2's dynamic tree, on the device. The root's ``topk`` likeliest tokens are the
+        first candidates; each level expands the ``topk`` candidates of best total log
+        probability (their pairs (parent's output, token) fed as a tree over the head's scratch
+        KV, every expanded node again each level) into ``topk`` children each. Request i gets
+        the ``k[i]`` best candidates overall (a parent scores at least its child, and ties go
+        to the earlier one), in candidate order so parents come first."""
+        head, dev, (K, D) = self.head, self.head.device, self.tree
+        R, B = len(seqs), max(b.k, default=0)
+        to_target = (lambda t: t) if head.draft_ids is None else (lambda t: head.draft_ids[t])  # noqa: E731
+        score, tok = torch.log_softmax(logits.float(), -1).topk(K)             # [R, K]: the root's children
+        toks, scores, pars = [to_target(tok)], [score], [torch.full((R, K), -1, device=dev)]
+        front = torch.arange(K, device=dev).expand(R, K)                       # candidate ids of the expanded level
+        feat = h[:, None].expand(R, K, h.shape[-1])                            # their inputs: the parent's output
+        fed_tok, fed_feat, fed_par, n = [], [], [], K
+        for d in range(1, min(D, B)):
+            fed_tok.append(torch.cat(toks, 1).gather(1, front))
+            fed_feat.append(feat)
+            fed_par.append(torch.full((R, K), -1, device=dev) if d == 1 else (d - 2) * K + pick // K)
+            W = d * K
+            parents = torch.cat(fed_par, 1).reshape(-1)
+            seen = trees.ancestors(parents, [W] * R, dev)[:, 1:, 1:]
+            depth = (seen.sum(-1) - 1).reshape(-1)
+            rows = (torch.arange(R, device=dev)[:, None] * W + (W - K) + torch.arange(K, device=dev)).reshape(-1)
+            tokens = torch.cat(fed_tok, 1).reshape(-1)
+            bt = make_batch(self.be, dev, self.pool, seqs, [W] * R, tokens, rows=rows, depth=depth)
+            out, hs = head.forward(bt, self.pool.k[0], self.pool.v[0], tokens, torch.cat(fed_feat, 1).reshape(R * W, -1),
+                                   False, seen.reshape(R * W, W))
+            cs, ct = torch.log_softmax(out.float(), -1).topk(K)                # [R * K, K]
+            cand = (torch.cat(scores, 1).gather(1, front)[:, :, None] + cs.view(R, K, K)).reshape(R, K * K)
+            toks.append(to_target(ct).view(R, K * K))
+            scores.append(cand)
+            pars.append(front[:, :, None].expand(R, K, K).reshape(R, K * K))
+            pick = cand.topk(K).indices                                         # the next level to expand
+            front, n = n + pick, n + K * K
+            feat = hs[rows].view(R, K, -1).gather(1, (pick // K)[..., None].expand(R, K, hs.shape[-1]))
+        return self._select(b, torch.cat(toks, 1), torch.cat(scores, 1), torch.cat(pars, 1))
+
+    def _select(self, b: DraftBatch, toks: Tensor, scores: Tensor, pars: Tensor) -> Proposal:
+        """Each request's ``k[i]`` best candidates in candidate order, parents remapped."""
+        dev, (R, N) = toks.device, toks.shape
+        order = torch.sort(scores, dim=1, descending=True, stable=True).indices
+        rank = torch.empty_like(order).scatter_(1, order, torch.arange(N, device=dev).expand(R, N))
+        k = torch.tensor(b.k).to(dev)[:, None]
+        chosen = torch.sort(torch.where(rank < k, 0, N) + torch.arange(N, device=dev), dim=1).indices  # chosen first
+        local = torch.empty_like(chosen).scatter_(1, chosen, torch.arange(N, device=dev).expand(R, N))
+        par = pars.gather(1, chosen)
+        par = torch.where(par >= 0, local.gather(1, par.clamp(min=0)), -1)
+        M = max(b.k, default=0)
+        if M > N:   # more slots than candidates: filler chains under the last node, never verified
+            toks_c = torch.cat([toks.gather(1, chosen), toks.new_zeros(R, M - N)], 1)
+            par = torch.cat([par, torch.arange(N - 1, M - 1, device=dev).expand(R, M - N)], 1)
+        else:
+            toks_c = toks.gather(1, chosen)[:, :M]
+            par = par[:, :M]
+        idx = torch.tensor([i * M + j for i, n in enumerate(b.k) for j in range(n)], dtype=torch.long).to(dev)
+        cu = torch.tensor([0, *b.k]).cumsum(0).to(dev)
+        return Proposal(toks_c.reshape(-1)[idx], cu, None, tuple(min(n, N) for n in b.k), par.reshape(-1)[idx])
 
     def _lose(self, rid: int) -> None:
         if rid not in self.lost_rids:

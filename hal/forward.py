@@ -69,6 +69,17 @@ def sampling_tensors(params, repeats: list[int], dev) -> tuple[Tensor, Tensor, T
             rep([p.top_p for p in params], torch.float32))
 
 
+def sampling_args(states, repeats: list[int], dev, draw: bool = True) -> tuple[Tensor, ...]:
+    """Per-row temperature, top-k, top-p, and (``draw``) seed and a fresh offset (one per
+    request and call: only a call that draws spends an offset)."""
+    params = sampling_tensors([s.req for s in states], repeats, dev)
+    if not draw:
+        return params
+    offs = [s.next_offset() for s in states]
+    rep = lambda vals: torch.tensor([v for v, n in zip(vals, repeats) for _ in range(n)]).to(dev)  # noqa: E731
+    return (*params, rep([s.req.seed for s in states]), rep(offs))
+
+
 def target_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, params=None) -> Tensor:
     """The target's p for verification: temperature, top-k and top-p applied, no draw spent
     (vLLM's ``compute_probs``; the same q the backends' `sample` returns, in plain torch).

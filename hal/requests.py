@@ -106,12 +106,19 @@ class Proposal:
     anything back). ``num_valid`` says how many leading slots are worth verifying (the
     rest are filler): None (all), host ints, or an ``[R]`` device tensor (lookahead
     drafters; the engine reads it with its one readback per step). A drafter whose drafts
-    are random must not shorten them by looking at the draws (DSpark's counterexample)."""
+    are random must not shorten them by looking at the draws (DSpark's counterexample).
+
+    ``parent_ids`` makes each row a draft tree (`hal.ops.Ops.verify_tree`'s layout): slot j's
+    local parent, -1 for a child of the root (the last committed token), parents before
+    children, so any prefix of the slots is a tree too. Sampled requests verify a tree by
+    exact multi-draft rejection: siblings must be deterministic (``draft_probs`` None) or
+    i.i.d. draws from their q."""
 
     draft_token_ids: Tensor            # [N] int64
     cu_num_draft_tokens: Tensor        # [R + 1] int64
     draft_probs: Tensor | None = None  # [N, V] the q each draft was drawn from; None for deterministic drafts
     num_valid: Tensor | tuple[int, ...] | None = None
+    parent_ids: Tensor | None = None   # [N] int64: a tree per row (see above); None: chains
 
 
 class Drafter(Protocol):

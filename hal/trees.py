@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from hal import kv
+from hal.forward import sampling_args, target_probs
 
 
 def chain_parents(k: int, device=None) -> Tensor:
@@ -69,6 +70,32 @@ def path_rows(nodes: Tensor, counts: list[int], dev) -> Tensor:
     n = nodes.long()
     step = torch.where(n >= 0, n + 1, 0)
     return base[:, None] + torch.cat([torch.zeros_like(step[:, :1]), step], 1)
+
+
+def verify(be, live, counts: list[int], ids: Tensor, q: Tensor | None, logits: Tensor,
+           parents: Tensor | None) -> dict[str, Tensor]:
+    """Verify the live requests' drafts (chains, or trees when ``parents`` is given) against
+    their rows of ``logits``: ``{"out": [R, max_k + 1], "acc": [R]}`` (+ ``"nodes"`` [R, max_k],
+    the accepted path, for trees). All-greedy batches compare argmaxes; otherwise the target's
+    p (greedy rows get a one-hot p, which verifies exactly as greedy) and rejection sampling."""
+    dev = logits.device
+    cu = torch.tensor([0, *counts]).cumsum(0).to(dev)
+    max_k = max(counts)
+    greedy = all(s.req.temperature == 0 for s in live)
+    if not greedy:
+        logits = target_probs(logits, *sampling_args(live, [c + 1 for c in counts], dev, draw=False),
+                              [s.req for s in live])
+        seeds = torch.tensor([s.req.seed for s in live]).to(dev)
+        offs = torch.tensor([s.next_offset() for s in live]).to(dev)
+    if parents is not None:
+        out, nodes, acc = be.verify_tree(ids, cu, parents, logits, *((None, None, None) if greedy else
+                                                                     (q, seeds, offs)), max_k)
+        return {"out": out, "acc": acc, "nodes": nodes}
+    if greedy:
+        out, acc = be.verify_greedy(ids, cu, logits, max_k)
+    else:
+        out, acc = be.verify_rejection(ids, cu, q, logits, seeds, offs, max_k)
+    return {"out": out, "acc": acc}
 
 
 def compact(be, pool: kv.KVPool, seqs: list[kv.Sequence], counts: list[int], nodes: Tensor) -> None:

@@ -113,10 +113,10 @@ def test_eagle3_layout_taps_three_layers(target, tmp_path):
     assert other.feature_layers == (1, 4, 6)     # ids name layer outputs; the runner taps the next layer's input
 
 
-def lossless(target, drafter, prompts, **kw):
+def lossless(target, drafter, prompts, k=4, **kw):
     plain = SpeculativeDecoder(target, None).generate([Request(p, max_new_tokens=24, k=0) for p in prompts])
     dec = SpeculativeDecoder(target, drafter, **kw)
-    spec = dec.generate([Request(p, max_new_tokens=24, k=4) for p in prompts])
+    spec = dec.generate([Request(p, max_new_tokens=24, k=k) for p in prompts])
     assert spec == plain
     return dec
 
@@ -151,6 +151,44 @@ def test_head_drafter_is_lossless_and_first_drafts_match_a_recompute(target, tmp
     assert checked >= 10
 
 
+@pytest.mark.parametrize("layout", ["eagle1", "eagle3"])
+def test_head_tree_is_lossless_and_grows_around_the_chain(target, tmp_path, layout):
+    """EAGLE-2 trees (top-3, depth 4, 7 nodes): greedy output equals plain; the tree's first
+    node is the chain's first draft and node 0's first child the chain's second (the same
+    head from the same features, drafted as a chain beside it); trees do branch."""
+    head = load_eagle(eagle1(tmp_path)[1] if layout == "eagle1" else eagle3(tmp_path), target)
+    chain, seen = HeadDrafter(head), []
+
+    class Both(HeadDrafter):
+        def propose(self, b):
+            p = super().propose(b)
+            seen.append((b, p, chain.propose(b)))
+            return p
+
+        def release(self, rid):
+            super().release(rid)
+            chain.release(rid)
+    dec = lossless(target, Both(head, tree=(3, 4)), PROMPTS, k=7, max_num_batched_tokens=32, max_num_seqs=4)
+    assert dec.metrics.total.num_accepted_tokens > 0
+    first = second = agree = branched = 0
+    for b, t, c in seen:
+        cu, par = t.cu_num_draft_tokens.tolist(), t.parent_ids.tolist()
+        for i, k in enumerate(b.k):
+            if k < 2:
+                continue
+            tp, ti, ci = par[cu[i]:cu[i + 1]], t.draft_token_ids[cu[i]:cu[i + 1]].tolist(), \
+                c.draft_token_ids[cu[i]:cu[i + 1]].tolist()
+            assert tp[0] == -1 and all(-1 <= p < j for j, p in enumerate(tp)), "not a tree in parent order"
+            first += 1
+            agree += ti[0] == ci[0]
+            if 0 in tp:
+                second += 1
+                agree += ti[tp.index(0)] == ci[1]
+            branched += len(set(tp)) < len(tp) or tp.count(-1) > 1
+    assert first >= 10 and second >= 5 and branched >= 5
+    assert agree >= 0.95 * (first + second), f"tree and chain disagree: {agree} of {first + second}"
+
+
 def test_head_drafter_survives_preemption_and_sampling(target, tmp_path):
     head = load_eagle(eagle1(tmp_path)[1], target)
     lossless(target, HeadDrafter(head), PROMPTS, num_blocks=7, max_num_seqs=4)   # the target pool preempts
@@ -159,6 +197,10 @@ def test_head_drafter_survives_preemption_and_sampling(target, tmp_path):
         dec = SpeculativeDecoder(target, HeadDrafter(head))
         runs.append(dec.generate([Request(p, max_new_tokens=16, k=3, temperature=0.8, seed=5) for p in PROMPTS]))
     assert runs[0] == runs[1] and all(len(r) == 16 for r in runs[0])
+    lossless(target, HeadDrafter(head, tree=(2, 3)), PROMPTS, k=5, num_blocks=7, max_num_seqs=4)
+    trees = [SpeculativeDecoder(target, HeadDrafter(head, tree=(2, 3))).generate(
+        [Request(p, max_new_tokens=16, k=5, temperature=0.8, seed=5) for p in PROMPTS]) for _ in range(2)]
+    assert trees[0] == trees[1] and all(len(r) == 16 for r in trees[0])
 
 
 def test_a_full_head_pool_means_no_drafts_not_wrong_ones(target, tmp_path):
