@@ -59,7 +59,7 @@ def make_batch(be, dev, pool: kv.KVPool, seqs: list[kv.Sequence], lens: list[int
     return Batch(tokens=tokens, positions=pos, slot_mapping=up(slots),
                  block_tables=kv.block_tables(seqs).to(dev), seq_lens=up([s.length + n for s, n in zip(seqs, lens)]),
                  query_start_loc=qsl.to(dev), logits_rows=rows.to(dev), max_position=max(positions, default=-1),
-                 max_query=max(lens, default=0))
+                 max_query=max(lens, default=0), min_context=min((s.length for s in seqs), default=0))
 
 
 def sampling_tensors(params, repeats: list[int], dev) -> tuple[Tensor, Tensor, Tensor]:

@@ -149,17 +149,20 @@ def test_serving_flag_turns_it_off():
 PARENTS = [-1, -1, 0, 0, 2, 1, 4]     # a 7-node tree: two children of the root, a depth-4 path
 
 
-def _tree_rows(model, neighbour: bool):
+LONG = [(5 * i + 1) % 49152 for i in range(300)]   # past one 256-key block: context blocks are not gathered
+
+
+def _tree_rows(model, neighbour: bool, prompt=PROMPT):
     """Prefill PROMPT[:-1], then one tree forward over [PROMPT[-1], TOKENS[:7]] with PARENTS
     (optionally after another request's prefill chunk in the same batch): every fed row's logits."""
     from hal import trees
     from hal.forward import forward_tokens
     pool = KVPool(model.be, 32, 16, 3, 64, num_layers=2)
     s, o = pool.sequence(), pool.sequence()
-    forward(model, pool, [s], [PROMPT[:-1]], False)
-    s.commit(len(PROMPT) - 1)
+    forward(model, pool, [s], [prompt[:-1]], False)
+    s.commit(len(prompt) - 1)
     parents = torch.tensor(PARENTS)
-    seqs, extra, fed = [s], [], [PROMPT[-1]] + TOKENS[:7]
+    seqs, extra, fed = [s], [], [prompt[-1]] + TOKENS[:7]
     if neighbour:
         seqs, extra, fed = [s, o], [13], fed + list(range(60, 73))
     depth, mask = trees.layout(parents, [7], extra, torch.device("cpu"))
@@ -168,7 +171,7 @@ def _tree_rows(model, neighbour: bool):
     return logits[:8]
 
 
-def _path_decoded(model, node: int):
+def _path_decoded(model, node: int, prompt=PROMPT):
     """The logits of node ``node`` when its path is decoded one token at a time after PROMPT."""
     path, n = [], node
     while n >= 0:
@@ -176,22 +179,22 @@ def _path_decoded(model, node: int):
         n = PARENTS[n]
     pool = KVPool(model.be, 32, 16, 3, 64, num_layers=2)
     s = pool.sequence()
-    forward(model, pool, [s], [PROMPT], False)
-    s.commit(len(PROMPT))
+    out = forward(model, pool, [s], [prompt], False)[0][0]
+    s.commit(len(prompt))
     for t in path:
         out = forward(model, pool, [s], [[t]], False)[0][0]
         s.commit(1)
     return out
 
 
-@pytest.mark.parametrize("neighbour", [False, True])
-def test_tree_rows_equal_their_paths_decoded(model, neighbour):
-    """A tree verify's node rows are the bits of decoding each node's path as a chain (the
-    keys gathered in chain order; positions context + depth), also beside a prefill chunk."""
-    rows = _tree_rows(model, neighbour)
-    assert torch.equal(rows[0], _decoded_alone(model)[0])
-    for node in range(len(PARENTS)):
-        assert torch.equal(rows[1 + node], _path_decoded(model, node)), f"node {node} differs from its path"
+@pytest.mark.parametrize("neighbour,prompt", [(False, PROMPT), (True, PROMPT), (False, LONG)])
+def test_tree_rows_equal_their_paths_decoded(model, neighbour, prompt):
+    """A tree verify's node rows are the bits of decoding each node's path as a chain (scores
+    and values in chain order; positions context + depth), also beside a prefill chunk and
+    after a context longer than one key block."""
+    rows = _tree_rows(model, neighbour, prompt)
+    for node in range(-1, len(PARENTS)):
+        assert torch.equal(rows[1 + node], _path_decoded(model, node, prompt)), f"node {node} differs from its path"
 
 
 def test_tree_attention_needs_chain_order(model, monkeypatch):
@@ -199,8 +202,8 @@ def test_tree_attention_needs_chain_order(model, monkeypatch):
     some node's bits, so the test above can fail."""
     real = invariant.Plan.__init__
 
-    def in_place(self, bt, seq, qsl, T, bs, max_query, tree_mask=None):
-        real(self, bt, seq, qsl, T, bs, max_query, tree_mask)
+    def in_place(self, bt, seq, qsl, T, bs, max_query, tree_mask=None, min_context=0):
+        real(self, bt, seq, qsl, T, bs, max_query, tree_mask, min_context)
         if tree_mask is None:
             return
         ctx = seq.long() - (qsl[1:] - qsl[:-1]).long()

@@ -48,10 +48,11 @@ def linear(x: Tensor, w: Tensor) -> Tensor:
 
 class Plan:
     """What the attention of one forward needs besides the layer's tensors: computed once per
-    forward from the batch metadata (the same for every layer)."""
+    forward from the batch metadata (the same for every layer). ``min_context``: a lower bound
+    on the cached tokens before any request's new ones (host-known; only a tree uses it)."""
 
     def __init__(self, block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor, T: int, bs: int,
-                 max_query: int, tree_mask: Tensor | None = None):
+                 max_query: int, tree_mask: Tensor | None = None, min_context: int = 0):
         dev = block_tables.device
         R, nb = block_tables.shape
         qsl, seq = query_start_loc.long(), seq_lens.long()
@@ -66,6 +67,7 @@ class Plan:
         j = torch.arange(self.Lp, device=dev)
         self.live = (j[None] < seq[:, None])[..., None, None]                # [R, Lp, 1, 1]
         self.chunks = []
+        self.context_blocks = min_context // KEY_BLOCK    # key blocks before every request's new tokens
         for c0 in range(0, max(max_query, 0), Q_CHUNK):
             n = min(Q_CHUNK, max_query - c0)
             qi = c0 + torch.arange(n, device=dev)                             # local query index
@@ -106,19 +108,20 @@ def attention(query: Tensor, k_cache: Tensor, v_cache: Tensor, plan: Plan, scale
     out = query.new_empty(T + 1, Hq, D)       # row T takes the padding queries' outputs: no boolean indexing
     for n, rows, valid, see, dest, order in plan.chunks:
         per = lambda t: t[:, :, None].expand(R, Hkv, n, *t.shape[2:]).reshape(R * Hkv * n, *t.shape[2:])  # noqa
-        if order is None:
-            kq, vq = per(kt), [per(b) for b in blocks]
-        else:                                  # [R, n, Lp, Hkv, D] gathered per query -> the same entry layout
-            kq = keys[ar, order].permute(0, 3, 1, 4, 2).reshape(R * Hkv * n, D, Lp)
-            vg = vals[ar, order].permute(0, 3, 1, 2, 4)
-            vq = [vg[:, :, :, k0:k0 + KEY_BLOCK].reshape(R * Hkv * n, KEY_BLOCK, D) for k0 in range(0, Lp, KEY_BLOCK)]
         q = torch.where(valid, query[rows].float(), 0.0)                    # [R, n, Hq, D]
         q = q.view(R, n, Hkv, G, D).permute(0, 2, 1, 3, 4).reshape(R * Hkv * n, G, D)
-        s = torch.bmm(q, kq).view(R, Hkv, n, G, Lp) * scale
+        s = torch.bmm(q, per(kt)).view(R, Hkv, n, G, Lp) * scale
+        if order is not None:   # each score is its own 64-long dot product: reorder them into chain order
+            s = s.gather(-1, order[:, None, :, None].expand(R, Hkv, n, G, Lp))
         p = torch.softmax(torch.where(see, s, -torch.inf), -1).view(R * Hkv * n, G, Lp)
-        acc = torch.bmm(p[:, :, :KEY_BLOCK].contiguous(), vq[0])
-        for b, k0 in enumerate(range(KEY_BLOCK, Lp, KEY_BLOCK), 1):
-            acc = acc + torch.bmm(p[:, :, k0:k0 + KEY_BLOCK].contiguous(), vq[b])
+        acc = None
+        for b, k0 in enumerate(range(0, Lp, KEY_BLOCK)):
+            if order is None or b < plan.context_blocks:   # context only: every query's chain order is the cache's
+                vb = per(blocks[b])
+            else:                                          # values gathered per query in its chain order
+                vb = vals[ar, order[..., k0:k0 + KEY_BLOCK]].permute(0, 3, 1, 2, 4).reshape(R * Hkv * n, KEY_BLOCK, D)
+            pv = torch.bmm(p[:, :, k0:k0 + KEY_BLOCK].contiguous(), vb)
+            acc = pv if acc is None else acc + pv
         o = acc.view(R, Hkv, n, G, D).permute(0, 2, 1, 3, 4).reshape(R * n, Hq, D)
         out[dest] = o.to(query.dtype)
     return out[:T]

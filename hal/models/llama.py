@@ -53,6 +53,7 @@ class Batch:
     logits_rows: Tensor
     max_position: int | None = None  # max(positions) when the host knows it (no readback for the rope cache)
     max_query: int | None = None     # the longest request's fed tokens, when the host knows it
+    min_context: int = 0             # a lower bound on every request's cached tokens before its fed ones
     hidden_rows: Tensor | None = None  # rows whose hidden states are returned (None: logits_rows)
     feature_layers: tuple[int, ...] = ()  # return the residual stream entering these layers, concatenated
     #                                       (EAGLE-3's features), instead of the final normed hidden state
@@ -115,7 +116,7 @@ class Llama:
             if max_query is None:
                 max_query = int((batch.query_start_loc[1:] - batch.query_start_loc[:-1]).max()) if T else 0
             plan = invariant.Plan(batch.block_tables, batch.seq_lens, batch.query_start_loc, T,
-                                  k_caches[0].shape[1], max_query, tree_mask)
+                                  k_caches[0].shape[1], max_query, tree_mask, batch.min_context)
         taps = []
         for i in range(self.num_layers):
             if i in batch.feature_layers:
