@@ -107,7 +107,8 @@ class EagleModel:
         out = h[batch.logits_rows]
         if cfg.version == 3:
             out = _rms_norm(out, w["norm"], cfg.eps)
-        return out @ self.head.T, h
+        # MKL on CPU: one row is fastest as x @ W^T, several as (W @ x^T)^T (benchmarks/linear.py's finding)
+        return (out @ self.head.T if out.shape[0] == 1 else torch.mm(self.head, out.T).T), h
 
     def full_logits(self, draft_logits: Tensor) -> Tensor:
         """Draft-vocabulary logits spread over the target's vocabulary (-inf elsewhere)."""
