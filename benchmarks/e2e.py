@@ -3,7 +3,10 @@ spec-hal plain and speculative decoding (each drafter) against HF transformers
 ``generate()`` plain and with ``prompt_lookup_num_tokens``. Same input ids, same
 thread count, greedy. Writes a markdown table and a PNG under benchmarks/results/.
 
-    python benchmarks/e2e.py [--max-new-tokens 96] [--k 5] [--no-hf]
+    python benchmarks/e2e.py [--max-new-tokens 96] [--k 5] [--eagle-k 4] [--tree-k 7] [--no-hf]
+
+Draft trees: EAGLE-2 dynamic trees from the shipped head (`hal.factories.TREE`) and n-gram
+tries, ``--tree-k`` nodes (fixed) or routed up to that many.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ import torch
 
 import hal
 from hal.decoder import Request, SpeculativeDecoder
-from hal.drafters import ModelDrafter, NgramDrafter
+from hal.drafters import ModelDrafter, NgramDrafter, NgramTreeDrafter
+from hal.factories import TREE
 from hal.models.fetch import fetch
 from hal.models.llama import load_gguf
 from hal.models.tokenizer import chatml
@@ -59,9 +63,12 @@ def run_hf(model, ids, n, k=None):
     return out[0, len(ids):].tolist(), time.perf_counter() - t
 
 
-def forward_cost(target, n_tokens, ctx=200, reps=7):
-    """Seconds of one target forward over n_tokens new tokens after ctx cached ones."""
+def forward_cost(target, n_tokens, ctx=200, reps=7, tree=False):
+    """Seconds of one target forward over n_tokens new tokens after ctx cached ones (``tree``:
+    as a draft tree of n_tokens - 1 nodes, two branches, with its mask and depths)."""
+    from hal import trees
     from hal.decoder import forward
+    from hal.forward import forward_tokens
     from hal.kv import KVPool
     cfg = target.cfg
     pool = KVPool(target.be, 64, 16, cfg.kv_heads, cfg.head_dim, num_layers=cfg.layers)
@@ -72,7 +79,13 @@ def forward_cost(target, n_tokens, ctx=200, reps=7):
     for _ in range(reps):
         target.be.synchronize()
         t = time.perf_counter()
-        forward(target, pool, [seq], [list(range(100, 100 + n_tokens))], True)
+        if tree:
+            parents = torch.tensor([-1, -1] + list(range(n_tokens - 3)))[:n_tokens - 1]
+            depth, mask = trees.layout(parents, [n_tokens - 1], [], torch.device(target.be.device_type))
+            forward_tokens(target, pool, [seq], [n_tokens], torch.arange(100, 100 + n_tokens), True, mask,
+                           depth=depth)
+        else:
+            forward(target, pool, [seq], [list(range(100, 100 + n_tokens))], True)
         target.be.synchronize()
         times.append(time.perf_counter() - t)
     return sorted(times)[reps // 2]
@@ -86,6 +99,7 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--head", help="an EAGLE head folder (default: the one shipped for the model)")
     ap.add_argument("--eagle-k", type=int, default=4, help="chain length of the fixed-k EAGLE rows")
+    ap.add_argument("--tree-k", type=int, default=7, help="nodes of the fixed-size draft trees (the routed cap)")
     ap.add_argument("--heldout", type=int, default=8, help="held-out prompts for the head's acceptance table")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
@@ -106,16 +120,23 @@ def main() -> None:
     from hal.eagle import load_eagle, shipped_head
     from hal.eagle_drafters import HeadDrafter, NgramOrHead
     head = load_eagle(args.head or shipped_head("smollm2-135m"), target)
-    ek = args.eagle_k
+    ek, tk = args.eagle_k, args.tree_k
     eagle = lambda: HeadDrafter(head)  # noqa: E731
     both = lambda: NgramOrHead(NgramDrafter(be, min_n=2), HeadDrafter(head))  # noqa: E731
+    tree = lambda: HeadDrafter(head, tree=TREE)  # noqa: E731
+    both_tree = lambda: NgramOrHead(NgramDrafter(be, min_n=2), HeadDrafter(head, tree=TREE))  # noqa: E731
     with torch.inference_mode():   # cost tables for the routers (and the Leviathan bound), measured here
         costs = {name: SpeculativeDecoder(target, make(), num_blocks=256).profile_costs(max_tokens=17, context=200)
-                 for name, make in (("eagle", eagle), ("both", both))}
+                 for name, make in (("eagle", eagle), ("both", both), ("tree", tree), ("both-tree", both_tree))}
     systems += [(f"spec-hal eagle k={ek}", lambda ids: run_ours(target, eagle(), ids, n, ek)),
                 (f"spec-hal eagle routed k<={k + 2}", lambda ids: run_ours(target, eagle(), ids, n, k + 2, costs["eagle"])),
                 (f"spec-hal ngram+eagle routed k<={k + 2}",
-                 lambda ids: run_ours(target, both(), ids, n, k + 2, costs["both"]))]
+                 lambda ids: run_ours(target, both(), ids, n, k + 2, costs["both"])),
+                (f"spec-hal ngram-tree k={tk}", lambda ids: run_ours(target, NgramTreeDrafter(be), ids, n, tk)),
+                (f"spec-hal eagle-tree k={tk}", lambda ids: run_ours(target, tree(), ids, n, tk)),
+                (f"spec-hal eagle-tree routed k<={tk}", lambda ids: run_ours(target, tree(), ids, n, tk, costs["tree"])),
+                (f"spec-hal ngram+eagle-tree routed k<={tk}",
+                 lambda ids: run_ours(target, both_tree(), ids, n, tk, costs["both-tree"]))]
     if hf is not None:
         systems += [("HF generate plain", lambda ids: (*run_hf(hf, ids, n), None)),
                     (f"HF prompt lookup k={k}", lambda ids: (*run_hf(hf, ids, n, k), None))]
@@ -140,24 +161,29 @@ def main() -> None:
             o, dt, _ = run_ours(target, NgramDrafter(be), copy_ids[K_PROMPT], n, kk)
             speedups.append((len(o) / dt) / (len(plain_t[0]) / plain_t[1]))
         c1, ck = forward_cost(target, 1), forward_cost(target, k + 1)
-        cek = forward_cost(target, ek + 1)
+        cek, ctk = forward_cost(target, ek + 1), forward_cost(target, tk + 1, tree=True)
         # the head on prompts it never saw (held-out topics): acceptance and speed, chain k
         from hal import eagle_data
         held = eagle_data.prompts(heldout=True)[:args.heldout]
-        held_tot, held_t, plain_t_sum, held_same = None, 0.0, 0.0, True
+        held_tot, held_t, plain_t_sum, held_same = {}, {}, 0.0, True
         for p in held:
             ids = tok.encode(chatml(p)).ids
             po, pt, _ = run_ours(target, None, ids, n, 0)
-            eo, et, m = run_ours(target, eagle(), ids, n, ek)
-            held_tot = m.total if held_tot is None else _merge(held_tot, m.total)
-            held_t, plain_t_sum = held_t + et, plain_t_sum + pt * len(eo) / max(1, len(po))
-            held_same &= eo == po
-    draft_k = costs["eagle"].draft
-    heldout = dict(n=len(held), tau=held_tot.mean_acceptance_length, acc=held_tot.acceptance_rate,
-                   pos=held_tot.acceptance_by_position(), speedup=plain_t_sum / held_t, same=held_same,
-                   bound=held_tot.mean_acceptance_length * c1 / (cek + _interp_draft(draft_k, ek)))
-    write(args, rows, accept_pos, ks, speedups, c1, ck, k, hf is not None, dict(ek=ek, cek=cek, draft=draft_k,
-                                                                                 heldout=heldout))
+            plain_t_sum += pt
+            for name, make, kk in (("chain", eagle, ek), ("tree", tree, tk)):
+                eo, et, m = run_ours(target, make(), ids, n, kk)
+                held_tot[name] = m.total if name not in held_tot else _merge(held_tot[name], m.total)
+                held_t[name] = held_t.get(name, 0.0) + et * len(po) / max(1, len(eo))
+                held_same &= eo == po
+    draft_k, draft_t = costs["eagle"].draft, costs["tree"].draft
+    heldout = dict(n=len(held), same=held_same)
+    for name, ct, dt, kk in (("chain", cek, draft_k, ek), ("tree", ctk, draft_t, tk)):
+        tot = held_tot[name]
+        heldout[name] = dict(tau=tot.mean_acceptance_length, acc=tot.acceptance_rate,
+                             pos=tot.acceptance_by_position(), speedup=plain_t_sum / held_t[name],
+                             bound=tot.mean_acceptance_length * c1 / (ct + _interp_draft(dt, kk)))
+    write(args, rows, accept_pos, ks, speedups, c1, ck, k, hf is not None,
+          dict(ek=ek, cek=cek, draft=draft_k, tk=tk, ctk=ctk, draft_tree=draft_t, heldout=heldout))
 
 
 def _interp_draft(table, k):
@@ -192,7 +218,7 @@ def write(args, rows, accept_pos, ks, speedups, c1, ck, k, with_hf, eg):
         by.setdefault(r["prompt"], {})[r["system"]] = r
     lines = ["# spec-hal end-to-end benchmark (SmolLM2-135M-Instruct, GGUF Q4_1 -> fp32, greedy)", "",
              f"Command: `python benchmarks/e2e.py --max-new-tokens {args.max_new_tokens} --k {k} --eagle-k "
-             f"{eg['ek']}`; "
+             f"{eg['ek']} --tree-k {eg['tk']}`; "
              f"2 threads, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}. All systems in one run, same input ids.",
              "", "| prompt | system | tokens | tok/s | vs spec-hal plain | vs HF plain | vs HF prompt lookup | "
              "acceptance | mean acc. length | same as plain greedy | Leviathan efficiency |",
@@ -209,6 +235,9 @@ def write(args, rows, accept_pos, ks, speedups, c1, ck, k, with_hf, eg):
             if r["mal"] is not None and name == f"spec-hal eagle k={eg['ek']}":   # + the head's chain
                 bound = r["mal"] * c1 / (eg["cek"] + _interp_draft(eg["draft"], eg["ek"]))
                 eff = f"{(r['tps'] / plain) / bound:.2f}"
+            if r["mal"] is not None and name == f"spec-hal eagle-tree k={eg['tk']}":   # + the head's tree
+                bound = r["mal"] * c1 / (eg["ctk"] + _interp_draft(eg["draft_tree"], eg["tk"]))
+                eff = f"{(r['tps'] / plain) / bound:.2f}"
             f = lambda x: f"{r['tps'] / x:.2f}x" if x else "—"  # noqa: E731
             lines.append(f"| {prompt} | {name} | {r['tokens']} | {r['tps']:.1f} | {r['tps'] / plain:.2f}x | "
                          f"{f(hf_plain)} | {f(hf_pld)} | {fmt(r['acc'])} | "
@@ -217,13 +246,16 @@ def write(args, rows, accept_pos, ks, speedups, c1, ck, k, with_hf, eg):
     lines += ["", f"Target forward cost: 1 token {c1 * 1e3:.1f} ms, {k + 1} tokens {ck * 1e3:.1f} ms "
               f"(ratio {ck / c1:.2f}), {eg['ek'] + 1} tokens {eg['cek'] * 1e3:.1f} ms; the head's chain of "
               f"{eg['ek']} drafts {_interp_draft(eg['draft'], eg['ek']) * 1e3:.1f} ms. Leviathan efficiency = "
-              f"measured speedup / (tau * cost_1 / (cost_(k+1) + draft chain)).",
-              "", f"EAGLE head on {eg['heldout']['n']} held-out prompts (topics never trained on), chain "
-              f"k={eg['ek']}: mean acceptance length tau {eg['heldout']['tau']:.2f}, acceptance "
-              f"{eg['heldout']['acc']:.2f}, by position " + ", ".join(f"{p:.2f}" for p in eg['heldout']['pos']) +
-              f"; speedup vs plain {eg['heldout']['speedup']:.2f}x (bound {eg['heldout']['bound']:.2f}x, "
-              f"efficiency {eg['heldout']['speedup'] / eg['heldout']['bound']:.2f}); outputs "
-              f"{'identical' if eg['heldout']['same'] else 'DIFFERENT'} to plain greedy.",
+              f"measured speedup / (tau * cost_1 / (cost_(k+1) + draft chain))."
+              f" A {eg['tk']}-node tree verify (mask, depths) {eg['ctk'] * 1e3:.1f} ms; the head's tree of "
+              f"{eg['tk']} {_interp_draft(eg['draft_tree'], eg['tk']) * 1e3:.1f} ms (top-{TREE[0]}, depth {TREE[1]}).",
+              "", f"EAGLE head on {eg['heldout']['n']} held-out prompts (topics never trained on); outputs "
+              f"{'identical' if eg['heldout']['same'] else 'DIFFERENT'} to plain greedy:", ""] + [
+              f"- {what}: mean acceptance length tau {h['tau']:.2f}, acceptance {h['acc']:.2f}, by position " +
+              ", ".join(f"{p:.2f}" for p in h['pos']) + f"; speedup vs plain {h['speedup']:.2f}x (bound "
+              f"{h['bound']:.2f}x, efficiency {h['speedup'] / h['bound']:.2f})"
+              for what, h in ((f"chain k={eg['ek']}", eg['heldout']['chain']),
+                              (f"tree k={eg['tk']} (top-{TREE[0]}, depth {TREE[1]})", eg['heldout']['tree']))] + [
               "", "Speedup of n-gram speculative decoding against k (copy prompt 'edit code'): " +
               ", ".join(f"k={a}: {b:.2f}x" for a, b in zip(ks, speedups)), ""]
     if accept_pos is not None:

@@ -138,12 +138,13 @@ def cmd_model(args) -> int:
     return 0
 
 
-CLI_DRAFTS = ("none", "ngram", "self", "eagle", "ngram+eagle")
+CLI_DRAFTS = ("none", "ngram", "ngram-tree", "self", "eagle", "ngram+eagle", "eagle-tree", "ngram+eagle-tree")
 
 
 def make_drafter(kind: str, target, backend, model: str = "smollm2-135m"):
-    """The CLI's drafters over ``target`` (`hal.factories`): none, ngram, self[:L],
-    eagle[:<folder>] or ngram+eagle[:<folder>] (without a folder: the head shipped for ``model``)."""
+    """The CLI's drafters over ``target`` (`hal.factories`): none, ngram, ngram-tree, self[:L],
+    eagle[:<folder>], ngram+eagle[:<folder>] or their -tree forms (without a folder: the head
+    shipped for ``model``)."""
     from hal.factories import make_drafter as build, parse_draft
     return build(parse_draft(kind, CLI_DRAFTS), backend, target=target, path=model)
 
@@ -261,8 +262,10 @@ def main(argv: list[str] | None = None) -> int:
     mf.add_argument("name")
     g = sub.add_parser("generate", help="generate text with speculative decoding")
     g.add_argument("--model", default="smollm2-135m", help="a fetchable name or a .gguf path")
-    g.add_argument("--draft", default="ngram", help="none, ngram, self[:L] (first L layers), eagle[:<folder>] "
-                                                    "(an EAGLE head; default: the shipped one) or ngram+eagle[:<folder>]")
+    g.add_argument("--draft", default="ngram", help="none, ngram, ngram-tree, self[:L] (first L layers), "
+                                                    "eagle[:<folder>] (an EAGLE head; default: the shipped one), "
+                                                    "ngram+eagle[:<folder>], eagle-tree[:<folder>] (EAGLE-2 trees) or "
+                                                    "ngram+eagle-tree[:<folder>]")
     g.add_argument("--prompt", required=True)
     g.add_argument("--k", type=int, default=5)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -272,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("bench", help="routed speculative decoding on the demo prompts; prints a summary and "
                                      "the metrics in Prometheus text format (needs prometheus-client)")
     b.add_argument("--model", default="smollm2-135m")
-    b.add_argument("--draft", default="ngram", help="ngram, self[:L], eagle[:<folder>] or ngram+eagle[:<folder>]")
+    b.add_argument("--draft", default="ngram", help="ngram, ngram-tree, self[:L], eagle[:<folder>], "
+                                                    "ngram+eagle[:<folder>] or their -tree forms")
     b.add_argument("--k", type=int, default=8, help="the cap on k (routed) or k itself (--fixed-k)")
     b.add_argument("--fixed-k", action="store_true", help="no router: always k drafts")
     b.add_argument("--batch", type=int, default=1, help="copies of each demo prompt in the batch")

@@ -211,7 +211,7 @@ class HeadDrafter:
 
 class NgramOrHead:
     """Best of both per request: n-gram lookup's drafts where it finds a match (copy-heavy
-    text), the head's elsewhere (open-ended text). One extra host read per step (whether
+    text), the head's elsewhere (open-ended text; a chain or, from a tree head, a tree). One extra host read per step (whether
     the lookup matched); the head is always passed its features, drafting 0 tokens for
     the rows the lookup covers."""
 
@@ -252,7 +252,12 @@ class NgramOrHead:
                 probs[up(at_ng), ids[up(at_ng)]] = 1.0
         hv = hp.num_valid if hp.num_valid is not None else tuple(0 if u else k for u, k in zip(use, b.k))
         valid = tuple(min(f, k) if u else int(hv[i]) for i, (u, f, k) in enumerate(zip(use, found, b.k)))
-        return Proposal(ids, up(cu), probs, valid)
+        parents = None
+        if hp.parent_ids is not None:   # a tree head: the lookup's rows are chains
+            parents = up([j - 1 for k in b.k for j in range(k)])
+            if at_h:
+                parents[up(at_h)] = hp.parent_ids.to(dev)
+        return Proposal(ids, up(cu), probs, valid, parents)
 
     def commit(self, rids, kept) -> None:
         self.ngram.commit(rids, kept)

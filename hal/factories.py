@@ -4,8 +4,9 @@ two-rank server (`hal.serve`): library code, which imports nothing from the CLI.
 ``--draft`` is one of ``none``, ``ngram``, ``self`` / ``self:L`` (the target's first L
 layers; half of them by default), ``model:<path>`` (a separate draft model), ``eagle`` /
 ``eagle:<path>`` (an EAGLE head: the one shipped for the model, or a folder in the published
-EAGLE-1 / EAGLE-3 layout) or ``ngram+eagle[:<path>]`` (n-gram lookup where it finds a match,
-the head elsewhere)."""
+EAGLE-1 / EAGLE-3 layout), ``ngram+eagle[:<path>]`` (n-gram lookup where it finds a match,
+the head elsewhere), or the draft-tree forms ``ngram-tree`` (lookup candidates as branches),
+``eagle-tree[:<path>]`` and ``ngram+eagle-tree[:<path>]`` (EAGLE-2 dynamic trees, `TREE`)."""
 
 from __future__ import annotations
 
@@ -14,23 +15,26 @@ from typing import NamedTuple
 
 from hal.errors import HalError
 
-DRAFT_GRAMMAR = "none, ngram, self[:L], model:<path>, eagle[:<path>] or ngram+eagle[:<path>]"
+DRAFT_GRAMMAR = ("none, ngram, ngram-tree, self[:L], model:<path>, eagle[:<path>], ngram+eagle[:<path>], "
+                 "eagle-tree[:<path>] or ngram+eagle-tree[:<path>]")
+HEADS = ("eagle", "ngram+eagle", "eagle-tree", "ngram+eagle-tree")   # the kinds that run an EAGLE head
+TREE = (3, 4)   # EAGLE-2 trees: top-3 expansion per level, 4 levels (tau on held-out prompts: benchmarks/e2e.py)
 
 
 class DraftSpec(NamedTuple):
-    kind: str                 # "none", "ngram", "self", "model", "eagle" or "ngram+eagle"
+    kind: str                 # "none", "ngram", "ngram-tree", "self", "model" or one of HEADS
     layers: int | None = None  # self: the first L layers (None: half the target's)
     path: str | None = None    # model: the draft model's path; eagle: the head's folder (None: the shipped one)
 
 
-def parse_draft(spec: str, allowed: tuple[str, ...] = ("none", "ngram", "self", "model", "eagle", "ngram+eagle")
+def parse_draft(spec: str, allowed: tuple[str, ...] = ("none", "ngram", "ngram-tree", "self", "model") + HEADS
                 ) -> DraftSpec:
     """Parse a ``--draft`` value; `HalError` naming ``--draft`` when it is not one of ``allowed``."""
     kind, _, rest = spec.partition(":")
     expected = ", ".join(k + ("[:L]" if k == "self" else ":<path>" if k == "model" else "[:<path>]" if "eagle" in k
                               else "") for k in allowed)
     try:
-        if kind in ("none", "ngram") and not rest:
+        if kind in ("none", "ngram", "ngram-tree") and not rest:
             d = DraftSpec(kind)
         elif kind == "self":
             layers = int(rest) if rest else None
@@ -39,7 +43,7 @@ def parse_draft(spec: str, allowed: tuple[str, ...] = ("none", "ngram", "self", 
             d = DraftSpec("self", layers)
         elif kind == "model" and rest:
             d = DraftSpec("model", path=rest)
-        elif kind in ("eagle", "ngram+eagle"):
+        elif kind in HEADS:
             d = DraftSpec(kind, path=rest or None)
         else:
             raise ValueError(spec)
@@ -66,7 +70,7 @@ def draft_memory(spec: DraftSpec, model_path: str, shares_target: bool):
     """(ModelMemory of the draft model or None for n-gram/none, its weights' path)."""
     from hal.models.llama import read_config
     from hal.planner import ModelMemory
-    if spec.kind in ("none", "ngram", "eagle", "ngram+eagle"):   # a head's KV is 1/L of the target's: in its slack
+    if spec.kind in ("none", "ngram", "ngram-tree") + HEADS:   # a head's KV is 1/L of the target's: in its slack
         return None, None
     if spec.kind == "self":
         cfg = read_config(model_path)
@@ -80,19 +84,22 @@ def make_drafter(spec: DraftSpec, backend, target=None, path: str | None = None,
     layers of ``target`` (self) or of the model at ``path`` (model, or self without a target),
     its KV in ``pool`` when given, or a `hal.eagle_drafters.HeadDrafter` for ``target`` (eagle: the head
     shipped for the model named ``path`` unless the spec names a folder)."""
-    from hal.drafters import ModelDrafter, NgramDrafter
+    from hal.drafters import ModelDrafter, NgramDrafter, NgramTreeDrafter
     if spec.kind == "none":
         return None
     if spec.kind == "ngram":
         return NgramDrafter(backend)
-    if spec.kind in ("eagle", "ngram+eagle"):
+    if spec.kind == "ngram-tree":
+        return NgramTreeDrafter(backend)
+    if spec.kind in HEADS:
         from hal.eagle import load_eagle, shipped_head
         from hal.eagle_drafters import HeadDrafter, NgramOrHead
         if target is None:
             raise HalError(f"--draft {spec.kind}: expected the target model in this process (an EAGLE head reads "
                            f"its features and shares its embeddings), got a separate draft rank", arg="--draft")
-        head = HeadDrafter(load_eagle(spec.path or shipped_head(path or ""), target, backend, device))
-        return head if spec.kind == "eagle" else NgramOrHead(NgramDrafter(backend, min_n=2), head)
+        head = HeadDrafter(load_eagle(spec.path or shipped_head(path or ""), target, backend, device),
+                           tree=TREE if spec.kind.endswith("-tree") else None)
+        return head if spec.kind.startswith("eagle") else NgramOrHead(NgramDrafter(backend, min_n=2), head)
     if target is not None and spec.kind == "self":
         model = target
     else:

@@ -33,13 +33,13 @@ import torch.distributed as dist
 
 from hal.decoder import Request, SpeculativeDecoder
 from hal.errors import HalError
-from hal.factories import draft_memory, load_model, make_drafter, parse_draft
+from hal.factories import HEADS, draft_memory, load_model, make_drafter, parse_draft
 from hal.placement import Placement, link_backend
 from hal.protocol import DRAFT, TARGET, Link
 from hal.remote import RemoteDrafter
 from hal.worker import draft_worker
 
-SERVE_DRAFTS = ("ngram", "self", "model", "eagle", "ngram+eagle")
+SERVE_DRAFTS = ("ngram", "ngram-tree", "self", "model", "eagle", "ngram+eagle", "eagle-tree", "ngram+eagle-tree")
 
 def plan(args, target_mem, target_side, draft_mem, draft_side, max_seqs: int):
     """This rank's memory plan (printed); raises `HalError` before anything is allocated."""
@@ -83,8 +83,10 @@ class Target:
 
 def add_engine_args(ap: argparse.ArgumentParser) -> None:
     """The flags every target entry point shares (names as vLLM's where one exists)."""
-    ap.add_argument("--draft", default="ngram", help="ngram, self[:L], model:<path.gguf>, eagle[:<folder>] "
-                                                     "(an EAGLE head; default: the shipped one) or ngram+eagle[:<folder>]")
+    ap.add_argument("--draft", default="ngram", help="ngram, ngram-tree, self[:L], model:<path.gguf>, "
+                                                     "eagle[:<folder>] (an EAGLE head; default: the shipped one), "
+                                                     "ngram+eagle[:<folder>] or the -tree forms of the last two "
+                                                     "(EAGLE-2 draft trees)")
     ap.add_argument("--model", default="smollm2-135m", help="a fetchable name, a .gguf path or an HF folder")
     ap.add_argument("--k", type=int, default=8, help="k per step, or its cap with --route")
     ap.add_argument("--route", action=argparse.BooleanOptionalAction, default=False,
@@ -147,9 +149,9 @@ def start(args, max_seqs: int, engine_kw: dict | None = None) -> Target | None:
     from hal.models.llama import read_config
     from hal.placement import resolve_side
     from hal.planner import ModelMemory
-    path = str(fetch(args.model) if args.model in MODELS and not (rank == DRAFT and spec.kind == "ngram")
+    path = str(fetch(args.model) if args.model in MODELS and not (rank == DRAFT and spec.kind in ("ngram", "ngram-tree"))
                else args.model)  # an n-gram worker needs no weights
-    head = spec.kind in ("eagle", "ngram+eagle")   # an EAGLE head: it reads the target's features
+    head = spec.kind in HEADS   # an EAGLE head: it reads the target's features
     if rank == DRAFT:  # plan, allocate, load, serve
         draft_side = resolve_side(placement.draft, "draft")
         mem, dpath = draft_memory(spec, path, shares_target=False)
