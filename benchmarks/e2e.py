@@ -151,7 +151,7 @@ def main() -> None:
                                  acc=m.acceptance_rate if m and m.total.num_drafts else None,
                                  mal=m.mean_acceptance_length if m and m.total.num_drafts else None,
                                  same=out == base))
-                if name.startswith("spec-hal ngram") and kind == "copy":
+                if name == f"spec-hal ngram k={k}" and kind == "copy":
                     accept_pos = m.total if accept_pos is None else _merge(accept_pos, m.total)
         # speedup against k, n-gram drafter, copy-heavy prompts
         ks, speedups = [1, 2, 3, 5, 8], []

@@ -89,7 +89,8 @@ class Link:
 #   COMMIT: [COMMIT, n, n_finished, *finished, n x (rid, k, length, new, [top_k, seed, max_new,
 #            temperature, top_p (IEEE-754 float64 bits)] if new, n_delta, *delta, n_features)],
 #           rows: the target's features, n_features rows per request in order (an EAGLE head's input)
-#   DRAFTS: [DRAFTS, hits, stale, n x (rid, base_len, base_hash, n_drafts, *drafts)],
+#   DRAFTS: [DRAFTS, hits, stale, n x (rid, base_len, base_hash, n_drafts, *drafts, n_parents, *parents)],
+#           n_parents 0 (a chain) or n_drafts (a draft tree: each draft's local parent, -1 the root)
 #           rows: q rows of the drafts (dense [N, V], or sparse values with ``idx``)
 #   STOP:   [STOP]
 
@@ -133,6 +134,7 @@ class DraftEntry:
     base_len: int            # the committed history the drafts were built on: its length
     base_hash: int           # and its `history_hash`
     tokens: list[int]
+    parents: list[int] | None = None   # a draft tree: each draft's local parent (-1: the root), parents first
 
 
 @dataclass
@@ -171,6 +173,7 @@ def encode(msg: Message) -> tuple[list[int], Tensor | None, Tensor | None]:
     words = [DRAFTS, msg.hits, msg.stale]
     for e in msg.entries:
         words += [e.rid, e.base_len, e.base_hash, len(e.tokens), *e.tokens]
+        words += [0] if e.parents is None else [len(e.parents), *e.parents]
     return words, msg.q, msg.idx
 
 
@@ -251,8 +254,12 @@ def decode(words: list[int], rows: Tensor | None, idx: Tensor | None, vocab: int
     entries = []
     while r.at < len(r.words):
         rid, base_len, base_hash = r.one("a request id", 0, 1 << 62), r.one("a base length", 0, 1 << 40), r.one("a hash")
-        entries.append(DraftEntry(rid, base_len, base_hash,
-                                  r.take(r.one("a draft count", 0, max_k + 1), "draft token ids", 0, hi_tok)))
+        tokens = r.take(r.one("a draft count", 0, max_k + 1), "draft token ids", 0, hi_tok)
+        n_par = r.one("a parent count", 0, len(tokens) + 1)
+        parents = r.take(n_par, "draft parents", -1, len(tokens)) if n_par else None
+        if parents is not None and (n_par != len(tokens) or any(p >= j for j, p in enumerate(parents))):
+            raise r.bad(f"0 or {len(tokens)} parents, each -1 or an earlier draft's index", parents)
+        entries.append(DraftEntry(rid, base_len, base_hash, tokens, parents))
     total = sum(len(e.tokens) for e in entries)
     if rows is not None and (rows.dim() != 2 or rows.shape[0] != total
                              or (idx is None and vocab is not None and rows.shape[1] != vocab)):

@@ -72,10 +72,10 @@ class RemoteDrafter:
             self._fail(e)
             return self._proposal(b, [[] for _ in range(R)], None)
 
-    def _accept(self, b: DraftBatch, reply) -> tuple[list[list[int]], Tensor | None]:
+    def _accept(self, b: DraftBatch, reply) -> tuple[list[list[int]], Tensor | None, list | None]:
         """The drafts of a decoded reply (`hal.protocol.decode` checked its structure): one
         entry per request, q rows that are probabilities; drafts not built on the committed
-        prefix (base length and hash) are dropped."""
+        prefix (base length and hash) are dropped. Trees: each request's parents (None: chain)."""
         if not isinstance(reply, Drafts):
             raise HalError(f"draft worker reply: expected DRAFTS, got {type(reply).__name__}")
         R = len(b.rids)
@@ -95,16 +95,18 @@ class RemoteDrafter:
             keep += range(r, r + len(d))
             r += n
             drafts.append(d)
+        parents = [e.parents if d else None for d, e in zip(drafts, reply.entries)]
+        parents = parents if any(p is not None for p in parents) else None
         if reply.q is None or not keep:
-            return drafts, None
+            return drafts, None, parents
         rows = transfer(reply.q[keep], self.device)
         q = rows if reply.idx is None else dense_q(transfer(reply.idx[keep], self.device), rows, self.vocab)
         prob_values("draft_probs (from the draft worker)", q)
-        return drafts, q
+        return drafts, q, parents
 
-    def _proposal(self, b: DraftBatch, drafts: list[list[int]], q: Tensor | None) -> Proposal:
+    def _proposal(self, b: DraftBatch, drafts: list[list[int]], q: Tensor | None, parents=None) -> Proposal:
         """``k[i]`` slots per request: the worker's drafts first, then filler (token 0, a one-hot
-        q row); ``num_valid`` the drafts' counts (host ints)."""
+        q row); ``num_valid`` the drafts' counts (host ints); a tree's parents (filler: chains)."""
         N = sum(b.k)
         ids = torch.zeros(N, dtype=torch.long)
         at, r = [], 0
@@ -118,7 +120,14 @@ class RemoteDrafter:
             probs[:, 0] = 1
             probs[torch.tensor(at, dtype=torch.long).to(self.device)] = q
         cu = torch.tensor([0, *b.k]).cumsum(0)
-        return Proposal(ids.to(self.device), cu.to(self.device), probs, tuple(len(d) for d in drafts))
+        par = None
+        if parents is not None:
+            par = torch.tensor([j - 1 for k in b.k for j in range(k)], dtype=torch.long)
+            for r, p in zip(cu.tolist(), parents):
+                if p is not None:
+                    par[r:r + len(p)] = torch.tensor(p, dtype=torch.long)
+            par = par.to(self.device)
+        return Proposal(ids.to(self.device), cu.to(self.device), probs, tuple(len(d) for d in drafts), par)
 
     def _fail(self, e: Exception) -> None:
         self.alive = False

@@ -17,11 +17,6 @@ from hal import kv
 from hal.forward import sampling_args, target_probs
 
 
-def chain_parents(k: int, device=None) -> Tensor:
-    """``[-1, 0, 1, ..., k - 2]``: the parents of a chain of ``k`` drafts."""
-    return torch.arange(-1, k - 1, device=device)
-
-
 def ancestors(parents: Tensor, counts: list[int], dev) -> Tensor:
     """``[R, W, W]`` bool (W = 1 + max count): fed row i of request r sees fed row j (the
     root is row 0, node n is row 1 + n; padding rows see only themselves)."""

@@ -119,15 +119,16 @@ def _propose(drafter, reqs: dict[int, _Req], hist: HistoryBuffer, rids: list[int
     for r in rids:
         reqs[r].features = []   # passed once
     ids = prop.draft_token_ids.cpu().tolist()
+    par = None if prop.parent_ids is None else prop.parent_ids.cpu().tolist()
     valid = ks if prop.num_valid is None else [int(v) for v in (
         prop.num_valid.cpu().tolist() if isinstance(prop.num_valid, Tensor) else prop.num_valid)]
     q = None if prop.draft_probs is None else prop.draft_probs.cpu()
     out, c = [], 0
     for rid, k, n, base in zip(rids, ks, valid, bases):
         d = ids[c:c + n]
-        out.append((d, None if q is None else q[c:c + n]))
+        out.append((d, None if q is None else q[c:c + n], None if par is None else par[c:c + n]))
         reqs[rid].offset += k
-        reqs[rid].last = base + d
+        reqs[rid].last = base + d if par is None else base   # a tree's slots are not a continuation
         c += k
     return out
 
@@ -138,11 +139,11 @@ def _drafts_for(order: list[int], reqs: dict[int, _Req], hist: HistoryBuffer, gu
     hit_ids = {rid for rid in order if reqs[rid].k and rid in guess and guess[rid][0] == reqs[rid].tokens
                and len(guess[rid][1]) >= reqs[rid].k}
     stale = sum(1 for rid in order if rid in guess and rid not in hit_ids)
-    out: dict[int, tuple[list[int], Tensor | None]] = {rid: ([], None) for rid in order}
+    out: dict[int, tuple[list[int], Tensor | None, list[int] | None]] = {rid: ([], None, None) for rid in order}
     for rid in hit_ids:
         _, d, q = guess[rid]
         k = reqs[rid].k
-        out[rid] = (d[:k], None if q is None else q[:k])
+        out[rid] = (d[:k], None if q is None else q[:k], None)
     # a feature drafter (an EAGLE head) is passed every request's new features, drafting or not
     fresh = [rid for rid in order if (reqs[rid].k or reqs[rid].features) and rid not in hit_ids]
     if fresh:
@@ -159,8 +160,8 @@ def _reply(link: Link, order: list[int], reqs: dict[int, _Req], out, hits: int, 
     q = torch.cat(rows) if rows else None
     sparse = q is not None and any(reqs[r].params.top_k > 0 or reqs[r].params.top_p < 1 for r in order)
     idx, q = sparse_q(q) if sparse else (None, q)
-    words, q, idx = encode(Drafts(hits, stale, [DraftEntry(rid, len(reqs[rid].tokens), reqs[rid].hash, out[rid][0])
-                                                for rid in order], q, idx))
+    words, q, idx = encode(Drafts(hits, stale, [DraftEntry(rid, len(reqs[rid].tokens), reqs[rid].hash, out[rid][0],
+                                                           out[rid][2]) for rid in order], q, idx))
     link.send(corrupted(words, corrupt) if corrupt else words, q, idx)
 
 
@@ -170,6 +171,8 @@ def _guess_next(order: list[int], reqs: dict[int, _Req], hist: HistoryBuffer, ou
     spec = [rid for rid in order if reqs[rid].k]
     if not spec or getattr(drafter, "features", None) is not None:   # no features for guessed tokens
         return {}
+    if any(out[rid][2] is not None for rid in spec):   # a tree has no single continuation to guess from
+        return {}
     bases = [reqs[rid].tokens + out[rid][0] for rid in spec]
     for rid in spec:   # the drafts sit after the committed tokens (scratch until the next COMMIT)
         if out[rid][0]:
@@ -177,7 +180,7 @@ def _guess_next(order: list[int], reqs: dict[int, _Req], hist: HistoryBuffer, ou
     drafter.commit(spec, [len(b) for b in bases])   # assume all drafts accepted
     got = _propose(drafter, reqs, hist, spec, [reqs[rid].k + 1 for rid in spec], bases)
     guess: Guess = {}
-    for rid, base, (d, q) in zip(spec, bases, got):
+    for rid, base, (d, q, _) in zip(spec, bases, got):
         if d:
             guess[rid] = (base + d[:1], d[1:], None if q is None else q[1:])
     return guess

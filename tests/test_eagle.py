@@ -260,9 +260,11 @@ def test_llama3_rope_scaling_matches_transformers():
         Rope(128, 500000.0, False, {"rope_type": "yarn", "factor": 4.0})
 
 
-def test_a_head_on_the_draft_rank_gets_the_features_over_the_link(target, tmp_path):
+@pytest.mark.parametrize("tree,k", [(None, 4), ((2, 3), 5)])
+def test_a_head_on_the_draft_rank_gets_the_features_over_the_link(target, tmp_path, tree, k):
     """EAGLE-3 head in the draft worker (in-process link): every feature crosses once, so its
-    drafts (and acceptance) are exactly those of the same head in-process; greedy == plain."""
+    drafts (and acceptance) are exactly those of the same head in-process; greedy == plain.
+    A tree head's parents cross with its drafts."""
     import queue
     import threading
 
@@ -271,7 +273,7 @@ def test_a_head_on_the_draft_rank_gets_the_features_over_the_link(target, tmp_pa
     from hal.worker import draft_worker
     from tests.test_serve import QueueLink
     head = load_eagle(eagle3(tmp_path), target)
-    local = lossless(target, HeadDrafter(head), PROMPTS)
+    local = lossless(target, HeadDrafter(head, tree=tree), PROMPTS, k=k)
     a, b = queue.Queue(), queue.Queue()
     sent = []
 
@@ -279,11 +281,11 @@ def test_a_head_on_the_draft_rank_gets_the_features_over_the_link(target, tmp_pa
         def send(self, words, rows=None, idx=None):
             sent.append(0 if rows is None else rows.numel() * rows.element_size())
             super().send(words, rows, idx)
-    worker = threading.Thread(target=draft_worker, daemon=True, args=(QueueLink(a, b), HeadDrafter(head)))
+    worker = threading.Thread(target=draft_worker, daemon=True, args=(QueueLink(a, b), HeadDrafter(head, tree=tree)))
     worker.start()
     metrics = SpecDecodeMetrics()
     remote = RemoteDrafter(Counting(b, a), V, torch.device("cpu"), metrics, timeout=30, features=head.feature_layers)
-    dec = lossless(target, remote, PROMPTS, metrics=metrics)
+    dec = lossless(target, remote, PROMPTS, k=k, metrics=metrics)
     remote.close()
     worker.join(timeout=30)
     assert metrics.draft_failures == 0

@@ -32,6 +32,9 @@ def commits(draw):
 def drafts(draw):
     entries = [DraftEntry(draw(st.integers(0, 1000)), draw(st.integers(0, 99)), history_hash(draw(st.lists(ids))),
                           draw(st.lists(ids, max_size=8))) for _ in range(draw(st.integers(0, 4)))]
+    for e in entries:   # some are draft trees: each draft's parent is -1 or an earlier draft
+        if e.tokens and draw(st.booleans()):
+            e.parents = draw(st.tuples(*[st.integers(-1, j - 1) for j in range(len(e.tokens))]).map(list))
     n = sum(len(e.tokens) for e in entries)
     q = draw(st.sampled_from(["none", "dense", "sparse"]))
     if q == "none" or n == 0:
@@ -85,6 +88,16 @@ def test_out_of_range_values_name_what_was_expected():
         refused(bad, None, what)
     refused(encode(Commit([CommitEntry(1, 2, 3, [4], NewRequest(0, 1, 5, float("nan"), 1.0))]))[0], None,
             "temperature")
+
+
+def test_tree_parents_are_checked():
+    words = encode(Drafts(0, 0, [DraftEntry(3, 4, 5, [1, 2, 3], [-1, 0, 0])]))[0]
+    assert decode(words, None, None, vocab=V).entries[0].parents == [-1, 0, 0]
+    for bad in (words[:-3] + [0, 0, 0],      # a draft its own parent
+                words[:-3] + [-1, 2, 0],     # a parent after its child
+                words[:-4] + [2, -1, 0],     # fewer parents than drafts
+                words[:-3] + [-2, 0, 0]):    # below -1
+        refused(bad, None, "parent")
 
 
 def test_features_ride_with_commit_and_are_checked():
