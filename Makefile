@@ -28,7 +28,8 @@ bench: $(STAMP)
 	$(BIN)/pip install -q -e ".[bench,serve]"
 	$(BIN)/python benchmarks/ops.py
 	$(BIN)/python benchmarks/forward.py
-	$(BIN)/python benchmarks/e2e.py --k 3
+	$(BIN)/python benchmarks/e2e.py --k 3 --eagle-k 4 --tree-k 7
+	$(BIN)/python benchmarks/trees.py
 	$(BIN)/python benchmarks/remote_head.py
 	$(BIN)/python benchmarks/head_heldout.py
 	$(BIN)/python benchmarks/sched.py

@@ -3,8 +3,10 @@
 #   1. the whole conformance suite on the GPU, without the Triton interpreter;
 #   2. benchmarks/ops.py over the R x k x V grid, beside FlashInfer where it imports.
 #   3. the scheduler's device paths (memory hook, plan, pinned transfer).
+#   4. draft trees: the target's tree verify and the EAGLE head's chain / tree drafting against one
+#      decode (benchmarks/trees.py, random weights of SmolLM2-135M's shapes: that machine has no model files).
 # Results land in benchmarks/results/ (or $OUT when set): gpu-conformance.txt, ops-gpu.md, gpu-env.txt,
-# gpu-scheduler.txt.
+# gpu-scheduler.txt, trees-gpu.md.
 # Needs torch, triton, pytest, pluggy, numpy (the H200 image has them); installs spec-hal itself.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -39,6 +41,10 @@ x = torch.randn(1024, 49152)
 assert torch.equal(transfer(x, side.device).cpu(), x)
 print("transfer ok")
 PY
+
+timeout 120 $PY benchmarks/trees.py --backend cuda --random --nodes 3,7,15,30 --reps 7 --threads 16 \
+    --out "$RES/trees-gpu.md" > /dev/null 2>"$RES/trees-gpu.err"
+echo "trees benchmark exit code: $?" | tee -a "$RES/gpu-env.txt"
 
 timeout 180 $PY benchmarks/ops.py --full --no-hf --reps 10 --out "$RES/ops-gpu.md" > /dev/null 2>"$RES/ops-gpu.err"
 echo "benchmark exit code: $?" | tee -a "$RES/gpu-env.txt"
