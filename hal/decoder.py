@@ -12,7 +12,9 @@ in chunks. When KV blocks run out, drafts go first, then the latest-arrived runn
 request is preempted (its blocks freed, recomputed later from its tokens). A request's
 randomness is a function of its own seed and step counter only, so its output does not
 depend on what else runs, when it arrived, or whether it was chunked or preempted.
-``k = 0`` is plain decoding through the same path.
+``k = 0`` is plain decoding through the same path. A drafter's tree (``Proposal.parent_ids``)
+goes through the same step: tree mask and depths in the forward, `verify_tree`, the accepted
+path's KV compacted (`hal.trees`).
 
 Drafters get data (`hal.requests.DraftBatch`) and return data (`hal.requests.Proposal`,
 on their own device); the step reads the device once, after verification (`hal.forward.
@@ -269,8 +271,8 @@ class SpeculativeDecoder:
         rows verified) and the prefill chunks planned with the budget left (their last rows).
         Everything stays on the device until one readback. Returns the tokens fed."""
         be, dev = self.target.be, self.target.device
-        ids, counts, q, guesses, prop, par = drafting.drafts_for(self.drafter, self.router is not None, self._ahead,
-                                                            self.history, live, dev)
+        ids, counts, q, guesses, prop, par = drafting.drafts_for(self.drafter, self.router is not None,
+                                                                 self._ahead, self.history, live, dev)
         self._ahead = None
         fed = len(live) + sum(counts)
         pre = self._plan_prefill(budget - fed, self.pool.allocator.num_free - sum(

@@ -112,7 +112,9 @@ def test_one_draft_grammar():
     assert parse_draft("model:/m.gguf") == DraftSpec("model", path="/m.gguf") and parse_draft("none").kind == "none"
     assert parse_draft("eagle") == DraftSpec("eagle") and parse_draft("eagle:/h") == DraftSpec("eagle", path="/h")
     assert parse_draft("ngram+eagle") == DraftSpec("ngram+eagle")
-    for bad in ("self:0", "self:x", "model:", "eagles", "ngram:3", "ngram+self", ""):
+    assert parse_draft("eagle-tree:/h") == DraftSpec("eagle-tree", path="/h")
+    assert parse_draft("ngram-tree") == DraftSpec("ngram-tree") and parse_draft("ngram+eagle-tree").kind == "ngram+eagle-tree"
+    for bad in ("self:0", "self:x", "model:", "eagles", "ngram:3", "ngram+self", "", "ngram-tree:3", "tree"):
         with pytest.raises(hal.HalError) as e:
             parse_draft(bad)
         assert e.value.arg == "--draft"

@@ -48,7 +48,8 @@ def test_plain_decoding_is_sensible(model, plain):
     assert "def" in tok.decode(plain[1])
 
 
-@pytest.mark.parametrize("kind", ["ngram", "self-speculative", "draft-model", "eagle-toy", "eagle", "ngram+eagle"])
+@pytest.mark.parametrize("kind", ["ngram", "self-speculative", "draft-model", "eagle-toy", "eagle", "ngram+eagle",
+                                  "ngram+eagle-tree"])
 def test_greedy_speculative_equals_plain(model, plain, kind):
     target, tok = model
     be = target.be
@@ -60,12 +61,13 @@ def test_greedy_speculative_equals_plain(model, plain, kind):
                                           be),                                   # toy head: repeat the last token
         "eagle": lambda: make_drafter(parse_draft("eagle"), be, target, "smollm2-135m"),   # the shipped head
         "ngram+eagle": lambda: make_drafter(parse_draft("ngram+eagle"), be, target, "smollm2-135m"),
+        "ngram+eagle-tree": lambda: make_drafter(parse_draft("ngram+eagle-tree"), be, target, "smollm2-135m"),
     }[kind]()
     out, dec = run(target, drafter, PROMPTS, tok)
     assert out == plain, f"{kind}: speculative greedy output differs from plain greedy"
     m = dec.metrics
     assert m.total.num_draft_tokens > 0
-    if kind in ("ngram", "draft-model", "ngram+eagle"):
+    if kind in ("ngram", "draft-model", "ngram+eagle", "ngram+eagle-tree"):
         assert m.acceptance_rate > 0.3, m.acceptance_rate
     if kind == "eagle":   # the head alone on a copy prompt and a code prompt (a broken head accepts ~0)
         assert m.acceptance_rate > 0.15, m.acceptance_rate
@@ -111,5 +113,12 @@ def test_the_shipped_head_drafts_well_on_unseen_text(model):
     prompt = eagle_data.prompts(heldout=True)[0]
     drafter = make_drafter(parse_draft("eagle"), target.be, target, "smollm2-135m")
     out, dec = run(target, drafter, [prompt], tok, k=4, n=40)
-    assert out == run(target, None, [prompt], tok, k=0, n=40)[0]
+    plain = run(target, None, [prompt], tok, k=0, n=40)[0]
+    assert out == plain
     assert dec.metrics.mean_acceptance_length > 1.8, dec.metrics.mean_acceptance_length
+    # its EAGLE-2 tree (7 nodes, the cost of a 5-token chain's verify here) accepts longer paths
+    tree = make_drafter(parse_draft("eagle-tree"), target.be, target, "smollm2-135m")
+    out, tdec = run(target, tree, [prompt], tok, k=7, n=40)
+    assert out == plain
+    assert tdec.metrics.mean_acceptance_length > dec.metrics.mean_acceptance_length + 0.1, \
+        (tdec.metrics.mean_acceptance_length, dec.metrics.mean_acceptance_length)
