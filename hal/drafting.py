@@ -52,6 +52,14 @@ def check_proposal(prop, ks: list[int]) -> None:
     if par is not None and (not isinstance(par, Tensor) or list(par.shape) != [N] or par.is_floating_point()):
         raise HalError(f"Proposal.parent_ids: expected None or an integer tensor [{N}], got "
                        f"{list(par.shape) if isinstance(par, Tensor) else type(par).__name__}")
+    if par is not None and par.device.type == "cpu" and N:   # values too where reading them is free
+        start = torch.repeat_interleave(torch.tensor([0, *ks[:-1]]).cumsum(0), torch.tensor(ks))
+        local = torch.arange(N) - start
+        bad = (par < -1) | (par >= local)
+        if bool(bad.any()):
+            j = int(bad.nonzero()[0, 0])
+            raise HalError(f"Proposal.parent_ids: expected -1 or an earlier slot of the same request (parents "
+                           f"first), got {int(par[j])} at slot {int(local[j])}")
     if valid is not None and (len(valid) != R if isinstance(valid, (tuple, list)) else
                               not isinstance(valid, Tensor) or list(valid.shape) != [R]):
         raise HalError(f"Proposal.num_valid: expected None, {R} ints or a tensor [{R}], got {valid!r:.80}")

@@ -26,7 +26,9 @@ def ancestors(parents: Tensor, counts: list[int], dev) -> Tensor:
                        dtype=torch.long).view(R, W - 1).to(dev)
     up = torch.arange(W, device=dev).expand(R, W).clone()     # row -> its parent's row (root, padding: itself)
     if parents.numel():
-        par = parents.to(dev).long()[idx.clamp(max=parents.numel() - 1)] + 1
+        # clamped: a malformed tree (refused by `hal.drafting.check_proposal` on the host, by
+        # `verify_tree`'s checks elsewhere) must not index out of range first
+        par = (parents.to(dev).long()[idx.clamp(max=parents.numel() - 1)] + 1).clamp(0, W - 1)
         up[:, 1:] = torch.where(real, par, up[:, 1:])
     seen = torch.eye(W, dtype=torch.bool, device=dev).expand(R, W, W).clone()
     cur = torch.arange(W, device=dev).expand(R, W)

@@ -189,6 +189,17 @@ def test_head_tree_is_lossless_and_grows_around_the_chain(target, tmp_path, layo
     assert agree >= 0.95 * (first + second), f"tree and chain disagree: {agree} of {first + second}"
 
 
+def test_bad_tree_shapes_are_refused(target, tmp_path):
+    from hal.drafters import NgramTreeDrafter
+    head = load_eagle(eagle1(tmp_path)[1], target)
+    for bad in ((0, 3), (3,), ("a", 2), (2, 0)):
+        with pytest.raises(HalError, match="tree: expected"):
+            HeadDrafter(head, tree=bad)
+    for lo, hi in ((0, 2), (3, 2)):
+        with pytest.raises(HalError, match="min_n, max_n"):
+            NgramTreeDrafter(target.be, lo, hi)
+
+
 def test_head_drafter_survives_preemption_and_sampling(target, tmp_path):
     head = load_eagle(eagle1(tmp_path)[1], target)
     lossless(target, HeadDrafter(head), PROMPTS, num_blocks=7, max_num_seqs=4)   # the target pool preempts

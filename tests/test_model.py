@@ -113,12 +113,22 @@ def test_the_shipped_head_drafts_well_on_unseen_text(model):
     prompt = eagle_data.prompts(heldout=True)[0]
     drafter = make_drafter(parse_draft("eagle"), target.be, target, "smollm2-135m")
     out, dec = run(target, drafter, [prompt], tok, k=4, n=40)
-    plain = run(target, None, [prompt], tok, k=0, n=40)[0]
-    assert out == plain
+    assert out == run(target, None, [prompt], tok, k=0, n=40)[0]
     assert dec.metrics.mean_acceptance_length > 1.8, dec.metrics.mean_acceptance_length
-    # its EAGLE-2 tree (7 nodes, the cost of a 5-token chain's verify here) accepts longer paths
-    tree = make_drafter(parse_draft("eagle-tree"), target.be, target, "smollm2-135m")
-    out, tdec = run(target, tree, [prompt], tok, k=7, n=40)
-    assert out == plain
-    assert tdec.metrics.mean_acceptance_length > dec.metrics.mean_acceptance_length + 0.1, \
-        (tdec.metrics.mean_acceptance_length, dec.metrics.mean_acceptance_length)
+
+
+def test_the_shipped_heads_tree_accepts_longer_paths(model):
+    """Its EAGLE-2 tree (7 nodes, top-3, depth 4) against its chain of 4 on a held-out prompt
+    where the chain is not saturated (measured 2.79 against 2.17; the prompt the test above
+    uses gives 3.57 for both, a chain of 4 nearly always accepted): outputs equal plain."""
+    from hal import eagle_data
+    target, tok = model
+    prompt = eagle_data.prompts(heldout=True)[3]
+    plain = run(target, None, [prompt], tok, k=0, n=40)[0]
+    taus = []
+    for spec, k in (("eagle", 4), ("eagle-tree", 7)):
+        out, dec = run(target, make_drafter(parse_draft(spec), target.be, target, "smollm2-135m"), [prompt], tok,
+                       k=k, n=40)
+        assert out == plain, spec
+        taus.append(dec.metrics.mean_acceptance_length)
+    assert taus[1] > taus[0] + 0.3, taus

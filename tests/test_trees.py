@@ -12,7 +12,7 @@ import torch
 
 import hal
 from hal.conformance._helpers import assert_distribution
-from hal.decoder import Request, SpeculativeDecoder
+from hal.decoder import Request, SamplingParams, SpeculativeDecoder
 from hal.drafters import NgramTreeDrafter
 from hal.forward import forward
 from hal.kv import KVPool
@@ -112,16 +112,27 @@ def test_logprobs_follow_the_accepted_path(model, plain):
         te.engine = real
 
 
-def test_a_malformed_tree_is_refused(model):
+@pytest.mark.parametrize("how", ["short", "self", "later", "below"])
+def test_a_malformed_tree_is_refused_and_changes_nothing(model, how):
     from hal.errors import HalError
 
     class Bad(OracleTree):
         def propose(self, b):
             p = super().propose(b)
-            return Proposal(p.draft_token_ids, p.cu_num_draft_tokens, None, None, p.parent_ids[:-1])
+            par = p.parent_ids.clone()
+            if how == "short":
+                par = par[:-1]
+            else:
+                par[2] = {"self": 2, "later": 3, "below": -2}[how]
+            return Proposal(p.draft_token_ids, p.cu_num_draft_tokens, None, None, par)
     dec = SpeculativeDecoder(model, Bad(PROMPTS, [[0] * N] * len(PROMPTS), model.cfg.vocab), num_blocks=64)
+    rid = dec.add_request(PROMPTS[0], SamplingParams(max_new_tokens=8, k=4))
+    dec.step()                                    # the prefill and the first token
+    s = dec.running[0]
+    before = (list(s.tokens), s.seq.length, s.offset, dec.pool.allocator.num_free)
     with pytest.raises(HalError, match="Proposal.parent_ids"):
-        dec.generate([Request(PROMPTS[0], max_new_tokens=4, k=4)])
+        dec.step()
+    assert (list(s.tokens), s.seq.length, s.offset, dec.pool.allocator.num_free) == before and rid == s.rid
 
 
 class TopTree:
