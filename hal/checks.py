@@ -261,6 +261,17 @@ def verify_typical(be, draft_token_ids, cu_num_draft_tokens, target_probs, seeds
         prob_values("target_probs", target_probs)
 
 
+def tree_parents(name: str, parent_ids: Tensor, cu: Tensor) -> None:
+    """Every node's parent is -1 or a local index of an earlier node of its request (reads values)."""
+    N = parent_ids.shape[0]
+    local = torch.arange(N, device=parent_ids.device) - torch.repeat_interleave(cu[:-1], cu[1:] - cu[:-1],
+                                                                               output_size=N)
+    bad = (parent_ids < -1) | (parent_ids >= local)
+    if bool(bad.any()):
+        i = _first_bad(bad)
+        raise arg_error(name, "-1 or a local index of an earlier node", f"{int(parent_ids[i])} at node {int(local[i])}")
+
+
 def verify_tree(be, draft_token_ids, cu_num_draft_tokens, parent_ids, target, draft_probs, seeds,
                 offsets, max_k) -> None:
     N, R = _ragged(be, draft_token_ids, cu_num_draft_tokens, max_k)
@@ -284,13 +295,7 @@ def verify_tree(be, draft_token_ids, cu_num_draft_tokens, parent_ids, target, dr
                      offsets=offsets))
     _ragged_values(be, draft_token_ids, cu_num_draft_tokens, max_k, V)
     if be.check_values:
-        local = torch.arange(N, device=parent_ids.device) - torch.repeat_interleave(
-            cu_num_draft_tokens[:-1], cu_num_draft_tokens[1:] - cu_num_draft_tokens[:-1], output_size=N)
-        bad = (parent_ids < -1) | (parent_ids >= local)
-        if bool(bad.any()):
-            i = _first_bad(bad)
-            raise arg_error("parent_ids", "-1 or a local index of an earlier node",
-                            f"{int(parent_ids[i])} at node {int(local[i])}")
+        tree_parents("parent_ids", parent_ids, cu_num_draft_tokens)
         if greedy:
             logits_values("target", target)
         else:

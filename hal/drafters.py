@@ -12,7 +12,7 @@ from torch import Tensor
 
 from hal import kv
 from hal.errors import HalError
-from hal.forward import forward_tokens, sampling_tensors
+from hal.forward import forward_tokens, readback, sampling_tensors
 from hal.models.llama import Llama
 from hal.placement import transfer
 from hal.requests import DraftBatch, Proposal
@@ -73,7 +73,6 @@ class NgramTreeDrafter:
         self.be, self.min_n, self.max_n = backend, min_n, max_n
 
     def propose(self, b: DraftBatch) -> Proposal:
-        from hal.forward import readback
         dev = torch.device(self.be.device_type)
         K, R = max(b.k, default=0), len(b.rids)
         if K == 0:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from hal.checks import tree_parents
 from hal.errors import HalError
 from hal.forward import readback
 from hal.history import HistoryBuffer
@@ -53,13 +54,7 @@ def check_proposal(prop, ks: list[int]) -> None:
         raise HalError(f"Proposal.parent_ids: expected None or an integer tensor [{N}], got "
                        f"{list(par.shape) if isinstance(par, Tensor) else type(par).__name__}")
     if par is not None and par.device.type == "cpu" and N:   # values too where reading them is free
-        start = torch.repeat_interleave(torch.tensor([0, *ks[:-1]]).cumsum(0), torch.tensor(ks))
-        local = torch.arange(N) - start
-        bad = (par < -1) | (par >= local)
-        if bool(bad.any()):
-            j = int(bad.nonzero()[0, 0])
-            raise HalError(f"Proposal.parent_ids: expected -1 or an earlier slot of the same request (parents "
-                           f"first), got {int(par[j])} at slot {int(local[j])}")
+        tree_parents("Proposal.parent_ids", par, torch.tensor([0, *ks]).cumsum(0))
     if valid is not None and (len(valid) != R if isinstance(valid, (tuple, list)) else
                               not isinstance(valid, Tensor) or list(valid.shape) != [R]):
         raise HalError(f"Proposal.num_valid: expected None, {R} ints or a tensor [{R}], got {valid!r:.80}")

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from hal.errors import HalError
-from hal.models.llama import Batch, Llama, Rope, _rms_norm
+from hal.models.llama import Batch, Llama, Rope, _rms_norm, lm_head
 
 
 @dataclass(frozen=True)
@@ -107,8 +107,7 @@ class EagleModel:
         out = h[batch.logits_rows]
         if cfg.version == 3:
             out = _rms_norm(out, w["norm"], cfg.eps)
-        # MKL on CPU: one row is fastest as x @ W^T, several as (W @ x^T)^T (benchmarks/linear.py's finding)
-        return (out @ self.head.T if out.shape[0] == 1 else torch.mm(self.head, out.T).T), h
+        return lm_head(out, self.head), h
 
     def full_logits(self, draft_logits: Tensor) -> Tensor:
         """Draft-vocabulary logits spread over the target's vocabulary (-inf elsewhere)."""

@@ -263,7 +263,7 @@ class NgramOrHead:
         valid = tuple(min(f, k) if u else int(hv[i]) for i, (u, f, k) in enumerate(zip(use, found, b.k)))
         parents = None
         if hp.parent_ids is not None:   # a tree head: the lookup's rows are chains
-            parents = up([j - 1 for k in b.k for j in range(k)])
+            parents = up(trees.chain_parents(b.k))
             if at_h:
                 parents[up(at_h)] = hp.parent_ids.to(dev)
         return Proposal(ids, up(cu), probs, valid, parents)

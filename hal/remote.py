@@ -10,6 +10,7 @@ import time
 import torch
 from torch import Tensor
 
+from hal import trees
 from hal.checks import MAX_K, prob_values
 from hal.requests import DraftBatch, Proposal
 from hal.errors import HalError
@@ -122,7 +123,7 @@ class RemoteDrafter:
         cu = torch.tensor([0, *b.k]).cumsum(0)
         par = None
         if parents is not None:
-            par = torch.tensor([j - 1 for k in b.k for j in range(k)], dtype=torch.long)
+            par = torch.tensor(trees.chain_parents(b.k), dtype=torch.long)
             for r, p in zip(cu.tolist(), parents):
                 if p is not None:
                     par[r:r + len(p)] = torch.tensor(p, dtype=torch.long)

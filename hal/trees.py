@@ -17,6 +17,12 @@ from hal import kv
 from hal.forward import sampling_args, target_probs
 
 
+def chain_parents(ks) -> list[int]:
+    """Parents making each request's ``ks[i]`` slots a chain (``-1, 0, 1, ...``): the layout
+    of a row that is not a tree, or of filler slots, inside a tree proposal."""
+    return [j - 1 for k in ks for j in range(k)]
+
+
 def ancestors(parents: Tensor, counts: list[int], dev) -> Tensor:
     """``[R, W, W]`` bool (W = 1 + max count): fed row i of request r sees fed row j (the
     root is row 0, node n is row 1 + n; padding rows see only themselves)."""

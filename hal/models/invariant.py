@@ -15,8 +15,8 @@ output element; here the same comes from fixed shapes, checked bit for bit in
   against keys padded to a multiple of 256; ``q.k`` is a 64-long dot product per score; masked
   scores are -inf before the softmax (trailing -inf change no row's sum); ``p @ V`` is summed in
   fixed 256-key blocks, so keys a query cannot see add exact zeros.
-* tree attention (a verify of a draft tree): a node's keys are gathered into the order its
-  path would have as a chain (context, then its ancestors by depth, then itself), so every
+* tree attention (a verify of a draft tree): a node's scores and values are taken in the order
+  its path would have as a chain (context, then its ancestors by depth, then itself), so every
   node's row is the row a chain decode of its path computes (positions come from the caller).
 * norms, RoPE, SwiGLU and residuals are per row or per element.
 """
@@ -93,7 +93,8 @@ def attention(query: Tensor, k_cache: Tensor, v_cache: Tensor, plan: Plan, scale
     Every (request, query, KV head) is its own bmm entry with the G query heads of that group
     as rows: the product's shape per entry never depends on the batch, and a decode query
     costs no padding. Chunks of up to ``Q_CHUNK`` query positions bound the copies of the keys.
-    With a tree mask (in ``plan``) each query's keys are gathered in its path's chain order."""
+    With a tree mask (in ``plan``) each query's scores are reordered, and its values gathered
+    past the shared context blocks, into its path's chain order."""
     T, Hq, D = query.shape
     Hkv = k_cache.shape[2]
     G, R, Lp = Hq // Hkv, plan.R, plan.Lp

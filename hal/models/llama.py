@@ -141,8 +141,8 @@ class Llama:
         out = _rms_norm(h[batch.logits_rows], self.w["norm"], cfg.eps)
         if inv:
             logits = invariant.linear(out, self.head)
-        else:   # MKL on CPU: x @ W^T is fastest from [H, V] for one row and from [V, H] for several
-            logits = out @ self.head_t if out.shape[0] == 1 else (self.head @ out.T).T
+        else:
+            logits = lm_head(out, self.head, self.head_t)
         rows = batch.logits_rows if batch.hidden_rows is None else batch.hidden_rows
         if batch.feature_layers:
             if len(taps) != len(batch.feature_layers):
@@ -195,6 +195,14 @@ class Rope:
         half = x.shape[-1] // 2
         z = torch.complex(x[..., :half].float(), x[..., half:].float()) * rot[:, None]
         return torch.cat([z.real, z.imag], -1)
+
+
+def lm_head(x: Tensor, w: Tensor, w_t: Tensor | None = None) -> Tensor:
+    """``x @ w.T`` the fastest way MKL has on CPU: from ``[H, V]`` (``w_t``, or a view) for one
+    row, as ``(w @ x.T).T`` for several (not batch-invariant: the plain path and draft heads)."""
+    if x.shape[0] == 1:
+        return x @ (w.T if w_t is None else w_t)
+    return torch.mm(w, x.T).T
 
 
 def _rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
