@@ -13,7 +13,7 @@ from hal.errors import HalError
 from hal.forward import readback
 from hal.history import HistoryBuffer
 from hal.placement import transfer
-from hal.requests import DraftBatch, Proposal, State, draft_room
+from hal.requests import DraftBatch, Proposal, State, draft_room, pack_features
 
 Ahead = tuple[Proposal, dict[int, tuple[int, int]]]   # a lookahead proposal: rid -> (first slot, valid slots)
 
@@ -24,13 +24,12 @@ def view(history: HistoryBuffer, states: list[State], k: list[int], num_tokens: 
     rids = [s.rid for s in states]
     lens = [len(s.tokens) for s in states]
     hidden = [s.last_hidden for s in states]
-    feats = [f for s in states for f in s.features]
     return DraftBatch(tuple(rids), tuple(s.req for s in states), history.view(rids, width or max(lens, default=0)),
                       num_tokens if num_tokens is not None else torch.tensor(lens).to(history.device),
                       None if num_tokens is not None else tuple(lens), tuple(k),
                       () if num_tokens is not None else tuple(s.offset for s in states),
                       None if any(h is None for h in hidden) or not hidden else torch.stack(hidden),
-                      torch.cat(feats) if feats else None, tuple(sum(len(f) for f in s.features) for s in states))
+                      *pack_features([s.features for s in states]))
 
 
 def check_proposal(prop, ks: list[int]) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import torch
 from torch import Tensor
 
 from hal import kv
@@ -96,6 +97,12 @@ class DraftBatch:
     #                                 target's features not passed before, each request's rows in order, ending
     #                                 at the position that produced its last committed token (lengths[i] - 2)
     num_features: tuple[int, ...] = ()
+
+
+def pack_features(per_request: list[list[Tensor]]) -> tuple[Tensor | None, tuple[int, ...]]:
+    """`DraftBatch.features` and ``num_features`` from each request's pending feature blocks."""
+    flat = [f for blocks in per_request for f in blocks]
+    return (torch.cat(flat) if flat else None), tuple(sum(len(f) for f in blocks) for blocks in per_request)
 
 
 @dataclass(frozen=True)

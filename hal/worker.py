@@ -17,7 +17,7 @@ from hal.history import HistoryBuffer
 from hal.placement import sparse_q
 from hal.protocol import (DRAFT_SEED, HASH_SEED, Commit, DraftEntry, Drafts, Link, Stop, corrupted, decode, encode,
                           history_hash)
-from hal.requests import DraftBatch, SamplingParams
+from hal.requests import DraftBatch, SamplingParams, pack_features
 
 Guess = dict[int, tuple[list[int], list[int], Tensor | None]]  # rid -> (assumed history, drafts, q rows)
 
@@ -108,13 +108,13 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def _propose(drafter, reqs: dict[int, _Req], hist: HistoryBuffer, rids: list[int], ks: list[int],
-             bases: list[list[int]]) -> list[tuple[list[int], Tensor | None]]:
-    """Run the drafter on ``bases`` (the histories, already in ``hist``): host drafts and q rows."""
+             bases: list[list[int]]) -> list[tuple[list[int], Tensor | None, list[int] | None]]:
+    """Run the drafter on ``bases`` (the histories, already in ``hist``): host drafts, q rows
+    and a tree's parents."""
     lens = [len(b) for b in bases]
-    feats = [f for r in rids for f in reqs[r].features]
     batch = DraftBatch(tuple(rids), tuple(reqs[r].params for r in rids), hist.view(rids, max(lens)),
                        torch.tensor(lens), tuple(lens), tuple(ks), tuple(reqs[r].offset for r in rids), None,
-                       torch.cat(feats) if feats else None, tuple(sum(len(f) for f in reqs[r].features) for r in rids))
+                       *pack_features([reqs[r].features for r in rids]))
     prop = drafter.propose(batch)
     for r in rids:
         reqs[r].features = []   # passed once
