@@ -5,7 +5,7 @@ thread count, greedy. Writes a markdown table and a PNG under benchmarks/results
 
     python benchmarks/e2e.py [--max-new-tokens 96] [--k 5] [--eagle-k 4] [--tree-k 7] [--no-hf]
 
-Draft trees: EAGLE-2 dynamic trees from the shipped head (`hal.factories.TREE`) and n-gram
+Draft trees: EAGLE-2 dynamic trees from the shipped head (`hal.drafters.registry.TREE`) and n-gram
 tries, ``--tree-k`` nodes (fixed) or routed up to that many.
 """
 
@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 
 import hal
-from hal.decoder import Request, SpeculativeDecoder
+from hal.engine.decoder import Request, SpeculativeDecoder
 from hal.drafters import ModelDrafter, NgramDrafter, NgramTreeDrafter
-from hal.factories import TREE
+from hal.drafters.registry import TREE
 from hal.models.fetch import fetch
 from hal.models.llama import load_gguf
 from hal.models.tokenizer import chatml
@@ -46,7 +46,7 @@ K_PROMPT = 2  # the speedup-against-k sweep runs on the copy prompt "edit code"
 def run_ours(target, drafter, ids, n, k, costs=None):
     dec = SpeculativeDecoder(target, drafter, num_blocks=256)
     if costs is not None:
-        from hal.router import Router
+        from hal.engine.router import Router
         dec.router = Router(costs, max_k=k)
     t = time.perf_counter()
     out = dec.generate([Request(ids, max_new_tokens=n, k=k, stop_ids=(2,))])[0]
@@ -66,9 +66,9 @@ def run_hf(model, ids, n, k=None):
 def forward_cost(target, n_tokens, ctx=200, reps=7, tree=False):
     """Seconds of one target forward over n_tokens new tokens after ctx cached ones (``tree``:
     as a draft tree of n_tokens - 1 nodes, two branches, with its mask and depths)."""
-    from hal import trees
-    from hal.decoder import forward
-    from hal.forward import forward_tokens
+    from hal.engine import trees
+    from hal.engine.decoder import forward
+    from hal.engine.forward import forward_tokens
     from hal.kv import KVPool
     cfg = target.cfg
     pool = KVPool(target.be, 64, 16, cfg.kv_heads, cfg.head_dim, num_layers=cfg.layers)
@@ -117,8 +117,8 @@ def main() -> None:
                (f"spec-hal ngram k={k}", lambda ids: run_ours(target, NgramDrafter(be), ids, n, k)),
                (f"spec-hal self-spec L={args.self_layers} k=3",
                 lambda ids: run_ours(target, ModelDrafter(target.layer_view(args.self_layers)), ids, n, 3))]
-    from hal.eagle import load_eagle, shipped_head
-    from hal.eagle_drafters import HeadDrafter, NgramOrHead
+    from hal.models.eagle import load_eagle, shipped_head
+    from hal.drafters.eagle import HeadDrafter, NgramOrHead
     head = load_eagle(args.head or shipped_head("smollm2-135m"), target)
     ek, tk = args.eagle_k, args.tree_k
     eagle = lambda: HeadDrafter(head)  # noqa: E731
@@ -163,7 +163,7 @@ def main() -> None:
         c1, ck = forward_cost(target, 1), forward_cost(target, k + 1)
         cek, ctk = forward_cost(target, ek + 1), forward_cost(target, tk + 1, tree=True)
         # the head on prompts it never saw (held-out topics): acceptance and speed, chain k
-        from hal import eagle_data
+        from hal.training import data as eagle_data
         held = eagle_data.prompts(heldout=True)[:args.heldout]
         held_tot, held_t, plain_t_sum, held_same = {}, {}, 0.0, True
         for p in held:
@@ -187,7 +187,7 @@ def main() -> None:
 
 
 def _interp_draft(table, k):
-    from hal.router import _interp
+    from hal.engine.router import _interp
     return _interp(table, k) if table else 0.0
 
 

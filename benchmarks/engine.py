@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 import hal
-from hal.decoder import Request, SamplingParams, SpeculativeDecoder
+from hal.engine.decoder import Request, SamplingParams, SpeculativeDecoder
 from hal.drafters import NgramDrafter
 from hal.metrics import percentile
 from hal.models.fetch import fetch
@@ -132,7 +132,7 @@ def main() -> None:
     budgets = [None if b == "none" else int(b) for b in args.budgets.split(",")]
     router = None
     if args.route:   # the same measured costs for every engine; a fresh router per decoder
-        from hal.router import Router
+        from hal.engine.router import Router
         costs = SpeculativeDecoder(target, NgramDrafter(be), num_blocks=256).profile_costs()
         router = lambda: Router(costs, max_k=args.k)  # noqa: E731
     runs: dict[str, list] = {}   # engine -> [(summary, same output, preemptions)] per repetition

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 import hal
-from hal.forward import forward
+from hal.engine.forward import forward
 from hal.kv import KVPool
 from hal.models.fetch import fetch
 from hal.models.llama import Llama, load_gguf

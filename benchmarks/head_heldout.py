@@ -1,5 +1,5 @@
 """An EAGLE head's top-1 agreement with the target on text it never saw: the target's greedy
-answers to the held-out-topic prompts (`hal.eagle_data.HELDOUT_TOPICS`) and two benchmark-like
+answers to the held-out-topic prompts (`hal.training.data.HELDOUT_TOPICS`) and two benchmark-like
 chat prompts, each scored as the head's first draft from the target's true features (one
 from-scratch forward per sequence), over the response tokens only.
 
@@ -15,10 +15,11 @@ from pathlib import Path
 import torch
 
 import hal
-from hal import eagle_data, kv
-from hal.eagle import load_eagle, shipped_head
-from hal.factories import load_model
-from hal.forward import make_batch
+from hal import kv
+from hal.training import data as eagle_data
+from hal.models.eagle import load_eagle, shipped_head
+from hal.drafters.registry import load_model
+from hal.engine.forward import make_batch
 from hal.models.tokenizer import chatml
 
 EXTRA = ["What are some fun things to do on a rainy weekend?", "Give me three tips for a good night's sleep."]

@@ -52,7 +52,7 @@ def launch(mode: str, k: int, port: int) -> list[subprocess.Popen]:
     if mode != "remote":
         return [subprocess.Popen([sys.executable, "-m", "hal", "serve", *flags], stdout=log, stderr=log)]
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
-    return [subprocess.Popen([sys.executable, "-m", "hal.api_server", *flags], env={**env, "RANK": str(r)},
+    return [subprocess.Popen([sys.executable, "-m", "hal.server.app", *flags], env={**env, "RANK": str(r)},
                              stdout=log, stderr=log) for r in (1, 0)]
 
 

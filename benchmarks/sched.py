@@ -19,12 +19,12 @@ from pathlib import Path
 import torch
 
 import hal
-from hal.decoder import Request, SpeculativeDecoder, draft_room
+from hal.engine.decoder import Request, SpeculativeDecoder, draft_room
 from hal.drafters import NgramDrafter
 from hal.models.fetch import fetch
 from hal.models.llama import load_gguf
 from hal.models.tokenizer import chatml
-from hal.router import Router
+from hal.engine.router import Router
 
 from e2e import PROMPTS  # noqa: E402  (benchmarks/ is the script's folder)
 

@@ -1,6 +1,6 @@
 """What a draft tree costs here: the target's verify of N drafts as a chain and as a tree
 (mask, depths, the invariant runner's chain-order gathers), and the EAGLE head's drafting of
-N tokens as a chain and as an EAGLE-2 tree (`hal.factories.TREE`), against one decode, all
+N tokens as a chain and as an EAGLE-2 tree (`hal.drafters.registry.TREE`), against one decode, all
 interleaved in one run (medians). SmolLM2-135M (GGUF) with its shipped head, or random weights
 of the same shapes (``--random``: no download; what the GPU check uses). Writes
 benchmarks/results/trees-<backend>.md.
@@ -18,19 +18,19 @@ from pathlib import Path
 import torch
 
 import hal
-from hal import trees
-from hal.eagle_drafters import HeadDrafter
-from hal.factories import TREE
-from hal.forward import forward, forward_tokens
+from hal.engine import trees
+from hal.drafters.eagle import HeadDrafter
+from hal.drafters.registry import TREE
+from hal.engine.forward import forward, forward_tokens
 from hal.kv import KVPool
-from hal.requests import DraftBatch, Request
+from hal.engine.requests import DraftBatch, Request
 
 CTX = 200
 
 
 def models(be, dev, random: bool):
     if random:   # SmolLM2-135M's shapes; an untrained EAGLE-1 head over an 8192-token draft vocabulary
-        from hal.eagle import EagleConfig, EagleModel
+        from hal.models.eagle import EagleConfig, EagleModel
         from hal.models.llama import random_llama
         target = random_llama(576, 30, 9, 3, 64, 1536, 49152, seed=0, scale=0.02, backend=be.name).to(dev)
         g = torch.Generator().manual_seed(1)
@@ -41,7 +41,7 @@ def models(be, dev, random: bool):
         cfg = EagleConfig(version=1, hidden=576, heads=9, kv_heads=3, head_dim=64, ffn=1536, eps=1e-5,
                           rope_base=100000.0, draft_vocab=8192)
         return target, EagleModel(cfg, w, target)
-    from hal.eagle import load_eagle, shipped_head
+    from hal.models.eagle import load_eagle, shipped_head
     from hal.models.fetch import fetch
     from hal.models.llama import load_gguf
     target = load_gguf(fetch("smollm2-135m"), be)[0].to(dev)

@@ -57,7 +57,7 @@ class BackendSpec:
     :param validation: how it was validated, in words (shown by ``hal info``).
     :param always_check_values: run value checks (NaN, ranges, sums) on every
         call, not only under ``HAL_CHECK=1``. True where they cost no device sync.
-    :param devices: the device types a `hal.placement.Placement` may name to get this
+    :param devices: the device types a `hal.distributed.placement.Placement` may name to get this
         backend (``"npu"`` for ascend); ``device_type`` is always one of them.
     :param collective: the torch.distributed backend for links between two ranks that
         both use this backend (``"nccl"``, ``"hccl"``); any other pair uses ``"gloo"``.

@@ -7,7 +7,7 @@ import os
 import sys
 
 from hal.errors import HalError
-from hal.factories import load_model
+from hal.drafters.registry import load_model
 
 
 def cmd_info(_args) -> int:
@@ -24,7 +24,7 @@ def cmd_info(_args) -> int:
     sel = os.environ.get("HAL_BACKEND", "auto")
     print(f"\nHAL_BACKEND={sel}")
     if os.environ.get("HAL_PLACEMENT"):
-        from hal.placement import Placement, link_backend
+        from hal.distributed.placement import Placement, link_backend
         p = Placement.from_env()
         try:
             d, t = p.resolve()
@@ -81,7 +81,7 @@ def cmd_demo(args) -> int:
     except HalError as e:
         print(f"demo: the model could not be fetched ({e}); showing one verify round instead", file=sys.stderr)
         return demo_ops()
-    from hal.decoder import SpeculativeDecoder
+    from hal.engine.decoder import SpeculativeDecoder
     print(f"model smollm2-135m (SmolLM2-135M-Instruct, GGUF Q4_1 dequantized to fp32), backend {be.name}, greedy")
     draft = "ngram+eagle"   # n-gram lookup where it matches, the shipped EAGLE head elsewhere
     costs = SpeculativeDecoder(model, make_drafter(draft, model, be), num_blocks=64).profile_costs(
@@ -142,17 +142,17 @@ CLI_DRAFTS = ("none", "ngram", "ngram-tree", "self", "eagle", "ngram+eagle", "ea
 
 
 def make_drafter(kind: str, target, backend, model: str = "smollm2-135m"):
-    """The CLI's drafters over ``target`` (`hal.factories`): none, ngram, ngram-tree, self[:L],
+    """The CLI's drafters over ``target`` (`hal.drafters.registry`): none, ngram, ngram-tree, self[:L],
     eagle[:<folder>], ngram+eagle[:<folder>] or their -tree forms (without a folder: the head
     shipped for ``model``)."""
-    from hal.factories import make_drafter as build, parse_draft
+    from hal.drafters.registry import make_drafter as build, parse_draft
     return build(parse_draft(kind, CLI_DRAFTS), backend, target=target, path=model)
 
 
 def cmd_train_head(args) -> int:
     from pathlib import Path
 
-    from hal.eagle_train import build_data, train
+    from hal.training.train import build_data, train
     data = build_data(args.model, args.max_new_tokens, args.limit)
     out = Path(args.out or f"{Path(args.model).stem}-eagle")
     summary = train(args.model, out, args.minutes, args.draft_vocab, batch=args.batch, lr=args.lr, seed=args.seed,
@@ -165,10 +165,10 @@ def cmd_train_head(args) -> int:
 def run_generate(model, tok, prompt: str, draft: str, k: int, temperature: float, max_tokens: int, seed: int,
                  stream: bool = True, costs=None, model_name: str = "smollm2-135m"):
     """One request; returns (text, tokens, seconds, metrics). With ``costs`` (a
-    `hal.router.CostModel`) a router picks k <= ``k`` per step."""
+    `hal.engine.router.CostModel`) a router picks k <= ``k`` per step."""
     import time
 
-    from hal.decoder import Request, SpeculativeDecoder
+    from hal.engine.decoder import Request, SpeculativeDecoder
     from hal.models.tokenizer import chatml
     ids = tok.encode(chatml(prompt)).ids
     shown = []
@@ -180,7 +180,7 @@ def run_generate(model, tok, prompt: str, draft: str, k: int, temperature: float
 
     dec = SpeculativeDecoder(model, make_drafter(draft, model, model.be, model_name), on_tokens=show if stream else None)
     if costs is not None and draft != "none":
-        from hal.router import Router
+        from hal.engine.router import Router
         dec.router = Router(costs, max_k=k)
     req = Request(ids, max_new_tokens=max_tokens, temperature=temperature, seed=seed, k=k if draft != "none" else 0,
                   stop_ids=model.cfg.stop_ids)
@@ -198,10 +198,10 @@ def cmd_bench(args) -> int:
     import time
 
     import hal
-    from hal.decoder import Request, SpeculativeDecoder
+    from hal.engine.decoder import Request, SpeculativeDecoder
     from hal.metrics import percentile, prometheus_text, require_prometheus
     from hal.models.tokenizer import chatml
-    from hal.router import Router
+    from hal.engine.router import Router
     require_prometheus()  # fail before loading anything
     be = hal.get_backend()
     model, tok = load_model(args.model, be)
@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "conformance":
         return cmd_conformance(args, extra)
     if args.cmd == "serve":
-        from hal.api_server import main as serve_main
+        from hal.server.app import main as serve_main
         return serve_main(extra)
     if extra:
         ap.error(f"unrecognized arguments: {' '.join(extra)}")

@@ -31,8 +31,9 @@ timeout 120 $PY -m hal conformance --backend cuda --slow -k test_long_tail -rf 2
 # 3. the scheduler's device paths: memory planning against the real device, a pinned non-blocking transfer
 timeout 60 $PY - <<'PY' 2>&1 | tee "$RES/gpu-scheduler.txt"
 import torch
-from hal.placement import resolve_side, transfer
-from hal.planner import ModelMemory, plan_memory
+from hal.devices import transfer
+from hal.distributed.placement import resolve_side
+from hal.engine.memory import ModelMemory, plan_memory
 side = resolve_side("cuda:0", "target")
 print("free/total bytes:", side.backend.spec.memory(0), "collective:", side.backend.spec.collective)
 smol = ModelMemory("smollm2-135m", 651306240, 30, 3, 64, 576, 1536, 49152)

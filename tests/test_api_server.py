@@ -72,8 +72,8 @@ def client(server):
 def reference():
     """Plain greedy `generate` in this process, and the tokenizer."""
     import hal
-    from hal.decoder import Request, SpeculativeDecoder
-    from hal.factories import load_model
+    from hal.engine.decoder import Request, SpeculativeDecoder
+    from hal.drafters.registry import load_model
     model, tok = load_model(MODEL, hal.get_backend("cpu"))
 
     def run(ids, n):
@@ -121,7 +121,7 @@ def test_greedy_completion_through_http_equals_generate(client, reference):
 
 
 def test_chat_streaming_equals_generate(client, reference):
-    from hal.openai_api import render_chat
+    from hal.server.openai_schema import render_chat
     run, tok = reference
     msgs = [{"role": "user", "content": "Repeat exactly: one two three four five."}]
     chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=20, temperature=0,
@@ -229,7 +229,7 @@ def test_a_huge_body_is_refused_unread(server):
 def test_incremental_text_equals_a_whole_decode(reference):
     """Streaming deltas (each step decoding only its own tokens) add up to the whole decode,
     multi-byte characters split across tokens included."""
-    from hal.openai_api import TextState
+    from hal.server.openai_schema import TextState
     _, tok = reference
     ids = tok.encode("héllo wörld — ünïcödé ✓ 漢字 and emoji 🙂 end").ids
     for chunk in (1, 2, 3):

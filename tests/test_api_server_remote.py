@@ -17,9 +17,9 @@ from tests.test_api_server import MODEL, free_port, metrics  # noqa: E402
 
 def test_draft_worker_killed_mid_stream(tmp_path):
     import hal
-    from hal.decoder import Request, SpeculativeDecoder
-    from hal.factories import load_model
-    from hal.openai_api import render_chat
+    from hal.engine.decoder import Request, SpeculativeDecoder
+    from hal.drafters.registry import load_model
+    from hal.server.openai_schema import render_chat
     try:
         model, tok = load_model(MODEL, hal.get_backend("cpu"))
     except hal.HalError as e:
@@ -27,7 +27,7 @@ def test_draft_worker_killed_mid_stream(tmp_path):
     port = free_port()
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
            "HAL_BACKEND": "cpu"}
-    cmd = [sys.executable, "-m", "hal.api_server", "--model", MODEL, "--draft", "ngram", "--k", "4", "--port",
+    cmd = [sys.executable, "-m", "hal.server.app", "--model", MODEL, "--draft", "ngram", "--k", "4", "--port",
            str(port), "--max-model-len", "512", "--cpu-budget-gib", "2", "--draft-timeout", "10"]
     log = open(tmp_path / "draft.log", "w")
     draft = subprocess.Popen(cmd, env={**env, "RANK": "1", "HAL_SERVE_FAULT": "kill:2"}, stdout=log, stderr=log)

@@ -13,13 +13,13 @@ from safetensors.torch import save_file
 
 import hal
 from hal import kv
-from hal.decoder import SpeculativeDecoder
-from hal.eagle import load_eagle
-from hal.eagle_drafters import HeadDrafter
-from hal.eagle_train import TrainHead
+from hal.engine.decoder import SpeculativeDecoder
+from hal.models.eagle import load_eagle
+from hal.drafters.eagle import HeadDrafter
+from hal.training.train import TrainHead
 from hal.errors import HalError
-from hal.forward import forward_tokens, make_batch
-from hal.requests import Request
+from hal.engine.forward import forward_tokens, make_batch
+from hal.engine.requests import Request
 from tests.models import random_llama
 
 H, HEADS, KV, D, FFN, V, LAYERS = 64, 4, 2, 16, 128, 96, 8
@@ -242,8 +242,8 @@ def test_bad_heads_are_refused(target, tmp_path):
 
 
 def test_train_head_learns_and_writes_a_loadable_head(target, tmp_path):
-    from hal import eagle_data
-    from hal.eagle_train import train
+    from hal.training import data as eagle_data
+    from hal.training.train import train
     seqs = [[(3 * i + j * j) % V for j in range(40)] for i in range(12)]
     torch.save({"ids": seqs, "features": eagle_data.features(target, seqs)}, tmp_path / "data.pt")
     s = train("tiny", tmp_path / "head", minutes=5, draft_size=48, batch=4, lr=3e-3, data=tmp_path / "data.pt",
@@ -280,8 +280,8 @@ def test_a_head_on_the_draft_rank_gets_the_features_over_the_link(target, tmp_pa
     import threading
 
     from hal.metrics import SpecDecodeMetrics
-    from hal.remote import RemoteDrafter
-    from hal.worker import draft_worker
+    from hal.distributed.remote import RemoteDrafter
+    from hal.distributed.worker import draft_worker
     from tests.test_serve import QueueLink
     head = load_eagle(eagle3(tmp_path), target)
     local = lossless(target, HeadDrafter(head, tree=tree), PROMPTS, k=k)
@@ -309,11 +309,11 @@ def test_a_head_on_the_draft_rank_gets_the_features_over_the_link(target, tmp_pa
 
 def test_the_head_on_another_backend(target, tmp_path):
     """Placement for heads as for models: the head on the cuda backend (Triton interpreter),
-    the target on cpu; features cross devices with `hal.placement.transfer`."""
+    the target on cpu; features cross devices with `hal.devices.transfer`."""
     import os
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs TRITON_INTERPRET=1 for the cuda backend on CPU")
-    from hal.factories import make_drafter, parse_draft
+    from hal.drafters.registry import make_drafter, parse_draft
     cuda = hal.get_backend("cuda")
     d = make_drafter(parse_draft(f"eagle:{eagle1(tmp_path)[1]}"), cuda, target, device=cuda.device_type)
     assert d.head.be is cuda
@@ -323,7 +323,7 @@ def test_the_head_on_another_backend(target, tmp_path):
 
 def test_ngram_or_head_is_lossless_and_uses_both(target, tmp_path):
     from hal.drafters import NgramDrafter
-    from hal.eagle_drafters import NgramOrHead
+    from hal.drafters.eagle import NgramOrHead
     head = load_eagle(eagle1(tmp_path)[1], target)
     prompts = PROMPTS + [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]]          # one copy-heavy prompt: the lookup matches
     calls = []
@@ -342,15 +342,15 @@ def test_ngram_or_head_is_lossless_and_uses_both(target, tmp_path):
 
 
 def test_eagle_drafts_name_what_is_missing(target, tmp_path):
-    from hal.eagle import shipped_head
-    from hal.factories import make_drafter, parse_draft
+    from hal.models.eagle import shipped_head
+    from hal.drafters.registry import make_drafter, parse_draft
     with pytest.raises(HalError, match="--draft eagle: expected a model with a shipped head") as e:
         shipped_head("no-such-model")
     assert e.value.arg == "--draft"
     with pytest.raises(HalError, match="expected the target model in this process"):
         make_drafter(parse_draft(f"eagle:{tmp_path}"), target.be)
     d = HeadDrafter(load_eagle(eagle1(tmp_path)[1], target))
-    b = __import__("hal.requests", fromlist=["DraftBatch"]).DraftBatch(
+    b = __import__("hal.engine.requests", fromlist=["DraftBatch"]).DraftBatch(
         (0,), (Request([1, 2]),), torch.tensor([[1, 2]]), torch.tensor([2]), (2,), (1,), (0,), None, None, (1,))
     with pytest.raises(HalError, match="DraftBatch.features"):
         d.propose(b)

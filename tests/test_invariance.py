@@ -12,7 +12,7 @@ import torch
 
 import hal
 from tests.models import random_llama
-from hal.forward import forward
+from hal.engine.forward import forward
 from hal.kv import KVPool
 from hal.models import invariant
 from hal.models.llama import Llama
@@ -139,7 +139,7 @@ def test_plain_forward_is_not_batch_invariant(model):
 def test_serving_flag_turns_it_off():
     import argparse
 
-    from hal.serve import add_engine_args
+    from hal.distributed.launcher import add_engine_args
     ap = argparse.ArgumentParser()
     add_engine_args(ap)
     assert ap.parse_args([]).batch_invariant is True
@@ -155,8 +155,8 @@ LONG = [(5 * i + 1) % 49152 for i in range(300)]   # past one 256-key block: con
 def _tree_rows(model, neighbour: bool, prompt=PROMPT):
     """Prefill PROMPT[:-1], then one tree forward over [PROMPT[-1], TOKENS[:7]] with PARENTS
     (optionally after another request's prefill chunk in the same batch): every fed row's logits."""
-    from hal import trees
-    from hal.forward import forward_tokens
+    from hal.engine import trees
+    from hal.engine.forward import forward_tokens
     pool = KVPool(model.be, 32, 16, 3, 64, num_layers=2)
     s, o = pool.sequence(), pool.sequence()
     forward(model, pool, [s], [prompt[:-1]], False)

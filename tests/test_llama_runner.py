@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hal
-from hal.decoder import Request, SpeculativeDecoder, forward
+from hal.engine.decoder import Request, SpeculativeDecoder, forward
 from hal.kv import KVPool
 from hal.models.llama import Llama, LlamaConfig, _fuse, load_safetensors
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import hal
-from hal.decoder import Request, SpeculativeDecoder
+from hal.engine.decoder import Request, SpeculativeDecoder
 from hal.drafters import EagleDrafter, ModelDrafter, NgramDrafter
-from hal.factories import make_drafter, parse_draft
+from hal.drafters.registry import make_drafter, parse_draft
 from hal.models.llama import Llama
 from hal.models.tokenizer import chatml
 
@@ -96,7 +96,7 @@ def test_sampling_is_seeded_and_respects_limits(model):
 
 def test_routed_greedy_equals_plain(model, plain):
     """Adaptive k on the real model (a profiled cost table): still token-for-token plain greedy."""
-    from hal.router import Router
+    from hal.engine.router import Router
     target, tok = model
     reqs = [Request(tok.encode(chatml(p)).ids, max_new_tokens=20, k=8, stop_ids=(2,)) for p in PROMPTS]
     dec = SpeculativeDecoder(target, NgramDrafter(target.be), num_blocks=128)
@@ -108,7 +108,7 @@ def test_routed_greedy_equals_plain(model, plain):
 def test_the_shipped_head_drafts_well_on_unseen_text(model):
     """The trained head on a held-out prompt (a topic it never saw), greedy, k = 4: outputs
     equal plain and it accepts well (a misaligned feature or a broken head accepts ~0)."""
-    from hal import eagle_data
+    from hal.training import data as eagle_data
     target, tok = model
     prompt = eagle_data.prompts(heldout=True)[0]
     drafter = make_drafter(parse_draft("eagle"), target.be, target, "smollm2-135m")
@@ -121,7 +121,7 @@ def test_the_shipped_heads_tree_accepts_longer_paths(model):
     """Its EAGLE-2 tree (7 nodes, top-3, depth 4) against its chain of 4 on a held-out prompt
     where the chain is not saturated (measured 2.79 against 2.17; the prompt the test above
     uses gives 3.57 for both, a chain of 4 nearly always accepted): outputs equal plain."""
-    from hal import eagle_data
+    from hal.training import data as eagle_data
     target, tok = model
     prompt = eagle_data.prompts(heldout=True)[3]
     plain = run(target, None, [prompt], tok, k=0, n=40)[0]

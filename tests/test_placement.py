@@ -8,8 +8,9 @@ import torch
 
 import hal
 from hal.conformance._helpers import ragged, seeds_offsets
-from hal.placement import Placement, dense_q, resolve_side, sparse_q, transfer
-from hal.planner import GiB, ModelMemory, plan_memory
+from hal.devices import dense_q, sparse_q, transfer
+from hal.distributed.placement import Placement, resolve_side
+from hal.engine.memory import GiB, ModelMemory, plan_memory
 
 SMOL = ModelMemory("smollm2-135m", 270_000_000, 30, 3, 64, 576, 1536, 49152)
 

@@ -1,4 +1,4 @@
-"""The two-rank protocol's typed messages (`hal.protocol`): every message round-trips
+"""The two-rank protocol's typed messages (`hal.distributed.protocol`): every message round-trips
 through `encode` / `decode`, and anything else a peer may send (truncated, corrupted,
 out-of-range) is either refused with `HalError` or decodes to exactly what it encodes to:
 never another exception, never a silently different message."""
@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hal
-from hal.protocol import (Commit, CommitEntry, DraftEntry, Drafts, NewRequest, Stop, decode, encode,
+from hal.distributed.protocol import (Commit, CommitEntry, DraftEntry, Drafts, NewRequest, Stop, decode, encode,
                           history_hash)
 
 V = 50

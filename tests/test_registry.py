@@ -121,7 +121,7 @@ def test_hal_check_env_turns_value_checks_on(monkeypatch):
 
 
 def test_placement_resolves_plugin_devices_and_picks_the_link():
-    from hal.placement import Placement, link_backend, resolve_side
+    from hal.distributed.placement import Placement, link_backend, resolve_side
     hal.register_plugin(plugin(BackendSpec(name="vendorx", device_type="cpu", load=cpu_ops, devices=("xpu",),
                                            collective="xccl"),
                                BackendSpec(name="down", device_type="cpu", load=cpu_ops, devices=("ypu",),

@@ -10,9 +10,9 @@ import torch
 
 import hal
 from hal.conformance._helpers import assert_distribution
-from hal.decoder import Request, SpeculativeDecoder
+from hal.engine.decoder import Request, SpeculativeDecoder
 from hal.drafters import EagleDrafter
-from hal.router import CostModel, Router, expected_tokens
+from hal.engine.router import CostModel, Router, expected_tokens
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """Draft and target as two torch.distributed ranks (gloo on 127.0.0.1), launched the
-documented way (torchrun -m hal.serve): output identical to single-process plain greedy;
+documented way (torchrun -m hal.distributed.launcher): output identical to single-process plain greedy;
 the draft worker killed or hung mid-run: the target finishes by plain decoding, with
 identical output and the failure counted."""
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import hal
-from hal.decoder import Request, SpeculativeDecoder
+from hal.engine.decoder import Request, SpeculativeDecoder
 from hal.models.llama import load_safetensors
 from tests.test_llama_runner import H, HEADS, KV, LAYERS, V, FFN, hf_weights
 
@@ -54,7 +54,7 @@ def serve_args(folder, out, *extra):
 
 def torchrun(args, env=None, timeout=300):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), "-m", "hal.serve", *args]
+           "--master-port", str(free_port()), "-m", "hal.distributed.launcher", *args]
     r = subprocess.run(cmd, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     return r
@@ -83,7 +83,7 @@ def test_two_ranks_cpu_sampled_with_sparse_q(tiny, tmp_path):
 
 
 def test_two_ranks_real_model(tmp_path):
-    from hal.factories import load_model
+    from hal.drafters.registry import load_model
     try:
         target, tok = load_model("smollm2-135m", hal.get_backend("cpu"))
     except hal.HalError as e:
@@ -105,7 +105,7 @@ def test_killed_draft_worker_target_finishes_by_plain_decoding(tiny, tmp_path):
     out, port = tmp_path / "o.json", str(free_port())
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2",
            "HAL_PLACEMENT": "draft=cpu,target=cpu"}
-    cmd = [sys.executable, "-m", "hal.serve", *serve_args(tiny, out, "--draft", "self:2", "--k", "2")]
+    cmd = [sys.executable, "-m", "hal.distributed.launcher", *serve_args(tiny, out, "--draft", "self:2", "--k", "2")]
     draft = subprocess.Popen(cmd, env={**env, "RANK": "1", "HAL_SERVE_FAULT": "kill:2"},
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     target = subprocess.run(cmd, env={**env, "RANK": "0"}, capture_output=True, text=True, timeout=300)
@@ -130,17 +130,17 @@ def test_hung_draft_worker_times_out_under_torchrun(tiny, tmp_path):
 def test_single_process_routed_and_planner_refusal(tiny, tmp_path):
     out = tmp_path / "o.json"
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
-    r = subprocess.run([sys.executable, "-m", "hal.serve", *serve_args(tiny, out, "--draft", "self:2", "--route")],
+    r = subprocess.run([sys.executable, "-m", "hal.distributed.launcher", *serve_args(tiny, out, "--draft", "self:2", "--route")],
                        env={**env, "HAL_PLACEMENT": "draft=cpu,target=cpu"}, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "max concurrent sequences x context" in r.stderr   # the plan is printed before anything is allocated
     got = json.loads(out.read_text())
     assert got["world_size"] == 1 and got["outputs"] == plain(tiny, "cpu")
-    bad = subprocess.run([sys.executable, "-m", "hal.serve", *serve_args(tiny, out, "--cpu-budget-gib", "1e-6")],
+    bad = subprocess.run([sys.executable, "-m", "hal.distributed.launcher", *serve_args(tiny, out, "--cpu-budget-gib", "1e-6")],
                          env=env, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "memory plan on cpu" in bad.stderr and "raise the budget" in bad.stderr
-    short = subprocess.run([sys.executable, "-m", "hal.serve", *serve_args(tiny, out, "--max-context", "16")],
+    short = subprocess.run([sys.executable, "-m", "hal.distributed.launcher", *serve_args(tiny, out, "--max-context", "16")],
                            env=env, capture_output=True, text=True, timeout=300)
     assert short.returncode == 2 and "--max-context: expected at least" in short.stderr
 
@@ -172,8 +172,8 @@ def in_process_two_sides(tiny, tamper=None, k=3):
 
     from hal.drafters import ModelDrafter
     from hal.metrics import SpecDecodeMetrics
-    from hal.remote import RemoteDrafter
-    from hal.worker import draft_worker
+    from hal.distributed.remote import RemoteDrafter
+    from hal.distributed.worker import draft_worker
     be = hal.get_backend("cpu")
     a, b = queue.Queue(), queue.Queue()
     worker = threading.Thread(target=draft_worker, daemon=True,
@@ -209,8 +209,8 @@ class ConstantDrafter:
         self.be, self.logq = be, q.log()
 
     def propose(self, batch):
-        from hal.drafters import _sample_chain
-        return _sample_chain(batch, self.be, "cpu", lambda x, j: self.logq.expand(len(batch.rids), -1).contiguous())
+        from hal.drafters.batching import sample_chain
+        return sample_chain(batch, self.be, "cpu", lambda x, j: self.logq.expand(len(batch.rids), -1).contiguous())
 
     def commit(self, *a):
         pass
@@ -224,8 +224,8 @@ def remote_sampled(drafter_cls):
     import threading
 
     from hal.metrics import SpecDecodeMetrics
-    from hal.remote import RemoteDrafter
-    from hal.worker import draft_worker
+    from hal.distributed.remote import RemoteDrafter
+    from hal.distributed.worker import draft_worker
     from tests.test_routing import P2, Q2, ToyTarget
     be = hal.get_backend("cpu")
     a, b = queue.Queue(), queue.Queue()
@@ -273,7 +273,7 @@ def test_planted_peeking_worker_is_caught():
 # -- the target trusts nothing the worker sends (issue "Hardening", items 3 and 4) ----------------
 
 def _bad_reply(how):
-    from hal.protocol import DRAFTS, corrupted
+    from hal.distributed.protocol import DRAFTS, corrupted
 
     def tamper(words, n):   # PLANTED: the second DRAFTS reply is malformed
         return corrupted(words, how) if words[0] == DRAFTS and n == 2 else words
@@ -307,7 +307,7 @@ def test_worker_that_never_joins(tiny, tmp_path):
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
            "RANK": "0", "HAL_PLACEMENT": "draft=cpu,target=cpu"}
     t = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "hal.serve", *serve_args(tiny, out, "--draft", "self:2",
+    r = subprocess.run([sys.executable, "-m", "hal.distributed.launcher", *serve_args(tiny, out, "--draft", "self:2",
                                                                        "--draft-startup-timeout", "3")],
                        env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -4,7 +4,7 @@ A sync is any read of tensor values by the host (``tolist``, ``item``, ``cpu``,
 ``numpy``, ``bool``/``int``/``float``/``index`` of a tensor). They are counted on the
 engine path (scheduler, drafters, model runner), outside the backend's ops (whose
 value checks run only where the backend asks for them, e.g. cpu) and outside
-`hal.forward.readback`, which counts once per call. On CPU every tensor is a host
+`hal.engine.forward.readback`, which counts once per call. On CPU every tensor is a host
 tensor, so the engine keeps host data as Python lists and the count is exact."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import hal
-import hal.decoder
-from hal.decoder import Request, SpeculativeDecoder
+import hal.engine.decoder
+from hal.engine.decoder import Request, SpeculativeDecoder
 from hal.drafters import EagleDrafter, ModelDrafter, NgramDrafter
-from hal.eagle_drafters import HeadDrafter
+from hal.drafters.eagle import HeadDrafter
 from hal.models.llama import load_safetensors
 from tests.test_serve import tiny  # noqa: F401  (the fixture: a tiny random model folder)
 
@@ -63,13 +63,13 @@ def counter(monkeypatch):
                 c.where.append(f"{_name}: " + "".join(traceback.format_stack(limit=4)[:-1]))
             return _orig(self, *a, **kw)
         monkeypatch.setattr(torch.Tensor, name, read)
-    orig_rb = hal.decoder.readback
+    orig_rb = hal.engine.decoder.readback
 
     def readback(*tensors):
         if tensors and c.depth == 0:
             c.count += 1
         return c.suspend(orig_rb)(*tensors)
-    monkeypatch.setattr(hal.decoder, "readback", readback)
+    monkeypatch.setattr(hal.engine.decoder, "readback", readback)
     return c
 
 
@@ -87,7 +87,7 @@ def drafters(model):
 
 def random_head(model):
     """An EAGLE-1 head with random weights over half the vocabulary (FR-Spec's d2t)."""
-    from hal.eagle import EagleConfig, EagleModel
+    from hal.models.eagle import EagleConfig, EagleModel
     c = model.cfg
     g = torch.Generator().manual_seed(0)
     r = lambda *s: torch.randn(*s, generator=g) * 0.1  # noqa: E731

@@ -1,4 +1,4 @@
-"""Draft trees through the engine (`hal.trees`): one target forward with the tree mask and
+"""Draft trees through the engine (`hal.engine.trees`): one target forward with the tree mask and
 positions by depth, `verify_tree`, the accepted path's KV compacted with ``copy_kv``.
 Greedy output equals plain greedy whatever the tree; sampled output follows the target's
 law (chi-square of the first two tokens against the runner's own probabilities)."""
@@ -12,12 +12,12 @@ import torch
 
 import hal
 from hal.conformance._helpers import assert_distribution
-from hal.decoder import Request, SamplingParams, SpeculativeDecoder
+from hal.engine.decoder import Request, SamplingParams, SpeculativeDecoder
 from hal.drafters import NgramTreeDrafter
-from hal.forward import forward
+from hal.engine.forward import forward
 from hal.kv import KVPool
 from hal.models.llama import load_safetensors
-from hal.requests import Proposal
+from hal.engine.requests import Proposal
 from tests.test_engine import PROMPTS, N
 from tests.test_serve import tiny  # noqa: F401  (the fixture: a tiny random model folder)
 

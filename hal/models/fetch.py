@@ -59,3 +59,13 @@ def fetch(name: str) -> Path:
         raise HalError(f"model fetch {name}: expected sha256 {m['sha256']}, got {got}")
     os.replace(str(dest) + ".part", dest)
     return dest
+
+
+def load_model(name: str, backend):
+    """(Llama, tokenizer) for a fetchable model name or a .gguf path; (Llama, None) for an
+    HF folder (config.json + safetensors)."""
+    from hal.models.llama import load_gguf, load_safetensors
+    path = fetch(name) if name in MODELS else Path(name)
+    if path.is_dir():
+        return load_safetensors(path, backend), None
+    return load_gguf(path, backend)

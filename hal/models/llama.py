@@ -89,7 +89,7 @@ class Llama:
         return view
 
     def to(self, device) -> "Llama":
-        """Move the weights to ``device`` (a `hal.placement.Side` device of this backend)."""
+        """Move the weights to ``device`` (a `hal.distributed.placement.Side` device of this backend)."""
         self.device = torch.device(device)
         for name, t in self.w.items():
             self.w[name] = t.to(self.device)

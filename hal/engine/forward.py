@@ -8,7 +8,7 @@ from torch import Tensor
 
 from hal import kv
 from hal.models.llama import Batch, Llama
-from hal.placement import transfer
+from hal.devices import transfer
 
 
 def forward(model: Llama, pool: kv.KVPool, seqs: list[kv.Sequence], chunks: list[list[int]], all_rows: bool,
@@ -27,7 +27,7 @@ def forward_tokens(model: Llama, pool: kv.KVPool, seqs: list[kv.Sequence], lens:
     states for every fed row (``all_rows``), each request's last, or the fed rows ``rows``
     (flat indices) when given; hidden states of ``hidden_rows`` instead when given (the
     residual streams entering ``feature_layers``, concatenated, when named). A draft tree
-    (``tree_mask``, `hal.trees.layout`) gives each row its ``depth``: its position is its
+    (``tree_mask``, `hal.engine.trees.layout`) gives each row its ``depth``: its position is its
     request's first fed position + depth. Reads nothing back from the device."""
     batch = make_batch(model.be, model.device, pool, seqs, lens, tokens, all_rows, rows, depth)
     batch.hidden_rows = None if hidden_rows is None else hidden_rows.to(model.device)

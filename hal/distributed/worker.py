@@ -13,11 +13,11 @@ import torch
 from torch import Tensor
 
 from hal.errors import HalError
-from hal.history import HistoryBuffer
-from hal.placement import sparse_q
-from hal.protocol import (DRAFT_SEED, HASH_SEED, Commit, DraftEntry, Drafts, Link, Stop, corrupted, decode, encode,
+from hal.engine.history import HistoryBuffer
+from hal.devices import sparse_q
+from hal.distributed.protocol import (DRAFT_SEED, HASH_SEED, Commit, DraftEntry, Drafts, Link, Stop, corrupted, decode, encode,
                           history_hash)
-from hal.requests import DraftBatch, SamplingParams, pack_features
+from hal.engine.requests import DraftBatch, SamplingParams, pack_features
 
 Guess = dict[int, tuple[list[int], list[int], Tensor | None]]  # rid -> (assumed history, drafts, q rows)
 
@@ -48,7 +48,7 @@ def draft_worker(link: Link, drafter, fault: str = "", idle: float | None = None
         if isinstance(msg, Stop):
             return
         if not isinstance(msg, Commit):
-            raise HalError(f"hal.serve worker: expected COMMIT or STOP, got {type(msg).__name__}")
+            raise HalError(f"hal.distributed.launcher worker: expected COMMIT or STOP, got {type(msg).__name__}")
         order = _apply_commit(msg, reqs, hist, guess, drafter)
         out, hits, stale = _drafts_for(order, reqs, hist, guess, drafter)
         if fault and replies == int(fault.split(":")[1]):  # fault injection for tests: HAL_SERVE_FAULT=
@@ -81,10 +81,10 @@ def _apply_commit(msg: Commit, reqs: dict[int, _Req], hist: HistoryBuffer, guess
             hist.release(e.rid)
             hist.add(e.rid, [])
         if e.rid not in reqs:
-            raise HalError(f"hal.serve worker: expected a known request or its parameters, got request {e.rid}")
+            raise HalError(f"hal.distributed.launcher worker: expected a known request or its parameters, got request {e.rid}")
         r = reqs[e.rid]
         if len(r.tokens) + len(e.delta) != e.length:
-            raise HalError(f"hal.serve: expected a committed history of {e.length} tokens for request {e.rid}, "
+            raise HalError(f"hal.distributed.launcher: expected a committed history of {e.length} tokens for request {e.rid}, "
                            f"got {len(r.tokens) + len(e.delta)} (protocol out of step)")
         if e.delta:
             hist.write([e.rid], [len(r.tokens)], torch.tensor([e.delta], dtype=torch.long))

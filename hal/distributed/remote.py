@@ -1,5 +1,5 @@
-"""The target's side of the two-rank protocol: `RemoteDrafter`, a `hal.decoder.Drafter`
-whose drafts come from the draft worker over a `hal.protocol.Link`. It trusts nothing the
+"""The target's side of the two-rank protocol: `RemoteDrafter`, a `hal.engine.decoder.Drafter`
+whose drafts come from the draft worker over a `hal.distributed.protocol.Link`. It trusts nothing the
 worker sends; a dead, silent or malformed worker leaves plain decoding (counted)."""
 
 from __future__ import annotations
@@ -10,16 +10,16 @@ import time
 import torch
 from torch import Tensor
 
-from hal import trees
+from hal.engine import trees
 from hal.checks import MAX_K, prob_values
-from hal.requests import DraftBatch, Proposal
+from hal.engine.requests import DraftBatch, Proposal
 from hal.errors import HalError
-from hal.placement import dense_q, transfer
-from hal.protocol import (HASH_SEED, Commit, CommitEntry, Drafts, Link, NewRequest, Stop, decode, encode,
+from hal.devices import dense_q, transfer
+from hal.distributed.protocol import (HASH_SEED, Commit, CommitEntry, Drafts, Link, NewRequest, Stop, decode, encode,
                           history_hash)
 
 class RemoteDrafter:
-    """The target's view of the draft worker (a `hal.decoder.Drafter`)."""
+    """The target's view of the draft worker (a `hal.engine.decoder.Drafter`)."""
 
     def __init__(self, link: Link, vocab: int, device: torch.device, metrics, timeout: float = 30.0,
                  first_timeout: float = 60.0, features: tuple[int, ...] | None = None):
@@ -74,7 +74,7 @@ class RemoteDrafter:
             return self._proposal(b, [[] for _ in range(R)], None)
 
     def _accept(self, b: DraftBatch, reply) -> tuple[list[list[int]], Tensor | None, list | None]:
-        """The drafts of a decoded reply (`hal.protocol.decode` checked its structure): one
+        """The drafts of a decoded reply (`hal.distributed.protocol.decode` checked its structure): one
         entry per request, q rows that are probabilities; drafts not built on the committed
         prefix (base length and hash) are dropped. Trees: each request's parents (None: chain)."""
         if not isinstance(reply, Drafts):
@@ -133,7 +133,7 @@ class RemoteDrafter:
     def _fail(self, e: Exception) -> None:
         self.alive = False
         self.metrics.draft_failures += 1
-        print(f"hal.serve: draft worker lost ({type(e).__name__}: {str(e).splitlines()[0][:160]}); "
+        print(f"hal.distributed.launcher: draft worker lost ({type(e).__name__}: {str(e).splitlines()[0][:160]}); "
               "finishing every request by plain decoding", file=sys.stderr, flush=True)
 
     def commit(self, rids, kept) -> None:

@@ -1,7 +1,7 @@
 """Draft and target in different processes or hosts.
 
-    torchrun --nproc-per-node 2 -m hal.serve --draft self:8 --prompt "..."
-    HAL_PLACEMENT="draft=cpu,target=cuda:0" torchrun --nproc-per-node 2 -m hal.serve ...
+    torchrun --nproc-per-node 2 -m hal.distributed.launcher --draft self:8 --prompt "..."
+    HAL_PLACEMENT="draft=cpu,target=cuda:0" torchrun --nproc-per-node 2 -m hal.distributed.launcher ...
 
 Rank 0 runs the target and the `SpeculativeDecoder`; rank 1 is the draft worker. The
 link is gloo for cpu and cross-vendor pairs, the backends' own collective (nccl, hccl)
@@ -31,19 +31,19 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from hal.decoder import Request, SpeculativeDecoder
+from hal.engine.decoder import Request, SpeculativeDecoder
 from hal.errors import HalError
-from hal.factories import HEADS, draft_memory, load_model, make_drafter, parse_draft
-from hal.placement import Placement, link_backend
-from hal.protocol import DRAFT, TARGET, Link
-from hal.remote import RemoteDrafter
-from hal.worker import draft_worker
+from hal.drafters.registry import HEADS, draft_memory, load_model, make_drafter, parse_draft
+from hal.distributed.placement import Placement, link_backend
+from hal.distributed.protocol import DRAFT, TARGET, Link
+from hal.distributed.remote import RemoteDrafter
+from hal.distributed.worker import draft_worker
 
 SERVE_DRAFTS = ("ngram", "ngram-tree", "self", "model", "eagle", "ngram+eagle", "eagle-tree", "ngram+eagle-tree")
 
 def plan(args, target_mem, target_side, draft_mem, draft_side, max_seqs: int):
     """This rank's memory plan (printed); raises `HalError` before anything is allocated."""
-    from hal.planner import GiB, plan_memory
+    from hal.engine.memory import GiB, plan_memory
     p = plan_memory(target_mem, target_side, draft_mem, draft_side,
                     max_seqs=max(1, max_seqs), max_context=args.max_context,
                     max_k=args.k, budget_fraction=args.memory_fraction,
@@ -104,7 +104,7 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hal.serve", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m hal.distributed.launcher", description=__doc__.split("\n\n")[0])
     add_engine_args(ap)
     ap.add_argument("--prompt", action="append", default=[], help="repeatable: one request each")
     ap.add_argument("--prompt-ids", action="append", default=[], help="comma-separated token ids (repeatable); "
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run(args)
     except HalError as e:
-        print(f"hal.serve: {e}", file=sys.stderr)
+        print(f"hal.distributed.launcher: {e}", file=sys.stderr)
         return 2
 
 
@@ -141,14 +141,14 @@ def start(args, max_seqs: int, engine_kw: dict | None = None) -> Target | None:
             joined = True
         except (RuntimeError, ValueError) as e:  # DistStoreError and friends: no peer within the timeout
             if rank == DRAFT:
-                raise HalError(f"hal.serve: the target did not join within {args.draft_startup_timeout} s "
+                raise HalError(f"hal.distributed.launcher: the target did not join within {args.draft_startup_timeout} s "
                                f"({type(e).__name__})") from e
-            print(f"hal.serve: the draft worker did not join within {args.draft_startup_timeout} s "
+            print(f"hal.distributed.launcher: the draft worker did not join within {args.draft_startup_timeout} s "
                   f"({type(e).__name__}); serving alone by plain decoding", file=sys.stderr, flush=True)
     from hal.models.fetch import MODELS, fetch
     from hal.models.llama import read_config
-    from hal.placement import resolve_side
-    from hal.planner import ModelMemory
+    from hal.distributed.placement import resolve_side
+    from hal.engine.memory import ModelMemory
     path = str(fetch(args.model) if args.model in MODELS and not (rank == DRAFT and spec.kind in ("ngram", "ngram-tree"))
                else args.model)  # an n-gram worker needs no weights
     head = spec.kind in HEADS   # an EAGLE head: it reads the target's features
@@ -181,7 +181,7 @@ def start(args, max_seqs: int, engine_kw: dict | None = None) -> Target | None:
         link = Link(DRAFT, torch.device("cpu") if backend == "gloo" else target_side.device)
         layers = None
         if head:
-            from hal.eagle import head_feature_layers, shipped_head
+            from hal.models.eagle import head_feature_layers, shipped_head
             layers = head_feature_layers(spec.path or shipped_head(args.model), model.cfg.layers)
         drafter = RemoteDrafter(link, model.cfg.vocab, target_side.device, metrics, args.draft_timeout,
                                 first_timeout=args.draft_startup_timeout, features=layers)
@@ -191,7 +191,7 @@ def start(args, max_seqs: int, engine_kw: dict | None = None) -> Target | None:
                                pool=mplan.allocate("draft") if dmem else None, device=draft_side.device)
     dec = SpeculativeDecoder(model, drafter, metrics=metrics, pool=pool, **(engine_kw or {}))
     if args.route and drafter is not None:
-        from hal.router import Router
+        from hal.engine.router import Router
         dec.router = Router(dec.profile_costs(profile_draft=world == 1), max_k=args.k)
     return Target(dec, tok, world, joined, backend, target_side)
 

@@ -211,7 +211,7 @@ def load_eagle(path: str | Path, target: Llama, backend=None, device=None) -> Ea
 
 # -- heads shipped with the package ----------------------------------------------------------------
 
-HEADS_DIR = Path(__file__).parent / "models" / "heads"
+HEADS_DIR = Path(__file__).parent / "heads"
 SHIPPED = {   # model name -> (folder under hal/models/heads, sha256 of its model.safetensors)
     "smollm2-135m": ("smollm2-135m-eagle", "a324b230a2c5912621fbd105f18366daba17446053a93468739090178ee42918"),
 }

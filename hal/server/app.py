@@ -1,6 +1,6 @@
 """An OpenAI-compatible HTTP server with speculative decoding: ``spec-hal serve`` or
 ``python -m hal serve`` (under torchrun with a draft rank: ``torchrun --nproc-per-node 2
--m hal.api_server ...``; this process is then the target rank).
+-m hal.server.app ...``; this process is then the target rank).
 
 FastAPI + uvicorn. One engine loop (`EngineLoop`) runs `SpeculativeDecoder.step` in its
 own thread; HTTP handlers talk to it through queues only, so a slow client never stalls
@@ -25,9 +25,9 @@ from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
 
 from hal.errors import HalError
-from hal.openai_api import (ApiError, Parsed, TextState, chunk, logprobs_chat, logprobs_completion, new_id, parse,
+from hal.server.openai_schema import (ApiError, Parsed, TextState, chunk, logprobs_chat, logprobs_completion, new_id, parse,
                             response, usage)
-from hal.requests import Request, check_request
+from hal.engine.requests import Request, check_request
 
 
 @dataclass
@@ -183,12 +183,12 @@ async def read_body(request) -> bytes:
 
 
 def make_app(target, served: str, max_model_len: int, default_k: int, max_in_flight: int):
-    """The FastAPI app over a `hal.serve.Target` (engine + tokenizer)."""
+    """The FastAPI app over a `hal.distributed.launcher.Target` (engine + tokenizer)."""
     from fastapi import FastAPI, Request as HttpRequest
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-    from hal.live_metrics import LiveMetrics
+    from hal.server.live_metrics import LiveMetrics
     dec, tok = target.dec, target.tok
     dec.metrics.bound(10_000)   # live figures go to prometheus; keep the in-process samples bounded
     metrics = LiveMetrics(max_k=max(default_k, 1))
@@ -335,7 +335,7 @@ def make_app(target, served: str, max_model_len: int, default_k: int, max_in_fli
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hal.serve import add_engine_args, start
+    from hal.distributed.launcher import add_engine_args, start
     ap = argparse.ArgumentParser(prog="spec-hal serve", description=__doc__.split("\n\n")[0])
     add_engine_args(ap)
     ap.add_argument("--host", default="127.0.0.1")

@@ -56,7 +56,7 @@ class ModelMemory:
 @dataclass
 class PoolPlan:
     model: str
-    side: object  # hal.placement.Side
+    side: object  # hal.distributed.placement.Side
     block_size: int
     num_blocks: int
     block_bytes: int

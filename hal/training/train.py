@@ -1,6 +1,6 @@
 """``python -m hal train-head``: train an EAGLE head for a model by self-distillation.
 
-1. The target answers the project's prompt set (`hal.eagle_data`), greedily.
+1. The target answers the project's prompt set (`hal.training.data`), greedily.
 2. One batch-invariant forward per prompt + response records its features.
 3. The head learns EAGLE's loss: regression of the next feature (smooth L1) plus cross-entropy
    against the target's own next-token distribution over the head's draft vocabulary.
@@ -28,8 +28,8 @@ def build_data(model: str, max_new_tokens: int = 128, limit: int | None = None, 
     """Generate responses and record features (cached: a second call reads the file)."""
     from tqdm import tqdm
 
-    from hal import eagle_data
-    from hal.factories import load_model
+    from hal.training import data as eagle_data
+    from hal.drafters.registry import load_model
     from hal.models.tokenizer import chatml
     from hal.registry import get_backend
     out = out or data_path(model)
@@ -59,7 +59,7 @@ def build_data(model: str, max_new_tokens: int = 128, limit: int | None = None, 
     return out
 
 
-# -- the head, as a trainable module (the same maths as `hal.eagle.EagleModel`, EAGLE-1 layout) ------
+# -- the head, as a trainable module (the same maths as `hal.models.eagle.EagleModel`, EAGLE-1 layout) ------
 
 class TrainHead(torch.nn.Module):
     """EAGLE-1's layer (no input norm) over full causal sequences, for training; `weights`
@@ -139,12 +139,12 @@ def train(model: str, out: Path, minutes: float = 40.0, draft_size: int = 8192, 
 
     blob = torch.load(str(data or data_path(model)), weights_only=False)
     if target is None:
-        from hal.factories import load_model
+        from hal.drafters.registry import load_model
         from hal.registry import get_backend
         target, _ = load_model(model, get_backend("cpu"))
     cfg = target.cfg
     torch.manual_seed(seed)
-    from hal import eagle_data
+    from hal.training import data as eagle_data
     texts = blob.get("texts")           # data without its prompt texts (a test's): all of it
     keep = [i for i in range(len(blob["ids"]))
             if texts is None or not any(w in texts[i].lower() for w in eagle_data.EXCLUDE)]

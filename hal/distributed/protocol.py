@@ -4,7 +4,7 @@ float32 rows, optional int32 sparse indices, over torch.distributed point-to-poi
 
 One round: the target sends COMMIT (the tokens committed since the last round and each
 request's k); the worker answers DRAFTS built on exactly that committed prefix (base
-length and hash per request), or the target gets STOP at the end. See `hal.serve`."""
+length and hash per request), or the target gets STOP at the end. See `hal.distributed.launcher`."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from hal.errors import HalError
-from hal.placement import transfer
+from hal.devices import transfer
 
 COMMIT, DRAFTS, STOP = 1, 2, 3
 MAX_WORDS, MAX_ROWS, MAX_COLS = 1 << 24, 1 << 20, 1 << 20  # what a peer's message header may announce
@@ -67,7 +67,7 @@ class Link:
         head = self._recv(torch.empty(4, dtype=torch.long), timeout).tolist()
         if not (1 <= head[0] <= MAX_WORDS and 0 <= head[1] <= MAX_ROWS and 0 <= head[2] <= MAX_COLS
                 and head[1] * head[2] <= MAX_ROWS * 64 and head[3] in (0, 1)):
-            raise HalError(f"hal.serve: expected a message header within bounds, got {head}")
+            raise HalError(f"hal.distributed.launcher: expected a message header within bounds, got {head}")
         words = self._recv(torch.empty(head[0], dtype=torch.long), timeout).tolist()
         rows = self._recv(torch.empty(head[1], head[2]), timeout) if head[1] else None
         idx = self._recv(torch.empty(head[1], head[2], dtype=torch.int32), timeout) if head[1] and head[3] else None
@@ -113,7 +113,7 @@ class CommitEntry:
     length: int              # the committed history's length after ``delta``
     delta: list[int]         # tokens committed since the last round
     new: NewRequest | None = None
-    features: Tensor | None = None  # [n, F] the target's features not sent before (`hal.requests.DraftBatch`)
+    features: Tensor | None = None  # [n, F] the target's features not sent before (`hal.engine.requests.DraftBatch`)
 
     def __eq__(self, other) -> bool:
         f, g = self.features, getattr(other, "features", None)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hal.decoder import draft_room
+from hal.engine.decoder import draft_room
 from hal.errors import arg_error
 
 
@@ -173,11 +173,11 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 
 def profile_decoder(dec, max_tokens: int = 72, context: int = 512, reps: int = 5, profile_draft: bool = True):
-    """A `hal.router.CostModel` measured here and now: the target forward over T fed
+    """A `hal.engine.router.CostModel` measured here and now: the target forward over T fed
     tokens (T = 1, 2, 3, 5, 9, ... up to ``max_tokens``, at a short context), the
     extra cost of ``context`` tokens of attention, and the drafter's chain of k
     (``profile_draft=False``: not profiled, e.g. a remote drafter whose work overlaps)."""
-    from hal.decoder import DraftBatch, Request, forward
+    from hal.engine.decoder import DraftBatch, Request, forward
     backends = {id(b): b for b in (dec.target.be, _backend_of(dec.drafter)) if b is not None}.values()
 
     def sync():

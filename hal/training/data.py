@@ -119,9 +119,9 @@ def prompts(heldout: bool = False) -> list[str]:
 def generate(target, tok, texts: list[str], max_new_tokens: int = 160, batch: int = 16, progress=None
              ) -> list[list[int]]:
     """Greedy responses of ``target`` to ``texts`` (ChatML), each as prompt + response ids."""
-    from hal.decoder import SpeculativeDecoder
+    from hal.engine.decoder import SpeculativeDecoder
     from hal.models.tokenizer import chatml
-    from hal.requests import Request
+    from hal.engine.requests import Request
     eos = target.cfg.stop_ids
     ids = [tok.encode(chatml(t)).ids for t in texts]
     out: list[list[int]] = []
@@ -139,7 +139,7 @@ def features(target, seqs: list[list[int]], progress=None) -> list[Tensor]:
     """The target's final normed hidden state at every position of each sequence ([L, H]
     fp16 each), from one forward per sequence."""
     from hal import kv
-    from hal.forward import forward_tokens
+    from hal.engine.forward import forward_tokens
     out = []
     for ids in seqs:
         pool = kv.KVPool(target.be, -(-len(ids) // 16), 16, target.cfg.kv_heads, target.cfg.head_dim,

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from hal import kv
-from hal.forward import sampling_args, target_probs
+from hal.engine.forward import sampling_args, target_probs
 
 
 def chain_parents(ks) -> list[int]:
@@ -32,7 +32,7 @@ def ancestors(parents: Tensor, counts: list[int], dev) -> Tensor:
                        dtype=torch.long).view(R, W - 1).to(dev)
     up = torch.arange(W, device=dev).expand(R, W).clone()     # row -> its parent's row (root, padding: itself)
     if parents.numel():
-        # clamped: a malformed tree (refused by `hal.drafting.check_proposal` on the host, by
+        # clamped: a malformed tree (refused by `hal.engine.proposals.check_proposal` on the host, by
         # `verify_tree`'s checks elsewhere) must not index out of range first
         par = (parents.to(dev).long()[idx.clamp(max=parents.numel() - 1)] + 1).clamp(0, W - 1)
         up[:, 1:] = torch.where(real, par, up[:, 1:])

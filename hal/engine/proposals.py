@@ -10,10 +10,10 @@ from torch import Tensor
 
 from hal.checks import tree_parents
 from hal.errors import HalError
-from hal.forward import readback
-from hal.history import HistoryBuffer
-from hal.placement import transfer
-from hal.requests import DraftBatch, Proposal, State, draft_room, pack_features
+from hal.engine.forward import readback
+from hal.engine.history import HistoryBuffer
+from hal.devices import transfer
+from hal.engine.requests import DraftBatch, Proposal, State, draft_room, pack_features
 
 Ahead = tuple[Proposal, dict[int, tuple[int, int]]]   # a lookahead proposal: rid -> (first slot, valid slots)
 
@@ -37,7 +37,7 @@ def check_proposal(prop, ks: list[int]) -> None:
     request (shapes only: nothing is read back)."""
     R, N = len(ks), sum(ks)
     if not isinstance(prop, Proposal):
-        raise HalError(f"drafter.propose: expected a hal.requests.Proposal, got {type(prop).__name__}")
+        raise HalError(f"drafter.propose: expected a hal.engine.requests.Proposal, got {type(prop).__name__}")
     ids, cu, q, valid = prop.draft_token_ids, prop.cu_num_draft_tokens, prop.draft_probs, prop.num_valid
     if not isinstance(ids, Tensor) or ids.dim() != 1 or ids.shape[0] != N or ids.is_floating_point():
         raise HalError(f"Proposal.draft_token_ids: expected an integer tensor [{N}] (sum of k), got "

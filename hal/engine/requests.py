@@ -86,7 +86,7 @@ class DraftBatch:
 
     rids: tuple[int, ...]
     params: tuple          # each request's sampling parameters (`SamplingParams` fields; do not modify)
-    history: Tensor        # [R, L] int64 committed token ids (a copy of the engine's `hal.history.HistoryBuffer`
+    history: Tensor        # [R, L] int64 committed token ids (a copy of the engine's `hal.engine.history.HistoryBuffer`
     #                        rows); row i is valid up to num_tokens[i], scratch after
     num_tokens: Tensor     # [R] int64 committed lengths, on the history's device
     lengths: tuple[int, ...] | None  # the same on the host; None on a lookahead call (not known before the readback)

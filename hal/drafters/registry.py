@@ -1,5 +1,5 @@
 """Model loading and the one ``--draft`` grammar, shared by the command line and the
-two-rank server (`hal.serve`): library code, which imports nothing from the CLI.
+two-rank server (`hal.distributed.launcher`): library code, which imports nothing from the CLI.
 
 ``--draft`` is one of ``none``, ``ngram``, ``self`` / ``self:L`` (the target's first L
 layers; half of them by default), ``model:<path>`` (a separate draft model), ``eagle`` /
@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from hal.errors import HalError
+from hal.models.fetch import load_model
 
 DRAFT_GRAMMAR = ("none, ngram, ngram-tree, self[:L], model:<path>, eagle[:<path>], ngram+eagle[:<path>], "
                  "eagle-tree[:<path>] or ngram+eagle-tree[:<path>]")
@@ -55,21 +56,10 @@ def parse_draft(spec: str, allowed: tuple[str, ...] = ("none", "ngram", "ngram-t
     return d
 
 
-def load_model(name: str, backend):
-    """(Llama, tokenizer) for a fetchable model name or a .gguf path; (Llama, None) for an
-    HF folder (config.json + safetensors)."""
-    from hal.models.fetch import MODELS, fetch
-    from hal.models.llama import load_gguf, load_safetensors
-    path = fetch(name) if name in MODELS else Path(name)
-    if path.is_dir():
-        return load_safetensors(path, backend), None
-    return load_gguf(path, backend)
-
-
 def draft_memory(spec: DraftSpec, model_path: str, shares_target: bool):
     """(ModelMemory of the draft model or None for n-gram/none, its weights' path)."""
     from hal.models.llama import read_config
-    from hal.planner import ModelMemory
+    from hal.engine.memory import ModelMemory
     if spec.kind in ("none", "ngram", "ngram-tree") + HEADS:   # a head's KV is 1/L of the target's: in its slack
         return None, None
     if spec.kind == "self":
@@ -82,7 +72,7 @@ def draft_memory(spec: DraftSpec, model_path: str, shares_target: bool):
 def make_drafter(spec: DraftSpec, backend, target=None, path: str | None = None, pool=None, device=None):
     """The drafter for ``spec``: None, `NgramDrafter`, a `ModelDrafter` over the first L
     layers of ``target`` (self) or of the model at ``path`` (model, or self without a target),
-    its KV in ``pool`` when given, or a `hal.eagle_drafters.HeadDrafter` for ``target`` (eagle: the head
+    its KV in ``pool`` when given, or a `hal.drafters.eagle.HeadDrafter` for ``target`` (eagle: the head
     shipped for the model named ``path`` unless the spec names a folder)."""
     from hal.drafters import ModelDrafter, NgramDrafter, NgramTreeDrafter
     if spec.kind == "none":
@@ -92,8 +82,8 @@ def make_drafter(spec: DraftSpec, backend, target=None, path: str | None = None,
     if spec.kind == "ngram-tree":
         return NgramTreeDrafter(backend)
     if spec.kind in HEADS:
-        from hal.eagle import load_eagle, shipped_head
-        from hal.eagle_drafters import HeadDrafter, NgramOrHead
+        from hal.models.eagle import load_eagle, shipped_head
+        from hal.drafters.eagle import HeadDrafter, NgramOrHead
         if target is None:
             raise HalError(f"--draft {spec.kind}: expected the target model in this process (an EAGLE head reads "
                            f"its features and shares its embeddings), got a separate draft rank", arg="--draft")

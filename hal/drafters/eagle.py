@@ -1,6 +1,6 @@
-"""Drafting with an EAGLE head (`hal.eagle.EagleModel`): `HeadDrafter` keeps the head's own KV
+"""Drafting with an EAGLE head (`hal.models.eagle.EagleModel`): `HeadDrafter` keeps the head's own KV
 and is passed every target feature once; `NgramOrHead` takes n-gram lookup's drafts where it
-matches and the head's elsewhere. Both are `hal.requests.Drafter` s with ``features``."""
+matches and the head's elsewhere. Both are `hal.engine.requests.Drafter` s with ``features``."""
 
 from __future__ import annotations
 
@@ -9,16 +9,17 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from hal import kv, trees
-from hal.drafters import _sample_chain, empty, slots, subset, widen
-from hal.eagle import EagleModel
-from hal.forward import make_batch, readback
+from hal import kv
+from hal.engine import trees
+from hal.drafters.batching import empty, sample_chain, slots, subset, widen
+from hal.models.eagle import EagleModel
+from hal.engine.forward import make_batch, readback
 from hal.errors import HalError
-from hal.requests import DraftBatch, Proposal
+from hal.engine.requests import DraftBatch, Proposal
 
 
 class HeadDrafter:
-    """Drafts a chain with an `EagleModel` (a `hal.requests.Drafter` with ``features``).
+    """Drafts a chain with an `EagleModel` (a `hal.engine.requests.Drafter` with ``features``).
 
     Per request its KV holds the pairs (f_t, x_{t+1}) of every committed position whose
     target feature it was passed (``valid``); each `propose` drops its previous scratch
@@ -121,7 +122,7 @@ class HeadDrafter:
                 return head.full_logits(logits0)
             logits, state["h"] = self._feed(seqs, prev, state["h"])
             return head.full_logits(logits)
-        return _sample_chain(b, self.be, dev, step)
+        return sample_chain(b, self.be, dev, step)
 
     def _feed(self, seqs, tokens: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
         """One draft step: each request's previous draft with the head's own output (scratch KV)."""

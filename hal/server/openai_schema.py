@@ -1,4 +1,4 @@
-"""The OpenAI wire format for `hal.api_server`: request bodies checked field by field (an
+"""The OpenAI wire format for `hal.server.app`: request bodies checked field by field (an
 HTTP client is untrusted input: every error names the field), the chat template,
 incremental detokenization with stop strings, and the response and chunk shapes."""
 
@@ -10,7 +10,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from hal.checks import MAX_K
-from hal.requests import MAX_LOGPROBS, SamplingParams
+from hal.engine.requests import MAX_LOGPROBS, SamplingParams
 
 
 class ApiError(Exception):

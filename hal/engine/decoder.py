@@ -14,10 +14,10 @@ randomness is a function of its own seed and step counter only, so its output do
 depend on what else runs, when it arrived, or whether it was chunked or preempted.
 ``k = 0`` is plain decoding through the same path. A drafter's tree (``Proposal.parent_ids``)
 goes through the same step: tree mask and depths in the forward, `verify_tree`, the accepted
-path's KV compacted (`hal.trees`).
+path's KV compacted (`hal.engine.trees`).
 
-Drafters get data (`hal.requests.DraftBatch`) and return data (`hal.requests.Proposal`,
-on their own device); the step reads the device once, after verification (`hal.forward.
+Drafters get data (`hal.engine.requests.DraftBatch`) and return data (`hal.engine.requests.Proposal`,
+on their own device); the step reads the device once, after verification (`hal.engine.forward.
 readback`), and a lookahead drafter (n-gram) drafts the next step before that read.
 """
 
@@ -30,14 +30,15 @@ from dataclasses import asdict
 import torch
 from torch import Tensor
 
-from hal import drafting, kv, trees
+from hal import kv
+from hal.engine import proposals as drafting, trees
 from hal.errors import HalError
-from hal.forward import forward, forward_tokens, logprob_entry, logprob_rows, readback, sampling_args, target_probs
-from hal.history import HistoryBuffer
+from hal.engine.forward import forward, forward_tokens, logprob_entry, logprob_rows, readback, sampling_args, target_probs
+from hal.engine.history import HistoryBuffer
 from hal.metrics import SpecDecodeMetrics
 from hal.models.llama import Llama
-from hal.placement import transfer
-from hal.requests import (MAX_LOGPROBS, DraftBatch, Drafter, Proposal, Request, SamplingParams, State, StepOutput,
+from hal.devices import transfer
+from hal.engine.requests import (MAX_LOGPROBS, DraftBatch, Drafter, Proposal, Request, SamplingParams, State, StepOutput,
                           check_request, draft_room)
 
 __all__ = ["MAX_LOGPROBS", "DraftBatch", "Drafter", "Proposal", "Request", "SamplingParams", "SpeculativeDecoder",
@@ -47,9 +48,9 @@ __all__ = ["MAX_LOGPROBS", "DraftBatch", "Drafter", "Proposal", "Request", "Samp
 class SpeculativeDecoder:
     """Continuous batching with an optional drafter on the same or another backend.
 
-    With a `hal.router.Router`, k is chosen per request and step (0 = plain decoding)
+    With a `hal.engine.router.Router`, k is chosen per request and step (0 = plain decoding)
     before anything is drafted, inside the token budget; ``Request.k`` is then the cap.
-    ``pool`` takes a KV pool from a `hal.planner.Plan`. ``max_num_batched_tokens`` bounds
+    ``pool`` takes a KV pool from a `hal.engine.memory.Plan`. ``max_num_batched_tokens`` bounds
     the tokens one step feeds the target (None: unbounded); ``max_num_seqs`` the requests
     running at once."""
 
@@ -379,7 +380,7 @@ class SpeculativeDecoder:
 
     def profile_costs(self, max_tokens: int = 72, context: int = 512, reps: int = 5,
                       profile_draft: bool = True):
-        """A `hal.router.CostModel` measured here and now (`hal.router.profile_decoder`)."""
-        from hal.router import profile_decoder
+        """A `hal.engine.router.CostModel` measured here and now (`hal.engine.router.profile_decoder`)."""
+        from hal.engine.router import profile_decoder
         return profile_decoder(self, max_tokens, context, reps, profile_draft)
 

@@ -1,0 +1,86 @@
+"""Shared by the drafters: a `Proposal` from padded drafts (`slots`, `empty`), a
+sub-batch of a `DraftBatch` and back (`subset`, `widen`), and an autoregressive sampled
+chain (`sample_chain`)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from hal.engine.forward import sampling_tensors
+from hal.engine.requests import DraftBatch, Proposal
+
+
+def slots(drafts: Tensor, k: tuple[int, ...], probs: Tensor | None = None, num_valid=None) -> Proposal:
+    """A `Proposal` from padded drafts ``[R, K]`` (and q ``[R, K, V]``): the first ``k[i]`` of row i."""
+    R, K = drafts.shape[0], drafts.shape[1] if drafts.dim() == 2 else 0
+    dev = drafts.device
+    idx = torch.tensor([i * K + j for i, n in enumerate(k) for j in range(n)], dtype=torch.long).to(dev)
+    cu = torch.tensor([0, *k], dtype=torch.long).cumsum(0).to(dev)
+    ids = drafts.reshape(-1)[idx].long()
+    q = None if probs is None else probs.reshape(R * K, -1)[idx]
+    return Proposal(ids, cu, q, num_valid)
+
+
+def empty(R: int, device) -> Proposal:
+    return slots(torch.zeros(R, 0, dtype=torch.long, device=device), (0,) * R)
+
+
+def subset(b: DraftBatch, keep: list[int]) -> DraftBatch:
+    """The rows ``keep`` of a `DraftBatch` (its features too)."""
+    pick = lambda t: t[torch.tensor(keep, dtype=torch.long).to(t.device)]  # noqa: E731
+    feats, counts = b.features, b.num_features
+    if feats is not None:
+        cu = [0]
+        for n in counts:
+            cu.append(cu[-1] + n)
+        feats = pick_rows(feats, [j for i in keep for j in range(cu[i], cu[i + 1])])
+        counts = tuple(counts[i] for i in keep)
+    return DraftBatch(tuple(b.rids[i] for i in keep), tuple(b.params[i] for i in keep), pick(b.history),
+                      pick(b.num_tokens), None if b.lengths is None else tuple(b.lengths[i] for i in keep),
+                      tuple(b.k[i] for i in keep), tuple(b.offsets[i] for i in keep),
+                      None if b.hidden is None else pick(b.hidden), feats, counts)
+
+
+def pick_rows(t: Tensor, rows: list[int]) -> Tensor:
+    return t[torch.tensor(rows, dtype=torch.long).to(t.device)]
+
+
+def widen(b: DraftBatch, keep: list[int], part: Proposal | None, dev) -> Proposal:
+    """A `Proposal` for all of ``b`` from one for its rows ``keep``: the others get their
+    ``k`` slots as filler (``num_valid`` 0)."""
+    cu = [0]
+    for k in b.k:
+        cu.append(cu[-1] + k)
+    at = torch.tensor([cu[i] + j for i in keep for j in range(b.k[i])], dtype=torch.long).to(dev)
+    ids = torch.zeros(cu[-1], dtype=torch.long, device=dev)
+    probs = None
+    if part is not None and len(at):
+        ids[at] = part.draft_token_ids
+        if part.draft_probs is not None:
+            probs = torch.zeros(cu[-1], part.draft_probs.shape[1], device=dev)
+            probs[:, 0] = 1   # filler slots: valid rows, never verified
+            probs[at] = part.draft_probs
+    kept = set(keep)
+    return Proposal(ids, torch.tensor(cu).to(dev), probs, tuple(k if i in kept else 0 for i, k in enumerate(b.k)))
+
+
+def sample_chain(b: DraftBatch, be, dev, step: Callable[[Tensor, int], Tensor]) -> Proposal:
+    """Draft max(k) tokens by ``step(x, j) -> logits`` (x: the previous draft), sampling each
+    request with its own parameters at Philox offset ``offsets[i] + j``."""
+    R, K = len(b.rids), max(b.k, default=0)
+    temp, top_k, top_p = sampling_tensors(b.params, [1] * R, dev)
+    seeds = torch.tensor([p.seed for p in b.params], dtype=torch.long).to(dev)
+    off = torch.tensor(b.offsets, dtype=torch.long).to(dev)
+    toks, qs, x = [], [], None
+    for j in range(K):
+        tok, q = be.sample(step(x, j).float(), temp, top_k, top_p, seeds, off + j)
+        x = tok.long()
+        toks.append(x)
+        qs.append(q)
+    sampled = any(p.temperature > 0 for p in b.params)
+    if not toks:
+        return empty(R, dev)
+    return slots(torch.stack(toks, 1), b.k, torch.stack(qs, 1).float() if sampled else None)

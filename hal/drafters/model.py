@@ -1,0 +1,137 @@
+"""Model drafters: a separate draft model, or the target's first L layers
+(self-speculative), with its own KV pool (`ModelDrafter`); and a chain from any
+EAGLE-style head callable (`EagleDrafter`). Each reads a `DraftBatch` and returns a
+`Proposal` on its own device; none reads anything back to the host."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from hal import kv
+from hal.devices import transfer
+from hal.drafters.batching import empty, sample_chain, subset, widen
+from hal.engine.forward import forward_tokens
+from hal.engine.requests import DraftBatch, Proposal
+from hal.errors import HalError
+from hal.models.llama import Llama
+
+
+class ModelDrafter:
+    """A draft model with its own KV pool, on its own backend (device) if wanted.
+
+    Its KV holds a prefix of each request's history plus its own drafts; ``propose``
+    keeps the part that `commit` confirmed, catches up in one ragged forward, then drafts
+    autoregressively, sampling with the request's own parameters and returning the q it
+    sampled from."""
+
+    def __init__(self, model: Llama, num_blocks: int = 512, block_size: int = 16, pool: kv.KVPool | None = None):
+        self.model = model
+        cfg = model.cfg
+        self.pool = pool or kv.KVPool(model.be, num_blocks, block_size, cfg.kv_heads, cfg.head_dim,
+                                      num_layers=model.num_layers, device=model.device)
+        self.seqs: dict[int, kv.Sequence] = {}
+        self.valid: dict[int, int] = {}   # rid -> leading tokens of its draft KV known to be committed history
+        self.cached: dict[int, int] = {}  # rid -> tokens in its draft KV after the last propose
+        self.pool_full = 0                # requests left without drafts for a step: the draft pool was full
+
+    def propose(self, b: DraftBatch) -> Proposal:
+        """Drafts for every request whose chain fits the draft pool; when it is full, the
+        latest requests' draft caches are dropped and they get no drafts this step (they
+        decode plainly; ``pool_full`` counts them)."""
+        if b.lengths is None:
+            raise HalError("ModelDrafter.propose: expected host lengths (it is not a lookahead drafter), got None")
+        K = max(b.k, default=0)
+        keep = self._make_room(b, K)
+        if len(keep) == len(b.rids):
+            return self._propose(b)
+        return widen(b, keep, self._propose(subset(b, keep)) if keep else None, self.model.device)
+
+    def _make_room(self, b: DraftBatch, K: int) -> list[int]:
+        """Rows whose draft chains fit the draft pool, freeing the latest requests' caches
+        until they do."""
+        a = self.pool.allocator
+        need = {rid: max(0, -(-(L + K - 1) // a.block_size) - len(self.seqs[rid].blocks if rid in self.seqs else ()))
+                for rid, L in zip(b.rids, b.lengths)} if K else {}
+        drop = set()
+        for rid in sorted(b.rids, reverse=True):
+            if sum(n for r, n in need.items() if r not in drop) <= a.num_free:
+                break
+            drop.add(rid)
+            self.release(rid)
+            need[rid] = 0
+            self.pool_full += 1
+        return [i for i, rid in enumerate(b.rids) if rid not in drop]
+
+    def _propose(self, b: DraftBatch) -> Proposal:
+        dev = self.model.device
+        hist = transfer(b.history, dev)
+        seqs, lens, rows, cols = [], [], [], []
+        for i, (rid, L) in enumerate(zip(b.rids, b.lengths)):
+            q = self.seqs.setdefault(rid, self.pool.sequence())
+            n = min(self.valid.get(rid, 0), L - 1)   # feed at least the last token
+            q.truncate(n)
+            seqs.append(q)
+            lens.append(L - n)
+            rows += [i] * (L - n)
+            cols += range(n, L)
+            self.valid[rid] = n
+        K = max(b.k, default=0)
+        if K == 0:
+            return empty(len(b.rids), dev)
+        up = lambda v: torch.tensor(v, dtype=torch.long).to(dev)  # noqa: E731
+        first = hist[up(rows), up(cols)]
+
+        def step(x, j):
+            tokens, ns = (first, lens) if j == 0 else (x, [1] * len(seqs))
+            logits, _ = forward_tokens(self.model, self.pool, seqs, ns, tokens)
+            for q, n in zip(seqs, ns):
+                q.commit(n)
+            return logits
+        prop = sample_chain(b, self.model.be, dev, step)
+        for rid, L in zip(b.rids, b.lengths):  # the KV holds the history and drafts 1..K-1
+            self.valid[rid], self.cached[rid] = L, L + K - 1
+        return prop
+
+    def commit(self, rids, kept) -> None:
+        for rid, n in zip(rids, kept):
+            if rid in self.cached:
+                self.valid[rid] = min(self.cached.pop(rid), n)
+
+    def release(self, rid) -> None:
+        if (q := self.seqs.pop(rid, None)) is not None:
+            q.free()
+        self.valid.pop(rid, None)
+        self.cached.pop(rid, None)
+
+
+EagleHead = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
+"""An EAGLE-style head: ``(hidden [M, H], token_ids [M]) -> (logits [M, V], next_hidden [M, H])``,
+where ``hidden`` is the target's final hidden state at the position that produced ``token_ids``."""
+
+
+class EagleDrafter:
+    """Drafts by chaining an EAGLE-style head from the target's last hidden state."""
+
+    def __init__(self, head: EagleHead, backend):
+        self.head, self.be = head, backend
+
+    def propose(self, b: DraftBatch) -> Proposal:
+        if b.hidden is None:
+            raise HalError("EagleDrafter.propose: expected the target's hidden states (DraftBatch.hidden), got None")
+        h = b.hidden
+        last = b.history.gather(1, (b.num_tokens - 1).clamp(min=0)[:, None])[:, 0]
+        state = {"h": h}
+
+        def step(x, j):
+            logits, state["h"] = self.head(state["h"], last.to(h.device) if x is None else x)
+            return logits
+        return sample_chain(b, self.be, h.device, step)
+
+    def commit(self, rids, kept) -> None:
+        pass
+
+    def release(self, rid) -> None:
+        pass
