@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo conformance bench clean
+.PHONY: test demo conformance bench docs clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -11,10 +11,13 @@ $(BIN)/python:
 # torch first, pinned: this machine's local CPU build, never a CUDA download.
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[test,triton,models]"
+	$(BIN)/pip install -q -e ".[test,triton,models,docs]"
 	touch $(STAMP)
 
+# the layer contracts (pyproject.toml), the docs site (a broken reference fails), then the suite
 test: $(STAMP)
+	$(BIN)/lint-imports --no-cache
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir $(VENV)/site
 	TRITON_INTERPRET=1 HAL_ASCEND_EMULATE=1 $(BIN)/python -m pytest -q
 
 demo: $(STAMP)
@@ -36,6 +39,9 @@ bench: $(STAMP)
 	cd benchmarks && ../$(BIN)/python engine.py
 	cd benchmarks && ../$(BIN)/python serve.py
 	$(BIN)/python benchmarks/load.py
+
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

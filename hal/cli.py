@@ -7,7 +7,7 @@ import os
 import sys
 
 from hal.errors import HalError
-from hal.drafters.registry import load_model
+from hal.drafters.registry import draft_help, draft_kinds, load_model
 
 
 def cmd_info(_args) -> int:
@@ -138,15 +138,12 @@ def cmd_model(args) -> int:
     return 0
 
 
-CLI_DRAFTS = ("none", "ngram", "ngram-tree", "self", "eagle", "ngram+eagle", "eagle-tree", "ngram+eagle-tree")
-
-
 def make_drafter(kind: str, target, backend, model: str = "smollm2-135m"):
     """The CLI's drafters over ``target`` (`hal.drafters.registry`): none, ngram, ngram-tree, self[:L],
     eagle[:<folder>], ngram+eagle[:<folder>] or their -tree forms (without a folder: the head
     shipped for ``model``)."""
-    from hal.drafters.registry import make_drafter as build, parse_draft
-    return build(parse_draft(kind, CLI_DRAFTS), backend, target=target, path=model)
+    from hal.drafters.registry import draft_kinds, make_drafter as build, parse_draft
+    return build(parse_draft(kind, draft_kinds(cli=True)), backend, target=target, path=model)
 
 
 def cmd_train_head(args) -> int:
@@ -262,10 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     mf.add_argument("name")
     g = sub.add_parser("generate", help="generate text with speculative decoding")
     g.add_argument("--model", default="smollm2-135m", help="a fetchable name or a .gguf path")
-    g.add_argument("--draft", default="ngram", help="none, ngram, ngram-tree, self[:L] (first L layers), "
-                                                    "eagle[:<folder>] (an EAGLE head; default: the shipped one), "
-                                                    "ngram+eagle[:<folder>], eagle-tree[:<folder>] (EAGLE-2 trees) or "
-                                                    "ngram+eagle-tree[:<folder>]")
+    g.add_argument("--draft", default="ngram", help=draft_help(draft_kinds(cli=True)))
     g.add_argument("--prompt", required=True)
     g.add_argument("--k", type=int, default=5)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -275,8 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("bench", help="routed speculative decoding on the demo prompts; prints a summary and "
                                      "the metrics in Prometheus text format (needs prometheus-client)")
     b.add_argument("--model", default="smollm2-135m")
-    b.add_argument("--draft", default="ngram", help="ngram, ngram-tree, self[:L], eagle[:<folder>], "
-                                                    "ngram+eagle[:<folder>] or their -tree forms")
+    b.add_argument("--draft", default="ngram", help=draft_help(draft_kinds(cli=True)))
     b.add_argument("--k", type=int, default=8, help="the cap on k (routed) or k itself (--fixed-k)")
     b.add_argument("--fixed-k", action="store_true", help="no router: always k drafts")
     b.add_argument("--batch", type=int, default=1, help="copies of each demo prompt in the batch")

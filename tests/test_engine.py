@@ -157,11 +157,11 @@ def test_logprobs_match_log_softmax_of_the_target(model):
     logits, _ = forward(model, pool, [seq], [full[:-1]], True)
     ref = torch.log_softmax(logits.float(), -1)[len(PROMPTS[0]) - 1:]
     for j, (t, e) in enumerate(zip(toks, lps)):
-        assert e["token"] == t
-        assert abs(e["logprob"] - float(ref[j, t])) < 1e-4, f"token {j}: {e['logprob']} vs {float(ref[j, t])}"
+        assert e.token == t
+        assert abs(e.logprob - float(ref[j, t])) < 1e-4, f"token {j}: {e.logprob} vs {float(ref[j, t])}"
         top = ref[j].topk(3)
-        assert [i for i, _ in e["top"]] == top.indices.tolist()
-        assert max(abs(v - w) for (_, v), w in zip(e["top"], top.values.tolist())) < 1e-4
+        assert [i for i, _ in e.top] == top.indices.tolist()
+        assert max(abs(v - w) for (_, v), w in zip(e.top, top.values.tolist())) < 1e-4
 
 
 @pytest.mark.parametrize("name,bad", [("prompt_ids", []), ("prompt_ids", [10 ** 6]), ("prompt_ids", [-1]),

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import hal
-import hal.engine.decoder
+import hal.engine.step_types
 from hal.engine.decoder import Request, SpeculativeDecoder
 from hal.drafters import EagleDrafter, ModelDrafter, NgramDrafter
 from hal.drafters.eagle import HeadDrafter
@@ -63,13 +63,13 @@ def counter(monkeypatch):
                 c.where.append(f"{_name}: " + "".join(traceback.format_stack(limit=4)[:-1]))
             return _orig(self, *a, **kw)
         monkeypatch.setattr(torch.Tensor, name, read)
-    orig_rb = hal.engine.decoder.readback
+    orig_rb = hal.engine.step_types.readback
 
     def readback(*tensors):
         if tensors and c.depth == 0:
             c.count += 1
         return c.suspend(orig_rb)(*tensors)
-    monkeypatch.setattr(hal.engine.decoder, "readback", readback)
+    monkeypatch.setattr(hal.engine.step_types, "readback", readback)
     return c
 
 

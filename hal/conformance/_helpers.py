@@ -8,6 +8,8 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
+from hal.csr import cumulative
+
 # Every statistical test fails when its chi-square exceeds the 1 - ALPHA quantile.
 ALPHA = 1e-6
 
@@ -41,9 +43,7 @@ def host(*ts):
 def ragged(drafts: list[list[int]]) -> tuple[Tensor, Tensor]:
     """``(draft_token_ids [N] int64, cu_num_draft_tokens [R+1] int64)``."""
     flat = [t for d in drafts for t in d]
-    cu = [0]
-    for d in drafts:
-        cu.append(cu[-1] + len(d))
+    cu = cumulative(len(d) for d in drafts)
     return torch.tensor(flat, dtype=torch.long), torch.tensor(cu, dtype=torch.long)
 
 

@@ -33,13 +33,12 @@ import torch.distributed as dist
 
 from hal.engine.decoder import Request, SpeculativeDecoder
 from hal.errors import HalError
-from hal.drafters.registry import HEADS, draft_memory, load_model, make_drafter, parse_draft
+from hal.drafters.registry import HEADS, draft_help, draft_kinds, draft_memory, load_model, make_drafter, parse_draft
 from hal.distributed.placement import Placement, link_backend
 from hal.distributed.protocol import DRAFT, TARGET, Link
 from hal.distributed.remote import RemoteDrafter
 from hal.distributed.worker import draft_worker
 
-SERVE_DRAFTS = ("ngram", "ngram-tree", "self", "model", "eagle", "ngram+eagle", "eagle-tree", "ngram+eagle-tree")
 
 def plan(args, target_mem, target_side, draft_mem, draft_side, max_seqs: int):
     """This rank's memory plan (printed); raises `HalError` before anything is allocated."""
@@ -83,10 +82,7 @@ class Target:
 
 def add_engine_args(ap: argparse.ArgumentParser) -> None:
     """The flags every target entry point shares (names as vLLM's where one exists)."""
-    ap.add_argument("--draft", default="ngram", help="ngram, ngram-tree, self[:L], model:<path.gguf>, "
-                                                     "eagle[:<folder>] (an EAGLE head; default: the shipped one), "
-                                                     "ngram+eagle[:<folder>] or the -tree forms of the last two "
-                                                     "(EAGLE-2 draft trees)")
+    ap.add_argument("--draft", default="ngram", help=draft_help())
     ap.add_argument("--model", default="smollm2-135m", help="a fetchable name, a .gguf path or an HF folder")
     ap.add_argument("--k", type=int, default=8, help="k per step, or its cap with --route")
     ap.add_argument("--route", action=argparse.BooleanOptionalAction, default=False,
@@ -131,7 +127,7 @@ def start(args, max_seqs: int, engine_kw: dict | None = None) -> Target | None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world not in (1, 2):
         raise HalError(f"WORLD_SIZE: expected 1 (in-process draft) or 2 (draft and target ranks), got {world}")
-    spec = parse_draft(args.draft, SERVE_DRAFTS + (("none",) if world == 1 else ()))
+    spec = parse_draft(args.draft, draft_kinds(remote=world == 2))
     rank = int(os.environ.get("RANK", "0"))
     joined, backend = False, None
     if world == 2:

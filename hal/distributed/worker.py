@@ -17,7 +17,7 @@ from hal.engine.history import HistoryBuffer
 from hal.devices import sparse_q
 from hal.distributed.protocol import (DRAFT_SEED, HASH_SEED, Commit, DraftEntry, Drafts, Link, Stop, corrupted, decode, encode,
                           history_hash)
-from hal.engine.requests import DraftBatch, SamplingParams, pack_features
+from hal.engine.requests import DraftBatch, SamplingParams, capabilities, pack_features
 
 Guess = dict[int, tuple[list[int], list[int], Tensor | None]]  # rid -> (assumed history, drafts, q rows)
 
@@ -169,7 +169,7 @@ def _guess_next(order: list[int], reqs: dict[int, _Req], hist: HistoryBuffer, ou
     """Draft the next round assuming every draft is accepted: the chain continues with one
     more token (the guessed bonus) and then the next round's drafts."""
     spec = [rid for rid in order if reqs[rid].k]
-    if not spec or getattr(drafter, "features", None) is not None:   # no features for guessed tokens
+    if not spec or capabilities(drafter).features is not None:   # no features for guessed tokens
         return {}
     if any(out[rid][2] is not None for rid in spec):   # a tree has no single continuation to guess from
         return {}

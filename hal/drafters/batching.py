@@ -9,6 +9,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from hal.csr import cumulative
 from hal.engine.forward import sampling_tensors
 from hal.engine.requests import DraftBatch, Proposal
 
@@ -33,9 +34,7 @@ def subset(b: DraftBatch, keep: list[int]) -> DraftBatch:
     pick = lambda t: t[torch.tensor(keep, dtype=torch.long).to(t.device)]  # noqa: E731
     feats, counts = b.features, b.num_features
     if feats is not None:
-        cu = [0]
-        for n in counts:
-            cu.append(cu[-1] + n)
+        cu = cumulative(counts)
         feats = pick_rows(feats, [j for i in keep for j in range(cu[i], cu[i + 1])])
         counts = tuple(counts[i] for i in keep)
     return DraftBatch(tuple(b.rids[i] for i in keep), tuple(b.params[i] for i in keep), pick(b.history),
@@ -51,9 +50,7 @@ def pick_rows(t: Tensor, rows: list[int]) -> Tensor:
 def widen(b: DraftBatch, keep: list[int], part: Proposal | None, dev) -> Proposal:
     """A `Proposal` for all of ``b`` from one for its rows ``keep``: the others get their
     ``k`` slots as filler (``num_valid`` 0)."""
-    cu = [0]
-    for k in b.k:
-        cu.append(cu[-1] + k)
+    cu = cumulative(b.k)
     at = torch.tensor([cu[i] + j for i in keep for j in range(b.k[i])], dtype=torch.long).to(dev)
     ids = torch.zeros(cu[-1], dtype=torch.long, device=dev)
     probs = None

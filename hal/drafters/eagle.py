@@ -11,6 +11,8 @@ from torch import Tensor
 
 from hal import kv
 from hal.engine import trees
+from hal.csr import cumulative
+from hal.drafters.draft_kv import DraftKV
 from hal.drafters.batching import empty, sample_chain, slots, subset, widen
 from hal.models.eagle import EagleModel
 from hal.engine.forward import make_batch, readback
@@ -46,8 +48,7 @@ class HeadDrafter:
         c = head.cfg
         self.pool = kv.KVPool(head.be, num_blocks, block_size, c.kv_heads, c.head_dim, num_layers=1,
                               device=head.device)
-        self.seqs: dict[int, kv.Sequence] = {}
-        self.valid: dict[int, int] = {}      # rid -> pairs from target features in its KV (positions 0..valid-1)
+        self.draft_kv = DraftKV(self.pool)         # valid: pairs from target features in each request's KV (0..valid-1)
         self.last: dict[int, Tensor] = {}    # rid -> the newest target feature passed (position valid - 1)
         self.lost_rids: set[int] = set()
         self.lost = 0
@@ -62,19 +63,16 @@ class HeadDrafter:
         if b.features is None and sum(b.num_features):
             raise HalError("HeadDrafter.propose: expected DraftBatch.features, got None")
         dev = self.head.device
-        cu = [0]
-        for n in b.num_features or (0,) * len(b.rids):
-            cu.append(cu[-1] + n)
+        cu = cumulative(b.num_features or (0,) * len(b.rids))
         keep, plan, K = [], [], max(b.k, default=0)
         if self.tree is not None and K:   # the re-fed expanded nodes of the deepest level
             K = self.tree[0] * (self.tree[1] - 1)
-        a, need = self.pool.allocator, 0
+        need = 0
         for i, (rid, L) in enumerate(zip(b.rids, b.lengths)):
             n = cu[i + 1] - cu[i]
-            start, v = L - 1 - n, self.valid.get(rid, 0)
-            q = self.seqs.get(rid)
-            need += max(0, -(-(L - 1 + K) // a.block_size) - (len(q.blocks) if q is not None else 0))
-            if start > v or (n == 0 and rid not in self.last) or rid in self.lost_rids or need > a.num_free:
+            start, v = L - 1 - n, self.draft_kv.valid.get(rid, 0)
+            need += self.draft_kv.blocks_needed(rid, L - 1 + K)
+            if start > v or (n == 0 and rid not in self.last) or rid in self.lost_rids or need > self.draft_kv.num_free:
                 self._lose(rid)
                 continue
             keep.append(i)
@@ -93,7 +91,7 @@ class HeadDrafter:
         end = 0
         for i, ((rid, L, skip), n) in enumerate(zip(plan, b.num_features or (0,) * len(plan))):
             a, z, end = end + skip, end + n, end + n    # this request's rows of b.features, minus those it has
-            q = self.seqs.setdefault(rid, self.pool.sequence())
+            q = self.draft_kv.sequence(rid)
             if z > a:                     # new target features: positions L-1-(z-a) .. L-2
                 x = feats[a:z]
                 self.last[rid] = x[-1]
@@ -105,7 +103,7 @@ class HeadDrafter:
             toks.append(hist[i, p0 + 1:L])
             seqs.append(q)
             lens.append(x.shape[0])
-            self.valid[rid] = L - 1
+            self.draft_kv.valid[rid] = L - 1
         tokens, x = torch.cat(toks), torch.cat(xs)
         batch = make_batch(self.be, dev, self.pool, seqs, lens, tokens)
         logits0, h = head.forward(batch, self.pool.k[0], self.pool.v[0], tokens, x, True)
@@ -210,9 +208,7 @@ class HeadDrafter:
         pass   # draft steps are scratch: only target features are kept (truncated at the next call)
 
     def release(self, rid) -> None:
-        if (q := self.seqs.pop(rid, None)) is not None:
-            q.free()
-        self.valid.pop(rid, None)
+        self.draft_kv.release(rid)
         self.last.pop(rid, None)
         self.lost_rids.discard(rid)   # a preempted request comes back with all its features
 
@@ -238,12 +234,8 @@ class NgramOrHead:
         found = [int(v) for v in readback(torch.as_tensor(ng.num_valid))[0]] if ng.num_valid is not None else list(b.k)
         use = [f > 0 and k > 0 for f, k in zip(found, b.k)]
         hp = self.head.propose(replace(b, k=tuple(0 if u else k for u, k in zip(use, b.k))))
-        cu = [0]
-        for k in b.k:
-            cu.append(cu[-1] + k)
-        hcu = [0]
-        for u, k in zip(use, b.k):
-            hcu.append(hcu[-1] + (0 if u else k))
+        cu = cumulative(b.k)
+        hcu = cumulative(0 if u else k for u, k in zip(use, b.k))
         src_ng = [cu[i] + j for i, u in enumerate(use) if u for j in range(b.k[i])]
         at_ng = src_ng
         at_h = [cu[i] + j for i, u in enumerate(use) if not u for j in range(b.k[i])]

@@ -13,6 +13,7 @@ from torch import Tensor
 from hal import kv
 from hal.devices import transfer
 from hal.drafters.batching import empty, sample_chain, subset, widen
+from hal.drafters.draft_kv import DraftKV
 from hal.engine.forward import forward_tokens
 from hal.engine.requests import DraftBatch, Proposal
 from hal.errors import HalError
@@ -32,8 +33,7 @@ class ModelDrafter:
         cfg = model.cfg
         self.pool = pool or kv.KVPool(model.be, num_blocks, block_size, cfg.kv_heads, cfg.head_dim,
                                       num_layers=model.num_layers, device=model.device)
-        self.seqs: dict[int, kv.Sequence] = {}
-        self.valid: dict[int, int] = {}   # rid -> leading tokens of its draft KV known to be committed history
+        self.draft_kv = DraftKV(self.pool)      # valid: leading tokens of each request's draft KV that are committed history
         self.cached: dict[int, int] = {}  # rid -> tokens in its draft KV after the last propose
         self.pool_full = 0                # requests left without drafts for a step: the draft pool was full
 
@@ -52,12 +52,10 @@ class ModelDrafter:
     def _make_room(self, b: DraftBatch, K: int) -> list[int]:
         """Rows whose draft chains fit the draft pool, freeing the latest requests' caches
         until they do."""
-        a = self.pool.allocator
-        need = {rid: max(0, -(-(L + K - 1) // a.block_size) - len(self.seqs[rid].blocks if rid in self.seqs else ()))
-                for rid, L in zip(b.rids, b.lengths)} if K else {}
+        need = {rid: self.draft_kv.blocks_needed(rid, L + K - 1) for rid, L in zip(b.rids, b.lengths)} if K else {}
         drop = set()
         for rid in sorted(b.rids, reverse=True):
-            if sum(n for r, n in need.items() if r not in drop) <= a.num_free:
+            if sum(n for r, n in need.items() if r not in drop) <= self.draft_kv.num_free:
                 break
             drop.add(rid)
             self.release(rid)
@@ -70,14 +68,14 @@ class ModelDrafter:
         hist = transfer(b.history, dev)
         seqs, lens, rows, cols = [], [], [], []
         for i, (rid, L) in enumerate(zip(b.rids, b.lengths)):
-            q = self.seqs.setdefault(rid, self.pool.sequence())
-            n = min(self.valid.get(rid, 0), L - 1)   # feed at least the last token
+            q = self.draft_kv.sequence(rid)
+            n = min(self.draft_kv.valid.get(rid, 0), L - 1)   # feed at least the last token
             q.truncate(n)
             seqs.append(q)
             lens.append(L - n)
             rows += [i] * (L - n)
             cols += range(n, L)
-            self.valid[rid] = n
+            self.draft_kv.valid[rid] = n
         K = max(b.k, default=0)
         if K == 0:
             return empty(len(b.rids), dev)
@@ -92,18 +90,16 @@ class ModelDrafter:
             return logits
         prop = sample_chain(b, self.model.be, dev, step)
         for rid, L in zip(b.rids, b.lengths):  # the KV holds the history and drafts 1..K-1
-            self.valid[rid], self.cached[rid] = L, L + K - 1
+            self.draft_kv.valid[rid], self.cached[rid] = L, L + K - 1
         return prop
 
     def commit(self, rids, kept) -> None:
         for rid, n in zip(rids, kept):
             if rid in self.cached:
-                self.valid[rid] = min(self.cached.pop(rid), n)
+                self.draft_kv.valid[rid] = min(self.cached.pop(rid), n)
 
     def release(self, rid) -> None:
-        if (q := self.seqs.pop(rid, None)) is not None:
-            q.free()
-        self.valid.pop(rid, None)
+        self.draft_kv.release(rid)
         self.cached.pop(rid, None)
 
 

@@ -11,56 +11,90 @@ the head elsewhere), or the draft-tree forms ``ngram-tree`` (lookup candidates a
 from __future__ import annotations
 
 from pathlib import Path
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from hal.errors import HalError
 from hal.models.fetch import load_model
 
-DRAFT_GRAMMAR = ("none, ngram, ngram-tree, self[:L], model:<path>, eagle[:<path>], ngram+eagle[:<path>], "
-                 "eagle-tree[:<path>] or ngram+eagle-tree[:<path>]")
-HEADS = ("eagle", "ngram+eagle", "eagle-tree", "ngram+eagle-tree")   # the kinds that run an EAGLE head
 TREE = (3, 4)   # EAGLE-2 trees: top-3 expansion per level, 4 levels (tau on held-out prompts: benchmarks/e2e.py)
 
 
+@dataclass(frozen=True)
+class DraftKind:
+    """One ``--draft`` kind: its grammar and what it needs. The table `DRAFT_KINDS` is the only list."""
+
+    name: str
+    argument: str            # "" (none), "[:L]" (optional layer count), ":<path>" (required) or "[:<path>]"
+    summary: str
+    head: bool = False       # runs an EAGLE head: reads the target's features, shares its embeddings
+    tree: bool = False       # drafts trees (`TREE` for heads)
+    weights: bool = False    # loads draft-model weights of its own (planned by `draft_memory`)
+    cli: bool = True         # offered by ``spec-hal generate / demo / bench``
+    remote: bool = True      # can run on a separate draft rank
+
+    def form(self) -> str:
+        return self.name + self.argument
+
+
+DRAFT_KINDS = (
+    DraftKind("none", "", "plain decoding", remote=False),
+    DraftKind("ngram", "", "n-gram prompt lookup (vLLM's proposer)"),
+    DraftKind("ngram-tree", "", "prompt lookup's candidates as branches of one draft tree", tree=True),
+    DraftKind("self", "[:L]", "the target's first L layers (half of them by default)", weights=True),
+    DraftKind("model", ":<path>", "a separate draft model (.gguf or HF folder)", weights=True, cli=False),
+    DraftKind("eagle", "[:<path>]", "an EAGLE head: the one shipped for the model, or a folder in the "
+              "EAGLE-1 / EAGLE-3 layout", head=True),
+    DraftKind("ngram+eagle", "[:<path>]", "n-gram lookup where it matches, the EAGLE head elsewhere", head=True),
+    DraftKind("eagle-tree", "[:<path>]", "EAGLE-2 dynamic draft trees from the head", head=True, tree=True),
+    DraftKind("ngram+eagle-tree", "[:<path>]", "n-gram lookup, else the head's EAGLE-2 trees", head=True, tree=True),
+)
+KINDS = {kind.name: kind for kind in DRAFT_KINDS}
+HEADS = tuple(kind.name for kind in DRAFT_KINDS if kind.head)   # the kinds that run an EAGLE head
+
+
+def draft_kinds(*, cli: bool = False, remote: bool = False) -> tuple[str, ...]:
+    """The kind names offered where the CLI (``cli``) or a separate draft rank (``remote``) runs."""
+    return tuple(k.name for k in DRAFT_KINDS if (k.cli or not cli) and (k.remote or not remote))
+
+
+def draft_help(allowed: tuple[str, ...] | None = None) -> str:
+    """``--draft``'s help text from the table."""
+    return "; ".join(f"{k.form()}: {k.summary}" for k in DRAFT_KINDS if allowed is None or k.name in allowed)
+
+
 class DraftSpec(NamedTuple):
-    kind: str                 # "none", "ngram", "ngram-tree", "self", "model" or one of HEADS
+    kind: str                 # a `DRAFT_KINDS` name
     layers: int | None = None  # self: the first L layers (None: half the target's)
     path: str | None = None    # model: the draft model's path; eagle: the head's folder (None: the shipped one)
 
 
-def parse_draft(spec: str, allowed: tuple[str, ...] = ("none", "ngram", "ngram-tree", "self", "model") + HEADS
-                ) -> DraftSpec:
-    """Parse a ``--draft`` value; `HalError` naming ``--draft`` when it is not one of ``allowed``."""
-    kind, _, rest = spec.partition(":")
-    expected = ", ".join(k + ("[:L]" if k == "self" else ":<path>" if k == "model" else "[:<path>]" if "eagle" in k
-                              else "") for k in allowed)
-    try:
-        if kind in ("none", "ngram", "ngram-tree") and not rest:
-            d = DraftSpec(kind)
-        elif kind == "self":
-            layers = int(rest) if rest else None
-            if layers is not None and layers < 1:
-                raise ValueError(layers)
-            d = DraftSpec("self", layers)
-        elif kind == "model" and rest:
-            d = DraftSpec("model", path=rest)
-        elif kind in HEADS:
-            d = DraftSpec(kind, path=rest or None)
-        else:
-            raise ValueError(spec)
-    except ValueError:
-        raise HalError(f"--draft: expected {expected}, got {spec!r}", arg="--draft", expected=expected,
-                       got=spec) from None
-    if d.kind not in allowed:
-        raise HalError(f"--draft: expected {expected}, got {spec!r}", arg="--draft", expected=expected, got=spec)
-    return d
+def parse_draft(spec: str, allowed: tuple[str, ...] | None = None) -> DraftSpec:
+    """Parse a ``--draft`` value; `HalError` naming ``--draft`` when it is not one of ``allowed``
+    (default: every kind)."""
+    allowed = tuple(KINDS) if allowed is None else allowed
+    name, colon, rest = spec.partition(":")
+    expected = ", ".join(KINDS[k].form() for k in allowed if k in KINDS)
+    kind = KINDS.get(name)
+    bad = HalError(f"--draft: expected {expected}, got {spec!r}", arg="--draft", expected=expected, got=spec)
+    if kind is None or name not in allowed:
+        raise bad
+    if kind.argument == "" and colon or kind.argument == ":<path>" and not rest:
+        raise bad
+    if kind.argument == "[:L]":
+        if not rest:
+            return DraftSpec(name)
+        if not rest.isdigit() or int(rest) < 1:
+            raise bad
+        return DraftSpec(name, int(rest))
+    return DraftSpec(name, path=rest or None)
 
 
 def draft_memory(spec: DraftSpec, model_path: str, shares_target: bool):
     """(ModelMemory of the draft model or None for n-gram/none, its weights' path)."""
     from hal.models.llama import read_config
     from hal.engine.memory import ModelMemory
-    if spec.kind in ("none", "ngram", "ngram-tree") + HEADS:   # a head's KV is 1/L of the target's: in its slack
+    if not KINDS[spec.kind].weights:   # n-gram, none; a head's KV is 1/L of the target's: in its slack
         return None, None
     if spec.kind == "self":
         cfg = read_config(model_path)
@@ -81,14 +115,14 @@ def make_drafter(spec: DraftSpec, backend, target=None, path: str | None = None,
         return NgramDrafter(backend)
     if spec.kind == "ngram-tree":
         return NgramTreeDrafter(backend)
-    if spec.kind in HEADS:
+    if KINDS[spec.kind].head:
         from hal.models.eagle import load_eagle, shipped_head
         from hal.drafters.eagle import HeadDrafter, NgramOrHead
         if target is None:
             raise HalError(f"--draft {spec.kind}: expected the target model in this process (an EAGLE head reads "
                            f"its features and shares its embeddings), got a separate draft rank", arg="--draft")
         head = HeadDrafter(load_eagle(spec.path or shipped_head(path or ""), target, backend, device),
-                           tree=TREE if spec.kind.endswith("-tree") else None)
+                           tree=TREE if KINDS[spec.kind].tree else None)
         return head if spec.kind.startswith("eagle") else NgramOrHead(NgramDrafter(backend, min_n=2), head)
     if target is not None and spec.kind == "self":
         model = target

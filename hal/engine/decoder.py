@@ -24,22 +24,23 @@ readback`), and a lookahead drafter (n-gram) drafts the next step before that re
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import asdict
 
 import torch
 from torch import Tensor
 
 from hal import kv
-from hal.engine import proposals as drafting, trees
-from hal.errors import HalError
-from hal.engine.forward import forward, forward_tokens, logprob_entry, logprob_rows, readback, sampling_args, target_probs
+from hal.engine import proposals
+from hal.engine.execution import Offsets, execute
+from hal.engine.forward import forward, logprob_entry, sampling_args, target_probs
 from hal.engine.history import HistoryBuffer
+from hal.engine.requests import (MAX_LOGPROBS, DraftBatch, Drafter, Proposal, Request, SamplingParams, State, StepOutput,
+                                 TokenLogprob, capabilities, check_request, draft_room)
+from hal.engine.scheduler import Scheduler, blocks_for
+from hal.engine.step_types import StepDrafts, StepPlan, StepResult
+from hal.errors import HalError
 from hal.metrics import SpecDecodeMetrics
 from hal.models.llama import Llama
-from hal.devices import transfer
-from hal.engine.requests import (MAX_LOGPROBS, DraftBatch, Drafter, Proposal, Request, SamplingParams, State, StepOutput,
-                          check_request, draft_room)
 
 __all__ = ["MAX_LOGPROBS", "DraftBatch", "Drafter", "Proposal", "Request", "SamplingParams", "SpeculativeDecoder",
            "State", "StepOutput", "draft_room", "forward", "sampling_args", "target_probs"]
@@ -69,14 +70,24 @@ class SpeculativeDecoder:
             raise HalError(f"max_num_batched_tokens: expected None or an int >= max_num_seqs ({max_num_seqs}) "
                            f"(every running request feeds at least one token), got {max_num_batched_tokens!r}")
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
+        self.scheduler = Scheduler(self.pool.allocator, max_num_seqs, max_num_batched_tokens, self._preempt)
         self.steps, self.preemptions = 0, 0
-        self.waiting: deque[State] = deque()    # new and preempted requests, in priority order
-        self.prefilling: list[State] = []       # admitted, prompt partly in the KV
-        self.running: list[State] = []          # decoding, in priority (arrival) order
         self._next_id, self._aborted, self._out = 0, [], StepOutput()
         self.history = HistoryBuffer(target.device)
-        self._ahead: tuple[Proposal, dict[int, tuple[int, int]]] | None = None  # lookahead drafts: rid -> (slot, valid)
+        self._ahead = None   # a lookahead drafter's proposal for the next step (`hal.engine.step_types.Lookahead`)
         self._t0 = time.perf_counter()
+
+    @property
+    def waiting(self):
+        return self.scheduler.waiting
+
+    @property
+    def prefilling(self) -> list[State]:
+        return self.scheduler.prefilling
+
+    @property
+    def running(self) -> list[State]:
+        return self.scheduler.running
 
     # -- the request-level API ------------------------------------------------------------------
 
@@ -88,42 +99,34 @@ class SpeculativeDecoder:
         """Queue a `Request` (prompt and parameters together); returns its id."""
         check_request(req, self.target.cfg.vocab, self.pool.allocator)
         rid, self._next_id = self._next_id, self._next_id + 1
-        self.waiting.append(State(req, rid, list(req.prompt_ids), self.pool.sequence(),
-                                  arrival=time.perf_counter() - self._t0))
+        self.scheduler.add(State(req, rid, list(req.prompt_ids), self.pool.sequence(),
+                                 arrival=time.perf_counter() - self._t0))
         self.history.add(rid, req.prompt_ids)
         return rid
 
     def abort(self, rid: int) -> bool:
         """Stop request ``rid`` now and free its blocks (draft pool too); it is listed as
         finished by the next `step`. False if it is not in flight."""
-        for queue in (self.waiting, self.prefilling, self.running):
-            for s in queue:
-                if s.rid == rid:
-                    queue.remove(s)
-                    s.done = s.aborted = True
-                    self._release(s)
-                    self._aborted.append(rid)
-                    return True
-        return False
+        state = self.scheduler.find(rid)
+        if state is None:
+            return False
+        self.scheduler.remove(state)
+        state.done = state.aborted = True
+        self._release(state)
+        self._aborted.append(rid)
+        return True
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.running)
+        return self.scheduler.has_unfinished()
 
     def step(self) -> StepOutput:
         """One scheduling round: decode the running requests (drafts within the budget),
         then prefill waiting ones with the budget left. Returns what it produced."""
-        self._out = out = StepOutput(finished=self._aborted)
+        self._out = StepOutput(finished=self._aborted)
         self._aborted = []
-        budget = self.max_num_batched_tokens or 1 << 62
-        live = self._fit(list(self.running), budget)
-        out.k = {s.rid: s.req_k for s in live}
-        out.num_batched_tokens = self._step(live, budget)
-        for s in [s for s in self.running if s.done]:
-            self.running.remove(s)
-            self._release(s)
-            out.finished.append(s.rid)
-        self.steps += 1
-        return out
+        plan = self.scheduler.schedule(self._choose_k)
+        result = self._execute(plan)
+        return self._postprocess(plan, result)
 
     def generate(self, requests: list[Request]) -> list[list[int]]:
         """Generated token ids per request (stop token included when hit): add, step until done."""
@@ -142,95 +145,138 @@ class SpeculativeDecoder:
             self._aborted = []
         return [got[rid] for rid in ids]
 
-    # -- scheduling --------------------------------------------------------------------------------
+    def profile_costs(self, max_tokens: int = 72, context: int = 512, reps: int = 5,
+                      profile_draft: bool = True):
+        """A `hal.engine.router.CostModel` measured here and now (`hal.engine.router.profile_decoder`)."""
+        from hal.engine.router import profile_decoder
+        return profile_decoder(self, max_tokens, context, reps, profile_draft)
 
-    def _blocks_for(self, s: State, n: int) -> int:
-        return max(0, -(-(s.seq.length + n) // s.seq.block_size) - len(s.seq.blocks))
+    # -- scheduling callbacks ----------------------------------------------------------------------
 
-    def _fit(self, live: list[State], budget: int) -> list[State]:
-        """Choose k, then shrink drafts to the token budget and to the free KV blocks; preempt
-        the latest-arrived running requests while even k = 0 does not fit."""
-        if not live:
-            return live
-        self._choose_k(live, budget)
-        while sum(1 + s.req_k for s in live) > budget and any(s.req_k for s in live):
-            max(live, key=lambda s: s.req_k).req_k -= 1
-        while live and sum(self._blocks_for(s, 1 + s.req_k) for s in live) > self.pool.allocator.num_free:
-            if any(s.req_k for s in live):
-                for s in live:
-                    s.req_k = 0
-                continue
-            # the latest arrival in flight goes: the earliest always progresses (it fits alone), so this ends
-            victim = max(live + self.prefilling, key=lambda x: x.rid)
-            if victim in live:
-                live.remove(victim)
-            self._preempt(victim)
-        return live
+    def _choose_k(self, live: list[State], budget: int) -> list[int]:
+        if self.drafter is None:
+            return [0] * len(live)
+        if self.router is not None:
+            return list(self.router.choose(live, budget=budget))
+        return [min(s.req.k, draft_room(s)) for s in live]   # never draft past max_new_tokens
 
-    def _preempt(self, s: State) -> None:
-        """Free a running request's blocks and requeue it first: it is recomputed from its
-        tokens (everything but the last goes back into the KV; nothing is sampled again)."""
-        (self.running if s in self.running else self.prefilling).remove(s)
-        s.seq.free()
-        s.seq, s.prefilled, s.features = self.pool.sequence(), 0, []
+    def _preempt(self, state: State) -> None:
+        """Free a request's blocks and requeue it first: it is recomputed from its tokens
+        (everything but the last goes back into the KV; nothing is sampled again)."""
+        self.scheduler.remove(state)
+        state.seq.free()
+        state.seq, state.prefilled, state.features = self.pool.sequence(), 0, []
         if self.drafter is not None:
-            self.drafter.release(s.rid)
-        i = next((j for j, w in enumerate(self.waiting) if w.rid > s.rid), len(self.waiting))
-        self.waiting.insert(i, s)   # priority (arrival) order
+            self.drafter.release(state.rid)
+        self.scheduler.requeue(state)
         self.preemptions += 1
         self.metrics.preemptions += 1
-        self._out.preempted.append(s.rid)
+        self._out.preempted.append(state.rid)
 
-    def _release(self, s: State) -> None:
-        s.seq.free()
-        self.history.release(s.rid)
+    def _release(self, state: State) -> None:
+        state.seq.free()
+        self.history.release(state.rid)
         if self.drafter is not None:
-            self.drafter.release(s.rid)
+            self.drafter.release(state.rid)
         if self.router is not None:
-            self.router.release(s)
+            self.router.release(state)
 
-    def _end(self, s: State) -> int:
-        """Tokens a (re)prefill puts in the KV: the prompt, or all but the last of a resumed request."""
-        return len(s.tokens) - (1 if s.generated else 0)
+    # -- one step: drafts, execution, then the state changes ----------------------------------------
 
-    def _plan_prefill(self, budget: int, free: int) -> list[tuple[State, int]]:
-        """Admit waiting requests and size their prefill chunks within ``budget`` tokens and
-        ``free`` blocks: ``[(state, tokens this step)]``."""
-        # admit only what can finish its (re)prefill plus one token in blocks nobody has claimed yet
-        claimed = sum(self._blocks_for(s, self._end(s) - s.prefilled + 1) for s in self.prefilling)
-        while self.waiting and len(self.running) + len(self.prefilling) < self.max_num_seqs:
-            need = self._blocks_for(self.waiting[0], self._end(self.waiting[0]) + 1)
-            if need > free - claimed:
-                break
-            claimed += need
-            self.prefilling.append(self.waiting.popleft())
-        chunks, bs = [], self.pool.allocator.block_size
-        for s in self.prefilling:
-            room = (len(s.seq.blocks) + free) * bs - s.seq.length
-            n = min(self._end(s) - s.prefilled, budget, room)
-            if n <= 0:
-                break
-            free -= self._blocks_for(s, n)
-            budget -= n
-            chunks.append((s, n))
-        return chunks
+    def _execute(self, plan: StepPlan) -> StepResult | None:
+        """Draft, size the prefill chunks with the budget left, and run the step (None: nothing to run)."""
+        live, dev = plan.decode, self.target.device
+        self._out.k = {s.rid: k for s, k in zip(live, plan.k)}
+        drafts = proposals.drafts_for(self.drafter, self.router is not None, self._ahead, self.history, live,
+                                      plan.k, dev)
+        self._ahead = None
+        self._apply_drafts(live, drafts)
+        fed = len(live) + sum(drafts.counts)
+        plan.prefill = self.scheduler.plan_prefill(plan.budget - fed, self.pool.allocator.num_free - sum(
+            blocks_for(s, 1 + c) for s, c in zip(live, drafts.counts)))
+        if not live and not plan.prefill:
+            return None
+        sampled = any(s.req.temperature > 0 for s in live)
+        offsets = Offsets([s.next_offset() for s in live] if live and sampled else None,
+                          [s.next_offset() for s in plan.first])
+        return execute(self.target, self.pool, self.history, self.drafter, plan, drafts, offsets)
 
-    def _finish_prefill(self, chunks: list[tuple[State, int]]) -> list[State]:
-        """Commit the chunks; a request whose prompt is in goes to decoding. Returns those
-        that still need their first token (fresh, not resumed after preemption)."""
-        first = []
-        for s, n in chunks:
-            s.seq.commit(n)
-            s.prefilled += n
-            if s.prefilled == self._end(s):
-                self.prefilling.remove(s)
-                self.running.append(s)
-                self.running.sort(key=lambda x: x.rid)
-                if not s.generated:
-                    first.append(s)
-        return first
+    def _apply_drafts(self, live: list[State], drafts: StepDrafts) -> None:
+        for s, used in zip(live, drafts.offsets_used):
+            s.offset += used
+            if drafts.passed_features:
+                s.features = []    # passed once
 
-    def _emit(self, s: State, new: list[int], logprobs: list[dict] | None = None) -> None:
+    def _postprocess(self, plan: StepPlan, result: StepResult | None) -> StepOutput:
+        """Apply a step's result: KV lengths, hidden states, metrics, router, drafter, emission."""
+        out = self._out
+        if result is not None:
+            first, resumed = plan.first, plan.resumed
+            self.scheduler.finish_prefill(plan.prefill)
+            self._commit(plan.decode, result)
+            self._keep_prefill_hidden(plan, result, first + resumed)
+            for j, s in enumerate(first):
+                token = int(result.reads.first[j])
+                logprobs = None if s.req.logprobs is None else [
+                    logprob_entry(result.reads.first_logprobs, j, token, s.req.logprobs, result.top_n)]
+                self._emit(s, [token], logprobs)
+            if result.lookahead is not None:
+                ahead = result.lookahead
+                ahead.valid = ahead.caps if ahead.proposal.num_valid is None else proposals.valid_counts(
+                    result.reads.lookahead_valid if result.reads.lookahead_valid is not None
+                    else ahead.proposal.num_valid, ahead.caps)
+                self._ahead = ahead
+            out.num_batched_tokens = result.fed + sum(c.num_tokens for c in plan.prefill)
+        for s in self.scheduler.drop_finished():
+            self._release(s)
+            out.finished.append(s.rid)
+        self.steps += 1
+        return out
+
+    @staticmethod
+    def _keep_prefill_hidden(plan: StepPlan, result: StepResult, completed: list[State]) -> None:
+        """A prefill chunk's features (a feature drafter), or a completed prefill's last hidden state."""
+        at, done = result.fed, set(map(id, completed))
+        for j, chunk in enumerate(plan.prefill):
+            at += chunk.num_tokens
+            if result.features:
+                chunk.state.features.append(result.hidden[at - chunk.num_tokens:at])
+            elif id(chunk.state) in done:
+                chunk.state.last_hidden = result.hidden[result.fed + j]
+
+    def _commit(self, live: list[State], result: StepResult) -> None:
+        """Host bookkeeping of the verify result: KV lengths, metrics, router, drafter, emission."""
+        if not live:
+            return
+        reads, counts = result.reads, result.drafts.counts
+        width = len(reads.out) // len(live)
+        out = [[int(t) for t in reads.out[i * width:(i + 1) * width]] for i in range(len(live))]
+        accepted = [int(a) for a in reads.accepted]
+        self.metrics.observe(counts, accepted, [s.rid for s in live])
+        if self.drafter is not None:
+            self.drafter.commit([s.rid for s in live], [len(s.tokens) + a for s, a in zip(live, accepted)])
+        if self.router is not None:
+            shadow = result.drafts.shadow
+            self.router.observe(live, counts, accepted)
+            self.router.observe([live[i] for i, _ in shadow], [1] * len(shadow),
+                                [int(h) for h in (reads.shadow_hits or [])])
+        row, max_k = 0, width - 1
+        for i, s in enumerate(live):
+            s.seq.commit(accepted[i] + 1)
+            path = range(row, row + accepted[i] + 1) if reads.nodes is None else \
+                [row] + [row + 1 + int(n) for n in reads.nodes[i * max_k:i * max_k + accepted[i]]]
+            if result.features:   # the rows that produced the accepted drafts and the bonus token
+                s.features.append(result.hidden[list(path)])
+            else:
+                s.last_hidden = result.hidden[path[-1]]
+            logprobs = None
+            if s.req.logprobs is not None:
+                logprobs = [logprob_entry(reads.logprobs, row + j, out[i][j], s.req.logprobs, result.top_n)
+                            for j in range(accepted[i] + 1)]
+            row += counts[i] + 1
+            self._emit(s, out[i][: accepted[i] + 1], logprobs)
+
+    def _emit(self, s: State, new: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
         n0 = len(s.generated)
         try:
             self._append(s, new)
@@ -247,140 +293,11 @@ class SpeculativeDecoder:
             if self.on_tokens is not None:
                 self.on_tokens(s.rid, s.generated[n0:])
 
-    def _append(self, s: State, new: list[int]) -> None:
+    @staticmethod
+    def _append(s: State, new: list[int]) -> None:
         for t in new:
             s.generated.append(t)
             s.tokens.append(t)
             if t in s.req.stop_ids or len(s.generated) >= s.req.max_new_tokens:
                 s.done = True
                 return
-
-    def _choose_k(self, live: list[State], budget: int | None = None) -> None:
-        if self.drafter is None:
-            ks = [0] * len(live)
-        elif self.router is not None:
-            ks = self.router.choose(live, budget=budget)
-        else:  # never draft past max_new_tokens
-            ks = [min(s.req.k, draft_room(s)) for s in live]
-        for s, k in zip(live, ks):
-            s.req_k = k
-
-    # -- one step ----------------------------------------------------------------------------------
-
-    def _step(self, live: list[State], budget: int) -> int:
-        """One ragged target forward: the running requests' ``[last token, drafts...]`` (all
-        rows verified) and the prefill chunks planned with the budget left (their last rows).
-        Everything stays on the device until one readback. Returns the tokens fed."""
-        be, dev = self.target.be, self.target.device
-        ids, counts, q, guesses, prop, par = drafting.drafts_for(self.drafter, self.router is not None,
-                                                                 self._ahead, self.history, live, dev)
-        self._ahead = None
-        fed = len(live) + sum(counts)
-        pre = self._plan_prefill(budget - fed, self.pool.allocator.num_free - sum(
-            self._blocks_for(s, 1 + c) for s, c in zip(live, counts)))
-        if not live and not pre:
-            return 0
-        lens, host, pos = [1 + c for c in counts] + [n for _, n in pre], [], []
-        for s, c in zip(live, counts):
-            pos += range(len(host) + 1, len(host) + 1 + c)
-            host += [s.tokens[-1]] + [0] * c
-        for s, n in pre:
-            host += s.tokens[s.prefilled:s.prefilled + n]
-        tokens = torch.tensor(host, dtype=torch.long).to(dev)
-        if pos:
-            tokens[torch.tensor(pos).to(dev)] = ids
-        ends = torch.tensor(lens).cumsum(0)
-        rows = torch.cat([torch.arange(fed), ends[len(live):] - 1])
-        layers = getattr(self.drafter, "features", None)   # the drafter reads every fed row's feature
-        depth, mask = (None, None) if par is None else trees.layout(par, counts, [n for _, n in pre], dev)
-        logits, hidden = forward_tokens(self.target, self.pool, [s.seq for s in live] + [s.seq for s, _ in pre],
-                                        lens, tokens, rows=rows, feature_layers=layers or (),
-                                        hidden_rows=None if layers is None else torch.arange(sum(lens)),
-                                        tree_mask=mask, depth=depth)
-        first = self._finish_prefill(pre)
-        where = {s.rid: i for i, (s, _) in enumerate(pre)}
-        reads: dict[str, Tensor] = {}
-        lp_want = [s.req.logprobs or 0 for s in live + first if s.req.logprobs is not None]
-        top_n = max(lp_want, default=0)
-        if live:
-            reads.update(trees.verify(be, live, counts, ids, q, logits[:fed], par))
-            if par is not None:   # the accepted path's KV moves next to its root
-                trees.compact(be, self.pool, [s.seq for s in live], counts, reads["nodes"])
-            if lp_want:
-                K1 = reads["out"].shape[1]
-                flat = torch.tensor([i * K1 + j for i, c in enumerate(counts) for j in range(c + 1)]).to(dev)
-                lrows = logits[:fed] if par is None else logits[:fed][trees.path_rows(reads["nodes"], counts, dev)
-                                                                      .reshape(-1)[flat]]
-                lp = logprob_rows(lrows, reads["out"].reshape(-1)[flat], top_n)
-                reads.update(zip(("lp", "lp_top", "lp_ids"), lp))
-            self.history.write([s.rid for s in live], [len(s.tokens) for s in live], reads["out"])
-        if first:
-            sel = torch.tensor([where[s.rid] for s in first]).to(dev)
-            frows = logits[fed:][sel]
-            tok, _ = be.sample(frows, *sampling_args(first, [1] * len(first), dev))
-            reads["first"] = tok.long()
-            if lp_want:
-                reads.update(zip(("flp", "flp_top", "flp_ids"), logprob_rows(frows, tok, top_n)))
-            self.history.write([s.rid for s in first], [len(s.tokens) for s in first], reads["first"][:, None])
-        at = fed
-        for j, (s, n) in enumerate(pre):
-            at += n
-            if layers is not None:
-                s.features.append(hidden[at - n:at])
-            elif s in self.running:
-                s.last_hidden = hidden[fed + where[s.rid]]
-        if guesses:
-            g = torch.tensor([j for _, j in guesses]).to(prop.draft_token_ids.device)
-            reads["hits"] = transfer(prop.draft_token_ids[g], dev) == reads["out"][[i for i, _ in guesses], 0]
-        nxt = drafting.lookahead(self.drafter, self.history, live, first,
-                                 [s for s, _ in pre if s in self.running and s not in first], reads.get("acc"), dev)
-        if nxt is not None and isinstance(nxt[0].num_valid, Tensor):
-            reads["valid"] = nxt[0].num_valid
-        got = dict(zip(reads, readback(*reads.values())))   # the one host sync of the step
-        self._commit(live, counts, guesses, got, hidden, top_n, layers is not None)
-        for j, s in enumerate(first):
-            lp = None
-            if s.req.logprobs is not None:
-                lp = [logprob_entry(got, "flp", j, int(got["first"][j]), s.req.logprobs, top_n)]
-            self._emit(s, [int(got["first"][j])], lp)
-        if nxt is not None:
-            prop_next, (rids, caps, cu) = nxt
-            valid = caps if prop_next.num_valid is None else drafting.valid_counts(
-                got.get("valid", prop_next.num_valid), caps)
-            self._ahead = (prop_next, {rid: (c, v) for rid, c, v in zip(rids, cu, valid)})
-        return fed + sum(n for _, n in pre)
-
-    def _commit(self, live, counts, guesses, got, hidden, top_n, features: bool = False) -> None:
-        """Host bookkeeping of the verify result: KV lengths, metrics, router, drafter, emission."""
-        if not live:
-            return
-        K1 = len(got["out"]) // len(live)
-        out = [[int(t) for t in got["out"][i * K1:(i + 1) * K1]] for i in range(len(live))]
-        n_acc = [int(a) for a in got["acc"]]
-        self.metrics.observe(counts, n_acc, [s.rid for s in live])
-        if self.drafter is not None:
-            self.drafter.commit([s.rid for s in live], [len(s.tokens) + a for s, a in zip(live, n_acc)])
-        if self.router is not None:
-            self.router.observe(live, counts, n_acc)
-            self.router.observe([live[i] for i, _ in guesses], [1] * len(guesses), [int(h) for h in got.get("hits", [])])
-        row, K = 0, K1 - 1
-        for i, s in enumerate(live):
-            s.seq.commit(n_acc[i] + 1)
-            path = range(row, row + n_acc[i] + 1) if "nodes" not in got else \
-                [row] + [row + 1 + int(n) for n in got["nodes"][i * K:i * K + n_acc[i]]]
-            if features:   # the rows that produced the accepted drafts and the bonus token
-                s.features.append(hidden[list(path)])
-            else:
-                s.last_hidden = hidden[path[-1]]
-            lp = None
-            if s.req.logprobs is not None:
-                lp = [logprob_entry(got, "lp", row + j, out[i][j], s.req.logprobs, top_n) for j in range(n_acc[i] + 1)]
-            row += counts[i] + 1
-            self._emit(s, out[i][: n_acc[i] + 1], lp)
-
-    def profile_costs(self, max_tokens: int = 72, context: int = 512, reps: int = 5,
-                      profile_draft: bool = True):
-        """A `hal.engine.router.CostModel` measured here and now (`hal.engine.router.profile_decoder`)."""
-        from hal.engine.router import profile_decoder
-        return profile_decoder(self, max_tokens, context, reps, profile_draft)
-

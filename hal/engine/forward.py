@@ -9,6 +9,7 @@ from torch import Tensor
 from hal import kv
 from hal.models.llama import Batch, Llama
 from hal.devices import transfer
+from hal.engine.requests import TokenLogprob
 
 
 def forward(model: Llama, pool: kv.KVPool, seqs: list[kv.Sequence], chunks: list[list[int]], all_rows: bool,
@@ -69,15 +70,14 @@ def sampling_tensors(params, repeats: list[int], dev) -> tuple[Tensor, Tensor, T
             rep([p.top_p for p in params], torch.float32))
 
 
-def sampling_args(states, repeats: list[int], dev, draw: bool = True) -> tuple[Tensor, ...]:
-    """Per-row temperature, top-k, top-p, and (``draw``) seed and a fresh offset (one per
-    request and call: only a call that draws spends an offset)."""
+def sampling_args(states, repeats: list[int], dev, offsets: list[int] | None = None) -> tuple[Tensor, ...]:
+    """Per-row temperature, top-k, top-p, and (with ``offsets``, one per request: the Philox
+    offsets the engine spent for this draw) seed and offset."""
     params = sampling_tensors([s.req for s in states], repeats, dev)
-    if not draw:
+    if offsets is None:
         return params
-    offs = [s.next_offset() for s in states]
     rep = lambda vals: torch.tensor([v for v, n in zip(vals, repeats) for _ in range(n)]).to(dev)  # noqa: E731
-    return (*params, rep([s.req.seed for s in states]), rep(offs))
+    return (*params, rep([s.req.seed for s in states]), rep(offsets))
 
 
 def target_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, params=None) -> Tensor:
@@ -101,15 +101,15 @@ def logprob_rows(rows: Tensor, tokens: Tensor, top_n: int) -> list[Tensor]:
     return out
 
 
-def logprob_entry(got: dict, key: str, r: int, token: int, want: int, top_n: int) -> dict:
-    """Row ``r``'s logprob entry from the readback ``got`` (``key``, ``key_top``, ``key_ids``):
-    the emitted token, its logprob and the ``want`` best alternatives of the ``top_n`` read."""
+def logprob_entry(got, r: int, token: int, want: int, top_n: int) -> TokenLogprob:
+    """Row ``r``'s entry from a read-back `hal.engine.step_types.Logprobs` ``got``: the
+    emitted token, its logprob and the ``want`` best alternatives of the ``top_n`` read."""
     top = []
     if want:
-        vals = got[key + "_top"][r * top_n:r * top_n + want]
-        ids = got[key + "_ids"][r * top_n:r * top_n + want]
+        vals = got.top_values[r * top_n:r * top_n + want]
+        ids = got.top_ids[r * top_n:r * top_n + want]
         top = [(int(i), v) for i, v in zip(ids, vals)]
-    return {"token": token, "logprob": got[key][r], "top": top}
+    return TokenLogprob(token, got.logprob[r], top)
 
 
 def readback(*tensors: Tensor) -> list[list]:

@@ -9,13 +9,13 @@ import torch
 from torch import Tensor
 
 from hal.checks import tree_parents
+from hal.csr import cumulative
 from hal.errors import HalError
 from hal.engine.forward import readback
 from hal.engine.history import HistoryBuffer
 from hal.devices import transfer
-from hal.engine.requests import DraftBatch, Proposal, State, draft_room, pack_features
-
-Ahead = tuple[Proposal, dict[int, tuple[int, int]]]   # a lookahead proposal: rid -> (first slot, valid slots)
+from hal.engine.requests import DraftBatch, Drafter, Proposal, State, capabilities, draft_room, pack_features
+from hal.engine.step_types import Lookahead, StepDrafts
 
 
 def view(history: HistoryBuffer, states: list[State], k: list[int], num_tokens: Tensor | None = None,
@@ -68,59 +68,56 @@ def valid_counts(valid, ks: list[int]) -> list[int]:
     return out
 
 
-def drafts_for(drafter, shadow_ok: bool, ahead: Ahead | None, history: HistoryBuffer, live: list[State], dev):
-    """The drafts each live request verifies this step: ``(ids [N] on ``dev``, counts, q or
-    None, shadow guesses [(live index, flat slot)], the proposal, parents [N] or None)``. ``shadow_ok``: a router
-    scores a free deterministic drafter's first draft for requests routed to k = 0 (those
-    drafts are not verified, only compared with the emitted token)."""
-    none = (torch.zeros(0, dtype=torch.long, device=dev), [0] * len(live), None, [], None, None)
+def drafts_for(drafter: Drafter | None, shadow_ok: bool, ahead: Lookahead | None, history: HistoryBuffer,
+               live: list[State], ks: list[int], dev) -> StepDrafts:
+    """The drafts each live request verifies this step (``ks[i]`` allowed to request i).
+    ``shadow_ok``: a router scores a free deterministic drafter's first draft for requests
+    routed to k = 0 (those drafts are not verified, only compared with the emitted token).
+    Changes no request state: `StepDrafts` says what the engine must advance."""
+    nothing = torch.zeros(0, dtype=torch.long, device=dev)
+    none = StepDrafts(nothing, [0] * len(live), None, None, [], None, [0] * len(live))
     if drafter is None or not live:
         return none
-    shadow = {s.rid for s in live if s.req_k == 0 and s.req.temperature == 0 and draft_room(s) > 0} if (
-        shadow_ok and getattr(drafter, "shadow", False)) else set()
-    if ahead is not None and all(s.rid in ahead[1] for s in live):
-        prop, where = ahead               # drafted during the previous step
+    shadow = {s.rid for s, k in zip(live, ks) if k == 0 and s.req.temperature == 0 and draft_room(s) > 0} if (
+        shadow_ok and capabilities(drafter).shadow) else set()
+    used, passed = [0] * len(live), False
+    if ahead is not None and all(s.rid in ahead.rids for s in live):
+        prop = ahead.proposal             # drafted during the previous step
+        where = dict(zip(ahead.rids, zip(ahead.first_slot, ahead.valid)))
     else:
-        ks = [1 if s.rid in shadow else s.req_k for s in live]
-        if not any(ks):
+        want = [1 if s.rid in shadow else k for s, k in zip(live, ks)]
+        if not any(want):
             return none
-        prop = drafter.propose(view(history, live, ks))
-        check_proposal(prop, ks)
-        for s in live:
-            s.features = []    # passed once
-        for s, k in zip(live, ks):
-            s.offset += k
+        prop = drafter.propose(view(history, live, want))
+        check_proposal(prop, want)
+        used, passed = want, True
         valid = prop.num_valid
         if valid is None:
-            valid = ks
+            valid = want
         elif isinstance(valid, Tensor):   # a variable-count drafter outside the lookahead: one more sync
             valid = readback(valid)[0]
-        valid = valid_counts(valid, ks)
-        cu = [0]
-        for k in ks:
-            cu.append(cu[-1] + k)
-        where = {s.rid: (cu[i], int(valid[i])) for i, s in enumerate(live)}
-    counts = [0 if s.rid in shadow else min(s.req_k, where[s.rid][1]) for s in live]
+        valid = valid_counts(valid, want)
+        where = {s.rid: (start, v) for s, start, v in zip(live, cumulative(want), valid)}
+    counts = [0 if s.rid in shadow else min(k, where[s.rid][1]) for s, k in zip(live, ks)]
     guesses = [(i, where[s.rid][0]) for i, s in enumerate(live) if s.rid in shadow and where[s.rid][1] > 0]
     idx = torch.tensor([where[s.rid][0] + j for s, n in zip(live, counts) for j in range(n)], dtype=torch.long)
-    ids, q = none[0], None
-    par = None if prop.parent_ids is None else none[0]
+    ids, q = nothing, None
+    par = None if prop.parent_ids is None else nothing
     if len(idx):
         ids = transfer(prop.draft_token_ids[idx.to(prop.draft_token_ids.device)], dev)
         if prop.draft_probs is not None:
             q = transfer(prop.draft_probs[idx.to(prop.draft_probs.device)], dev)
         if prop.parent_ids is not None:   # a prefix of a row's slots is a tree: local parents stay valid
             par = transfer(prop.parent_ids[idx.to(prop.parent_ids.device)], dev).long()
-    return ids, counts, q, guesses, prop, par
+    return StepDrafts(ids, counts, q, par, guesses, prop, used, passed)
 
 
-def lookahead(drafter, history: HistoryBuffer, live: list[State], first: list[State], resumed: list[State],
-              acc: Tensor | None, dev):
+def lookahead(drafter: Drafter | None, history: HistoryBuffer, live: list[State], first: list[State],
+              resumed: list[State], acc: Tensor | None, dev) -> Lookahead | None:
     """A lookahead drafter drafts the next step now, from the device history, for every
     request running after this step: ``live`` (``acc`` accepted drafts + 1 token each, not
-    yet on the host), ``first`` (one token) and ``resumed`` (none). Slots: each request's k.
-    Returns ``(proposal, (rids, caps, first slots))``, or None."""
-    if drafter is None or not getattr(drafter, "lookahead", False):
+    yet on the host), ``first`` (one token) and ``resumed`` (none). Slots: each request's k."""
+    if drafter is None or not capabilities(drafter).lookahead:
         return None
     states = live + first + resumed
     if not states:
@@ -133,7 +130,4 @@ def lookahead(drafter, history: HistoryBuffer, live: list[State], first: list[St
     width = max(len(s.tokens) for s in states) + max(caps, default=0) + 1
     prop = drafter.propose(view(history, states, caps, num_tokens, width))
     check_proposal(prop, caps)
-    cu = [0]
-    for c in caps[:-1]:
-        cu.append(cu[-1] + c)
-    return prop, ([s.rid for s in states], caps, cu)
+    return Lookahead(prop, [s.rid for s in states], caps, cumulative(caps)[:-1])

@@ -39,12 +39,21 @@ MAX_LOGPROBS = 20
 
 
 @dataclass
+class TokenLogprob:
+    """An emitted token's logprob (vLLM's raw logprobs: log_softmax of the target's logits)."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]   # the best alternatives: (token id, logprob), best first
+
+
+@dataclass
 class StepOutput:
     """What one `SpeculativeDecoder.step` produced."""
 
     tokens: dict[int, list[int]] = field(default_factory=dict)   # new tokens per request id
     finished: list[int] = field(default_factory=list)            # ids finished (stop, length or abort)
-    logprobs: dict[int, list[dict]] = field(default_factory=dict)  # per new token: token, logprob, top
+    logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)  # per new token
     preempted: list[int] = field(default_factory=list)
     num_batched_tokens: int = 0                                   # tokens fed to the target this step
     k: dict[int, int] = field(default_factory=dict)              # drafts allowed per running request (router's k)
@@ -64,7 +73,6 @@ class State:
     done: bool = False
     last_hidden: Tensor | None = None
     features: list[Tensor] = field(default_factory=list)  # target features not yet passed to the drafter
-    req_k: int = 0  # drafts allowed this step: min(k, tokens left - 1)
     prefilled: int = 0       # tokens of ``tokens`` already in the KV during (re)prefill
     arrival: float = 0.0
     aborted: bool = False
@@ -72,6 +80,10 @@ class State:
     def next_offset(self) -> int:
         self.offset += 1
         return self.offset - 1
+
+    def prefill_end(self) -> int:
+        """Tokens a (re)prefill puts in the KV: the prompt, or all but the last of a resumed request."""
+        return len(self.tokens) - (1 if self.generated else 0)
 
 
 def draft_room(s) -> int:
@@ -128,18 +140,37 @@ class Proposal:
     parent_ids: Tensor | None = None   # [N] int64: a tree per row (see above); None: chains
 
 
+@dataclass(frozen=True)
+class DrafterCapabilities:
+    """What a drafter may declare, as optional attributes of the same names (read only by
+    `capabilities`)."""
+
+    lookahead: bool = False
+    """The drafter needs only device data (history, num_tokens), so the engine calls it right
+    after verification, before its one host readback, with ``lengths=None`` and ``k`` = each
+    request's cap; the next step verifies a prefix of those slots."""
+    shadow: bool = False
+    """Its drafts are free and deterministic: a router may have it draft one token for
+    requests routed to k = 0 and score that draft against the emitted token."""
+    features: tuple[int, ...] | None = None
+    """Target layer indices: the drafter reads the target's features (`DraftBatch.features`),
+    the residual streams entering those layers, concatenated, or for ``()`` the final normed
+    hidden state. Each position's feature is passed once, in order, to the first `propose`
+    after it was computed. None: no features."""
+
+
+def capabilities(drafter) -> DrafterCapabilities:
+    """A drafter's declared `DrafterCapabilities` (absent attributes take the defaults)."""
+    if drafter is None:
+        return DrafterCapabilities()
+    features = getattr(drafter, "features", None)
+    return DrafterCapabilities(bool(getattr(drafter, "lookahead", False)), bool(getattr(drafter, "shadow", False)),
+                               None if features is None else tuple(features))
+
+
 class Drafter(Protocol):
-    """Proposes drafts for live requests from a `DraftBatch`.
-
-    ``lookahead = True`` (optional attribute): the drafter needs only device data
-    (history, num_tokens), so the engine calls it right after verification, before its
-    one host readback, with ``lengths=None`` and ``k`` = each request's cap; the next
-    step verifies a prefix of those slots.
-
-    ``features`` (optional attribute, a tuple of target layer indices): the drafter reads the
-    target's features (`DraftBatch.features`): the residual streams entering those layers,
-    concatenated, or for ``()`` the final normed hidden state. Each position's feature is
-    passed once, in order, to the first `propose` after it was computed."""
+    """Proposes drafts for live requests from a `DraftBatch`. Optional attributes declare
+    its `DrafterCapabilities` (``lookahead``, ``shadow``, ``features``)."""
 
     def propose(self, batch: DraftBatch) -> Proposal:
         """Drafts: exactly ``batch.k[i]`` slots for request i (see `Proposal`)."""

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hal.engine.decoder import draft_room
+from hal.engine.requests import draft_room
 from hal.errors import arg_error
 
 
@@ -177,7 +177,8 @@ def profile_decoder(dec, max_tokens: int = 72, context: int = 512, reps: int = 5
     tokens (T = 1, 2, 3, 5, 9, ... up to ``max_tokens``, at a short context), the
     extra cost of ``context`` tokens of attention, and the drafter's chain of k
     (``profile_draft=False``: not profiled, e.g. a remote drafter whose work overlaps)."""
-    from hal.engine.decoder import DraftBatch, Request, forward
+    from hal.engine.forward import forward
+    from hal.engine.requests import DraftBatch, Request, capabilities
     backends = {id(b): b for b in (dec.target.be, _backend_of(dec.drafter)) if b is not None}.values()
 
     def sync():
@@ -208,7 +209,7 @@ def profile_decoder(dec, max_tokens: int = 72, context: int = 512, reps: int = 5
         dev = dec.target.device
         req = Request([1] * 16)
         hidden = torch.zeros(1, dec.target.cfg.hidden, device=dev)
-        layers = getattr(dec.drafter, "features", None)
+        layers = capabilities(dec.drafter).features
         feats = None if layers is None else torch.zeros(15, dec.target.cfg.hidden * max(1, len(layers)), device=dev)
         view = lambda k: DraftBatch((-1,), (req,), torch.ones(1, 16, dtype=torch.long, device=dev),  # noqa: E731
                                     torch.tensor([16], device=dev), (16,), (k,), (0,), hidden, feats,

@@ -10,11 +10,21 @@ tree decoding equals plain greedy by construction."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
 from hal import kv
+from hal.csr import cumulative
 from hal.engine.forward import sampling_args, target_probs
+
+
+@dataclass
+class VerifyOutput:
+    out: Tensor              # [R, max_k + 1] int64: accepted drafts, then the bonus/resampled token
+    accepted: Tensor         # [R] accepted drafts per request
+    nodes: Tensor | None     # [R, max_k] the accepted path's nodes (trees), -1 padded; None for chains
 
 
 def chain_parents(ks) -> list[int]:
@@ -28,7 +38,7 @@ def ancestors(parents: Tensor, counts: list[int], dev) -> Tensor:
     root is row 0, node n is row 1 + n; padding rows see only themselves)."""
     R, W = len(counts), 1 + max(counts, default=0)
     real = torch.tensor([[j < c for j in range(W - 1)] for c in counts], dtype=torch.bool).view(R, W - 1).to(dev)
-    idx = torch.tensor([a + j for a, c in zip(_starts(counts), counts) for j in range(W - 1)],
+    idx = torch.tensor([a + j for a, c in zip(cumulative(counts)[:-1], counts) for j in range(W - 1)],
                        dtype=torch.long).view(R, W - 1).to(dev)
     up = torch.arange(W, device=dev).expand(R, W).clone()     # row -> its parent's row (root, padding: itself)
     if parents.numel():
@@ -42,14 +52,6 @@ def ancestors(parents: Tensor, counts: list[int], dev) -> Tensor:
         cur = up.gather(1, cur)
         seen.scatter_(2, cur[..., None], True)
     return seen
-
-
-def _starts(counts: list[int]) -> list[int]:
-    out, at = [], 0
-    for c in counts:
-        out.append(at)
-        at += c
-    return out
 
 
 def layout(parents: Tensor, counts: list[int], extra: list[int], dev) -> tuple[Tensor, Tensor]:
@@ -69,36 +71,35 @@ def layout(parents: Tensor, counts: list[int], extra: list[int], dev) -> tuple[T
 def path_rows(nodes: Tensor, counts: list[int], dev) -> Tensor:
     """``[R, max_k + 1]`` flat fed rows whose logits produced each output token of the
     accepted path (the root's, then each accepted node's; padding repeats the root)."""
-    base = torch.tensor(_starts([1 + c for c in counts])).to(dev)
+    base = torch.tensor(cumulative([1 + c for c in counts])[:-1]).to(dev)
     n = nodes.long()
     step = torch.where(n >= 0, n + 1, 0)
     return base[:, None] + torch.cat([torch.zeros_like(step[:, :1]), step], 1)
 
 
 def verify(be, live, counts: list[int], ids: Tensor, q: Tensor | None, logits: Tensor,
-           parents: Tensor | None) -> dict[str, Tensor]:
+           parents: Tensor | None, offsets: list[int] | None) -> VerifyOutput:
     """Verify the live requests' drafts (chains, or trees when ``parents`` is given) against
-    their rows of ``logits``: ``{"out": [R, max_k + 1], "acc": [R]}`` (+ ``"nodes"`` [R, max_k],
-    the accepted path, for trees). All-greedy batches compare argmaxes; otherwise the target's
-    p (greedy rows get a one-hot p, which verifies exactly as greedy) and rejection sampling."""
+    their rows of ``logits``. All-greedy batches compare argmaxes (``offsets`` None);
+    otherwise the target's p (greedy rows get a one-hot p, which verifies exactly as
+    greedy) and rejection sampling at each request's Philox ``offsets[i]``."""
     dev = logits.device
     cu = torch.tensor([0, *counts]).cumsum(0).to(dev)
     max_k = max(counts)
-    greedy = all(s.req.temperature == 0 for s in live)
+    greedy = offsets is None
     if not greedy:
-        logits = target_probs(logits, *sampling_args(live, [c + 1 for c in counts], dev, draw=False),
-                              [s.req for s in live])
+        logits = target_probs(logits, *sampling_args(live, [c + 1 for c in counts], dev), [s.req for s in live])
         seeds = torch.tensor([s.req.seed for s in live]).to(dev)
-        offs = torch.tensor([s.next_offset() for s in live]).to(dev)
+        offs = torch.tensor(offsets).to(dev)
     if parents is not None:
         out, nodes, acc = be.verify_tree(ids, cu, parents, logits, *((None, None, None) if greedy else
                                                                      (q, seeds, offs)), max_k)
-        return {"out": out, "acc": acc, "nodes": nodes}
+        return VerifyOutput(out, acc, nodes)
     if greedy:
         out, acc = be.verify_greedy(ids, cu, logits, max_k)
     else:
         out, acc = be.verify_rejection(ids, cu, q, logits, seeds, offs, max_k)
-    return {"out": out, "acc": acc}
+    return VerifyOutput(out, acc, None)
 
 
 def compact(be, pool: kv.KVPool, seqs: list[kv.Sequence], counts: list[int], nodes: Tensor) -> None:
@@ -112,7 +113,7 @@ def compact(be, pool: kv.KVPool, seqs: list[kv.Sequence], counts: list[int], nod
     dst = torch.tensor(dst_host).to(dev)
     r = torch.tensor([i for i, c in enumerate(counts) for _ in range(c)]).to(dev)
     j = torch.tensor([j for c in counts for j in range(c)]).to(dev)
-    start = torch.tensor(_starts(counts)).to(dev)
+    start = torch.tensor(cumulative(counts)[:-1]).to(dev)
     n = nodes.long()[r, j]
     src = dst[torch.where(n >= 0, start[r] + n.clamp(min=0), start[r] + j)]
     for kc, vc in zip(pool.k, pool.v):

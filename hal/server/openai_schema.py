@@ -10,7 +10,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from hal.checks import MAX_K
-from hal.engine.requests import MAX_LOGPROBS, SamplingParams
+from hal.engine.requests import MAX_LOGPROBS, SamplingParams, TokenLogprob
 
 
 class ApiError(Exception):
@@ -215,21 +215,21 @@ def token_text(tok, i: int) -> str:
     return tok.decode([i], skip_special_tokens=False)
 
 
-def logprobs_chat(tok, entries: list[dict]) -> dict:
+def logprobs_chat(tok, entries: list[TokenLogprob]) -> dict:
     def one(i, lp):
         s = token_text(tok, i)
         return {"token": s, "logprob": lp, "bytes": list(s.encode())}
-    return {"content": [{**one(e["token"], e["logprob"]), "top_logprobs": [one(i, lp) for i, lp in e["top"]]}
+    return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(i, lp) for i, lp in e.top]}
                         for e in entries]}
 
 
-def logprobs_completion(tok, entries: list[dict], offset: int = 0) -> dict:
+def logprobs_completion(tok, entries: list[TokenLogprob], offset: int = 0) -> dict:
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for e in entries:
-        s = token_text(tok, e["token"])
+        s = token_text(tok, e.token)
         out["tokens"].append(s)
-        out["token_logprobs"].append(e["logprob"])
-        out["top_logprobs"].append({token_text(tok, i): lp for i, lp in e["top"]})
+        out["token_logprobs"].append(e.logprob)
+        out["top_logprobs"].append({token_text(tok, i): lp for i, lp in e.top})
         out["text_offset"].append(offset)
         offset += len(s)
     return out

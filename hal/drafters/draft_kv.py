@@ -1,0 +1,36 @@
+"""The per-request draft KV that model drafters and EAGLE heads keep: their own pool, one
+sequence per request, and how many leading positions of it hold committed history (the
+rest is scratch from the last drafts)."""
+
+from __future__ import annotations
+
+from hal import kv
+
+
+class DraftKV:
+    """A drafter's KV bookkeeping. ``valid[rid]``: leading positions of request ``rid``'s
+    draft sequence known to hold its committed history."""
+
+    def __init__(self, pool: kv.KVPool):
+        self.pool = pool
+        self.seqs: dict[int, kv.Sequence] = {}
+        self.valid: dict[int, int] = {}
+
+    def sequence(self, rid: int) -> kv.Sequence:
+        """Request ``rid``'s draft sequence (a new, empty one the first time)."""
+        return self.seqs.setdefault(rid, self.pool.sequence())
+
+    def blocks_needed(self, rid: int, num_tokens: int) -> int:
+        """New blocks request ``rid``'s sequence needs to hold ``num_tokens`` positions."""
+        have = len(self.seqs[rid].blocks) if rid in self.seqs else 0
+        return max(0, -(-num_tokens // self.pool.allocator.block_size) - have)
+
+    @property
+    def num_free(self) -> int:
+        return self.pool.allocator.num_free
+
+    def release(self, rid: int) -> None:
+        """Free request ``rid``'s blocks and forget it."""
+        if (seq := self.seqs.pop(rid, None)) is not None:
+            seq.free()
+        self.valid.pop(rid, None)

@@ -1,0 +1,112 @@
+"""One step's execution on the device, given the scheduler's `StepPlan` and the drafts:
+one ragged target forward (the decoding requests' ``[last token, drafts...]``, all rows
+verified, then the prefill chunks' last rows), verification, the accepted tree path's KV
+compaction, logprobs, first tokens for completed prefills, the lookahead drafter's next
+proposal, and the step's one readback. Changes no request state: the engine applies the
+`StepResult`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from hal import kv
+from hal.devices import transfer
+from hal.engine import proposals, trees
+from hal.engine.forward import forward_tokens, logprob_rows, sampling_args
+from hal.engine.history import HistoryBuffer
+from hal.engine.requests import Drafter, State, capabilities
+from hal.engine.step_types import Logprobs, StepDrafts, StepPlan, StepReads, StepResult, read_back
+from hal.models.llama import Llama
+
+
+@dataclass
+class Offsets:
+    """Philox offsets the engine spent for this step's draws, one per request."""
+
+    verify: list[int] | None   # [R] for sampled verification; None: an all-greedy batch
+    first: list[int]           # [F] for the first token of each request whose prefill completes
+
+
+def execute(target: Llama, pool: kv.KVPool, history: HistoryBuffer, drafter: Drafter | None, plan: StepPlan,
+            drafts: StepDrafts, offsets: Offsets) -> StepResult:
+    """Run ``plan`` with ``drafts``; everything stays on the device until one readback."""
+    be, dev = target.be, target.device
+    live, counts, chunks = plan.decode, drafts.counts, plan.prefill
+    first, resumed = plan.first, plan.resumed
+    fed = len(live) + sum(counts)
+    tokens, lens = _fed_tokens(plan, drafts, dev)
+    ends = torch.tensor(lens).cumsum(0)
+    rows = torch.cat([torch.arange(fed), ends[len(live):] - 1])
+    layers = capabilities(drafter).features   # a feature drafter reads every fed row's feature
+    depth, mask = (None, None) if drafts.parent_ids is None else trees.layout(
+        drafts.parent_ids, counts, [c.num_tokens for c in chunks], dev)
+    logits, hidden = forward_tokens(target, pool, [s.seq for s in live] + [c.state.seq for c in chunks], lens,
+                                    tokens, rows=rows, feature_layers=layers or (),
+                                    hidden_rows=None if layers is None else torch.arange(sum(lens)),
+                                    tree_mask=mask, depth=depth)
+    want = [s.req.logprobs or 0 for s in live + first if s.req.logprobs is not None]
+    top_n = max(want, default=0)
+    reads = StepReads()
+    if live:
+        _verify(be, pool, history, plan, drafts, logits[:fed], offsets.verify, bool(want), top_n, reads)
+    if first:
+        where = {c.state.rid: i for i, c in enumerate(chunks)}
+        frows = logits[fed:][torch.tensor([where[s.rid] for s in first]).to(dev)]
+        tok, _ = be.sample(frows, *sampling_args(first, [1] * len(first), dev, offsets.first))
+        reads.first = tok.long()
+        if want:
+            reads.first_logprobs = Logprobs(*_padded(logprob_rows(frows, tok, top_n)))
+        history.write([s.rid for s in first], [len(s.tokens) for s in first], reads.first[:, None])
+    if drafts.shadow:
+        slots = torch.tensor([j for _, j in drafts.shadow]).to(drafts.proposal.draft_token_ids.device)
+        reads.shadow_hits = transfer(drafts.proposal.draft_token_ids[slots], dev) == \
+            reads.out[[i for i, _ in drafts.shadow], 0]
+    ahead = proposals.lookahead(drafter, history, live, first, resumed, reads.accepted, dev)
+    if ahead is not None and isinstance(ahead.proposal.num_valid, Tensor):
+        reads.lookahead_valid = ahead.proposal.num_valid
+    return StepResult(read_back(reads), hidden, fed, top_n, layers is not None, drafts, ahead)   # the one host sync
+
+
+def _fed_tokens(plan: StepPlan, drafts: StepDrafts, dev) -> tuple[Tensor, list[int]]:
+    """The flat fed tokens (each decoding request's last token then its drafts, then the
+    prefill chunks) on ``dev``, and the tokens fed per request."""
+    counts = drafts.counts
+    lens = [1 + c for c in counts] + [c.num_tokens for c in plan.prefill]
+    host, draft_slots = [], []
+    for s, c in zip(plan.decode, counts):
+        draft_slots += range(len(host) + 1, len(host) + 1 + c)
+        host += [s.tokens[-1]] + [0] * c
+    for chunk in plan.prefill:
+        s = chunk.state
+        host += s.tokens[s.prefilled:s.prefilled + chunk.num_tokens]
+    tokens = torch.tensor(host, dtype=torch.long).to(dev)
+    if draft_slots:
+        tokens[torch.tensor(draft_slots).to(dev)] = drafts.token_ids
+    return tokens, lens
+
+
+def _verify(be, pool: kv.KVPool, history: HistoryBuffer, plan: StepPlan, drafts: StepDrafts, logits: Tensor,
+            verify_offsets: list[int] | None, logprobs: bool, top_n: int, reads: StepReads) -> None:
+    """Verify the decoding rows into ``reads``; a tree's accepted path moves next to its root."""
+    live, counts, dev = plan.decode, drafts.counts, logits.device
+    verified = trees.verify(be, live, counts, drafts.token_ids, drafts.probs, logits, drafts.parent_ids,
+                            verify_offsets)
+    reads.out, reads.accepted, reads.nodes = verified.out, verified.accepted, verified.nodes
+    if verified.nodes is not None:
+        trees.compact(be, pool, [s.seq for s in live], counts, verified.nodes)
+    if logprobs:
+        width = verified.out.shape[1]
+        flat = torch.tensor([i * width + j for i, c in enumerate(counts) for j in range(c + 1)]).to(dev)
+        rows = logits if verified.nodes is None else logits[
+            trees.path_rows(verified.nodes, counts, dev).reshape(-1)[flat]]
+        reads.logprobs = Logprobs(*_padded(logprob_rows(rows, verified.out.reshape(-1)[flat], top_n)))
+    history.write([s.rid for s in live], [len(s.tokens) for s in live], verified.out)
+
+
+def _padded(rows: list[Tensor]) -> list[Tensor | None]:
+    """`logprob_rows`' ``[logprob]`` or ``[logprob, top values, top ids]`` as three fields."""
+    return rows + [None] * (3 - len(rows))
+

@@ -1,0 +1,127 @@
+"""Scheduling, apart from execution (vLLM v1's ``core/sched``): the queues of requests in
+flight and the policy that decides, each step, who decodes with how many drafts, who is
+preempted when KV blocks run out, and which prompts prefill in what chunks.
+
+Under ``max_num_batched_tokens`` (prefill tokens + each running request's last token +
+every draft token): running requests decode first; the budget left prefills waiting
+requests, in chunks. When KV blocks run out, drafts go first, then the latest-arrived
+running request is preempted (the engine frees its blocks; it is recomputed later from
+its tokens). Prefill chunks are sized once the drafts are known (`Scheduler.plan_prefill`),
+so a short proposal leaves its budget to prefill."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable
+
+from hal import kv
+from hal.engine.requests import State
+from hal.engine.step_types import PrefillChunk, StepPlan
+
+ChooseK = Callable[[list[State], int], list[int]]   # (running requests, token budget) -> drafts allowed each
+
+
+def blocks_for(state: State, num_tokens: int) -> int:
+    """New KV blocks ``state`` needs to hold ``num_tokens`` more tokens."""
+    seq = state.seq
+    return max(0, -(-(seq.length + num_tokens) // seq.block_size) - len(seq.blocks))
+
+
+class Scheduler:
+    """The request queues and the step policy. ``preempt`` is the engine's: it frees a
+    request's blocks, resets it and hands it back through `requeue`."""
+
+    def __init__(self, allocator: kv.BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int | None,
+                 preempt: Callable[[State], None]):
+        self.allocator, self.max_num_seqs = allocator, max_num_seqs
+        self.max_num_batched_tokens, self._preempt = max_num_batched_tokens, preempt
+        self.waiting: deque[State] = deque()    # new and preempted requests, in priority order
+        self.prefilling: list[State] = []       # admitted, prompt partly in the KV
+        self.running: list[State] = []          # decoding, in priority (arrival) order
+
+    def add(self, state: State) -> None:
+        self.waiting.append(state)
+
+    def remove(self, state: State) -> bool:
+        """Take ``state`` out of whichever queue holds it; False if none does."""
+        for queue in (self.waiting, self.prefilling, self.running):
+            if state in queue:
+                queue.remove(state)
+                return True
+        return False
+
+    def find(self, rid: int) -> State | None:
+        return next((s for q in (self.waiting, self.prefilling, self.running) for s in q if s.rid == rid), None)
+
+    def requeue(self, state: State) -> None:
+        """A preempted request goes back to the waiting queue, in priority (arrival) order."""
+        at = next((j for j, w in enumerate(self.waiting) if w.rid > state.rid), len(self.waiting))
+        self.waiting.insert(at, state)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.running)
+
+    # -- the decode half of a step ---------------------------------------------------------------
+
+    def schedule(self, choose_k: ChooseK) -> StepPlan:
+        """Who decodes this step and with how many drafts: k as ``choose_k`` wants it, shrunk
+        to the token budget, then to the free KV blocks; while even k = 0 does not fit, the
+        latest-arrived request in flight is preempted (the earliest always fits alone, so
+        this ends)."""
+        budget = self.max_num_batched_tokens or 1 << 62
+        decode = list(self.running)
+        ks = list(choose_k(decode, budget)) if decode else []
+        while sum(1 + k for k in ks) > budget and any(ks):
+            ks[max(range(len(ks)), key=ks.__getitem__)] -= 1
+        while decode and sum(blocks_for(s, 1 + k) for s, k in zip(decode, ks)) > self.allocator.num_free:
+            if any(ks):
+                ks = [0] * len(ks)
+                continue
+            victim = max(decode + self.prefilling, key=lambda s: s.rid)
+            if victim in decode:
+                del ks[decode.index(victim)]
+                decode.remove(victim)
+            self._preempt(victim)
+        return StepPlan(decode, ks, budget)
+
+    # -- the prefill half ------------------------------------------------------------------------
+
+    def plan_prefill(self, budget: int, free: int) -> list[PrefillChunk]:
+        """Admit waiting requests and size their prefill chunks within ``budget`` tokens and
+        ``free`` blocks."""
+        # admit only what can finish its (re)prefill plus one token in blocks nobody has claimed yet
+        claimed = sum(blocks_for(s, s.prefill_end() - s.prefilled + 1) for s in self.prefilling)
+        while self.waiting and len(self.running) + len(self.prefilling) < self.max_num_seqs:
+            need = blocks_for(self.waiting[0], self.waiting[0].prefill_end() + 1)
+            if need > free - claimed:
+                break
+            claimed += need
+            self.prefilling.append(self.waiting.popleft())
+        chunks, block_size = [], self.allocator.block_size
+        for s in self.prefilling:
+            room = (len(s.seq.blocks) + free) * block_size - s.seq.length
+            n = min(s.prefill_end() - s.prefilled, budget, room)
+            if n <= 0:
+                break
+            free -= blocks_for(s, n)
+            budget -= n
+            chunks.append(PrefillChunk(s, n))
+        return chunks
+
+    def finish_prefill(self, chunks: list[PrefillChunk]) -> None:
+        """Commit the chunks' tokens to the KV; a request whose prompt is in starts decoding."""
+        for chunk in chunks:
+            s, complete = chunk.state, chunk.completes
+            s.seq.commit(chunk.num_tokens)
+            s.prefilled += chunk.num_tokens
+            if complete:
+                self.prefilling.remove(s)
+                self.running.append(s)
+                self.running.sort(key=lambda x: x.rid)
+
+    def drop_finished(self) -> list[State]:
+        """Take finished requests off the running queue; returns them."""
+        done = [s for s in self.running if s.done]
+        for s in done:
+            self.running.remove(s)
+        return done
