@@ -32,7 +32,29 @@ def cmd_info(_args) -> int:
         except HalError as e:
             where = f"unresolvable here: {e}"
         print(f"HAL_PLACEMENT={os.environ['HAL_PLACEMENT']}: {where}; link {link_backend(p)}")
+    print_plan("smollm2-135m", getattr(_args, "dtype", "auto"), getattr(_args, "plan_refresh", False))
     return 0
+
+
+def print_plan(model: str, dtype: str, refresh: bool) -> None:
+    """The linear plan the runner uses for ``model``'s shapes on this machine (measured once, then cached)."""
+    from hal.models.fetch import MODEL_SHAPES
+    from hal.models.linear_plan import choose_plan, cpu_signature
+    from hal.models.llama import LlamaConfig, linear_shapes
+    if model not in MODEL_SHAPES:
+        return
+    sig = cpu_signature()
+    print(f"\nCPU: {sig['cpu']}, {sig['cores']} cores, {sig['threads']} threads, torch {sig['torch']}; "
+          f"flags {' '.join(sig['flags']) or 'none'}")
+    print(f"linear plan for {model} (--dtype {dtype}; measured once per machine, cached under $HAL_CACHE/plans):",
+          flush=True)
+    cfg = LlamaConfig(**MODEL_SHAPES[model], rope_base=1e4, eps=1e-5, rope_interleaved=True)
+    choice = choose_plan(linear_shapes(cfg), dtype, refresh=refresh)
+    print(f"  {choice.plan.describe()} ({'cached' if choice.from_cache else 'measured now'})")
+    for c in sorted(choice.candidates, key=lambda c: c["score"]):
+        ms = ", ".join(f"M={m}: {t:.1f}" for m, t in c["ms"].items())
+        print(f"    {c['plan']['dtype']:9s} {c['plan']['layout']:6s} widths {'/'.join(map(str, c['plan']['widths'])):11s}"
+              f" score {c['score']:7.1f} ms  ({ms} ms)")
 
 
 def cmd_conformance(args, extra: list[str]) -> int:
@@ -77,12 +99,13 @@ def cmd_demo(args) -> int:
         return demo_ops()
     be = hal.get_backend()
     try:
-        model, tok = load_model("smollm2-135m", be)
+        model, tok = load_model("smollm2-135m", be, args.dtype, plan_refresh=args.plan_refresh)
     except HalError as e:
         print(f"demo: the model could not be fetched ({e}); showing one verify round instead", file=sys.stderr)
         return demo_ops()
     from hal.engine.decoder import SpeculativeDecoder
-    print(f"model smollm2-135m (SmolLM2-135M-Instruct, GGUF Q4_1 dequantized to fp32), backend {be.name}, greedy")
+    print(f"model smollm2-135m (SmolLM2-135M-Instruct, GGUF Q4_1), backend {be.name}, greedy; "
+          f"linear plan {model.plan.describe()}")
     draft = "ngram+eagle"   # n-gram lookup where it matches, the shipped EAGLE head elsewhere
     costs = SpeculativeDecoder(model, make_drafter(draft, model, be), num_blocks=64).profile_costs(
         max_tokens=9, context=128, reps=3)
@@ -201,7 +224,7 @@ def cmd_bench(args) -> int:
     from hal.engine.router import Router
     require_prometheus()  # fail before loading anything
     be = hal.get_backend()
-    model, tok = load_model(args.model, be)
+    model, tok = load_model(args.model, be, args.dtype, plan_refresh=args.plan_refresh)
     dec = SpeculativeDecoder(model, make_drafter(args.draft, model, be, args.model), num_blocks=128 * args.batch)
     if not args.fixed_k:
         dec.router = Router(dec.profile_costs(max_tokens=(args.k + 1) * len(DEMO_PROMPTS) * args.batch), max_k=args.k)
@@ -223,7 +246,7 @@ def cmd_bench(args) -> int:
 def cmd_generate(args) -> int:
     import hal
     be = hal.get_backend()
-    model, tok = load_model(args.model, be)
+    model, tok = load_model(args.model, be, args.dtype, plan_refresh=args.plan_refresh)
     runs = [(args.draft, args.k)] + ([("none", 0)] if args.compare and args.draft != "none" else [])
     results = []
     for draft, k in runs:
@@ -240,10 +263,17 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def add_dtype_args(ap) -> None:
+    from hal.distributed.launcher import add_dtype_args as add
+    add(ap)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="spec-hal", description="spec-hal: speculative decoding HAL")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("info", help="backends, availability, block sizes, validation level")
+    info = sub.add_parser("info", help="backends, availability, block sizes, validation level; the CPU and "
+                                       "the runner's linear plan")
+    add_dtype_args(info)
     c = sub.add_parser("conformance", help="run the conformance suite against a backend "
                                            "(extra arguments go to pytest)")
     c.add_argument("--backend", required=True)
@@ -252,12 +282,14 @@ def main(argv: list[str] | None = None) -> int:
                                                           "(split evenly over the ops and properties)")
     c.add_argument("--slow", action="store_true", help="also run the slow statistical tests (the long tail)")
     dm = sub.add_parser("demo", help="a real model, speculative vs plain decoding (--ops: one verify round)")
+    add_dtype_args(dm)
     dm.add_argument("--ops", action="store_true", help="only show one verify round on toy logits")
     mo = sub.add_parser("model", help="model files")
     mo_sub = mo.add_subparsers(dest="model_cmd", required=True)
     mf = mo_sub.add_parser("fetch", help="download and verify a model into $HAL_CACHE")
     mf.add_argument("name")
     g = sub.add_parser("generate", help="generate text with speculative decoding")
+    add_dtype_args(g)
     g.add_argument("--model", default="smollm2-135m", help="a fetchable name or a .gguf path")
     g.add_argument("--draft", default="ngram", help=draft_help(draft_kinds(cli=True)))
     g.add_argument("--prompt", required=True)
@@ -269,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("bench", help="routed speculative decoding on the demo prompts; prints a summary and "
                                      "the metrics in Prometheus text format (needs prometheus-client)")
     b.add_argument("--model", default="smollm2-135m")
+    add_dtype_args(b)
     b.add_argument("--draft", default="ngram", help=draft_help(draft_kinds(cli=True)))
     b.add_argument("--k", type=int, default=8, help="the cap on k (routed) or k itself (--fixed-k)")
     b.add_argument("--fixed-k", action="store_true", help="no router: always k drafts")

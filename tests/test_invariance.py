@@ -1,7 +1,8 @@
 """Batch invariance of the runner (`hal.models.invariant`): a token's logits are bit-identical
 whether it is decoded alone, verified among k others, or batched with other requests, at the
 bundled model's shapes (hidden 576, 9 query / 3 KV heads of 64, ffn 1536, vocab 49152; random
-weights, 2 layers). Every layer kind is checked on its own, then the whole forward. The same
+weights, 2 layers). Every layer kind is checked on its own, then the whole forward, for the
+linear plan this machine chose (`hal.models.linear_plan`) at each dtype it offers. The same
 comparisons on the plain path (``F.linear``, the backend's attention) show differences, so
 the tests can fail."""
 
@@ -15,22 +16,27 @@ from tests.models import random_llama
 from hal.engine.forward import forward
 from hal.kv import KVPool
 from hal.models import invariant
+from hal.models.linear_plan import candidate_dtypes, choose_plan, cpu_flags
 from hal.models.llama import Llama
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]   # qkv, o, gate-up, down, lm_head
+HERE = [str(d).removeprefix("torch.") for d in candidate_dtypes("auto", cpu_flags())]   # float32 (+ bfloat16)
 
 
+@pytest.mark.parametrize("dtype", HERE)
 @pytest.mark.parametrize("N,K", SHAPES)
-def test_linear_rows_do_not_depend_on_the_batch(N, K):
+def test_linear_rows_do_not_depend_on_the_batch(N, K, dtype):
+    plan = choose_plan(SHAPES, dtype).plan
     g = torch.Generator().manual_seed(N + K)
-    w = torch.randn(N, K, generator=g) * 0.05
+    w = (torch.randn(N, K, generator=g) * 0.05).to(plan.dtype)
     x = torch.randn(1, K, generator=g)
-    alone = invariant.linear(x, w)
-    for T in (2, 3, 4, 5, 8, 9, 13):
+    alone = plan.linear(x, w)
+    for T in (2, 3, 4, 5, 8, 9, 13, 17):
         for pos in (0, T // 2, T - 1):
             batch = torch.randn(T, K, generator=g)
             batch[pos] = x[0]
-            assert torch.equal(invariant.linear(batch, w)[pos], alone[0]), f"row {pos} of {T} differs from alone"
+            assert torch.equal(plan.linear(batch, w)[pos], alone[0]), \
+                f"{plan.describe()}: row {pos} of {T} differs from alone"
 
 
 def test_plain_linear_is_not_batch_invariant():
@@ -89,9 +95,9 @@ def test_attention_matches_the_contract_on_ragged_batches():
                                _reference(q, kc, vc, bt, seq, qsl), atol=1e-5, rtol=0)
 
 
-@pytest.fixture(scope="module")
-def model():   # SmolLM2-135M's shapes, 2 layers
-    return random_llama(576, 2, 9, 3, 64, 1536, 49152, seed=4, scale=0.05, embed_scale=0.5)
+@pytest.fixture(scope="module", params=HERE)
+def model(request):   # SmolLM2-135M's shapes, 2 layers, at each dtype this machine offers
+    return random_llama(576, 2, 9, 3, 64, 1536, 49152, seed=4, scale=0.05, embed_scale=0.5, dtype=request.param)
 
 
 PROMPT = [(7 * i + 3) % 49152 for i in range(21)]
@@ -99,7 +105,7 @@ TOKENS = [11, 2024, 7, 7, 40000, 3, 99, 512, 6]
 
 
 def _decoded_alone(model):
-    pool = KVPool(model.be, 32, 16, 3, 64, num_layers=2)
+    pool = KVPool(model.be, 32, 16, 3, 64, dtype=model.dtype, num_layers=2)
     s = pool.sequence()
     logits = [forward(model, pool, [s], [PROMPT], False)[0][0]]
     s.commit(len(PROMPT))
@@ -111,7 +117,7 @@ def _decoded_alone(model):
 
 def _verified(model, k, neighbour):
     """Prefill, then one forward over TOKENS[:k] (all rows), optionally beside another request."""
-    pool = KVPool(model.be, 32, 16, 3, 64, num_layers=2)
+    pool = KVPool(model.be, 32, 16, 3, 64, dtype=model.dtype, num_layers=2)
     s, o = pool.sequence(), pool.sequence()
     first = forward(model, pool, [s], [PROMPT], False)[0][0]
     s.commit(len(PROMPT))
@@ -131,9 +137,22 @@ def test_forward_rows_do_not_depend_on_the_batch(model, k, neighbour):
 
 
 def test_plain_forward_is_not_batch_invariant(model):
+    if model.dtype != torch.float32:
+        pytest.skip("the float32 plain path is the tooth here; other dtypes get the planted leak below")
     plain = Llama(model.cfg, model.w, model.be, batch_invariant=False)
     assert not torch.equal(_verified(plain, 9, False), _decoded_alone(plain)), \
         "the plain runner was batch-invariant here: the forward test would prove nothing"
+
+
+def test_a_planted_leak_between_rows_breaks_the_forward_test(model):
+    """PLANTED: a linear layout whose rows see their chunk-mates (5% of their mean) fails
+    the forward comparison at this dtype (so passing it means something)."""
+    from hal.models.linear_plan import LAYOUTS, LinearPlan
+
+    def leak(x, w):
+        return LAYOUTS["mm"](x, w) + (0.05 * x.float().mean()).to(x.dtype)
+    leaky = Llama(model.cfg, model.w, model.be, plan=LinearPlan("leak", model.dtype, (16,), fn=leak))
+    assert not torch.equal(_verified(leaky, 9, False), _decoded_alone(leaky))
 
 
 def test_serving_flag_turns_it_off():
@@ -157,7 +176,7 @@ def _tree_rows(model, neighbour: bool, prompt=PROMPT):
     (optionally after another request's prefill chunk in the same batch): every fed row's logits."""
     from hal.engine import trees
     from hal.engine.forward import forward_tokens
-    pool = KVPool(model.be, 32, 16, 3, 64, num_layers=2)
+    pool = KVPool(model.be, 32, 16, 3, 64, dtype=model.dtype, num_layers=2)
     s, o = pool.sequence(), pool.sequence()
     forward(model, pool, [s], [prompt[:-1]], False)
     s.commit(len(prompt) - 1)
@@ -177,7 +196,7 @@ def _path_decoded(model, node: int, prompt=PROMPT):
     while n >= 0:
         path.insert(0, TOKENS[n])
         n = PARENTS[n]
-    pool = KVPool(model.be, 32, 16, 3, 64, num_layers=2)
+    pool = KVPool(model.be, 32, 16, 3, 64, dtype=model.dtype, num_layers=2)
     s = pool.sequence()
     out = forward(model, pool, [s], [prompt], False)[0][0]
     s.commit(len(prompt))
@@ -199,7 +218,11 @@ def test_tree_rows_equal_their_paths_decoded(model, neighbour, prompt):
 
 def test_tree_attention_needs_chain_order(model, monkeypatch):
     """The teeth: masking the same keys where they lie (no gather into chain order) changes
-    some node's bits, so the test above can fail."""
+    some node's bits, so the test above can fail. Attention runs in float32 at every dtype;
+    at bfloat16 its output is rounded before the next linear layer, which hides the order's last
+    bits, so the tooth is shown at float32."""
+    if model.dtype != torch.float32:
+        pytest.skip("attention is float32 at every dtype; its tooth is shown on the float32 model")
     real = invariant.Plan.__init__
 
     def in_place(self, bt, seq, qsl, T, bs, max_query, tree_mask=None, min_context=0):

@@ -80,8 +80,18 @@ class Target:
                 dist.destroy_process_group()
 
 
+def add_dtype_args(ap: argparse.ArgumentParser) -> None:
+    """``--dtype`` and ``--plan-refresh``: the runner's linear plan (`hal.models.linear_plan`)."""
+    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                    help="the linear layers' and KV cache's dtype (auto: bfloat16 where it measures faster and "
+                         "batch-invariant on this CPU, else float32)")
+    ap.add_argument("--plan-refresh", action="store_true", help="measure the linear plan again (it is cached "
+                                                                 "per CPU signature under $HAL_CACHE/plans)")
+
+
 def add_engine_args(ap: argparse.ArgumentParser) -> None:
     """The flags every target entry point shares (names as vLLM's where one exists)."""
+    add_dtype_args(ap)
     ap.add_argument("--draft", default="ngram", help=draft_help())
     ap.add_argument("--model", default="smollm2-135m", help="a fetchable name, a .gguf path or an HF folder")
     ap.add_argument("--k", type=int, default=8, help="k per step, or its cap with --route")
@@ -142,7 +152,8 @@ def start(args, max_seqs: int, engine_kw: dict | None = None) -> Target | None:
             print(f"hal.distributed.launcher: the draft worker did not join within {args.draft_startup_timeout} s "
                   f"({type(e).__name__}); serving alone by plain decoding", file=sys.stderr, flush=True)
     from hal.models.fetch import MODELS, fetch
-    from hal.models.llama import read_config
+    from hal.models.linear_plan import choose_plan
+    from hal.models.llama import linear_shapes, read_config
     from hal.distributed.placement import resolve_side
     from hal.engine.memory import ModelMemory
     path = str(fetch(args.model) if args.model in MODELS and not (rank == DRAFT and spec.kind in ("ngram", "ngram-tree"))
@@ -154,7 +165,7 @@ def start(args, max_seqs: int, engine_kw: dict | None = None) -> Target | None:
         pool = plan(args, None, None, mem, draft_side, max_seqs).allocate("draft") if mem is not None else None
         link = Link(TARGET, torch.device("cpu") if backend == "gloo" else draft_side.device)
         # a head shares the target's embeddings and lm_head: this rank loads the weights for them
-        tw = load_model(path, draft_side.backend)[0].to(draft_side.device) if head else None
+        tw = load_model(path, draft_side.backend, args.dtype)[0].to(draft_side.device) if head else None
         drafter = make_drafter(spec, draft_side.backend, target=tw, path=args.model if head else dpath, pool=pool,
                                device=draft_side.device)
         draft_worker(link, drafter, os.environ.get("HAL_SERVE_FAULT", ""), idle=max(600.0, args.draft_timeout))
@@ -164,9 +175,14 @@ def start(args, max_seqs: int, engine_kw: dict | None = None) -> Target | None:
     draft_side = resolve_side(placement.draft, "draft") if world == 1 else None
     shares = world == 1 and draft_side.device == target_side.device
     dmem, dpath = draft_memory(spec, path, shares) if world == 1 else (None, None)
-    mplan = plan(args, ModelMemory.from_config(read_config(path), "target"), target_side, dmem, draft_side, max_seqs)
+    cfg = read_config(path)
+    linear = choose_plan(linear_shapes(cfg), args.dtype, refresh=args.plan_refresh,
+                         device=target_side.device).plan   # measured once per machine, then cached
+    print(f"linear plan: {linear.describe()}", file=sys.stderr, flush=True)
+    mplan = plan(args, ModelMemory.from_config(cfg, "target", kv_dtype=linear.dtype), target_side, dmem, draft_side,
+                 max_seqs)
     pool = mplan.allocate("target")  # nothing was allocated before the plan passed
-    model, tok = load_model(path, target_side.backend)
+    model, tok = load_model(path, target_side.backend, plan=linear)
     model.batch_invariant = getattr(args, "batch_invariant", True)
     model.to(target_side.device)
     metrics = SpecDecodeMetrics()

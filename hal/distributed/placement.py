@@ -12,7 +12,6 @@ import os
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
 
 from hal.errors import HalError, arg_error
 

@@ -29,29 +29,29 @@ def empty(R: int, device) -> Proposal:
     return slots(torch.zeros(R, 0, dtype=torch.long, device=device), (0,) * R)
 
 
-def subset(b: DraftBatch, keep: list[int]) -> DraftBatch:
+def subset(batch: DraftBatch, keep: list[int]) -> DraftBatch:
     """The rows ``keep`` of a `DraftBatch` (its features too)."""
     pick = lambda t: t[torch.tensor(keep, dtype=torch.long).to(t.device)]  # noqa: E731
-    feats, counts = b.features, b.num_features
+    feats, counts = batch.features, batch.num_features
     if feats is not None:
         cu = cumulative(counts)
         feats = pick_rows(feats, [j for i in keep for j in range(cu[i], cu[i + 1])])
         counts = tuple(counts[i] for i in keep)
-    return DraftBatch(tuple(b.rids[i] for i in keep), tuple(b.params[i] for i in keep), pick(b.history),
-                      pick(b.num_tokens), None if b.lengths is None else tuple(b.lengths[i] for i in keep),
-                      tuple(b.k[i] for i in keep), tuple(b.offsets[i] for i in keep),
-                      None if b.hidden is None else pick(b.hidden), feats, counts)
+    return DraftBatch(tuple(batch.rids[i] for i in keep), tuple(batch.params[i] for i in keep), pick(batch.history),
+                      pick(batch.num_tokens), None if batch.lengths is None else tuple(batch.lengths[i] for i in keep),
+                      tuple(batch.k[i] for i in keep), tuple(batch.offsets[i] for i in keep),
+                      None if batch.hidden is None else pick(batch.hidden), feats, counts)
 
 
 def pick_rows(t: Tensor, rows: list[int]) -> Tensor:
     return t[torch.tensor(rows, dtype=torch.long).to(t.device)]
 
 
-def widen(b: DraftBatch, keep: list[int], part: Proposal | None, dev) -> Proposal:
+def widen(batch: DraftBatch, keep: list[int], part: Proposal | None, dev) -> Proposal:
     """A `Proposal` for all of ``b`` from one for its rows ``keep``: the others get their
     ``k`` slots as filler (``num_valid`` 0)."""
-    cu = cumulative(b.k)
-    at = torch.tensor([cu[i] + j for i in keep for j in range(b.k[i])], dtype=torch.long).to(dev)
+    cu = cumulative(batch.k)
+    at = torch.tensor([cu[i] + j for i in keep for j in range(batch.k[i])], dtype=torch.long).to(dev)
     ids = torch.zeros(cu[-1], dtype=torch.long, device=dev)
     probs = None
     if part is not None and len(at):
@@ -61,23 +61,23 @@ def widen(b: DraftBatch, keep: list[int], part: Proposal | None, dev) -> Proposa
             probs[:, 0] = 1   # filler slots: valid rows, never verified
             probs[at] = part.draft_probs
     kept = set(keep)
-    return Proposal(ids, torch.tensor(cu).to(dev), probs, tuple(k if i in kept else 0 for i, k in enumerate(b.k)))
+    return Proposal(ids, torch.tensor(cu).to(dev), probs, tuple(k if i in kept else 0 for i, k in enumerate(batch.k)))
 
 
-def sample_chain(b: DraftBatch, be, dev, step: Callable[[Tensor, int], Tensor]) -> Proposal:
+def sample_chain(batch: DraftBatch, backend, dev, step: Callable[[Tensor, int], Tensor]) -> Proposal:
     """Draft max(k) tokens by ``step(x, j) -> logits`` (x: the previous draft), sampling each
     request with its own parameters at Philox offset ``offsets[i] + j``."""
-    R, K = len(b.rids), max(b.k, default=0)
-    temp, top_k, top_p = sampling_tensors(b.params, [1] * R, dev)
-    seeds = torch.tensor([p.seed for p in b.params], dtype=torch.long).to(dev)
-    off = torch.tensor(b.offsets, dtype=torch.long).to(dev)
-    toks, qs, x = [], [], None
+    R, K = len(batch.rids), max(batch.k, default=0)
+    temp, top_k, top_p = sampling_tensors(batch.params, [1] * R, dev)
+    seeds = torch.tensor([p.seed for p in batch.params], dtype=torch.long).to(dev)
+    off = torch.tensor(batch.offsets, dtype=torch.long).to(dev)
+    toks, draft_probs, x = [], [], None
     for j in range(K):
-        tok, q = be.sample(step(x, j).float(), temp, top_k, top_p, seeds, off + j)
+        tok, q = backend.sample(step(x, j).float(), temp, top_k, top_p, seeds, off + j)
         x = tok.long()
         toks.append(x)
-        qs.append(q)
-    sampled = any(p.temperature > 0 for p in b.params)
+        draft_probs.append(q)
+    sampled = any(p.temperature > 0 for p in batch.params)
     if not toks:
         return empty(R, dev)
-    return slots(torch.stack(toks, 1), b.k, torch.stack(qs, 1).float() if sampled else None)
+    return slots(torch.stack(toks, 1), batch.k, torch.stack(draft_probs, 1).float() if sampled else None)

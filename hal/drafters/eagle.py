@@ -57,58 +57,58 @@ class HeadDrafter:
     def features(self) -> tuple[int, ...]:
         return self.head.feature_layers
 
-    def propose(self, b: DraftBatch) -> Proposal:
-        if b.lengths is None:
+    def propose(self, batch: DraftBatch) -> Proposal:
+        if batch.lengths is None:
             raise HalError("HeadDrafter.propose: expected host lengths (it is not a lookahead drafter), got None")
-        if b.features is None and sum(b.num_features):
+        if batch.features is None and sum(batch.num_features):
             raise HalError("HeadDrafter.propose: expected DraftBatch.features, got None")
         dev = self.head.device
-        cu = cumulative(b.num_features or (0,) * len(b.rids))
-        keep, plan, K = [], [], max(b.k, default=0)
+        cu = cumulative(batch.num_features or (0,) * len(batch.rids))
+        keep, plan, K = [], [], max(batch.k, default=0)
         if self.tree is not None and K:   # the re-fed expanded nodes of the deepest level
             K = self.tree[0] * (self.tree[1] - 1)
         need = 0
-        for i, (rid, L) in enumerate(zip(b.rids, b.lengths)):
+        for i, (rid, length) in enumerate(zip(batch.rids, batch.lengths)):
             n = cu[i + 1] - cu[i]
-            start, v = L - 1 - n, self.draft_kv.valid.get(rid, 0)
-            need += self.draft_kv.blocks_needed(rid, L - 1 + K)
+            start, v = length - 1 - n, self.draft_kv.valid.get(rid, 0)
+            need += self.draft_kv.blocks_needed(rid, length - 1 + K)
             if start > v or (n == 0 and rid not in self.last) or rid in self.lost_rids or need > self.draft_kv.num_free:
                 self._lose(rid)
                 continue
             keep.append(i)
-            plan.append((rid, L, max(0, v - start)))   # skip features it already has
+            plan.append((rid, length, max(0, v - start)))   # skip features it already has
         if not keep:
-            return empty(len(b.rids), dev) if not any(b.k) else widen(b, [], None, dev)
-        sub = b if len(keep) == len(b.rids) else subset(b, keep)
+            return empty(len(batch.rids), dev) if not any(batch.k) else widen(batch, [], None, dev)
+        sub = batch if len(keep) == len(batch.rids) else subset(batch, keep)
         part = self._propose(sub, plan)
-        return part if sub is b else widen(b, keep, part, dev)
+        return part if sub is batch else widen(batch, keep, part, dev)
 
     def _propose(self, b: DraftBatch, plan) -> Proposal:
         dev, head = self.head.device, self.head
         feats = None if b.features is None else b.features.to(dev, torch.float32)
-        xs, toks, seqs, lens = [], [], [], []
+        inputs, toks, seqs, lens = [], [], [], []
         hist = b.history.to(dev)
         end = 0
-        for i, ((rid, L, skip), n) in enumerate(zip(plan, b.num_features or (0,) * len(plan))):
+        for i, ((rid, length, skip), n) in enumerate(zip(plan, b.num_features or (0,) * len(plan))):
             a, z, end = end + skip, end + n, end + n    # this request's rows of b.features, minus those it has
-            q = self.draft_kv.sequence(rid)
+            seq = self.draft_kv.sequence(rid)
             if z > a:                     # new target features: positions L-1-(z-a) .. L-2
                 x = feats[a:z]
                 self.last[rid] = x[-1]
             else:                         # nothing new: feed the newest pair again
                 x = self.last[rid][None]
-            p0 = L - 1 - x.shape[0]
-            q.truncate(p0)
-            xs.append(x)
-            toks.append(hist[i, p0 + 1:L])
-            seqs.append(q)
+            p0 = length - 1 - x.shape[0]
+            seq.truncate(p0)
+            inputs.append(x)
+            toks.append(hist[i, p0 + 1:length])
+            seqs.append(seq)
             lens.append(x.shape[0])
-            self.draft_kv.valid[rid] = L - 1
-        tokens, x = torch.cat(toks), torch.cat(xs)
+            self.draft_kv.valid[rid] = length - 1
+        tokens, x = torch.cat(toks), torch.cat(inputs)
         batch = make_batch(self.be, dev, self.pool, seqs, lens, tokens)
         logits0, h = head.forward(batch, self.pool.k[0], self.pool.v[0], tokens, x, True)
-        for q, n in zip(seqs, lens):
-            q.commit(n)
+        for seq, n in zip(seqs, lens):
+            seq.commit(n)
         state = {"h": h[batch.logits_rows]}
         if self.tree is not None:
             return self._tree(b, seqs, logits0, state["h"])
@@ -139,7 +139,7 @@ class HeadDrafter:
             toks.append(best if head.draft_ids is None else head.draft_ids[best])
         return slots(torch.stack(toks, 1) if toks else torch.zeros(len(seqs), 0, dtype=torch.long, device=dev), b.k)
 
-    def _tree(self, b: DraftBatch, seqs, logits: Tensor, h: Tensor) -> Proposal:
+    def _tree(self, batch: DraftBatch, seqs, logits: Tensor, h: Tensor) -> Proposal:
         """EAGLE-2's dynamic tree, on the device. The root's ``topk`` likeliest tokens are the
         first candidates; each level expands the ``topk`` candidates of best total log
         probability (their pairs (parent's output, token) fed as a tree over the head's scratch
@@ -147,7 +147,7 @@ class HeadDrafter:
         the ``k[i]`` best candidates overall (a parent scores at least its child, and ties go
         to the earlier one), in candidate order so parents come first."""
         head, dev, (K, D) = self.head, self.head.device, self.tree
-        R, B = len(seqs), max(b.k, default=0)
+        R, B = len(seqs), max(batch.k, default=0)
         to_target = (lambda t: t) if head.draft_ids is None else (lambda t: head.draft_ids[t])  # noqa: E731
         score, tok = torch.log_softmax(logits.float(), -1).topk(K)             # [R, K]: the root's children
         toks, scores, pars = [to_target(tok)], [score], [torch.full((R, K), -1, device=dev)]
@@ -165,7 +165,8 @@ class HeadDrafter:
             rows = (torch.arange(R, device=dev)[:, None] * W + (W - K) + torch.arange(K, device=dev)).reshape(-1)
             tokens = torch.cat(fed_tok, 1).reshape(-1)
             bt = make_batch(self.be, dev, self.pool, seqs, [W] * R, tokens, rows=rows, depth=depth)
-            out, hs = head.forward(bt, self.pool.k[0], self.pool.v[0], tokens, torch.cat(fed_feat, 1).reshape(R * W, -1),
+            out, hs = head.forward(bt, self.pool.k[0], self.pool.v[0], tokens, torch.cat(fed_feat, 1).reshape(R * W,
+                                                                                                              -1),
                                    False, seen.reshape(R * W, W))
             cs, ct = torch.log_softmax(out.float(), -1).topk(K)                # [R * K, K]
             cand = (torch.cat(scores, 1).gather(1, front)[:, :, None] + cs.view(R, K, K)).reshape(R, K * K)
@@ -175,28 +176,28 @@ class HeadDrafter:
             pick = cand.topk(K).indices                                         # the next level to expand
             front, n = n + pick, n + K * K
             feat = hs[rows].view(R, K, -1).gather(1, (pick // K)[..., None].expand(R, K, hs.shape[-1]))
-        return self._select(b, torch.cat(toks, 1), torch.cat(scores, 1), torch.cat(pars, 1))
+        return self._select(batch, torch.cat(toks, 1), torch.cat(scores, 1), torch.cat(pars, 1))
 
-    def _select(self, b: DraftBatch, toks: Tensor, scores: Tensor, pars: Tensor) -> Proposal:
+    def _select(self, batch: DraftBatch, toks: Tensor, scores: Tensor, pars: Tensor) -> Proposal:
         """Each request's ``k[i]`` best candidates in candidate order, parents remapped."""
         dev, (R, N) = toks.device, toks.shape
         order = torch.sort(scores, dim=1, descending=True, stable=True).indices
         rank = torch.empty_like(order).scatter_(1, order, torch.arange(N, device=dev).expand(R, N))
-        k = torch.tensor(b.k).to(dev)[:, None]
+        k = torch.tensor(batch.k).to(dev)[:, None]
         chosen = torch.sort(torch.where(rank < k, 0, N) + torch.arange(N, device=dev), dim=1).indices  # chosen first
         local = torch.empty_like(chosen).scatter_(1, chosen, torch.arange(N, device=dev).expand(R, N))
         par = pars.gather(1, chosen)
         par = torch.where(par >= 0, local.gather(1, par.clamp(min=0)), -1)
-        M = max(b.k, default=0)
+        M = max(batch.k, default=0)
         if M > N:   # more slots than candidates: filler chains under the last node, never verified
             toks_c = torch.cat([toks.gather(1, chosen), toks.new_zeros(R, M - N)], 1)
             par = torch.cat([par, torch.arange(N - 1, M - 1, device=dev).expand(R, M - N)], 1)
         else:
             toks_c = toks.gather(1, chosen)[:, :M]
             par = par[:, :M]
-        idx = torch.tensor([i * M + j for i, n in enumerate(b.k) for j in range(n)], dtype=torch.long).to(dev)
-        cu = torch.tensor([0, *b.k]).cumsum(0).to(dev)
-        return Proposal(toks_c.reshape(-1)[idx], cu, None, tuple(min(n, N) for n in b.k), par.reshape(-1)[idx])
+        idx = torch.tensor([i * M + j for i, n in enumerate(batch.k) for j in range(n)], dtype=torch.long).to(dev)
+        cu = torch.tensor([0, *batch.k]).cumsum(0).to(dev)
+        return Proposal(toks_c.reshape(-1)[idx], cu, None, tuple(min(n, N) for n in batch.k), par.reshape(-1)[idx])
 
     def _lose(self, rid: int) -> None:
         if rid not in self.lost_rids:
@@ -215,9 +216,9 @@ class HeadDrafter:
 
 class NgramOrHead:
     """Best of both per request: n-gram lookup's drafts where it finds a match (copy-heavy
-    text), the head's elsewhere (open-ended text; a chain or, from a tree head, a tree). One extra host read per step (whether
-    the lookup matched); the head is always passed its features, drafting 0 tokens for
-    the rows the lookup covers. ``shadow`` as for the head."""
+    text), the head's elsewhere (open-ended text; a chain or, from a tree head, a tree).
+    One extra host read per step (whether the lookup matched); the head is always passed its
+    features, drafting 0 tokens for the rows the lookup covers. ``shadow`` as for the head."""
 
     shadow = True
 
@@ -228,37 +229,38 @@ class NgramOrHead:
     def features(self) -> tuple[int, ...]:
         return self.head.features
 
-    def propose(self, b: DraftBatch) -> Proposal:
+    def propose(self, batch: DraftBatch) -> Proposal:
         dev = self.head.head.device
-        ng = self.ngram.propose(b)
-        found = [int(v) for v in readback(torch.as_tensor(ng.num_valid))[0]] if ng.num_valid is not None else list(b.k)
-        use = [f > 0 and k > 0 for f, k in zip(found, b.k)]
-        hp = self.head.propose(replace(b, k=tuple(0 if u else k for u, k in zip(use, b.k))))
-        cu = cumulative(b.k)
-        hcu = cumulative(0 if u else k for u, k in zip(use, b.k))
-        src_ng = [cu[i] + j for i, u in enumerate(use) if u for j in range(b.k[i])]
+        lookup = self.ngram.propose(batch)
+        found = list(batch.k) if lookup.num_valid is None else [
+            int(v) for v in readback(torch.as_tensor(lookup.num_valid))[0]]
+        use = [f > 0 and k > 0 for f, k in zip(found, batch.k)]
+        head_part = self.head.propose(replace(batch, k=tuple(0 if u else k for u, k in zip(use, batch.k))))
+        cu = cumulative(batch.k)
+        src_ng = [cu[i] + j for i, u in enumerate(use) if u for j in range(batch.k[i])]
         at_ng = src_ng
-        at_h = [cu[i] + j for i, u in enumerate(use) if not u for j in range(b.k[i])]
+        at_h = [cu[i] + j for i, u in enumerate(use) if not u for j in range(batch.k[i])]
         ids = torch.zeros(cu[-1], dtype=torch.long, device=dev)
         up = lambda v: torch.tensor(v, dtype=torch.long).to(dev)  # noqa: E731
         if at_ng:
-            ids[up(at_ng)] = ng.draft_token_ids.to(dev)[up(src_ng)]
+            ids[up(at_ng)] = lookup.draft_token_ids.to(dev)[up(src_ng)]
         if at_h:
-            ids[up(at_h)] = hp.draft_token_ids
+            ids[up(at_h)] = head_part.draft_token_ids
         probs = None
-        if hp.draft_probs is not None:   # the lookup's drafts are deterministic: q is a point mass
-            probs = torch.zeros(cu[-1], hp.draft_probs.shape[1], device=dev)
+        if head_part.draft_probs is not None:   # the lookup's drafts are deterministic: q is a point mass
+            probs = torch.zeros(cu[-1], head_part.draft_probs.shape[1], device=dev)
             if at_h:
-                probs[up(at_h)] = hp.draft_probs
+                probs[up(at_h)] = head_part.draft_probs
             if at_ng:
                 probs[up(at_ng), ids[up(at_ng)]] = 1.0
-        hv = hp.num_valid if hp.num_valid is not None else tuple(0 if u else k for u, k in zip(use, b.k))
-        valid = tuple(min(f, k) if u else int(hv[i]) for i, (u, f, k) in enumerate(zip(use, found, b.k)))
+        hv = head_part.num_valid if head_part.num_valid is not None else tuple(0 if u else k for u, k in zip(use,
+                                                                                                             batch.k))
+        valid = tuple(min(f, k) if u else int(hv[i]) for i, (u, f, k) in enumerate(zip(use, found, batch.k)))
         parents = None
-        if hp.parent_ids is not None:   # a tree head: the lookup's rows are chains
-            parents = up(trees.chain_parents(b.k))
+        if head_part.parent_ids is not None:   # a tree head: the lookup's rows are chains
+            parents = up(trees.chain_parents(batch.k))
             if at_h:
-                parents[up(at_h)] = hp.parent_ids.to(dev)
+                parents[up(at_h)] = head_part.parent_ids.to(dev)
         return Proposal(ids, up(cu), probs, valid, parents)
 
     def commit(self, rids, kept) -> None:

@@ -32,65 +32,66 @@ class ModelDrafter:
         self.model = model
         cfg = model.cfg
         self.pool = pool or kv.KVPool(model.be, num_blocks, block_size, cfg.kv_heads, cfg.head_dim,
-                                      num_layers=model.num_layers, device=model.device)
-        self.draft_kv = DraftKV(self.pool)      # valid: leading tokens of each request's draft KV that are committed history
+                                      dtype=model.dtype, num_layers=model.num_layers, device=model.device)
+        self.draft_kv = DraftKV(self.pool)  # valid: leading tokens of each request's draft KV that are history
         self.cached: dict[int, int] = {}  # rid -> tokens in its draft KV after the last propose
         self.pool_full = 0                # requests left without drafts for a step: the draft pool was full
 
-    def propose(self, b: DraftBatch) -> Proposal:
+    def propose(self, batch: DraftBatch) -> Proposal:
         """Drafts for every request whose chain fits the draft pool; when it is full, the
         latest requests' draft caches are dropped and they get no drafts this step (they
         decode plainly; ``pool_full`` counts them)."""
-        if b.lengths is None:
+        if batch.lengths is None:
             raise HalError("ModelDrafter.propose: expected host lengths (it is not a lookahead drafter), got None")
-        K = max(b.k, default=0)
-        keep = self._make_room(b, K)
-        if len(keep) == len(b.rids):
-            return self._propose(b)
-        return widen(b, keep, self._propose(subset(b, keep)) if keep else None, self.model.device)
+        K = max(batch.k, default=0)
+        keep = self._make_room(batch, K)
+        if len(keep) == len(batch.rids):
+            return self._propose(batch)
+        return widen(batch, keep, self._propose(subset(batch, keep)) if keep else None, self.model.device)
 
-    def _make_room(self, b: DraftBatch, K: int) -> list[int]:
+    def _make_room(self, batch: DraftBatch, K: int) -> list[int]:
         """Rows whose draft chains fit the draft pool, freeing the latest requests' caches
         until they do."""
-        need = {rid: self.draft_kv.blocks_needed(rid, L + K - 1) for rid, L in zip(b.rids, b.lengths)} if K else {}
+        need = {rid: self.draft_kv.blocks_needed(rid, L + K - 1) for rid, L in zip(batch.rids,
+                                                                                   batch.lengths)} if K else {}
         drop = set()
-        for rid in sorted(b.rids, reverse=True):
+        for rid in sorted(batch.rids, reverse=True):
             if sum(n for r, n in need.items() if r not in drop) <= self.draft_kv.num_free:
                 break
             drop.add(rid)
             self.release(rid)
             need[rid] = 0
             self.pool_full += 1
-        return [i for i, rid in enumerate(b.rids) if rid not in drop]
+        return [i for i, rid in enumerate(batch.rids) if rid not in drop]
 
-    def _propose(self, b: DraftBatch) -> Proposal:
+    def _propose(self, batch: DraftBatch) -> Proposal:
         dev = self.model.device
-        hist = transfer(b.history, dev)
+        hist = transfer(batch.history, dev)
         seqs, lens, rows, cols = [], [], [], []
-        for i, (rid, L) in enumerate(zip(b.rids, b.lengths)):
-            q = self.draft_kv.sequence(rid)
-            n = min(self.draft_kv.valid.get(rid, 0), L - 1)   # feed at least the last token
-            q.truncate(n)
-            seqs.append(q)
-            lens.append(L - n)
-            rows += [i] * (L - n)
-            cols += range(n, L)
+        for i, (rid, length) in enumerate(zip(batch.rids, batch.lengths)):
+            seq = self.draft_kv.sequence(rid)
+            n = min(self.draft_kv.valid.get(rid, 0), length - 1)   # feed at least the last token
+            seq.truncate(n)
+            seqs.append(seq)
+            lens.append(length - n)
+            rows += [i] * (length - n)
+            cols += range(n, length)
             self.draft_kv.valid[rid] = n
-        K = max(b.k, default=0)
+        K = max(batch.k, default=0)
         if K == 0:
-            return empty(len(b.rids), dev)
+            return empty(len(batch.rids), dev)
         up = lambda v: torch.tensor(v, dtype=torch.long).to(dev)  # noqa: E731
         first = hist[up(rows), up(cols)]
 
         def step(x, j):
             tokens, ns = (first, lens) if j == 0 else (x, [1] * len(seqs))
             logits, _ = forward_tokens(self.model, self.pool, seqs, ns, tokens)
-            for q, n in zip(seqs, ns):
-                q.commit(n)
+            for seq, n in zip(seqs, ns):
+                seq.commit(n)
             return logits
-        prop = sample_chain(b, self.model.be, dev, step)
-        for rid, L in zip(b.rids, b.lengths):  # the KV holds the history and drafts 1..K-1
-            self.draft_kv.valid[rid], self.cached[rid] = L, L + K - 1
+        prop = sample_chain(batch, self.model.be, dev, step)
+        for rid, length in zip(batch.rids, batch.lengths):  # the KV holds the history and drafts 1..K-1
+            self.draft_kv.valid[rid], self.cached[rid] = length, length + K - 1
         return prop
 
     def commit(self, rids, kept) -> None:
@@ -114,17 +115,17 @@ class EagleDrafter:
     def __init__(self, head: EagleHead, backend):
         self.head, self.be = head, backend
 
-    def propose(self, b: DraftBatch) -> Proposal:
-        if b.hidden is None:
+    def propose(self, batch: DraftBatch) -> Proposal:
+        if batch.hidden is None:
             raise HalError("EagleDrafter.propose: expected the target's hidden states (DraftBatch.hidden), got None")
-        h = b.hidden
-        last = b.history.gather(1, (b.num_tokens - 1).clamp(min=0)[:, None])[:, 0]
+        h = batch.hidden
+        last = batch.history.gather(1, (batch.num_tokens - 1).clamp(min=0)[:, None])[:, 0]
         state = {"h": h}
 
         def step(x, j):
             logits, state["h"] = self.head(state["h"], last.to(h.device) if x is None else x)
             return logits
-        return sample_chain(b, self.be, h.device, step)
+        return sample_chain(batch, self.be, h.device, step)
 
     def commit(self, rids, kept) -> None:
         pass

@@ -51,17 +51,17 @@ class NgramTreeDrafter:
             raise HalError(f"min_n, max_n: expected 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.be, self.min_n, self.max_n = backend, min_n, max_n
 
-    def propose(self, b: DraftBatch) -> Proposal:
+    def propose(self, batch: DraftBatch) -> Proposal:
         dev = torch.device(self.be.device_type)
-        K, R = max(b.k, default=0), len(b.rids)
+        K, R = max(batch.k, default=0), len(batch.rids)
         if K == 0:
             return empty(R, dev)
-        hist, num = transfer(b.history, dev), transfer(b.num_tokens, dev)
+        hist, num = transfer(batch.history, dev), transfer(batch.num_tokens, dev)
         found = [self.be.ngram_propose(hist, num, n, n, K) for n in range(self.max_n, self.min_n - 1, -1)]
         drafts, counts = readback(torch.stack([d for d, _ in found], 1), torch.stack([c for _, c in found], 1))
         C = len(found)
         ids, parents, valid = [], [], []
-        for i, k in enumerate(b.k):
+        for i, k in enumerate(batch.k):
             children: dict[tuple[int, int], int] = {}   # (parent node, token) -> node
             toks, par = [], []
             for c in range(C):
@@ -78,7 +78,7 @@ class NgramTreeDrafter:
             valid.append(len(toks))
             ids += toks + [0] * (k - len(toks))
             parents += par + list(range(len(par) - 1, k - 1))   # filler: a chain under the last node
-        cu = torch.tensor([0, *b.k]).cumsum(0)
+        cu = torch.tensor([0, *batch.k]).cumsum(0)
         up = lambda v: torch.tensor(v, dtype=torch.long).to(dev)  # noqa: E731
         return Proposal(up(ids), cu.to(dev), None, tuple(valid), up(parents))
 

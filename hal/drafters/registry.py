@@ -10,7 +10,6 @@ the head elsewhere), or the draft-tree forms ``ngram-tree`` (lookup candidates a
 
 from __future__ import annotations
 
-from pathlib import Path
 from dataclasses import dataclass
 from typing import NamedTuple
 

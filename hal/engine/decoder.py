@@ -26,16 +26,14 @@ from __future__ import annotations
 import time
 from dataclasses import asdict
 
-import torch
-from torch import Tensor
 
 from hal import kv
 from hal.engine import proposals
 from hal.engine.execution import Offsets, execute
 from hal.engine.forward import forward, logprob_entry, sampling_args, target_probs
 from hal.engine.history import HistoryBuffer
-from hal.engine.requests import (MAX_LOGPROBS, DraftBatch, Drafter, Proposal, Request, SamplingParams, State, StepOutput,
-                                 TokenLogprob, capabilities, check_request, draft_room)
+from hal.engine.requests import (MAX_LOGPROBS, DraftBatch, Drafter, Proposal, Request, SamplingParams, State,
+                                 StepOutput, TokenLogprob, check_request, draft_room)
 from hal.engine.scheduler import Scheduler, blocks_for
 from hal.engine.step_types import StepDrafts, StepPlan, StepResult
 from hal.errors import HalError
@@ -61,7 +59,7 @@ class SpeculativeDecoder:
         self.target, self.drafter, self.on_tokens, self.router = target, drafter, on_tokens, router
         cfg = target.cfg
         self.pool = pool or kv.KVPool(target.be, num_blocks, block_size, cfg.kv_heads, cfg.head_dim,
-                                      num_layers=cfg.layers, device=target.device)
+                                      dtype=target.dtype, num_layers=cfg.layers, device=target.device)
         self.metrics = metrics or SpecDecodeMetrics()
         if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:
             raise HalError(f"max_num_seqs: expected an int >= 1, got {max_num_seqs!r}")
@@ -186,19 +184,19 @@ class SpeculativeDecoder:
     def _execute(self, plan: StepPlan) -> StepResult | None:
         """Draft, size the prefill chunks with the budget left, and run the step (None: nothing to run)."""
         live, dev = plan.decode, self.target.device
-        self._out.k = {s.rid: k for s, k in zip(live, plan.k)}
+        self._out.k = {state.rid: k for state, k in zip(live, plan.k)}
         drafts = proposals.drafts_for(self.drafter, self.router is not None, self._ahead, self.history, live,
                                       plan.k, dev)
         self._ahead = None
         self._apply_drafts(live, drafts)
         fed = len(live) + sum(drafts.counts)
         plan.prefill = self.scheduler.plan_prefill(plan.budget - fed, self.pool.allocator.num_free - sum(
-            blocks_for(s, 1 + c) for s, c in zip(live, drafts.counts)))
+            blocks_for(state, 1 + c) for state, c in zip(live, drafts.counts)))
         if not live and not plan.prefill:
             return None
-        sampled = any(s.req.temperature > 0 for s in live)
-        offsets = Offsets([s.next_offset() for s in live] if live and sampled else None,
-                          [s.next_offset() for s in plan.first])
+        sampled = any(state.req.temperature > 0 for state in live)
+        offsets = Offsets([state.next_offset() for state in live] if live and sampled else None,
+                          [state.next_offset() for state in plan.first])
         return execute(self.target, self.pool, self.history, self.drafter, plan, drafts, offsets)
 
     def _apply_drafts(self, live: list[State], drafts: StepDrafts) -> None:
@@ -215,11 +213,11 @@ class SpeculativeDecoder:
             self.scheduler.finish_prefill(plan.prefill)
             self._commit(plan.decode, result)
             self._keep_prefill_hidden(plan, result, first + resumed)
-            for j, s in enumerate(first):
+            for j, state in enumerate(first):
                 token = int(result.reads.first[j])
-                logprobs = None if s.req.logprobs is None else [
-                    logprob_entry(result.reads.first_logprobs, j, token, s.req.logprobs, result.top_n)]
-                self._emit(s, [token], logprobs)
+                logprobs = None if state.req.logprobs is None else [
+                    logprob_entry(result.reads.first_logprobs, j, token, state.req.logprobs, result.top_n)]
+                self._emit(state, [token], logprobs)
             if result.lookahead is not None:
                 ahead = result.lookahead
                 ahead.valid = ahead.caps if ahead.proposal.num_valid is None else proposals.valid_counts(
@@ -227,9 +225,9 @@ class SpeculativeDecoder:
                     else ahead.proposal.num_valid, ahead.caps)
                 self._ahead = ahead
             out.num_batched_tokens = result.fed + sum(c.num_tokens for c in plan.prefill)
-        for s in self.scheduler.drop_finished():
-            self._release(s)
-            out.finished.append(s.rid)
+        for state in self.scheduler.drop_finished():
+            self._release(state)
+            out.finished.append(state.rid)
         self.steps += 1
         return out
 
@@ -252,46 +250,47 @@ class SpeculativeDecoder:
         width = len(reads.out) // len(live)
         out = [[int(t) for t in reads.out[i * width:(i + 1) * width]] for i in range(len(live))]
         accepted = [int(a) for a in reads.accepted]
-        self.metrics.observe(counts, accepted, [s.rid for s in live])
+        self.metrics.observe(counts, accepted, [state.rid for state in live])
         if self.drafter is not None:
-            self.drafter.commit([s.rid for s in live], [len(s.tokens) + a for s, a in zip(live, accepted)])
+            rids = [state.rid for state in live]
+            self.drafter.commit(rids, [len(state.tokens) + a for state, a in zip(live, accepted)])
         if self.router is not None:
             shadow = result.drafts.shadow
             self.router.observe(live, counts, accepted)
             self.router.observe([live[i] for i, _ in shadow], [1] * len(shadow),
                                 [int(h) for h in (reads.shadow_hits or [])])
         row, max_k = 0, width - 1
-        for i, s in enumerate(live):
-            s.seq.commit(accepted[i] + 1)
+        for i, state in enumerate(live):
+            state.seq.commit(accepted[i] + 1)
             path = range(row, row + accepted[i] + 1) if reads.nodes is None else \
                 [row] + [row + 1 + int(n) for n in reads.nodes[i * max_k:i * max_k + accepted[i]]]
             if result.features:   # the rows that produced the accepted drafts and the bonus token
-                s.features.append(result.hidden[list(path)])
+                state.features.append(result.hidden[list(path)])
             else:
-                s.last_hidden = result.hidden[path[-1]]
+                state.last_hidden = result.hidden[path[-1]]
             logprobs = None
-            if s.req.logprobs is not None:
-                logprobs = [logprob_entry(reads.logprobs, row + j, out[i][j], s.req.logprobs, result.top_n)
+            if state.req.logprobs is not None:
+                logprobs = [logprob_entry(reads.logprobs, row + j, out[i][j], state.req.logprobs, result.top_n)
                             for j in range(accepted[i] + 1)]
             row += counts[i] + 1
-            self._emit(s, out[i][: accepted[i] + 1], logprobs)
+            self._emit(state, out[i][: accepted[i] + 1], logprobs)
 
-    def _emit(self, s: State, new: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
-        n0 = len(s.generated)
+    def _emit(self, state: State, new: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
+        n0 = len(state.generated)
         try:
-            self._append(s, new)
+            self._append(state, new)
         finally:
             now = time.perf_counter() - self._t0
-            if n0 == 0 and s.generated:
-                self.metrics.first_token(s.rid, now - s.arrival)
-            if s.done:
-                self.metrics.finished(s.rid, now - s.arrival, len(s.generated))
-            if s.generated[n0:]:
-                self._out.tokens.setdefault(s.rid, []).extend(s.generated[n0:])
+            if n0 == 0 and state.generated:
+                self.metrics.first_token(state.rid, now - state.arrival)
+            if state.done:
+                self.metrics.finished(state.rid, now - state.arrival, len(state.generated))
+            if state.generated[n0:]:
+                self._out.tokens.setdefault(state.rid, []).extend(state.generated[n0:])
                 if logprobs is not None:
-                    self._out.logprobs.setdefault(s.rid, []).extend(logprobs[:len(s.generated) - n0])
+                    self._out.logprobs.setdefault(state.rid, []).extend(logprobs[:len(state.generated) - n0])
             if self.on_tokens is not None:
-                self.on_tokens(s.rid, s.generated[n0:])
+                self.on_tokens(state.rid, state.generated[n0:])
 
     @staticmethod
     def _append(s: State, new: list[int]) -> None:

@@ -17,7 +17,7 @@ from hal.devices import transfer
 from hal.engine import proposals, trees
 from hal.engine.forward import forward_tokens, logprob_rows, sampling_args
 from hal.engine.history import HistoryBuffer
-from hal.engine.requests import Drafter, State, capabilities
+from hal.engine.requests import Drafter, capabilities
 from hal.engine.step_types import Logprobs, StepDrafts, StepPlan, StepReads, StepResult, read_back
 from hal.models.llama import Llama
 
@@ -33,7 +33,7 @@ class Offsets:
 def execute(target: Llama, pool: kv.KVPool, history: HistoryBuffer, drafter: Drafter | None, plan: StepPlan,
             drafts: StepDrafts, offsets: Offsets) -> StepResult:
     """Run ``plan`` with ``drafts``; everything stays on the device until one readback."""
-    be, dev = target.be, target.device
+    backend, dev = target.be, target.device
     live, counts, chunks = plan.decode, drafts.counts, plan.prefill
     first, resumed = plan.first, plan.resumed
     fed = len(live) + sum(counts)
@@ -43,23 +43,23 @@ def execute(target: Llama, pool: kv.KVPool, history: HistoryBuffer, drafter: Dra
     layers = capabilities(drafter).features   # a feature drafter reads every fed row's feature
     depth, mask = (None, None) if drafts.parent_ids is None else trees.layout(
         drafts.parent_ids, counts, [c.num_tokens for c in chunks], dev)
-    logits, hidden = forward_tokens(target, pool, [s.seq for s in live] + [c.state.seq for c in chunks], lens,
+    logits, hidden = forward_tokens(target, pool, [state.seq for state in live] + [c.state.seq for c in chunks], lens,
                                     tokens, rows=rows, feature_layers=layers or (),
                                     hidden_rows=None if layers is None else torch.arange(sum(lens)),
                                     tree_mask=mask, depth=depth)
-    want = [s.req.logprobs or 0 for s in live + first if s.req.logprobs is not None]
+    want = [state.req.logprobs or 0 for state in live + first if state.req.logprobs is not None]
     top_n = max(want, default=0)
     reads = StepReads()
     if live:
-        _verify(be, pool, history, plan, drafts, logits[:fed], offsets.verify, bool(want), top_n, reads)
+        _verify(backend, pool, history, plan, drafts, logits[:fed], offsets.verify, bool(want), top_n, reads)
     if first:
         where = {c.state.rid: i for i, c in enumerate(chunks)}
-        frows = logits[fed:][torch.tensor([where[s.rid] for s in first]).to(dev)]
-        tok, _ = be.sample(frows, *sampling_args(first, [1] * len(first), dev, offsets.first))
+        frows = logits[fed:][torch.tensor([where[state.rid] for state in first]).to(dev)]
+        tok, _ = backend.sample(frows, *sampling_args(first, [1] * len(first), dev, offsets.first))
         reads.first = tok.long()
         if want:
             reads.first_logprobs = Logprobs(*_padded(logprob_rows(frows, tok, top_n)))
-        history.write([s.rid for s in first], [len(s.tokens) for s in first], reads.first[:, None])
+        history.write([state.rid for state in first], [len(state.tokens) for state in first], reads.first[:, None])
     if drafts.shadow:
         slots = torch.tensor([j for _, j in drafts.shadow]).to(drafts.proposal.draft_token_ids.device)
         reads.shadow_hits = transfer(drafts.proposal.draft_token_ids[slots], dev) == \
@@ -88,15 +88,15 @@ def _fed_tokens(plan: StepPlan, drafts: StepDrafts, dev) -> tuple[Tensor, list[i
     return tokens, lens
 
 
-def _verify(be, pool: kv.KVPool, history: HistoryBuffer, plan: StepPlan, drafts: StepDrafts, logits: Tensor,
+def _verify(backend, pool: kv.KVPool, history: HistoryBuffer, plan: StepPlan, drafts: StepDrafts, logits: Tensor,
             verify_offsets: list[int] | None, logprobs: bool, top_n: int, reads: StepReads) -> None:
     """Verify the decoding rows into ``reads``; a tree's accepted path moves next to its root."""
     live, counts, dev = plan.decode, drafts.counts, logits.device
-    verified = trees.verify(be, live, counts, drafts.token_ids, drafts.probs, logits, drafts.parent_ids,
+    verified = trees.verify(backend, live, counts, drafts.token_ids, drafts.probs, logits, drafts.parent_ids,
                             verify_offsets)
     reads.out, reads.accepted, reads.nodes = verified.out, verified.accepted, verified.nodes
     if verified.nodes is not None:
-        trees.compact(be, pool, [s.seq for s in live], counts, verified.nodes)
+        trees.compact(backend, pool, [s.seq for s in live], counts, verified.nodes)
     if logprobs:
         width = verified.out.shape[1]
         flat = torch.tensor([i * width + j for i, c in enumerate(counts) for j in range(c + 1)]).to(dev)

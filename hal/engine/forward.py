@@ -36,31 +36,32 @@ def forward_tokens(model: Llama, pool: kv.KVPool, seqs: list[kv.Sequence], lens:
     return model.forward(batch, pool.k, pool.v, tree_mask)
 
 
-def make_batch(be, dev, pool: kv.KVPool, seqs: list[kv.Sequence], lens: list[int], tokens: Tensor,
+def make_batch(backend, dev, pool: kv.KVPool, seqs: list[kv.Sequence], lens: list[int], tokens: Tensor,
                all_rows: bool = False, rows: Tensor | None = None, depth: Tensor | None = None) -> Batch:
     """The `Batch` of one ragged forward over ``pool``: reserves ``lens[r]`` slots after each
     sequence's committed tokens (copying shared blocks first) and builds the metadata
     (positions: consecutive, or each request's first position + ``depth`` [T])."""
     slots, positions = [], []
-    for s, n in zip(seqs, lens):
-        sl, copies = s.reserve(n)
+    for seq, n in zip(seqs, lens):
+        sl, copies = seq.reserve(n)
         if copies:
-            src, dst = kv.block_copy_slots(copies, s.block_size)
+            src, dst = kv.block_copy_slots(copies, seq.block_size)
             for kc, vc in zip(pool.k, pool.v):
-                be.copy_kv(kc, vc, src.to(dev), dst.to(dev))
+                backend.copy_kv(kc, vc, src.to(dev), dst.to(dev))
         slots += sl
-        positions += range(s.length, s.length + n)
+        positions += range(seq.length, seq.length + n)
     qsl = torch.tensor([0] + lens).cumsum(0)
     if rows is None:
         rows = torch.arange(int(qsl[-1])) if all_rows else qsl[1:] - 1
     up = lambda x: torch.as_tensor(x).to(dev, non_blocking=True)  # noqa: E731
     pos = up(positions)
     if depth is not None:
-        pos = torch.tensor([s.length for s, n in zip(seqs, lens) for _ in range(n)]).to(dev) + depth.to(dev)
+        pos = torch.tensor([seq.length for seq, n in zip(seqs, lens) for _ in range(n)]).to(dev) + depth.to(dev)
     return Batch(tokens=tokens, positions=pos, slot_mapping=up(slots),
-                 block_tables=kv.block_tables(seqs).to(dev), seq_lens=up([s.length + n for s, n in zip(seqs, lens)]),
+                 block_tables=kv.block_tables(seqs).to(dev), seq_lens=up([seq.length + n for seq, n in zip(seqs,
+                                                                                                           lens)]),
                  query_start_loc=qsl.to(dev), logits_rows=rows.to(dev), max_position=max(positions, default=-1),
-                 max_query=max(lens, default=0), min_context=min((s.length for s in seqs), default=0))
+                 max_query=max(lens, default=0), min_context=min((seq.length for seq in seqs), default=0))
 
 
 def sampling_tensors(params, repeats: list[int], dev) -> tuple[Tensor, Tensor, Tensor]:

@@ -39,15 +39,17 @@ class ModelMemory:
         c = model.cfg
         shared = share_weights_with is not None and model.w is share_weights_with.w
         wb = 0 if shared else sum(t.numel() * t.element_size() for t in {id(t): t for t in model.w.values()}.values())
-        return cls(name, wb, model.num_layers, c.kv_heads, c.head_dim, c.hidden, c.ffn, c.vocab)
+        return cls(name, wb, model.num_layers, c.kv_heads, c.head_dim, c.hidden, c.ffn, c.vocab,
+                   getattr(model, "dtype", torch.float32))
 
     @classmethod
-    def from_config(cls, cfg, name: str, layers: int | None = None, owns_weights: bool = True) -> "ModelMemory":
+    def from_config(cls, cfg, name: str, layers: int | None = None, owns_weights: bool = True,
+                    kv_dtype: torch.dtype = torch.float32) -> "ModelMemory":
         """From a `hal.models.llama.LlamaConfig`, before any weight is loaded (``layers``:
-        a self-speculative view's depth)."""
+        a self-speculative view's depth; ``kv_dtype``: the linear plan's dtype)."""
         from hal.models.llama import weight_bytes
         return cls(name, weight_bytes(cfg) if owns_weights else 0, layers or cfg.layers, cfg.kv_heads, cfg.head_dim,
-                   cfg.hidden, cfg.ffn, cfg.vocab)
+                   cfg.hidden, cfg.ffn, cfg.vocab, kv_dtype)
 
     def kv_bytes_per_token(self) -> int:
         return 2 * self.layers * self.kv_heads * self.head_dim * torch.empty(0, dtype=self.kv_dtype).element_size()
@@ -132,7 +134,8 @@ def plan_memory(target: ModelMemory | None, target_side, draft: ModelMemory | No
     if not 0 < budget_fraction <= 1:
         raise arg_error("budget_fraction", "a fraction in (0, 1]", budget_fraction)
     budget_bytes, block_size = budget_bytes or {}, block_size or {}
-    sides = [(n, m, sd) for n, m, sd in (("target", target, target_side), ("draft", draft, draft_side)) if m is not None]
+    sides = [(n, m, sd) for n, m, sd in (("target", target, target_side), ("draft", draft, draft_side))
+             if m is not None]
     if not sides:
         raise arg_error("target", "a ModelMemory (or a draft one)", None)
     devices: dict[str, DevicePlan] = {}

@@ -21,15 +21,16 @@ from hal.engine.step_types import Lookahead, StepDrafts
 def view(history: HistoryBuffer, states: list[State], k: list[int], num_tokens: Tensor | None = None,
          width: int | None = None) -> DraftBatch:
     """The drafter's read-only view: host lengths, or (a lookahead call) device ones."""
-    rids = [s.rid for s in states]
-    lens = [len(s.tokens) for s in states]
-    hidden = [s.last_hidden for s in states]
-    return DraftBatch(tuple(rids), tuple(s.req for s in states), history.view(rids, width or max(lens, default=0)),
+    rids = [state.rid for state in states]
+    lens = [len(state.tokens) for state in states]
+    hidden = [state.last_hidden for state in states]
+    return DraftBatch(tuple(rids), tuple(state.req for state in states), history.view(rids, width or max(lens,
+                                                                                                         default=0)),
                       num_tokens if num_tokens is not None else torch.tensor(lens).to(history.device),
                       None if num_tokens is not None else tuple(lens), tuple(k),
-                      () if num_tokens is not None else tuple(s.offset for s in states),
+                      () if num_tokens is not None else tuple(state.offset for state in states),
                       None if any(h is None for h in hidden) or not hidden else torch.stack(hidden),
-                      *pack_features([s.features for s in states]))
+                      *pack_features([state.features for state in states]))
 
 
 def check_proposal(prop, ks: list[int]) -> None:
@@ -78,14 +79,15 @@ def drafts_for(drafter: Drafter | None, shadow_ok: bool, ahead: Lookahead | None
     none = StepDrafts(nothing, [0] * len(live), None, None, [], None, [0] * len(live))
     if drafter is None or not live:
         return none
-    shadow = {s.rid for s, k in zip(live, ks) if k == 0 and s.req.temperature == 0 and draft_room(s) > 0} if (
+    shadow = {state.rid for state, k in zip(live, ks)
+              if k == 0 and state.req.temperature == 0 and draft_room(state) > 0} if (
         shadow_ok and capabilities(drafter).shadow) else set()
     used, passed = [0] * len(live), False
-    if ahead is not None and all(s.rid in ahead.rids for s in live):
+    if ahead is not None and all(state.rid in ahead.rids for state in live):
         prop = ahead.proposal             # drafted during the previous step
         where = dict(zip(ahead.rids, zip(ahead.first_slot, ahead.valid)))
     else:
-        want = [1 if s.rid in shadow else k for s, k in zip(live, ks)]
+        want = [1 if state.rid in shadow else k for state, k in zip(live, ks)]
         if not any(want):
             return none
         prop = drafter.propose(view(history, live, want))
@@ -97,10 +99,11 @@ def drafts_for(drafter: Drafter | None, shadow_ok: bool, ahead: Lookahead | None
         elif isinstance(valid, Tensor):   # a variable-count drafter outside the lookahead: one more sync
             valid = readback(valid)[0]
         valid = valid_counts(valid, want)
-        where = {s.rid: (start, v) for s, start, v in zip(live, cumulative(want), valid)}
-    counts = [0 if s.rid in shadow else min(k, where[s.rid][1]) for s, k in zip(live, ks)]
-    guesses = [(i, where[s.rid][0]) for i, s in enumerate(live) if s.rid in shadow and where[s.rid][1] > 0]
-    idx = torch.tensor([where[s.rid][0] + j for s, n in zip(live, counts) for j in range(n)], dtype=torch.long)
+        where = {state.rid: (start, v) for state, start, v in zip(live, cumulative(want), valid)}
+    counts = [0 if state.rid in shadow else min(k, where[state.rid][1]) for state, k in zip(live, ks)]
+    guesses = [(i, where[state.rid][0]) for i, state in enumerate(live)
+               if state.rid in shadow and where[state.rid][1] > 0]
+    idx = torch.tensor([where[state.rid][0] + j for state, n in zip(live, counts) for j in range(n)], dtype=torch.long)
     ids, q = nothing, None
     par = None if prop.parent_ids is None else nothing
     if len(idx):

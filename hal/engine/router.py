@@ -53,15 +53,15 @@ class CostModel:
 
 
 def _interp(table: dict[int, float], x: int) -> float:
-    xs = sorted(table)
-    if x <= xs[0]:
-        return table[xs[0]] * x / xs[0] if xs[0] else table[xs[0]]
-    if x >= xs[-1]:  # extrapolate with the last segment's slope
-        a, b = (xs[-2], xs[-1]) if len(xs) > 1 else (0, xs[-1])
+    points = sorted(table)
+    if x <= points[0]:
+        return table[points[0]] * x / points[0] if points[0] else table[points[0]]
+    if x >= points[-1]:  # extrapolate with the last segment's slope
+        a, b = (points[-2], points[-1]) if len(points) > 1 else (0, points[-1])
         slope = (table[b] - table.get(a, 0.0)) / (b - a)
         return table[b] + slope * (x - b)
-    i = bisect_left(xs, x)
-    a, b = xs[i - 1], xs[i]
+    i = bisect_left(points, x)
+    a, b = points[i - 1], points[i]
     return table[a] + (table[b] - table[a]) * (x - a) / (b - a)
 
 
@@ -125,9 +125,9 @@ class Router:
         cap; the best point on that path wins (a first draft can cost more than later
         ones, e.g. when decode has a single-token fast path, so stopping early would be wrong)."""
         n = len(states)
-        caps = [max(0, min(self.max_k, s.req.k, draft_room(s))) for s in states]
-        ctx = [len(s.tokens) for s in states]
-        alpha = [self.acceptance(s.rid) for s in states]
+        caps = [max(0, min(self.max_k, state.req.k, draft_room(state))) for state in states]
+        ctx = [len(state.tokens) for state in states]
+        alpha = [self.acceptance(state.rid) for state in states]
         c = self.costs
         fed, attn, top = n, sum(ctx), 0
         tokens = float(n)
@@ -147,12 +147,12 @@ class Router:
         ks = [0] * n
         for i in path[:best_at]:
             ks[i] += 1
-        for i, s in enumerate(states):  # keep learning: probe an idle request with one draft now and then
+        for i, state in enumerate(states):  # keep learning: probe an idle request with one draft now and then
             # (drafters with ``shadow`` are scored for free by the decoder instead; set probe_every=0)
-            self.idle[s.rid] = 0 if ks[i] else self.idle.get(s.rid, 0) + 1
-            if not ks[i] and caps[i] and self.probe_every and self.idle[s.rid] >= self.probe_every and (
+            self.idle[state.rid] = 0 if ks[i] else self.idle.get(state.rid, 0) + 1
+            if not ks[i] and caps[i] and self.probe_every and self.idle[state.rid] >= self.probe_every and (
                     budget is None or n + sum(ks) < budget):
-                ks[i], self.idle[s.rid] = 1, 0
+                ks[i], self.idle[state.rid] = 1, 0
         return ks
 
     def observe(self, states, drafted: list[int], accepted: list[int]) -> None:

@@ -90,7 +90,7 @@ class Scheduler:
         """Admit waiting requests and size their prefill chunks within ``budget`` tokens and
         ``free`` blocks."""
         # admit only what can finish its (re)prefill plus one token in blocks nobody has claimed yet
-        claimed = sum(blocks_for(s, s.prefill_end() - s.prefilled + 1) for s in self.prefilling)
+        claimed = sum(blocks_for(state, state.prefill_end() - state.prefilled + 1) for state in self.prefilling)
         while self.waiting and len(self.running) + len(self.prefilling) < self.max_num_seqs:
             need = blocks_for(self.waiting[0], self.waiting[0].prefill_end() + 1)
             if need > free - claimed:
@@ -98,14 +98,14 @@ class Scheduler:
             claimed += need
             self.prefilling.append(self.waiting.popleft())
         chunks, block_size = [], self.allocator.block_size
-        for s in self.prefilling:
-            room = (len(s.seq.blocks) + free) * block_size - s.seq.length
-            n = min(s.prefill_end() - s.prefilled, budget, room)
+        for state in self.prefilling:
+            room = (len(state.seq.blocks) + free) * block_size - state.seq.length
+            n = min(state.prefill_end() - state.prefilled, budget, room)
             if n <= 0:
                 break
-            free -= blocks_for(s, n)
+            free -= blocks_for(state, n)
             budget -= n
-            chunks.append(PrefillChunk(s, n))
+            chunks.append(PrefillChunk(state, n))
         return chunks
 
     def finish_prefill(self, chunks: list[PrefillChunk]) -> None:

@@ -77,7 +77,7 @@ def path_rows(nodes: Tensor, counts: list[int], dev) -> Tensor:
     return base[:, None] + torch.cat([torch.zeros_like(step[:, :1]), step], 1)
 
 
-def verify(be, live, counts: list[int], ids: Tensor, q: Tensor | None, logits: Tensor,
+def verify(backend, live, counts: list[int], ids: Tensor, q: Tensor | None, logits: Tensor,
            parents: Tensor | None, offsets: list[int] | None) -> VerifyOutput:
     """Verify the live requests' drafts (chains, or trees when ``parents`` is given) against
     their rows of ``logits``. All-greedy batches compare argmaxes (``offsets`` None);
@@ -92,17 +92,17 @@ def verify(be, live, counts: list[int], ids: Tensor, q: Tensor | None, logits: T
         seeds = torch.tensor([s.req.seed for s in live]).to(dev)
         offs = torch.tensor(offsets).to(dev)
     if parents is not None:
-        out, nodes, acc = be.verify_tree(ids, cu, parents, logits, *((None, None, None) if greedy else
+        out, nodes, acc = backend.verify_tree(ids, cu, parents, logits, *((None, None, None) if greedy else
                                                                      (q, seeds, offs)), max_k)
         return VerifyOutput(out, acc, nodes)
     if greedy:
-        out, acc = be.verify_greedy(ids, cu, logits, max_k)
+        out, acc = backend.verify_greedy(ids, cu, logits, max_k)
     else:
-        out, acc = be.verify_rejection(ids, cu, q, logits, seeds, offs, max_k)
+        out, acc = backend.verify_rejection(ids, cu, q, logits, seeds, offs, max_k)
     return VerifyOutput(out, acc, None)
 
 
-def compact(be, pool: kv.KVPool, seqs: list[kv.Sequence], counts: list[int], nodes: Tensor) -> None:
+def compact(backend, pool: kv.KVPool, seqs: list[kv.Sequence], counts: list[int], nodes: Tensor) -> None:
     """Move each request's accepted path (``nodes`` [R, max_k], -1 padded, from `verify_tree`)
     to the slots right after its root, in every layer (a chain's path is already there:
     those copies are to themselves)."""
@@ -117,4 +117,4 @@ def compact(be, pool: kv.KVPool, seqs: list[kv.Sequence], counts: list[int], nod
     n = nodes.long()[r, j]
     src = dst[torch.where(n >= 0, start[r] + n.clamp(min=0), start[r] + j)]
     for kc, vc in zip(pool.k, pool.v):
-        be.copy_kv(kc, vc, src, dst)
+        backend.copy_kv(kc, vc, src, dst)

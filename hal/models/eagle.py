@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from hal.errors import HalError
-from hal.models.llama import Batch, Llama, Rope, _rms_norm, lm_head
+from hal.models.llama import Batch, Llama, Rope, plain_linear, _rms_norm, lm_head
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,8 @@ class EagleModel:
         if "head" not in self.w:   # the target's lm_head, restricted to the draft vocabulary
             head = target.head.to(self.device)
             self.w["head"] = head if ids is None else head[self.draft_ids].contiguous()
+        for name in ("fc", "wqkv", "wo", "wgu", "wdown", "head"):   # the linear layers run in the target's dtype
+            self.w[name] = self.w[name].to(target.dtype)
         self.head, self.vocab = self.w["head"], tc.vocab
         if self.draft_ids is not None and (self.draft_ids.min() < 0 or self.draft_ids.max() >= tc.vocab):
             raise HalError(f"head d2t: expected draft ids mapping into [0, {tc.vocab}), got "
@@ -87,13 +89,13 @@ class EagleModel:
         T = tokens.shape[0]
         e = self.embed[tokens]
         if cfg.version == 1:
-            h = F.linear(torch.cat([e, x], -1), w["fc"], w.get("fc_bias"))
+            h = plain_linear(torch.cat([e, x], -1), w["fc"]) + (w["fc_bias"] if "fc_bias" in w else 0)
             inp = h if "attn_norm" not in w else _rms_norm(h, w["attn_norm"], cfg.eps)
         else:
-            h = F.linear(x, w["fc"]) if from_target else x
+            h = plain_linear(x, w["fc"]) if from_target else x
             inp = torch.cat([_rms_norm(e, w["attn_norm"], cfg.eps), _rms_norm(h, w["hidden_norm"], cfg.eps)], -1)
         nq, nk = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-        qkv = F.linear(inp, w["wqkv"])
+        qkv = plain_linear(inp, w["wqkv"])
         rot = self.rope(batch.positions, batch.max_position)
         q = self.rope.apply(qkv[:, :nq].view(T, cfg.heads, cfg.head_dim), rot)
         k = self.rope.apply(qkv[:, nq:nq + nk].view(T, cfg.kv_heads, cfg.head_dim), rot)
@@ -101,9 +103,9 @@ class EagleModel:
         self.be.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         o = self.be.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
                                     cfg.head_dim ** -0.5, tree_mask)
-        h = h + F.linear(o.reshape(T, nq), w["wo"])
-        gate, up = F.linear(_rms_norm(h, w["ffn_norm"], cfg.eps), w["wgu"]).split(cfg.ffn, -1)
-        h = h + F.linear(F.silu(gate) * up, w["wdown"])
+        h = h + plain_linear(o.reshape(T, nq), w["wo"])
+        gate, up = plain_linear(_rms_norm(h, w["ffn_norm"], cfg.eps), w["wgu"]).split(cfg.ffn, -1)
+        h = h + plain_linear(F.silu(gate) * up, w["wdown"])
         out = h[batch.logits_rows]
         if cfg.version == 3:
             out = _rms_norm(out, w["norm"], cfg.eps)

@@ -10,6 +10,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from hal.cache import cache_dir
 from hal.errors import HalError
 
 MODELS = {
@@ -21,8 +22,9 @@ MODELS = {
 }
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("HAL_CACHE", Path.home() / ".cache" / "spec-hal"))
+MODEL_SHAPES = {   # what a linear plan needs before the file is fetched (`hal.models.llama.linear_shapes`)
+    "smollm2-135m": dict(hidden=576, layers=30, heads=9, kv_heads=3, head_dim=64, ffn=1536, vocab=49152),
+}
 
 
 def _sha256(path: Path) -> str:
@@ -61,11 +63,12 @@ def fetch(name: str) -> Path:
     return dest
 
 
-def load_model(name: str, backend):
+def load_model(name: str, backend, dtype: str = "float32", plan=None, plan_refresh: bool = False):
     """(Llama, tokenizer) for a fetchable model name or a .gguf path; (Llama, None) for an
-    HF folder (config.json + safetensors)."""
+    HF folder (config.json + safetensors). ``dtype``/``plan``: the linear layers' plan
+    (`hal.models.linear_plan`; ``auto`` measures float32 against bfloat16 here)."""
     from hal.models.llama import load_gguf, load_safetensors
     path = fetch(name) if name in MODELS else Path(name)
     if path.is_dir():
-        return load_safetensors(path, backend), None
-    return load_gguf(path, backend)
+        return load_safetensors(path, backend, dtype, plan_refresh, plan), None
+    return load_gguf(path, backend, dtype, plan_refresh, plan)

@@ -6,11 +6,10 @@ differently from a 1-token decode). vLLM's batch-invariant mode fixes the reduct
 output element; here the same comes from fixed shapes, checked bit for bit in
 ``tests/test_invariance.py``:
 
-* linear layers: ``mm(W, X.T)`` over chunks of exactly 4 or 8 rows (zero-padded). Every
-  column of such a product is the same whatever the other columns hold and whichever of the
-  two widths ran it (measured: widths 1, 2, 3, 5, 6, 9, 16 differ). On this 2-core AVX2 CPU a
-  4-row chunk also streams the weights faster than the 1-row ``F.linear`` it replaces
-  (``benchmarks/forward.py``). Rows are only comparable at one thread count.
+* linear layers: a `hal.models.linear_plan.LinearPlan` measured on this machine: a layout and
+  dtype, each row computed in a chunk of exactly one of the widths whose rows were checked
+  bit for bit against each other and independent of their batch-mates (zero-padded). Rows
+  are only comparable at one thread count (the plan's signature names it).
 * attention: each (request, query, KV head) is one bmm entry of G rows (the group's query heads)
   against keys padded to a multiple of 256; ``q.k`` is a 64-long dot product per score; masked
   scores are -inf before the softmax (trailing -inf change no row's sum); ``p @ V`` is summed in
@@ -26,24 +25,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-WIDTHS = (4, 8)       # row chunks whose products agree bit for bit (tests/test_invariance.py)
 Q_CHUNK = 16          # query positions per attention chunk (bounds the key copies; results do not depend on it)
 KEY_BLOCK = 256       # keys per p @ V block
-
-
-def linear(x: Tensor, w: Tensor) -> Tensor:
-    """``x @ w.T`` ([T, K] @ [N, K]^T), each row computed in a fixed-width chunk."""
-    T, K = x.shape
-    out = x.new_empty(T, w.shape[0])
-    a = 0
-    while a < T:
-        width = WIDTHS[0] if T - a <= WIDTHS[0] else WIDTHS[1]
-        b = min(a + width, T)
-        chunk = x[a:b].contiguous() if b - a == width else \
-            torch.cat([x[a:b], x.new_zeros(width - (b - a), K)])
-        out[a:b] = torch.mm(w, chunk.T).T[:b - a]
-        a = b
-    return out
 
 
 class Plan:

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from hal.errors import HalError
 from hal.models import invariant
+from hal.models.linear_plan import DTYPES, LinearPlan, choose_plan
 
 
 @dataclass(frozen=True)
@@ -64,13 +65,23 @@ class Llama:
     self-speculative draft view that shares the weights (first L layers, final norm, head).
 
     ``batch_invariant`` (the default): linear layers and causal attention run in fixed shapes
-    (`hal.models.invariant`), so a token's logits are bit-identical whatever else is in the
-    batch, and greedy speculative output equals plain greedy by construction. False: one
-    ``F.linear`` per layer and the backend's ``paged_attention``. With a tree mask the caller
-    gives each node its position (context + depth) in ``batch.positions``."""
+    (`hal.models.invariant`, `hal.models.linear_plan`), so a token's logits are bit-identical
+    whatever else is in the batch, and greedy speculative output equals plain greedy by
+    construction. False: one ``F.linear`` per layer and the backend's ``paged_attention``.
+    With a tree mask the caller gives each node its position (context + depth) in
+    ``batch.positions``.
+
+    ``plan``: how the linear layers run (layout, dtype, chunk widths); None measures one for
+    these weights on this machine (`hal.models.linear_plan.choose_plan`, cached) among the
+    dtypes ``dtype`` allows (``auto``: float32, or bfloat16 where it is faster and invariant;
+    None: the dtype the weights already have, so models sharing a weight dict agree).
+    The linear weights (and an lm_head copy) are cast to the plan's dtype once; embeddings,
+    norms, the residual stream and the logits stay float32, and ``self.dtype`` is what the KV
+    cache should hold."""
 
     def __init__(self, config: LlamaConfig, weights: dict[str, Tensor], backend, num_layers: int | None = None,
-                 batch_invariant: bool = True):
+                 batch_invariant: bool = True, plan: LinearPlan | None = None, dtype: str | None = None,
+                 plan_refresh: bool = False):
         self.cfg, self.be, self.batch_invariant = config, backend, batch_invariant
         self.device = torch.device(backend.device_type)
         self.num_layers = config.layers if num_layers is None else num_layers
@@ -82,10 +93,37 @@ class Llama:
         self.head = w.get("head", self.embed)
         self.head_t = w.setdefault("head_t", self.head.T.contiguous())  # [H, V]: the faster layout for M = 1
         self.rope = Rope(config.head_dim, config.rope_base, config.rope_interleaved).to(self.device)
+        self.plan_choice = None
+        if plan is None:
+            weights = linear_weights(w, config.layers, self.head)
+            dtype = dtype or str(weights[0].dtype).removeprefix("torch.")
+            if not batch_invariant and dtype != "auto":   # the plain path runs F.linear: nothing to measure
+                plan = LinearPlan("linear", DTYPES[dtype], (1,))
+            else:
+                self.plan_choice = choose_plan([tuple(t.shape) for t in weights], dtype, weights=weights,
+                                               refresh=plan_refresh, device=self.device)
+                plan = self.plan_choice.plan
+        self.plan = plan
+        self._cast(plan.dtype)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The linear layers' (and the KV cache's) dtype."""
+        return self.plan.dtype
+
+    def _cast(self, dtype: torch.dtype) -> None:
+        for i in range(self.cfg.layers):
+            for name in LINEAR_KEYS:
+                key = f"{i}.{name}"
+                if self.w[key].dtype != dtype:
+                    self.w[key] = self.w[key].to(dtype)
+        if self.w.get("head_lin") is None or self.w["head_lin"].dtype != dtype:
+            self.w["head_lin"] = self.head if dtype == self.head.dtype else self.head.to(dtype)
+        self.head_lin = self.w["head_lin"]
 
     def layer_view(self, num_layers: int) -> "Llama":
-        view = Llama(self.cfg, self.w, self.be, num_layers, self.batch_invariant)
-        view.device, view.rope = self.device, self.rope
+        view = Llama(self.cfg, self.w, self.be, num_layers, self.batch_invariant, plan=self.plan)
+        view.device, view.rope, view.plan_choice = self.device, self.rope, self.plan_choice
         return view
 
     def to(self, device) -> "Llama":
@@ -94,6 +132,7 @@ class Llama:
         for name, t in self.w.items():
             self.w[name] = t.to(self.device)
         self.embed, self.head, self.head_t = self.w["embed"], self.w.get("head", self.w["embed"]), self.w["head_t"]
+        self.head_lin = self.w["head_lin"]
         self.rope.to(self.device)
         return self
 
@@ -109,7 +148,7 @@ class Llama:
         nq, nk = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
         scale = cfg.head_dim ** -0.5
         inv = self.batch_invariant
-        lin = invariant.linear if inv else F.linear
+        lin = self.plan.linear if inv else plain_linear
         plan = None
         if inv:
             max_query = batch.max_query
@@ -140,9 +179,11 @@ class Llama:
             h = h + lin(F.silu(gate) * up, self.w[f"{i}.wdown"])
         out = _rms_norm(h[batch.logits_rows], self.w["norm"], cfg.eps)
         if inv:
-            logits = invariant.linear(out, self.head)
-        else:
+            logits = self.plan.linear(out, self.head_lin)
+        elif self.head_lin.dtype == torch.float32:
             logits = lm_head(out, self.head, self.head_t)
+        else:
+            logits = plain_linear(out, self.head_lin)
         rows = batch.logits_rows if batch.hidden_rows is None else batch.hidden_rows
         if batch.feature_layers:
             if len(taps) != len(batch.feature_layers):
@@ -200,9 +241,31 @@ class Rope:
 def lm_head(x: Tensor, w: Tensor, w_t: Tensor | None = None) -> Tensor:
     """``x @ w.T`` the fastest way MKL has on CPU: from ``[H, V]`` (``w_t``, or a view) for one
     row, as ``(w @ x.T).T`` for several (not batch-invariant: the plain path and draft heads)."""
-    if x.shape[0] == 1:
-        return x @ (w.T if w_t is None else w_t)
-    return torch.mm(w, x.T).T
+    x = x.to(w.dtype)
+    out = x @ (w.T if w_t is None else w_t) if x.shape[0] == 1 else torch.mm(w, x.T).T
+    return out if out.dtype == torch.float32 else out.float()
+
+
+def plain_linear(x: Tensor, w: Tensor) -> Tensor:
+    """``F.linear`` in the weight's dtype, returned as float32 (the plain, not batch-invariant path)."""
+    out = F.linear(x.to(w.dtype), w)
+    return out if out.dtype == torch.float32 else out.float()
+
+
+LINEAR_KEYS = ("wqkv", "wo", "wgu", "wdown")
+
+
+def linear_shapes(cfg: LlamaConfig) -> list[tuple[int, int]]:
+    """The shapes of `linear_weights`, from the config alone (a plan chosen before loading)."""
+    nq, nk = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    layer = [(nq + 2 * nk, cfg.hidden), (cfg.hidden, nq), (2 * cfg.ffn, cfg.hidden), (cfg.hidden, cfg.ffn)]
+    return layer * cfg.layers + [(cfg.vocab, cfg.hidden)]
+
+
+def linear_weights(w: dict[str, Tensor], layers: int, head: Tensor) -> list[Tensor]:
+    """The weights a forward multiplies by, in order: each layer's fused qkv, o, gate-up and
+    down projections, then the lm_head (what a linear plan is measured on)."""
+    return [w[f"{i}.{name}"] for i in range(layers) for name in LINEAR_KEYS] + [head]
 
 
 def _rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
@@ -264,8 +327,10 @@ def weight_bytes(cfg: LlamaConfig) -> int:
     return 4 * (2 * cfg.vocab * cfg.hidden + cfg.layers * layer + cfg.hidden)
 
 
-def load_gguf(path: str | Path, backend):
-    """(Llama, tokenizer) from a llama-architecture GGUF file, dequantized to fp32."""
+def load_gguf(path: str | Path, backend, dtype: str = "float32", plan_refresh: bool = False,
+              plan: LinearPlan | None = None):
+    """(Llama, tokenizer) from a llama-architecture GGUF file, dequantized to fp32; the linear
+    layers then run in ``dtype`` (``auto``: the measured plan's choice, `Llama`)."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
@@ -284,7 +349,7 @@ def load_gguf(path: str | Path, backend):
             w[{"token_embd": "embed", "output_norm": "norm", "output": "head"}[parts[0]]] = arr
     tok = from_gguf_fields({k: f(k) for k in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges",
                                               "tokenizer.ggml.token_type")})
-    return Llama(cfg, _fuse(w, cfg.layers), backend), tok
+    return Llama(cfg, _fuse(w, cfg.layers), backend, dtype=dtype, plan_refresh=plan_refresh, plan=plan), tok
 
 
 HF_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "wq",
@@ -292,7 +357,8 @@ HF_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_nor
             "mlp.up_proj": "wup", "mlp.down_proj": "wdown"}
 
 
-def load_safetensors(folder: str | Path, backend) -> Llama:
+def load_safetensors(folder: str | Path, backend, dtype: str = "float32", plan_refresh: bool = False,
+                     plan: LinearPlan | None = None) -> Llama:
     """A Llama from an HF folder (config.json + *.safetensors), rotate-half RoPE."""
     from safetensors.torch import load_file
     folder = Path(folder)
@@ -310,11 +376,11 @@ def load_safetensors(folder: str | Path, backend) -> Llama:
             elif name.startswith("model.layers."):
                 _, _, i, rest = name.split(".", 3)
                 w[f"{i}.{HF_NAMES[rest.removesuffix('.weight')]}"] = t
-    return Llama(cfg, _fuse(w, cfg.layers), backend)
+    return Llama(cfg, _fuse(w, cfg.layers), backend, dtype=dtype, plan_refresh=plan_refresh, plan=plan)
 
 
 def random_llama(H: int, layers: int, heads: int, kv_heads: int, D: int, ffn: int, V: int, seed: int,
-                 scale: float, embed_scale: float = 1.0, backend: str = "cpu") -> Llama:
+                 scale: float, embed_scale: float = 1.0, backend: str = "cpu", dtype: str = "float32") -> Llama:
     """A GGUF-style (interleaved RoPE) Llama with N(0, scale) weights and norms near 1 (tests and
     benchmarks that need a model of given shapes without a download)."""
     g = torch.Generator().manual_seed(seed)
@@ -329,4 +395,4 @@ def random_llama(H: int, layers: int, heads: int, kv_heads: int, D: int, ffn: in
         w[f"{i}.wgu"] = torch.randn(2 * ffn, H, generator=g) * scale
         w[f"{i}.wdown"] = torch.randn(H, ffn, generator=g) * scale
     import hal
-    return Llama(cfg, w, hal.get_backend(backend))
+    return Llama(cfg, w, hal.get_backend(backend), dtype=dtype)

@@ -25,7 +25,8 @@ from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
 
 from hal.errors import HalError
-from hal.server.openai_schema import (ApiError, Parsed, TextState, chunk, logprobs_chat, logprobs_completion, new_id, parse,
+from hal.server.openai_schema import (ApiError, Parsed, TextState, chunk, logprobs_chat, logprobs_completion, new_id,
+                                      parse,
                             response, usage)
 from hal.engine.requests import Request, check_request
 
@@ -120,49 +121,51 @@ class EngineLoop:
                 items.append(self.inbox.get_nowait())
         except queue.Empty:
             pass
-        for kind, h in items:
+        for kind, handle in items:
             if kind == "add":
-                if h.cancelled:
-                    self._done(h, ("finished", "abort"))
+                if handle.cancelled:
+                    self._done(handle, ("finished", "abort"))
                     continue
                 try:
-                    h.rid = self.dec.add(Request(h.parsed.prompt_ids, **asdict(h.parsed.params)))
+                    handle.rid = self.dec.add(Request(handle.parsed.prompt_ids, **asdict(handle.parsed.params)))
                 except HalError as e:
-                    self._done(h, ("error", str(e)))
+                    self._done(handle, ("error", str(e)))
                     continue
-                self.live[h.rid] = h
+                self.live[handle.rid] = handle
             elif kind == "abort":
-                h.cancelled = True
-                if h.rid is not None and self.live.pop(h.rid, None) is not None:
-                    self.dec.abort(h.rid)   # frees its blocks now, target and draft
+                handle.cancelled = True
+                if handle.rid is not None and self.live.pop(handle.rid, None) is not None:
+                    self.dec.abort(handle.rid)   # frees its blocks now, target and draft
                     if self.metrics:
-                        self.metrics.finished(h.arrival, h.first, time.perf_counter(), len(h.parsed.prompt_ids),
-                                              h.generated, "abort")
-                    self._done(h, ("finished", "abort"))
+                        self.metrics.finished(handle.arrival, handle.first, time.perf_counter(),
+                                              len(handle.parsed.prompt_ids),
+                                              handle.generated, "abort")
+                    self._done(handle, ("finished", "abort"))
         if items and self.metrics:
             self.metrics.gauges(self.dec)
 
     def _dispatch(self, out) -> None:
         now = time.perf_counter()
         for rid, toks in out.tokens.items():
-            if (h := self.live.get(rid)) is None:
+            if (handle := self.live.get(rid)) is None:
                 continue
-            if h.first is None:
-                h.first = now
+            if handle.first is None:
+                handle.first = now
                 if self.metrics:
-                    self.metrics.first_token(h.arrival, now)
-            h.generated += len(toks)
-            h.last = toks[-1]
-            h.push(("tokens", toks, out.logprobs.get(rid)))
+                    self.metrics.first_token(handle.arrival, now)
+            handle.generated += len(toks)
+            handle.last = toks[-1]
+            handle.push(("tokens", toks, out.logprobs.get(rid)))
         if self.metrics:
             self.metrics.step(self.dec, out)
         for rid in out.finished:
-            if (h := self.live.pop(rid, None)) is None:
+            if (handle := self.live.pop(rid, None)) is None:
                 continue
-            reason = "stop" if h.last in h.parsed.params.stop_ids else "length"
+            reason = "stop" if handle.last in handle.parsed.params.stop_ids else "length"
             if self.metrics:
-                self.metrics.finished(h.arrival, h.first, now, len(h.parsed.prompt_ids), h.generated, reason)
-            self._done(h, ("finished", reason))
+                self.metrics.finished(handle.arrival, handle.first, now, len(handle.parsed.prompt_ids),
+                                      handle.generated, reason)
+            self._done(handle, ("finished", reason))
 
 
 MAX_BODY = 8 << 20   # bytes: far above any prompt within --max-model-len; a bigger body is refused unread
@@ -214,97 +217,98 @@ def make_app(target, served: str, max_model_len: int, default_k: int, max_in_fli
             body = json.loads(await read_body(request))
         except (ValueError, UnicodeDecodeError) as e:
             raise ApiError(f"body: expected JSON, got a parse error ({e})", "body") from None
-        p = parse(body, chat=chat, tok=tok, served=served, max_model_len=max_model_len, default_k=default_k,
+        parsed = parse(body, chat=chat, tok=tok, served=served, max_model_len=max_model_len, default_k=default_k,
                   stop_ids=dec.target.cfg.stop_ids)
         try:   # the engine's own checks (token ids, KV pool size), before the request is queued
-            check_request(Request(p.prompt_ids, **asdict(p.params)), dec.target.cfg.vocab, dec.pool.allocator)
+            check_request(Request(parsed.prompt_ids, **asdict(parsed.params)), dec.target.cfg.vocab, dec.pool.allocator)
         except HalError as e:
             field = str(e).split(":")[0]
             raise ApiError(str(e), field if field.isidentifier() else None) from None
         if loop.error is not None and not loop.thread.is_alive():
             raise ApiError("the engine loop stopped", None, 503, "server_error")
-        h = Handle(p, asyncio.Queue(), asyncio.get_running_loop())
+        h = Handle(parsed, asyncio.Queue(), asyncio.get_running_loop())
         try:
             loop.submit(h)
         except Busy:
             raise ApiError(f"server busy: {max_in_flight} requests in flight; retry later", None, 503,
                            "server_busy", {"Retry-After": "1"}) from None
-        return p, h
+        return parsed, h
 
-    async def events(h: Handle, request: HttpRequest, poll: bool):
+    async def events(handle: Handle, request: HttpRequest, poll: bool):
         """The request's engine events; ends the request if the client goes away."""
         try:
             while True:
                 try:
-                    ev = await asyncio.wait_for(h.q.get(), 0.5)
+                    event = await asyncio.wait_for(handle.q.get(), 0.5)
                 except asyncio.TimeoutError:
                     if poll and await request.is_disconnected():
                         return
                     continue
-                yield ev
-                if ev[0] != "tokens":
+                yield event
+                if event[0] != "tokens":
                     return
         finally:
-            if not h.done:
-                loop.abort(h)
+            if not handle.done:
+                loop.abort(handle)
 
     async def handle(request: HttpRequest, chat: bool):
         try:
-            p, h = await accept(request, chat)
+            parsed, h = await accept(request, chat)
         except ApiError as e:
             return error(e)
-        rid, text, lp = new_id(chat), TextState(tok, p.stop), []
-        if p.stream:
-            return StreamingResponse(stream(p, h, rid, text, chat, request), media_type="text/event-stream")
+        rid, text, logprobs = new_id(chat), TextState(tok, parsed.stop), []
+        if parsed.stream:
+            return StreamingResponse(stream(parsed, h, rid, text, chat, request), media_type="text/event-stream")
         parts, finish = [], "abort"
-        async for ev in events(h, request, poll=True):
-            if ev[0] == "tokens":
-                parts.append(text.add(ev[1]))
-                lp += ev[2] or []
+        async for event in events(h, request, poll=True):
+            if event[0] == "tokens":
+                parts.append(text.add(event[1]))
+                logprobs += event[2] or []
                 if text.stopped:
                     finish = "stop"
                     break
-            elif ev[0] == "error":
-                return error(ApiError(ev[1], None, 500, "server_error"))
+            elif event[0] == "error":
+                return error(ApiError(event[1], None, 500, "server_error"))
             else:
-                finish = ev[1]
+                finish = event[1]
         parts.append(text.finish())
         n = text.kept_tokens if text.stopped else len(text.ids)
-        lps = None if p.logprobs is None else (logprobs_chat if chat else logprobs_completion)(tok, lp[:n])
-        return JSONResponse(response(chat, rid, p.model, "".join(parts), finish, lps,
-                                     usage(len(p.prompt_ids), n)))
+        lps = None if parsed.logprobs is None else (logprobs_chat if chat else logprobs_completion)(tok, logprobs[:n])
+        return JSONResponse(response(chat, rid, parsed.model, "".join(parts), finish, lps,
+                                     usage(len(parsed.prompt_ids), n)))
 
-    async def stream(p: Parsed, h: Handle, rid: str, text: TextState, chat: bool, request):
+    async def stream(parsed: Parsed, handle: Handle, rid: str, text: TextState, chat: bool, request):
         def sse(obj) -> str:
             return f"data: {json.dumps(obj)}\n\n"
         if chat:
-            yield sse(chunk(True, rid, p.model, None, role=True))
+            yield sse(chunk(True, rid, parsed.model, None, role=True))
         else:   # an SSE comment: the response starts now, even while the request waits for a slot
             yield ": spec-hal\n\n"
         finish = "abort"
-        async for ev in events(h, request, poll=False):
-            if ev[0] == "tokens":
-                delta = text.add(ev[1])
-                lp = None
-                if p.logprobs is not None and ev[2]:
-                    keep = ev[2][:max(0, text.kept_tokens - (len(text.ids) - len(ev[1])))] if text.stopped else ev[2]
-                    lp = (logprobs_chat if chat else logprobs_completion)(tok, keep)
-                if delta or lp:
-                    yield sse(chunk(chat, rid, p.model, delta, lp=lp))
+        async for event in events(handle, request, poll=False):
+            if event[0] == "tokens":
+                delta = text.add(event[1])
+                logprobs = None
+                if parsed.logprobs is not None and event[2]:
+                    keep = event[2][:max(0, text.kept_tokens - (len(text.ids) - len(event[1])))] \
+                        if text.stopped else event[2]
+                    logprobs = (logprobs_chat if chat else logprobs_completion)(tok, keep)
+                if delta or logprobs:
+                    yield sse(chunk(chat, rid, parsed.model, delta, lp=logprobs))
                 if text.stopped:
                     finish = "stop"
                     break
-            elif ev[0] == "error":
-                yield sse(ApiError(ev[1], None, 500, "server_error").body())
+            elif event[0] == "error":
+                yield sse(ApiError(event[1], None, 500, "server_error").body())
                 return
             else:
-                finish = ev[1]
+                finish = event[1]
         if tail := text.finish():
-            yield sse(chunk(chat, rid, p.model, tail))
-        yield sse(chunk(chat, rid, p.model, None if chat else "", finish=finish))
-        if p.include_usage:
+            yield sse(chunk(chat, rid, parsed.model, tail))
+        yield sse(chunk(chat, rid, parsed.model, None if chat else "", finish=finish))
+        if parsed.include_usage:
             n = text.kept_tokens if text.stopped else len(text.ids)
-            yield sse(chunk(chat, rid, p.model, None, use=usage(len(p.prompt_ids), n)))
+            yield sse(chunk(chat, rid, parsed.model, None, use=usage(len(parsed.prompt_ids), n)))
         yield "data: [DONE]\n\n"
 
     @app.post("/v1/completions")
@@ -336,18 +340,20 @@ def make_app(target, served: str, max_model_len: int, default_k: int, max_in_fli
 
 def main(argv: list[str] | None = None) -> int:
     from hal.distributed.launcher import add_engine_args, start
-    ap = argparse.ArgumentParser(prog="spec-hal serve", description=__doc__.split("\n\n")[0])
-    add_engine_args(ap)
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--served-model-name", help="the model name clients send (default: --model)")
-    ap.add_argument("--max-num-batched-tokens", type=int, help="tokens fed to the target per step (none: unbounded)")
-    ap.add_argument("--max-num-seqs", type=int, default=32, help="requests running at once")
-    ap.add_argument("--max-model-len", type=int, default=2048, help="prompt + generated tokens per request")
-    ap.add_argument("--max-queue-len", type=int, default=256, help="requests waiting beyond --max-num-seqs; "
+    parser = argparse.ArgumentParser(prog="spec-hal serve", description=__doc__.split("\n\n")[0])
+    add_engine_args(parser)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", help="the model name clients send (default: --model)")
+    parser.add_argument("--max-num-batched-tokens", type=int,
+                        help="tokens fed to the target per step (none: unbounded)")
+    parser.add_argument("--max-num-seqs", type=int, default=32, help="requests running at once")
+    parser.add_argument("--max-model-len", type=int, default=2048, help="prompt + generated tokens per request")
+    parser.add_argument("--max-queue-len", type=int, default=256, help="requests waiting beyond --max-num-seqs; "
                                                                     "past it: 503 with Retry-After")
-    ap.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds in-flight requests get on SIGTERM")
-    args = ap.parse_args(argv)
+    parser.add_argument("--shutdown-timeout", type=float, default=10.0,
+                        help="seconds in-flight requests get on SIGTERM")
+    args = parser.parse_args(argv)
     args.max_context = args.max_model_len
     try:
         import uvicorn

@@ -15,32 +15,34 @@ class LiveMetrics:
 
     def __init__(self, max_k: int = 16):
         disable_created_metrics()   # as vLLM: no *_created series next to every counter
-        self.registry = r = CollectorRegistry()
+        self.registry = registry = CollectorRegistry()
         p = "spec_hal:"
-        self.num_drafts = Counter(p + "spec_decode_num_drafts", "verify steps with at least one draft", registry=r)
-        self.num_draft_tokens = Counter(p + "spec_decode_num_draft_tokens", "draft tokens proposed", registry=r)
-        self.num_accepted = Counter(p + "spec_decode_num_accepted_tokens", "draft tokens accepted", registry=r)
+        self.num_drafts = Counter(p + "spec_decode_num_drafts", "verify steps with at least one draft",
+                                  registry=registry)
+        self.num_draft_tokens = Counter(p + "spec_decode_num_draft_tokens", "draft tokens proposed", registry=registry)
+        self.num_accepted = Counter(p + "spec_decode_num_accepted_tokens", "draft tokens accepted", registry=registry)
         self.per_pos = Counter(p + "spec_decode_num_accepted_tokens_per_pos", "accepted draft tokens by position",
-                               ["position"], registry=r)
+                               ["position"], registry=registry)
         self.ttft = Histogram(p + "time_to_first_token_seconds", "arrival to the first token", buckets=LATENCY,
-                              registry=r)
+                              registry=registry)
         self.tpot = Histogram(p + "time_per_output_token_seconds", "seconds per output token after the first",
-                              buckets=PER_TOKEN, registry=r)
+                              buckets=PER_TOKEN, registry=registry)
         self.e2e = Histogram(p + "e2e_request_latency_seconds", "arrival to the last token", buckets=LATENCY,
-                             registry=r)
-        self.running = Gauge(p + "num_requests_running", "requests decoding", registry=r)
-        self.waiting = Gauge(p + "num_requests_waiting", "requests queued or prefilling", registry=r)
-        self.kv_used = Gauge(p + "kv_blocks_used", "KV blocks in use", ["pool"], registry=r)
-        self.kv_free = Gauge(p + "kv_blocks_free", "KV blocks free", ["pool"], registry=r)
-        self.preemptions = Counter(p + "num_preemptions", "requests preempted (recomputed later)", registry=r)
-        self.draft_failures = Counter(p + "draft_failures", "draft worker deaths, hangs or bad replies", registry=r)
+                             registry=registry)
+        self.running = Gauge(p + "num_requests_running", "requests decoding", registry=registry)
+        self.waiting = Gauge(p + "num_requests_waiting", "requests queued or prefilling", registry=registry)
+        self.kv_used = Gauge(p + "kv_blocks_used", "KV blocks in use", ["pool"], registry=registry)
+        self.kv_free = Gauge(p + "kv_blocks_free", "KV blocks free", ["pool"], registry=registry)
+        self.preemptions = Counter(p + "num_preemptions", "requests preempted (recomputed later)", registry=registry)
+        self.draft_failures = Counter(p + "draft_failures", "draft worker deaths, hangs or bad replies",
+                                      registry=registry)
         self.stale_drafts = Counter(p + "stale_drafts", "drafts dropped: not built on the committed prefix",
-                                    registry=r)
-        self.router_k = Histogram(p + "router_k", "k chosen per request and step", registry=r,
+                                    registry=registry)
+        self.router_k = Histogram(p + "router_k", "k chosen per request and step", registry=registry,
                                   buckets=tuple(range(max_k + 1)))
-        self.prompt_tokens = Counter(p + "prompt_tokens", "prompt tokens of finished requests", registry=r)
-        self.generation_tokens = Counter(p + "generation_tokens", "tokens generated", registry=r)
-        self.requests = Counter(p + "request_success", "requests finished", ["finished_reason"], registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "prompt tokens of finished requests", registry=registry)
+        self.generation_tokens = Counter(p + "generation_tokens", "tokens generated", registry=registry)
+        self.requests = Counter(p + "request_success", "requests finished", ["finished_reason"], registry=registry)
         self._last = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "pos": [], "pre": 0, "fail": 0, "stale": 0}
 
     def step(self, dec, out) -> None:

@@ -141,7 +141,8 @@ def render_chat(messages) -> str:
             raise _bad(f"messages[{i}].role", "system, developer, user or assistant",
                        m.get("role") if isinstance(m, dict) else m)
         c = m.get("content")
-        if isinstance(c, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+        if isinstance(c, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"),
+                                                                                                      str)
                                        for p in c):
             c = "".join(p["text"] for p in c)
         if not isinstance(c, str):
@@ -183,7 +184,7 @@ class TextState:
         self.ids += new
         self._decode()
         text = self.text
-        hits = [i for i in (text.find(s, max(0, self.sent - len(s))) for s in self.stops) if i >= 0]
+        hits = [i for i in (text.find(state, max(0, self.sent - len(state))) for state in self.stops) if i >= 0]
         if hits:
             cut = min(hits)
             self.stopped = True
@@ -191,7 +192,7 @@ class TextState:
             delta, self.sent = text[self.sent:cut], cut
             return delta
         self.kept_tokens = len(self.ids)
-        safe = len(text) - (max(len(s) for s in self.stops) - 1 if self.stops else 0)
+        safe = len(text) - (max(len(state) for state in self.stops) - 1 if self.stops else 0)
         delta = text[self.sent:safe] if safe > self.sent else ""
         self.sent = max(self.sent, safe)
         return delta

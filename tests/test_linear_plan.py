@@ -1,0 +1,73 @@
+"""The linear plan chooser (`hal.models.linear_plan`): only batch-invariant layouts are ever
+chosen, the fastest of them wins, and a cached plan is used only under the CPU signature it
+was measured for."""
+
+import json
+
+import pytest
+import torch
+
+import hal
+from hal.models.linear_plan import LAYOUTS, LinearPlan, choose_plan, cpu_signature, usable_groups
+
+SHAPES = [(96, 64), (64, 64), (192, 64), (64, 96), (500, 64)]
+
+
+def mixing(x, w):     # PLANTED: nearly free, and every row depends on its batch-mates
+    return torch.zeros(x.shape[0], w.shape[0], dtype=x.dtype) + x.sum(0)[0]
+
+
+def rowwise(x, w):    # PLANTED: nearly free, and each row depends on itself only
+    return torch.zeros(x.shape[0], w.shape[0], dtype=x.dtype) + x[:, :1]
+
+
+def test_a_fast_layout_that_is_not_invariant_is_never_chosen():
+    choice = choose_plan(SHAPES, "float32", layouts={"mm": LAYOUTS["mm"], "planted": mixing}, cache=False)
+    assert any("planted" in why for why in choice.rejected), choice.rejected
+    # alone in a chunk of one a row has no mates: only that width may survive
+    assert all(c["plan"]["widths"] == [1] for c in choice.candidates if c["plan"]["layout"] == "planted")
+    assert choice.plan.layout == "mm" or choice.plan.widths == (1,), choice.plan
+
+
+def test_the_fastest_invariant_layout_wins():
+    """The teeth of the test above: an invariant planted layout, as fast, is chosen."""
+    choice = choose_plan(SHAPES, "float32", layouts={"mm": LAYOUTS["mm"], "planted": rowwise}, cache=False)
+    assert choice.plan.layout == "planted", choice.candidates
+    assert choice.plan.widths == (1, 2, 4, 8, 16)
+
+
+def test_widths_are_grouped_by_the_bits_they_give():
+    groups, why = usable_groups(LAYOUTS["mm"], torch.float32, SHAPES)
+    dropped = {int(w.split()[1]) for w in why}
+    assert sorted([n for g in groups for n in g] + sorted(dropped)) == [1, 2, 4, 8, 16], (groups, why)
+    for group in groups:   # inside a group every width gives a row the same bits
+        plan = LinearPlan("mm", torch.float32, group)
+        w = torch.randn(96, 64)
+        x = torch.randn(1, 64)
+        ref = plan.linear(x, w)[0]
+        for m in group:
+            batch = torch.randn(m, 64)
+            batch[0] = x[0]
+            assert torch.equal(LAYOUTS["mm"](batch, w)[0], ref), (group, m)
+
+
+def test_a_cached_plan_is_used_only_under_its_signature(tmp_path, monkeypatch):
+    monkeypatch.setenv("HAL_CACHE", str(tmp_path))
+    first = choose_plan(SHAPES, "float32")
+    assert not first.from_cache
+    assert choose_plan(SHAPES, "float32").from_cache
+    (path,) = (tmp_path / "plans").glob("linear-*.json")
+    saved = json.loads(path.read_text())
+    planted = {"layout": "mm", "dtype": "float32", "widths": [3]}
+    path.write_text(json.dumps({**saved, "plan": planted}))
+    assert choose_plan(SHAPES, "float32").plan.widths == (3,)           # the same signature: trusted as cached
+    path.write_text(json.dumps({**saved, "plan": planted, "signature": {**saved["signature"], "cpu": "another CPU"}}))
+    again = choose_plan(SHAPES, "float32")
+    assert not again.from_cache and again.plan.widths != (3,), "a plan cached for another CPU was used"
+    assert json.loads(path.read_text())["signature"] == cpu_signature()
+    assert choose_plan(SHAPES, "float32", refresh=True).from_cache is False
+
+
+def test_bad_dtype_is_refused_by_name():
+    with pytest.raises(hal.HalError, match="dtype: expected auto, float32 or bfloat16"):
+        choose_plan(SHAPES, "float16", cache=False)
