@@ -22,6 +22,7 @@ from hal.engine.decoder import Request, SpeculativeDecoder
 from hal.drafters import ModelDrafter, NgramDrafter, NgramTreeDrafter
 from hal.drafters.registry import TREE
 from hal.models.fetch import fetch
+from hal.models.linear_plan import machine_line
 from hal.models.llama import load_gguf
 from hal.models.tokenizer import chatml
 
@@ -71,7 +72,7 @@ def forward_cost(target, n_tokens, ctx=200, reps=7, tree=False):
     from hal.engine.forward import forward_tokens
     from hal.kv import KVPool
     cfg = target.cfg
-    pool = KVPool(target.be, 64, 16, cfg.kv_heads, cfg.head_dim, num_layers=cfg.layers)
+    pool = KVPool(target.be, 64, 16, cfg.kv_heads, cfg.head_dim, dtype=target.dtype, num_layers=cfg.layers)
     seq = pool.sequence()
     forward(target, pool, [seq], [list(range(10, 10 + ctx))], False)
     seq.commit(ctx)
@@ -102,12 +103,15 @@ def main() -> None:
     ap.add_argument("--tree-k", type=int, default=7, help="nodes of the fixed-size draft trees (the routed cap)")
     ap.add_argument("--heldout", type=int, default=8, help="held-out prompts for the head's acceptance table")
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                    help="the target's linear plan dtype (auto: measured here)")
     args = ap.parse_args()
     torch.set_num_threads(2)
     n, k = args.max_new_tokens, args.k
     path = fetch("smollm2-135m")
     be = hal.get_backend("cpu")
-    target, tok = load_gguf(path, be)
+    target, tok = load_gguf(path, be, args.dtype)
+    args.machine = machine_line(target.plan)
     hf = None
     if not args.no_hf:
         from transformers import AutoModelForCausalLM
@@ -216,10 +220,11 @@ def write(args, rows, accept_pos, ks, speedups, c1, ck, k, with_hf, eg):
     by = {}
     for r in rows:
         by.setdefault(r["prompt"], {})[r["system"]] = r
-    lines = ["# spec-hal end-to-end benchmark (SmolLM2-135M-Instruct, GGUF Q4_1 -> fp32, greedy)", "",
+    lines = ["# spec-hal end-to-end benchmark (SmolLM2-135M-Instruct, GGUF Q4_1, greedy)", "",
              f"Command: `python benchmarks/e2e.py --max-new-tokens {args.max_new_tokens} --k {k} --eagle-k "
-             f"{eg['ek']} --tree-k {eg['tk']}`; "
-             f"2 threads, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}. All systems in one run, same input ids.",
+             f"{eg['ek']} --tree-k {eg['tk']} --dtype {args.dtype}`; "
+             f"2 threads, {time.strftime('%Y-%m-%d')}. All systems in one run, same input ids; HF transformers in "
+             f"fp32. {args.machine}.",
              "", "| prompt | system | tokens | tok/s | vs spec-hal plain | vs HF plain | vs HF prompt lookup | "
              "acceptance | mean acc. length | same as plain greedy | Leviathan efficiency |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]

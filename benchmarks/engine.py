@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 import hal
+from hal.models.linear_plan import machine_line
 from hal.engine.decoder import Request, SamplingParams, SpeculativeDecoder
 from hal.drafters import NgramDrafter
 from hal.metrics import percentile
@@ -117,10 +118,11 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="repetitions of every engine, interleaved (medians)")
     ap.add_argument("--route", action="store_true", help="every engine routed (k per request and step, cap --k)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "engine.md"))
+    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
     args = ap.parse_args()
     torch.manual_seed(0)
     be = hal.get_backend("cpu")
-    target, tok = load_gguf(fetch("smollm2-135m"), be)
+    target, tok = load_gguf(fetch("smollm2-135m"), be, args.dtype)
     lengths = [int(x) for x in args.lengths.split(",")]
     ids = [tok.encode(chatml(p)).ids for _, _, p in PROMPTS]
     reqs = [Request(ids[i % len(ids)], max_new_tokens=lengths[i % len(lengths)], k=args.k, stop_ids=(2,))
@@ -159,7 +161,8 @@ def main() -> None:
              f"{'routed, k <= ' if args.route else 'k='}{args.k}, cpu backend)", "",
              f"Command: `{cmd.strip()}`; {args.requests} requests, Poisson arrivals at {args.rate}/s over "
              f"{arrivals[-1]:.1f} s, max_new_tokens cycling {lengths}; torch {torch.__version__}, "
-             f"{torch.get_num_threads()} threads, {time.strftime('%Y-%m-%d')}. One run, same schedule; every engine "
+             f"{torch.get_num_threads()} threads, {time.strftime('%Y-%m-%d')}; {machine_line(target.plan)}. One run, "
+             f"same schedule; every engine "
              f"{args.repeat} times, interleaved; medians (vs static: the median of the per-repetition ratios).", "",
              "| engine | tok/s | vs static | TTFT P50 / P99 (s) | TPOT P50 / P99 (ms) | outputs = static | preemptions |",
              "|---|---|---|---|---|---|---|"]

@@ -1,7 +1,8 @@
-"""The runner's forward cost at M fed tokens (SmolLM2-135M, GGUF Q4_1 -> fp32, 200 cached
-tokens), batch-invariant (the default) beside the plain path (``F.linear`` and the
-backend's attention), batched one-token decodes in both modes, and HF transformers'
-one-token decode on the same GGUF, all interleaved in one run (medians). Writes benchmarks/results/forward.md.
+"""The runner's forward cost at M fed tokens (SmolLM2-135M, GGUF Q4_1, 200 cached tokens),
+per dtype with the linear plan this machine measured for it (`hal.models.linear_plan`),
+batch-invariant (the default) beside the plain path (``F.linear`` and the backend's
+attention), batched one-token decodes in both modes, and HF transformers' one-token decode
+on the same GGUF (fp32), all interleaved in one run (medians). Writes benchmarks/results/forward.md.
 
     python benchmarks/forward.py [--reps 9] [--threads 2]
 """
@@ -19,16 +20,17 @@ import hal
 from hal.engine.forward import forward
 from hal.kv import KVPool
 from hal.models.fetch import fetch
+from hal.models.linear_plan import LinearPlan, candidate_dtypes, cpu_flags, cpu_signature
 from hal.models.llama import Llama, load_gguf
 
-MS = (1, 2, 4, 5, 8, 9, 17)
+MS = (1, 2, 4, 5, 8, 9, 16, 17)
 BATCHES = (4, 16)
 CTX = 200
 
 
 def ours(model, m):
     cfg = model.cfg
-    pool = KVPool(model.be, 64, 16, cfg.kv_heads, cfg.head_dim, num_layers=cfg.layers)
+    pool = KVPool(model.be, 64, 16, cfg.kv_heads, cfg.head_dim, dtype=model.dtype, num_layers=cfg.layers)
     seq = pool.sequence()
     forward(model, pool, [seq], [list(range(10, 10 + CTX))], False)
     seq.commit(CTX)
@@ -38,7 +40,8 @@ def ours(model, m):
 def batch_decode(model, R):
     """One forward of R requests decoding one token each, every one after CTX cached tokens."""
     cfg = model.cfg
-    pool = KVPool(model.be, R * (CTX // 16 + 2), 16, cfg.kv_heads, cfg.head_dim, num_layers=cfg.layers)
+    pool = KVPool(model.be, R * (CTX // 16 + 2), 16, cfg.kv_heads, cfg.head_dim, dtype=model.dtype,
+                  num_layers=cfg.layers)
     seqs = [pool.sequence() for _ in range(R)]
     for s in seqs:
         forward(model, pool, [s], [list(range(10, 10 + CTX))], False)
@@ -63,22 +66,29 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="the dtypes to load (each with its measured plan; "
+                                                                   "bfloat16 only where this CPU offers it)")
     ap.add_argument("--out", default="benchmarks/results/forward.md")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     path = fetch("smollm2-135m")
-    inv, _ = load_gguf(path, hal.get_backend("cpu"))
-    plain = Llama(inv.cfg, inv.w, inv.be, batch_invariant=False)
+    offered = [str(d).removeprefix("torch.") for d in candidate_dtypes("auto", cpu_flags())]
+    dtypes = [d for d in args.dtypes.split(",") if d in offered]
+    models = {}
+    for dt in dtypes:   # one load per dtype: the weights are cast in place
+        models[dt] = load_gguf(path, hal.get_backend("cpu"), dt)[0]
     fns = {}
     with torch.inference_mode():
-        for m in MS:
-            fns[("invariant", m)] = ours(inv, m)
-            fns[("plain", m)] = ours(plain, m)
-        for r in BATCHES:
-            fns[("invariant-batch", r)] = batch_decode(inv, r)
-            fns[("plain-batch", r)] = batch_decode(plain, r)
+        for dt, inv in models.items():
+            plain = Llama(inv.cfg, inv.w, inv.be, batch_invariant=False, plan=LinearPlan("linear", inv.dtype, (1,)))
+            for m in MS:
+                fns[(dt, "invariant", m)] = ours(inv, m)
+                fns[(dt, "plain", m)] = ours(plain, m)
+            for r in BATCHES:
+                fns[(dt, "invariant-batch", r)] = batch_decode(inv, r)
+                fns[(dt, "plain-batch", r)] = batch_decode(plain, r)
         if not args.no_hf:
-            fns[("hf", 1)] = hf_decode(path)
+            fns[("hf", "hf", 1)] = hf_decode(path)
         times = {key: [] for key in fns}
         for f in fns.values():
             f()
@@ -88,25 +98,31 @@ def main() -> None:
                 f()
                 times[key].append(time.perf_counter() - t)
     t = {key: statistics.median(v) for key, v in times.items()}
-    i1, p1 = t[("invariant", 1)], t[("plain", 1)]
-    lines = ["# Runner forward cost at M fed tokens (SmolLM2-135M, fp32, 200 cached tokens)", "",
+    sig = cpu_signature(args.threads)
+    lines = ["# Runner forward cost at M fed tokens (SmolLM2-135M, 200 cached tokens), per dtype and plan", "",
              f"Command: `python benchmarks/forward.py --reps {args.reps} --threads {args.threads}`; torch "
              f"{torch.__version__}, {args.threads} threads, medians of {args.reps} interleaved runs, "
              f"{time.strftime('%Y-%m-%d')}.", "",
-             "| M fed tokens | batch-invariant ms | cost(M) / cost(1) | plain ms | cost(M) / cost(1) | invariant / plain |",
-             "|---:|---:|---:|---:|---:|---:|"]
-    for m in MS:
-        a, b = t[("invariant", m)], t[("plain", m)]
-        lines.append(f"| {m} | {a * 1e3:.1f} | {a / i1:.2f} | {b * 1e3:.1f} | {b / p1:.2f} | {a / b:.2f} |")
-    lines += ["", f"Batched decode: R requests, one token each, {CTX} cached tokens each.", "",
-              "| R | batch-invariant ms | plain ms | invariant / plain |", "|---:|---:|---:|---:|"]
-    lines += [f"| {r} | {t[('invariant-batch', r)] * 1e3:.1f} | {t[('plain-batch', r)] * 1e3:.1f} | "
-              f"{t[('invariant-batch', r)] / t[('plain-batch', r)]:.2f} |" for r in BATCHES]
-    if ("hf", 1) in t:
-        h = t[("hf", 1)]
-        lines += ["", f"HF transformers one-token decode (same GGUF, DynamicCache at {CTX} tokens): {h * 1e3:.1f} ms; "
-                      f"spec-hal plain decode (M = 1) against it: batch-invariant {h / i1:.2f}x, plain path {h / p1:.2f}x "
-                      f"(target: 1.5x)."]
+             f"CPU: {sig['cpu']}, {sig['cores']} cores; flags {' '.join(sig['flags']) or 'none'}.", ""]
+    for dt, inv in models.items():
+        i1, p1 = t[(dt, "invariant", 1)], t[(dt, "plain", 1)]
+        lines += [f"## {dt}: linear plan {inv.plan.describe()}", "",
+                  "| M fed tokens | batch-invariant ms | cost(M) / cost(1) | plain ms | cost(M) / cost(1) | "
+                  "invariant / plain |", "|---:|---:|---:|---:|---:|---:|"]
+        for m in MS:
+            a, b = t[(dt, "invariant", m)], t[(dt, "plain", m)]
+            lines.append(f"| {m} | {a * 1e3:.1f} | {a / i1:.2f} | {b * 1e3:.1f} | {b / p1:.2f} | {a / b:.2f} |")
+        lines += ["", f"Batched decode: R requests, one token each, {CTX} cached tokens each.", "",
+                  "| R | batch-invariant ms | plain ms | invariant / plain |", "|---:|---:|---:|---:|"]
+        lines += [f"| {r} | {t[(dt, 'invariant-batch', r)] * 1e3:.1f} | {t[(dt, 'plain-batch', r)] * 1e3:.1f} | "
+                  f"{t[(dt, 'invariant-batch', r)] / t[(dt, 'plain-batch', r)]:.2f} |" for r in BATCHES]
+        lines.append("")
+    if ("hf", "hf", 1) in t:
+        h = t[("hf", "hf", 1)]
+        lines += [f"HF transformers one-token decode (same GGUF, fp32, DynamicCache at {CTX} tokens): "
+                  f"{h * 1e3:.1f} ms. spec-hal's one-token forward against it (target: 1.5x):", "",
+                  "| dtype | batch-invariant | plain path |", "|---|---:|---:|"]
+        lines += [f"| {dt} | {h / t[(dt, 'invariant', 1)]:.2f}x | {h / t[(dt, 'plain', 1)]:.2f}x |" for dt in models]
     text = "\n".join(lines) + "\n"
     print(text)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

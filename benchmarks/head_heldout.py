@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 import hal
+from hal.models.linear_plan import machine_line
 from hal import kv
 from hal.training import data as eagle_data
 from hal.models.eagle import load_eagle, shipped_head
@@ -59,7 +60,8 @@ def main() -> None:
     lines = ["# EAGLE head: top-1 agreement with the target on unseen text", "",
              f"Command: `python benchmarks/head_heldout.py --prompts {args.prompts}`; {time.strftime('%Y-%m-%d')}; "
              f"{len(texts)} prompts ({args.prompts} on held-out topics + {len(EXTRA)} benchmark-like chat prompts), "
-             f"the target's greedy answers (<= {args.max_new_tokens} tokens), first draft from the true features.", "",
+             f"the target's greedy answers (<= {args.max_new_tokens} tokens), first draft from the true features; "
+             f"{machine_line(target.plan)}.", "",
              "| head | response tokens | top-1 agreement |", "|---|---:|---:|"]
     lines += [f"| {Path(h).name} | {n} | {a / n:.3f} |" for h, a, n in rows]
     Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from hal.models.linear_plan import machine_line
+
 PROMPTS = ["What are some fun things to do on a rainy weekend?", "Explain glaciers to a beginner in a short paragraph."]
 
 
@@ -51,7 +53,7 @@ def main() -> None:
     lines = [f"# EAGLE head on the draft rank vs in-process (SmolLM2-135M, shipped head, greedy, k={args.k})", "",
              f"Command: `python benchmarks/remote_head.py --k {args.k} --max-tokens {args.max_tokens}`; "
              f"{time.strftime('%Y-%m-%d')}; two ranks under torchrun on one 2-core host (gloo over 127.0.0.1), "
-             f"{len(PROMPTS)} prompts as one batch.", "",
+             f"{len(PROMPTS)} prompts as one batch; {machine_line()}.", "",
              "| placement | tokens | seconds | tok/s | mean acc. length | steps |", "|---|---:|---:|---:|---:|---:|"]
     for name, r in (("head in the target's process", local), ("head on the draft rank", remote)):
         lines.append(f"| {name} | {r['tokens']} | {r['seconds']:.2f} | {r['tokens'] / r['seconds']:.1f} | "

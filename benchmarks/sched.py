@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 import hal
+from hal.models.linear_plan import machine_line
 from hal.engine.decoder import Request, SpeculativeDecoder, draft_room
 from hal.drafters import NgramDrafter
 from hal.models.fetch import fetch
@@ -64,9 +65,10 @@ def main() -> None:
     ap.add_argument("--batches", default="1,2,4,8,16")
     ap.add_argument("--threshold", type=int, default=4, help="batch size above which the vLLM-style baseline stops")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "sched.md"))
+    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
     args = ap.parse_args()
     be = hal.get_backend("cpu")
-    target, tok = load_gguf(fetch("smollm2-135m"), be)
+    target, tok = load_gguf(fetch("smollm2-135m"), be, args.dtype)
     ids = [tok.encode(chatml(p)).ids for _, _, p in PROMPTS]
     n, K = args.max_new_tokens, args.k
     batches = [int(b) for b in args.batches.split(",")]
@@ -77,7 +79,8 @@ def main() -> None:
     lines = ["# Routing and adaptive k (SmolLM2-135M-Instruct, greedy, cpu backend)\n",
              f"Command: `python benchmarks/sched.py --max-new-tokens {n} --k {K} --reps {args.reps} "
              f"--batches {args.batches}`; {torch.get_num_threads()} threads, torch {torch.__version__}, "
-             f"{time.strftime('%Y-%m-%d')}. Cost table profiled at start-up in {profile_s:.1f} s: target forward "
+             f"{time.strftime('%Y-%m-%d')}; {machine_line(target.plan)}. Cost table profiled at start-up in "
+             f"{profile_s:.1f} s: target forward "
              + ", ".join(f"{t} tok {c * 1e3:.1f} ms" for t, c in sorted(costs.verify.items()))
              + f"; attention {costs.per_context * 1e6:.2f} us per fed x context token; n-gram draft "
              + ", ".join(f"k={k} {c * 1e3:.2f} ms" for k, c in sorted(costs.draft.items())) + ".\n",

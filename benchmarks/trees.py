@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 import hal
+from hal.models.linear_plan import machine_line
 from hal.engine import trees
 from hal.drafters.eagle import HeadDrafter
 from hal.drafters.registry import TREE
@@ -44,7 +45,7 @@ def models(be, dev, random: bool):
     from hal.models.eagle import load_eagle, shipped_head
     from hal.models.fetch import fetch
     from hal.models.llama import load_gguf
-    target = load_gguf(fetch("smollm2-135m"), be)[0].to(dev)
+    target = load_gguf(fetch("smollm2-135m"), be, "auto")[0].to(dev)
     return target, load_eagle(shipped_head("smollm2-135m"), target)
 
 
@@ -52,7 +53,7 @@ def verify(target, n: int, tree: bool):
     """One target forward over [root, n drafts] after CTX cached tokens: a chain, or a tree
     (two children of the root, then a chain under the second: depth about n/2)."""
     cfg, dev = target.cfg, target.device
-    pool = KVPool(target.be, 64, 16, cfg.kv_heads, cfg.head_dim, num_layers=cfg.layers, device=dev)
+    pool = KVPool(target.be, 64, 16, cfg.kv_heads, cfg.head_dim, dtype=target.dtype, num_layers=cfg.layers, device=dev)
     seq = pool.sequence()
     forward(target, pool, [seq], [list(range(10, 10 + CTX))], False)
     seq.commit(CTX)
@@ -115,7 +116,8 @@ def main() -> None:
     lines = [f"# Draft trees: verify and drafting cost ({weights}, backend {args.backend})", "",
              f"Command: `python benchmarks/trees.py --backend {args.backend}{' --random' if args.random else ''} "
              f"--nodes {args.nodes} --reps {args.reps}`; torch {torch.__version__}, {args.threads} threads, "
-             f"{CTX} cached tokens, medians of {args.reps} interleaved rounds, {time.strftime('%Y-%m-%d')}.", "",
+             f"{CTX} cached tokens, medians of {args.reps} interleaved rounds, {time.strftime('%Y-%m-%d')}; "
+             f"{machine_line(getattr(target, 'plan', None))}.", "",
              f"One-token decode: {d1:.1f} ms. Head tree: top-{TREE[0]}, depth {TREE[1]}.", "",
              "| drafts N | chain verify ms | / decode | tree verify ms | / decode | head chain of N ms | "
              "head tree of N ms |", "|---:|---:|---:|---:|---:|---:|---:|"]

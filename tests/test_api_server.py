@@ -74,7 +74,7 @@ def reference():
     import hal
     from hal.engine.decoder import Request, SpeculativeDecoder
     from hal.drafters.registry import load_model
-    model, tok = load_model(MODEL, hal.get_backend("cpu"))
+    model, tok = load_model(MODEL, hal.get_backend("cpu"), "auto")   # the server's default dtype
 
     def run(ids, n):
         return SpeculativeDecoder(model, None, num_blocks=64).generate(

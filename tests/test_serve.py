@@ -40,7 +40,7 @@ def tiny(tmp_path_factory):
 
 
 def plain(folder, backend: str, prompts=PROMPTS, n=N):
-    model = load_safetensors(folder, hal.get_backend(backend))
+    model = load_safetensors(folder, hal.get_backend(backend), "auto")   # the launcher's default
     reqs = [Request([int(t) for t in p.split(",")], max_new_tokens=n, k=0) for p in prompts]
     return SpeculativeDecoder(model, None, num_blocks=64).generate(reqs)
 
@@ -55,7 +55,11 @@ def serve_args(folder, out, *extra):
 def torchrun(args, env=None, timeout=300):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), "-m", "hal.distributed.launcher", *args]
-    r = subprocess.run(cmd, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=timeout)
+    # the ranks compute at this process's thread count (torchrun would set 1): a linear plan, and a row's
+    # bits, belong to a thread count, and the outputs are compared with references computed here
+    threads = {"OMP_NUM_THREADS": str(torch.get_num_threads())}
+    r = subprocess.run(cmd, env={**os.environ, **threads, **(env or {})}, capture_output=True, text=True,
+                       timeout=timeout)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     return r
 
@@ -85,7 +89,7 @@ def test_two_ranks_cpu_sampled_with_sparse_q(tiny, tmp_path):
 def test_two_ranks_real_model(tmp_path):
     from hal.drafters.registry import load_model
     try:
-        target, tok = load_model("smollm2-135m", hal.get_backend("cpu"))
+        target, tok = load_model("smollm2-135m", hal.get_backend("cpu"), "auto")   # the launcher's default
     except hal.HalError as e:
         pytest.skip(f"model not fetchable: {e}")
     from hal.models.tokenizer import chatml

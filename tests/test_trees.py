@@ -18,6 +18,7 @@ from hal.engine.forward import forward
 from hal.kv import KVPool
 from hal.models.llama import load_safetensors
 from hal.engine.requests import Proposal
+from hal.models.linear_plan import candidate_dtypes, cpu_flags
 from tests.test_engine import PROMPTS, N
 from tests.test_serve import tiny  # noqa: F401  (the fixture: a tiny random model folder)
 
@@ -162,14 +163,22 @@ class TopTree:
         pass
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_sampled_trees_keep_the_target_law(model, temperature):
+BF16 = "bfloat16" in [str(d).removeprefix("torch.") for d in candidate_dtypes("auto", cpu_flags())]
+
+
+@pytest.mark.parametrize("temperature,dtype", [(1.0, "float32"), (0.7, "float32"), pytest.param(
+    1.0, "bfloat16", marks=pytest.mark.skipif(not BF16, reason="this CPU has no bfloat16 unit: no bf16 plan"))])
+def test_sampled_trees_keep_the_target_law(model, tiny, temperature, dtype):  # noqa: F811
     """2000 requests (one prompt, different seeds): the first token comes from the prefill,
     the next two through a tree of the target's own top tokens. The second and third tokens
     follow their marginals sum p(x1) p(x2 | x1) (...), all computed by the runner over every
-    prefix (chi-square, fixed seeds)."""
+    prefix (chi-square, fixed seeds), at each dtype's linear plan (the law is the target's at
+    that dtype)."""
+    if dtype != "float32":
+        model = load_safetensors(tiny, hal.get_backend("cpu"), dtype)
     prompt, V = PROMPTS[2], model.cfg.vocab
-    pool = KVPool(model.be, 3 * V * V, 16, model.cfg.kv_heads, model.cfg.head_dim, num_layers=model.cfg.layers)
+    pool = KVPool(model.be, 3 * V * V, 16, model.cfg.kv_heads, model.cfg.head_dim, dtype=model.dtype,
+                  num_layers=model.cfg.layers)
     probs = lambda seqs: torch.softmax(forward(model, pool, [pool.sequence() for _ in seqs], seqs, False)[0]  # noqa
                                        / temperature, -1)
     p1 = probs([prompt])[0]

@@ -26,6 +26,8 @@ from __future__ import annotations
 import time
 from dataclasses import asdict
 
+import torch
+
 
 from hal import kv
 from hal.engine import proposals
@@ -59,7 +61,8 @@ class SpeculativeDecoder:
         self.target, self.drafter, self.on_tokens, self.router = target, drafter, on_tokens, router
         cfg = target.cfg
         self.pool = pool or kv.KVPool(target.be, num_blocks, block_size, cfg.kv_heads, cfg.head_dim,
-                                      dtype=target.dtype, num_layers=cfg.layers, device=target.device)
+                                      dtype=getattr(target, "dtype", torch.float32), num_layers=cfg.layers,
+                                      device=target.device)
         self.metrics = metrics or SpecDecodeMetrics()
         if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:
             raise HalError(f"max_num_seqs: expected an int >= 1, got {max_num_seqs!r}")

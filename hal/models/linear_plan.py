@@ -270,3 +270,11 @@ def choose_plan(shapes: list[tuple[int, int]], dtype: str = "auto", *, weights: 
                                    "candidates": table, "rejected": rejected}, indent=1))
         tmp.replace(path)
     return choice
+
+
+def machine_line(plan: LinearPlan | None = None, threads: int | None = None) -> str:
+    """One line for a benchmark's results: the CPU, its SIMD flags and (given) the linear plan."""
+    sig = cpu_signature(threads)
+    line = (f"CPU {sig['cpu']} ({sig['cores']} cores, {sig['threads']} threads; flags "
+            f"{' '.join(sig['flags']) or 'none'}), torch {sig['torch']}")
+    return line + (f"; linear plan {plan.describe()}" if plan is not None else "")

@@ -143,7 +143,7 @@ def features(target, seqs: list[list[int]], progress=None) -> list[Tensor]:
     out = []
     for ids in seqs:
         pool = kv.KVPool(target.be, -(-len(ids) // 16), 16, target.cfg.kv_heads, target.cfg.head_dim,
-                         num_layers=target.num_layers, device=target.device)
+                         dtype=target.dtype, num_layers=target.num_layers, device=target.device)
         seq = pool.sequence()
         rows = torch.arange(len(ids))
         _, h = forward_tokens(target, pool, [seq], [len(ids)], torch.tensor(ids).to(target.device),

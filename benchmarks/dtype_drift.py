@@ -1,0 +1,95 @@
+"""What bfloat16 changes against float32 on the bundled model (SmolLM2-135M, GGUF Q4_1):
+on each bundled prompt (the demo's and the end-to-end benchmark's), the float32 greedy
+continuation is teacher-forced through both dtypes (each with the linear plan this machine
+measured for it), and the logits compared row by row; then each dtype generates greedily on
+its own and the outputs are compared token by token. Writes benchmarks/results/dtype.md.
+
+    python benchmarks/dtype_drift.py [--max-new-tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import hal  # noqa: E402
+from benchmarks.e2e import PROMPTS as E2E_PROMPTS  # noqa: E402
+from hal.cli import DEMO_PROMPTS  # noqa: E402
+from hal.engine.decoder import Request, SpeculativeDecoder  # noqa: E402
+from hal.engine.forward import forward  # noqa: E402
+from hal.kv import KVPool  # noqa: E402
+from hal.models.fetch import fetch  # noqa: E402
+from hal.models.linear_plan import machine_line  # noqa: E402
+from hal.models.llama import load_gguf  # noqa: E402
+from hal.models.tokenizer import chatml  # noqa: E402
+
+
+def greedy(model, ids, n):
+    dec = SpeculativeDecoder(model, None, num_blocks=64)
+    return dec.generate([Request(ids, max_new_tokens=n, k=0, stop_ids=model.cfg.stop_ids)])[0]
+
+
+def logits_along(model, ids):
+    cfg = model.cfg
+    pool = KVPool(model.be, -(-len(ids) // 16) + 1, 16, cfg.kv_heads, cfg.head_dim, dtype=model.dtype,
+                  num_layers=cfg.layers)
+    return forward(model, pool, [pool.sequence()], [ids], True)[0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--out", default="benchmarks/results/dtype.md")
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    path, be = fetch("smollm2-135m"), hal.get_backend("cpu")
+    fp32, tok = load_gguf(path, be, "float32")
+    bf16, _ = load_gguf(path, be, "bfloat16")
+    prompts = [(f"demo: {label}", p) for label, p in DEMO_PROMPTS] + [(label, p) for label, _, p in E2E_PROMPTS]
+    rows, agree_all, total_all, same_all = [], 0, 0, 0
+    with torch.inference_mode():
+        for label, prompt in prompts:
+            ids = tok.encode(chatml(prompt)).ids
+            ref = greedy(fp32, ids, args.max_new_tokens)
+            forced = ids + ref
+            a, b = logits_along(fp32, forced), logits_along(bf16, forced)
+            gen = slice(len(ids) - 1, len(forced) - 1)      # the rows that chose each generated token
+            diff = (a[gen] - b[gen]).abs()
+            top_agree = int((a[gen].argmax(-1) == b[gen].argmax(-1)).sum())
+            own = greedy(bf16, ids, args.max_new_tokens)
+            first = next((j for j, (x, y) in enumerate(zip(ref, own)) if x != y), None)
+            same = own == ref
+            rows.append((label, len(ref), float(diff.max()), float(diff.mean()),
+                         float((a[gen].float().std(-1)).mean()), top_agree, same, first))
+            agree_all += top_agree
+            total_all += len(ref)
+            same_all += same
+    lines = ["# bfloat16 against float32 on SmolLM2-135M (GGUF Q4_1)", "",
+             f"Command: `python benchmarks/dtype_drift.py --max-new-tokens {args.max_new_tokens}`; "
+             f"{time.strftime('%Y-%m-%d')}; {machine_line()}; float32 plan {fp32.plan.describe()}, bfloat16 plan "
+             f"{bf16.plan.describe()}. Weights: the GGUF's Q4_1 values dequantized to float32, then (bfloat16) rounded "
+             "to bfloat16 for the linear layers; embeddings, norms, the residual stream, attention and the logits "
+             "stay float32; the KV cache is bfloat16.", "",
+             "Teacher-forced on the float32 greedy continuation: |logit difference| over the rows that chose each "
+             "generated token, and how often the two argmaxes agree; then each dtype's own greedy output.", "",
+             "| prompt | tokens | max abs logit diff | mean abs logit diff | logit std (fp32) | argmax agreement | "
+             "greedy output identical | first differing token |", "|---|---:|---:|---:|---:|---:|---|---:|"]
+    for label, n, mx, mean, std, agree, same, first in rows:
+        lines.append(f"| {label} | {n} | {mx:.3f} | {mean:.4f} | {std:.2f} | {agree}/{n} | {'yes' if same else 'no'} | "
+                     f"{'—' if first is None else first} |")
+    lines += ["", f"Overall: argmax agreement {agree_all}/{total_all} ({agree_all / max(1, total_all):.3f}); "
+              f"identical greedy outputs on {same_all} of {len(rows)} prompts."]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
