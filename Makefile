@@ -31,6 +31,7 @@ bench: $(STAMP)
 	$(BIN)/pip install -q -e ".[bench,serve]"
 	$(BIN)/python benchmarks/ops.py
 	$(BIN)/python benchmarks/forward.py
+	$(BIN)/python benchmarks/dtype_drift.py
 	$(BIN)/python benchmarks/e2e.py --k 3 --eagle-k 4 --tree-k 7
 	$(BIN)/python benchmarks/trees.py
 	$(BIN)/python benchmarks/remote_head.py

@@ -29,6 +29,22 @@ Q_CHUNK = 16          # query positions per attention chunk (bounds the key copi
 KEY_BLOCK = 256       # keys per p @ V block
 
 
+def _scratch(plan, name: str, shape, dtype, device) -> Tensor:
+    buf = plan.buffers.get(name)
+    if buf is None or buf.shape != torch.Size(shape) or buf.dtype != dtype:
+        buf = plan.buffers[name] = torch.empty(shape, dtype=dtype, device=device)
+    return buf
+
+
+def _gathered(plan, cache: Tensor, name: str) -> Tensor:
+    """The batch's cached keys or values ``[R, Lp, Hkv, D]`` (cache dtype), gathered into a
+    buffer this forward's layers share (no allocation per layer)."""
+    nb, bs, Hkv, D = cache.shape
+    out = _scratch(plan, name, (plan.flat_bt.numel(), bs * Hkv * D), cache.dtype, cache.device)
+    torch.index_select(cache.view(nb, bs * Hkv * D), 0, plan.flat_bt, out=out)
+    return out.view(plan.R, -1, Hkv, D)[:, :plan.Lp]
+
+
 class Plan:
     """What the attention of one forward needs besides the layer's tensors: computed once per
     forward from the batch metadata (the same for every layer). ``min_context``: a lower bound
@@ -49,6 +65,10 @@ class Plan:
         self.bt = torch.where(used, bt, 0)                                   # [R, nbp]: unused entries read block 0
         j = torch.arange(self.Lp, device=dev)
         self.live = (j[None] < seq[:, None])[..., None, None]                # [R, Lp, 1, 1]
+        self.flat_bt = self.bt.flatten()
+        # value slots past each sequence's end, in the values' block layout [blocks, R, 1, 256, 1]
+        self.dead = ~self.live.view(R, self.Lp // KEY_BLOCK, KEY_BLOCK).permute(1, 0, 2)[:, :, None, :, None]
+        self.buffers: dict[str, Tensor] = {}   # scratch reused by every layer of this forward
         self.chunks = []
         self.context_blocks = min_context // KEY_BLOCK    # key blocks before every request's new tokens
         for c0 in range(0, max(max_query, 0), Q_CHUNK):
@@ -83,12 +103,15 @@ def attention(query: Tensor, k_cache: Tensor, v_cache: Tensor, plan: Plan, scale
     G, R, Lp = Hq // Hkv, plan.R, plan.Lp
     # keys past a sequence's end are masked out of the scores; values there are zeroed, so that
     # p = 0 never meets a NaN left in a reused block
-    keys = k_cache[plan.bt].reshape(R, -1, Hkv, D)[:, :Lp].float()
-    vals = torch.where(plan.live, v_cache[plan.bt].reshape(R, -1, Hkv, D)[:, :Lp].float(), 0.0)
-    ar = torch.arange(R, device=query.device)[:, None, None]
-    kt = keys.permute(0, 2, 3, 1).contiguous()                              # [R, Hkv, D, Lp]
-    blocks = [vals[:, k0:k0 + KEY_BLOCK].permute(0, 2, 1, 3).contiguous()    # [R, Hkv, 256, D] each
-              for k0 in range(0, Lp, KEY_BLOCK)]
+    dev, nblk = query.device, Lp // KEY_BLOCK
+    kt = _scratch(plan, "kt", (R, Hkv, D, Lp), torch.float32, dev)          # [R, Hkv, D, Lp]
+    kt.copy_(_gathered(plan, k_cache, "k").permute(0, 2, 3, 1))
+    vb = _scratch(plan, "vb", (nblk, R, Hkv, KEY_BLOCK, D), torch.float32, dev)   # [R, Hkv, 256, D] per key block
+    vb.copy_(_gathered(plan, v_cache, "v").reshape(R, nblk, KEY_BLOCK, Hkv, D).permute(1, 0, 3, 2, 4))
+    vb.masked_fill_(plan.dead, 0.0)
+    blocks = list(vb.unbind(0))
+    vals = vb.permute(1, 0, 3, 2, 4)                                         # [R, blocks, 256, Hkv, D] (a view)
+    ar = torch.arange(R, device=dev)[:, None, None]
     out = query.new_empty(T + 1, Hq, D)       # row T takes the padding queries' outputs: no boolean indexing
     for n, rows, valid, see, dest, order in plan.chunks:
         per = lambda t: t[:, :, None].expand(R, Hkv, n, *t.shape[2:]).reshape(R * Hkv * n, *t.shape[2:])  # noqa
@@ -103,7 +126,8 @@ def attention(query: Tensor, k_cache: Tensor, v_cache: Tensor, plan: Plan, scale
             if order is None or b < plan.context_blocks:   # context only: every query's chain order is the cache's
                 vb = per(blocks[b])
             else:                                          # values gathered per query in its chain order
-                vb = vals[ar, order[..., k0:k0 + KEY_BLOCK]].permute(0, 3, 1, 2, 4).reshape(R * Hkv * n, KEY_BLOCK, D)
+                at = order[..., k0:k0 + KEY_BLOCK]
+                vb = vals[ar, at // KEY_BLOCK, at % KEY_BLOCK].permute(0, 3, 1, 2, 4).reshape(R * Hkv * n, KEY_BLOCK, D)
             pv = torch.bmm(p[:, :, k0:k0 + KEY_BLOCK].contiguous(), vb)
             acc = pv if acc is None else acc + pv
         o = acc.view(R, Hkv, n, G, D).permute(0, 2, 1, 3, 4).reshape(R * n, Hq, D)

