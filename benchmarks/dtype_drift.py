@@ -19,6 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hal  # noqa: E402
+from benchmarks.report import publish  # noqa: E402
 from benchmarks.e2e import PROMPTS as E2E_PROMPTS  # noqa: E402
 from hal.cli import DEMO_PROMPTS  # noqa: E402
 from hal.engine.decoder import Request, SpeculativeDecoder  # noqa: E402
@@ -85,10 +86,7 @@ def main() -> None:
                      f"{'—' if first is None else first} |")
     lines += ["", f"Overall: argmax agreement {agree_all}/{total_all} ({agree_all / max(1, total_all):.3f}); "
               f"identical greedy outputs on {same_all} of {len(rows)} prompts."]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
+    publish(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -12,11 +12,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 import hal
+from report import publish
 from hal.engine.forward import forward
 from hal.kv import KVPool
 from hal.models.fetch import fetch
@@ -123,10 +123,7 @@ def main() -> None:
                   f"{h * 1e3:.1f} ms. spec-hal's one-token forward against it (target: 1.5x):", "",
                   "| dtype | batch-invariant | plain path |", "|---|---:|---:|"]
         lines += [f"| {dt} | {h / t[(dt, 'invariant', 1)]:.2f}x | {h / t[(dt, 'plain', 1)]:.2f}x |" for dt in models]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
+    publish(lines, args.out)
 
 
 if __name__ == "__main__":

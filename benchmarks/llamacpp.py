@@ -30,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hal  # noqa: E402
+from benchmarks.report import publish  # noqa: E402
 from benchmarks.e2e import PROMPTS  # noqa: E402
 from hal.models.fetch import fetch  # noqa: E402
 from hal.models.linear_plan import cpu_flags, machine_line  # noqa: E402
@@ -157,10 +158,7 @@ def main() -> None:
         lines.append(f"| {label} | " + " | ".join("—" if v is None else f"{v:.1f}" for v in row) +
                      f" | {'—' if not lp else f'{row[0] / lp:.2f}'} | "
                      f"{'—' if not theirs else f'{ours_best / max(theirs):.2f}'} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
+    publish(lines, args.out)
 
 
 if __name__ == "__main__":

