@@ -20,7 +20,7 @@ from report import publish
 from hal.engine.forward import forward
 from hal.kv import KVPool
 from hal.models.fetch import fetch
-from hal.models.linear_plan import LinearPlan, candidate_dtypes, cpu_flags, cpu_signature
+from hal.models.linear_plan import LinearPlan, cpu_signature, offered_dtypes
 from hal.models.llama import Llama, load_gguf
 
 MS = (1, 2, 4, 5, 8, 9, 16, 17)
@@ -72,7 +72,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     path = fetch("smollm2-135m")
-    offered = [str(d).removeprefix("torch.") for d in candidate_dtypes("auto", cpu_flags())]
+    offered = offered_dtypes()
     dtypes = [d for d in args.dtypes.split(",") if d in offered]
     models = {}
     for dt in dtypes:   # one load per dtype: the weights are cast in place

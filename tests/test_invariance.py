@@ -16,11 +16,11 @@ from tests.models import random_llama
 from hal.engine.forward import forward
 from hal.kv import KVPool
 from hal.models import invariant
-from hal.models.linear_plan import candidate_dtypes, choose_plan, cpu_flags
+from hal.models.linear_plan import choose_plan, offered_dtypes
 from hal.models.llama import Llama
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]   # qkv, o, gate-up, down, lm_head
-HERE = [str(d).removeprefix("torch.") for d in candidate_dtypes("auto", cpu_flags())]   # float32 (+ bfloat16)
+HERE = offered_dtypes()   # float32 (+ bfloat16)
 
 
 @pytest.mark.parametrize("dtype", HERE)

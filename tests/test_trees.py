@@ -18,7 +18,7 @@ from hal.engine.forward import forward
 from hal.kv import KVPool
 from hal.models.llama import load_safetensors
 from hal.engine.requests import Proposal
-from hal.models.linear_plan import candidate_dtypes, cpu_flags
+from hal.models.linear_plan import offered_dtypes
 from tests.test_engine import PROMPTS, N
 from tests.test_serve import tiny  # noqa: F401  (the fixture: a tiny random model folder)
 
@@ -163,7 +163,7 @@ class TopTree:
         pass
 
 
-BF16 = "bfloat16" in [str(d).removeprefix("torch.") for d in candidate_dtypes("auto", cpu_flags())]
+BF16 = "bfloat16" in offered_dtypes()
 
 
 @pytest.mark.parametrize("temperature,dtype", [(1.0, "float32"), (0.7, "float32"), pytest.param(

@@ -148,6 +148,11 @@ def candidate_dtypes(dtype: str, flags: list[str]) -> list[torch.dtype]:
     return [torch.float32] + ([torch.bfloat16] if any(f in flags for f in BF16_FLAGS) else [])
 
 
+def offered_dtypes() -> list[str]:
+    """The dtype names ``--dtype auto`` chooses among on this CPU: float32, plus bfloat16 where it has a bf16 unit."""
+    return [str(d).removeprefix("torch.") for d in candidate_dtypes("auto", cpu_flags())]
+
+
 def usable_groups(fn: Layout, dtype: torch.dtype, shapes: list[tuple[int, int]], widths=PROBE_WIDTHS,
                   seed: int = 0, device: torch.device | None = None,
                   rows: int = 64) -> tuple[list[tuple[int, ...]], list[str]]:
