@@ -37,6 +37,7 @@ from hal.drafters.registry import HEADS, draft_help, draft_kinds, draft_memory, 
 from hal.distributed.placement import Placement, link_backend
 from hal.distributed.protocol import DRAFT, TARGET, Link
 from hal.distributed.remote import RemoteDrafter
+from hal.distributed.startup import QUIET, Phases
 from hal.distributed.worker import draft_worker
 
 
@@ -129,9 +130,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def start(args, max_seqs: int, engine_kw: dict | None = None) -> Target | None:
+def start(args, max_seqs: int, engine_kw: dict | None = None, phases: Phases = QUIET) -> Target | None:
     """Set this rank up: under torchrun the draft rank serves drafts until the target stops
-    (returns None); the target rank (or a single process) returns its `Target`."""
+    (returns None); the target rank (or a single process) returns its `Target`. ``phases``
+    reports each phase of the target's start-up (`hal.distributed.startup.Phases`)."""
     from hal.metrics import SpecDecodeMetrics
     placement = Placement.from_env()
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -176,35 +178,40 @@ def start(args, max_seqs: int, engine_kw: dict | None = None) -> Target | None:
     shares = world == 1 and draft_side.device == target_side.device
     dmem, dpath = draft_memory(spec, path, shares) if world == 1 else (None, None)
     cfg = read_config(path)
-    linear = choose_plan(linear_shapes(cfg), args.dtype, refresh=args.plan_refresh,
-                         device=target_side.device).plan   # measured once per machine, then cached
-    print(f"linear plan: {linear.describe()}", file=sys.stderr, flush=True)
-    mplan = plan(args, ModelMemory.from_config(cfg, "target", kv_dtype=linear.dtype), target_side, dmem, draft_side,
-                 max_seqs)
-    pool = mplan.allocate("target")  # nothing was allocated before the plan passed
-    model, tok = load_model(path, target_side.backend, plan=linear)
-    model.batch_invariant = getattr(args, "batch_invariant", True)
-    model.to(target_side.device)
+    with phases("linear plan (measured once per machine, then cached)"):
+        linear = choose_plan(linear_shapes(cfg), args.dtype, refresh=args.plan_refresh, device=target_side.device,
+                             progress=phases.bars).plan
+    phases.say(f"linear plan: {linear.describe()}")
+    with phases("memory plan"):
+        mplan = plan(args, ModelMemory.from_config(cfg, "target", kv_dtype=linear.dtype), target_side, dmem,
+                     draft_side, max_seqs)
+        pool = mplan.allocate("target")  # nothing was allocated before the plan passed
+    with phases(f"load {args.model}"):
+        model, tok = load_model(path, target_side.backend, plan=linear)
+        model.batch_invariant = getattr(args, "batch_invariant", True)
+        model.to(target_side.device)
     metrics = SpecDecodeMetrics()
-    if world == 2 and not joined:
-        drafter = None
-        metrics.draft_failures += 1
-    elif world == 2:
-        link = Link(DRAFT, torch.device("cpu") if backend == "gloo" else target_side.device)
-        layers = None
-        if head:
-            from hal.models.eagle import head_feature_layers, shipped_head
-            layers = head_feature_layers(spec.path or shipped_head(args.model), model.cfg.layers)
-        drafter = RemoteDrafter(link, model.cfg.vocab, target_side.device, metrics, args.draft_timeout,
-                                first_timeout=args.draft_startup_timeout, features=layers)
-    else:
-        drafter = make_drafter(spec, draft_side.backend, target=model if shares or head else None,
-                               path=args.model if head else dpath,
-                               pool=mplan.allocate("draft") if dmem else None, device=draft_side.device)
+    with phases(f"draft {args.draft}"):
+        if world == 2 and not joined:
+            drafter = None
+            metrics.draft_failures += 1
+        elif world == 2:
+            link = Link(DRAFT, torch.device("cpu") if backend == "gloo" else target_side.device)
+            layers = None
+            if head:
+                from hal.models.eagle import head_feature_layers, shipped_head
+                layers = head_feature_layers(spec.path or shipped_head(args.model), model.cfg.layers)
+            drafter = RemoteDrafter(link, model.cfg.vocab, target_side.device, metrics, args.draft_timeout,
+                                    first_timeout=args.draft_startup_timeout, features=layers)
+        else:
+            drafter = make_drafter(spec, draft_side.backend, target=model if shares or head else None,
+                                   path=args.model if head else dpath,
+                                   pool=mplan.allocate("draft") if dmem else None, device=draft_side.device)
     dec = SpeculativeDecoder(model, drafter, metrics=metrics, pool=pool, **(engine_kw or {}))
     if args.route and drafter is not None:
         from hal.engine.router import Router
-        dec.router = Router(dec.profile_costs(profile_draft=world == 1), max_k=args.k)
+        with phases("routing profile (the target's and the drafter's costs, measured)"):
+            dec.router = Router(dec.profile_costs(profile_draft=world == 1, progress=phases.bars), max_k=args.k)
     return Target(dec, tok, world, joined, backend, target_side)
 
 

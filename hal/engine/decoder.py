@@ -147,10 +147,10 @@ class SpeculativeDecoder:
         return [got[rid] for rid in ids]
 
     def profile_costs(self, max_tokens: int = 72, context: int = 512, reps: int = 5,
-                      profile_draft: bool = True):
+                      profile_draft: bool = True, progress: bool = False):
         """A `hal.engine.router.CostModel` measured here and now (`hal.engine.router.profile_decoder`)."""
         from hal.engine.router import profile_decoder
-        return profile_decoder(self, max_tokens, context, reps, profile_draft)
+        return profile_decoder(self, max_tokens, context, reps, profile_draft, progress)
 
     # -- scheduling callbacks ----------------------------------------------------------------------
 

@@ -4,6 +4,7 @@ request passes before it is queued (untrusted input: an HTTP client, another pro
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -184,6 +185,10 @@ class Drafter(Protocol):
         """The request finished, was aborted or preempted: drop what is kept for it."""
 
 
+def _float32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
 def check_request(req: Request, vocab: int, allocator: kv.BlockAllocator) -> None:
     """`HalError` naming the field unless ``req`` can run: token ids in ``[0, vocab)``, sane
     parameters, and prompt + new tokens + drafts within the whole KV pool (else it could
@@ -193,14 +198,16 @@ def check_request(req: Request, vocab: int, allocator: kv.BlockAllocator) -> Non
                                  for t in req.prompt_ids):
         raise HalError(f"prompt_ids: expected at least one token id in [0, {V}), got "
                        f"{list(req.prompt_ids)[:8]}{'...' if len(req.prompt_ids) > 8 else ''}")
-    for name, lo in (("max_new_tokens", 1), ("k", 0), ("top_k", -1), ("seed", -(1 << 63))):
-        v = getattr(req, name)
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo or v >= 1 << 63:
-            raise HalError(f"{name}: expected an int >= {lo}, got {v!r}")
+    for name, lo, hi in (("max_new_tokens", 1, 1 << 63), ("k", 0, 1 << 63), ("top_k", -1, 1 << 31),
+                         ("seed", -(1 << 63), 1 << 63)):
+        v = getattr(req, name)   # top_k: an int32 in the step's tensors
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo or v >= hi:
+            raise HalError(f"{name}: expected an int in [{lo}, {hi - 1}], got {v!r}")
     if not (isinstance(req.temperature, (int, float)) and 0 <= req.temperature < float("inf")):
         raise HalError(f"temperature: expected a finite float >= 0, got {req.temperature!r}")
-    if not (isinstance(req.top_p, (int, float)) and 0 < req.top_p <= 1):
-        raise HalError(f"top_p: expected a float in (0, 1], got {req.top_p!r}")
+    if not (isinstance(req.top_p, (int, float)) and 0 < req.top_p <= 1 and _float32(req.top_p) > 0):
+        raise HalError(f"top_p: expected a float in (0, 1] that is not 0 in float32 (as the step keeps it), "
+                       f"got {req.top_p!r}")
     if req.logprobs is not None and (isinstance(req.logprobs, bool) or not isinstance(req.logprobs, int)
                                      or not 0 <= req.logprobs <= MAX_LOGPROBS):
         raise HalError(f"logprobs: expected None or an int in [0, {MAX_LOGPROBS}], got {req.logprobs!r}")

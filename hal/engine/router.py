@@ -24,6 +24,7 @@ import torch
 
 from hal.engine.requests import draft_room
 from hal.errors import arg_error
+from hal.progress import NoBar, bar as progress_bar
 
 
 @dataclass
@@ -65,12 +66,14 @@ def _interp(table: dict[int, float], x: int) -> float:
     return table[a] + (table[b] - table[a]) * (x - a) / (b - a)
 
 
-def profile(fn, points: list[int], reps: int = 3, synchronize=lambda: None) -> dict[int, float]:
+def profile(fn, points: list[int], reps: int = 3, synchronize=lambda: None, bar=NoBar()) -> dict[int, float]:
     """Median seconds of ``fn(x)`` for each x (after one warm-up call each); ``synchronize``
     (a backend's) runs before the clock starts and before it stops: device launches are
-    asynchronous, so an unsynchronised timing measures only the launch."""
+    asynchronous, so an unsynchronised timing measures only the launch. ``bar``: advanced
+    once per point."""
     out = {}
     for x in points:
+        bar.update()
         fn(x)
         ts = []
         for _ in range(reps):
@@ -172,11 +175,13 @@ def expected_tokens(alpha: float, k: int) -> float:
     return float(k + 1) if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
-def profile_decoder(dec, max_tokens: int = 72, context: int = 512, reps: int = 5, profile_draft: bool = True):
+def profile_decoder(dec, max_tokens: int = 72, context: int = 512, reps: int = 5, profile_draft: bool = True,
+                    progress: bool = False):
     """A `hal.engine.router.CostModel` measured here and now: the target forward over T fed
     tokens (T = 1, 2, 3, 5, 9, ... up to ``max_tokens``, at a short context), the
     extra cost of ``context`` tokens of attention, and the drafter's chain of k
-    (``profile_draft=False``: not profiled, e.g. a remote drafter whose work overlaps)."""
+    (``profile_draft=False``: not profiled, e.g. a remote drafter whose work overlaps).
+    ``progress``: a bar (tqdm, stderr) over the points measured."""
     from hal.engine.forward import forward
     from hal.engine.requests import DraftBatch, Request, capabilities
     backends = {id(b): b for b in (dec.target.be, _backend_of(dec.drafter)) if b is not None}.values()
@@ -194,12 +199,15 @@ def profile_decoder(dec, max_tokens: int = 72, context: int = 512, reps: int = 5
             forward(dec.target, dec.pool, [q], [[1] * n], False)
             q.commit(n)
         fwd = lambda T, q=seqs[0]: forward(dec.target, dec.pool, [q], [[1] * T], True)  # noqa: E731
-        verify = profile(fwd, [p for p in (1, 2, 3, 5, 9, 17, 33, 65, 129, 257) if p <= max_tokens], reps, sync)
+        points = [p for p in (1, 2, 3, 5, 9, 17, 33, 65, 129, 257) if p <= max_tokens]
+        bar = progress_bar(progress, len(points) + 2 + 4 * (dec.drafter is not None and profile_draft),
+                           "routing profile", "point")
+        verify = profile(fwd, points, reps, sync, bar)
         # attention: the same 9-token verify at a short and a long context (a difference of two
         # noisy timings: a wide gap keeps it meaningful)
         n = min(9, max_tokens)
-        long = profile(lambda _: forward(dec.target, dec.pool, [seqs[1]], [[1] * n], True), [1], reps, sync)[1]
-        short = profile(lambda _: forward(dec.target, dec.pool, [seqs[0]], [[1] * n], True), [1], reps, sync)[1]
+        long = profile(lambda _: forward(dec.target, dec.pool, [seqs[1]], [[1] * n], True), [1], reps, sync, bar)[1]
+        short = profile(lambda _: forward(dec.target, dec.pool, [seqs[0]], [[1] * n], True), [1], reps, sync, bar)[1]
         per_context = max(0.0, long - short) / (n * context)
     finally:
         for q in seqs:
@@ -215,9 +223,10 @@ def profile_decoder(dec, max_tokens: int = 72, context: int = 512, reps: int = 5
                                     torch.tensor([16], device=dev), (16,), (k,), (0,), hidden, feats,
                                     (0,) if feats is None else (15,))
         try:
-            draft = profile(lambda k: dec.drafter.propose(view(k)), [1, 2, 4, 8], reps, sync)
+            draft = profile(lambda k: dec.drafter.propose(view(k)), [1, 2, 4, 8], reps, sync, bar)
         finally:
             dec.drafter.release(-1)
+    bar.close()
     return CostModel(verify, draft, per_context)
 
 

@@ -41,6 +41,7 @@ from torch import Tensor
 
 from hal.cache import cache_dir
 from hal.errors import HalError
+from hal.progress import bar as progress_bar
 
 Layout = Callable[[Tensor, Tensor], Tensor]   # (x [M, K], w [N, K]) -> x @ w.T [M, N]
 LAYOUTS: dict[str, Layout] = {
@@ -227,12 +228,13 @@ def _cache_path(signature: dict, shapes, dtype: str, layouts) -> Path:
 
 def choose_plan(shapes: list[tuple[int, int]], dtype: str = "auto", *, weights: list[Tensor] | None = None,
                 refresh: bool = False, threads: int | None = None, layouts: dict[str, Layout] | None = None,
-                reps: int = 3, cache: bool = True, device: torch.device | str | None = None) -> Choice:
+                reps: int = 3, cache: bool = True, device: torch.device | str | None = None,
+                progress: bool = False) -> Choice:
     """The fastest usable `LinearPlan` for a model whose linear weights have ``shapes`` ([N, K]
     each, in forward order) on this machine; see the module docstring. ``weights``: those
     weights to time with (default: random ones of the shapes, made only when measuring).
     ``layouts``: the candidates (default `LAYOUTS`; tests plant others). `HalError` when no
-    candidate of the requested dtype is usable."""
+    candidate of the requested dtype is usable. ``progress``: a bar (tqdm, stderr) while measuring."""
     layouts = LAYOUTS if layouts is None else layouts
     dev = torch.device(device) if device is not None else torch.device("cpu")
     signature = cpu_signature(threads, dev)
@@ -252,6 +254,7 @@ def choose_plan(shapes: list[tuple[int, int]], dtype: str = "auto", *, weights: 
         weights = [torch.randn(n, k, generator=gen) * 0.02 for n, k in shapes]
     candidates, rejected = [], []
     flags = signature["flags"] if dev.type == "cpu" else list(BF16_FLAGS)   # accelerators: measure bf16 too
+    bar = progress_bar(progress, len(candidate_dtypes(dtype, flags)) * len(layouts), "linear plan", "layout")
     for dt in candidate_dtypes(dtype, flags):
         cast = [w.to(dev, dt) for w in weights]
         for name, fn in layouts.items():
@@ -261,7 +264,9 @@ def choose_plan(shapes: list[tuple[int, int]], dtype: str = "auto", *, weights: 
                 plan = LinearPlan(name, dt, widths, None if LAYOUTS.get(name) is fn else fn)
                 ms = time_plan(plan, cast, reps=reps)
                 candidates.append({"plan": plan, "ms": ms, "score": round(score(ms), 3)})
+            bar.update()
         del cast
+    bar.close()
     if not candidates:
         raise HalError(f"dtype {dtype}: expected a batch-invariant linear layout on this CPU, got none usable "
                        f"({'; '.join(rejected[:4])})", arg="dtype")

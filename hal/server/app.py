@@ -6,17 +6,23 @@ FastAPI + uvicorn. One engine loop (`EngineLoop`) runs `SpeculativeDecoder.step`
 own thread; HTTP handlers talk to it through queues only, so a slow client never stalls
 a step. Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
 ``stream``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus, updated
-every step). A client that disconnects is aborted and its KV blocks freed (target and
-draft); past ``--max-num-seqs + --max-queue-len`` requests in flight the answer is 503
-with ``Retry-After``; SIGTERM stops accepting, lets in-flight requests finish for up to
-``--shutdown-timeout`` seconds, aborts the rest and exits 0."""
+every step), ``GET /openapi.json`` (the request and response bodies as declared models,
+`hal.server.protocol`: the schema is the validation). The port is taken before anything
+loads. A client that disconnects (streaming or not) is aborted and its KV blocks freed
+(target and draft); past ``--max-num-seqs + --max-queue-len`` requests in flight the
+answer is 503 with ``Retry-After``; SIGTERM stops accepting, lets in-flight requests
+finish for up to ``--shutdown-timeout`` seconds, then ends each stream still running with
+``finish_reason: "abort"`` and ``[DONE]`` (a non-streaming request gets a 503 JSON body),
+and exits 0."""
 
 
 import argparse
 import asyncio
 import json
+import os
 import queue
 import signal
+import socket
 import sys
 import threading
 import time
@@ -24,16 +30,19 @@ import traceback
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
 
+from hal.engine.requests import Request, check_request
 from hal.errors import HalError
 from hal.server.openai_schema import (ApiError, Parsed, TextState, chunk, logprobs_chat, logprobs_completion, new_id,
-                                      parse,
-                            response, usage)
-from hal.engine.requests import Request, check_request
+                                      parse, response, usage)
+from hal.server.protocol import (ChatCompletionResponse, CompletionResponse, ErrorResponse, Health, ModelList,
+                                 WireModels, wire_models)
 
 
 @dataclass
 class Handle:
-    """One HTTP request as the engine loop sees it; events go back through ``q``."""
+    """One HTTP request as the engine loop sees it; events go back through ``q``: ``("tokens",
+    ids, logprobs)``, then one of ``("finished", reason)``, ``("error", message)`` or
+    ``("shutdown",)`` (cut by SIGTERM at ``--shutdown-timeout``)."""
 
     parsed: Parsed
     q: asyncio.Queue
@@ -57,9 +66,13 @@ class Busy(Exception):
     pass
 
 
+class Closing(Exception):
+    pass
+
+
 class EngineLoop:
-    """Owns the engine: adds, aborts and steps in one thread. ``submit`` and ``abort`` are
-    safe from any thread; events reach each request's asyncio queue."""
+    """Owns the engine: adds, aborts and steps in one thread. ``submit``, ``abort`` and
+    ``close`` are safe from any thread; events reach each request's asyncio queue."""
 
     def __init__(self, dec, metrics=None, max_in_flight: int = 256):
         self.dec, self.metrics, self.max_in_flight = dec, metrics, max_in_flight
@@ -68,10 +81,23 @@ class EngineLoop:
         self.in_flight, self._lock = 0, threading.Lock()
         self._stop = threading.Event()
         self.error: str | None = None
+        self.deadline: float | None = None   # set by `close`: in-flight requests are cut then
         self.thread = threading.Thread(target=self._run, name="hal-engine", daemon=True)
 
     def start(self) -> None:
         self.thread.start()
+
+    def close(self, timeout: float) -> None:
+        """Stop accepting (`submit` raises `Closing`); what is in flight may run ``timeout``
+        more seconds, then each request still running ends with ``("shutdown",)``."""
+        with self._lock:
+            if self.deadline is None:
+                self.deadline = time.monotonic() + timeout
+        self.inbox.put(("wake", None))
+
+    @property
+    def closing(self) -> bool:
+        return self.deadline is not None
 
     def stop(self, timeout: float = 30.0) -> None:
         self._stop.set()
@@ -80,6 +106,8 @@ class EngineLoop:
 
     def submit(self, h: Handle) -> None:
         with self._lock:
+            if self.deadline is not None:
+                raise Closing
             if self.in_flight >= self.max_in_flight:
                 raise Busy
             self.in_flight += 1
@@ -95,23 +123,28 @@ class EngineLoop:
                 self.in_flight -= 1
             h.push(event)
 
+    def _cut(self, event: tuple) -> None:
+        for rid, h in list(self.live.items()):
+            self.dec.abort(rid)   # frees its blocks, target and draft
+            if self.metrics:
+                self.metrics.finished(h.arrival, h.first, time.perf_counter(), len(h.parsed.prompt_ids),
+                                      h.generated, "abort")
+            self._done(h, event)
+        self.live.clear()
+
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
                 self._drain(block=not self.dec.has_unfinished())
+                if self.deadline is not None and time.monotonic() >= self.deadline:
+                    self._cut(("shutdown",))
                 if self.dec.has_unfinished():
                     self._dispatch(self.dec.step())
             except Exception as e:   # never leave a client hanging: fail what is in flight, keep serving
                 self.error = f"{type(e).__name__}: {e}"
                 traceback.print_exc(file=sys.stderr)
-                for rid, h in list(self.live.items()):
-                    self.dec.abort(rid)
-                    self._done(h, ("error", self.error))
-                self.live.clear()
-        for rid, h in list(self.live.items()):   # shutting down: abort what is left
-            self.dec.abort(rid)
-            self._done(h, ("finished", "abort"))
-        self.live.clear()
+                self._cut(("error", self.error))
+        self._cut(("shutdown",))   # stopping: end what is left
 
     def _drain(self, block: bool) -> None:
         items = []
@@ -185,7 +218,43 @@ async def read_body(request) -> bytes:
     return b"".join(chunks)
 
 
-def make_app(target, served: str, max_model_len: int, default_k: int, max_in_flight: int):
+ENGINE_NAMES = {"prompt_ids": "prompt", "max_new_tokens": "max_tokens", "prompt_ids + max_new_tokens": "max_tokens"}
+SHUTDOWN_GRACE = 30.0   # seconds past --shutdown-timeout before uvicorn cancels what is left (never, normally)
+
+
+def _responses(model) -> dict:
+    """The documented answers of a completion endpoint: JSON or an SSE stream, and the errors."""
+    err = {"model": ErrorResponse}
+    event = {"type": "object", "required": ["data"], "description": "one SSE event: a JSON chunk, or [DONE] last",
+             "properties": {"data": {"type": "string"}}}
+    return {200: {"model": model, "content": {"text/event-stream": {"schema": event}}},
+            400: {**err, "description": "a bad request: ``param`` names the field"},
+            413: {**err, "description": "a body over 8 MiB"},
+            500: {**err, "description": "the engine failed (never a request's own parameters)"},
+            503: {**err, "description": "busy (with Retry-After) or shutting down",
+                  "headers": {"Retry-After": {"schema": {"type": "string"}, "description": "seconds (when busy)"}}}}
+
+
+def _openapi(app, wire: WireModels) -> dict:
+    """FastAPI's document with the request bodies declared: the models the handlers
+    validate with (`hal.server.protocol`)."""
+    from fastapi.openapi.utils import get_openapi
+    if app.openapi_schema is None:
+        doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+        for path, model in (("/v1/completions", wire.completion), ("/v1/chat/completions", wire.chat)):
+            schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            schemas.update(schema.pop("$defs", {}))
+            schemas[model.__name__] = schema
+            doc["paths"][path]["post"]["requestBody"] = {
+                "required": True, "content": {"application/json": {"schema": {
+                    "$ref": f"#/components/schemas/{model.__name__}"}}}}
+        app.openapi_schema = doc
+    return app.openapi_schema
+
+
+def make_app(target, served: str, max_model_len: int, default_k: int, max_in_flight: int,
+             shutdown_timeout: float = 10.0):
     """The FastAPI app over a `hal.distributed.launcher.Target` (engine + tokenizer)."""
     from fastapi import FastAPI, Request as HttpRequest
     from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -196,6 +265,7 @@ def make_app(target, served: str, max_model_len: int, default_k: int, max_in_fli
     dec.metrics.bound(10_000)   # live figures go to prometheus; keep the in-process samples bounded
     metrics = LiveMetrics(max_k=max(default_k, 1))
     loop = EngineLoop(dec, metrics, max_in_flight)
+    wire = wire_models(served, max_model_len, dec.target.cfg.vocab, default_k)
 
     @asynccontextmanager
     async def lifespan(_app):
@@ -206,24 +276,38 @@ def make_app(target, served: str, max_model_len: int, default_k: int, max_in_fli
             loop.stop()
             target.close()
 
-    app = FastAPI(title="spec-hal", lifespan=lifespan)
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        release = version("spec-hal")
+    except PackageNotFoundError:
+        release = "0"
+    app = FastAPI(title="spec-hal", version=release, lifespan=lifespan,
+                  description="An OpenAI-compatible server with speculative decoding. Request bodies are "
+                              "validated against the schemas below (closed: unknown fields are refused).")
     app.state.loop, app.state.metrics = loop, metrics
+    app.state.shutdown_timeout = shutdown_timeout
+    app.openapi = lambda: _openapi(app, wire)
 
     def error(e: ApiError):
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
-    async def accept(request: HttpRequest, chat: bool):
-        try:
-            body = json.loads(await read_body(request))
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ApiError(f"body: expected JSON, got a parse error ({e})", "body") from None
-        parsed = parse(body, chat=chat, tok=tok, served=served, max_model_len=max_model_len, default_k=default_k,
-                  stop_ids=dec.target.cfg.stop_ids)
+    def check(raw: bytes, chat: bool) -> Parsed:
+        """Validate, tokenize and check against the engine: off the event loop (a prompt of
+        megabytes takes seconds to tokenize)."""
+        parsed = parse(raw, chat=chat, tok=tok, wire=wire, max_model_len=max_model_len, default_k=default_k,
+                       stop_ids=dec.target.cfg.stop_ids)
         try:   # the engine's own checks (token ids, KV pool size), before the request is queued
             check_request(Request(parsed.prompt_ids, **asdict(parsed.params)), dec.target.cfg.vocab, dec.pool.allocator)
         except HalError as e:
-            field = str(e).split(":")[0]
-            raise ApiError(str(e), field if field.isidentifier() else None) from None
+            name = str(e).split(":")[0]
+            name = ENGINE_NAMES.get(name, name if name.isidentifier() else None)
+            raise ApiError(str(e), "messages" if chat and name == "prompt" else name) from None
+        return parsed
+
+    async def accept(request: HttpRequest, chat: bool):
+        if loop.closing:
+            raise ApiError("the server is shutting down", None, 503, "service_unavailable")
+        parsed = await asyncio.to_thread(check, await read_body(request), chat)
         if loop.error is not None and not loop.thread.is_alive():
             raise ApiError("the engine loop stopped", None, 503, "server_error")
         h = Handle(parsed, asyncio.Queue(), asyncio.get_running_loop())
@@ -232,22 +316,33 @@ def make_app(target, served: str, max_model_len: int, default_k: int, max_in_fli
         except Busy:
             raise ApiError(f"server busy: {max_in_flight} requests in flight; retry later", None, 503,
                            "server_busy", {"Retry-After": "1"}) from None
+        except Closing:
+            raise ApiError("the server is shutting down", None, 503, "service_unavailable") from None
         return parsed, h
 
-    async def events(handle: Handle, request: HttpRequest, poll: bool):
-        """The request's engine events; ends the request if the client goes away."""
+    async def disconnected(request: HttpRequest) -> None:
+        """Returns once the client has gone (the body is already read)."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    async def events(handle: Handle, request: HttpRequest | None):
+        """The request's engine events; with ``request``, ends early if the client goes away.
+        Whatever way it ends, a request still running is aborted."""
+        gone = asyncio.ensure_future(disconnected(request)) if request is not None else None
         try:
             while True:
-                try:
-                    event = await asyncio.wait_for(handle.q.get(), 0.5)
-                except asyncio.TimeoutError:
-                    if poll and await request.is_disconnected():
-                        return
-                    continue
+                get = asyncio.ensure_future(handle.q.get())
+                done, _ = await asyncio.wait({get, gone} - {None}, return_when=asyncio.FIRST_COMPLETED)
+                if get not in done:
+                    get.cancel()
+                    return
+                event = get.result()
                 yield event
                 if event[0] != "tokens":
                     return
         finally:
+            if gone is not None:
+                gone.cancel()
             if not handle.done:
                 loop.abort(handle)
 
@@ -258,9 +353,9 @@ def make_app(target, served: str, max_model_len: int, default_k: int, max_in_fli
             return error(e)
         rid, text, logprobs = new_id(chat), TextState(tok, parsed.stop), []
         if parsed.stream:
-            return StreamingResponse(stream(parsed, h, rid, text, chat, request), media_type="text/event-stream")
+            return StreamingResponse(stream(parsed, h, rid, text, chat), media_type="text/event-stream")
         parts, finish = [], "abort"
-        async for event in events(h, request, poll=True):
+        async for event in events(h, request):
             if event[0] == "tokens":
                 parts.append(text.add(event[1]))
                 logprobs += event[2] or []
@@ -269,6 +364,9 @@ def make_app(target, served: str, max_model_len: int, default_k: int, max_in_fli
                     break
             elif event[0] == "error":
                 return error(ApiError(event[1], None, 500, "server_error"))
+            elif event[0] == "shutdown":
+                return error(ApiError(f"the server is shutting down: the request was cut after {len(text.ids)} "
+                                      f"tokens (--shutdown-timeout)", None, 503, "service_unavailable"))
             else:
                 finish = event[1]
         parts.append(text.finish())
@@ -277,15 +375,15 @@ def make_app(target, served: str, max_model_len: int, default_k: int, max_in_fli
         return JSONResponse(response(chat, rid, parsed.model, "".join(parts), finish, lps,
                                      usage(len(parsed.prompt_ids), n)))
 
-    async def stream(parsed: Parsed, handle: Handle, rid: str, text: TextState, chat: bool, request):
+    async def stream(parsed: Parsed, handle: Handle, rid: str, text: TextState, chat: bool):
         def sse(obj) -> str:
             return f"data: {json.dumps(obj)}\n\n"
         if chat:
             yield sse(chunk(True, rid, parsed.model, None, role=True))
         else:   # an SSE comment: the response starts now, even while the request waits for a slot
             yield ": spec-hal\n\n"
-        finish = "abort"
-        async for event in events(handle, request, poll=False):
+        finish = "abort"   # also when cut by shutdown (vLLM's finish_reason)
+        async for event in events(handle, None):
             if event[0] == "tokens":
                 delta = text.add(event[1])
                 logprobs = None
@@ -300,8 +398,9 @@ def make_app(target, served: str, max_model_len: int, default_k: int, max_in_fli
                     break
             elif event[0] == "error":
                 yield sse(ApiError(event[1], None, 500, "server_error").body())
+                yield "data: [DONE]\n\n"
                 return
-            else:
+            elif event[0] == "finished":
                 finish = event[1]
         if tail := text.finish():
             yield sse(chunk(chat, rid, parsed.model, tail))
@@ -311,35 +410,73 @@ def make_app(target, served: str, max_model_len: int, default_k: int, max_in_fli
             yield sse(chunk(chat, rid, parsed.model, None, use=usage(len(parsed.prompt_ids), n)))
         yield "data: [DONE]\n\n"
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_class=JSONResponse, responses=_responses(CompletionResponse),
+              summary="Create a completion")
     async def completions(request: HttpRequest):
         return await handle(request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_class=JSONResponse, responses=_responses(ChatCompletionResponse),
+              summary="Create a chat completion")
     async def chat_completions(request: HttpRequest):
         return await handle(request, chat=True)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=ModelList, summary="The served model")
     async def models():
         return {"object": "list", "data": [{"id": served, "object": "model", "created": int(time.time()),
                                             "owned_by": "spec-hal", "max_model_len": max_model_len}]}
 
-    @app.get("/health")
+    @app.get("/health", response_model=Health, response_model_exclude_none=True, responses={503: {"model": Health}},
+             summary="Liveness")
     async def health():
         if not loop.thread.is_alive():
             return JSONResponse({"status": "error", "reason": loop.error or "the engine loop stopped"}, 503)
+        if loop.closing:
+            return JSONResponse({"status": "error", "reason": "shutting down"}, 503)
         why = target.degraded
         return {"status": "ok"} if why is None else {"status": "degraded", "reason": why}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, summary="Prometheus metrics",
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def prometheus():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
 
 
+def bind(host: str, port: int) -> socket.socket:
+    """The listening address, taken before anything loads: `HalError` naming ``--port`` when
+    another process holds it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise HalError(f"--port: expected a free port on {host}, got {port}, which is in use ({e.strerror})",
+                       arg="port") from None
+    return sock
+
+
+def _server(app, sock: socket.socket, shutdown_timeout: float):
+    """uvicorn's server, with SIGTERM first telling the engine to stop accepting and to cut
+    what still runs at ``shutdown_timeout`` (streams then end with ``finish_reason: "abort"``
+    and ``[DONE]``; non-streaming requests get 503), well before uvicorn would cancel them."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            app.state.loop.close(shutdown_timeout)
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=int(shutdown_timeout + SHUTDOWN_GRACE))
+    return Server(config)
+
+
 def main(argv: list[str] | None = None) -> int:
     from hal.distributed.launcher import add_engine_args, start
+    from hal.distributed.startup import Phases
+    from hal.distributed.protocol import DRAFT
     parser = argparse.ArgumentParser(prog="spec-hal serve", description=__doc__.split("\n\n")[0])
     add_engine_args(parser)
     parser.add_argument("--host", default="127.0.0.1")
@@ -352,29 +489,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-queue-len", type=int, default=256, help="requests waiting beyond --max-num-seqs; "
                                                                     "past it: 503 with Retry-After")
     parser.add_argument("--shutdown-timeout", type=float, default=10.0,
-                        help="seconds in-flight requests get on SIGTERM")
+                        help="seconds in-flight requests get on SIGTERM; then streams end with finish_reason "
+                             "'abort' and non-streaming requests get 503")
     args = parser.parse_args(argv)
     args.max_context = args.max_model_len
+    phases = Phases("spec-hal serve")
+    sock = None
     try:
-        import uvicorn
+        if int(os.environ.get("RANK", "0")) != DRAFT:   # the target serves HTTP: take the port first
+            sock = bind(args.host, args.port)
+            phases.say(f"listening on {args.host}:{args.port} (serving once ready)")
         target = start(args, args.max_num_seqs, {"max_num_batched_tokens": args.max_num_batched_tokens,
-                                                 "max_num_seqs": args.max_num_seqs})
+                                                 "max_num_seqs": args.max_num_seqs}, phases=phases)
         if target is None:   # the draft rank served until the target stopped
             return 0
         if target.tok is None:
             raise HalError(f"--model: expected a model with a tokenizer (GGUF), got {args.model}")
         app = make_app(target, args.served_model_name or args.model, args.max_model_len, args.k,
-                       args.max_num_seqs + args.max_queue_len)
+                       args.max_num_seqs + args.max_queue_len, args.shutdown_timeout)
     except HalError as e:
         print(f"spec-hal serve: {e}", file=sys.stderr)
+        if sock is not None:
+            sock.close()
         return 2
-    print(f"spec-hal serve: http://{args.host}:{args.port}/v1 (model {args.served_model_name or args.model}, "
-          f"draft {args.draft}, k {args.k}{', routed' if args.route else ''})", file=sys.stderr, flush=True)
+    phases.ready(f"http://{args.host}:{args.port}/v1 (model {args.served_model_name or args.model}, "
+                 f"draft {args.draft}, k {args.k}{', routed' if args.route else ''})")
     # uvicorn re-raises the SIGTERM it handled once it has shut down; with this handler
     # in place that is a no-op, so a graceful stop exits 0
     signal.signal(signal.SIGTERM, lambda *_: None)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
-                timeout_graceful_shutdown=max(1, int(args.shutdown_timeout)))
+    _server(app, sock, args.shutdown_timeout).run(sockets=[sock])
     return 0
 
 

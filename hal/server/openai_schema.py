@@ -1,5 +1,6 @@
-"""The OpenAI wire format for `hal.server.app`: request bodies checked field by field (an
-HTTP client is untrusted input: every error names the field), the chat template,
+"""The OpenAI wire format for `hal.server.app`: request bodies validated against the
+declared models of `hal.server.protocol` (an HTTP client is untrusted input: every error
+names the field), the chat template,
 incremental detokenization with stop strings, and the response and chunk shapes."""
 
 from __future__ import annotations
@@ -9,8 +10,11 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from pydantic import ValidationError
+
 from hal.checks import MAX_K
-from hal.engine.requests import MAX_LOGPROBS, SamplingParams, TokenLogprob
+from hal.engine.requests import SamplingParams, TokenLogprob
+from hal.server.protocol import WireModels, first_error
 
 
 class ApiError(Exception):
@@ -23,29 +27,6 @@ class ApiError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
-
-
-def _bad(param: str, expected: str, got) -> ApiError:
-    got = repr(got) if not isinstance(got, str) or len(got) < 80 else repr(got[:80]) + "..."
-    return ApiError(f"{param}: expected {expected}, got {got}", param)
-
-
-def _int(body: dict, name: str, default, lo: int, hi: int | None = None):
-    v = body.get(name, default)
-    if v is None and default is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
-        raise _bad(name, f"an integer >= {lo}" if hi is None else f"an integer in [{lo}, {hi}]", v)
-    return v
-
-
-def _num(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
-    v = body.get(name, default)
-    if v is None:
-        v = default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (lo < v if lo_open else lo <= v) or v > hi:
-        raise _bad(name, f"a number in {'(' if lo_open else '['}{lo}, {hi}]", v)
-    return float(v)
 
 
 @dataclass
@@ -61,95 +42,70 @@ class Parsed:
     model: str
 
 
-def parse(body, *, chat: bool, tok, served: str, max_model_len: int, default_k: int,
+def parse(raw: bytes, *, chat: bool, tok, wire: WireModels, max_model_len: int, default_k: int,
           stop_ids: tuple[int, ...]) -> Parsed:
-    """Check an OpenAI request body (completions or chat) and tokenize its prompt."""
-    if not isinstance(body, dict):
-        raise _bad("body", "a JSON object", type(body).__name__)
-    model = body.get("model")
-    if not isinstance(model, str) or model != served:
-        raise ApiError(f"model: expected {served!r} (the model this server serves), got {model!r}", "model")
-    if _int(body, "n", 1, 1) != 1:
-        raise _bad("n", "1 (one choice per request)", body.get("n"))
+    """Validate an OpenAI request body (completions or chat) against the declared models
+    (`hal.server.protocol`), tokenize its prompt and check it fits the context."""
+    model = wire.chat if chat else wire.completion
+    try:
+        body = model.model_validate_json(raw)
+    except ValidationError as e:
+        raise ApiError(*reversed(first_error(e, model))) from None
     if chat:
-        ids = tok.encode(render_chat(body.get("messages"))).ids
+        ids, what = encode(tok, render_chat(body.messages)), "messages"
     else:
-        ids = _prompt_ids(body.get("prompt"), tok)
-    room = max_model_len - len(ids)
-    name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _int(body, name, None, 1)
+        ids, what = _prompt_ids(body.prompt, tok), "prompt"
+    if len(ids) >= max_model_len:
+        raise ApiError(f"{what}: this model's maximum context length is {max_model_len} tokens; the prompt alone "
+                       f"has {len(ids)}, leaving no room for a completion", what)
+    name = "max_completion_tokens" if chat and body.max_completion_tokens is not None else "max_tokens"
+    max_tokens = getattr(body, name)
     if max_tokens is None:
-        max_tokens = max(1, room) if chat else 16
+        max_tokens = max_model_len - len(ids) if chat else min(16, max_model_len - len(ids))
     if len(ids) + max_tokens > max_model_len:
         raise ApiError(f"{name}: this model's maximum context length is {max_model_len} tokens; the prompt has "
                        f"{len(ids)} and {name} is {max_tokens} ({len(ids) + max_tokens} in all)", name)
-    stop = body.get("stop")
-    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 16:
-        raise _bad("stop", "a non-empty string or a list of at most 16", body.get("stop"))
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise _bad("stream", "a boolean", stream)
-    so = body.get("stream_options") or {}
-    if not isinstance(so, dict) or not isinstance(so.get("include_usage", False), bool):
-        raise _bad("stream_options", "an object {include_usage: boolean}", so)
+    stop = [] if body.stop is None else [body.stop] if isinstance(body.stop, str) else list(body.stop)
     if chat:
-        lp = body.get("logprobs", False)
-        if not isinstance(lp, bool):
-            raise _bad("logprobs", "a boolean", lp)
-        top = _int(body, "top_logprobs", 0, 0, MAX_LOGPROBS) or 0
-        logprobs = top if lp else None
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
     else:
-        logprobs = _int(body, "logprobs", None, 0, MAX_LOGPROBS)
-    if body.get("echo"):
-        raise _bad("echo", "false (echo is not supported)", body.get("echo"))
-    spec = body.get("speculative") or {}
-    if not isinstance(spec, dict):
-        raise _bad("speculative", "an object such as {\"k\": 0}", spec)
-    ignore_eos = body.get("ignore_eos", False)   # vLLM's extension: exactly max_tokens tokens (benchmarks)
-    if not isinstance(ignore_eos, bool):
-        raise _bad("ignore_eos", "a boolean", ignore_eos)
-    seed = _int(body, "seed", None, -(1 << 63), (1 << 63) - 1)
-    top_k = _int(body, "top_k", 0, -1)
-    params = SamplingParams(max_new_tokens=max_tokens, temperature=_num(body, "temperature", 1.0, 0.0, 2.0),
-                            top_k=max(top_k, 0), top_p=_num(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
-                            seed=random.getrandbits(62) if seed is None else seed,
-                            k=_int(spec, "k", default_k, 0, MAX_K), stop_ids=() if ignore_eos else tuple(stop_ids),
-                            logprobs=logprobs)
-    return Parsed(ids, params, stop, stream, so.get("include_usage", False), logprobs, model)
+        logprobs = body.logprobs
+    k = body.speculative.k if body.speculative is not None and body.speculative.k is not None else default_k
+    top_k = body.top_k or 0
+    params = SamplingParams(max_new_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+                            top_k=max(top_k, 0), top_p=1.0 if body.top_p is None else body.top_p,
+                            seed=random.getrandbits(62) if body.seed is None else body.seed,
+                            k=min(k, MAX_K), stop_ids=() if body.ignore_eos else tuple(stop_ids), logprobs=logprobs)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return Parsed(ids, params, stop, bool(body.stream), include_usage, logprobs, body.model)
 
 
 def _prompt_ids(prompt, tok) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]   # a batch of one
-    if isinstance(prompt, str) and prompt:
-        return tok.encode(prompt).ids
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return prompt   # token ids: the engine checks their range
-    raise _bad("prompt", "a non-empty string or list of token ids (one prompt)", prompt)
+    return encode(tok, prompt) if isinstance(prompt, str) else list(prompt)
+
+
+def encode(tok, text: str) -> list[int]:
+    """Token ids of ``text``. ``encode_batch`` releases the GIL (``encode`` holds it: seconds
+    for a prompt of megabytes, during which no other thread, the event loop's included, runs)."""
+    return tok.encode_batch([text])[0].ids
 
 
 def render_chat(messages) -> str:
     """ChatML, as SmolLM2-Instruct's template renders it (its default system turn when none
-    is given), ending with the assistant's turn."""
+    is given), ending with the assistant's turn. ``messages``: validated
+    (`hal.server.protocol`) or plain dicts of the same shape."""
     from hal.models.tokenizer import DEFAULT_SYSTEM
-    if not isinstance(messages, list) or not messages:
-        raise _bad("messages", "a non-empty list of {role, content}", messages)
     out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer"):
-            raise _bad(f"messages[{i}].role", "system, developer, user or assistant",
-                       m.get("role") if isinstance(m, dict) else m)
-        c = m.get("content")
-        if isinstance(c, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"),
-                                                                                                      str)
-                                       for p in c):
-            c = "".join(p["text"] for p in c)
-        if not isinstance(c, str):
-            raise _bad(f"messages[{i}].content", "a string or a list of text parts", c)
-        role = "system" if m["role"] == "developer" else m["role"]
-        out.append(f"<|im_start|>{role}\n{c}<|im_end|>\n")
-    if messages[0].get("role") not in ("system", "developer"):
+    for m in messages:
+        role, c = (m["role"], m.get("content")) if isinstance(m, dict) else (m.role, m.content)
+        if isinstance(c, list):
+            c = "".join(p["text"] if isinstance(p, dict) else p.text for p in c)
+        role = "system" if role == "developer" else role
+        out.append(f"<|im_start|>{role}\n{c or ''}<|im_end|>\n")
+    first = messages[0]["role"] if isinstance(messages[0], dict) else messages[0].role
+    if first not in ("system", "developer"):
         out.insert(0, f"<|im_start|>system\n{DEFAULT_SYSTEM}<|im_end|>\n")
     return "".join(out) + "<|im_start|>assistant\n"
 

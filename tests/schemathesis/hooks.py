@@ -1,0 +1,24 @@
+"""Loaded by the schemathesis run of tests/test_openapi.py (``SCHEMATHESIS_HOOKS``).
+
+With its default checks, schemathesis expects every schema-valid request to be accepted.
+One refusal of ours no JSON schema can express: a prompt that, once tokenized, leaves no
+room for ``max_tokens`` within ``--max-model-len`` (OpenAI's and vLLM's 400
+``context_length_exceeded``). schemathesis.toml therefore lets a 400 through its
+positive-data check, and this stricter check takes its place: a schema-valid request may
+be refused only for the context length, naming the prompt or ``max_tokens``."""
+
+import schemathesis
+
+CONTEXT_PARAMS = {"prompt", "messages", "max_tokens", "max_completion_tokens"}
+
+
+@schemathesis.check
+def only_the_context_refuses_valid_data(ctx, response, case):
+    meta = case.meta
+    if meta is None or not meta.generation.mode.is_positive or response.status_code != 400:
+        return None
+    err = response.json().get("error", {})
+    if err.get("param") not in CONTEXT_PARAMS or "maximum context length" not in err.get("message", ""):
+        raise AssertionError(f"a schema-valid request was refused for something other than the context "
+                             f"length: {err}")
+    return None
