@@ -175,6 +175,19 @@ class Backend:
         return self.impl.verify_tree(draft_token_ids, cu_num_draft_tokens, parent_ids, target,
                                      draft_probs, seeds, offsets, max_k)
 
+    def process_logits(self, logits: Tensor, draft_token_ids: Tensor, cu_num_draft_tokens: Tensor,
+                       parent_ids: Tensor | None, penalties: Tensor | None, token_counts: Tensor | None,
+                       prompt_mask: Tensor | None, bias: Tensor | None, bad_words: Tensor | None,
+                       bad_word_owner: Tensor | None, history: Tensor | None, stop_ids: Tensor | None,
+                       min_tokens: Tensor | None, min_p: Tensor | None, max_k: int) -> Tensor:
+        """Checked `Ops.process_logits`."""
+        checks.process_logits(self, logits, draft_token_ids, cu_num_draft_tokens, parent_ids, penalties, token_counts,
+                              prompt_mask, bias, bad_words, bad_word_owner, history, stop_ids, min_tokens, min_p,
+                              max_k)
+        return self.impl.process_logits(logits, draft_token_ids, cu_num_draft_tokens, parent_ids, penalties,
+                                        token_counts, prompt_mask, bias, bad_words, bad_word_owner, history,
+                                        stop_ids, min_tokens, min_p, max_k)
+
     def write_kv(self, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
                  slot_mapping: Tensor) -> None:
         """Checked `Ops.write_kv`."""

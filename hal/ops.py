@@ -227,6 +227,50 @@ class Ops(Protocol):
             local node indices, padded with -1; its length.
         """
 
+    def process_logits(self, logits: Tensor, draft_token_ids: Tensor, cu_num_draft_tokens: Tensor,
+                       parent_ids: Tensor | None, penalties: Tensor | None, token_counts: Tensor | None,
+                       prompt_mask: Tensor | None, bias: Tensor | None, bad_words: Tensor | None,
+                       bad_word_owner: Tensor | None, history: Tensor | None, stop_ids: Tensor | None,
+                       min_tokens: Tensor | None, min_p: Tensor | None, max_k: int) -> Tensor:
+        """Logits processors on the target rows before verification (vLLM's sampler order),
+        each row seeing the drafts before it as generated output.
+
+        Row ``j`` of request ``r`` (see target rows above) is the distribution after the
+        drafts on its *path*: none for the root row, and for a row after node ``i`` that node
+        and its ancestors (a chain's drafts ``0..j-1``; with ``parent_ids``, as in
+        `verify_tree`). Every processor reads the request's state *plus its path*, so verifying
+        ``k`` drafts gives each row exactly what plain decoding would have given after
+        emitting those drafts. In this order, every group ``None`` when unused (host-known,
+        so an unused processor costs nothing):
+
+        1. ``bias``: ``[R, V]`` float32 added (OpenAI's ``logit_bias``); ``-inf`` where the
+           request's allowed token ids exclude the token (vLLM's ``allowed_token_ids``).
+        2. ``bad_words`` ``[W, L]`` int, each word right-aligned and left-padded with -1, and
+           ``bad_word_owner`` ``[W]`` (its request): the word's last token is ``-inf`` in a row
+           whose context ends with its other tokens. The context is ``history`` ``[R, H]``
+           (the request's last generated tokens, right-aligned, -1 padded) followed by the
+           row's path. A one-token word is banned everywhere (vLLM's ``bad_words``).
+        3. ``stop_ids`` ``[R, S]`` (-1 padded) and ``min_tokens`` ``[R]`` (tokens still to
+           generate before a stop token may come): ``-inf`` at the stop ids in rows whose
+           path is shorter than ``min_tokens[r]``.
+        4. ``penalties`` ``[R, 3]`` float32 ``(frequency, presence, repetition)`` (0, 0, 1:
+           off), with ``token_counts`` ``[R, V]`` int (each token's count in the request's
+           generated output so far) and ``prompt_mask`` ``[R, V]`` bool (tokens of its
+           prompt). With ``c`` the row's counts (``token_counts`` plus its path):
+           repetition divides positive logits and multiplies negative ones by ``rep`` where
+           the token is in the prompt or ``c > 0``; then ``logit -= freq * c + pres * (c > 0)``.
+        5. ``min_p`` ``[R, 2]`` float32 ``(min_p, temperature)``: for a sampled row
+           (temperature at least `SAMPLING_EPS`, ``min_p > 0``) a token whose probability at
+           that temperature is below ``min_p`` times the largest, i.e. whose logit is below
+           ``max + temperature * log(min_p)`` (decided in float32), becomes ``-inf``.
+
+        :param logits: ``[N + R, V]`` float target logits (not modified).
+        :param parent_ids: ``None`` (chains) or ``[N]`` local parents as in `verify_tree`.
+        :param max_k: an upper bound of every ``k_r`` (the longest path).
+        :returns: ``[N + R, V]`` float32, the processed logits. Temperature, top-k and top-p
+            are not applied here: they stay with the verify ops.
+        """
+
     def write_kv(self, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
                  slot_mapping: Tensor) -> None:
         """Scatter new keys and values into the paged cache, in place.
@@ -277,7 +321,7 @@ class Ops(Protocol):
 OP_FILES: dict[str, str] = {
     "sample": "sample", "ngram_propose": "ngram", "verify_greedy": "greedy", "verify_rejection": "rejection",
     "verify_rejection_logits": "rejection_logits", "verify_typical": "typical", "verify_tree": "tree",
-    "write_kv": "write_kv", "paged_attention": "paged_attention", "copy_kv": "copy_kv",
+    "process_logits": "logits", "write_kv": "write_kv", "paged_attention": "paged_attention", "copy_kv": "copy_kv",
 }
 
 OP_NAMES: tuple[str, ...] = tuple(n for n in vars(Ops) if not n.startswith("_")

@@ -6,6 +6,7 @@ once, when the backend is loaded."""
 from hal.library import register_module
 from verify_ops.copy_kv import copy_kv
 from verify_ops.greedy import verify_greedy
+from verify_ops.logits import process_logits
 from verify_ops.ngram import ngram_propose
 from verify_ops.paged_attention import paged_attention
 from verify_ops.rejection import verify_rejection
@@ -17,5 +18,5 @@ from verify_ops.write_kv import write_kv
 
 register_module("spec_hal_cpu", globals())   # each op imported above becomes spec_hal_cpu::<op>
 
-__all__ = ["copy_kv", "ngram_propose", "paged_attention", "sample", "verify_greedy", "verify_rejection",
+__all__ = ["copy_kv", "ngram_propose", "paged_attention", "process_logits", "sample", "verify_greedy", "verify_rejection",
            "verify_rejection_logits", "verify_tree", "verify_typical", "write_kv"]

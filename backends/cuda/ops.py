@@ -5,6 +5,7 @@ CUDA-graph capture treat it as one opaque op. Registered once, when the backend 
 
 from backends.cuda.copy_kv import copy_kv
 from backends.cuda.greedy import verify_greedy
+from backends.cuda.logits import process_logits
 from backends.cuda.ngram import ngram_propose
 from backends.cuda.paged_attention import paged_attention
 from backends.cuda.rejection import verify_rejection
@@ -17,5 +18,5 @@ from hal.library import register_module
 
 register_module("spec_hal_cuda", globals())   # each op imported above becomes spec_hal_cuda::<op>
 
-__all__ = ["copy_kv", "ngram_propose", "paged_attention", "sample", "verify_greedy", "verify_rejection",
+__all__ = ["copy_kv", "ngram_propose", "paged_attention", "process_logits", "sample", "verify_greedy", "verify_rejection",
            "verify_rejection_logits", "verify_tree", "verify_typical", "write_kv"]

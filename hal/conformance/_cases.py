@@ -30,6 +30,51 @@ def _logits(g, rows, V, dtype, masked):
     return x.masked_fill(m, -math.inf)
 
 
+def _parents(g, ks, it):
+    """A random tree per request: each node's parent an earlier node or the root (-1)."""
+    if not sum(ks):
+        return torch.zeros(0, dtype=it)
+    return torch.cat([torch.randint(-1, max(i, 0), (1,), generator=g) if i else torch.tensor([-1])
+                      for k in ks for i in range(k)]).to(it)
+
+
+def processors(g, ids, cu, logits, parents, max_k: int, groups: dict, it=torch.int64) -> dict:
+    """A valid `process_logits` call: the processor groups named true in ``groups``, with
+    random (often repeated) tokens so that penalties, bad words and stops do hit the drafts."""
+    R, V = cu.shape[0] - 1, logits.shape[1]
+    none = dict(penalties=None, token_counts=None, prompt_mask=None, bias=None, bad_words=None,
+                bad_word_owner=None, history=None, stop_ids=None, min_tokens=None, min_p=None)
+    args = dict(logits=logits, draft_token_ids=ids, cu_num_draft_tokens=cu, parent_ids=parents, **none)
+    if groups.get("penalties"):
+        pen = torch.stack([torch.rand(R, generator=g) * 2 - 0.5, torch.rand(R, generator=g) * 2 - 0.5,
+                           torch.rand(R, generator=g) * 1.5 + 0.5], 1)
+        args.update(penalties=pen, token_counts=torch.randint(0, 3, (R, V), generator=g).to(it)
+                    * (torch.rand(R, V, generator=g) < 0.3), prompt_mask=torch.rand(R, V, generator=g) < 0.3)
+    if groups.get("bias"):
+        bias = torch.randn(R, V, generator=g) * (torch.rand(R, V, generator=g) < 0.3)
+        bias[(torch.rand(R, V, generator=g) < 0.2) & (torch.arange(V) > 0)] = -math.inf   # allowed ids
+        args.update(bias=bias)
+    if groups.get("bad_words"):
+        W, L, H = int(torch.randint(0, 5, (1,), generator=g)), int(torch.randint(1, 4, (1,), generator=g)), 3
+        words = torch.randint(0, min(V, 3), (W, L), generator=g)
+        lens = torch.randint(1, L + 1, (W,), generator=g)
+        words[torch.arange(L)[None] < (L - lens)[:, None]] = -1
+        hist = torch.randint(0, min(V, 3), (R, H), generator=g)
+        hist[torch.arange(H)[None] < torch.randint(0, H + 1, (R, 1), generator=g)] = -1
+        args.update(bad_words=words.to(it), bad_word_owner=torch.randint(0, max(R, 1), (W,), generator=g).to(it)
+                    if R else torch.zeros(0, dtype=it), history=hist.to(it))
+        if not R:
+            args.update(bad_words=words[:0].to(it))
+    if groups.get("min_tokens"):
+        stops = torch.randint(-1, V, (R, 2), generator=g)
+        args.update(stop_ids=stops.to(it), min_tokens=torch.randint(0, max_k + 2, (R,), generator=g).to(it))
+    if groups.get("min_p"):
+        temp = torch.rand(R, generator=g) * 2
+        temp[torch.rand(R, generator=g) < 0.3] = 0
+        args.update(min_p=torch.stack([torch.rand(R, generator=g) * (torch.rand(R, generator=g) < 0.7), temp], 1))
+    return {**args, "max_k": max_k}
+
+
 @st.composite
 def valid_case(draw, be, op):
     """``(args dict, V)`` of a valid call of ``op`` on ``be``'s device (values on the host)."""
@@ -85,6 +130,10 @@ def valid_case(draw, be, op):
         dp = _probs(g, N, V, ft, zeros) if draw(st.booleans()) else None
         return dict(draft_token_ids=ids, cu_num_draft_tokens=cu, parent_ids=parents,
                     target=_probs(g, N + R, V, ft, zeros), draft_probs=dp, **so, max_k=max_k), V
+    if op == "process_logits":
+        parents = _parents(g, ks, it) if draw(st.booleans()) else None
+        groups = {name: draw(st.booleans()) for name in ("penalties", "bias", "bad_words", "min_tokens", "min_p")}
+        return processors(g, ids, cu, _logits(g, N + R, V, ft, zeros), parents, max_k, groups, it), V
     bs = bs_of(be)
     nb = draw(st.integers(1, 4))
     H, D = draw(st.sampled_from([1, 2])), 16

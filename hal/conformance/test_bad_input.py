@@ -45,6 +45,14 @@ def valid_args(be, op):
     if op == "verify_tree":
         return dict(**ragged, parent_ids=torch.tensor([-1, -1, 0], device=d), target=probs(5),
                     draft_probs=probs(3), **so, max_k=2)
+    if op == "process_logits":
+        from hal.conformance._cases import processors
+        g = torch.Generator().manual_seed(0)
+        args = processors(g, ragged["draft_token_ids"].cpu(), ragged["cu_num_draft_tokens"].cpu(), torch.zeros(5, 8),
+                          torch.tensor([-1, -1, 0]), 2, dict.fromkeys(("penalties", "bias", "bad_words", "min_tokens",
+                                                                       "min_p"), True))
+        args["bad_word_owner"] = torch.zeros(args["bad_words"].shape[0], dtype=torch.long)
+        return {k: v.to(d) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
     if op == "write_kv":
         return dict(key=torch.ones(3, 2, 16, device=d), value=torch.ones(3, 2, 16, device=d), **caches,
                     slot_mapping=torch.tensor([0, -1, 5], device=d))

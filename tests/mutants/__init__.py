@@ -59,6 +59,18 @@ MUTANTS = {
                          "for s_, d_ in zip(src.tolist(), dst.tolist()):\n"
                          "        k_cache[d_ // bs, d_ % bs] = k_cache[s_ // bs, s_ % bs]\n"
                          "    v = v_cache[src // bs, src % bs]", "test_kv.py"),
+    # logits processors: each row must see the drafts before it
+    "penalty-ignores-drafts": ("verify_ops.logits", "process_logits", "        if max_k:\n            counts.index_put_(",
+                               "        if False:\n            counts.index_put_(",
+                               "test_logits.py::test_equals_the_row_by_row_oracle"),
+    "bad-words-ignore-drafts": ("verify_ops.logits", "process_logits",
+                                "ctx = torch.where(m[None] < plen[:, None], from_path,",
+                                "ctx = torch.where(m[None] < 0, from_path,",
+                                "test_logits.py::test_equals_the_row_by_row_oracle"),
+    "min-tokens-off-by-one": ("verify_ops.logits", "process_logits", "early = (plen < min_tokens",
+                              "early = (plen <= min_tokens", "test_logits.py::test_equals_the_row_by_row_oracle"),
+    "min-p-inverted": ("verify_ops.logits", "process_logits", "keep = out >= top + temp", "keep = out <= top + temp",
+                       "test_logits.py::test_equals_the_row_by_row_oracle"),
 }
 
 
