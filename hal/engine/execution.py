@@ -17,6 +17,7 @@ from hal.devices import transfer
 from hal.engine import proposals, trees
 from hal.engine.forward import forward_tokens, logprob_rows, sampling_args
 from hal.engine.history import HistoryBuffer
+from hal.engine.processors import processor_args
 from hal.engine.requests import Drafter, capabilities
 from hal.engine.step_types import Logprobs, StepDrafts, StepPlan, StepReads, StepResult, read_back
 from hal.models.llama import Llama
@@ -55,7 +56,9 @@ def execute(target: Llama, pool: kv.KVPool, history: HistoryBuffer, drafter: Dra
     if first:
         where = {c.state.rid: i for i, c in enumerate(chunks)}
         frows = logits[fed:][torch.tensor([where[state.rid] for state in first]).to(dev)]
-        tok, _ = backend.sample(frows, *sampling_args(first, [1] * len(first), dev, offsets.first))
+        none = torch.zeros(0, dtype=torch.long, device=dev)
+        tok, _ = backend.sample(processed(backend, first, frows, none, [0] * len(first), None),
+                                *sampling_args(first, [1] * len(first), dev, offsets.first))
         reads.first = tok.long()
         if want:
             reads.first_logprobs = Logprobs(*_padded(logprob_rows(frows, tok, top_n)))
@@ -92,7 +95,8 @@ def _verify(backend, pool: kv.KVPool, history: HistoryBuffer, plan: StepPlan, dr
             verify_offsets: list[int] | None, logprobs: bool, top_n: int, reads: StepReads) -> None:
     """Verify the decoding rows into ``reads``; a tree's accepted path moves next to its root."""
     live, counts, dev = plan.decode, drafts.counts, logits.device
-    verified = trees.verify(backend, live, counts, drafts.token_ids, drafts.probs, logits, drafts.parent_ids,
+    target = processed(backend, live, logits, drafts.token_ids, counts, drafts.parent_ids)
+    verified = trees.verify(backend, live, counts, drafts.token_ids, drafts.probs, target, drafts.parent_ids,
                             verify_offsets)
     reads.out, reads.accepted, reads.nodes = verified.out, verified.accepted, verified.nodes
     if verified.nodes is not None:
@@ -104,6 +108,17 @@ def _verify(backend, pool: kv.KVPool, history: HistoryBuffer, plan: StepPlan, dr
             trees.path_rows(verified.nodes, counts, dev).reshape(-1)[flat]]
         reads.logprobs = Logprobs(*_padded(logprob_rows(rows, verified.out.reshape(-1)[flat], top_n)))
     history.write([s.rid for s in live], [len(s.tokens) for s in live], verified.out)
+
+
+def processed(backend, states, logits: Tensor, ids: Tensor, counts: list[int], parents: Tensor | None) -> Tensor:
+    """``logits`` (``[N + R, V]``, target rows) through the requests' logits processors (the
+    drafts on each row's path count as generated), or unchanged when none is on. Logprobs
+    stay raw (vLLM's default ``raw_logprobs``): they read the unprocessed rows."""
+    args = processor_args(states, logits.shape[1], logits.device)
+    if args is None:
+        return logits
+    cu = torch.tensor([0, *counts]).cumsum(0).to(logits.device)
+    return backend.process_logits(logits, ids, cu, parents, **args, max_k=max(counts, default=0))
 
 
 def _padded(rows: list[Tensor]) -> list[Tensor | None]:

@@ -27,6 +27,21 @@ class SamplingParams:
     k: int = 5
     stop_ids: tuple[int, ...] = ()
     logprobs: int | None = None   # also return each emitted token's logprob and this many top alternatives
+    # logits processors (`hal.ops.Ops.process_logits`; vLLM's names and neutral defaults)
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None          # token id -> added to its logit
+    allowed_token_ids: tuple[int, ...] | None = None    # only these may be emitted
+    bad_words: tuple[tuple[int, ...], ...] = ()         # token sequences never emitted
+    min_tokens: int = 0                                 # no stop token before this many
+    min_p: float = 0.0                                  # drop tokens below min_p x the top probability
+
+    def processes_logits(self) -> bool:
+        """Whether any logits processor is on."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1
+                    or self.logit_bias or self.allowed_token_ids is not None or self.bad_words
+                    or self.min_tokens or self.min_p)
 
 
 @dataclass
@@ -185,6 +200,31 @@ class Drafter(Protocol):
         """The request finished, was aborted or preempted: drop what is kept for it."""
 
 
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) < float("inf")
+
+
+def _check_processors(req: Request, V: int) -> None:
+    """The logits processors' parameters (`SamplingParams`), each `HalError` naming the field."""
+    for name, lo, hi in (("frequency_penalty", -2.0, 2.0), ("presence_penalty", -2.0, 2.0),
+                         ("repetition_penalty", 1e-6, 100.0), ("min_p", 0.0, 1.0)):
+        v = getattr(req, name)
+        if not (_finite(v) and lo <= v <= hi):
+            raise HalError(f"{name}: expected a number in [{lo}, {hi}], got {v!r}")
+    if isinstance(req.min_tokens, bool) or not isinstance(req.min_tokens, int) or not 0 <= req.min_tokens < 1 << 31:
+        raise HalError(f"min_tokens: expected an int >= 0, got {req.min_tokens!r}")
+    tok = lambda t: isinstance(t, int) and not isinstance(t, bool) and 0 <= t < V  # noqa: E731
+    if req.logit_bias is not None and not (isinstance(req.logit_bias, dict) and all(
+            tok(t) and _finite(b) and -100 <= b <= 100 for t, b in req.logit_bias.items())):
+        raise HalError(f"logit_bias: expected {{token id in [0, {V}): bias in [-100, 100]}}, got "
+                       f"{str(req.logit_bias)[:80]}")
+    if req.allowed_token_ids is not None and not (req.allowed_token_ids and all(tok(t) for t in req.allowed_token_ids)):
+        raise HalError(f"allowed_token_ids: expected a non-empty list of token ids in [0, {V}), got "
+                       f"{list(req.allowed_token_ids)[:8]}")
+    if not all(isinstance(w, (tuple, list)) and w and all(tok(t) for t in w) for w in req.bad_words):
+        raise HalError(f"bad_words: expected non-empty token id sequences in [0, {V}), got {list(req.bad_words)[:4]}")
+
+
 def _float32(x: float) -> float:
     return struct.unpack("f", struct.pack("f", x))[0]
 
@@ -211,6 +251,7 @@ def check_request(req: Request, vocab: int, allocator: kv.BlockAllocator) -> Non
     if req.logprobs is not None and (isinstance(req.logprobs, bool) or not isinstance(req.logprobs, int)
                                      or not 0 <= req.logprobs <= MAX_LOGPROBS):
         raise HalError(f"logprobs: expected None or an int in [0, {MAX_LOGPROBS}], got {req.logprobs!r}")
+    _check_processors(req, V)
     bs, nb = allocator.block_size, allocator.num_blocks
     need = -(-(len(req.prompt_ids) + req.max_new_tokens + req.k) // bs)
     if need > nb:  # it could never run, even alone: refuse rather than preempt forever
