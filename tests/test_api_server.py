@@ -238,9 +238,16 @@ DEEP = b"[" * 10_000 + b"]" * 10_000
     (f'{{{M}, "prompt": "hi", "best_of": 2}}'.encode(), "best_of"),
     (f'{{{M}, "prompt": "hi", "echo": true}}'.encode(), "echo"),
     (f'{{{M}, "prompt": "hi", "suffix": "x"}}'.encode(), "suffix"),
-    (f'{{{M}, "prompt": "hi", "frequency_penalty": 0.5}}'.encode(), "frequency_penalty"),
-    (f'{{{M}, "prompt": "hi", "presence_penalty": 0.5}}'.encode(), "presence_penalty"),
-    (f'{{{M}, "prompt": "hi", "logit_bias": {{"1": 5}}}}'.encode(), "logit_bias"),
+    # the logits processors' bounds
+    (f'{{{M}, "prompt": "hi", "frequency_penalty": 2.5}}'.encode(), "frequency_penalty"),
+    (f'{{{M}, "prompt": "hi", "presence_penalty": -3}}'.encode(), "presence_penalty"),
+    (f'{{{M}, "prompt": "hi", "repetition_penalty": 0}}'.encode(), "repetition_penalty"),
+    (f'{{{M}, "prompt": "hi", "logit_bias": {{"49152": 5}}}}'.encode(), "logit_bias"),
+    (f'{{{M}, "prompt": "hi", "logit_bias": {{"1": 101}}}}'.encode(), "logit_bias"),
+    (f'{{{M}, "prompt": "hi", "min_p": 1.5}}'.encode(), "min_p"),
+    (f'{{{M}, "prompt": "hi", "min_tokens": -1}}'.encode(), "min_tokens"),
+    (f'{{{M}, "prompt": "hi", "allowed_token_ids": []}}'.encode(), "allowed_token_ids"),
+    (f'{{{M}, "prompt": "hi", "bad_words": [""]}}'.encode(), "bad_words[0]"),
     (f'{{{M}, "prompt": "hi", "response_format": {{"type": "json_object"}}}}'.encode(), "response_format"),
     (f'{{{M}, "prompt": "hi", "tools": [{{"type": "function"}}]}}'.encode(), "tools"),
     (f'{{{M}, "prompt": "hi", "no_such_field": 1}}'.encode(), "no_such_field"),
@@ -272,7 +279,9 @@ def test_chat_messages_are_checked(server, body, param):
 def test_null_means_unset(server):
     """The official clients and many SDKs send null for "unset": accepted, as OpenAI and vLLM do."""
     nulls = dict.fromkeys(["n", "stream", "logprobs", "top_k", "top_p", "temperature", "seed", "stop", "user",
-                           "stream_options", "max_tokens", "best_of", "echo", "suffix", "logit_bias"])
+                           "stream_options", "max_tokens", "best_of", "echo", "suffix", "logit_bias",
+                           "frequency_penalty", "presence_penalty", "repetition_penalty", "min_p", "min_tokens",
+                           "bad_words", "allowed_token_ids"])
     r = httpx.post(server[1] + "/v1/completions", json={"model": MODEL, "prompt": "hi", **nulls, "max_tokens": 2},
                    timeout=120)
     assert r.status_code == 200, r.text
@@ -284,6 +293,29 @@ def test_null_means_unset(server):
     assert r.status_code == 200, r.text
     from hal.server.protocol import ChatCompletionResponse
     ChatCompletionResponse.model_validate(r.json())   # the published response schema holds
+
+
+def test_logits_processors_through_http_equal_the_engine(client, reference):
+    """Penalties, logit_bias, bad_words, min_tokens and min_p over HTTP (the openai client,
+    vLLM's extensions in extra_body): greedy text equal to the engine's plain greedy output
+    with the same processors."""
+    from hal.engine.decoder import Request, SpeculativeDecoder
+    from hal.drafters.registry import load_model
+    import hal
+    run, tok = reference
+    prompt = "The cat sat on the mat. The cat sat on the"
+    ids = tok.encode(prompt).ids
+    extra = {"repetition_penalty": 1.3, "min_tokens": 6, "min_p": 0.05,
+             "bad_words": ["mat"], "allowed_token_ids": None}
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, frequency_penalty=0.6,
+                                  presence_penalty=0.3, logit_bias={str(ids[-1]): -5.0}, extra_body=extra)
+    model, _ = load_model(MODEL, hal.get_backend("cpu"), "auto")
+    bad = tuple(dict.fromkeys(tuple(tok.encode(w).ids) for w in ("mat", " mat")))
+    want = SpeculativeDecoder(model, None, num_blocks=64).generate([Request(
+        ids, max_new_tokens=12, stop_ids=model.cfg.stop_ids, frequency_penalty=0.6, presence_penalty=0.3,
+        repetition_penalty=1.3, logit_bias={ids[-1]: -5.0}, bad_words=bad, min_tokens=6, min_p=0.05)])[0]
+    assert r.choices[0].text == tok.decode(want, skip_special_tokens=True)
+    assert "mat" not in r.choices[0].text
 
 
 def test_a_bad_parameter_never_fails_another_clients_stream(server, client):

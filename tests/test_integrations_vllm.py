@@ -71,7 +71,7 @@ def test_a_layout_slip_is_caught():
 
 @pytest.mark.parametrize("old,new", [
     ("cu = torch.cat([incl.new_zeros(1), incl])", "cu = torch.cat([incl, incl[-1:]])"),   # cu read as exclusive
-    ("target[cu[1:] + req, bonus] = 0.0", "target[cu[:-1] + req, bonus] = 0.0"),        # bonus row misplaced
+    ("last_rows = cu[1:] + req", "last_rows = cu[:-1] + req"),                          # bonus row misplaced
 ])
 def test_planted_layout_slips_fail_vllms_cases(old, new, tmp_path):
     import importlib.util

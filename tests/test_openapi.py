@@ -59,5 +59,6 @@ def test_schemathesis_finds_nothing(server):
            "--phases", PHASES, "--generation-deterministic", "--request-timeout", "120", "--workers", "1", "--no-color"]
     r = subprocess.run(cmd, cwd=HERE, env={**os.environ, "SCHEMATHESIS_HOOKS": "hooks", "PYTHONPATH": str(HERE)},
                        capture_output=True, text=True, timeout=900)
+    print(r.stdout[-400:])   # the summary: cases generated, issues found
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
     assert "generated" in r.stdout and "failures" not in r.stdout.split("SUMMARY")[-1].lower(), r.stdout[-3000:]

@@ -75,9 +75,26 @@ def parse(raw: bytes, *, chat: bool, tok, wire: WireModels, max_model_len: int, 
     params = SamplingParams(max_new_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
                             top_k=max(top_k, 0), top_p=1.0 if body.top_p is None else body.top_p,
                             seed=random.getrandbits(62) if body.seed is None else body.seed,
-                            k=min(k, MAX_K), stop_ids=() if body.ignore_eos else tuple(stop_ids), logprobs=logprobs)
+                            k=min(k, MAX_K), stop_ids=() if body.ignore_eos else tuple(stop_ids), logprobs=logprobs,
+                            **_processors(body, tok))
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return Parsed(ids, params, stop, bool(body.stream), include_usage, logprobs, body.model)
+
+
+def _processors(body, tok) -> dict:
+    """The logits processors' `SamplingParams` fields (unset: their neutral values)."""
+    out = {}
+    for name in ("frequency_penalty", "presence_penalty", "repetition_penalty", "min_tokens", "min_p"):
+        if getattr(body, name) is not None:
+            out[name] = getattr(body, name)
+    if body.logit_bias:
+        out["logit_bias"] = {int(t): b for t, b in body.logit_bias.items()}
+    if body.allowed_token_ids is not None:
+        out["allowed_token_ids"] = tuple(body.allowed_token_ids)
+    if body.bad_words:   # as vLLM: each word as tokenized, and as tokenized after a space
+        out["bad_words"] = tuple(dict.fromkeys(tuple(encode(tok, w)) for word in body.bad_words
+                                               for w in (word, " " + word.lstrip())))
+    return out
 
 
 def _prompt_ids(prompt, tok) -> list[int]:

@@ -30,8 +30,8 @@ UNSUPPORTED = {
     "tools": "tool calling", "tool_choice": "tool calling", "parallel_tool_calls": "tool calling",
     "best_of": "best_of (server-side candidates)", "echo": "echo (the prompt in the output)",
     "suffix": "suffix (insertion)", "response_format": "structured output (response_format)",
-    "frequency_penalty": "penalties", "presence_penalty": "penalties", "logit_bias": "logit_bias",
 }
+MAX_BAD_WORDS = 64
 
 
 class Closed(BaseModel):
@@ -117,10 +117,16 @@ class _Common(Closed):
     ignore_eos: bool | None = Field(None, description="vLLM's extension: exactly max_tokens tokens")
     user: str | None = Field(None, description="an end-user label; it changes nothing")
     best_of: Int(ge=1, le=1) | None = None
-    frequency_penalty: Annotated[float, Field(ge=0, le=0)] | None = None
-    presence_penalty: Annotated[float, Field(ge=0, le=0)] | None = None
-    logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = None
     response_format: TextFormat | None = None
+    # logits processors (OpenAI's, then vLLM's extensions)
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    repetition_penalty: Annotated[float, Field(ge=1e-6, le=100)] | None = Field(
+        None, description="vLLM's: > 1 discourages tokens of the prompt and the output")
+    min_tokens: Int(ge=0, le=INT32_MAX) | None = Field(None, description="no stop token before this many")
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    bad_words: Annotated[list[NonEmpty], Field(max_length=MAX_BAD_WORDS)] | None = Field(
+        None, description="vLLM's: words never generated (each as tokenized, and after a space)")
 
 
 @dataclass(frozen=True)
@@ -129,6 +135,19 @@ class WireModels:
 
     completion: type[BaseModel]
     chat: type[BaseModel]
+
+
+def below(n: int) -> str:
+    """A regular expression for the decimal integers in ``[0, n)`` (no leading zeros):
+    JSON Schema's way to bound an object's keys, here token ids."""
+    top = str(n - 1)
+    alts = ["0"] + [f"[1-9][0-9]{{{d - 1}}}" for d in range(1, len(top))]
+    for i, c in enumerate(top):
+        lo = 1 if i == 0 else 0
+        if int(c) > lo:
+            alts.append(f"{top[:i]}[{lo}-{int(c) - 1}][0-9]{{{len(top) - i - 1}}}")
+    alts.append(top)
+    return "^(" + "|".join(dict.fromkeys(a.replace("[0-9]{0}", "") for a in alts)) + ")$"
 
 
 def wire_models(served: str, max_model_len: int, vocab: int, max_k: int) -> WireModels:
@@ -145,8 +164,15 @@ def wire_models(served: str, max_model_len: int, vocab: int, max_k: int) -> Wire
     Model = Annotated[Literal[served], Field(description="the served model's name")]  # type: ignore[valid-type]
     MaxTokens = Int(ge=1, le=max(1, max_model_len - 1)) | None
     Ids = Annotated[list[Int(ge=0, le=vocab - 1)], Field(min_length=1)]
+    Bias = Annotated[dict[Annotated[str, StringConstraints(pattern=below(vocab))],
+                          Annotated[float, Field(ge=-100, le=100)]], Field(max_length=300)] | None
 
-    class CompletionRequest(_Common):
+    class Processors(_Common):
+        logit_bias: Bias = Field(None, description="token id (a string) -> a bias in [-100, 100] added to its logit")
+        allowed_token_ids: Annotated[list[Int(ge=0, le=vocab - 1)], Field(min_length=1)] | None = Field(
+            None, description="vLLM's: only these tokens may be generated")
+
+    class CompletionRequest(Processors):
         model: Model
         speculative: Speculative | None = None
         prompt: NonEmpty | Ids | Annotated[list[NonEmpty], Field(min_length=1, max_length=1)] | \
@@ -157,7 +183,7 @@ def wire_models(served: str, max_model_len: int, vocab: int, max_k: int) -> Wire
         echo: OnlyFalse | None = None
         suffix: Literal[""] | None = None
 
-    class ChatCompletionRequest(_Common):
+    class ChatCompletionRequest(Processors):
         model: Model
         speculative: Speculative | None = None
         messages: Annotated[list[Message], Field(min_length=1)]
