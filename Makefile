@@ -32,6 +32,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/ops.py
 	$(BIN)/python benchmarks/forward.py
 	$(BIN)/python benchmarks/dtype_drift.py
+	$(BIN)/python benchmarks/processors.py
 	$(BIN)/python benchmarks/e2e.py --k 3 --eagle-k 4 --tree-k 7
 	$(BIN)/python benchmarks/trees.py
 	$(BIN)/python benchmarks/remote_head.py

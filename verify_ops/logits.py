@@ -26,10 +26,9 @@ def process_logits(logits: Tensor, draft_token_ids: Tensor, cu_num_draft_tokens:
     local = torch.arange(NR, device=dev) - (cu[:-1] + torch.arange(R, device=dev))[req]   # 0: the root row
     path = _paths(draft_token_ids.long(), cu, parent_ids, req, local, max_k, N)     # [NR, max_k] newest first, -1
     plen = (path >= 0).sum(-1)                                                      # [NR] drafts before the row
-    out = logits.float().clone()
+    out = logits.float() + bias.float()[req] if bias is not None else logits.float().clone()
     rows = torch.arange(NR, device=dev)[:, None]
-    if bias is not None:            # logit_bias, -inf where a request's allowed ids exclude the token
-        out += bias.float()[req]
+    # (bias first: logit_bias, -inf where a request's allowed ids exclude the token)
     if bad_words is not None and bad_words.shape[0]:
         _ban_bad_words(out, path, plen, req, bad_words.long(), bad_word_owner.long(), history.long())
     if stop_ids is not None and stop_ids.shape[1]:   # min_tokens: no stop token before the row's position allows it
@@ -38,19 +37,46 @@ def process_logits(logits: Tensor, draft_token_ids: Tensor, cu_num_draft_tokens:
         out.index_put_((rows.expand_as(stops), stops.clamp(min=0)),
                        torch.where(early, -torch.inf, 0.0), accumulate=True)
     if penalties is not None:
-        counts = token_counts.long()[req]                                           # [NR, V] generated so far
-        if max_k:
-            counts.index_put_((rows.expand_as(path), path.clamp(min=0)), (path >= 0).long(), accumulate=True)
-        freq, pres, rep = (penalties.float()[req, i, None] for i in range(3))
-        seen = prompt_mask[req] | (counts > 0)
-        out = torch.where(seen, torch.where(out > 0, out / rep, out * rep), out)
-        out = out - freq * counts - pres * (counts > 0)
+        out = _penalise(out, penalties.float(), token_counts, prompt_mask, req, path)
     if min_p is not None:
         mp, temp = min_p.float()[req, 0, None], min_p.float()[req, 1, None]
         top = out.amax(-1, keepdim=True)
         keep = out >= top + temp * torch.log(mp.clamp(min=1e-30))
         out = torch.where((temp >= SAMPLING_EPS) & (mp > 0) & ~keep, -torch.inf, out)
     return out
+
+
+def _scaled(x: Tensor, rep: Tensor) -> Tensor:
+    return torch.where(x > 0, x / rep, x * rep)
+
+
+def _charge(counts: Tensor, freq: Tensor, pres: Tensor) -> Tensor:
+    """``freq * c + pres * (c > 0)``, float32: one expression for the dense rows and the path
+    fix-ups, so a row after drafts is bit-identical to the same row in plain decoding."""
+    c = counts.float()
+    return freq * c + pres * (c > 0).float()
+
+
+def _penalise(out: Tensor, pen: Tensor, token_counts: Tensor, prompt_mask: Tensor, req: Tensor,
+              path: Tensor) -> Tensor:
+    """Penalties over every row from its request's counts (computed once per request, one
+    dense pass over the rows), then at the tokens on each row's path again with the path's
+    occurrences added (a gather and one scatter of ``[NR, max_k]``; duplicates write
+    identical values)."""
+    freq, pres, rep = (pen[:, i, None] for i in range(3))                          # [R, 1] each
+    charge = _charge(token_counts, freq, pres)                                      # [R, V]
+    seen = prompt_mask | (token_counts > 0)
+    x_path = out.gather(1, path.clamp(min=0))                                       # before penalties
+    dense = torch.where(seen[req], _scaled(out, rep[req]), out).sub_(charge[req])
+    if path.shape[1]:
+        valid = path >= 0
+        occ = ((path[:, :, None] == path[:, None, :]) & valid[:, None, :]).sum(-1)   # [NR, max_k] in the path
+        counts = token_counts[req[:, None], path.clamp(min=0)].long() + occ
+        val = _scaled(x_path, rep[req]) - _charge(counts, freq[req], pres[req])
+        cols = torch.where(valid, path, path[:, :1]).clamp(min=0)                  # padding: a valid column
+        val = torch.where(valid, val, torch.where(valid[:, :1], val[:, :1], dense.gather(1, cols)))
+        dense.scatter_(1, cols, val)
+    return dense
 
 
 def _paths(ids: Tensor, cu: Tensor, parent_ids: Tensor | None, req: Tensor, local: Tensor, max_k: int,

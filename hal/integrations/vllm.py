@@ -110,9 +110,8 @@ def rejection_sample(metadata, draft_probs: Tensor | None, logits: Tensor, bonus
         temp = temp.clamp(min=0)
     # spec-hal's rows: request r's verified drafts, then one last row: vLLM's bonus (one-hot at
     # its bonus token) or, where a placeholder -1 cut the drafts, the target row at the placeholder
-    keep, last, cut = _layout(ids, cu)
+    keep, last, cut, k = _layout(ids, cu)
     ids = ids[keep]
-    k = torch.tensor([len(x) for x in _split(keep, cu)], device=dev) if R else cu[1:] - cu[:-1]
     cu = torch.cat([cu.new_zeros(1), k.cumsum(0)])
     N2 = ids.numel()
     req = torch.arange(R, device=dev)
@@ -147,16 +146,13 @@ def rejection_sample(metadata, draft_probs: Tensor | None, logits: Tensor, bonus
     return out.to(dev)
 
 
-def _split(flat: Tensor, cu: Tensor) -> list[list[int]]:
-    """The kept draft indices per request (``flat`` sorted, within ``cu``'s ranges)."""
-    bounds = cu.tolist()
-    vals = flat.tolist()
-    return [[v for v in vals if a <= v < b] for a, b in zip(bounds, bounds[1:])]
-
-
-def _layout(ids: Tensor, cu: Tensor) -> tuple[Tensor, list[int], list[bool]]:
-    """``(kept draft indices, each request's placeholder row (or -1), whether it was cut)``:
-    a request's drafts end at its first -1 (vLLM's padded slot); any other negative id is refused."""
+def _layout(ids: Tensor, cu: Tensor) -> tuple[Tensor, list[int], list[bool], Tensor]:
+    """``(kept draft indices, each request's placeholder row (or -1), whether it was cut, drafts
+    kept per request)``: a request's drafts end at its first -1 (vLLM's padded slot); any other
+    negative id is refused. Without placeholders nothing is read to the host."""
+    R = cu.numel() - 1
+    if not bool((ids < 0).any()):
+        return torch.arange(ids.numel(), device=ids.device), [-1] * R, [False] * R, cu[1:] - cu[:-1]
     bounds, vals = cu.tolist(), ids.tolist()
     keep, last, cut = [], [], []
     for a, b in zip(bounds, bounds[1:]):
@@ -167,7 +163,9 @@ def _layout(ids: Tensor, cu: Tensor) -> tuple[Tensor, list[int], list[bool]]:
         keep += range(a, a + m)
         last.append(a + m if m < len(row) else -1)
         cut.append(m < len(row))
-    return torch.tensor(keep, dtype=torch.long, device=ids.device), last, cut
+    counts = torch.tensor([(l if c else b) - a for a, b, l, c in zip(bounds, bounds[1:], last, cut)],
+                          dtype=cu.dtype, device=cu.device)
+    return torch.tensor(keep, dtype=torch.long, device=ids.device), last, cut, counts
 
 
 class NgramProposer:

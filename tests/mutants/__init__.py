@@ -60,8 +60,8 @@ MUTANTS = {
                          "        k_cache[d_ // bs, d_ % bs] = k_cache[s_ // bs, s_ % bs]\n"
                          "    v = v_cache[src // bs, src % bs]", "test_kv.py"),
     # logits processors: each row must see the drafts before it
-    "penalty-ignores-drafts": ("verify_ops.logits", "process_logits", "        if max_k:\n            counts.index_put_(",
-                               "        if False:\n            counts.index_put_(",
+    "penalty-ignores-drafts": ("verify_ops.logits", "process_logits", "    if path.shape[1]:\n        valid = path >= 0\n        occ",
+                               "    if False:\n        valid = path >= 0\n        occ",
                                "test_logits.py::test_equals_the_row_by_row_oracle"),
     "bad-words-ignore-drafts": ("verify_ops.logits", "process_logits",
                                 "ctx = torch.where(m[None] < plen[:, None], from_path,",

@@ -5,8 +5,17 @@ vLLM's ``tests/v1/sample/test_rejection_sampler.py`` (vllm-project/vllm, commit
 004fce2d0b6ad5146fa0f32b5e777dc8f5112d80): ``test_perfect_match``, ``test_early_mismatch``,
 ``test_multiple_sequences``, ``test_single_token_sequence``, ``test_empty_sequence``,
 ``test_multiple_mismatches``, ``test_parametrized_cases``, ``test_deterministic_when_seeded``
-and ``test_rejection_sampling_approximates_target_distribution`` (here a chi-square).
-vLLM is not installed or run here."""
+and ``test_rejection_sampling_approximates_target_distribution`` (here a chi-square); the
+logits-processor cases ``test_frequency_penalties``, ``test_bad_words`` and
+``test_allowed_token_ids`` (commit c64a703ec363dc7bde13dfb074b8e676a7c2219e), through the
+adapter's ``sampling_metadata``; vLLM's placeholder id -1 and older vLLM's temperature -1.
+vLLM is not installed or run here: its inputs and expected outputs are data, the code is ours.
+
+Out of scope, with the reason: ``test_sample_recovered_tokens*`` compare two vLLM-internal
+functions with vLLM's own random streams (spec-hal draws from Philox per (seed, offset);
+`verify_rejection`'s recovery is checked by the conformance suite instead); the FLy and
+synthetic rejection tests exercise vLLM's lossy verification methods, which spec-hal does not
+implement (its one lossy chain method is `verify_typical`)."""
 
 from types import SimpleNamespace
 
@@ -195,3 +204,78 @@ def test_vllm_ngram_cases(backend_name):
     batch = NgramProposer(1, 4, 3, backend=be).propose_batch([c for c, *_ in NGRAM])
     assert len(batch) == len(NGRAM)
     assert NgramProposer(1, 1, 3, max_model_len=8, backend=be).propose(np.array(NGRAM[1][0])).tolist() == [4]
+
+
+# vLLM's logits-processor cases of the same file (vllm-project/vllm, commit
+# c64a703ec363dc7bde13dfb074b8e676a7c2219e): test_frequency_penalties, test_bad_words and
+# test_allowed_token_ids. Each row's penalty counts the drafts before it (vLLM's
+# apply_logits_processors); token 15 is the runner-up (logit 99) in every row.
+def override_15(output_tokens):
+    logits = logits_for(output_tokens)
+    logits[:, 15] = 99.0
+    return logits
+
+
+def sampling_metadata(**fields):
+    base = dict(temperature=None, top_k=None, top_p=None, no_penalties=True, output_token_ids=None,
+                prompt_token_ids=None, frequency_penalties=None, presence_penalties=None, repetition_penalties=None,
+                allowed_token_ids_mask=None, bad_words_token_ids={})
+    return SimpleNamespace(**{**base, **fields})
+
+
+def allowed_mask(batch_size, vocab_size, num_allowed):
+    """vLLM's ``create_allowed_token_ids``: even requests mask ids [i, i + num_allowed) (True: not allowed)."""
+    mask = torch.zeros(batch_size, vocab_size, dtype=torch.bool)
+    for i in range(0, batch_size, 2):
+        mask[i, min(i, vocab_size - 1):min(i + num_allowed, vocab_size - 1)] = True
+    return mask
+
+
+PROCESSOR_CASES = {
+    "frequency_penalties": ([[1, 1, 1], [], [1, 1, 1]], [[1, 1, 1, 1], [7], [1, 1, 1, 1]],
+                            dict(no_penalties=False, output_token_ids=[[2], [3], [4]],
+                                 prompt_token_ids=torch.tensor([[5, 6, 7], [6, 7, 8], [7, 8, 9]]),
+                                 frequency_penalties=torch.tensor([1.5, 1.5, 0.7]),
+                                 presence_penalties=torch.zeros(3), repetition_penalties=torch.ones(3)),
+                            [[1, 15, P, P], [7, P, P, P], [1, 1, 15, P]]),
+    "bad_words": ([[1, 2, 3], [1, 15, 3], [1, 2, 3]], [[1, 2, 3, 4], [1, 15, 3, 4], [1, 2, 3, 4]],
+                  dict(output_token_ids=[[2], [3], [4]], bad_words_token_ids={0: [[2]], 2: [[2]]}),
+                  [[1, 15, P, P], [1, 15, 3, 4], [1, 15, P, P]]),
+    "allowed_token_ids": ([[1, 2, 10], [10, 5, 3], [7, 10, 12]], [[1, 2, 10, 5], [10, 5, 10, 5], [7, 10, 12, 5]],
+                          dict(output_token_ids=[[], [], []], allowed_token_ids_mask=allowed_mask(3, 100, 5)),
+                          [[15, P, P, P], [10, 5, 10, P], [7, 10, 12, 5]]),
+}
+
+
+@pytest.mark.parametrize("backend_name", ["cpu", "cuda", "ascend"])
+@pytest.mark.parametrize("case", list(PROCESSOR_CASES))
+def test_vllm_logits_processor_cases(backend_name, case):
+    if not any(b.name == backend_name and b.available for b in hal.list_backends()):
+        pytest.skip(f"{backend_name} unavailable here")
+    spec, outs, fields, expected = PROCESSOR_CASES[case]
+    got = rejection_sample(make_dummy(spec), None, override_15(outs), torch.tensor([[o[-1]] for o in outs]),
+                           backend=hal.get_backend(backend_name), sampling_metadata=sampling_metadata(**fields))
+    assert got.tolist() == expected
+
+
+def test_placeholder_drafts_are_rejected_cleanly():
+    """vLLM pads a request's unused draft slots with -1: a draft -1 is never accepted; the
+    request emits the target's token at that position (here its argmax), as a mismatch would."""
+    md = make_dummy([[1, 2, P], [3, P, P]])
+    logits = logits_for([[1, 2, 9, 4], [3, 8, 8, 5]])
+    got = rejection_sample(md, None, logits, torch.tensor([[4], [5]]), backend=hal.get_backend("cpu"))
+    assert got.tolist() == [[1, 2, 9, P], [3, 8, P, P]]
+    with pytest.raises(hal.HalError, match="draft_token_ids"):
+        rejection_sample(make_dummy([[1, -7]]), None, logits_for([[1, 2, 3]]), torch.tensor([[3]]),
+                         backend=hal.get_backend("cpu"))
+
+
+def test_temperature_minus_one_is_greedy():
+    """Older vLLM marks greedy requests with temperature -1."""
+    spec, outs, expected = GREEDY["multiple_mismatches"]
+    got = rejection_sample(make_dummy(spec), None, logits_for(outs), torch.tensor([[o[-1]] for o in outs]),
+                           temperature=torch.tensor([-1.0, -1.0]), backend=hal.get_backend("cpu"))
+    assert got.tolist() == expected
+    with pytest.raises(hal.HalError, match="temperature"):
+        rejection_sample(make_dummy(spec), None, logits_for(outs), torch.tensor([[o[-1]] for o in outs]),
+                         temperature=torch.tensor([-0.5, 1.0]), backend=hal.get_backend("cpu"))
