@@ -120,3 +120,12 @@ def test_one_draft_grammar():
         assert e.value.arg == "--draft"
     with pytest.raises(hal.HalError, match="ngram, self\\[:L\\] or|ngram, self\\[:L\\], model"):
         parse_draft("none", ("ngram", "self", "model"))
+
+
+def test_prob_values_names_the_real_row_sum():
+    """A row of zeros sums to 0 (it once said 2.0: 1 + |sum - 1|)."""
+    from hal.checks import prob_values
+    with pytest.raises(hal.HalError, match="row 0 sums to 0.0"):
+        prob_values("x", torch.zeros(1, 4))
+    with pytest.raises(hal.HalError, match="row 1 sums to 2.0"):
+        prob_values("x", torch.tensor([[0.5, 0.5], [1.0, 1.0]]))

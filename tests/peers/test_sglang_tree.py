@@ -128,3 +128,12 @@ def test_num_spec_step_caps_the_accepted_length(greedy):
                                             seeds=torch.tensor([3]), backend=hal.get_backend(name), num_spec_step=5)
         assert num.tolist() == [4] and acc.shape == (1, 5) and acc[0].tolist() == [0, 1, 2, 3, 4], name
         assert pred[4] == 5 or not greedy
+
+
+def test_sglang_verify_tree_greedy_case():
+    """sgl-kernel/tests/speculative/test_eagle_utils.py::test_verify_tree_greedy (commit
+    120affb9613cc3f5bcd055ec09c7621d3ced0ebc): the same tree, argmax walk, num_spec_step 4."""
+    for name in backends():
+        got = verify_tree_sglang(CANDIDATES, RETRIVE_INDEX, NEXT_TOKEN, NEXT_SIBLING, target_logits(), greedy=True,
+                                 backend=hal.get_backend(name), num_spec_step=4)
+        assert [g.tolist() for g in got] == [EXPECTED[0], EXPECTED[1], EXPECTED[2]], name
