@@ -58,21 +58,27 @@ def wait_ready(proc, base: str, log: str, timeout: float = 300) -> None:
     pytest.fail(f"the server did not come up within {timeout} s:\n{open(log).read()}")
 
 
-@pytest.fixture(scope="module")
-def server():
+def ready_server(*extra: str):
+    """A started, healthy server with ``extra`` flags (skips when the model cannot be fetched);
+    a generator for module fixtures: yields (process, base URL, log path), then kills it."""
     import hal
     from hal.models.fetch import fetch
     try:
         fetch(MODEL)
     except hal.HalError as e:
         pytest.skip(f"model not fetchable: {e}")
-    proc, base, log = start_server("--draft", "self:2", "--k", "3", "--max-num-seqs", "8", "--max-queue-len", "32",
-                                   "--max-model-len", "512", "--cpu-budget-gib", "2", "--shutdown-timeout", "8")
+    proc, base, log = start_server(*extra)
     wait_ready(proc, base, log)
     yield proc, base, log
     if proc.poll() is None:
         proc.kill()
         proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def server():
+    yield from ready_server("--draft", "self:2", "--k", "3", "--max-num-seqs", "8", "--max-queue-len", "32",
+                            "--max-model-len", "512", "--cpu-budget-gib", "2", "--shutdown-timeout", "8")
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """The published schema is the validation: ``/openapi.json`` declares every request and
 response body (`hal.server.protocol`), and schemathesis, run against it with all its
-checks, finds nothing. Here: a bounded, deterministic pass (the fuzzing phase, about 150
+checks, finds nothing. Here: a bounded, deterministic pass (the fuzzing phase, about 100
 cases, about a minute). The whole run, coverage phase included (750+ cases, about six
 minutes on 2 cores): ``HAL_SCHEMATHESIS_PHASES=coverage,fuzzing pytest tests/test_openapi.py``.
 
@@ -17,27 +17,18 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("schemathesis")
 
-from tests.test_api_server import MODEL, start_server, wait_ready  # noqa: E402
+from tests.test_api_server import ready_server  # noqa: E402
 
 HERE = Path(__file__).parent / "schemathesis"
-EXAMPLES = int(os.environ.get("HAL_SCHEMATHESIS_EXAMPLES", "30"))
+EXAMPLES = int(os.environ.get("HAL_SCHEMATHESIS_EXAMPLES", "20"))
 PHASES = os.environ.get("HAL_SCHEMATHESIS_PHASES", "fuzzing")
 
 
 @pytest.fixture(scope="module")
 def server():
-    import hal
-    from hal.models.fetch import fetch
-    try:
-        fetch(MODEL)
-    except hal.HalError as e:
-        pytest.skip(f"model not fetchable: {e}")
-    proc, base, log = start_server("--draft", "ngram", "--k", "3", "--max-num-seqs", "8", "--max-queue-len", "64",
-                                   "--max-model-len", "24", "--cpu-budget-gib", "1")
-    wait_ready(proc, base, log)
-    yield base
-    proc.kill()
-    proc.wait(30)
+    for _, base, _ in ready_server("--draft", "ngram", "--k", "3", "--max-num-seqs", "8", "--max-queue-len", "64",
+                                   "--max-model-len", "24", "--cpu-budget-gib", "1"):
+        yield base
 
 
 def test_the_schema_declares_bodies_and_errors(server):
