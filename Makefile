@@ -16,6 +16,8 @@ $(STAMP): $(BIN)/python pyproject.toml
 
 # the layer contracts (pyproject.toml), the docs site (a broken reference fails), then the suite
 test: $(STAMP)
+	@command -v ip >/dev/null 2>&1 || apt-get install -y -qq iproute2 >/dev/null 2>&1 || \
+		echo "make test: iproute2 is missing and could not be installed; the two-namespace tests will skip"
 	$(BIN)/lint-imports --no-cache
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir $(VENV)/site
 	TRITON_INTERPRET=1 HAL_ASCEND_EMULATE=1 $(BIN)/python -m pytest -q

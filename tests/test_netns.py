@@ -1,0 +1,118 @@
+"""Draft and target on two hosts for real: two Linux network namespaces this test creates
+and removes, joined by a veth pair with an address each (10.77.N.1 and 10.77.N.2), the
+ranks talking torch.distributed (gloo) over that interface only (``GLOO_SOCKET_IFNAME``), as
+on two machines. The link is shaped with a token bucket (``tc tbf``, 50 Mbit/s). Greedy
+output equals plain greedy; with the link down before the rendezvous the target serves
+alone.
+
+Skips, saying why, where namespaces cannot be made (not root, no ``ip``). Delay, jitter and
+loss need ``tc netem`` (the kernel's ``sch_netem``); where it is missing those cases skip too.
+Every wait is bounded."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.test_serve import V, plain, serve_args, tiny  # noqa: F401  (tiny: the model fixture)
+
+
+def _run(*cmd, check=True):
+    return subprocess.run(list(cmd), capture_output=True, text=True, timeout=30, check=check)
+
+
+@pytest.fixture
+def hosts():
+    """Two namespaces and a veth pair; yields (target ns, draft ns, target ip, draft ip, target if, draft if)."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("network namespaces need root and iproute2's `ip`")
+    tag = f"{os.getpid() % 10000}"
+    t_ns, d_ns, t_if, d_if = f"halt{tag}", f"hald{tag}", f"hvt{tag}", f"hvd{tag}"
+    net = 10 + os.getpid() % 200
+    t_ip, d_ip = f"10.77.{net}.1", f"10.77.{net}.2"
+    try:
+        _run("ip", "netns", "add", t_ns)
+    except subprocess.CalledProcessError as e:
+        pytest.skip(f"cannot create a network namespace here: {e.stderr.strip()}")
+    try:
+        _run("ip", "netns", "add", d_ns)
+        _run("ip", "link", "add", t_if, "type", "veth", "peer", "name", d_if)
+        for ns, dev, ip in ((t_ns, t_if, t_ip), (d_ns, d_if, d_ip)):
+            _run("ip", "link", "set", dev, "netns", ns)
+            _run("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", dev)
+            _run("ip", "-n", ns, "link", "set", dev, "up")
+            _run("ip", "-n", ns, "link", "set", "lo", "up")
+            if shutil.which("tc"):
+                _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", "50mbit",
+                     "burst", "64kb", "latency", "50ms", check=False)
+        yield t_ns, d_ns, t_ip, d_ip, t_if, d_if
+    finally:
+        for ns in (t_ns, d_ns):   # removing a namespace removes its end of the veth pair
+            _run("ip", "netns", "del", ns, check=False)
+
+
+def ranks(hosts, args, draft_env=None, timeout=300):
+    """The draft rank in one namespace, the target rank in the other; returns the target's result."""
+    t_ns, d_ns, t_ip, _, t_if, d_if = hosts
+    env = {**os.environ, "MASTER_ADDR": t_ip, "MASTER_PORT": "29517", "WORLD_SIZE": "2",
+           "HAL_PLACEMENT": "draft=cpu,target=cpu", "OMP_NUM_THREADS": str(_threads())}
+    cmd = [sys.executable, "-m", "hal.distributed.launcher", *args]
+    draft = subprocess.Popen(["ip", "netns", "exec", d_ns, *cmd],
+                             env={**env, "RANK": "1", "GLOO_SOCKET_IFNAME": d_if, **(draft_env or {})},
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        target = subprocess.run(["ip", "netns", "exec", t_ns, *cmd], env={**env, "RANK": "0", "GLOO_SOCKET_IFNAME": t_if},
+                                capture_output=True, text=True, timeout=timeout)
+    finally:
+        try:
+            draft.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            draft.kill()
+            draft.wait(10)
+    return target, draft
+
+
+def _threads() -> int:
+    import torch
+    return torch.get_num_threads()
+
+
+def test_greedy_over_a_veth_link_equals_plain(tiny, hosts, tmp_path):  # noqa: F811
+    out = tmp_path / "o.json"
+    target, draft = ranks(hosts, serve_args(tiny, out, "--draft", "self:2", "--k", "3"))
+    assert target.returncode == 0, target.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got["world_size"] == 2 and got["link"] == "gloo"
+    assert got["outputs"] == plain(tiny, "cpu"), "greedy output over the link differs from plain greedy"
+    assert got["draft_failures"] == 0 and got["acceptance_rate"] > 0   # drafts crossed the link
+    assert all(0 <= t < V for o in got["outputs"] for t in o)
+
+
+def test_a_link_down_before_the_rendezvous_leaves_the_target_alone(tiny, hosts, tmp_path):  # noqa: F811
+    t_ns, d_ns, *_ , d_if = hosts
+    _run("ip", "-n", d_ns, "link", "set", d_if, "down")
+    out = tmp_path / "o.json"
+    target, _ = ranks(hosts, serve_args(tiny, out, "--draft", "self:2", "--k", "3", "--draft-startup-timeout", "5"))
+    assert target.returncode == 0, target.stderr[-3000:]
+    assert "did not join" in target.stderr
+    got = json.loads(out.read_text())
+    assert got["outputs"] == plain(tiny, "cpu") and got["draft_failures"] == 1
+
+
+def test_greedy_under_delay_jitter_and_loss_equals_plain(tiny, hosts, tmp_path):  # noqa: F811
+    """1 ms +- 0.5 ms each way and 1% loss on both ends (tc netem): TCP retransmits, greedy
+    output is still plain greedy's."""
+    t_ns, d_ns, _, _, t_if, d_if = hosts
+    for ns, dev in ((t_ns, t_if), (d_ns, d_if)):
+        r = _run("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "netem", "delay", "1ms",
+                 "0.5ms", "loss", "1%", check=False)
+        if r.returncode != 0:
+            pytest.skip(f"tc netem is not available here (the kernel's sch_netem): {r.stderr.strip()}")
+    out = tmp_path / "o.json"
+    target, _ = ranks(hosts, serve_args(tiny, out, "--draft", "self:2", "--k", "3"))
+    assert target.returncode == 0, target.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got["outputs"] == plain(tiny, "cpu") and got["draft_failures"] == 0
