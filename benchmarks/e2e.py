@@ -191,8 +191,8 @@ def main() -> None:
 
 
 def _interp_draft(table, k):
-    from hal.engine.router import _interp
-    return _interp(table, k) if table else 0.0
+    from hal.engine.router import interpolate
+    return interpolate(table, k) if table else 0.0
 
 
 def _merge(a, b):

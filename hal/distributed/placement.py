@@ -9,6 +9,7 @@ Each side gets its backend from the registry; nothing here branches on a device 
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,16 @@ class Placement:
                                 repr(value))
             sides[key.strip()] = dev.strip()
         return cls(**sides)
+
+    @classmethod
+    def auto(cls, devices, **inputs):
+        """``(Placement, AutoChoice)``: the placement `hal.distributed.auto.choose` predicts
+        fastest for the measured ``devices`` (and ``link``, batch, acceptance, ...), printed
+        with its runner-up on stderr. For plain decoding the draft side is the target's."""
+        from hal.distributed.auto import choose
+        choice = choose(devices, **inputs)
+        print(choice.describe(), file=sys.stderr, flush=True)
+        return cls(draft=choice.best.draft or choice.best.target, target=choice.best.target), choice
 
     def resolve(self) -> tuple[Side, Side]:
         """(draft side, target side)."""

@@ -46,14 +46,16 @@ class CostModel:
     def cost(self, fed: int, fed_x_context: int, chain: int) -> float:
         """A step feeding ``fed`` tokens with ``fed_x_context`` (fed token x context) pairs
         and a draft chain of ``chain`` tokens."""
-        draft = _interp(self.draft, chain) if self.draft and chain else 0.0
-        return _interp(self.verify, fed) + self.per_context * fed_x_context + draft
+        draft = interpolate(self.draft, chain) if self.draft and chain else 0.0
+        return interpolate(self.verify, fed) + self.per_context * fed_x_context + draft
 
     def step(self, ks: list[int], contexts: list[int]) -> float:
         return self.cost(sum(1 + k for k in ks), sum((1 + k) * c for k, c in zip(ks, contexts)), max(ks, default=0))
 
 
-def _interp(table: dict[int, float], x: int) -> float:
+def interpolate(table: dict[int, float], x: int) -> float:
+    """``table`` at ``x``: piecewise linear, proportional below the first point, the last
+    segment's slope beyond the last."""
     points = sorted(table)
     if x <= points[0]:
         return table[points[0]] * x / points[0] if points[0] else table[points[0]]
