@@ -20,185 +20,20 @@ import argparse
 import asyncio
 import json
 import os
-import queue
 import signal
 import socket
 import sys
-import threading
 import time
-import traceback
 from contextlib import asynccontextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 from hal.engine.requests import Request, check_request
 from hal.errors import HalError
+from hal.server.engine_loop import Busy, Closing, EngineLoop, Handle
 from hal.server.openai_schema import (ApiError, Parsed, TextState, chunk, logprobs_chat, logprobs_completion, new_id,
                                       parse, response, usage)
 from hal.server.protocol import (ChatCompletionResponse, CompletionResponse, ErrorResponse, Health, ModelList,
                                  WireModels, wire_models)
-
-
-@dataclass
-class Handle:
-    """One HTTP request as the engine loop sees it; events go back through ``q``: ``("tokens",
-    ids, logprobs)``, then one of ``("finished", reason)``, ``("error", message)`` or
-    ``("shutdown",)`` (cut by SIGTERM at ``--shutdown-timeout``)."""
-
-    parsed: Parsed
-    q: asyncio.Queue
-    aio: asyncio.AbstractEventLoop
-    arrival: float = field(default_factory=time.perf_counter)
-    rid: int | None = None
-    first: float | None = None
-    generated: int = 0
-    last: int | None = None
-    cancelled: bool = False
-    done: bool = False
-
-    def push(self, event: tuple) -> None:
-        try:
-            self.aio.call_soon_threadsafe(self.q.put_nowait, event)
-        except RuntimeError:   # the event loop is gone (shutdown)
-            pass
-
-
-class Busy(Exception):
-    pass
-
-
-class Closing(Exception):
-    pass
-
-
-class EngineLoop:
-    """Owns the engine: adds, aborts and steps in one thread. ``submit``, ``abort`` and
-    ``close`` are safe from any thread; events reach each request's asyncio queue."""
-
-    def __init__(self, dec, metrics=None, max_in_flight: int = 256):
-        self.dec, self.metrics, self.max_in_flight = dec, metrics, max_in_flight
-        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.live: dict[int, Handle] = {}
-        self.in_flight, self._lock = 0, threading.Lock()
-        self._stop = threading.Event()
-        self.error: str | None = None
-        self.deadline: float | None = None   # set by `close`: in-flight requests are cut then
-        self.thread = threading.Thread(target=self._run, name="hal-engine", daemon=True)
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def close(self, timeout: float) -> None:
-        """Stop accepting (`submit` raises `Closing`); what is in flight may run ``timeout``
-        more seconds, then each request still running ends with ``("shutdown",)``."""
-        with self._lock:
-            if self.deadline is None:
-                self.deadline = time.monotonic() + timeout
-        self.inbox.put(("wake", None))
-
-    @property
-    def closing(self) -> bool:
-        return self.deadline is not None
-
-    def stop(self, timeout: float = 30.0) -> None:
-        self._stop.set()
-        self.inbox.put(("wake", None))
-        self.thread.join(timeout)
-
-    def submit(self, h: Handle) -> None:
-        with self._lock:
-            if self.deadline is not None:
-                raise Closing
-            if self.in_flight >= self.max_in_flight:
-                raise Busy
-            self.in_flight += 1
-        self.inbox.put(("add", h))
-
-    def abort(self, h: Handle) -> None:
-        self.inbox.put(("abort", h))
-
-    def _done(self, h: Handle, event: tuple) -> None:
-        if not h.done:
-            h.done = True
-            with self._lock:
-                self.in_flight -= 1
-            h.push(event)
-
-    def _cut(self, event: tuple) -> None:
-        for rid, h in list(self.live.items()):
-            self.dec.abort(rid)   # frees its blocks, target and draft
-            if self.metrics:
-                self.metrics.finished(h.arrival, h.first, time.perf_counter(), len(h.parsed.prompt_ids),
-                                      h.generated, "abort")
-            self._done(h, event)
-        self.live.clear()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self._drain(block=not self.dec.has_unfinished())
-                if self.deadline is not None and time.monotonic() >= self.deadline:
-                    self._cut(("shutdown",))
-                if self.dec.has_unfinished():
-                    self._dispatch(self.dec.step())
-            except Exception as e:   # never leave a client hanging: fail what is in flight, keep serving
-                self.error = f"{type(e).__name__}: {e}"
-                traceback.print_exc(file=sys.stderr)
-                self._cut(("error", self.error))
-        self._cut(("shutdown",))   # stopping: end what is left
-
-    def _drain(self, block: bool) -> None:
-        items = []
-        try:
-            items.append(self.inbox.get(timeout=0.05) if block else self.inbox.get_nowait())
-            while True:
-                items.append(self.inbox.get_nowait())
-        except queue.Empty:
-            pass
-        for kind, handle in items:
-            if kind == "add":
-                if handle.cancelled:
-                    self._done(handle, ("finished", "abort"))
-                    continue
-                try:
-                    handle.rid = self.dec.add(Request(handle.parsed.prompt_ids, **asdict(handle.parsed.params)))
-                except HalError as e:
-                    self._done(handle, ("error", str(e)))
-                    continue
-                self.live[handle.rid] = handle
-            elif kind == "abort":
-                handle.cancelled = True
-                if handle.rid is not None and self.live.pop(handle.rid, None) is not None:
-                    self.dec.abort(handle.rid)   # frees its blocks now, target and draft
-                    if self.metrics:
-                        self.metrics.finished(handle.arrival, handle.first, time.perf_counter(),
-                                              len(handle.parsed.prompt_ids),
-                                              handle.generated, "abort")
-                    self._done(handle, ("finished", "abort"))
-        if items and self.metrics:
-            self.metrics.gauges(self.dec)
-
-    def _dispatch(self, out) -> None:
-        now = time.perf_counter()
-        for rid, toks in out.tokens.items():
-            if (handle := self.live.get(rid)) is None:
-                continue
-            if handle.first is None:
-                handle.first = now
-                if self.metrics:
-                    self.metrics.first_token(handle.arrival, now)
-            handle.generated += len(toks)
-            handle.last = toks[-1]
-            handle.push(("tokens", toks, out.logprobs.get(rid)))
-        if self.metrics:
-            self.metrics.step(self.dec, out)
-        for rid in out.finished:
-            if (handle := self.live.pop(rid, None)) is None:
-                continue
-            reason = "stop" if handle.last in handle.parsed.params.stop_ids else "length"
-            if self.metrics:
-                self.metrics.finished(handle.arrival, handle.first, now, len(handle.parsed.prompt_ids),
-                                      handle.generated, reason)
-            self._done(handle, ("finished", reason))
 
 
 MAX_BODY = 8 << 20   # bytes: far above any prompt within --max-model-len; a bigger body is refused unread
