@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from hal import checks
+from hal import checks, processor_checks
 from hal.ops import Ops
 
 
@@ -181,7 +181,7 @@ class Backend:
                        bad_word_owner: Tensor | None, history: Tensor | None, stop_ids: Tensor | None,
                        min_tokens: Tensor | None, min_p: Tensor | None, max_k: int) -> Tensor:
         """Checked `Ops.process_logits`."""
-        checks.process_logits(self, logits, draft_token_ids, cu_num_draft_tokens, parent_ids, penalties, token_counts,
+        processor_checks.process_logits(self, logits, draft_token_ids, cu_num_draft_tokens, parent_ids, penalties, token_counts,
                               prompt_mask, bias, bad_words, bad_word_owner, history, stop_ids, min_tokens, min_p,
                               max_k)
         return self.impl.process_logits(logits, draft_token_ids, cu_num_draft_tokens, parent_ids, penalties,
