@@ -513,3 +513,18 @@ def test_sigterm_finishes_short_requests_ends_the_rest_cleanly_and_exits_0(serve
         assert last["choices"][0]["finish_reason"] == "abort", last
     text = open(log).read()
     assert "Traceback" not in text and "Exception in ASGI" not in text, text[-3000:]
+
+
+def test_a_shared_system_prompt_hits_the_prefix_cache(server, client):
+    """The second chat with the same ~100-token system turn prefills from the cache, and
+    greedy output is the same both times."""
+    base, system = server[1], "You are a careful assistant who answers briefly. " * 8
+    before = metrics(base)
+    outs = [client.chat.completions.create(model=MODEL, max_tokens=8, temperature=0, messages=[
+        {"role": "system", "content": system}, {"role": "user", "content": "Name a colour."}]).choices[0].message.content
+        for _ in range(2)]
+    after = metrics(base)
+    key = ("spec_hal:prefix_cache_hits_total", ())
+    assert after[key] - before.get(key, 0.0) >= 64, "the second request should find the system turn's blocks"
+    assert outs[0] == outs[1]
+    assert 0 < after[("spec_hal:prefix_cache_hit_rate", ())] <= 1

@@ -46,3 +46,14 @@ def test_kv_state_machine_catches_a_non_atomic_reserve():
     with pytest.raises(AssertionError, match="changed the allocator|read back"):
         run(hal.get_backend("cpu"), kv=planted, n=60)
     run(hal.get_backend("cpu"), n=60)   # the real one passes the same search
+
+
+@pytest.mark.parametrize("name", ["evicts-a-held-block", "writes-a-cached-block"])
+def test_kv_state_machine_catches_prefix_cache_mutants(name):
+    """evicts-a-held-block: an adopted block stays on the idle list, so a new block can take it;
+    writes-a-cached-block: a block keeps its name while a truncated sequence rewrites it."""
+    import hal
+    from hal.conformance.test_kv_state import run
+    from tests.mutants import mutate
+    with pytest.raises(AssertionError, match="unheld blocks|read back|holders|hold their tokens|found again"):
+        run(hal.get_backend("cpu"), kv=mutate(name), n=60)

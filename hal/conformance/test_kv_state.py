@@ -3,9 +3,13 @@ model: every sequence is a list of committed token tags.
 
 Rules: new sequence, reserve + write + commit (copy-on-write copies through ``copy_kv``,
 writes through ``write_kv``), truncate, fork, free, double free, use after free, bad
-arguments, and exhaustion (also during copy-on-write). After every step: refcounts equal
-the number of holders, the free list is exactly the unreferenced blocks, every committed
-token reads back exactly as written, and a step that raised changed nothing."""
+arguments, exhaustion (also during copy-on-write), and the prefix cache: offering full
+blocks, a new sequence adopting the cached prefix of a live or a freed sequence's tokens
+(sharing, reuse after free), and evictions whenever a new block is needed. After every
+step: refcounts equal the number of holders, the free and idle-cached lists are exactly
+the unreferenced blocks (so nothing held is ever reused), every cached name points at a
+block holding those tokens, every committed token reads back exactly as written, and a
+step that raised changed nothing."""
 
 import os
 
@@ -26,21 +30,24 @@ H, D = 1, 16
 def machine(be, kv=hal.kv):
     """The state machine over ``be``'s KV ops and the allocator of module ``kv`` (a planted
     mutant of `hal.kv` in tests)."""
-    bs = next(b for b in (4, 8, 16, 32, 64, 128) if b in be.spec.block_sizes)
+    bs = next(b for b in (2, 4, 8, 16, 32, 64, 128) if b in be.spec.block_sizes)
     num_blocks = 6
 
     class KV(RuleBasedStateMachine):
         def __init__(self):
             super().__init__()
-            self.alloc = kv.BlockAllocator(num_blocks, bs)
+            self.alloc = kv.BlockAllocator(num_blocks, bs, caching=True)
             self.k, self.v = put(be, torch.zeros(num_blocks, bs, H, D), torch.zeros(num_blocks, bs, H, D))
             self.seqs: list = []
             self.model: list[list[float]] = []
             self.dead: list = []
             self.tag = 0.0
+            self.past: list[list[float]] = []   # token tags of freed sequences (their blocks may still be cached)
+            self.offered: list[list[float]] = []   # every token list offered to the cache (checked for ever)
 
         def snapshot(self):
-            return (list(self.alloc.refcount), list(self.alloc._free),
+            return (list(self.alloc.refcount), list(self.alloc._free), list(self.alloc._idle),
+                    dict(self.alloc._by_hash),
                     [(list(s.blocks), s.length, s.reserved, s.freed) for s in self.seqs + self.dead])
 
         @rule()
@@ -49,8 +56,8 @@ def machine(be, kv=hal.kv):
             self.model.append([])
 
         @precondition(lambda self: self.seqs)
-        @rule(i=st.integers(0, 99), n=st.integers(0, 3 * bs), keep=st.floats(0, 1))
-        def step(self, i, n, keep):
+        @rule(i=st.integers(0, 99), n=st.integers(0, 3 * bs), keep=st.just(1.0) | st.floats(0, 1), offer=st.booleans())
+        def step(self, i, n, keep, offer):
             i %= len(self.seqs)
             s, before = self.seqs[i], self.snapshot()
             try:
@@ -67,11 +74,15 @@ def machine(be, kv=hal.kv):
             m = int(keep * n)
             s.commit(m)
             self.model[i] += tags[:m]
+            if offer:   # as the engine does after each commit
+                self._offer(i)
 
         @precondition(lambda self: self.seqs)
-        @rule(i=st.integers(0, 99), cut=st.floats(0, 1))
-        def truncate(self, i, cut):
+        @rule(i=st.integers(0, 99), cut=st.floats(0, 1), offer=st.booleans())
+        def truncate(self, i, cut, offer):
             i %= len(self.seqs)
+            if offer:   # named blocks past the cut must lose their names before they are rewritten
+                self._offer(i)
             n = int(cut * self.seqs[i].length)
             self.seqs[i].truncate(n)
             del self.model[i][n:]
@@ -84,13 +95,51 @@ def machine(be, kv=hal.kv):
             self.model.append(list(self.model[i]))
 
         @precondition(lambda self: self.seqs)
-        @rule(i=st.integers(0, 99))
-        def free(self, i):
+        @rule(i=st.integers(0, 99), offer=st.booleans())
+        def free(self, i, offer):
             i %= len(self.seqs)
+            if offer:   # its full blocks stay cached after it is gone
+                self._offer(i)
             s = self.seqs.pop(i)
-            self.model.pop(i)
+            self.past.append(self.model.pop(i))
             s.free()
             self.dead.append(s)
+
+        @precondition(lambda self: self.seqs)
+        @rule(i=st.integers(0, 99))
+        def offer(self, i):
+            self._offer(i % len(self.seqs))
+
+        @precondition(lambda self: self.seqs)
+        @rule(i=st.integers(0, 99))
+        def recycle(self, i):
+            """Free a sequence, then adopt its tokens anew (its cached blocks come back from idle)."""
+            i = max(range(len(self.seqs)), key=lambda j: (len(self.model[j]), -j)) if i == 0 else i % len(self.seqs)
+            if len(self.model[i]) < bs:   # give it a full block first (when the pool has room)
+                self.step(i, bs, 1.0, False)
+            self._offer(i)
+            tokens = self.model[i]
+            self.free(i, False)
+            s = kv.Sequence(self.alloc)
+            got = s.adopt(kv.block_hashes([int(t) for t in tokens], bs))
+            assert got == len(tokens) // bs * bs, "a freed sequence's cached blocks were not found again"
+            self.seqs.append(s)
+            self.model.append(list(tokens[:got]))
+
+        def _offer(self, i):
+            self.seqs[i].cache_full_blocks([int(t) for t in self.model[i]])
+            self.offered.append(list(self.model[i]))
+
+        @precondition(lambda self: self.seqs or self.past or self.offered)
+        @rule(i=st.integers(0, 99))
+        def adopt(self, i):
+            pick = sorted(self.model + self.past + self.offered, key=len, reverse=True)   # i = 0: the longest
+            tokens = pick[i % len(pick)]
+            s = kv.Sequence(self.alloc)
+            got = s.adopt(kv.block_hashes([int(t) for t in tokens], bs))
+            assert got % bs == 0 and got <= len(tokens)
+            self.seqs.append(s)
+            self.model.append(list(tokens[:got]))
 
         @precondition(lambda self: self.dead)
         @rule(i=st.integers(0, 99), what=st.sampled_from(["free", "reserve", "fork", "commit", "truncate"]))
@@ -117,9 +166,20 @@ def machine(be, kv=hal.kv):
                 for b in s.blocks:
                     holders[b] += 1
             assert holders == self.alloc.refcount, "refcounts differ from the number of holders"
-            free = self.alloc._free
-            assert len(set(free)) == len(free), "a block is twice on the free list"
-            assert sorted(free) == [b for b in range(num_blocks) if holders[b] == 0]
+            free, idle = self.alloc._free, list(self.alloc._idle)
+            assert len(set(free + idle)) == len(free + idle), "a block is twice on the free lists"
+            assert sorted(free + idle) == [b for b in range(num_blocks) if holders[b] == 0], \
+                "the free lists are not exactly the unheld blocks (a held block could be reused)"
+            assert all(self.alloc.cached(b) for b in idle) and not any(self.alloc.cached(b) for b in free)
+
+        @invariant()
+        def cached_names_hold_their_tokens(self):
+            kh = host(self.k).view(-1, H, D)
+            for tokens in self.model + self.past + self.offered:
+                names = kv.block_hashes([int(t) for t in tokens], bs)
+                for bi, b in enumerate(self.alloc.match(names)):
+                    got = kh[b * bs:(b + 1) * bs, 0, 0].tolist()
+                    assert got == tokens[bi * bs:(bi + 1) * bs], "a cached block does not hold its tokens"
 
         @invariant()
         def committed_tokens_read_back(self):

@@ -122,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="write outputs and metrics as JSON here")
     ap.add_argument("--max-context", type=int, default=2048, help="prompt + generated tokens per request (planned)")
+    ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                    help="reuse the target KV of prompt blocks seen before (default: on, unless the drafter "
+                         "reads the target's features: an EAGLE head; --enable-prefix-caching then refuses)")
     args = ap.parse_args(argv)
     try:
         return _run(args)
@@ -207,7 +210,12 @@ def start(args, max_seqs: int, engine_kw: dict | None = None, phases: Phases = Q
             drafter = make_drafter(spec, draft_side.backend, target=model if shares or head else None,
                                    path=args.model if head else dpath,
                                    pool=mplan.allocate("draft") if dmem else None, device=draft_side.device)
-    dec = SpeculativeDecoder(model, drafter, metrics=metrics, pool=pool, **(engine_kw or {}))
+    asked = getattr(args, "enable_prefix_caching", None)
+    dec = SpeculativeDecoder(model, drafter, metrics=metrics, pool=pool, enable_prefix_caching=asked,
+                             **(engine_kw or {}))
+    phases.say(f"prefix caching {'on' if dec.prefix_caching else 'off'}" + (
+        " (the drafter reads the target's features of every position)" if asked is None and not dec.prefix_caching
+        else ""))
     if args.route and drafter is not None:
         from hal.engine.router import Router
         with phases("routing profile (the target's and the drafter's costs, measured)"):

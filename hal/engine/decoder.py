@@ -14,7 +14,9 @@ randomness is a function of its own seed and step counter only, so its output do
 depend on what else runs, when it arrived, or whether it was chunked or preempted.
 ``k = 0`` is plain decoding through the same path. A drafter's tree (``Proposal.parent_ids``)
 goes through the same step: tree mask and depths in the forward, `verify_tree`, the accepted
-path's KV compacted (`hal.engine.trees`).
+path's KV compacted (`hal.engine.trees`). With prefix caching (on by default) every full block
+of committed tokens is named in the target pool, and a request whose tokens start the same
+prefills from its first uncached block (`hal.engine.prefix`); output is unchanged.
 
 Drafters get data (`hal.engine.requests.DraftBatch`) and return data (`hal.engine.requests.Proposal`,
 on their own device); the step reads the device once, after verification (`hal.engine.forward.
@@ -35,7 +37,7 @@ from hal.engine.execution import Offsets, execute
 from hal.engine.forward import forward, logprob_entry, sampling_args, target_probs
 from hal.engine.history import HistoryBuffer
 from hal.engine.requests import (MAX_LOGPROBS, DraftBatch, Drafter, Proposal, Request, SamplingParams, State,
-                                 StepOutput, TokenLogprob, check_request, draft_room)
+                                 StepOutput, TokenLogprob, capabilities, check_request, draft_room)
 from hal.engine.scheduler import Scheduler, blocks_for
 from hal.engine.step_types import StepDrafts, StepPlan, StepResult
 from hal.errors import HalError
@@ -53,11 +55,14 @@ class SpeculativeDecoder:
     before anything is drafted, inside the token budget; ``Request.k`` is then the cap.
     ``pool`` takes a KV pool from a `hal.engine.memory.Plan`. ``max_num_batched_tokens`` bounds
     the tokens one step feeds the target (None: unbounded); ``max_num_seqs`` the requests
-    running at once."""
+    running at once. ``enable_prefix_caching``: None turns it on unless the drafter reads
+    the target's features of every position (an EAGLE head, which a skipped prefix would
+    leave without them); True requires it (`HalError` where it cannot be); False turns it off."""
 
     def __init__(self, target: Llama, drafter: Drafter | None = None, num_blocks: int = 512, block_size: int = 16,
                  metrics: SpecDecodeMetrics | None = None, on_tokens=None, router=None, pool: kv.KVPool | None = None,
-                 max_num_batched_tokens: int | None = None, max_num_seqs: int = 256):
+                 max_num_batched_tokens: int | None = None, max_num_seqs: int = 256,
+                 enable_prefix_caching: bool | None = None):
         self.target, self.drafter, self.on_tokens, self.router = target, drafter, on_tokens, router
         cfg = target.cfg
         self.pool = pool or kv.KVPool(target.be, num_blocks, block_size, cfg.kv_heads, cfg.head_dim,
@@ -71,6 +76,7 @@ class SpeculativeDecoder:
             raise HalError(f"max_num_batched_tokens: expected None or an int >= max_num_seqs ({max_num_seqs}) "
                            f"(every running request feeds at least one token), got {max_num_batched_tokens!r}")
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
+        self.pool.allocator.caching = self.prefix_caching = prefix_caching(enable_prefix_caching, drafter)
         self.scheduler = Scheduler(self.pool.allocator, max_num_seqs, max_num_batched_tokens, self._preempt)
         self.steps, self.preemptions = 0, 0
         self._next_id, self._aborted, self._out = 0, [], StepOutput()
@@ -277,6 +283,7 @@ class SpeculativeDecoder:
                             for j in range(accepted[i] + 1)]
             row += counts[i] + 1
             self._emit(state, out[i][: accepted[i] + 1], logprobs)
+            state.seq.cache_full_blocks(state.tokens)
 
     def _emit(self, state: State, new: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
         n0 = len(state.generated)
@@ -295,6 +302,11 @@ class SpeculativeDecoder:
             if self.on_tokens is not None:
                 self.on_tokens(state.rid, state.generated[n0:])
 
+    @property
+    def prefix_cache_stats(self) -> tuple[int, int]:
+        """Prompt tokens looked up in the prefix cache so far, and how many were found there."""
+        return self.scheduler.prefix_queries, self.scheduler.prefix_hits
+
     @staticmethod
     def _append(s: State, new: list[int]) -> None:
         for t in new:
@@ -303,3 +315,15 @@ class SpeculativeDecoder:
             if t in s.req.stop_ids or len(s.generated) >= s.req.max_new_tokens:
                 s.done = True
                 return
+
+
+def prefix_caching(enable: bool | None, drafter) -> bool:
+    """Whether the target pool caches prefixes (see `SpeculativeDecoder`)."""
+    if enable is not None and not isinstance(enable, bool):
+        raise HalError(f"enable_prefix_caching: expected None, True or False, got {enable!r}")
+    reads_features = capabilities(drafter).features is not None
+    if enable and reads_features:
+        raise HalError("enable_prefix_caching: expected a drafter that does not read the target's features, got "
+                       f"{type(drafter).__name__} (it needs the features of every prompt position, which a cached "
+                       "prefix skips); pass False or None")
+    return (enable is not False) and not reads_features

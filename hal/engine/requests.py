@@ -92,6 +92,7 @@ class State:
     prefilled: int = 0       # tokens of ``tokens`` already in the KV during (re)prefill
     arrival: float = 0.0
     aborted: bool = False
+    names: list[bytes] | None = None   # prefix-cache names of its leading blocks (`hal.engine.prefix.names`)
 
     def next_offset(self) -> int:
         self.offset += 1

@@ -7,7 +7,8 @@ every draft token): running requests decode first; the budget left prefills wait
 requests, in chunks. When KV blocks run out, drafts go first, then the latest-arrived
 running request is preempted (the engine frees its blocks; it is recomputed later from
 its tokens). Prefill chunks are sized once the drafts are known (`Scheduler.plan_prefill`),
-so a short proposal leaves its budget to prefill."""
+so a short proposal leaves its budget to prefill. With prefix caching, an admitted request
+starts on the cached blocks of its tokens (`hal.engine.prefix`)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from collections import deque
 from typing import Callable
 
 from hal import kv
+from hal.engine import prefix
 from hal.engine.requests import State
 from hal.engine.step_types import PrefillChunk, StepPlan
 
@@ -38,6 +40,7 @@ class Scheduler:
         self.waiting: deque[State] = deque()    # new and preempted requests, in priority order
         self.prefilling: list[State] = []       # admitted, prompt partly in the KV
         self.running: list[State] = []          # decoding, in priority (arrival) order
+        self.prefix_queries = self.prefix_hits = 0   # prompt tokens looked up in the prefix cache, and found
 
     def add(self, state: State) -> None:
         self.waiting.append(state)
@@ -91,12 +94,27 @@ class Scheduler:
         ``free`` blocks."""
         # admit only what can finish its (re)prefill plus one token in blocks nobody has claimed yet
         claimed = sum(blocks_for(state, state.prefill_end() - state.prefilled + 1) for state in self.prefilling)
-        while self.waiting and len(self.running) + len(self.prefilling) < self.max_num_seqs:
-            need = blocks_for(self.waiting[0], self.waiting[0].prefill_end() + 1)
-            if need > free - claimed:
+        caching, at = self.allocator.caching, 0
+        in_flight = prefix.pending(self.prefilling) if caching else set()
+        while at < len(self.waiting) and len(self.running) + len(self.prefilling) < self.max_num_seqs:
+            state = self.waiting[at]
+            hit, wait = prefix.lookup(state, self.allocator, in_flight) if caching else ([], False)
+            if wait:      # a request in prefill is computing its next block: take it from the cache next step
+                at += 1
+                continue
+            revived = sum(self.allocator.refcount[b] == 0 for b in hit)
+            need = -(-(state.prefill_end() + 1) // self.allocator.block_size) - len(hit)
+            if need + revived > free - claimed:
                 break
-            claimed += need
-            self.prefilling.append(self.waiting.popleft())
+            claimed, free = claimed + need, free - revived
+            del self.waiting[at]
+            if caching:
+                state.seq.adopt(state.names)
+                state.prefilled = state.seq.length
+                self.prefix_queries += state.prefill_end()
+                self.prefix_hits += state.prefilled
+                in_flight.update(state.names[len(hit):])
+            self.prefilling.append(state)
         chunks, block_size = [], self.allocator.block_size
         for state in self.prefilling:
             room = (len(state.seq.blocks) + free) * block_size - state.seq.length
@@ -113,6 +131,7 @@ class Scheduler:
         for chunk in chunks:
             s, complete = chunk.state, chunk.completes
             s.seq.commit(chunk.num_tokens)
+            s.seq.cache_full_blocks(s.tokens)
             s.prefilled += chunk.num_tokens
             if complete:
                 self.prefilling.remove(s)

@@ -38,12 +38,19 @@ class LiveMetrics:
                                       registry=registry)
         self.stale_drafts = Counter(p + "stale_drafts", "drafts dropped: not built on the committed prefix",
                                     registry=registry)
+        self.prefix_queries = Counter(p + "prefix_cache_queries", "prompt tokens looked up in the prefix cache",
+                                      registry=registry)
+        self.prefix_hits = Counter(p + "prefix_cache_hits", "prompt tokens found in the prefix cache",
+                                   registry=registry)
+        self.prefix_hit_rate = Gauge(p + "prefix_cache_hit_rate", "prefix_cache_hits / prefix_cache_queries so far",
+                                     registry=registry)
         self.router_k = Histogram(p + "router_k", "k chosen per request and step", registry=registry,
                                   buckets=tuple(range(max_k + 1)))
         self.prompt_tokens = Counter(p + "prompt_tokens", "prompt tokens of finished requests", registry=registry)
         self.generation_tokens = Counter(p + "generation_tokens", "tokens generated", registry=registry)
         self.requests = Counter(p + "request_success", "requests finished", ["finished_reason"], registry=registry)
-        self._last = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "pos": [], "pre": 0, "fail": 0, "stale": 0}
+        self._last = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "pos": [], "pre": 0, "fail": 0, "stale": 0,
+                      "queries": 0, "hits": 0}
 
     def step(self, dec, out) -> None:
         """After ``out = dec.step()``: counters by delta, gauges set, router k observed."""
@@ -54,7 +61,9 @@ class LiveMetrics:
                                    ("accepted", self.num_accepted, t.num_accepted_tokens),
                                    ("pre", self.preemptions, dec.preemptions),
                                    ("fail", self.draft_failures, m.draft_failures),
-                                   ("stale", self.stale_drafts, m.stale_drafts)):
+                                   ("stale", self.stale_drafts, m.stale_drafts),
+                                   ("queries", self.prefix_queries, dec.prefix_cache_stats[0]),
+                                   ("hits", self.prefix_hits, dec.prefix_cache_stats[1])):
             if now > last[name]:
                 counter.inc(now - last[name])
             last[name] = now
@@ -64,6 +73,8 @@ class LiveMetrics:
             if n > before:
                 self.per_pos.labels(position=str(j)).inc(n - before)
         last["pos"] = list(pos)
+        if last["queries"]:
+            self.prefix_hit_rate.set(last["hits"] / last["queries"])
         self.gauges(dec)
         for k in out.k.values():
             self.router_k.observe(k)

@@ -99,6 +99,9 @@ ALL = {**MUTANTS, **CUDA_MUTANTS}
 HOST_MUTANTS = {
     "non-atomic-reserve": ("hal.kv", None, "        if wanted > a.num_free:\n            raise a._exhausted(wanted)\n",
                            "", "test_kv_state.py"),
+    "evicts-a-held-block": ("hal.kv", None, "        self._idle.pop(b, None)\n", "", "test_kv_state.py"),
+    "writes-a-cached-block": ("hal.kv", None, "                a.uncache(self.blocks[bi])\n", "                pass\n",
+                              "test_kv_state.py"),
 }
 
 

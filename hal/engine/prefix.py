@@ -1,0 +1,39 @@
+"""Automatic prefix caching at admission (vLLM's): which leading blocks of a request's
+tokens are already in the target's KV pool (`hal.kv.BlockAllocator.match`), and whether
+another request's prefill is computing them right now (then this one waits a step and
+reuses them rather than computing them twice: ``n > 1`` samples, a shared system prompt).
+
+A request always computes at least its last prefill token (its logits give the first
+token, or a resumed request's last hidden state), so at most ``(prefill_end - 1) // block_size``
+blocks come from the cache."""
+
+from __future__ import annotations
+
+from hal import kv
+from hal.engine.requests import State
+
+
+def names(state: State, block_size: int) -> list[bytes]:
+    """The names (`hal.kv.block_hashes`) of the blocks ``state`` may take from the cache,
+    computed once per length of its tokens."""
+    stop = max(0, state.prefill_end() - 1) // block_size
+    if state.names is None or len(state.names) != stop:
+        state.names = kv.block_hashes(state.tokens, block_size, stop=stop)
+    return state.names
+
+
+def pending(prefilling: list[State]) -> set[bytes]:
+    """Names that requests in prefill will cache but have not yet."""
+    out: set[bytes] = set()
+    for state in prefilling:
+        if state.names:
+            out.update(state.names[len(state.seq.hashes):])
+    return out
+
+
+def lookup(state: State, allocator: kv.BlockAllocator, in_flight: set[bytes]) -> tuple[list[int], bool]:
+    """The cached blocks ``state`` would start on, and whether it should wait because a
+    request in prefill is computing its next block."""
+    wanted = names(state, allocator.block_size)
+    hit = allocator.match(wanted)
+    return hit, len(hit) < len(wanted) and wanted[len(hit)] in in_flight
