@@ -227,7 +227,8 @@ DEEP = b"[" * 10_000 + b"]" * 10_000
     (f'{{{M}, "prompt": "hi", "max_tokens": "5"}}'.encode(), "max_tokens"),
     (f'{{{M}, "prompt": "hi", "max_tokens": 600}}'.encode(), "max_tokens"),
     (f'{{{M}, "prompt": "hi", "temperature": -1}}'.encode(), "temperature"),
-    (f'{{{M}, "prompt": "hi", "n": 2}}'.encode(), "n"),
+    (f'{{{M}, "prompt": "hi", "n": 17}}'.encode(), "n"),
+    (f'{{{M}, "prompt": "hi", "n": 0}}'.encode(), "n"),
     (f'{{{M}, "prompt": [1, 99999999]}}'.encode(), "prompt"),
     (f'{{{M}, "prompt": "hi", "speculative": {{"k": -1}}}}'.encode(), "speculative.k"),
     (f'{{{M}, "prompt": "hi", "speculative": {{"k": 4}}}}'.encode(), "speculative.k"),   # over the server's --k
@@ -451,6 +452,64 @@ def test_health_answers_while_a_huge_prompt_is_tokenized(server):
     assert answered >= 3
 
 
+def test_a_shared_system_prompt_hits_the_prefix_cache(server, client):
+    """The second chat with the same ~100-token system turn prefills from the cache, and
+    greedy output is the same both times."""
+    base, system = server[1], "You are a careful assistant who answers briefly. " * 8
+    before = metrics(base)
+    outs = [client.chat.completions.create(model=MODEL, max_tokens=8, temperature=0, messages=[
+        {"role": "system", "content": system}, {"role": "user", "content": "Name a colour."}]).choices[0].message.content
+        for _ in range(2)]
+    after = metrics(base)
+    key = ("spec_hal:prefix_cache_hits_total", ())
+    assert after[key] - before.get(key, 0.0) >= 64, "the second request should find the system turn's blocks"
+    assert outs[0] == outs[1]
+    assert 0 < after[("spec_hal:prefix_cache_hit_rate", ())] <= 1
+
+
+def test_n_choices_are_each_their_own_seed_stream(server, client):
+    """``n = 3`` gives the three answers that ``n = 1`` gives with seeds s, s + 1 and s + 2
+    (vLLM's streams), with logprobs per choice; the prompt is computed once."""
+    base, system = server[1], "You are a careful assistant who answers briefly. " * 8
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Say something odd."}]
+    before = metrics(base)
+    many = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0.9, seed=41,
+                                          n=3, logprobs=True, top_logprobs=2)
+    hits = metrics(base)[("spec_hal:prefix_cache_hits_total", ())] - before.get(("spec_hal:prefix_cache_hits_total", ()), 0)
+    assert hits >= 2 * 64, "choices 1 and 2 should reuse the prompt's blocks"
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    singles = [client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0.9,
+                                              seed=41 + i, logprobs=True, top_logprobs=2).choices[0] for i in range(3)]
+    assert [c.message.content for c in many.choices] == [c.message.content for c in singles]
+    assert len({c.message.content for c in many.choices}) > 1, "three seeds gave one answer"
+    for c, one in zip(many.choices, singles):
+        assert [t.token for t in c.logprobs.content] == [t.token for t in one.logprobs.content]
+        assert len(c.logprobs.content[0].top_logprobs) == 2
+    assert many.usage.completion_tokens == sum(one.usage.completion_tokens for one in singles_usage(client, messages)) \
+        == sum(len(c.logprobs.content) for c in many.choices)
+
+
+def singles_usage(client, messages):
+    return [client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0.9,
+                                           seed=41 + i) for i in range(3)]
+
+
+def test_n_choices_stream_interleaved_and_match_the_whole_response(client):
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0.8, seed=7, n=2)
+    whole = client.completions.create(**kw)
+    texts, finish = ["", ""], [None, None]
+    for ch in client.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
+        for c in ch.choices:
+            texts[c.index] += c.text
+            if c.finish_reason is not None:
+                assert finish[c.index] is None, "a choice finished twice"
+                finish[c.index] = c.finish_reason
+        if ch.usage is not None:
+            assert ch.usage.completion_tokens == whole.usage.completion_tokens
+    assert texts == [c.text for c in whole.choices]
+    assert finish == [c.finish_reason for c in whole.choices] and None not in finish
+
+
 def test_startup_shows_its_phases_in_order(server):
     log = open(server[2]).read()
     lines = [line for line in log.splitlines() if line.startswith("spec-hal serve: ")]
@@ -514,17 +573,3 @@ def test_sigterm_finishes_short_requests_ends_the_rest_cleanly_and_exits_0(serve
     text = open(log).read()
     assert "Traceback" not in text and "Exception in ASGI" not in text, text[-3000:]
 
-
-def test_a_shared_system_prompt_hits_the_prefix_cache(server, client):
-    """The second chat with the same ~100-token system turn prefills from the cache, and
-    greedy output is the same both times."""
-    base, system = server[1], "You are a careful assistant who answers briefly. " * 8
-    before = metrics(base)
-    outs = [client.chat.completions.create(model=MODEL, max_tokens=8, temperature=0, messages=[
-        {"role": "system", "content": system}, {"role": "user", "content": "Name a colour."}]).choices[0].message.content
-        for _ in range(2)]
-    after = metrics(base)
-    key = ("spec_hal:prefix_cache_hits_total", ())
-    assert after[key] - before.get(key, 0.0) >= 64, "the second request should find the system turn's blocks"
-    assert outs[0] == outs[1]
-    assert 0 < after[("spec_hal:prefix_cache_hit_rate", ())] <= 1

@@ -25,7 +25,7 @@ import socket
 import sys
 import time
 from contextlib import asynccontextmanager
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from hal.engine.requests import Request, check_request
 from hal.errors import HalError
@@ -140,86 +140,104 @@ def make_app(target, served: str, max_model_len: int, default_k: int, max_in_fli
         return parsed
 
     async def accept(request: HttpRequest, chat: bool):
+        """The checked request and one engine handle per choice (all queued, or none)."""
         if loop.closing:
             raise ApiError("the server is shutting down", None, 503, "service_unavailable")
         parsed = await asyncio.to_thread(check, await read_body(request), chat)
         if loop.error is not None and not loop.thread.is_alive():
             raise ApiError("the engine loop stopped", None, 503, "server_error")
-        h = Handle(parsed, asyncio.Queue(), asyncio.get_running_loop())
+        aio = asyncio.get_running_loop()
+        handles = [Handle(replace(parsed, params=parsed.sample_params(i)), asyncio.Queue(), aio)
+                   for i in range(parsed.n)]
         try:
-            loop.submit(h)
+            loop.submit_all(handles)
         except Busy:
             raise ApiError(f"server busy: {max_in_flight} requests in flight; retry later", None, 503,
                            "server_busy", {"Retry-After": "1"}) from None
         except Closing:
             raise ApiError("the server is shutting down", None, 503, "service_unavailable") from None
-        return parsed, h
+        return parsed, handles
 
     async def disconnected(request: HttpRequest) -> None:
         """Returns once the client has gone (the body is already read)."""
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
-    async def events(handle: Handle, request: HttpRequest | None):
-        """The request's engine events; with ``request``, ends early if the client goes away.
-        Whatever way it ends, a request still running is aborted."""
+    async def events(handles: list[Handle], request: HttpRequest | None):
+        """``(choice, event)`` until every choice has ended; with ``request``, ends early if
+        the client goes away. Whatever way it ends, a choice still running is aborted."""
         gone = asyncio.ensure_future(disconnected(request)) if request is not None else None
+        gets = {asyncio.ensure_future(h.q.get()): i for i, h in enumerate(handles)}
         try:
-            while True:
-                get = asyncio.ensure_future(handle.q.get())
-                done, _ = await asyncio.wait({get, gone} - {None}, return_when=asyncio.FIRST_COMPLETED)
-                if get not in done:
-                    get.cancel()
-                    return
-                event = get.result()
-                yield event
-                if event[0] != "tokens":
+            while gets:
+                done, _ = await asyncio.wait(set(gets) | ({gone} - {None}), return_when=asyncio.FIRST_COMPLETED)
+                for get in sorted(done - {gone}, key=gets.get):
+                    i, event = gets.pop(get), get.result()
+                    yield i, event
+                    if event[0] == "tokens":
+                        gets[asyncio.ensure_future(handles[i].q.get())] = i
+                if gone in done:
                     return
         finally:
+            for get in gets:
+                get.cancel()
             if gone is not None:
                 gone.cancel()
-            if not handle.done:
-                loop.abort(handle)
+            for h in handles:
+                if not h.done:
+                    loop.abort(h)
 
     async def handle(request: HttpRequest, chat: bool):
         try:
-            parsed, h = await accept(request, chat)
+            parsed, hs = await accept(request, chat)
         except ApiError as e:
             return error(e)
-        rid, text, logprobs = new_id(chat), TextState(tok, parsed.stop), []
+        rid, texts = new_id(chat), [TextState(tok, parsed.stop) for _ in hs]
         if parsed.stream:
-            return StreamingResponse(stream(parsed, h, rid, text, chat), media_type="text/event-stream")
-        parts, finish = [], "abort"
-        async for event in events(h, request):
-            if event[0] == "tokens":
-                parts.append(text.add(event[1]))
-                logprobs += event[2] or []
-                if text.stopped:
-                    finish = "stop"
-                    break
+            return StreamingResponse(stream(parsed, hs, rid, texts, chat), media_type="text/event-stream")
+        parts, logprobs, finish = [[] for _ in hs], [[] for _ in hs], ["abort"] * len(hs)
+        async for i, event in events(hs, request):
+            text = texts[i]
+            if event[0] == "tokens" and not text.stopped:
+                parts[i].append(text.add(event[1]))
+                logprobs[i] += event[2] or []
+                if text.stopped:   # a stop string: this choice is done
+                    finish[i] = "stop"
+                    loop.abort(hs[i])
             elif event[0] == "error":
                 return error(ApiError(event[1], None, 500, "server_error"))
             elif event[0] == "shutdown":
                 return error(ApiError(f"the server is shutting down: the request was cut after {len(text.ids)} "
                                       f"tokens (--shutdown-timeout)", None, 503, "service_unavailable"))
-            else:
-                finish = event[1]
-        parts.append(text.finish())
-        n = text.kept_tokens if text.stopped else len(text.ids)
-        lps = None if parsed.logprobs is None else (logprobs_chat if chat else logprobs_completion)(tok, logprobs[:n])
-        return JSONResponse(response(chat, rid, parsed.model, "".join(parts), finish, lps,
-                                     usage(len(parsed.prompt_ids), n)))
+            elif event[0] == "finished" and not text.stopped:
+                finish[i] = event[1]
+        choices, used = [], 0
+        for i, text in enumerate(texts):
+            parts[i].append(text.finish())
+            n = text.kept_tokens if text.stopped else len(text.ids)
+            used += n
+            lps = None if parsed.logprobs is None else (logprobs_chat if chat else logprobs_completion)(
+                tok, logprobs[i][:n])
+            choices.append(("".join(parts[i]), finish[i], lps))
+        return JSONResponse(response(chat, rid, parsed.model, choices, usage(len(parsed.prompt_ids), used)))
 
-    async def stream(parsed: Parsed, handle: Handle, rid: str, text: TextState, chat: bool):
+    async def stream(parsed: Parsed, handles: list[Handle], rid: str, texts: list[TextState], chat: bool):
         def sse(obj) -> str:
             return f"data: {json.dumps(obj)}\n\n"
         if chat:
-            yield sse(chunk(True, rid, parsed.model, None, role=True))
+            for i in range(len(handles)):
+                yield sse(chunk(True, rid, parsed.model, None, role=True, index=i))
         else:   # an SSE comment: the response starts now, even while the request waits for a slot
             yield ": spec-hal\n\n"
-        finish = "abort"   # also when cut by shutdown (vLLM's finish_reason)
-        async for event in events(handle, None):
-            if event[0] == "tokens":
+        finish = ["abort"] * len(handles)   # also when cut by shutdown (vLLM's finish_reason)
+
+        def end(i: int):
+            if tail := texts[i].finish():
+                yield sse(chunk(chat, rid, parsed.model, tail, index=i))
+            yield sse(chunk(chat, rid, parsed.model, None if chat else "", finish=finish[i], index=i))
+        async for i, event in events(handles, None):
+            text = texts[i]
+            if event[0] == "tokens" and not text.stopped:
                 delta = text.add(event[1])
                 logprobs = None
                 if parsed.logprobs is not None and event[2]:
@@ -227,21 +245,21 @@ def make_app(target, served: str, max_model_len: int, default_k: int, max_in_fli
                         if text.stopped else event[2]
                     logprobs = (logprobs_chat if chat else logprobs_completion)(tok, keep)
                 if delta or logprobs:
-                    yield sse(chunk(chat, rid, parsed.model, delta, lp=logprobs))
+                    yield sse(chunk(chat, rid, parsed.model, delta, lp=logprobs, index=i))
                 if text.stopped:
-                    finish = "stop"
-                    break
+                    finish[i] = "stop"
+                    loop.abort(handles[i])
             elif event[0] == "error":
                 yield sse(ApiError(event[1], None, 500, "server_error").body())
                 yield "data: [DONE]\n\n"
                 return
-            elif event[0] == "finished":
-                finish = event[1]
-        if tail := text.finish():
-            yield sse(chunk(chat, rid, parsed.model, tail))
-        yield sse(chunk(chat, rid, parsed.model, None if chat else "", finish=finish))
+            elif event[0] != "tokens":
+                if event[0] == "finished" and not text.stopped:
+                    finish[i] = event[1]
+                for line in end(i):
+                    yield line
         if parsed.include_usage:
-            n = text.kept_tokens if text.stopped else len(text.ids)
+            n = sum(t.kept_tokens if t.stopped else len(t.ids) for t in texts)
             yield sse(chunk(chat, rid, parsed.model, None, use=usage(len(parsed.prompt_ids), n)))
         yield "data: [DONE]\n\n"
 

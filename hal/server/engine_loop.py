@@ -82,13 +82,18 @@ class EngineLoop:
         self.thread.join(timeout)
 
     def submit(self, h: Handle) -> None:
+        self.submit_all([h])
+
+    def submit_all(self, handles: list[Handle]) -> None:
+        """Queue every handle (the choices of one request), or none (`Busy`, `Closing`)."""
         with self._lock:
             if self.deadline is not None:
                 raise Closing
-            if self.in_flight >= self.max_in_flight:
+            if self.in_flight + len(handles) > self.max_in_flight:
                 raise Busy
-            self.in_flight += 1
-        self.inbox.put(("add", h))
+            self.in_flight += len(handles)
+        for h in handles:
+            self.inbox.put(("add", h))
 
     def abort(self, h: Handle) -> None:
         self.inbox.put(("abort", h))

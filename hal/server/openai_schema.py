@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pydantic import ValidationError
 
@@ -40,6 +40,12 @@ class Parsed:
     include_usage: bool
     logprobs: int | None        # top alternatives per token (None: no logprobs)
     model: str
+    n: int = 1                  # choices: sample i runs with `sample_params(i)`
+
+    def sample_params(self, i: int) -> SamplingParams:
+        """Choice ``i``'s parameters: its own seed stream ``seed + i`` (vLLM's), wrapped to int64."""
+        seed = (self.params.seed + i + (1 << 63)) % (1 << 64) - (1 << 63)
+        return replace(self.params, seed=seed)
 
 
 def parse(raw: bytes, *, chat: bool, tok, wire: WireModels, max_model_len: int, default_k: int,
@@ -78,7 +84,7 @@ def parse(raw: bytes, *, chat: bool, tok, wire: WireModels, max_model_len: int, 
                             k=min(k, MAX_K), stop_ids=() if body.ignore_eos else tuple(stop_ids), logprobs=logprobs,
                             **_processors(body, tok))
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return Parsed(ids, params, stop, bool(body.stream), include_usage, logprobs, body.model)
+    return Parsed(ids, params, stop, bool(body.stream), include_usage, logprobs, body.model, body.n or 1)
 
 
 def _processors(body, tok) -> dict:
@@ -217,20 +223,24 @@ def usage(prompt: int, completion: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def response(chat: bool, rid: str, model: str, text: str, finish: str, lp: dict | None, use: dict) -> dict:
-    choice = {"index": 0, "logprobs": lp, "finish_reason": finish}
-    choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+def response(chat: bool, rid: str, model: str, choices: list[tuple[str, str, dict | None]], use: dict) -> dict:
+    """A whole response; ``choices``: (text, finish_reason, logprobs) per choice, in index order."""
+    out = []
+    for i, (text, finish, lp) in enumerate(choices):
+        choice = {"index": i, "logprobs": lp, "finish_reason": finish}
+        choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+        out.append(choice)
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": [choice], "usage": use}
+            "model": model, "choices": out, "usage": use}
 
 
 def chunk(chat: bool, rid: str, model: str, text: str | None, finish: str | None = None, lp: dict | None = None,
-          role: bool = False, use: dict | None = None) -> dict:
+          role: bool = False, use: dict | None = None, index: int = 0) -> dict:
     if chat:
         delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-        choices = [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}]
+        choices = [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}]
     else:
-        choices = [{"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish}]
+        choices = [{"index": index, "text": text or "", "logprobs": lp, "finish_reason": finish}]
     out = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
            "model": model, "choices": choices if use is None else []}
     if use is not None:

@@ -34,6 +34,9 @@ UNSUPPORTED = {
 MAX_BAD_WORDS = 64
 
 
+
+MAX_N = 16   # choices per request (each is a sequence in the engine)
+
 class Closed(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
@@ -113,7 +116,8 @@ class _Common(Closed):
     stop: NonEmpty | Annotated[list[NonEmpty], Field(max_length=MAX_STOP)] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    n: Int(ge=1, le=1) | None = Field(None, description="one choice per request")
+    n: Int(ge=1, le=MAX_N) | None = Field(None, description="choices to sample (each with seed + i; the prompt "
+                                                              "is computed once)")
     ignore_eos: bool | None = Field(None, description="vLLM's extension: exactly max_tokens tokens")
     user: str | None = Field(None, description="an end-user label; it changes nothing")
     best_of: Int(ge=1, le=1) | None = None
