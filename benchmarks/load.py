@@ -14,6 +14,14 @@ to the last token), TTFT / TPOT / end-to-end P50 and P99; a table and a PNG of P
 against request rate, one line per mode.
 
     python benchmarks/load.py [--rates 1,2,4,8] [--requests 16] [--max-tokens 32] [--k 6]
+
+``--case prefix``: chat requests sharing a system turn of about 400 tokens, each with its
+own question, at ``--rates`` (default 1 req/s) against two servers, prefix caching on and
+off (``--no-enable-prefix-caching``), interleaved request set by request set; TTFT P50/P99
+and their ratio. Then ``n = 4`` against ``n = 1`` (sampled, non-streaming, one request at a
+time, interleaved) on the caching server: wall time per request and its ratio.
+
+    python benchmarks/load.py --case prefix [--rates 1] [--requests 16]
 """
 
 from __future__ import annotations
@@ -44,9 +52,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(mode: str, k: int, port: int) -> list[subprocess.Popen]:
+def launch(mode: str, k: int, port: int, extra: tuple[str, ...] = ()) -> list[subprocess.Popen]:
     flags = ["--model", MODEL, "--draft", "ngram", "--k", str(k), "--port", str(port), "--max-num-seqs", "32",
-             "--max-model-len", "512", "--cpu-budget-gib", "2"]
+             "--max-model-len", "512", "--cpu-budget-gib", "2", *extra]
     flags += ["--route"] if mode in ("routed", "remote") else ["--no-route"]
     log = open(Path("/tmp") / f"hal-load-{mode}.log", "w")
     if mode != "remote":
@@ -70,9 +78,14 @@ def wait_up(base: str, procs, timeout: float = 300) -> None:
     raise SystemExit(f"{base} did not come up within {timeout} s")
 
 
-async def one(client, base, prompt, n, k, t0, at, out):
+SYSTEM = " ".join(f"Rule {i}: answer in plain words, keep to the facts the user gave, and say which rule "
+                  f"you followed." for i in range(1, 27))   # about 400 tokens
+
+
+async def one(client, base, prompt, n, k, t0, at, out, system=None):
     await asyncio.sleep(max(0.0, at - (time.perf_counter() - t0)))
-    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": n, "temperature": 0,
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    body = {"model": MODEL, "messages": messages, "max_tokens": n, "temperature": 0,
             "ignore_eos": True, "stream": True}
     if k is not None:
         body["speculative"] = {"k": k}
@@ -93,7 +106,7 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))] if xs else float("nan")
 
 
-async def run_load(base, rate, requests, n, k, seed):
+async def run_load(base, rate, requests, n, k, seed, system=None):
     rng, t, arrivals = random.Random(seed), 0.0, []
     for _ in range(requests):
         arrivals.append(t)
@@ -101,7 +114,8 @@ async def run_load(base, rate, requests, n, k, seed):
     out: list[dict] = []
     t0 = time.perf_counter()
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=256)) as client:
-        await asyncio.gather(*(one(client, base, PROMPTS[i % len(PROMPTS)][2], n, k, t0, a, out)
+        await asyncio.gather(*(one(client, base, f"Question {i}: " + PROMPTS[i % len(PROMPTS)][2] if system
+                                   else PROMPTS[i % len(PROMPTS)][2], n, k, t0, a, out, system)
                                for i, a in enumerate(arrivals)))
     span = max(o["end"] for o in out) - min(o["arrival"] for o in out)
     return {"tok_s": sum(o["tokens"] for o in out) / span, "done": len(out),
@@ -115,8 +129,13 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32, help="fixed output length (ignore_eos)")
     ap.add_argument("--k", type=int, default=6)
     ap.add_argument("--modes", default="plain,fixed,routed,remote")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "load.md"))
+    ap.add_argument("--case", choices=["modes", "prefix"], default="modes")
+    ap.add_argument("--out", help="default: benchmarks/results/load.md (load_prefix.md for --case prefix)")
     args = ap.parse_args()
+    args.out = args.out or str(Path(__file__).parent / "results" / ("load_prefix.md" if args.case == "prefix"
+                                                                    else "load.md"))
+    if args.case == "prefix":
+        return prefix_case(args)
     rates = [float(r) for r in args.rates.split(",")]
     modes = args.modes.split(",")
     servers = {"fixed": "fixed", "plain": "fixed", "routed": "routed", "remote": "remote"}
@@ -139,14 +158,81 @@ def main() -> None:
                 bar.update()
         bar.close()
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop(procs)
     report(args, rates, modes, results)
+
+
+def stop(procs) -> None:
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+async def n_choices(base, n, tokens, seed) -> float:
+    body = {"model": MODEL, "messages": [{"role": "system", "content": SYSTEM},
+                                         {"role": "user", "content": "Tell me a story."}],
+            "max_tokens": tokens, "temperature": 0.8, "seed": seed, "ignore_eos": True, "n": n}
+    async with httpx.AsyncClient(timeout=600) as client:
+        t = time.perf_counter()
+        r = await client.post(base + "/v1/chat/completions", json=body)
+        assert r.status_code == 200 and len(r.json()["choices"]) == n, r.text[:300]
+        return time.perf_counter() - t
+
+
+def prefix_case(args) -> None:
+    """TTFT with the prefix cache on and off, then n = 4 against n = 1 (see the module docstring)."""
+    rates = [float(r) for r in (args.rates if args.rates != "1,2,4,8" else "1").split(",")]
+    procs, bases = [], {}
+    try:
+        for mode, extra in (("cache on", ()), ("cache off", ("--no-enable-prefix-caching",))):
+            # argparse keeps the last --max-model-len; prefill in chunks of 512 tokens per step
+            extra = ("--max-model-len", "1024", "--max-num-batched-tokens", "512", *extra)
+            port = free_port()
+            ps = launch("fixed", args.k, port, extra)
+            procs += ps
+            bases[mode] = f"http://127.0.0.1:{port}"
+            wait_up(bases[mode], ps)
+        results = {}
+        for rate in rates:
+            for mode in bases:
+                results[(mode, rate)] = asyncio.run(run_load(bases[mode], rate, args.requests, 16, None,
+                                                             seed=int(rate * 100), system=SYSTEM))
+        walls = {1: [], 4: []}
+        for rep in range(5):
+            for n in (1, 4):
+                walls[n].append(asyncio.run(n_choices(bases["cache on"], n, args.max_tokens, seed=rep)))
+    finally:
+        stop(procs)
+    cmd = "python benchmarks/load.py " + " ".join(sys.argv[1:])
+    lines = ["# Prefix caching and n > 1 against `spec-hal serve` (SmolLM2-135M-Instruct, cpu, n-gram drafts)", "",
+             f"Command: `{cmd.strip()}`; {args.requests} chat requests per rate and server, one system turn of "
+             f"about 400 tokens and a different question each, 16 tokens each (greedy, ignore_eos), "
+             f"--max-num-batched-tokens 512; CPU flags: "
+             f"{cpu_flags()}; {os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}.", "",
+             "| rate (req/s) | TTFT P50 cache on / off (s) | TTFT P99 cache on / off (s) | P50 off / on |",
+             "|---|---|---|---|"]
+    for rate in rates:
+        on, off = results[("cache on", rate)], results[("cache off", rate)]
+        lines.append(f"| {rate:g} | {on['ttft50']:.3f} / {off['ttft50']:.3f} | {on['ttft99']:.3f} / "
+                     f"{off['ttft99']:.3f} | {off['ttft50'] / on['ttft50']:.2f}x |")
+    med = {n: sorted(w)[len(w) // 2] for n, w in walls.items()}
+    lines += ["", f"n = 4 against n = 1 (the same system turn, {args.max_tokens} tokens per choice, temperature 0.8, "
+              "5 requests each, interleaved, median wall time): "
+              f"n = 1 {med[1]:.2f} s, n = 4 {med[4]:.2f} s: **{med[4] / med[1]:.2f}x**."]
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def cpu_flags() -> str:
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return "unknown"
+    return " ".join(f for f in flags if f.startswith(("avx512_bf16", "amx", "avx2", "avx512f")))
 
 
 def report(args, rates, modes, results) -> None:

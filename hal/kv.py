@@ -249,6 +249,15 @@ class Sequence:
             a.cache(self.blocks[bi], h)
         self.hashes += new
 
+    def name_blocks(self, names: Seq[bytes], upto: int) -> None:
+        """Offer the leading full blocks within the first ``upto`` positions to the prefix
+        cache under ``names`` (computed elsewhere from the same tokens: another pool's names)."""
+        self._alive("name_blocks")
+        stop = min(len(names), min(upto, self.length) // self.block_size)
+        for bi in range(len(self.hashes), stop if self.allocator.caching else 0):
+            self.allocator.cache(self.blocks[bi], names[bi])
+            self.hashes.append(names[bi])
+
     def fork(self) -> "Sequence":
         """A child sharing every block (copy-on-write on its next write)."""
         self._alive("fork")

@@ -513,7 +513,8 @@ def test_n_choices_stream_interleaved_and_match_the_whole_response(client):
 def test_startup_shows_its_phases_in_order(server):
     log = open(server[2]).read()
     lines = [line for line in log.splitlines() if line.startswith("spec-hal serve: ")]
-    order = ["listening on", "linear plan", "memory plan", "load smollm2-135m", "draft self:2", "ready in"]
+    order = ["listening on", "linear plan", "memory plan", "load smollm2-135m", "draft self:2", "prefix caching on",
+             "ready in"]
     at = [next(i for i, line in enumerate(lines) if line.startswith("spec-hal serve: " + o)) for o in order]
     assert at == sorted(at), lines
 

@@ -111,3 +111,19 @@ def test_a_feature_drafter_turns_it_off_and_refuses_it_when_asked():
         prefix_caching(True, Features())
     with pytest.raises(hal.HalError, match="enable_prefix_caching: expected None, True or False"):
         prefix_caching("yes", None)
+
+
+def test_a_draft_models_pool_caches_the_prompt_too(model):
+    """A draft model (the target's first layer) starts later requests on the blocks its own
+    pool cached for the shared system turn (the target's names): the drafts, hence the
+    acceptance, are what they are without the cache, and so is the output."""
+    from hal.drafters import ModelDrafter
+
+    def run_with(caching):
+        dec = SpeculativeDecoder(model, ModelDrafter(model.layer_view(1), num_blocks=96, block_size=BS),
+                                 enable_prefix_caching=caching, num_blocks=96, block_size=BS)
+        outs = run(dec, [[chat(i)] for i in range(3)])
+        return outs, dec.metrics.total.num_accepted_tokens, dec.drafter.prefix_hits
+    on, off = run_with(None), run_with(False)
+    assert on[:2] == off[:2]
+    assert on[2] == 2 * len(SYSTEM) and off[2] == 0

@@ -108,6 +108,9 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
                          "(the default; --no-batch-invariant trades that for batched-decode throughput)")
     ap.add_argument("--memory-fraction", type=float, default=0.9, help="share of an accelerator's memory to plan in")
     ap.add_argument("--cpu-budget-gib", type=float, default=4.0, help="memory budget of a cpu side, GiB")
+    ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                    help="reuse the target KV of prompt blocks seen before (default: on, unless the drafter "
+                         "reads the target's features: an EAGLE head; --enable-prefix-caching then refuses)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,9 +125,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="write outputs and metrics as JSON here")
     ap.add_argument("--max-context", type=int, default=2048, help="prompt + generated tokens per request (planned)")
-    ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                    help="reuse the target KV of prompt blocks seen before (default: on, unless the drafter "
-                         "reads the target's features: an EAGLE head; --enable-prefix-caching then refuses)")
     args = ap.parse_args(argv)
     try:
         return _run(args)

@@ -36,6 +36,8 @@ class ModelDrafter:
         self.draft_kv = DraftKV(self.pool)  # valid: leading tokens of each request's draft KV that are history
         self.cached: dict[int, int] = {}  # rid -> tokens in its draft KV after the last propose
         self.pool_full = 0                # requests left without drafts for a step: the draft pool was full
+        self.pool.allocator.caching = True   # for the target's prefix-cache names (`DraftBatch.names`)
+        self.prefix_hits = 0              # history tokens a new request found in this pool's prefix cache
 
     def propose(self, batch: DraftBatch) -> Proposal:
         """Drafts for every request whose chain fits the draft pool; when it is full, the
@@ -68,8 +70,13 @@ class ModelDrafter:
         dev = self.model.device
         hist = transfer(batch.history, dev)
         seqs, lens, rows, cols = [], [], [], []
+        names = batch.names if batch.names_block_size == self.pool.allocator.block_size else ()
         for i, (rid, length) in enumerate(zip(batch.rids, batch.lengths)):
+            fresh = rid not in self.draft_kv.seqs
             seq = self.draft_kv.sequence(rid)
+            if fresh and names and names[i]:   # start on the blocks another request cached
+                got = seq.adopt(names[i][:(length - 1) // seq.block_size])
+                self.draft_kv.valid[rid], self.prefix_hits = got, self.prefix_hits + got
             n = min(self.draft_kv.valid.get(rid, 0), length - 1)   # feed at least the last token
             seq.truncate(n)
             seqs.append(seq)
@@ -90,8 +97,10 @@ class ModelDrafter:
                 seq.commit(n)
             return logits
         prop = sample_chain(batch, self.model.be, dev, step)
-        for rid, length in zip(batch.rids, batch.lengths):  # the KV holds the history and drafts 1..K-1
+        for i, (rid, length) in enumerate(zip(batch.rids, batch.lengths)):  # the KV: history, drafts 1..K-1
             self.draft_kv.valid[rid], self.cached[rid] = length, length + K - 1
+            if names and names[i]:
+                self.draft_kv.seqs[rid].name_blocks(names[i], length)
         return prop
 
     def commit(self, rids, kept) -> None:

@@ -30,7 +30,9 @@ def view(history: HistoryBuffer, states: list[State], k: list[int], num_tokens: 
                       None if num_tokens is not None else tuple(lens), tuple(k),
                       () if num_tokens is not None else tuple(state.offset for state in states),
                       None if any(h is None for h in hidden) or not hidden else torch.stack(hidden),
-                      *pack_features([state.features for state in states]))
+                      *pack_features([state.features for state in states]),
+                      tuple(tuple(state.names or ()) for state in states) if any(s.names for s in states) else (),
+                      states[0].seq.block_size if states else 0)
 
 
 def check_proposal(prop, ks: list[int]) -> None:

@@ -126,6 +126,10 @@ class DraftBatch:
     #                                 target's features not passed before, each request's rows in order, ending
     #                                 at the position that produced its last committed token (lengths[i] - 2)
     num_features: tuple[int, ...] = ()
+    names: tuple[tuple[bytes, ...], ...] = ()  # per request: the target's prefix-cache names of its leading full
+    #                                     blocks of prompt (`hal.kv.block_hashes` in blocks of names_block_size), so
+    #                                     a drafter with its own pool may cache them too; () when the target does not
+    names_block_size: int = 0
 
 
 def pack_features(per_request: list[list[Tensor]]) -> tuple[Tensor | None, tuple[int, ...]]:
