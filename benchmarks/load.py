@@ -15,7 +15,7 @@ against request rate, one line per mode.
 
     python benchmarks/load.py [--rates 1,2,4,8] [--requests 16] [--max-tokens 32] [--k 6]
 
-``--case prefix``: chat requests sharing a system turn of about 400 tokens, each with its
+``--case prefix``: chat requests sharing a system turn of about 650 tokens, each with its
 own question, at ``--rates`` (default 1 req/s) against two servers, prefix caching on and
 off (``--no-enable-prefix-caching``), interleaved request set by request set; TTFT P50/P99
 and their ratio. Then ``n = 4`` against ``n = 1`` (sampled, non-streaming, one request at a
@@ -79,7 +79,7 @@ def wait_up(base: str, procs, timeout: float = 300) -> None:
 
 
 SYSTEM = " ".join(f"Rule {i}: answer in plain words, keep to the facts the user gave, and say which rule "
-                  f"you followed." for i in range(1, 27))   # about 400 tokens
+                  f"you followed." for i in range(1, 27))   # about 650 tokens with the chat template
 
 
 async def one(client, base, prompt, n, k, t0, at, out, system=None):

@@ -26,13 +26,13 @@ readback`), and a lookahead drafter (n-gram) drafts the next step before that re
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
 
 import torch
 
 
 from hal import kv
-from hal.engine import proposals
+from hal.engine import grammar, proposals
+from hal.engine.grammar import GrammarCompiler
 from hal.engine.execution import Offsets, execute
 from hal.engine.forward import forward, logprob_entry, sampling_args, target_probs
 from hal.engine.history import HistoryBuffer
@@ -57,13 +57,15 @@ class SpeculativeDecoder:
     the tokens one step feeds the target (None: unbounded); ``max_num_seqs`` the requests
     running at once. ``enable_prefix_caching``: None turns it on unless the drafter reads
     the target's features of every position (an EAGLE head, which a skipped prefix would
-    leave without them); True requires it (`HalError` where it cannot be); False turns it off."""
+    leave without them); True requires it (`HalError` where it cannot be); False turns it off.
+    ``grammar`` compiles requests' `StructuredOutputs` (`hal.engine.grammar`; the tokenizer's)."""
 
     def __init__(self, target: Llama, drafter: Drafter | None = None, num_blocks: int = 512, block_size: int = 16,
                  metrics: SpecDecodeMetrics | None = None, on_tokens=None, router=None, pool: kv.KVPool | None = None,
                  max_num_batched_tokens: int | None = None, max_num_seqs: int = 256,
-                 enable_prefix_caching: bool | None = None):
+                 enable_prefix_caching: bool | None = None, grammar: GrammarCompiler | None = None):
         self.target, self.drafter, self.on_tokens, self.router = target, drafter, on_tokens, router
+        self.grammar = grammar
         cfg = target.cfg
         self.pool = pool or kv.KVPool(target.be, num_blocks, block_size, cfg.kv_heads, cfg.head_dim,
                                       dtype=getattr(target, "dtype", torch.float32), num_layers=cfg.layers,
@@ -100,14 +102,20 @@ class SpeculativeDecoder:
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None) -> int:
         """Queue a request; it joins at the next `step`. Returns its id."""
-        return self.add(Request(list(prompt_ids), **asdict(params or SamplingParams())))
+        return self.add((params or SamplingParams()).request(prompt_ids))
 
     def add(self, req: Request) -> int:
         """Queue a `Request` (prompt and parameters together); returns its id."""
         check_request(req, self.target.cfg.vocab, self.pool.allocator)
+        matcher = None
+        if req.structured is not None:
+            if self.grammar is None:
+                raise HalError("structured: expected a decoder built with a grammar compiler "
+                               "(SpeculativeDecoder(grammar=GrammarCompiler(...))), got none")
+            matcher = self.grammar.matcher(req.structured)
         rid, self._next_id = self._next_id, self._next_id + 1
         self.scheduler.add(State(req, rid, list(req.prompt_ids), self.pool.sequence(),
-                                 arrival=time.perf_counter() - self._t0))
+                                 arrival=time.perf_counter() - self._t0, matcher=matcher))
         self.history.add(rid, req.prompt_ids)
         return rid
 
@@ -289,6 +297,7 @@ class SpeculativeDecoder:
         n0 = len(state.generated)
         try:
             self._append(state, new)
+            grammar.advance(state, state.generated[n0:])
         finally:
             now = time.perf_counter() - self._t0
             if n0 == 0 and state.generated:

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from hal import kv
 from hal.devices import transfer
-from hal.engine import proposals, trees
+from hal.engine import grammar, proposals, trees
 from hal.engine.forward import forward_tokens, logprob_rows, sampling_args
 from hal.engine.history import HistoryBuffer
 from hal.engine.processors import processor_args
@@ -57,7 +57,8 @@ def execute(target: Llama, pool: kv.KVPool, history: HistoryBuffer, drafter: Dra
         where = {c.state.rid: i for i, c in enumerate(chunks)}
         frows = logits[fed:][torch.tensor([where[state.rid] for state in first]).to(dev)]
         none = torch.zeros(0, dtype=torch.long, device=dev)
-        tok, _ = backend.sample(processed(backend, first, frows, none, [0] * len(first), None),
+        allowed = grammar.masks(first, [0] * len(first), None, None, frows.shape[1], dev)
+        tok, _ = backend.sample(processed(backend, first, frows, none, [0] * len(first), None, allowed),
                                 *sampling_args(first, [1] * len(first), dev, offsets.first))
         reads.first = tok.long()
         if want:
@@ -95,7 +96,8 @@ def _verify(backend, pool: kv.KVPool, history: HistoryBuffer, plan: StepPlan, dr
             verify_offsets: list[int] | None, logprobs: bool, top_n: int, reads: StepReads) -> None:
     """Verify the decoding rows into ``reads``; a tree's accepted path moves next to its root."""
     live, counts, dev = plan.decode, drafts.counts, logits.device
-    target = processed(backend, live, logits, drafts.token_ids, counts, drafts.parent_ids)
+    allowed = grammar.masks(live, counts, drafts.token_ids, drafts.parent_ids, logits.shape[1], dev)
+    target = processed(backend, live, logits, drafts.token_ids, counts, drafts.parent_ids, allowed)
     verified = trees.verify(backend, live, counts, drafts.token_ids, drafts.probs, target, drafts.parent_ids,
                             verify_offsets)
     reads.out, reads.accepted, reads.nodes = verified.out, verified.accepted, verified.nodes
@@ -110,15 +112,17 @@ def _verify(backend, pool: kv.KVPool, history: HistoryBuffer, plan: StepPlan, dr
     history.write([s.rid for s in live], [len(s.tokens) for s in live], verified.out)
 
 
-def processed(backend, states, logits: Tensor, ids: Tensor, counts: list[int], parents: Tensor | None) -> Tensor:
+def processed(backend, states, logits: Tensor, ids: Tensor, counts: list[int], parents: Tensor | None,
+              allowed: Tensor | None = None) -> Tensor:
     """``logits`` (``[N + R, V]``, target rows) through the requests' logits processors (the
-    drafts on each row's path count as generated), or unchanged when none is on. Logprobs
-    stay raw (vLLM's default ``raw_logprobs``): they read the unprocessed rows."""
+    drafts on each row's path count as generated), then their grammars' masks (``allowed``,
+    `hal.engine.grammar.masks`), or unchanged when none is on. Logprobs stay raw (vLLM's
+    default ``raw_logprobs``): they read the unprocessed rows."""
     args = processor_args(states, logits.shape[1], logits.device)
-    if args is None:
-        return logits
-    cu = torch.tensor([0, *counts]).cumsum(0).to(logits.device)
-    return backend.process_logits(logits, ids, cu, parents, **args, max_k=max(counts, default=0))
+    if args is not None:
+        cu = torch.tensor([0, *counts]).cumsum(0).to(logits.device)
+        logits = backend.process_logits(logits, ids, cu, parents, **args, max_k=max(counts, default=0))
+    return logits if allowed is None else logits.masked_fill(~allowed, float("-inf"))
 
 
 def _padded(rows: list[Tensor]) -> list[Tensor | None]:

@@ -5,7 +5,7 @@ request passes before it is queued (untrusted input: an HTTP client, another pro
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Protocol
 
 import torch
@@ -13,6 +13,18 @@ from torch import Tensor
 
 from hal import kv
 from hal.errors import HalError
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """A grammar the output must follow (vLLM's ``StructuredOutputsParams``): exactly one of
+    ``json`` (a JSON schema, serialized), ``json_object`` (any JSON object), ``regex`` or
+    ``choice`` (one of these strings). Compiled by `hal.engine.grammar.GrammarCompiler`."""
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
 
 
 @dataclass(kw_only=True)
@@ -36,6 +48,11 @@ class SamplingParams:
     bad_words: tuple[tuple[int, ...], ...] = ()         # token sequences never emitted
     min_tokens: int = 0                                 # no stop token before this many
     min_p: float = 0.0                                  # drop tokens below min_p x the top probability
+    structured: StructuredOutputs | None = None         # the output follows this grammar (masks every verified row)
+
+    def request(self, prompt_ids) -> "Request":
+        """A `Request` of ``prompt_ids`` with these parameters (fields copied, not converted)."""
+        return Request(list(prompt_ids), **{f.name: getattr(self, f.name) for f in fields(SamplingParams)})
 
     def processes_logits(self) -> bool:
         """Whether any logits processor is on."""
@@ -93,6 +110,7 @@ class State:
     arrival: float = 0.0
     aborted: bool = False
     names: list[bytes] | None = None   # prefix-cache names of its leading blocks (`hal.engine.prefix.names`)
+    matcher: object | None = None      # its grammar's matcher at the committed tokens (`hal.engine.grammar`)
 
     def next_offset(self) -> int:
         self.offset += 1
@@ -257,6 +275,15 @@ def check_request(req: Request, vocab: int, allocator: kv.BlockAllocator) -> Non
                                      or not 0 <= req.logprobs <= MAX_LOGPROBS):
         raise HalError(f"logprobs: expected None or an int in [0, {MAX_LOGPROBS}], got {req.logprobs!r}")
     _check_processors(req, V)
+    if req.structured is not None:
+        if not isinstance(req.structured, StructuredOutputs):
+            raise HalError(f"structured: expected None or StructuredOutputs, got {type(req.structured).__name__}")
+        if not req.stop_ids:
+            raise HalError("structured: expected stop_ids (a grammar ends with a stop token), got none "
+                           "(ignore_eos cannot be combined with a grammar)")
+        if req.min_tokens:
+            raise HalError(f"min_tokens: expected 0 with structured outputs (the grammar decides where the output "
+                           f"ends), got {req.min_tokens}")
     bs, nb = allocator.block_size, allocator.num_blocks
     need = -(-(len(req.prompt_ids) + req.max_new_tokens + req.k) // bs)
     if need > nb:  # it could never run, even alone: refuse rather than preempt forever

@@ -25,9 +25,9 @@ import socket
 import sys
 import time
 from contextlib import asynccontextmanager
-from dataclasses import asdict, replace
+from dataclasses import replace
 
-from hal.engine.requests import Request, check_request
+from hal.engine.requests import check_request
 from hal.errors import HalError
 from hal.server.engine_loop import Busy, Closing, EngineLoop, Handle
 from hal.server.openai_schema import (ApiError, Parsed, TextState, chunk, logprobs_chat, logprobs_completion, new_id,
@@ -132,7 +132,7 @@ def make_app(target, served: str, max_model_len: int, default_k: int, max_in_fli
         parsed = parse(raw, chat=chat, tok=tok, wire=wire, max_model_len=max_model_len, default_k=default_k,
                        stop_ids=dec.target.cfg.stop_ids)
         try:   # the engine's own checks (token ids, KV pool size), before the request is queued
-            check_request(Request(parsed.prompt_ids, **asdict(parsed.params)), dec.target.cfg.vocab, dec.pool.allocator)
+            check_request(parsed.params.request(parsed.prompt_ids), dec.target.cfg.vocab, dec.pool.allocator)
         except HalError as e:
             name = str(e).split(":")[0]
             name = ENGINE_NAMES.get(name, name if name.isidentifier() else None)

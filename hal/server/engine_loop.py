@@ -8,9 +8,8 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
-from hal.engine.requests import Request
 from hal.errors import HalError
 from hal.server.openai_schema import Parsed
 
@@ -142,7 +141,7 @@ class EngineLoop:
                     self._done(handle, ("finished", "abort"))
                     continue
                 try:
-                    handle.rid = self.dec.add(Request(handle.parsed.prompt_ids, **asdict(handle.parsed.params)))
+                    handle.rid = self.dec.add(handle.parsed.params.request(handle.parsed.prompt_ids))
                 except HalError as e:
                     self._done(handle, ("error", str(e)))
                     continue

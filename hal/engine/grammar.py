@@ -1,0 +1,153 @@
+"""Structured outputs: a request's grammar (`hal.engine.requests.StructuredOutputs`)
+masks every row the target verifies, as one more logits processor (after
+`hal.ops.Ops.process_logits`).
+
+The grammar library is llguidance (`pip install llguidance`; measured against xgrammar on
+this tokenizer in ``benchmarks/structured.py``). Each request keeps one matcher at its
+committed tokens. For a step, each verified row's mask is the matcher's after the drafts on
+that row's path (a chain's earlier drafts, or a tree node's ancestors): the drafts are
+consumed, the mask taken, and the matcher rolled back to the committed tokens. A draft the
+grammar forbids is masked to -inf at its row, so it is never accepted; the emitted tokens
+are then consumed for good. Greedy output equals plain greedy decoding under the same
+grammar, and a sampled token follows the masked target's law.
+
+Masks are computed on the host, so a step with a grammar request reads its drafts back
+(one transfer of the draft ids) before the forward; a step without one costs nothing."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from torch import Tensor
+
+from hal.engine.requests import State, StructuredOutputs
+from hal.errors import HalError
+
+
+def _llguidance():
+    try:
+        import llguidance
+    except ImportError:
+        raise HalError("structured outputs: expected the llguidance package (pip install llguidance), got none "
+                       "installed") from None
+    return llguidance
+
+
+class GrammarCompiler:
+    """Compiles `StructuredOutputs` for one tokenizer: ``tokenizer_json`` (a ``tokenizers``
+    tokenizer serialized, ``Tokenizer.to_str()``), the model's ``vocab`` (rows of its logits)
+    and its stop token ids (the grammar's end)."""
+
+    def __init__(self, tokenizer_json: str, vocab: int, stop_ids: tuple[int, ...]):
+        if not stop_ids:
+            raise HalError("GrammarCompiler stop_ids: expected at least one stop token id, got none")
+        llg = _llguidance()
+        self.vocab = vocab
+        self.tokenizer = llg.LLTokenizer(tokenizer_json, n_vocab=vocab, eos_token=list(stop_ids))
+
+    @staticmethod
+    def grammar(spec: StructuredOutputs) -> tuple[str, str]:
+        """(the field, the llguidance grammar) of ``spec``; `HalError` naming the field unless
+        exactly one is set."""
+        llg = _llguidance()
+        if not isinstance(spec, StructuredOutputs):
+            raise HalError(f"structured: expected StructuredOutputs, got {type(spec).__name__}")
+        set_ = [name for name in ("json", "regex", "choice") if getattr(spec, name) is not None]
+        set_ += ["json_object"] if spec.json_object else []
+        if len(set_) != 1:
+            raise HalError(f"structured: expected exactly one of json, json_object, regex, choice, got "
+                           f"{set_ or 'none'}")
+        name = set_[0]
+        options = {"whitespace_flexible": False}   # compact JSON: no unbounded runs of whitespace
+        if name == "json":
+            try:
+                schema = json.loads(spec.json)
+            except (TypeError, ValueError) as e:
+                raise HalError(f"structured.json: expected a JSON schema, got text that is not JSON ({e})") from None
+            if not isinstance(schema, (dict, bool)):
+                raise HalError(f"structured.json: expected a JSON schema (an object), got {type(schema).__name__}")
+            return name, llg.LLMatcher.grammar_from_json_schema(schema, defaults=options)
+        if name == "json_object":
+            return name, llg.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=options)
+        if name == "regex":
+            if not isinstance(spec.regex, str) or not spec.regex:
+                raise HalError(f"structured.regex: expected a non-empty regular expression, got {spec.regex!r}")
+            return name, llg.LLMatcher.grammar_from_regex(spec.regex)
+        if not spec.choice or not all(isinstance(c, str) and c for c in spec.choice):
+            raise HalError(f"structured.choice: expected non-empty strings, got {list(spec.choice or [])[:4]}")
+        return name, llg.LLMatcher.grammar_from_regex("|".join(_escape(c) for c in spec.choice))
+
+    def matcher(self, spec: StructuredOutputs):
+        """A fresh matcher for ``spec``; `HalError` naming the field if the grammar is invalid
+        or uses what llguidance does not support."""
+        llg = _llguidance()
+        name, grammar = self.grammar(spec)
+        error = llg.LLMatcher.validate_grammar(grammar, self.tokenizer)
+        if error and not error.startswith("WARNING"):
+            raise HalError(f"structured.{name}: expected a grammar llguidance accepts, got: {error[:300]}")
+        m = llg.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if m.is_error():
+            raise HalError(f"structured.{name}: expected a grammar llguidance accepts, got: {m.get_error()[:300]}")
+        return m
+
+
+def _escape(text: str) -> str:
+    """``text`` as a regular expression matching exactly it."""
+    return "".join("\\" + c if c in r".^$*+?{}[]\|()/" else c for c in text)
+
+
+def _allowed(matcher, V: int) -> Tensor:
+    """``[V]`` bool: the tokens the matcher allows next."""
+    bits = torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.int32)
+    words = -(-V // 32)
+    unpacked = (bits[:words, None] >> torch.arange(32, dtype=torch.int32)) & 1
+    return unpacked.reshape(-1)[:V].bool()
+
+
+def _row_paths(count: int, ids: list[int], parents: list[int] | None) -> list[list[int]]:
+    """The draft tokens on each of a request's ``1 + count`` rows' paths: root, then a chain's
+    prefixes or each tree node's ancestors and itself."""
+    if parents is None:
+        return [ids[:j] for j in range(count + 1)]
+    paths: list[list[int]] = [[]]
+    for j in range(count):
+        paths.append((paths[1 + parents[j]] if parents[j] >= 0 else []) + [ids[j]])
+    return paths
+
+
+def masks(states: list[State], counts: list[int], draft_ids: Tensor | None, parent_ids: Tensor | None, V: int,
+          dev) -> Tensor | None:
+    """``[sum(counts) + R, V]`` bool allowed tokens for the verified rows of ``states`` (their
+    grammars after each row's drafts), or None when none of them has a grammar. Reads the
+    draft ids back only then."""
+    if not any(s.matcher is not None for s in states):
+        return None
+    ids = draft_ids.tolist() if draft_ids is not None and draft_ids.numel() else []
+    parents = parent_ids.tolist() if parent_ids is not None else None
+    rows, at = [], 0
+    for s, c in zip(states, counts):
+        mine, pa = ids[at:at + c], None if parents is None else parents[at:at + c]
+        at += c
+        if s.matcher is None:
+            rows.append(torch.ones(c + 1, V, dtype=torch.bool))
+            continue
+        for path in _row_paths(c, mine, pa):
+            ok = s.matcher.try_consume_tokens(path) if path else 0
+            # a path through a forbidden draft: that row is never used (the draft is rejected)
+            allowed = _allowed(s.matcher, V) if ok == len(path) else None
+            # all forbidden: the grammar has ended (the request stops before this row is used)
+            rows.append((allowed if allowed is not None and allowed.any() else torch.ones(V, dtype=torch.bool))[None])
+            if ok:
+                s.matcher.rollback(ok)
+    return torch.cat(rows).to(dev)
+
+
+def advance(state: State, tokens: list[int]) -> None:
+    """The committed ``tokens`` (emitted by the step) go into the request's matcher. Once the
+    grammar is complete only a stop token is allowed, which ends the request."""
+    m = state.matcher
+    for t in tokens if m is not None else ():
+        if not m.consume_token(t):   # (consume_tokens refuses the stop token of a complete grammar)
+            raise HalError(f"request {state.rid}: its grammar refused emitted token {t} ({m.get_error()[:200]}); "
+                           "the mask was not applied")
