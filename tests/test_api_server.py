@@ -9,6 +9,7 @@ the draft model, so both KV pools are exercised)."""
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -255,7 +256,14 @@ DEEP = b"[" * 10_000 + b"]" * 10_000
     (f'{{{M}, "prompt": "hi", "min_tokens": -1}}'.encode(), "min_tokens"),
     (f'{{{M}, "prompt": "hi", "allowed_token_ids": []}}'.encode(), "allowed_token_ids"),
     (f'{{{M}, "prompt": "hi", "bad_words": [""]}}'.encode(), "bad_words[0]"),
-    (f'{{{M}, "prompt": "hi", "response_format": {{"type": "json_object"}}}}'.encode(), "response_format"),
+    (f'{{{M}, "prompt": "hi", "response_format": {{"type": "json_schema", "json_schema": {{"name": "x", '
+     f'"schema": {{"type": "nonsense"}}}}}}}}'.encode(), "response_format.json_schema.schema"),
+    (f'{{{M}, "prompt": "hi", "response_format": {{"type": "xml"}}}}'.encode(), "response_format.type"),
+    (f'{{{M}, "prompt": "hi", "guided_regex": "("}}'.encode(), "guided_regex"),
+    (f'{{{M}, "prompt": "hi", "guided_json": {{"type": "string", "format": "made-up"}}}}'.encode(), "guided_json"),
+    (f'{{{M}, "prompt": "hi", "guided_regex": "a", "guided_choice": ["a"]}}'.encode(), "guided_choice"),
+    (f'{{{M}, "prompt": "hi", "guided_choice": []}}'.encode(), "guided_choice"),
+    (f'{{{M}, "prompt": "hi", "guided_regex": "a+", "ignore_eos": true}}'.encode(), "ignore_eos"),
     (f'{{{M}, "prompt": "hi", "tools": [{{"type": "function"}}]}}'.encode(), "tools"),
     (f'{{{M}, "prompt": "hi", "no_such_field": 1}}'.encode(), "no_such_field"),
     (json.dumps({"model": MODEL, "prompt": "hi " * 600}).encode(), "prompt"),   # alone over --max-model-len
@@ -508,6 +516,50 @@ def test_n_choices_stream_interleaved_and_match_the_whole_response(client):
             assert ch.usage.completion_tokens == whole.usage.completion_tokens
     assert texts == [c.text for c in whole.choices]
     assert finish == [c.finish_reason for c in whole.choices] and None not in finish
+
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "likes"], "properties": {
+    "name": {"type": "string", "maxLength": 6}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "likes": {"type": "array", "items": {"enum": ["tea", "cats", "rain"]}, "maxItems": 2}}}
+
+
+def test_json_schema_responses_parse_across_50_seeded_sampled_requests(server, client):
+    """response_format json_schema through the official client: every one of 50 sampled
+    answers (seeds 0..49, speculative decoding on) parses and validates against its schema."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import jsonschema_rs   # schemathesis's validator
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+
+    def ask(seed):
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Describe a person."}],
+                                           max_tokens=96, temperature=1.0, seed=seed, response_format=fmt)
+        return r.choices[0]
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(ask, range(50)))
+    for a in answers:
+        assert a.finish_reason == "stop", a
+        jsonschema_rs.validate(PERSON, json.loads(a.message.content))
+    assert len({a.message.content for a in answers}) > 10, "50 seeds gave few different answers"
+
+
+def test_guided_decoding_greedy_equals_plain_and_follows_the_grammar(client):
+    """vLLM's guided_json / guided_regex / guided_choice and json_object, greedy: the speculative
+    answer equals the plain one (``speculative.k = 0``) under the same grammar."""
+    cases = [({"guided_json": PERSON}, lambda s: json.loads(s) is not None),
+             ({"guided_regex": "[A-Z][a-z]{2,8} (is|was) [0-9]{1,2}"},
+              lambda s: re.fullmatch("[A-Z][a-z]{2,8} (is|was) [0-9]{1,2}", s)),
+             ({"guided_choice": ["yes", "no", "maybe not"]}, lambda s: s in ("yes", "no", "maybe not")),
+             ({"response_format": {"type": "json_object"}}, lambda s: isinstance(json.loads(s), dict))]
+    for extra, ok in cases:
+        rf = extra.pop("response_format", None)
+        kw = dict(model=MODEL, messages=[{"role": "user", "content": "Is the sky green? Answer in JSON."}],
+                  max_tokens=64, temperature=0, **({"response_format": rf} if rf else {}))
+        spec = client.chat.completions.create(**kw, extra_body=extra).choices[0]
+        plain = client.chat.completions.create(**kw, extra_body={**extra, "speculative": {"k": 0}}).choices[0]
+        assert spec.message.content == plain.message.content, extra or rf
+        if spec.finish_reason == "stop":
+            assert ok(spec.message.content), (extra or rf, spec.message.content)
 
 
 def test_startup_shows_its_phases_in_order(server):

@@ -212,7 +212,7 @@ def start(args, max_seqs: int, engine_kw: dict | None = None, phases: Phases = Q
                                    pool=mplan.allocate("draft") if dmem else None, device=draft_side.device)
     asked = getattr(args, "enable_prefix_caching", None)
     dec = SpeculativeDecoder(model, drafter, metrics=metrics, pool=pool, enable_prefix_caching=asked,
-                             **(engine_kw or {}))
+                             grammar=grammar_compiler(tok, model.cfg, phases), **(engine_kw or {}))
     phases.say(f"prefix caching {'on' if dec.prefix_caching else 'off'}" + (
         " (the drafter reads the target's features of every position)" if asked is None and not dec.prefix_caching
         else ""))
@@ -221,6 +221,20 @@ def start(args, max_seqs: int, engine_kw: dict | None = None, phases: Phases = Q
         with phases("routing profile (the target's and the drafter's costs, measured)"):
             dec.router = Router(dec.profile_costs(profile_draft=world == 1, progress=phases.bars), max_k=args.k)
     return Target(dec, tok, world, joined, backend, target_side)
+
+
+def grammar_compiler(tok, cfg, phases: Phases):
+    """Structured outputs for this tokenizer (`hal.engine.grammar`), or None where the model
+    has no tokenizer or llguidance is not installed (said at start-up)."""
+    if tok is None or not cfg.stop_ids:
+        return None
+    try:
+        import llguidance  # noqa: F401
+    except ImportError:
+        phases.say("structured outputs off (pip install llguidance)")
+        return None
+    from hal.engine.grammar import GrammarCompiler
+    return GrammarCompiler(tok.to_str(), cfg.vocab, tuple(cfg.stop_ids))
 
 
 def _run(args) -> int:

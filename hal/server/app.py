@@ -137,6 +137,15 @@ def make_app(target, served: str, max_model_len: int, default_k: int, max_in_fli
             name = str(e).split(":")[0]
             name = ENGINE_NAMES.get(name, name if name.isidentifier() else None)
             raise ApiError(str(e), "messages" if chat and name == "prompt" else name) from None
+        if parsed.params.structured is not None:   # compile here, off the engine loop, to answer 400 now
+            if dec.grammar is None:
+                raise ApiError(f"{parsed.structured_field}: structured outputs need the llguidance package on the "
+                               "server (pip install llguidance)", parsed.structured_field.split(".")[0])
+            try:
+                dec.grammar.matcher(parsed.params.structured)
+            except HalError as e:
+                raise ApiError(f"{parsed.structured_field}: {str(e).split(': ', 1)[-1]}",
+                               parsed.structured_field) from None
         return parsed
 
     async def accept(request: HttpRequest, chat: bool):

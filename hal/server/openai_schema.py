@@ -5,6 +5,7 @@ incremental detokenization with stop strings, and the response and chunk shapes.
 
 from __future__ import annotations
 
+import json
 import random
 import time
 import uuid
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from pydantic import ValidationError
 
 from hal.checks import MAX_K
-from hal.engine.requests import SamplingParams, TokenLogprob
+from hal.engine.requests import SamplingParams, StructuredOutputs, TokenLogprob
 from hal.server.protocol import WireModels, first_error
 
 
@@ -41,6 +42,7 @@ class Parsed:
     logprobs: int | None        # top alternatives per token (None: no logprobs)
     model: str
     n: int = 1                  # choices: sample i runs with `sample_params(i)`
+    structured_field: str | None = None   # the field that set params.structured (error messages name it)
 
     def sample_params(self, i: int) -> SamplingParams:
         """Choice ``i``'s parameters: its own seed stream ``seed + i`` (vLLM's), wrapped to int64."""
@@ -83,8 +85,38 @@ def parse(raw: bytes, *, chat: bool, tok, wire: WireModels, max_model_len: int, 
                             seed=random.getrandbits(62) if body.seed is None else body.seed,
                             k=min(k, MAX_K), stop_ids=() if body.ignore_eos else tuple(stop_ids), logprobs=logprobs,
                             **_processors(body, tok))
+    field_, structured = _structured(body)
+    if structured is not None:
+        if body.ignore_eos:
+            raise ApiError(f"ignore_eos: expected false with {field_} (a grammar ends with the stop token), got true",
+                           "ignore_eos")
+        if body.min_tokens:
+            raise ApiError(f"min_tokens: expected 0 with {field_} (the grammar decides where the output ends), "
+                           f"got {body.min_tokens}", "min_tokens")
+        params = replace(params, structured=structured)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return Parsed(ids, params, stop, bool(body.stream), include_usage, logprobs, body.model, body.n or 1)
+    return Parsed(ids, params, stop, bool(body.stream), include_usage, logprobs, body.model, body.n or 1, field_)
+
+
+def _structured(body) -> tuple[str | None, StructuredOutputs | None]:
+    """The one grammar a request asks for (OpenAI's ``response_format`` or vLLM's ``guided_*``)
+    and the field it came from."""
+    asked = []
+    rf = body.response_format
+    if rf is not None and rf.type == "json_object":
+        asked.append(("response_format", StructuredOutputs(json_object=True)))
+    elif rf is not None and rf.type == "json_schema":
+        asked.append(("response_format.json_schema.schema", StructuredOutputs(json=json.dumps(rf.json_schema.schema_))))
+    if body.guided_json is not None:
+        asked.append(("guided_json", StructuredOutputs(json=json.dumps(body.guided_json))))
+    if body.guided_regex is not None:
+        asked.append(("guided_regex", StructuredOutputs(regex=body.guided_regex)))
+    if body.guided_choice is not None:
+        asked.append(("guided_choice", StructuredOutputs(choice=tuple(body.guided_choice))))
+    if len(asked) > 1:
+        raise ApiError(f"{asked[1][0]}: expected at most one of response_format (json), guided_json, guided_regex, "
+                       f"guided_choice, got {', '.join(a for a, _ in asked)}", asked[1][0].split(".")[0])
+    return asked[0] if asked else (None, None)
 
 
 def _processors(body, tok) -> dict:

@@ -13,7 +13,7 @@ vocabulary) are part of the schema: `wire_models` builds the models for one serv
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field,
                       StringConstraints, Tag, ValidationError, WithJsonSchema)
@@ -29,7 +29,7 @@ MAX_STOP = 16
 UNSUPPORTED = {
     "tools": "tool calling", "tool_choice": "tool calling", "parallel_tool_calls": "tool calling",
     "best_of": "best_of (server-side candidates)", "echo": "echo (the prompt in the output)",
-    "suffix": "suffix (insertion)", "response_format": "structured output (response_format)",
+    "suffix": "suffix (insertion)",
 }
 MAX_BAD_WORDS = 64
 
@@ -74,6 +74,26 @@ class TextPart(Closed):
 
 class TextFormat(Closed):
     type: Literal["text"]
+
+
+class JsonObjectFormat(Closed):
+    type: Literal["json_object"]
+
+
+class JsonSchema(Closed):
+    name: Annotated[str, StringConstraints(min_length=1, max_length=64)]
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema", description="the JSON schema the output follows")
+    strict: bool | None = None
+
+
+class JsonSchemaFormat(Closed):
+    type: Literal["json_schema"]
+    json_schema: JsonSchema
+
+
+ResponseFormat = Annotated[Union[TextFormat, JsonObjectFormat, JsonSchemaFormat], Field(discriminator="type")]
+MAX_CHOICES = 64
 
 
 Content = Union[str, list[TextPart]]
@@ -121,7 +141,12 @@ class _Common(Closed):
     ignore_eos: bool | None = Field(None, description="vLLM's extension: exactly max_tokens tokens")
     user: str | None = Field(None, description="an end-user label; it changes nothing")
     best_of: Int(ge=1, le=1) | None = None
-    response_format: TextFormat | None = None
+    response_format: ResponseFormat | None = Field(
+        None, description="text, json_object or json_schema (a grammar masks every verified row)")
+    guided_json: dict[str, Any] | None = Field(None, description="vLLM's: a JSON schema the output follows")
+    guided_regex: NonEmpty | None = Field(None, description="vLLM's: a regular expression the output matches")
+    guided_choice: Annotated[list[NonEmpty], Field(min_length=1, max_length=MAX_CHOICES)] | None = Field(
+        None, description="vLLM's: the output is one of these strings")
     # logits processors (OpenAI's, then vLLM's extensions)
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
@@ -169,7 +194,10 @@ def wire_models(served: str, max_model_len: int, vocab: int, max_k: int) -> Wire
     MaxTokens = Int(ge=1, le=max(1, max_model_len - 1)) | None
     Ids = Annotated[list[Int(ge=0, le=vocab - 1)], Field(min_length=1)]
     Bias = Annotated[dict[Annotated[str, StringConstraints(pattern=below(vocab))],
-                          Annotated[float, Field(ge=-100, le=100)]], Field(max_length=300)] | None
+                          Annotated[float, Field(ge=-100, le=100)]], Field(max_length=300),
+                     WithJsonSchema({"type": "object", "maxProperties": 300, "additionalProperties": False,
+                                     "patternProperties": {below(vocab): {"type": "number", "minimum": -100,
+                                                                          "maximum": 100}}})] | None
 
     class Processors(_Common):
         logit_bias: Bias = Field(None, description="token id (a string) -> a bias in [-100, 100] added to its logit")
@@ -248,8 +276,11 @@ def error_message(err: dict, param: str) -> str:
     if kind == "extra_forbidden":
         return f"{param}: expected no such field (not part of this API), got {got}"
     if kind in ("union_tag_invalid", "union_tag_not_found"):
-        role = err.get("input", {}).get("role") if isinstance(err.get("input"), dict) else err.get("input")
-        return f"{param}: expected system, developer, user or assistant, got {_shown(role)}"
+        tag = _tag(err)
+        got = err.get("input", {}).get(tag) if isinstance(err.get("input"), dict) else err.get("input")
+        if tag == "type":
+            return f"{param}: expected text, json_object or json_schema, got {_shown(got)}"
+        return f"{param}: expected system, developer, user or assistant, got {_shown(got)}"
     if kind in BOUNDS:
         op, key = BOUNDS[kind]
         return f"{param}: expected a value {op} {err['ctx'][key]!r}, got {got}"
@@ -262,6 +293,13 @@ def _in_union(err: dict) -> bool:
     return any(isinstance(p, str) and ("[" in p or p in ("str", "constrained-str", "int", "list")) for p in err["loc"])
 
 
+def _tag(err) -> str:
+    """The field a discriminated union failed on: ``type`` (response_format) or ``role``
+    (messages, whose discriminator is a function)."""
+    tag = str(err.get("ctx", {}).get("discriminator", "role")).strip("'")
+    return "role" if tag.endswith("()") else tag
+
+
 def first_error(e: ValidationError, model: type[BaseModel]) -> tuple[str, str]:
     """(param, message) of the first thing wrong in a request body. Of a union's alternatives
     the most specific complaint is kept (deepest, then a bound over a type mismatch)."""
@@ -272,15 +310,15 @@ def first_error(e: ValidationError, model: type[BaseModel]) -> tuple[str, str]:
         else errors[0]
     loc, fields = tuple(err["loc"]), field_names(model)
     if err["type"] in ("union_tag_invalid", "union_tag_not_found"):
-        loc = (*loc, "role")
+        loc = (*loc, _tag(err))
     if err["type"] == "extra_forbidden":
         fields = fields | {loc[-1]}
     param = error_param(loc, fields)
     return param, error_message(err, param)
 
 
-NESTED = {"k"} | set().union(*(m.model_fields for m in (StreamOptions, TextPart, TextFormat, SystemMessage,
-                                                 UserMessage, AssistantMessage)))
+NESTED = {"k", "schema"} | set().union(*(m.model_fields for m in (
+    StreamOptions, TextPart, TextFormat, SystemMessage, UserMessage, AssistantMessage, JsonSchema, JsonSchemaFormat)))
 
 
 def field_names(model: type[BaseModel]) -> set[str]:

@@ -5,11 +5,15 @@ One refusal of ours no JSON schema can express: a prompt that, once tokenized, l
 room for ``max_tokens`` within ``--max-model-len`` (OpenAI's and vLLM's 400
 ``context_length_exceeded``). schemathesis.toml therefore lets a 400 through its
 positive-data check, and this stricter check takes its place: a schema-valid request may
-be refused only for the context length, naming the prompt or ``max_tokens``."""
+be refused only for the context length, naming the prompt or ``max_tokens``. The other:
+a grammar (``response_format``'s schema, ``guided_json``, ``guided_regex``) that is a valid
+JSON value of its type but not a schema or regular expression llguidance compiles, two
+grammars at once, or a grammar with ``ignore_eos`` / ``min_tokens``: a 400 naming that field."""
 
 import schemathesis
 
 CONTEXT_PARAMS = {"prompt", "messages", "max_tokens", "max_completion_tokens"}
+GRAMMAR_PARAMS = ("response_format", "guided_json", "guided_regex", "guided_choice")
 
 
 @schemathesis.check
@@ -18,6 +22,9 @@ def only_the_context_refuses_valid_data(ctx, response, case):
     if meta is None or not meta.generation.mode.is_positive or response.status_code != 400:
         return None
     err = response.json().get("error", {})
+    param, message = err.get("param") or "", err.get("message", "")
+    if param.startswith(GRAMMAR_PARAMS) or (param in ("ignore_eos", "min_tokens") and "grammar" in message):
+        return None
     if err.get("param") not in CONTEXT_PARAMS or "maximum context length" not in err.get("message", ""):
         raise AssertionError(f"a schema-valid request was refused for something other than the context "
                              f"length: {err}")
