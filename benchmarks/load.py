@@ -172,6 +172,11 @@ def stop(procs) -> None:
             p.kill()
 
 
+def machine_line() -> str:
+    from hal.models.linear_plan import machine_line as line
+    return line()
+
+
 async def n_choices(base, n, tokens, seed) -> float:
     body = {"model": MODEL, "messages": [{"role": "system", "content": SYSTEM},
                                          {"role": "user", "content": "Tell me a story."}],
@@ -211,8 +216,7 @@ def prefix_case(args) -> None:
     lines = ["# Prefix caching and n > 1 against `spec-hal serve` (SmolLM2-135M-Instruct, cpu, n-gram drafts)", "",
              f"Command: `{cmd.strip()}`; {args.requests} chat requests per rate and server, one system turn of "
              f"about 400 tokens and a different question each, 16 tokens each (greedy, ignore_eos), "
-             f"--max-num-batched-tokens 512; CPU flags: "
-             f"{cpu_flags()}; {os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}.", "",
+             f"--max-num-batched-tokens 512; {machine_line()}; {time.strftime('%Y-%m-%d')}.", "",
              "| rate (req/s) | TTFT P50 cache on / off (s) | TTFT P99 cache on / off (s) | P50 off / on |",
              "|---|---|---|---|"]
     for rate in rates:
@@ -225,14 +229,6 @@ def prefix_case(args) -> None:
               f"n = 1 {med[1]:.2f} s, n = 4 {med[4]:.2f} s: **{med[4] / med[1]:.2f}x**."]
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-
-
-def cpu_flags() -> str:
-    try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return "unknown"
-    return " ".join(f for f in flags if f.startswith(("avx512_bf16", "amx", "avx2", "avx512f")))
 
 
 def report(args, rates, modes, results) -> None:

@@ -261,6 +261,8 @@ DEEP = b"[" * 10_000 + b"]" * 10_000
     (f'{{{M}, "prompt": "hi", "response_format": {{"type": "xml"}}}}'.encode(), "response_format.type"),
     (f'{{{M}, "prompt": "hi", "guided_regex": "("}}'.encode(), "guided_regex"),
     (f'{{{M}, "prompt": "hi", "guided_json": {{"type": "string", "format": "made-up"}}}}'.encode(), "guided_json"),
+    (f'{{{M}, "prompt": "hi", "guided_json": {{"type": "object", "if": {{}}, "then": {{}}}}}}'.encode(),
+     "guided_json"),   # a keyword llguidance does not implement
     (f'{{{M}, "prompt": "hi", "guided_regex": "a", "guided_choice": ["a"]}}'.encode(), "guided_choice"),
     (f'{{{M}, "prompt": "hi", "guided_choice": []}}'.encode(), "guided_choice"),
     (f'{{{M}, "prompt": "hi", "guided_regex": "a+", "ignore_eos": true}}'.encode(), "ignore_eos"),
@@ -560,6 +562,20 @@ def test_guided_decoding_greedy_equals_plain_and_follows_the_grammar(client):
         assert spec.message.content == plain.message.content, extra or rf
         if spec.finish_reason == "stop":
             assert ok(spec.message.content), (extra or rf, spec.message.content)
+
+
+def test_parameters_that_leave_no_token_fail_only_that_request(server, client):
+    """schemathesis's finding: a grammar ("0") whose only token allowed_token_ids excludes was a
+    500 for every request in the step; now that request alone is a 400, and a concurrent
+    stream completes."""
+    base = server[1]
+    with httpx.stream("POST", base + "/v1/completions", timeout=120, json={
+            "model": MODEL, "prompt": "a b a b a b", "max_tokens": 24, "temperature": 0, "stream": True}) as s:
+        r = httpx.post(base + "/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": "Say zero.", "guided_regex": "0", "allowed_token_ids": [5], "temperature": 1})
+        lines = [line for line in s.iter_lines() if line.startswith("data: ")]
+    assert r.status_code == 400 and "allowed_token_ids" in r.json()["error"]["message"], r.text
+    assert lines[-1] == "data: [DONE]" and '"finish_reason": "length"' in lines[-2]
 
 
 def test_startup_shows_its_phases_in_order(server):

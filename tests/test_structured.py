@@ -96,11 +96,14 @@ def test_greedy_speculative_equals_plain_under_the_grammar(model, compiler, name
 
 
 @pytest.mark.parametrize("name", ["json", "regex", "choice"])
-def test_a_forbidden_draft_is_never_accepted(model, compiler, name):
+def test_a_forbidden_draft_is_never_accepted(model, compiler, name, monkeypatch):
     """The drafter is the target itself without the grammar: it drafts the unmasked greedy
     continuation, which the grammar forbids almost everywhere. The output is still plain's
-    (each accepted draft is a token of it, so the grammar allowed it)."""
+    (each accepted draft is a token of it, so the grammar allowed it). The cut of
+    deterministic drafts is off here, so that the forbidden drafts reach verification."""
     from hal.drafters import ModelDrafter
+    from hal.engine import grammar
+    monkeypatch.setattr(grammar, "cut", lambda states, drafts: drafts)
     plain, _ = run(model, compiler, None, name, 0)
     spec, dec = run(model, compiler, ModelDrafter(model, num_blocks=256), name, 4)
     assert spec == plain
@@ -110,17 +113,19 @@ def test_a_forbidden_draft_is_never_accepted(model, compiler, name):
     assert tot.num_draft_tokens > 20 and tot.num_accepted_tokens < tot.num_draft_tokens
 
 
-def test_sampled_speculative_output_keeps_the_masked_law(model, compiler):
+@pytest.mark.parametrize("drafter", ["model", "ngram"])
+def test_sampled_speculative_output_keeps_the_masked_law(model, compiler, drafter):
     """The text of 600 seeded requests under ``[a-e]{3}``, plain against speculative with
-    drafts sampled from the unmasked target (so each carries its q; chi-square two-sample
-    test, p > 1e-3)."""
+    drafts sampled from the unmasked target (each carries its q) or n-gram drafts (cut where
+    the grammar forbids them); chi-square two-sample test, p > 1e-3."""
     from scipy.stats import chi2_contingency
     from hal.drafters import ModelDrafter
     spec_ = StructuredOutputs(regex="[a-e]{3}")
-    prompt = [27, 28, 29, 27, 28, 29, 27, 28]
+    prompt = [27, 28, 29, 27, 28, 29, 27, 28, 27, 28, 29, 27, 28, 29]   # letters: n-gram drafts find some
 
     def law(k):
-        dec = SpeculativeDecoder(model, ModelDrafter(model, num_blocks=1024) if k else None, num_blocks=1024,
+        made = ModelDrafter(model, num_blocks=1024) if drafter == "model" else NgramDrafter(model.be)
+        dec = SpeculativeDecoder(model, made if k else None, num_blocks=1024,
                                  max_num_seqs=64, grammar=compiler)
         outs = dec.generate([Request(prompt, max_new_tokens=6, k=k, seed=s, temperature=1.0, stop_ids=(EOS,),
                                      structured=spec_) for s in range(600)])
@@ -128,7 +133,7 @@ def test_sampled_speculative_output_keeps_the_masked_law(model, compiler):
     plain, _ = law(0)
     spec, dec = law(3)
     assert all(re.fullmatch("[a-e]{3}", s) for s in plain + spec)
-    assert dec.metrics.total.num_accepted_tokens > 50, "too few drafts accepted to test anything"
+    assert dec.metrics.total.num_accepted_tokens > (50 if drafter == "model" else 20), "too few drafts accepted"
     keys = sorted(set(plain) | set(spec))
     table = [[plain.count(x) + 0.5 for x in keys], [spec.count(x) + 0.5 for x in keys]]
     assert chi2_contingency(table)[1] > 1e-3
@@ -147,6 +152,8 @@ def test_preempted_grammar_requests_match_running_alone(model, compiler):
     (StructuredOutputs(regex="("), "structured.regex"),
     (StructuredOutputs(json='{"type": "nonsense"}'), "structured.json"),
     (StructuredOutputs(json='{"type": "string", "format": "made-up"}'), "structured.json"),
+    (StructuredOutputs(json='{"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}'),
+     "structured.json: expected a grammar llguidance accepts, got: Unimplemented keys"),
     (StructuredOutputs(json="{not json"), "structured.json"),
     (StructuredOutputs(choice=()), "structured"),
     (StructuredOutputs(regex="a", choice=("a",)), "structured"),
@@ -185,7 +192,54 @@ def test_a_mask_that_ignores_the_drafts_is_caught(model, compiler, monkeypatch):
     from hal.engine import grammar
     from tests.mutants import mutate
     plain, _ = run(model, compiler, None, "json", 0)
+    monkeypatch.setattr(grammar, "cut", lambda states, drafts: drafts)   # the forbidden drafts reach the rows
     monkeypatch.setattr(grammar, "_row_paths", mutate("grammar-ignores-drafts"))
     with pytest.raises(HalError, match="refused emitted token"):
         spec, _ = run(model, compiler, ModelDrafter(model, num_blocks=256), "json", 4)
         assert spec == plain   # not reached: the engine's own check refuses the token first
+
+
+def test_deterministic_drafts_are_cut_where_the_grammar_forbids(compiler):
+    """``grammar.cut``: a request's n-gram drafts end at the first token its grammar forbids
+    (``abx`` allowed by ``[a-c]{2,5}x[0-9]``, then ``q`` not); a request without a grammar
+    keeps all of its drafts; random drafts (with their q) are never cut."""
+    from hal.engine import grammar
+    from hal.engine.requests import State
+    from hal.engine.step_types import StepDrafts
+    from hal.kv import BlockAllocator, Sequence
+    tok = tokenizer()
+    ids = lambda s: tok.encode(s).ids  # noqa: E731
+    a = State(Request([1], stop_ids=(EOS,)), 0, [1], Sequence(BlockAllocator(2, 4)),
+              matcher=compiler.matcher(GRAMMARS["regex"]))
+    b = State(Request([1]), 1, [1], Sequence(BlockAllocator(2, 4)))
+    drafts = StepDrafts(torch.tensor(ids("abxqa") + ids("qq")), [5, 2], None, None, [], None, [0, 0])
+    got = grammar.cut([a, b], drafts)
+    assert got.counts == [3, 2] and got.token_ids.tolist() == ids("abx") + ids("qq") == got.host_ids
+    sampled = StepDrafts(drafts.token_ids, [5, 2], torch.ones(7, 50) / 50, None, [], None, [0, 0])
+    assert grammar.cut([a, b], sampled) is sampled
+    assert a.matcher.validate_tokens(ids("ab")) == 2, "cut consumed tokens from the matcher"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_request_left_without_tokens_fails_alone(model, compiler, temperature):
+    """allowed_token_ids that the bad words (or the grammar) exclude entirely leave a row with
+    no token: that request fails, named in `StepOutput.errors`, and a request in the same
+    steps is what it is alone (it used to fail the whole step)."""
+    ok = Request(PROMPTS[0], max_new_tokens=8, k=3, stop_ids=(EOS,), temperature=temperature, seed=3)
+    alone = SpeculativeDecoder(model, NgramDrafter(model.be), num_blocks=64).generate([ok])[0]
+    for bad in (Request(PROMPTS[1], max_new_tokens=8, allowed_token_ids=(5,), bad_words=((5,),),
+                        temperature=temperature),
+                Request(PROMPTS[1], max_new_tokens=8, stop_ids=(EOS,), temperature=temperature,
+                        allowed_token_ids=(3, 4), structured=StructuredOutputs(choice=("b",)))):
+        dec = SpeculativeDecoder(model, NgramDrafter(model.be), num_blocks=64, grammar=compiler)
+        a, b = dec.add(ok), dec.add(bad)
+        got, errors = [], {}
+        while dec.has_unfinished():
+            out = dec.step()
+            got += out.tokens.get(a, [])
+            errors.update(out.errors)
+            assert b not in out.tokens, "a token of a row without any allowed token was emitted"
+        assert got == alone and list(errors) == [b] and "allowed_token_ids" in errors[b]
+        assert dec.pool.allocator.num_free == dec.pool.allocator.num_blocks
+        with pytest.raises(HalError, match=r"requests\[1\]: request \d+: its allowed_token_ids"):
+            dec.generate([ok, bad])

@@ -150,14 +150,19 @@ class SpeculativeDecoder:
                 raise HalError(f"requests[{i}].prompt_ids: expected at least one token, got none")
         ids = [self.add(r) for r in requests]
         got: dict[int, list[int]] = {rid: [] for rid in ids}
+        errors: dict[int, str] = {}
         try:
             while self.has_unfinished():
-                for rid, toks in self.step().tokens.items():
+                out = self.step()
+                errors.update(out.errors)
+                for rid, toks in out.tokens.items():
                     got[rid] += toks
         finally:
             for rid in ids:
                 self.abort(rid)
             self._aborted = []
+        if errors:
+            raise HalError(f"requests[{ids.index(min(errors))}]: {errors[min(errors)]}")
         return [got[rid] for rid in ids]
 
     def profile_costs(self, max_tokens: int = 72, context: int = 512, reps: int = 5,
@@ -204,6 +209,7 @@ class SpeculativeDecoder:
         self._out.k = {state.rid: k for state, k in zip(live, plan.k)}
         drafts = proposals.drafts_for(self.drafter, self.router is not None, self._ahead, self.history, live,
                                       plan.k, dev)
+        drafts = grammar.cut(live, drafts)   # deterministic drafts end where a request's grammar forbids them
         self._ahead = None
         self._apply_drafts(live, drafts)
         fed = len(live) + sum(drafts.counts)
@@ -231,6 +237,9 @@ class SpeculativeDecoder:
             self._commit(plan.decode, result)
             self._keep_prefill_hidden(plan, result, first + resumed)
             for j, state in enumerate(first):
+                if result.reads.first_dead is not None and result.reads.first_dead[j]:
+                    self._fail(state)
+                    continue
                 token = int(result.reads.first[j])
                 logprobs = None if state.req.logprobs is None else [
                     logprob_entry(result.reads.first_logprobs, j, token, state.req.logprobs, result.top_n)]
@@ -290,7 +299,11 @@ class SpeculativeDecoder:
                 logprobs = [logprob_entry(reads.logprobs, row + j, out[i][j], state.req.logprobs, result.top_n)
                             for j in range(accepted[i] + 1)]
             row += counts[i] + 1
-            self._emit(state, out[i][: accepted[i] + 1], logprobs)
+            keep = accepted[i] + 1 if reads.dead is None else \
+                next((j for j, r in enumerate(path) if reads.dead[r]), accepted[i] + 1)
+            self._emit(state, out[i][:keep], None if logprobs is None else logprobs[:keep])
+            if keep <= accepted[i]:   # a row on its path had no token left: the tokens from there are not valid
+                self._fail(state)
             state.seq.cache_full_blocks(state.tokens)
 
     def _emit(self, state: State, new: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
@@ -310,6 +323,14 @@ class SpeculativeDecoder:
                     self._out.logprobs.setdefault(state.rid, []).extend(logprobs[:len(state.generated) - n0])
             if self.on_tokens is not None:
                 self.on_tokens(state.rid, state.generated[n0:])
+
+    def _fail(self, state: State) -> None:
+        """End a request whose own parameters left a row without any token to emit."""
+        if not state.done:
+            state.done = True
+            self._out.errors[state.rid] = (
+                f"request {state.rid}: its allowed_token_ids, bad_words{' and grammar' if state.matcher else ''} "
+                f"leave no token it may emit after {len(state.generated)} generated tokens")
 
     @property
     def prefix_cache_stats(self) -> tuple[int, int]:

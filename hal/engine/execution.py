@@ -58,7 +58,8 @@ def execute(target: Llama, pool: kv.KVPool, history: HistoryBuffer, drafter: Dra
         frows = logits[fed:][torch.tensor([where[state.rid] for state in first]).to(dev)]
         none = torch.zeros(0, dtype=torch.long, device=dev)
         allowed = grammar.masks(first, [0] * len(first), None, None, frows.shape[1], dev)
-        tok, _ = backend.sample(processed(backend, first, frows, none, [0] * len(first), None, allowed),
+        frows_p, reads.first_dead = processed(backend, first, frows, none, [0] * len(first), None, allowed)
+        tok, _ = backend.sample(frows_p,
                                 *sampling_args(first, [1] * len(first), dev, offsets.first))
         reads.first = tok.long()
         if want:
@@ -96,8 +97,8 @@ def _verify(backend, pool: kv.KVPool, history: HistoryBuffer, plan: StepPlan, dr
             verify_offsets: list[int] | None, logprobs: bool, top_n: int, reads: StepReads) -> None:
     """Verify the decoding rows into ``reads``; a tree's accepted path moves next to its root."""
     live, counts, dev = plan.decode, drafts.counts, logits.device
-    allowed = grammar.masks(live, counts, drafts.token_ids, drafts.parent_ids, logits.shape[1], dev)
-    target = processed(backend, live, logits, drafts.token_ids, counts, drafts.parent_ids, allowed)
+    allowed = grammar.masks(live, counts, drafts.token_ids, drafts.parent_ids, logits.shape[1], dev, drafts.host_ids)
+    target, reads.dead = processed(backend, live, logits, drafts.token_ids, counts, drafts.parent_ids, allowed)
     verified = trees.verify(backend, live, counts, drafts.token_ids, drafts.probs, target, drafts.parent_ids,
                             verify_offsets)
     reads.out, reads.accepted, reads.nodes = verified.out, verified.accepted, verified.nodes
@@ -113,16 +114,23 @@ def _verify(backend, pool: kv.KVPool, history: HistoryBuffer, plan: StepPlan, dr
 
 
 def processed(backend, states, logits: Tensor, ids: Tensor, counts: list[int], parents: Tensor | None,
-              allowed: Tensor | None = None) -> Tensor:
+              allowed: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """``logits`` (``[N + R, V]``, target rows) through the requests' logits processors (the
     drafts on each row's path count as generated), then their grammars' masks (``allowed``,
-    `hal.engine.grammar.masks`), or unchanged when none is on. Logprobs stay raw (vLLM's
-    default ``raw_logprobs``): they read the unprocessed rows."""
+    `hal.engine.grammar.masks`), and which rows that left without any token (``[N + R]``
+    bool; None when nothing is on). Such a row reads 0 everywhere, so that sampling and
+    verification run; the engine fails its request alone (`StepOutput.errors`). Logprobs
+    stay raw (vLLM's default ``raw_logprobs``): they read the unprocessed rows."""
     args = processor_args(states, logits.shape[1], logits.device)
+    if args is None and allowed is None:
+        return logits, None
     if args is not None:
         cu = torch.tensor([0, *counts]).cumsum(0).to(logits.device)
         logits = backend.process_logits(logits, ids, cu, parents, **args, max_k=max(counts, default=0))
-    return logits if allowed is None else logits.masked_fill(~allowed, float("-inf"))
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, float("-inf"))
+    dead = torch.isneginf(logits).all(-1)
+    return logits.masked_fill(dead[:, None], 0.0), dead
 
 
 def _padded(rows: list[Tensor]) -> list[Tensor | None]:

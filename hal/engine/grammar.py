@@ -11,17 +11,21 @@ grammar forbids is masked to -inf at its row, so it is never accepted; the emitt
 are then consumed for good. Greedy output equals plain greedy decoding under the same
 grammar, and a sampled token follows the masked target's law.
 
-Masks are computed on the host, so a step with a grammar request reads its drafts back
-(one transfer of the draft ids) before the forward; a step without one costs nothing."""
+Deterministic chain drafts (n-gram lookup) are cut at the first token the grammar forbids
+(`cut`), before the forward. Masks are computed on the host, so a step with a grammar
+request reads its draft ids back (one transfer) before the forward; a step without one
+costs nothing."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import torch
 from torch import Tensor
 
 from hal.engine.requests import State, StructuredOutputs
+from hal.engine.step_types import StepDrafts
 from hal.errors import HalError
 
 
@@ -116,14 +120,37 @@ def _row_paths(count: int, ids: list[int], parents: list[int] | None) -> list[li
     return paths
 
 
+def cut(states: list[State], drafts: StepDrafts) -> StepDrafts:
+    """Deterministic chain drafts (n-gram lookup) cut at the first token each request's
+    grammar forbids: that draft would be rejected, and what follows it is never reached. Exact
+    only because the drafts are deterministic: random drafts must not be shortened by looking
+    at them (`hal.engine.requests.Proposal`). Reads the draft ids back once, only when a
+    request has a grammar; they stay in ``host_ids`` for `masks`."""
+    if drafts.probs is not None or drafts.parent_ids is not None or not sum(drafts.counts) or \
+            not any(s.matcher is not None for s in states):
+        return drafts
+    ids = drafts.token_ids.tolist()
+    keep, counts, at = [], [], 0
+    for s, c in zip(states, drafts.counts):
+        n = c if s.matcher is None else s.matcher.validate_tokens(ids[at:at + c])
+        keep += range(at, at + n)
+        counts.append(n)
+        at += c
+    if counts == drafts.counts:
+        return replace(drafts, host_ids=ids)
+    picked = torch.tensor(keep, dtype=torch.long).to(drafts.token_ids.device)
+    return replace(drafts, token_ids=drafts.token_ids[picked], counts=counts, host_ids=[ids[i] for i in keep])
+
+
 def masks(states: list[State], counts: list[int], draft_ids: Tensor | None, parent_ids: Tensor | None, V: int,
-          dev) -> Tensor | None:
+          dev, host_ids: list[int] | None = None) -> Tensor | None:
     """``[sum(counts) + R, V]`` bool allowed tokens for the verified rows of ``states`` (their
     grammars after each row's drafts), or None when none of them has a grammar. Reads the
-    draft ids back only then."""
+    draft ids back only then (unless `cut` has: ``host_ids``)."""
     if not any(s.matcher is not None for s in states):
         return None
-    ids = draft_ids.tolist() if draft_ids is not None and draft_ids.numel() else []
+    ids = host_ids if host_ids is not None else \
+        draft_ids.tolist() if draft_ids is not None and draft_ids.numel() else []
     parents = parent_ids.tolist() if parent_ids is not None else None
     rows, at = [], 0
     for s, c in zip(states, counts):

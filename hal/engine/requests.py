@@ -90,6 +90,8 @@ class StepOutput:
     preempted: list[int] = field(default_factory=list)
     num_batched_tokens: int = 0                                   # tokens fed to the target this step
     k: dict[int, int] = field(default_factory=dict)              # drafts allowed per running request (router's k)
+    errors: dict[int, str] = field(default_factory=dict)         # requests failed by their own parameters (also
+    #                                                              in finished): why
 
 
 @dataclass(eq=False)

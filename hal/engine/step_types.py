@@ -64,6 +64,7 @@ class StepDrafts:
     proposal: Proposal | None       # the drafter's proposal (where the shadow drafts are read)
     offsets_used: list[int]         # [R] Philox offsets the drafter spent per request (State.offset advances)
     passed_features: bool = False   # the drafter was passed every pending feature (State.features clears)
+    host_ids: list[int] | None = None   # token_ids on the host, where a grammar read them (`hal.engine.grammar`)
 
 
 @dataclass
@@ -98,6 +99,8 @@ class StepReads:
     first_logprobs: Logprobs | None = None
     shadow_hits: Tensor | list | None = None  # [G] shadow first drafts equal to the emitted token
     lookahead_valid: Tensor | list | None = None  # [L] the lookahead proposal's num_valid
+    dead: Tensor | list | None = None         # [N + R] verified rows left without any token by the processors
+    first_dead: Tensor | list | None = None   # [F] the same for first-token rows (None: no processor is on)
 
 
 def read_back(reads: StepReads) -> StepReads:

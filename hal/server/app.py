@@ -215,6 +215,8 @@ def make_app(target, served: str, max_model_len: int, default_k: int, max_in_fli
                     loop.abort(hs[i])
             elif event[0] == "error":
                 return error(ApiError(event[1], None, 500, "server_error"))
+            elif event[0] == "invalid":
+                return error(ApiError(event[1], None))
             elif event[0] == "shutdown":
                 return error(ApiError(f"the server is shutting down: the request was cut after {len(text.ids)} "
                                       f"tokens (--shutdown-timeout)", None, 503, "service_unavailable"))
@@ -258,8 +260,9 @@ def make_app(target, served: str, max_model_len: int, default_k: int, max_in_fli
                 if text.stopped:
                     finish[i] = "stop"
                     loop.abort(handles[i])
-            elif event[0] == "error":
-                yield sse(ApiError(event[1], None, 500, "server_error").body())
+            elif event[0] in ("error", "invalid"):
+                yield sse((ApiError(event[1], None, 500, "server_error") if event[0] == "error"
+                           else ApiError(event[1], None)).body())
                 yield "data: [DONE]\n\n"
                 return
             elif event[0] != "tokens":

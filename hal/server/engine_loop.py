@@ -17,8 +17,9 @@ from hal.server.openai_schema import Parsed
 @dataclass
 class Handle:
     """One HTTP request as the engine loop sees it; events go back through ``q``: ``("tokens",
-    ids, logprobs)``, then one of ``("finished", reason)``, ``("error", message)`` or
-    ``("shutdown",)`` (cut by SIGTERM at ``--shutdown-timeout``)."""
+    ids, logprobs)``, then one of ``("finished", reason)``, ``("error", message)``,
+    ``("invalid", message)`` (its own parameters left no token to emit) or ``("shutdown",)``
+    (cut by SIGTERM at ``--shutdown-timeout``)."""
 
     parsed: Parsed
     q: asyncio.Queue
@@ -175,8 +176,9 @@ class EngineLoop:
         for rid in out.finished:
             if (handle := self.live.pop(rid, None)) is None:
                 continue
-            reason = "stop" if handle.last in handle.parsed.params.stop_ids else "length"
+            reason = "error" if rid in out.errors else "stop" if handle.last in handle.parsed.params.stop_ids \
+                else "length"
             if self.metrics:
                 self.metrics.finished(handle.arrival, handle.first, now, len(handle.parsed.prompt_ids),
                                       handle.generated, reason)
-            self._done(handle, ("finished", reason))
+            self._done(handle, ("invalid", out.errors[rid]) if rid in out.errors else ("finished", reason))
