@@ -43,6 +43,8 @@ bench: $(STAMP)
 	cd benchmarks && ../$(BIN)/python engine.py
 	cd benchmarks && ../$(BIN)/python serve.py
 	$(BIN)/python benchmarks/load.py
+	$(BIN)/python benchmarks/load.py --case prefix --requests 8 --max-tokens 24
+	$(BIN)/python benchmarks/structured.py
 
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve

@@ -103,7 +103,7 @@ def test_a_forbidden_draft_is_never_accepted(model, compiler, name, monkeypatch)
     deterministic drafts is off here, so that the forbidden drafts reach verification."""
     from hal.drafters import ModelDrafter
     from hal.engine import grammar
-    monkeypatch.setattr(grammar, "cut", lambda states, drafts: drafts)
+    monkeypatch.setattr(grammar, "constrain", lambda states, drafts, ks: drafts)
     plain, _ = run(model, compiler, None, name, 0)
     spec, dec = run(model, compiler, ModelDrafter(model, num_blocks=256), name, 4)
     assert spec == plain
@@ -192,32 +192,35 @@ def test_a_mask_that_ignores_the_drafts_is_caught(model, compiler, monkeypatch):
     from hal.engine import grammar
     from tests.mutants import mutate
     plain, _ = run(model, compiler, None, "json", 0)
-    monkeypatch.setattr(grammar, "cut", lambda states, drafts: drafts)   # the forbidden drafts reach the rows
+    monkeypatch.setattr(grammar, "constrain", lambda states, drafts, ks: drafts)   # the forbidden drafts reach the rows
     monkeypatch.setattr(grammar, "_row_paths", mutate("grammar-ignores-drafts"))
     with pytest.raises(HalError, match="refused emitted token"):
         spec, _ = run(model, compiler, ModelDrafter(model, num_blocks=256), "json", 4)
         assert spec == plain   # not reached: the engine's own check refuses the token first
 
 
-def test_deterministic_drafts_are_cut_where_the_grammar_forbids(compiler):
-    """``grammar.cut``: a request's n-gram drafts end at the first token its grammar forbids
-    (``abx`` allowed by ``[a-c]{2,5}x[0-9]``, then ``q`` not); a request without a grammar
-    keeps all of its drafts; random drafts (with their q) are never cut."""
+def test_deterministic_drafts_follow_the_grammar(compiler):
+    """``grammar.constrain``: a request's n-gram drafts end at the first token its grammar
+    forbids (``abx`` allowed by ``[a-c]{2,5}x[0-9]``, then ``q`` not), then take the tokens the
+    grammar forces (``{"k":`` opens the JSON schema's object) up to its k; a request without a
+    grammar keeps its drafts; random drafts (with their q) are never touched."""
     from hal.engine import grammar
     from hal.engine.requests import State
     from hal.engine.step_types import StepDrafts
     from hal.kv import BlockAllocator, Sequence
     tok = tokenizer()
     ids = lambda s: tok.encode(s).ids  # noqa: E731
-    a = State(Request([1], stop_ids=(EOS,)), 0, [1], Sequence(BlockAllocator(2, 4)),
-              matcher=compiler.matcher(GRAMMARS["regex"]))
-    b = State(Request([1]), 1, [1], Sequence(BlockAllocator(2, 4)))
-    drafts = StepDrafts(torch.tensor(ids("abxqa") + ids("qq")), [5, 2], None, None, [], None, [0, 0])
-    got = grammar.cut([a, b], drafts)
-    assert got.counts == [3, 2] and got.token_ids.tolist() == ids("abx") + ids("qq") == got.host_ids
-    sampled = StepDrafts(drafts.token_ids, [5, 2], torch.ones(7, 50) / 50, None, [], None, [0, 0])
-    assert grammar.cut([a, b], sampled) is sampled
-    assert a.matcher.validate_tokens(ids("ab")) == 2, "cut consumed tokens from the matcher"
+    state = lambda rid, g: State(Request([1], stop_ids=(EOS,)), rid, [1], Sequence(BlockAllocator(2, 4)),  # noqa
+                                 matcher=None if g is None else compiler.matcher(GRAMMARS[g]))
+    a, b, c = state(0, "regex"), state(1, None), state(2, "json")
+    drafts = StepDrafts(torch.tensor(ids("abxqa") + ids("qq") + ids("Zq")), [5, 2, 2], None, None, [], None,
+                        [0, 0, 0])
+    got = grammar.constrain([a, b, c], drafts, [5, 2, 6])
+    assert got.counts == [3, 2, 5] and got.token_ids.tolist() == ids("abx") + ids("qq") + ids('{"k":') == got.host_ids
+    sampled = StepDrafts(drafts.token_ids, [5, 2, 2], torch.ones(9, 50) / 50, None, [], None, [0, 0, 0])
+    assert grammar.constrain([a, b, c], sampled, [5, 2, 6]) is sampled
+    assert a.matcher.validate_tokens(ids("ab")) == 2 and c.matcher.validate_tokens(ids("{")) == 1, \
+        "constrain left tokens in a matcher"
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

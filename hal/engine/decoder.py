@@ -209,7 +209,7 @@ class SpeculativeDecoder:
         self._out.k = {state.rid: k for state, k in zip(live, plan.k)}
         drafts = proposals.drafts_for(self.drafter, self.router is not None, self._ahead, self.history, live,
                                       plan.k, dev)
-        drafts = grammar.cut(live, drafts)   # deterministic drafts end where a request's grammar forbids them
+        drafts = grammar.constrain(live, drafts, plan.k)   # deterministic drafts follow each request's grammar
         self._ahead = None
         self._apply_drafts(live, drafts)
         fed = len(live) + sum(drafts.counts)

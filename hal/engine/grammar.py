@@ -12,7 +12,7 @@ are then consumed for good. Greedy output equals plain greedy decoding under the
 grammar, and a sampled token follows the masked target's law.
 
 Deterministic chain drafts (n-gram lookup) are cut at the first token the grammar forbids
-(`cut`), before the forward. Masks are computed on the host, so a step with a grammar
+and extended with the tokens it forces (`constrain`), before the forward. Masks are computed on the host, so a step with a grammar
 request reads its draft ids back (one transfer) before the forward; a step without one
 costs nothing."""
 
@@ -120,26 +120,37 @@ def _row_paths(count: int, ids: list[int], parents: list[int] | None) -> list[li
     return paths
 
 
-def cut(states: list[State], drafts: StepDrafts) -> StepDrafts:
-    """Deterministic chain drafts (n-gram lookup) cut at the first token each request's
-    grammar forbids: that draft would be rejected, and what follows it is never reached. Exact
-    only because the drafts are deterministic: random drafts must not be shortened by looking
-    at them (`hal.engine.requests.Proposal`). Reads the draft ids back once, only when a
-    request has a grammar; they stay in ``host_ids`` for `masks`."""
-    if drafts.probs is not None or drafts.parent_ids is not None or not sum(drafts.counts) or \
-            not any(s.matcher is not None for s in states):
+def constrain(states: list[State], drafts: StepDrafts, ks: list[int]) -> StepDrafts:
+    """Deterministic chain drafts (n-gram lookup) under each request's grammar: cut at the
+    first token the grammar forbids (that draft would be rejected, and what follows it is
+    never reached), then extended with the tokens the grammar forces after them (llguidance's
+    fast-forward tokens: a JSON key, its quotes and colon), up to the request's ``ks[i]``
+    slots (the scheduler's budget). Forced tokens are the target's only choice, so they are
+    accepted. Exact only because these drafts are deterministic: random drafts must not be
+    shortened by looking at them (`hal.engine.requests.Proposal`), so they are left alone.
+    Reads the draft ids back once, only when a request has a grammar; they stay in
+    ``host_ids`` for `masks`."""
+    if drafts.probs is not None or drafts.parent_ids is not None or \
+            not any(s.matcher is not None and k for s, k in zip(states, ks)):
         return drafts
     ids = drafts.token_ids.tolist()
-    keep, counts, at = [], [], 0
-    for s, c in zip(states, drafts.counts):
-        n = c if s.matcher is None else s.matcher.validate_tokens(ids[at:at + c])
-        keep += range(at, at + n)
-        counts.append(n)
-        at += c
-    if counts == drafts.counts:
+    out, counts, at = [], [], 0
+    for s, c, k in zip(states, drafts.counts, ks):
+        mine, at = ids[at:at + c], at + c
+        if s.matcher is not None and k:
+            mine = mine[:s.matcher.validate_tokens(mine)]
+            if len(mine) < k:
+                n = s.matcher.try_consume_tokens(mine) if mine else 0
+                forced = s.matcher.compute_ff_tokens() if n == len(mine) else []
+                if n:
+                    s.matcher.rollback(n)
+                mine = mine + forced[:k - len(mine)]
+        out += mine
+        counts.append(len(mine))
+    if counts == drafts.counts and out == ids:
         return replace(drafts, host_ids=ids)
-    picked = torch.tensor(keep, dtype=torch.long).to(drafts.token_ids.device)
-    return replace(drafts, token_ids=drafts.token_ids[picked], counts=counts, host_ids=[ids[i] for i in keep])
+    return replace(drafts, token_ids=torch.tensor(out, dtype=torch.long).to(drafts.token_ids.device), counts=counts,
+                   host_ids=out)
 
 
 def masks(states: list[State], counts: list[int], draft_ids: Tensor | None, parent_ids: Tensor | None, V: int,
