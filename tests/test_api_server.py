@@ -308,7 +308,7 @@ def test_null_means_unset(server):
                          {"role": "user", "content": "again"}]}
     r = httpx.post(server[1] + "/v1/chat/completions", json=chat, timeout=120)
     assert r.status_code == 200, r.text
-    from hal.server.protocol import ChatCompletionResponse
+    from hal.server.responses import ChatCompletionResponse
     ChatCompletionResponse.model_validate(r.json())   # the published response schema holds
 
 

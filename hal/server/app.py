@@ -32,8 +32,8 @@ from hal.errors import HalError
 from hal.server.engine_loop import Busy, Closing, EngineLoop, Handle
 from hal.server.openai_schema import (ApiError, Parsed, TextState, chunk, logprobs_chat, logprobs_completion, new_id,
                                       parse, response, usage)
-from hal.server.protocol import (ChatCompletionResponse, CompletionResponse, ErrorResponse, Health, ModelList,
-                                 WireModels, wire_models)
+from hal.server.protocol import WireModels, wire_models
+from hal.server.responses import ChatCompletionResponse, CompletionResponse, ErrorResponse, Health, ModelList
 
 
 MAX_BODY = 8 << 20   # bytes: far above any prompt within --max-model-len; a bigger body is refused unread
