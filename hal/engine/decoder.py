@@ -328,9 +328,13 @@ class SpeculativeDecoder:
         """End a request whose own parameters left a row without any token to emit."""
         if not state.done:
             state.done = True
+            req = state.req
+            names = [n for n, on in (("allowed_token_ids", req.allowed_token_ids is not None),
+                                     ("bad_words", bool(req.bad_words)), ("structured", state.matcher is not None))
+                     if on] or ["sampling parameters"]
             self._out.errors[state.rid] = (
-                f"request {state.rid}: its allowed_token_ids, bad_words{' and grammar' if state.matcher else ''} "
-                f"leave no token it may emit after {len(state.generated)} generated tokens")
+                f"{names[0]}: expected a token that {' and '.join(names)} leave allowed, got none after "
+                f"{len(state.generated)} generated tokens (request {state.rid})")
 
     @property
     def prefix_cache_stats(self) -> tuple[int, int]:

@@ -148,6 +148,13 @@ def make_app(target, served: str, max_model_len: int, default_k: int, max_in_fli
                                parsed.structured_field) from None
         return parsed
 
+    def invalid(message: str, parsed: Parsed) -> ApiError:
+        """A request its own parameters stopped (`StepOutput.errors`): a 400 naming the first."""
+        name = message.split(":")[0]
+        if name == "structured":
+            name, message = parsed.structured_field, f"{parsed.structured_field}{message[len('structured'):]}"
+        return ApiError(message, name if name.isidentifier() or "." in name else None)
+
     async def accept(request: HttpRequest, chat: bool):
         """The checked request and one engine handle per choice (all queued, or none)."""
         if loop.closing:
@@ -216,7 +223,7 @@ def make_app(target, served: str, max_model_len: int, default_k: int, max_in_fli
             elif event[0] == "error":
                 return error(ApiError(event[1], None, 500, "server_error"))
             elif event[0] == "invalid":
-                return error(ApiError(event[1], None))
+                return error(invalid(event[1], parsed))
             elif event[0] == "shutdown":
                 return error(ApiError(f"the server is shutting down: the request was cut after {len(text.ids)} "
                                       f"tokens (--shutdown-timeout)", None, 503, "service_unavailable"))
@@ -262,7 +269,7 @@ def make_app(target, served: str, max_model_len: int, default_k: int, max_in_fli
                     loop.abort(handles[i])
             elif event[0] in ("error", "invalid"):
                 yield sse((ApiError(event[1], None, 500, "server_error") if event[0] == "error"
-                           else ApiError(event[1], None)).body())
+                           else invalid(event[1], parsed)).body())
                 yield "data: [DONE]\n\n"
                 return
             elif event[0] != "tokens":
