@@ -20,7 +20,7 @@ test: $(STAMP)
 		echo "make test: iproute2 is missing and could not be installed; the two-namespace tests will skip"
 	$(BIN)/lint-imports --no-cache
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir $(VENV)/site
-	TRITON_INTERPRET=1 HAL_ASCEND_EMULATE=1 $(BIN)/python -m pytest -q
+	TRITON_INTERPRET=1 HAL_ASCEND_EMULATE=1 $(BIN)/python -m pytest -q --durations=15
 
 demo: $(STAMP)
 	$(BIN)/python -m hal info
