@@ -36,6 +36,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from load import MODEL, free_port, stop, wait_up  # noqa: E402
 from report import publish  # noqa: E402
 
+from hal.models.linear_plan import machine_line  # noqa: E402
+
 OUT = Path(__file__).parent / "results" / "soak.md"
 SYSTEM = "You are a patient assistant. Answer in two short sentences and never use lists. " * 6
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["answer", "sure"],
@@ -187,7 +189,7 @@ def main() -> None:
     passed = flat_rss and flat_threads and not bad and all(v == 0 for v in used.values())
     lines = ["# Soak: `spec-hal serve`, n-gram drafter on a second rank, one worker kill", "",
              f"Command: `python benchmarks/soak.py --minutes {args.minutes:g} --rate {args.rate:g} --kill-at "
-             f"{args.kill_at:g} --seed {args.seed}`; {time.strftime('%Y-%m-%d')}; {os.cpu_count()} cores.", "",
+             f"{args.kill_at:g} --seed {args.seed}`; {time.strftime('%Y-%m-%d')}; {machine_line()}.", "",
              f"**{'PASS' if passed else 'FAIL'}**: KV blocks in use at the end {used}; RSS "
              f"{first[2] / 2**20:.0f} MiB after the first minute, {rss / 2**20:.0f} MiB at the end "
              f"({'flat' if flat_rss else 'GREW'}); threads {first[3]} then {threads} "
