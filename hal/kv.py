@@ -245,9 +245,7 @@ class Sequence:
         if not a.caching or stop <= len(self.hashes):
             return
         new = block_hashes(tokens, bs, self.hashes[-1] if self.hashes else b"", len(self.hashes), stop)
-        for bi, h in enumerate(new, start=len(self.hashes)):
-            a.cache(self.blocks[bi], h)
-        self.hashes += new
+        self.name_blocks(self.hashes + new, stop * bs)
 
     def name_blocks(self, names: Seq[bytes], upto: int) -> None:
         """Offer the leading full blocks within the first ``upto`` positions to the prefix
