@@ -56,6 +56,8 @@ class SpecDecodeMetrics:
         self.tpot: list[float] = []   # seconds per output token after the first, per finished request
         self.e2e: list[float] = []    # seconds from arrival to the last token
         self.draft_failures = 0       # the draft worker died or timed out; its requests fell back to plain decoding
+        self.workers_lost = 0         # the link to the draft worker failed (a reset or a timeout)
+        self.workers_rejoined = 0     # ... and the worker joined again by a new epoch
         self.stale_drafts = 0         # drafts dropped because they were not built on the committed prefix
         self.preemptions = 0          # running requests preempted when KV blocks ran out (recomputed later)
         self.acceptance_lengths: list[int] = []  # tokens emitted per request per verify step with drafts
@@ -141,6 +143,9 @@ def prometheus_text(m: SpecDecodeMetrics, prefix: str = "spec_hal") -> str:
                          ("accepted_tokens", "draft tokens accepted", t.num_accepted_tokens),
                          ("draft_failures", "draft worker deaths or timeouts (fell back to plain decoding)",
                           m.draft_failures),
+                         ("draft_workers_lost", "draft workers lost to the link (a reset or a timeout)", m.workers_lost),
+                         ("draft_workers_rejoined", "draft workers that joined again by a new epoch",
+                          m.workers_rejoined),
                          ("stale_drafts", "drafts dropped: not built on the committed prefix", m.stale_drafts)):
         pc.Counter(f"{prefix}_{name}", doc, registry=reg).inc(v)
     pc.Gauge(f"{prefix}_acceptance_rate", "accepted / proposed draft tokens", registry=reg).set(m.acceptance_rate)

@@ -116,3 +116,46 @@ def test_greedy_under_delay_jitter_and_loss_equals_plain(tiny, hosts, tmp_path):
     assert target.returncode == 0, target.stderr[-3000:]
     got = json.loads(out.read_text())
     assert got["outputs"] == plain(tiny, "cpu") and got["draft_failures"] == 0
+
+
+def test_a_partition_mid_stream_heals_and_the_worker_rejoins(hosts, tmp_path):
+    """The server as the target in one namespace, an n-gram worker in the other. Mid-stream
+    the target's end of the link goes down: the target counts the worker lost and serves
+    alone; the link comes back: the worker rejoins by a new epoch and drafts resume. Every
+    answer (a stream spanning it all, and requests one after another) is plain greedy's."""
+    pytest.importorskip("httpx")
+    from tests.test_api_server import MODEL
+    import hal
+    try:
+        from hal.models.fetch import fetch
+        fetch(MODEL)
+    except hal.HalError as e:
+        pytest.skip(f"model not fetchable: {e}")
+    t_ns, d_ns, t_ip, _, t_if, d_if = hosts
+    env = {**os.environ, "MASTER_ADDR": t_ip, "MASTER_PORT": "29519", "WORLD_SIZE": "2", "HAL_BACKEND": "cpu"}
+    cmd = [sys.executable, "-m", "hal.server.app", "--model", MODEL, "--draft", "ngram", "--k", "4", "--port", "8031",
+           "--host", "127.0.0.1", "--max-model-len", "512", "--cpu-budget-gib", "2", "--draft-timeout", "3"]
+    logs = [open(tmp_path / f"{n}.log", "w") for n in ("target", "draft")]
+    draft = subprocess.Popen(["ip", "netns", "exec", d_ns, *cmd], env={**env, "RANK": "1", "GLOO_SOCKET_IFNAME": d_if},
+                             stdout=logs[1], stderr=subprocess.STDOUT)
+    target = subprocess.Popen(["ip", "netns", "exec", t_ns, *cmd], env={**env, "RANK": "0", "GLOO_SOCKET_IFNAME": t_if},
+                              stdout=logs[0], stderr=subprocess.STDOUT)
+    try:
+        r = subprocess.run(["ip", "netns", "exec", t_ns, sys.executable, "tests/netns_partition.py",
+                            "http://127.0.0.1:8031", t_if, MODEL], capture_output=True, text=True, timeout=600)
+        log = "".join((tmp_path / f"{n}.log").read_text()[-2500:] for n in ("target", "draft"))
+        assert r.returncode == 0, r.stdout + r.stderr[-3000:] + log
+        got = json.loads(r.stdout.strip().splitlines()[-1])
+        print(got)
+        assert got["lost"] == 1 and got["rejoined"] == 1, got
+        assert got["wrong"] == [] and got["long_equal"], (got, log)   # nothing lost, duplicated or changed
+        assert got["stream_chunks_at_down"] > 0 and got["requests"] >= 1, got   # the partition was mid-stream
+    finally:
+        for p in (target, draft):
+            p.terminate()
+        for p in (target, draft):
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(10)

@@ -83,11 +83,17 @@ def test_truncated_or_corrupted_words_are_refused_or_consistent(msg, data):
 
 def test_out_of_range_values_name_what_was_expected():
     words, rows, idx = encode(Drafts(0, 0, [DraftEntry(3, 4, 5, [1, 2])]))
-    for bad, what in ((words[:3] + [3, 4, 5, 2, 1, V], "draft token ids"), ([99], "message kind"),
-                      (words[:6] + [2 ** 40, 1, 2], "draft count")):
+    for bad, what in ((words[:4] + [3, 4, 5, 2, 1, V], "draft token ids"), ([99], "message kind"),
+                      (words[:7] + [2 ** 40, 1, 2], "draft count"), ([words[0], -1] + words[2:], "epoch")):
         refused(bad, None, what)
     refused(encode(Commit([CommitEntry(1, 2, 3, [4], NewRequest(0, 1, 5, float("nan"), 1.0))]))[0], None,
             "temperature")
+
+
+def test_the_epoch_travels_both_ways():
+    for msg in (Commit([CommitEntry(1, 2, 3, [4])], [5], epoch=7), Drafts(0, 0, [DraftEntry(3, 4, 5, [1])], epoch=7)):
+        words = encode(msg)[0]
+        assert words[1] == 7 and decode(words, None, None, vocab=V).epoch == 7
 
 
 def test_tree_parents_are_checked():

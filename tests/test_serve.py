@@ -170,7 +170,7 @@ class QueueLink:
             raise RuntimeError("Timed out waiting for the draft worker") from None
 
 
-def in_process_two_sides(tiny, tamper=None, k=3):
+def in_process_two_sides(tiny, tamper=None, k=3, remote_cls=None):
     import queue
     import threading
 
@@ -184,7 +184,7 @@ def in_process_two_sides(tiny, tamper=None, k=3):
                               args=(QueueLink(a, b, tamper), ModelDrafter(load_safetensors(tiny, be))))
     worker.start()
     metrics = SpecDecodeMetrics()
-    remote = RemoteDrafter(QueueLink(b, a), V, torch.device("cpu"), metrics, timeout=30)
+    remote = (remote_cls or RemoteDrafter)(QueueLink(b, a), V, torch.device("cpu"), metrics, timeout=30)
     dec = SpeculativeDecoder(load_safetensors(tiny, be), remote, num_blocks=64, metrics=metrics)
     out = dec.generate([Request([int(t) for t in p.split(",")], max_new_tokens=N, k=k) for p in PROMPTS])
     remote.close()
@@ -199,11 +199,29 @@ def test_protocol_in_process_overlap_and_stale_drafts_dropped(tiny):
 
     def stale(words, n):  # PLANTED: every other DRAFTS reply claims a history the target never committed
         if words[0] == 2 and n % 2 == 0:
-            words[5] ^= 1  # the first request's base hash
+            words[6] ^= 1  # the first request's base hash
         return words
     out, m, remote = in_process_two_sides(tiny, stale)
     assert out == plain(tiny, "cpu"), "a stale draft reached verification"
     assert m.stale_drafts > remote.guess_misses  # the target dropped the planted ones itself
+
+
+def test_drafts_of_another_epoch_are_refused(tiny):
+    """A reply stamped with an epoch other than the link's (`hal.distributed.rendezvous`) is
+    refused whole: its drafts are counted stale, never verified, and drafting goes on."""
+    def other_epoch(words, n):  # PLANTED: every third DRAFTS reply claims epoch 1 on epoch 0's link
+        if words[0] == 2 and n % 3 == 0:
+            words[1] = 1
+        return words
+    from tests.mutants import mutate
+
+    def refused(remote_cls=None, tamper=other_epoch) -> int:
+        out, m, remote = in_process_two_sides(tiny, tamper, remote_cls=remote_cls)
+        assert out == plain(tiny, "cpu") and m.draft_failures == 0 and remote.alive
+        return m.stale_drafts - remote.guess_misses
+    assert refused() >= 2
+    assert refused(tamper=None) == 0                          # without the plant nothing is refused
+    assert refused(mutate("accepts-other-epochs")) == 0       # a target that does not check takes them
 
 
 class ConstantDrafter:

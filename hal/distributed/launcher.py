@@ -21,7 +21,6 @@ target finishes every request by plain decoding (identical output; counted in
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -38,7 +37,8 @@ from hal.distributed.placement import Placement, link_backend
 from hal.distributed.protocol import DRAFT, TARGET, Link
 from hal.distributed.remote import RemoteDrafter
 from hal.distributed.startup import QUIET, Phases
-from hal.distributed.worker import draft_worker
+from hal.distributed.rendezvous import Rendezvous
+from hal.distributed.worker import serve_epochs
 
 
 def plan(args, target_mem, target_side, draft_mem, draft_side, max_seqs: int):
@@ -55,30 +55,28 @@ def plan(args, target_mem, target_side, draft_mem, draft_side, max_seqs: int):
 @dataclass
 class Target:
     """What the target rank runs: the engine, its tokenizer (None for HF folders), and the
-    link state (``world`` 2: a draft rank; ``joined``: it answered the rendezvous)."""
+    link (``world`` 2: a draft rank; ``link``: the first epoch's backend)."""
 
     dec: SpeculativeDecoder
     tok: object
     world: int
-    joined: bool
     link: str | None
     side: object
 
     @property
     def degraded(self) -> str | None:
-        """Why speculation is off for good (the draft rank is gone), else None."""
+        """Why speculation is off now (the draft rank is not joined), else None."""
         d = self.dec.drafter
-        if self.world == 2 and not self.joined:
-            return "the draft worker did not join; decoding plainly"
         if isinstance(d, RemoteDrafter) and not d.alive:
-            return "the draft worker was lost; decoding plainly"
+            return ("the draft worker did not join; decoding plainly" if d.rounds == 0 and d.lost
+                    else "the draft worker was lost; decoding plainly")
         return None
 
     def close(self) -> None:
-        if self.world == 2 and self.joined:
+        if isinstance(self.dec.drafter, RemoteDrafter):
             self.dec.drafter.close()
-            if not self.dec.drafter.lost:
-                dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def add_dtype_args(ap: argparse.ArgumentParser) -> None:
@@ -144,18 +142,11 @@ def start(args, max_seqs: int, engine_kw: dict | None = None, phases: Phases = Q
         raise HalError(f"WORLD_SIZE: expected 1 (in-process draft) or 2 (draft and target ranks), got {world}")
     spec = parse_draft(args.draft, draft_kinds(remote=world == 2))
     rank = int(os.environ.get("RANK", "0"))
-    joined, backend = False, None
-    if world == 2:
-        backend = link_backend(placement)
-        try:  # bounded: a worker that dies before the rendezvous must not hold the target
-            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.draft_startup_timeout))
-            joined = True
-        except (RuntimeError, ValueError) as e:  # DistStoreError and friends: no peer within the timeout
-            if rank == DRAFT:
-                raise HalError(f"hal.distributed.launcher: the target did not join within {args.draft_startup_timeout} s "
-                               f"({type(e).__name__})") from e
-            print(f"hal.distributed.launcher: the draft worker did not join within {args.draft_startup_timeout} s "
-                  f"({type(e).__name__}); serving alone by plain decoding", file=sys.stderr, flush=True)
+    rv = None
+    if world == 2:   # the store opens now (bounded); each side joins once it has loaded
+        rv = Rendezvous(rank, link_backend(placement), args.draft_startup_timeout)
+        if rank == TARGET:
+            rv.announce(0)
     from hal.models.fetch import MODELS, fetch
     from hal.models.linear_plan import choose_plan
     from hal.models.llama import linear_shapes, read_config
@@ -168,13 +159,16 @@ def start(args, max_seqs: int, engine_kw: dict | None = None, phases: Phases = Q
         draft_side = resolve_side(placement.draft, "draft")
         mem, dpath = draft_memory(spec, path, shares_target=False)
         pool = plan(args, None, None, mem, draft_side, max_seqs).allocate("draft") if mem is not None else None
-        link = Link(TARGET, torch.device("cpu") if backend == "gloo" else draft_side.device)
         # a head shares the target's embeddings and lm_head: this rank loads the weights for them
         tw = load_model(path, draft_side.backend, args.dtype)[0].to(draft_side.device) if head else None
         drafter = make_drafter(spec, draft_side.backend, target=tw, path=args.model if head else dpath, pool=pool,
                                device=draft_side.device)
-        draft_worker(link, drafter, os.environ.get("HAL_SERVE_FAULT", ""), idle=max(600.0, args.draft_timeout))
-        dist.destroy_process_group()
+        try:
+            serve_epochs(rv, drafter, draft_side.device, os.environ.get("HAL_SERVE_FAULT", ""),
+                         idle=max(600.0, args.draft_timeout), join_timeout=args.draft_startup_timeout)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
         return None
     target_side = resolve_side(placement.target, "target")
     draft_side = resolve_side(placement.draft, "draft") if world == 1 else None
@@ -195,17 +189,8 @@ def start(args, max_seqs: int, engine_kw: dict | None = None, phases: Phases = Q
         model.to(target_side.device)
     metrics = SpecDecodeMetrics()
     with phases(f"draft {args.draft}"):
-        if world == 2 and not joined:
-            drafter = None
-            metrics.draft_failures += 1
-        elif world == 2:
-            link = Link(DRAFT, torch.device("cpu") if backend == "gloo" else target_side.device)
-            layers = None
-            if head:
-                from hal.models.eagle import head_feature_layers, shipped_head
-                layers = head_feature_layers(spec.path or shipped_head(args.model), model.cfg.layers)
-            drafter = RemoteDrafter(link, model.cfg.vocab, target_side.device, metrics, args.draft_timeout,
-                                    first_timeout=args.draft_startup_timeout, features=layers)
+        if world == 2:
+            drafter = _remote(args, rv, spec, model, target_side, metrics, head)
         else:
             drafter = make_drafter(spec, draft_side.backend, target=model if shares or head else None,
                                    path=args.model if head else dpath,
@@ -220,7 +205,30 @@ def start(args, max_seqs: int, engine_kw: dict | None = None, phases: Phases = Q
         from hal.engine.router import Router
         with phases("routing profile (the target's and the drafter's costs, measured)"):
             dec.router = Router(dec.profile_costs(profile_draft=world == 1, progress=phases.bars), max_k=args.k)
-    return Target(dec, tok, world, joined, backend, target_side)
+    return Target(dec, tok, world, rv.backend if rv else None, target_side)
+
+
+def _remote(args, rv: Rendezvous, spec, model, target_side, metrics, head: bool) -> RemoteDrafter:
+    """The target's view of the draft rank: epoch 0's link, or (the worker did not join
+    within the start-up timeout) none yet, with epoch 1 open for it to join late."""
+    layers = None
+    if head:
+        from hal.models.eagle import head_feature_layers, shipped_head
+        layers = head_feature_layers(spec.path or shipped_head(args.model), model.cfg.layers)
+    try:
+        link = Link(DRAFT, torch.device("cpu") if rv.backend == "gloo" else target_side.device,
+                    rv.group(0, args.draft_startup_timeout))
+    except HalError as e:
+        print(f"hal.distributed.launcher: the draft worker did not join within {args.draft_startup_timeout} s "
+              f"({e}); serving alone by plain decoding until it joins", file=sys.stderr, flush=True)
+        link = None
+        metrics.draft_failures += 1
+    d = RemoteDrafter(link, model.cfg.vocab, target_side.device, metrics, args.draft_timeout,
+                      first_timeout=args.draft_startup_timeout, features=layers, rendezvous=rv)
+    if link is None:
+        d.lost, d.epoch = True, 1
+        rv.announce(1)
+    return d
 
 
 def grammar_compiler(tok, cfg, phases: Phases):
@@ -271,8 +279,9 @@ def _run(args) -> int:
                "overlap_hits": getattr(drafter, "guess_hits", 0), "overlap_misses": getattr(drafter, "guess_misses", 0),
                "steps": dec.steps}
     if world == 2 and drafter is not None:   # what crossed the link, and the share of time spent in rounds
-        summary.update(rounds=drafter.rounds, round_trip_seconds=drafter.wait_s,
-                       bytes_sent=drafter.link.bytes_sent, bytes_received=drafter.link.bytes_received)
+        summary.update(rounds=drafter.rounds, round_trip_seconds=drafter.wait_s, epoch=drafter.epoch,
+                       workers_lost=m.workers_lost, workers_rejoined=m.workers_rejoined,
+                       bytes_sent=drafter.bytes_sent, bytes_received=drafter.bytes_received)
     print(json.dumps({k: v for k, v in summary.items() if k != "outputs"}), flush=True)
     if args.out:
         with open(args.out, "w") as f:

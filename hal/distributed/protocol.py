@@ -21,6 +21,7 @@ from hal.devices import transfer
 
 COMMIT, DRAFTS, STOP = 1, 2, 3
 MAX_WORDS, MAX_ROWS, MAX_COLS = 1 << 24, 1 << 20, 1 << 20  # what a peer's message header may announce
+MAX_EPOCH = 1 << 40
 TARGET, DRAFT = 0, 1
 DRAFT_SEED = 1 << 40  # the worker's draws use (seed + DRAFT_SEED, offset): a stream the target never uses
 
@@ -38,10 +39,11 @@ def history_hash(tokens: list[int], h: int = HASH_SEED) -> int:
 
 class Link:
     """Messages between the two ranks: int64 words, optional float32 rows, optional int32
-    indices (sparse q). Sends are non-blocking; a receive may time out."""
+    indices (sparse q). Sends are non-blocking; a receive may time out. ``group``: the epoch's
+process group (`hal.distributed.rendezvous`); None: the default group."""
 
-    def __init__(self, peer: int, device: torch.device):
-        self.peer, self.device, self._sending, self._keep = peer, device, [], []
+    def __init__(self, peer: int, device: torch.device, group=None):
+        self.peer, self.device, self.group, self._sending, self._keep = peer, device, group, [], []
         self.bytes_sent = self.bytes_received = 0   # payload bytes, headers included
 
     def flush(self) -> None:
@@ -58,7 +60,8 @@ class Link:
         head = torch.tensor([len(words), r[0], r[1], idx is not None], dtype=torch.long)
         parts = [transfer(t, self.device) for t in [head] + parts]
         self.bytes_sent += sum(t.numel() * t.element_size() for t in parts)
-        self._sending = [dist.isend(t, self.peer) for t in parts]
+        self._sending = [dist.isend(t, self.peer) if self.group is None else self.group.send([t], self.peer, 0)
+                         for t in parts]
         self._keep = parts
 
     def recv(self, timeout: float | None) -> tuple[list[int], Tensor | None, Tensor | None]:
@@ -75,7 +78,7 @@ class Link:
 
     def _recv(self, t: Tensor, timeout: float | None) -> Tensor:
         t = t.to(self.device)
-        work = dist.irecv(t, self.peer)
+        work = dist.irecv(t, self.peer) if self.group is None else self.group.recv([t], self.peer, 0)
         if timeout is None:
             work.wait()
         else:
@@ -86,13 +89,14 @@ class Link:
 
 # -- the messages: one typed class per kind, one encoder and one decoder each ----------------------
 # Wire form: int64 words (kind first), optional float32 rows, optional int32 indices (sparse q).
-#   COMMIT: [COMMIT, n, n_finished, *finished, n x (rid, k, length, new, [top_k, seed, max_new,
+#   COMMIT: [COMMIT, epoch, n, n_finished, *finished, n x (rid, k, length, new, [top_k, seed, max_new,
 #            temperature, top_p (IEEE-754 float64 bits)] if new, n_delta, *delta, n_features)],
 #           rows: the target's features, n_features rows per request in order (an EAGLE head's input)
-#   DRAFTS: [DRAFTS, hits, stale, n x (rid, base_len, base_hash, n_drafts, *drafts, n_parents, *parents)],
+#   DRAFTS: [DRAFTS, epoch, hits, stale, n x (rid, base_len, base_hash, n_drafts, *drafts, n_parents, *parents)],
 #           n_parents 0 (a chain) or n_drafts (a draft tree: each draft's local parent, -1 the root)
 #           rows: q rows of the drafts (dense [N, V], or sparse values with ``idx``)
 #   STOP:   [STOP]
+#   epoch: the rendezvous the link belongs to (`hal.distributed.rendezvous`); the worker echoes it
 
 
 @dataclass
@@ -126,6 +130,7 @@ class CommitEntry:
 class Commit:
     entries: list[CommitEntry]
     finished: list[int] = field(default_factory=list)
+    epoch: int = 0
 
 
 @dataclass
@@ -144,6 +149,7 @@ class Drafts:
     entries: list[DraftEntry]
     q: Tensor | None = None  # [N, V] rows (dense), or the values of a sparse form with ``idx``
     idx: Tensor | None = None
+    epoch: int = 0           # the COMMIT's epoch this answers
 
 
 @dataclass
@@ -159,7 +165,7 @@ def encode(msg: Message) -> tuple[list[int], Tensor | None, Tensor | None]:
     if isinstance(msg, Stop):
         return [STOP], None, None
     if isinstance(msg, Commit):
-        words, feats = [COMMIT, len(msg.entries), len(msg.finished), *msg.finished], []
+        words, feats = [COMMIT, msg.epoch, len(msg.entries), len(msg.finished), *msg.finished], []
         for e in msg.entries:
             words += [e.rid, e.k, e.length, int(e.new is not None)]
             if e.new is not None:
@@ -170,7 +176,7 @@ def encode(msg: Message) -> tuple[list[int], Tensor | None, Tensor | None]:
             if n:
                 feats.append(e.features)
         return words, torch.cat(feats) if feats else None, None
-    words = [DRAFTS, msg.hits, msg.stale]
+    words = [DRAFTS, msg.epoch, msg.hits, msg.stale]
     for e in msg.entries:
         words += [e.rid, e.base_len, e.base_hash, len(e.tokens), *e.tokens]
         words += [0] if e.parents is None else [len(e.parents), *e.parents]
@@ -224,6 +230,7 @@ def decode(words: list[int], rows: Tensor | None, idx: Tensor | None, vocab: int
         r.done()
         return Stop()
     hi_tok = vocab if vocab is not None else 1 << 62
+    epoch = r.one("the epoch", 0, MAX_EPOCH)
     if kind == COMMIT:
         n, n_done = r.one("the request count", 0, MAX_ROWS), r.one("the finished count", 0, MAX_ROWS)
         finished = r.take(n_done, "finished request ids", 0, 1 << 62)
@@ -249,7 +256,7 @@ def decode(words: list[int], rows: Tensor | None, idx: Tensor | None, vocab: int
         at = 0
         for e, c in zip(entries, counts):
             e.features, at = (rows[at:at + c] if c else None), at + c
-        return Commit(entries, finished)
+        return Commit(entries, finished, epoch)
     hits, stale = r.one("the overlap hits", 0, MAX_ROWS), r.one("the stale count", 0, MAX_ROWS)
     entries = []
     while r.at < len(r.words):
@@ -267,19 +274,19 @@ def decode(words: list[int], rows: Tensor | None, idx: Tensor | None, vocab: int
     if idx is not None and (rows is None or idx.shape != rows.shape
                             or bool(((idx < 0) | (idx >= hi_tok)).any())):
         raise r.bad(f"sparse q indices in [0, {hi_tok}) shaped like its values", None if idx is None else list(idx.shape))
-    return Drafts(hits, stale, entries, rows, idx)
+    return Drafts(hits, stale, entries, rows, idx, epoch)
 
 
 def corrupted(words: list[int], how: str) -> list[int]:
     """A DRAFTS reply made invalid in one way (tests: the target must not trust it)."""
     w = list(words)
-    first = 3 + 4  # the first request's first draft, when it has one
+    first = 4 + 4  # the first request's first draft, when it has one
     if how == "kind":
         w[0] = 77
     elif how == "truncated":
-        w = w[:max(4, len(w) // 2)]
+        w = w[:max(5, len(w) // 2)]
     elif how == "count":
-        w[3 + 3] = 1 << 40
+        w[4 + 3] = 1 << 40
     elif how in ("oov", "negative"):
-        w = w[:3 + 3] + [w[3 + 3] + 1] + [1 << 20 if how == "oov" else -3] + w[first:]
+        w = w[:4 + 3] + [w[4 + 3] + 1] + [1 << 20 if how == "oov" else -3] + w[first:]
     return w

@@ -1,6 +1,8 @@
 """The target's side of the two-rank protocol: `RemoteDrafter`, a `hal.engine.decoder.Drafter`
 whose drafts come from the draft worker over a `hal.distributed.protocol.Link`. It trusts nothing the
-worker sends; a dead, silent or malformed worker leaves plain decoding (counted)."""
+worker sends; a dead, silent or malformed worker leaves plain decoding (counted). A worker
+lost to the link (a reset or a timeout) may rejoin by the next epoch (`hal.distributed.rendezvous`):
+then every live request is sent afresh and drafting resumes."""
 
 from __future__ import annotations
 
@@ -15,34 +17,45 @@ from hal.checks import MAX_K, prob_values
 from hal.engine.requests import DraftBatch, Proposal
 from hal.errors import HalError
 from hal.devices import dense_q, transfer
-from hal.distributed.protocol import (HASH_SEED, Commit, CommitEntry, Drafts, Link, NewRequest, Stop, decode, encode,
-                          history_hash)
+from hal.distributed.protocol import (DRAFT, HASH_SEED, Commit, CommitEntry, Drafts, Link, NewRequest, Stop, decode,
+                                     encode, history_hash)
 
 class RemoteDrafter:
     """The target's view of the draft worker (a `hal.engine.decoder.Drafter`)."""
 
-    def __init__(self, link: Link, vocab: int, device: torch.device, metrics, timeout: float = 30.0,
-                 first_timeout: float = 60.0, features: tuple[int, ...] | None = None):
+    def __init__(self, link: Link | None, vocab: int, device: torch.device, metrics, timeout: float = 30.0,
+                 first_timeout: float = 60.0, features: tuple[int, ...] | None = None, rendezvous=None,
+                 epoch: int = 0):
         self.link, self.vocab, self.device, self.metrics = link, vocab, device, metrics
+        self.rendezvous, self.epoch, self._asked = rendezvous, epoch, 0.0   # rejoin (None: never)
         if features is not None:   # the worker runs an EAGLE head: send it the target's features
             self.features = tuple(features)
         self.timeout, self.first_timeout = timeout, first_timeout
         self.sent: dict[int, int] = {}     # rid -> tokens of its history the worker has
         self.hashes: dict[int, int] = {}   # rid -> history_hash of those tokens
         self.finished: list[int] = []
-        self.alive, self.lost, self.rounds, self.guess_hits, self.guess_misses = True, False, 0, 0, 0
+        self.alive, self.lost, self.rounds, self.guess_hits, self.guess_misses = link is not None, False, 0, 0, 0
         self.wait_s = 0.0   # seconds the target spent in a round (send, the worker's drafting, receive)
+        self._bytes = [0, 0]   # sent, received over the links of earlier epochs
+
+    @property
+    def bytes_sent(self) -> int:
+        return self._bytes[0] + (self.link.bytes_sent if self.link is not None else 0)
+
+    @property
+    def bytes_received(self) -> int:
+        return self._bytes[1] + (self.link.bytes_received if self.link is not None else 0)
 
     def propose(self, b: DraftBatch) -> Proposal:
         R = len(b.rids)
-        if not self.alive:
+        if not self.alive and not self._rejoin():
             return self._proposal(b, [[] for _ in range(R)], None)
         live = set(b.rids)
         self.finished += [rid for rid in self.sent if rid not in live]
         for rid in self.finished:
             self.sent.pop(rid, None)
             self.hashes.pop(rid, None)
-        msg, self.finished = Commit([], self.finished), []
+        msg, self.finished = Commit([], self.finished, self.epoch), []
         hist = transfer(b.history, torch.device("cpu"))   # the link carries host tensors
         feats = None if b.features is None else transfer(b.features, torch.device("cpu")).float()
         at = 0
@@ -60,8 +73,7 @@ class RemoteDrafter:
             reply = self.link.recv(self.timeout if self.rounds else self.first_timeout)
             self.wait_s += time.perf_counter() - t0
         except RuntimeError as e:  # gloo: connection reset (the worker died) or a timeout
-            self.lost = True
-            self._fail(e)
+            self._fail(e, lost=True)
             return self._proposal(b, [[] for _ in range(R)], None)
         except HalError as e:      # a header out of bounds
             self._fail(e)
@@ -80,6 +92,9 @@ class RemoteDrafter:
         if not isinstance(reply, Drafts):
             raise HalError(f"draft worker reply: expected DRAFTS, got {type(reply).__name__}")
         R = len(b.rids)
+        if reply.epoch != self.epoch:   # refused: built for another epoch's state
+            self.metrics.stale_drafts += len(reply.entries)
+            return [[] for _ in range(R)], None, None
         if len(reply.entries) != R or not (reply.hits <= R and reply.stale <= R):
             raise HalError(f"draft worker reply: expected {R} entries and overlap counts at most that, "
                            f"got {len(reply.entries)} entries, counts {reply.hits}/{reply.stale}")
@@ -130,11 +145,50 @@ class RemoteDrafter:
             par = par.to(self.device)
         return Proposal(ids.to(self.device), cu.to(self.device), probs, tuple(len(d) for d in drafts), par)
 
-    def _fail(self, e: Exception) -> None:
-        self.alive = False
+    def _fail(self, e: Exception, lost: bool = False) -> None:
+        """Plain decoding from here. ``lost``: the link failed (not the worker's words), so a
+        new epoch is announced for the worker to rejoin."""
+        self.alive, self.lost = False, self.lost or lost
         self.metrics.draft_failures += 1
-        print(f"hal.distributed.launcher: draft worker lost ({type(e).__name__}: {str(e).splitlines()[0][:160]}); "
-              "finishing every request by plain decoding", file=sys.stderr, flush=True)
+        again = lost and self.rendezvous is not None
+        print(f"hal.distributed.launcher: draft worker lost in epoch {self.epoch} ({type(e).__name__}: "
+              f"{str(e).splitlines()[0][:160]}); decoding plainly" + (", until it rejoins" if again else ""),
+              file=sys.stderr, flush=True)
+        if lost:
+            self.metrics.workers_lost += 1
+            self._drop_link()
+        if again:
+            self.epoch += 1
+            self.rendezvous.announce(self.epoch)
+
+    def _drop_link(self) -> None:
+        """Forget the link: its process group closes, so a worker still waiting on it wakes."""
+        self._bytes = [self.bytes_sent, self.bytes_received]
+        self.link = None
+
+    def _rejoin(self) -> bool:
+        """Whether the worker rejoined (checked at most every 50 ms, never blocking unless it
+        said it joins): the new epoch's link, every live request sent afresh."""
+        rv = self.rendezvous
+        if rv is None or not self.lost or time.monotonic() - self._asked < 0.05:
+            return False
+        self._asked = time.monotonic()
+        if not rv.joining(self.epoch):
+            return False
+        try:
+            group = rv.group(self.epoch, min(self.timeout, 10.0))
+        except HalError as e:
+            print(f"hal.distributed.launcher: {e}; decoding plainly", file=sys.stderr, flush=True)
+            self.epoch += 1
+            rv.announce(self.epoch)
+            return False
+        self.link = Link(DRAFT, torch.device("cpu"), group)
+        self.sent, self.hashes, self.finished = {}, {}, []
+        self.alive, self.lost, self.rounds = True, False, 1   # no start-up wait: the worker is loaded
+        self.metrics.workers_rejoined += 1
+        print(f"hal.distributed.launcher: draft worker rejoined (epoch {self.epoch}); speculating again",
+              file=sys.stderr, flush=True)
+        return True
 
     def commit(self, rids, kept) -> None:
         pass
@@ -145,7 +199,7 @@ class RemoteDrafter:
             self.finished.append(rid)
 
     def close(self) -> None:
-        if not self.lost:  # a worker we stopped listening to (bad reply) still gets its STOP
+        if self.link is not None and not self.lost:  # a worker we stopped listening to (bad reply) still gets its STOP
             try:
                 self.link.send(*encode(Stop())[:2])
                 self.link.flush()

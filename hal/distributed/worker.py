@@ -1,11 +1,16 @@
 """The draft worker's side of the two-rank protocol: `draft_worker` answers each COMMIT
 with DRAFTS built on exactly the committed prefix, and overlaps the target's verification
-by drafting the next round on "all accepted + its own guess of the bonus token"."""
+by drafting the next round on "all accepted + its own guess of the bonus token".
+`serve_epochs` is the worker's life across epochs (`hal.distributed.rendezvous`): when the
+target lost it, the worker drops every request and joins the next epoch."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -15,8 +20,8 @@ from torch import Tensor
 from hal.errors import HalError
 from hal.engine.history import HistoryBuffer
 from hal.devices import sparse_q
-from hal.distributed.protocol import (DRAFT_SEED, HASH_SEED, Commit, DraftEntry, Drafts, Link, Stop, corrupted, decode, encode,
-                          history_hash)
+from hal.distributed.protocol import (DRAFT_SEED, HASH_SEED, TARGET, Commit, DraftEntry, Drafts, Link, Stop, corrupted,
+                                     decode, encode, history_hash)
 from hal.engine.requests import DraftBatch, SamplingParams, capabilities, pack_features
 
 Guess = dict[int, tuple[list[int], list[int], Tensor | None]]  # rid -> (assumed history, drafts, q rows)
@@ -36,31 +41,105 @@ class _Req:
     features: list[Tensor] = field(default_factory=list)   # the target's features not yet given to the drafter
 
 
-def draft_worker(link: Link, drafter, fault: str = "", idle: float | None = None) -> None:
-    """Serve DRAFTS for each COMMIT until STOP (see the module docstring); ``idle``: the
-    longest wait for the next COMMIT, in seconds (None: the link's default)."""
-    reqs: dict[int, _Req] = {}
+@dataclass
+class Epoch:
+    """One epoch's serving state: its number, its requests, and whether it is still the
+    current one (an old epoch's thread must not touch the drafter again)."""
+
+    number: int = 0
+    reqs: dict[int, _Req] = field(default_factory=dict)
+    current: bool = True
+    stopped: bool = False
+
+
+def draft_worker(link: Link, drafter, fault: str = "", idle: float | None = None, epoch: Epoch | None = None,
+                 lock: threading.Lock | None = None) -> None:
+    """Serve DRAFTS for each COMMIT of ``epoch`` until STOP (see the module docstring); ``idle``:
+    the longest wait for the next COMMIT, in seconds (None: the link's default). ``lock`` is
+    held while the drafter works; once ``epoch`` is no longer current this returns untouched."""
+    ep = epoch or Epoch()
+    reqs, lock = ep.reqs, lock or contextlib.nullcontext()
     hist = HistoryBuffer("cpu")   # the committed tokens the drafter reads (drafters move them to their device)
     guess: Guess = {}
     replies = 0
     while True:
         msg = decode(*link.recv(idle))   # the target is another process too: checked
-        if isinstance(msg, Stop):
-            return
-        if not isinstance(msg, Commit):
-            raise HalError(f"hal.distributed.launcher worker: expected COMMIT or STOP, got {type(msg).__name__}")
-        order = _apply_commit(msg, reqs, hist, guess, drafter)
-        out, hits, stale = _drafts_for(order, reqs, hist, guess, drafter)
-        if fault and replies == int(fault.split(":")[1]):  # fault injection for tests: HAL_SERVE_FAULT=
-            if fault.startswith("kill"):                   # kill:N (SIGKILL after N replies),
-                os.kill(os.getpid(), signal.SIGKILL)       # hang:N:S (stop answering for S s, then exit),
-            if fault.startswith("hang"):                   # bad:N:KIND (reply N+1 malformed: KIND is
-                time.sleep(float(fault.split(":")[2]))     # kind, truncated, oov, negative or count)
-                os._exit(0)
-        _reply(link, order, reqs, out, hits, stale,
-               fault.split(":")[2] if fault.startswith("bad") and replies == int(fault.split(":")[1]) else "")
-        replies += 1
-        guess = _guess_next(order, reqs, hist, out, drafter)  # overlaps the target's verification
+        with lock:
+            if not ep.current:
+                return
+            if isinstance(msg, Stop):
+                ep.stopped = True
+                return
+            if not isinstance(msg, Commit) or msg.epoch != ep.number:
+                raise HalError(f"hal.distributed.launcher worker: expected COMMIT of epoch {ep.number} or STOP, got "
+                               f"{type(msg).__name__}" + (f" of epoch {msg.epoch}" if isinstance(msg, Commit) else ""))
+            order = _apply_commit(msg, reqs, hist, guess, drafter)
+            out, hits, stale = _drafts_for(order, reqs, hist, guess, drafter)
+            if fault and replies == int(fault.split(":")[1]):  # fault injection for tests: HAL_SERVE_FAULT=
+                if fault.startswith("kill"):                   # kill:N (SIGKILL after N replies),
+                    os.kill(os.getpid(), signal.SIGKILL)       # hang:N:S (stop answering for S s, then exit),
+                if fault.startswith("hang"):                   # bad:N:KIND (reply N+1 malformed: KIND is
+                    time.sleep(float(fault.split(":")[2]))     # kind, truncated, oov, negative or count)
+                    os._exit(0)
+            _reply(link, order, reqs, out, hits, stale,
+                   fault.split(":")[2] if fault.startswith("bad") and replies == int(fault.split(":")[1]) else "",
+                   ep.number)
+            replies += 1
+            guess = _guess_next(order, reqs, hist, out, drafter)  # overlaps the target's verification
+
+
+def serve_epochs(rv, drafter, device: torch.device, fault: str = "", idle: float = 600.0,
+                 join_timeout: float = 10.0) -> None:
+    """The worker's life (`hal.distributed.rendezvous`): join the newest epoch and serve it
+    (`draft_worker`, in a thread); when the target announces a newer epoch (it lost this
+    worker), drop every request of the old one and join the new. Returns at STOP; raises
+    `HalError` when the target is gone, or unreachable for ``idle`` s, or sent a bad message."""
+    lock, ep, thread, failed = threading.Lock(), None, None, []
+    contact = time.monotonic()
+    while not (ep is not None and ep.stopped):
+        if failed:
+            raise failed[0]
+        e = rv.newest(None if ep is None else ep.number + 1, timeout=rv.timeout if ep is None else 1.0)
+        now = time.monotonic()
+        if e is None:   # the store is out of reach (the link is down)
+            if ep is None and now - contact > rv.timeout:
+                raise HalError(f"the target: expected it to open the rendezvous within {rv.timeout} s, got no answer")
+            if now - contact > idle:
+                raise HalError(f"the target: expected it reachable, got no answer for {idle} s")
+            continue
+        contact = now
+        if ep is not None and e <= ep.number:
+            continue
+        with lock:   # the target dropped the old epoch: so does this worker
+            if ep is not None:
+                ep.current = False
+                for rid in ep.reqs:
+                    drafter.release(rid)
+        rv.join(e)
+        ep = Epoch(e)
+        try:
+            group = rv.group(e, join_timeout)
+        except HalError as err:   # the target gave up on this epoch: it announces the next
+            print(f"hal.distributed.launcher worker: {err}", file=sys.stderr, flush=True)
+            ep.current = False
+            continue
+        print(f"hal.distributed.launcher worker: joined epoch {e}", file=sys.stderr, flush=True)
+        link = Link(TARGET, device if rv.backend_of(e) != "gloo" else torch.device("cpu"), group)
+        thread = threading.Thread(target=_serve, args=(link, drafter, fault if e == 0 else "", idle, ep, lock, failed),
+                                  daemon=True, name=f"hal-draft-epoch-{e}")
+        thread.start()
+
+
+def _serve(link, drafter, fault, idle, ep: Epoch, lock, failed: list) -> None:
+    try:
+        draft_worker(link, drafter, fault, idle, ep, lock)
+    except RuntimeError as e:   # the link: reset or timed out; the target announces the next epoch
+        if ep.current:
+            print(f"hal.distributed.launcher worker: epoch {ep.number} lost ({str(e).splitlines()[0][:120]}); "
+                  "waiting for the next", file=sys.stderr, flush=True)
+    except HalError as e:
+        if ep.current:
+            failed.append(e)
 
 
 def _apply_commit(msg: Commit, reqs: dict[int, _Req], hist: HistoryBuffer, guess: Guess, drafter) -> list[int]:
@@ -153,7 +232,7 @@ def _drafts_for(order: list[int], reqs: dict[int, _Req], hist: HistoryBuffer, gu
 
 
 def _reply(link: Link, order: list[int], reqs: dict[int, _Req], out, hits: int, stale: int,
-           corrupt: str = "") -> None:
+           corrupt: str = "", epoch: int = 0) -> None:
     """DRAFTS: per request its base (length, hash) and drafts; q rows sparse when sampled
     with top-k/top-p. ``corrupt`` plants a malformed reply (fault injection for tests)."""
     rows = [out[rid][1] for rid in order if out[rid][1] is not None]
@@ -161,7 +240,7 @@ def _reply(link: Link, order: list[int], reqs: dict[int, _Req], out, hits: int, 
     sparse = q is not None and any(reqs[r].params.top_k > 0 or reqs[r].params.top_p < 1 for r in order)
     idx, q = sparse_q(q) if sparse else (None, q)
     words, q, idx = encode(Drafts(hits, stale, [DraftEntry(rid, len(reqs[rid].tokens), reqs[rid].hash, out[rid][0],
-                                                           out[rid][2]) for rid in order], q, idx))
+                                                           out[rid][2]) for rid in order], q, idx, epoch))
     link.send(corrupted(words, corrupt) if corrupt else words, q, idx)
 
 

@@ -36,6 +36,10 @@ class LiveMetrics:
         self.preemptions = Counter(p + "num_preemptions", "requests preempted (recomputed later)", registry=registry)
         self.draft_failures = Counter(p + "draft_failures", "draft worker deaths, hangs or bad replies",
                                       registry=registry)
+        self.workers_lost = Counter(p + "draft_workers_lost", "draft workers lost to the link (a reset or a timeout)",
+                                    registry=registry)
+        self.workers_rejoined = Counter(p + "draft_workers_rejoined", "draft workers that joined again (a new epoch)",
+                                        registry=registry)
         self.stale_drafts = Counter(p + "stale_drafts", "drafts dropped: not built on the committed prefix",
                                     registry=registry)
         self.prefix_queries = Counter(p + "prefix_cache_queries", "prompt tokens looked up in the prefix cache",
@@ -50,7 +54,7 @@ class LiveMetrics:
         self.generation_tokens = Counter(p + "generation_tokens", "tokens generated", registry=registry)
         self.requests = Counter(p + "request_success", "requests finished", ["finished_reason"], registry=registry)
         self._last = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "pos": [], "pre": 0, "fail": 0, "stale": 0,
-                      "queries": 0, "hits": 0}
+                      "queries": 0, "hits": 0, "lost": 0, "rejoined": 0}
 
     def step(self, dec, out) -> None:
         """After ``out = dec.step()``: counters by delta, gauges set, router k observed."""
@@ -62,6 +66,8 @@ class LiveMetrics:
                                    ("pre", self.preemptions, dec.preemptions),
                                    ("fail", self.draft_failures, m.draft_failures),
                                    ("stale", self.stale_drafts, m.stale_drafts),
+                                   ("lost", self.workers_lost, m.workers_lost),
+                                   ("rejoined", self.workers_rejoined, m.workers_rejoined),
                                    ("queries", self.prefix_queries, dec.prefix_cache_stats[0]),
                                    ("hits", self.prefix_hits, dec.prefix_cache_stats[1])):
             if now > last[name]:

@@ -102,6 +102,8 @@ HOST_MUTANTS = {
     "evicts-a-held-block": ("hal.kv", None, "        self._idle.pop(b, None)\n", "", "test_kv_state.py"),
     "grammar-ignores-drafts": ("hal.engine.grammar", "_row_paths", "return [ids[:j] for j in range(count + 1)]",
                                "return [[] for j in range(count + 1)]", "test_structured.py"),
+    "accepts-other-epochs": ("hal.distributed.remote", "RemoteDrafter", "        if reply.epoch != self.epoch:",
+                             "        if False:", "test_serve.py"),
     "writes-a-cached-block": ("hal.kv", None, "                a.uncache(self.blocks[bi])\n", "                pass\n",
                               "test_kv_state.py"),
 }
