@@ -3,11 +3,18 @@ plain decoding when drafts cost more than they save, the draft beside the target
 is cheap, the draft on the slow device when the fast one cannot hold both models, the other
 rank when the link hides the drafting, and a HalError naming what is missing."""
 
+import json
+import os
+import re
+import subprocess
+import sys
+
 import pytest
 
 from hal.distributed.auto import DeviceProfile, LinkProfile, choose
 from hal.engine.router import CostModel, expected_tokens
 from hal.errors import HalError
+from tests.test_serve import tiny  # noqa: F401  (the model fixture)
 
 GB = 1 << 30
 # the target's forward: 10 ms + 0.1 ms per fed token (memory-bound: batching is nearly free)
@@ -80,3 +87,70 @@ def test_placement_auto_prints_the_choice_and_the_runner_up(capsys):
     assert placement == Placement(draft="npu:0", target="cuda:0")
     err = capsys.readouterr().err
     assert "placement auto: target on cuda:0, draft on npu:0" in err and "runner-up: target on" in err
+
+
+# -- HAL_PLACEMENT=auto at start-up: measured here, and on the other rank --------------------------
+
+def test_local_sides_list_this_machines_devices_once():
+    from hal.distributed.measure import local_sides
+    sides = local_sides()
+    assert sides and len({str(s.device) for s in sides}) == len(sides)
+    assert "cpu" in {s.device.type for s in sides}
+    assert all(s.backend.spec.priority >= 0 for s in sides)   # a planted backend is never placed on
+
+
+def test_a_published_profile_reads_back_and_a_malformed_one_is_refused():
+    import json
+
+    import torch.distributed as dist
+
+    from hal.distributed.measure import PROFILE, parse_profile, publish_profile
+    store = dist.HashStore()
+    publish_profile(store, [DeviceProfile("cuda:1", 3 * GB, None, {1: 0.002, 8: 0.01})], 2e-4, 1e9)
+    link = parse_profile(store.get(PROFILE))
+    assert link == LinkProfile(2e-4, 1e9, (DeviceProfile("cuda:1", 3 * GB, None, {1: 0.002, 8: 0.01}),))
+    good = json.loads(store.get(PROFILE))
+    for change, what in ((lambda g: g.update(rtt_s=float("nan")), "rtt_s"),
+                         (lambda g: g.update(bandwidth=0), "bandwidth"),
+                         (lambda g: g.update(devices=[]), "devices"),
+                         (lambda g: g["devices"][0].update(name="../x"), "device name"),
+                         (lambda g: g["devices"][0].update(free_bytes=-1), "free_bytes"),
+                         (lambda g: g["devices"][0].update(draft={"0": 0.1}), "draft"),
+                         (lambda g: g["devices"][0].update(draft={"2": -1.0}), "draft[2]"),
+                         (lambda g: g.update(extra=1), "an object with")):
+        bad = json.loads(json.dumps(good))
+        change(bad)
+        with pytest.raises(HalError, match=re.escape(what)):
+            parse_profile(json.dumps(bad))
+    with pytest.raises(HalError, match="JSON"):
+        parse_profile(b"\xff{")
+
+
+def test_placement_auto_at_start_up_in_one_process(tiny, tmp_path):  # noqa: F811
+    """The launcher measures this machine's devices, prints the choice and its runner-up,
+    and runs it: greedy output is plain greedy's whatever it chose."""
+    from tests.test_serve import plain, serve_args
+    out = tmp_path / "o.json"
+    r = subprocess.run([sys.executable, "-m", "hal.distributed.launcher",
+                        *serve_args(tiny, out, "--draft", "self:2", "--k", "3")],
+                       env={**os.environ, "HAL_PLACEMENT": "auto"}, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    line = next(x for x in r.stderr.splitlines() if x.startswith("placement auto: target on"))
+    assert "runner-up: target on" in line and line.count("tok/s predicted") == 2
+    assert json.loads(out.read_text())["outputs"] == plain(tiny, "cpu")
+
+
+def test_placement_auto_across_two_ranks(tiny, tmp_path):  # noqa: F811
+    """Under torchrun the worker measures its devices and the link and publishes them; the
+    target chooses among its own devices and the other rank's. Either way, plain greedy."""
+    from tests.test_serve import plain, serve_args, torchrun
+    out = tmp_path / "o.json"
+    r = torchrun(serve_args(tiny, out, "--draft", "ngram", "--k", "3"), {"HAL_PLACEMENT": "auto"})
+    line = next(x for x in r.stderr.splitlines() if x.startswith("placement auto: target on"))
+    got = json.loads(out.read_text())
+    assert got["outputs"] == plain(tiny, "cpu")
+    if "(other rank)" in line.split("; runner-up")[0]:
+        assert got["world_size"] == 2 and got["rounds"] > 0
+    else:
+        assert got["world_size"] == 1 and "this rank exits" in r.stderr
+    assert "(other rank)" in line   # the other rank was a candidate: its profile crossed

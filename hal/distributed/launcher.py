@@ -106,6 +106,8 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
                          "(the default; --no-batch-invariant trades that for batched-decode throughput)")
     ap.add_argument("--memory-fraction", type=float, default=0.9, help="share of an accelerator's memory to plan in")
     ap.add_argument("--cpu-budget-gib", type=float, default=4.0, help="memory budget of a cpu side, GiB")
+    ap.add_argument("--placement-acceptance", type=float, default=0.6,
+                    help="HAL_PLACEMENT=auto: the draft acceptance rate the choice assumes")
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                     help="reuse the target KV of prompt blocks seen before (default: on, unless the drafter "
                          "reads the target's features: an EAGLE head; --enable-prefix-caching then refuses)")
@@ -154,6 +156,10 @@ def start(args, max_seqs: int, engine_kw: dict | None = None, phases: Phases = Q
     from hal.engine.memory import ModelMemory
     path = str(fetch(args.model) if args.model in MODELS and not (rank == DRAFT and spec.kind in ("ngram", "ngram-tree"))
                else args.model)  # an n-gram worker needs no weights
+    if placement.measure:   # HAL_PLACEMENT=auto: measure here (and there), then choose
+        placement, spec, world = _auto(args, spec, path, max_seqs, rv, rank, world, phases)
+        if placement is None:
+            return None
     head = spec.kind in HEADS   # an EAGLE head: it reads the target's features
     if rank == DRAFT:  # plan, allocate, load, serve
         draft_side = resolve_side(placement.draft, "draft")
@@ -205,7 +211,26 @@ def start(args, max_seqs: int, engine_kw: dict | None = None, phases: Phases = Q
         from hal.engine.router import Router
         with phases("routing profile (the target's and the drafter's costs, measured)"):
             dec.router = Router(dec.profile_costs(profile_draft=world == 1, progress=phases.bars), max_k=args.k)
-    return Target(dec, tok, world, rv.backend if rv else None, target_side)
+    return Target(dec, tok, world, rv.backend if world == 2 else None, target_side)
+
+
+def _auto(args, spec, path: str, max_seqs: int, rv, rank: int, world: int, phases: Phases):
+    """``(Placement, draft spec, world)`` chosen by `hal.distributed.measure`; (None, ..) on a
+    draft rank the target did not choose (it exits)."""
+    from hal.distributed.measure import auto_target, auto_worker
+    if rank == DRAFT:
+        chosen = auto_worker(args, spec, path, rv)
+        if chosen is None:
+            print("hal.distributed.launcher worker: placement auto put the draft in the target's process (or "
+                  "nowhere); this rank exits", file=sys.stderr, flush=True)
+        return (None if chosen is None else Placement(draft=chosen)), spec, world
+    with phases("automatic placement (each device measured)"):
+        placement, choice = auto_target(args, spec, path, max_seqs, rv)
+    if choice.best.draft is None:
+        spec = parse_draft("none")
+    if world == 2 and choice.best.where != "other rank":
+        world = 1   # the draft runs in this process (or nowhere): the worker was told to exit
+    return placement, spec, world
 
 
 def _remote(args, rv: Rendezvous, spec, model, target_side, metrics, head: bool) -> RemoteDrafter:

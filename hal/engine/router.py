@@ -185,7 +185,6 @@ def profile_decoder(dec, max_tokens: int = 72, context: int = 512, reps: int = 5
     (``profile_draft=False``: not profiled, e.g. a remote drafter whose work overlaps).
     ``progress``: a bar (tqdm, stderr) over the points measured."""
     from hal.engine.forward import forward
-    from hal.engine.requests import DraftBatch, Request, capabilities
     backends = {id(b): b for b in (dec.target.be, _backend_of(dec.drafter)) if b is not None}.values()
 
     def sync():
@@ -216,20 +215,27 @@ def profile_decoder(dec, max_tokens: int = 72, context: int = 512, reps: int = 5
             q.free()
     draft = {}
     if dec.drafter is not None and profile_draft:
-        dev = dec.target.device
-        req = Request([1] * 16)
-        hidden = torch.zeros(1, dec.target.cfg.hidden, device=dev)
-        layers = capabilities(dec.drafter).features
-        feats = None if layers is None else torch.zeros(15, dec.target.cfg.hidden * max(1, len(layers)), device=dev)
-        view = lambda k: DraftBatch((-1,), (req,), torch.ones(1, 16, dtype=torch.long, device=dev),  # noqa: E731
-                                    torch.tensor([16], device=dev), (16,), (k,), (0,), hidden, feats,
-                                    (0,) if feats is None else (15,))
-        try:
-            draft = profile(lambda k: dec.drafter.propose(view(k)), [1, 2, 4, 8], reps, sync, bar)
-        finally:
-            dec.drafter.release(-1)
+        draft = profile_drafter(dec.drafter, dec.target.device, dec.target.cfg.hidden, reps, sync, bar)
     bar.close()
     return CostModel(verify, draft, per_context)
+
+
+def profile_drafter(drafter, device, hidden: int, reps: int = 5, sync=lambda: None, bar=NoBar(),
+                    points=(1, 2, 4, 8)) -> dict[int, float]:
+    """Seconds of one draft chain of k tokens (k in ``points``) for a request of 16 tokens on
+    ``device`` (``hidden``: the target's width, for a drafter that reads its features)."""
+    from hal.engine.requests import DraftBatch, Request, capabilities
+    req = Request([1] * 16)
+    h = torch.zeros(1, hidden, device=device)
+    layers = capabilities(drafter).features
+    feats = None if layers is None else torch.zeros(15, hidden * max(1, len(layers)), device=device)
+    view = lambda k: DraftBatch((-1,), (req,), torch.ones(1, 16, dtype=torch.long, device=device),  # noqa: E731
+                                torch.tensor([16], device=device), (16,), (k,), (0,), h, feats,
+                                (0,) if feats is None else (15,))
+    try:
+        return profile(lambda k: drafter.propose(view(k)), list(points), reps, sync, bar)
+    finally:
+        drafter.release(-1)
 
 
 def _backend_of(drafter):
