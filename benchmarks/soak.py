@@ -4,7 +4,9 @@
 whose n-gram drafter runs on a draft rank (torch.distributed, gloo on 127.0.0.1): chat and
 completions, streaming or not, some with ``n = 2``, some under a JSON schema, some sharing a
 system turn (the prefix cache), and a share of clients that disconnect mid-answer. At
-``--kill-at`` of the run the draft rank is killed (SIGKILL); the target serves on alone.
+``--kill-at`` of the run the draft rank is killed (SIGKILL); the target serves on alone, and
+``--rejoin-after`` seconds later a fresh draft rank starts and rejoins by the next epoch
+(`hal.distributed.rendezvous`).
 
 Checked at the end, after the traffic has drained:
 
@@ -12,9 +14,10 @@ Checked at the end, after the traffic has drained:
 * the target's RSS and thread count flat: at most ``--rss-slack`` (default 1.25x + 64 MiB)
   and the same thread count (+2) as after the first minute;
 * no error other than the counted ones: client disconnects we made and 503 busy;
-  every other answer is 200, its choices complete (a finish_reason each), JSON answers parse.
+  every other answer is 200, its choices complete (a finish_reason each), JSON answers parse;
+* the fresh draft rank rejoined (``spec_hal:draft_workers_rejoined``).
 
-    python benchmarks/soak.py [--minutes 20] [--rate 2] [--kill-at 0.5] [--seed 0]
+    python benchmarks/soak.py [--minutes 20] [--rate 2] [--kill-at 0.5] [--rejoin-after 30] [--seed 0]
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ QUESTIONS = ["Why is the sky blue?", "Name three rivers.", "What is 17 times 3?"
 
 
 def launch(port: int):
+    """{rank: process}, and a function that starts a fresh draft rank (it joins the next epoch)."""
     import subprocess
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
            "HAL_BACKEND": "cpu"}
@@ -54,8 +58,11 @@ def launch(port: int):
              "--max-model-len", "1024", "--max-num-batched-tokens", "512", "--cpu-budget-gib", "3",
              "--draft-timeout", "5"]
     log = open("/tmp/hal-soak.log", "w")
-    return {r: subprocess.Popen([sys.executable, "-m", "hal.server.app", *flags], env={**env, "RANK": str(r)},
-                                stdout=log, stderr=log) for r in (1, 0)}
+
+    def rank(r: int):
+        return subprocess.Popen([sys.executable, "-m", "hal.server.app", *flags], env={**env, "RANK": str(r)},
+                                stdout=log, stderr=log)
+    return {r: rank(r) for r in (1, 0)}, lambda: rank(1)
 
 
 def proc_stats(pid: int) -> tuple[int, int]:
@@ -134,9 +141,12 @@ async def one(client, base, path, b, leave, counts: Counter, rng: random.Random)
         counts[f"client error {type(e).__name__}"] += 1
 
 
-async def traffic(base, minutes, rate, seed, procs, kill_at, samples) -> Counter:
+async def traffic(base, minutes, rate, seed, procs, kill_at, samples, restart=None, rejoin_after=30.0) -> Counter:
+    """Poisson traffic; at ``kill_at`` the draft rank dies, and ``rejoin_after`` s later
+    ``restart()`` (if given) starts a fresh one, which rejoins by the next epoch."""
     rng, counts, tasks = random.Random(seed), Counter(), []
     t0, end, killed, i, next_sample = time.monotonic(), time.monotonic() + 60 * minutes, False, 0, 0.0
+    restarted = restart is None
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=512)) as client:
         while time.monotonic() < end:
             now = time.monotonic() - t0
@@ -144,6 +154,10 @@ async def traffic(base, minutes, rate, seed, procs, kill_at, samples) -> Counter
                 procs[1].send_signal(signal.SIGKILL)
                 killed = True
                 samples.append(("worker killed", now, *proc_stats(procs[0].pid)))
+            if killed and not restarted and now >= kill_at * 60 * minutes + rejoin_after:
+                procs[1] = restart()
+                restarted = True
+                samples.append(("fresh worker started", now, *proc_stats(procs[0].pid)))
             if now >= next_sample:
                 samples.append(("sample", now, *proc_stats(procs[0].pid)))
                 next_sample += 60
@@ -161,15 +175,18 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=2.0)
     ap.add_argument("--kill-at", type=float, default=0.5, help="fraction of the run at which the draft rank dies")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rejoin-after", type=float, default=30.0,
+                    help="seconds after the kill a fresh draft rank starts (it rejoins); negative: never")
     ap.add_argument("--rss-slack", type=float, default=1.25)
     args = ap.parse_args()
     port = free_port()
-    procs = launch(port)
+    procs, restart = launch(port)
     base = f"http://127.0.0.1:{port}"
     samples: list[tuple] = []
     try:
         wait_up(base, list(procs.values()))
-        counts = asyncio.run(traffic(base, args.minutes, args.rate, args.seed, procs, args.kill_at, samples))
+        counts = asyncio.run(traffic(base, args.minutes, args.rate, args.seed, procs, args.kill_at, samples,
+                                     restart if args.rejoin_after >= 0 else None, args.rejoin_after))
         deadline = time.monotonic() + 120   # the engine drains what the clients left
         while time.monotonic() < deadline:
             m = metrics(base)
@@ -186,10 +203,13 @@ def main() -> None:
     flat_threads = threads <= first[3] + 2
     allowed = {"ok", "disconnected (ours)", "http 503"}
     bad = {k: v for k, v in counts.items() if k not in allowed}
-    passed = flat_rss and flat_threads and not bad and all(v == 0 for v in used.values())
-    lines = ["# Soak: `spec-hal serve`, n-gram drafter on a second rank, one worker kill", "",
+    rejoined = m.get(("spec_hal:draft_workers_rejoined_total", ()), 0)
+    resumed = rejoined >= 1 or args.rejoin_after < 0
+    passed = flat_rss and flat_threads and not bad and all(v == 0 for v in used.values()) and resumed
+    lines = ["# Soak: `spec-hal serve`, n-gram drafter on a second rank, one worker kill and a fresh one", "",
              f"Command: `python benchmarks/soak.py --minutes {args.minutes:g} --rate {args.rate:g} --kill-at "
-             f"{args.kill_at:g} --seed {args.seed}`; {time.strftime('%Y-%m-%d')}; {machine_line()}.", "",
+             f"{args.kill_at:g} --rejoin-after {args.rejoin_after:g} --seed {args.seed}`; {time.strftime('%Y-%m-%d')}; "
+             f"{machine_line()}.", "",
              f"**{'PASS' if passed else 'FAIL'}**: KV blocks in use at the end {used}; RSS "
              f"{first[2] / 2**20:.0f} MiB after the first minute, {rss / 2**20:.0f} MiB at the end "
              f"({'flat' if flat_rss else 'GREW'}); threads {first[3]} then {threads} "
@@ -199,7 +219,9 @@ def main() -> None:
     lines += [f"| {name} | {'-' if name == 'end' else f'{t:.0f}'} | {r / 2**20:.0f} | {th} |"
               for name, t, r, th in samples]
     m_fail = m.get(("spec_hal:draft_failures_total", ()), 0)
-    lines += ["", f"Draft failures counted by the target: {m_fail:g} (the kill)."]
+    lost = m.get(("spec_hal:draft_workers_lost_total", ()), 0)
+    lines += ["", f"Draft failures counted by the target: {m_fail:g} (the kill); workers lost {lost:g}, rejoined "
+              f"{rejoined:g} (the fresh worker, by the next epoch)" + ("" if resumed else ": NOT REJOINED") + "."]
     publish(lines, OUT)
     sys.exit(0 if passed else 1)
 

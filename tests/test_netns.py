@@ -6,8 +6,9 @@ output equals plain greedy; with the link down before the rendezvous the target 
 alone.
 
 Skips, saying why, where namespaces cannot be made (not root, no ``ip``). Delay, jitter and
-loss need ``tc netem`` (the kernel's ``sch_netem``); where it is missing those cases skip too.
-Every wait is bounded."""
+loss use ``tc netem`` (the kernel's ``sch_netem``) where it exists, else `tests.delayline`: the
+two namespaces joined through two TAP devices by a userspace wire that holds and drops
+frames the same way. Every wait is bounded."""
 
 import json
 import os
@@ -52,6 +53,29 @@ def hosts():
     finally:
         for ns in (t_ns, d_ns):   # removing a namespace removes its end of the veth pair
             _run("ip", "netns", "del", ns, check=False)
+
+
+def netem_or_delayline(hosts, delay_ms: float, jitter_ms: float, loss_pct: float):
+    """Shape both ends with ``tc netem``; where the kernel has none, rewire the two namespaces
+    through `tests.delayline` instead (same addresses, TAP devices in place of the veth pair).
+    Returns (hosts, the delay line's process or None)."""
+    t_ns, d_ns, t_ip, d_ip, t_if, d_if = hosts
+    ok = all(_run("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "netem", "delay",
+                  f"{delay_ms}ms", f"{jitter_ms}ms", "loss", f"{loss_pct}%", check=False).returncode == 0
+             for ns, dev in ((t_ns, t_if), (d_ns, d_if)))
+    if ok:
+        return hosts, None
+    if not os.path.exists("/dev/net/tun"):
+        pytest.skip("neither tc netem (the kernel's sch_netem) nor /dev/net/tun for tests.delayline")
+    _run("ip", "-n", t_ns, "link", "del", t_if)   # the veth pair goes; TAP devices take its addresses
+    tag = t_if[3:]
+    line = subprocess.Popen([sys.executable, "-m", "tests.delayline", t_ns, f"hta{tag}", t_ip, d_ns, f"htb{tag}",
+                             d_ip, str(delay_ms), str(jitter_ms), str(loss_pct), "7"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if line.stdout.readline().strip() != "ready":
+        line.kill()
+        raise AssertionError(f"tests.delayline did not start: {line.stderr.read()[-2000:]}")
+    return (t_ns, d_ns, t_ip, d_ip, f"hta{tag}", f"htb{tag}"), line
 
 
 def ranks(hosts, args, draft_env=None, timeout=300):
@@ -103,19 +127,20 @@ def test_a_link_down_before_the_rendezvous_leaves_the_target_alone(tiny, hosts, 
 
 
 def test_greedy_under_delay_jitter_and_loss_equals_plain(tiny, hosts, tmp_path):  # noqa: F811
-    """1 ms +- 0.5 ms each way and 1% loss on both ends (tc netem): TCP retransmits, greedy
-    output is still plain greedy's."""
-    t_ns, d_ns, _, _, t_if, d_if = hosts
-    for ns, dev in ((t_ns, t_if), (d_ns, d_if)):
-        r = _run("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "netem", "delay", "1ms",
-                 "0.5ms", "loss", "1%", check=False)
-        if r.returncode != 0:
-            pytest.skip(f"tc netem is not available here (the kernel's sch_netem): {r.stderr.strip()}")
-    out = tmp_path / "o.json"
-    target, _ = ranks(hosts, serve_args(tiny, out, "--draft", "self:2", "--k", "3"))
-    assert target.returncode == 0, target.stderr[-3000:]
-    got = json.loads(out.read_text())
-    assert got["outputs"] == plain(tiny, "cpu") and got["draft_failures"] == 0
+    """1 ms +- 0.5 ms each way and 1% loss (tc netem, or tests.delayline where the kernel has
+    none): TCP retransmits, greedy output is still plain greedy's."""
+    shaped, line = netem_or_delayline(hosts, 1.0, 0.5, 1.0)
+    try:
+        out = tmp_path / "o.json"
+        target, _ = ranks(shaped, serve_args(tiny, out, "--draft", "self:2", "--k", "3"))
+        assert target.returncode == 0, target.stderr[-3000:]
+        got = json.loads(out.read_text())
+        assert got["outputs"] == plain(tiny, "cpu") and got["draft_failures"] == 0 and got["rounds"] > 0
+        print(f"shaped link: {got['rounds']} rounds, {1e3 * got['round_trip_seconds'] / got['rounds']:.2f} ms each")
+    finally:
+        if line is not None:
+            line.terminate()
+            line.wait(30)
 
 
 def test_a_partition_mid_stream_heals_and_the_worker_rejoins(hosts, tmp_path):
@@ -147,7 +172,7 @@ def test_a_partition_mid_stream_heals_and_the_worker_rejoins(hosts, tmp_path):
         assert r.returncode == 0, r.stdout + r.stderr[-3000:] + log
         got = json.loads(r.stdout.strip().splitlines()[-1])
         print(got)
-        assert got["lost"] == 1 and got["rejoined"] == 1, got
+        assert got["lost"] >= 1 and got["rejoined"] == got["lost"], got   # every loss rejoined
         assert got["wrong"] == [] and got["long_equal"], (got, log)   # nothing lost, duplicated or changed
         assert got["stream_chunks_at_down"] > 0 and got["requests"] >= 1, got   # the partition was mid-stream
     finally:

@@ -124,3 +124,40 @@ def refused(words, rows, what: str) -> None:
         assert what in str(e), str(e)
     else:
         raise AssertionError(f"{what}: accepted")
+
+
+def test_a_framed_link_carries_each_message_as_one_tensor():
+    """Two gloo ranks in two threads: messages small and larger than `CHUNK` (rows and sparse
+    indices) arrive exactly, one after another through the one reused buffer; a small one is
+    one tensor on the wire."""
+    import datetime
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    from hal.distributed import protocol
+    from hal.distributed.protocol import Link
+    store = dist.HashStore()
+    groups = [None, None]
+
+    def make(r):
+        groups[r] = dist.ProcessGroupGloo(dist.PrefixStore("t", store), r, 2, datetime.timedelta(seconds=30))
+    ts = [threading.Thread(target=make, args=(r,)) for r in (0, 1)]
+    [t.start() for t in ts]
+    [t.join(60) for t in ts]
+    a, b = Link(1, torch.device("cpu"), groups[0], framed=True), Link(0, torch.device("cpu"), groups[1], framed=True)
+    big = torch.rand(protocol.CHUNK // 4 // 64 + 3, 64)        # past one chunk: a second tensor
+    msgs = [([7, 1, 2], None, None), ([5] * 1000, big, None), ([9, 9], big[:3], torch.arange(192).reshape(3, 64)),
+            ([1], None, None)]
+    got = []
+    sender = threading.Thread(target=lambda: [a.send(*m) or a.flush() for m in msgs])
+    sender.start()
+    for _ in msgs:
+        got.append(b.recv(30))
+    sender.join(60)
+    for (w, r, i), (gw, gr, gi) in zip(msgs, got):
+        assert gw == w
+        assert (gr is None and r is None) or torch.equal(gr, r.float())
+        assert (gi is None and i is None) or torch.equal(gi, i.to(torch.int32))
+    assert len(a._keep) == 1   # the last (small) message left as one tensor

@@ -169,6 +169,9 @@ def start(args, max_seqs: int, engine_kw: dict | None = None, phases: Phases = Q
         tw = load_model(path, draft_side.backend, args.dtype)[0].to(draft_side.device) if head else None
         drafter = make_drafter(spec, draft_side.backend, target=tw, path=args.model if head else dpath, pool=pool,
                                device=draft_side.device)
+        if drafter is not None:   # its first call pays for the kernels' set-up (~1 s): not in the first round
+            from hal.engine.router import profile_drafter
+            profile_drafter(drafter, draft_side.device, tw.cfg.hidden if head else 1, reps=1, points=(1, max(1, args.k)))
         try:
             serve_epochs(rv, drafter, draft_side.device, os.environ.get("HAL_SERVE_FAULT", ""),
                          idle=max(600.0, args.draft_timeout), join_timeout=args.draft_startup_timeout)
@@ -241,8 +244,9 @@ def _remote(args, rv: Rendezvous, spec, model, target_side, metrics, head: bool)
         from hal.models.eagle import head_feature_layers, shipped_head
         layers = head_feature_layers(spec.path or shipped_head(args.model), model.cfg.layers)
     try:
-        link = Link(DRAFT, torch.device("cpu") if rv.backend == "gloo" else target_side.device,
-                    rv.group(0, args.draft_startup_timeout))
+        gloo = rv.backend == "gloo"
+        link = Link(DRAFT, torch.device("cpu") if gloo else target_side.device, rv.group(0, args.draft_startup_timeout),
+                    framed=gloo)
     except HalError as e:
         print(f"hal.distributed.launcher: the draft worker did not join within {args.draft_startup_timeout} s "
               f"({e}); serving alone by plain decoding until it joins", file=sys.stderr, flush=True)

@@ -182,7 +182,7 @@ class RemoteDrafter:
             self.epoch += 1
             rv.announce(self.epoch)
             return False
-        self.link = Link(DRAFT, torch.device("cpu"), group)
+        self.link = Link(DRAFT, torch.device("cpu"), group, framed=True)   # later epochs are gloo
         self.sent, self.hashes, self.finished = {}, {}, []
         self.alive, self.lost, self.rounds = True, False, 1   # no start-up wait: the worker is loaded
         self.metrics.workers_rejoined += 1

@@ -69,11 +69,10 @@ class Rendezvous:
                 self.store = dist.TCPStore(self.host, self.port, 2, False, timeout=_td(timeout),
                                            wait_for_workers=False)
             self.store.set_timeout(_td(timeout))
-            if wait_for is not None:
-                try:
-                    self.store.wait([f"{EPOCH}/{wait_for}"], _td(timeout))
-                except RuntimeError:
-                    pass   # not announced yet (or the link is down: the get below tells)
+            if wait_for is not None:   # polled: a timed-out store wait logs a warning each time
+                end = time.monotonic() + timeout
+                while not self.store.check([f"{EPOCH}/{wait_for}"]) and time.monotonic() < end:
+                    time.sleep(0.05)
             return int(self.store.get(EPOCH))
         except (RuntimeError, ValueError):
             self.store = None

@@ -124,7 +124,8 @@ def serve_epochs(rv, drafter, device: torch.device, fault: str = "", idle: float
             ep.current = False
             continue
         print(f"hal.distributed.launcher worker: joined epoch {e}", file=sys.stderr, flush=True)
-        link = Link(TARGET, device if rv.backend_of(e) != "gloo" else torch.device("cpu"), group)
+        gloo = rv.backend_of(e) == "gloo"
+        link = Link(TARGET, torch.device("cpu") if gloo else device, group, framed=gloo)
         thread = threading.Thread(target=_serve, args=(link, drafter, fault if e == 0 else "", idle, ep, lock, failed),
                                   daemon=True, name=f"hal-draft-epoch-{e}")
         thread.start()
