@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.report import publish  # noqa: E402
 from tests.delayline import tcp_rtt, wired  # noqa: E402
 
 PROMPTS = ["What are some fun things to do on a rainy weekend?", "Explain glaciers to a beginner in a short paragraph."]
@@ -120,10 +121,7 @@ def main() -> None:
               "it has verified. W - RTT is the rest of a round: the worker's drafting where not hidden, and on this "
               "2-core host both ranks and the wire sharing two cores (the target's OpenMP threads spin after each "
               "parallel region while the other processes wait for a core)."]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "link-overlap.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    publish(lines, Path(args.out) / "link-overlap.md")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import torch
 
 import hal
 from hal.engine.decoder import Request, SpeculativeDecoder
+from hal.engine.requests import SamplingParams
 from hal.models.llama import load_safetensors
 from tests.test_llama_runner import H, HEADS, KV, LAYERS, V, FFN, hf_weights
 
@@ -336,6 +337,49 @@ def test_worker_that_never_joins(tiny, tmp_path):
     assert "did not join" in r.stderr and time.monotonic() - t < 90
     got = json.loads(out.read_text())
     assert got["outputs"] == plain(tiny, "cpu") and got["draft_failures"] == 1
+
+
+def test_a_worker_that_joins_late_is_taken_in_by_the_next_epoch(tiny):
+    """The real rendezvous (a TCP store on 127.0.0.1, gloo groups), the target and the worker
+    in two threads: nobody joined epoch 0, so the target decodes plainly with epoch 1 open;
+    a worker that starts mid-generation joins it, the target takes it in at its next step and
+    drafting resumes. The output is plain greedy's; one rejoin is counted; STOP ends the worker."""
+    import threading
+    import time
+
+    from hal.drafters import NgramDrafter
+    from hal.distributed.rendezvous import Rendezvous
+    from hal.distributed.remote import RemoteDrafter
+    from hal.distributed.worker import serve_epochs
+    from hal.metrics import SpecDecodeMetrics
+    be, port = hal.get_backend("cpu"), free_port()
+    rv = Rendezvous(0, "gloo", 10.0, "127.0.0.1", port)
+    metrics = SpecDecodeMetrics()
+    remote = RemoteDrafter(None, V, torch.device("cpu"), metrics, timeout=10, rendezvous=rv)
+    assert remote.epoch == 1 and not remote.alive
+    dec = SpeculativeDecoder(load_safetensors(tiny, be), remote, num_blocks=64, metrics=metrics)
+    rids = [dec.add_request([int(t) for t in p.split(",")], SamplingParams(max_new_tokens=N, k=3)) for p in PROMPTS]
+    out = {r: [] for r in rids}
+    for _ in range(3):   # plain steps: nobody is there yet
+        for r, t in dec.step().tokens.items():
+            out[r] += t
+    assert metrics.total.num_draft_tokens == 0
+    worker = threading.Thread(target=serve_epochs, daemon=True,
+                              args=(Rendezvous(1, "gloo", 10.0, "127.0.0.1", port), NgramDrafter(be),
+                                    torch.device("cpu")))
+    worker.start()
+    deadline = time.monotonic() + 60
+    while not rv.joining(1):   # a condition, bounded
+        assert time.monotonic() < deadline, "the worker did not say it joins epoch 1"
+        time.sleep(0.01)
+    while dec.has_unfinished():
+        for r, t in dec.step().tokens.items():
+            out[r] += t
+    remote.close()
+    worker.join(30)
+    assert [out[r] for r in rids] == plain(tiny, "cpu")
+    assert metrics.workers_rejoined == 1 and remote.alive and metrics.total.num_draft_tokens > 0
+    assert not worker.is_alive()   # it returned at STOP
 
 
 def test_worker_that_stops_before_its_first_reply(tiny, tmp_path):

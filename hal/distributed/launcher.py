@@ -252,12 +252,8 @@ def _remote(args, rv: Rendezvous, spec, model, target_side, metrics, head: bool)
               f"({e}); serving alone by plain decoding until it joins", file=sys.stderr, flush=True)
         link = None
         metrics.draft_failures += 1
-    d = RemoteDrafter(link, model.cfg.vocab, target_side.device, metrics, args.draft_timeout,
-                      first_timeout=args.draft_startup_timeout, features=layers, rendezvous=rv)
-    if link is None:
-        d.lost, d.epoch = True, 1
-        rv.announce(1)
-    return d
+    return RemoteDrafter(link, model.cfg.vocab, target_side.device, metrics, args.draft_timeout,
+                         first_timeout=args.draft_startup_timeout, features=layers, rendezvous=rv)
 
 
 def grammar_compiler(tok, cfg, phases: Phases):

@@ -37,6 +37,9 @@ class RemoteDrafter:
         self.alive, self.lost, self.rounds, self.guess_hits, self.guess_misses = link is not None, False, 0, 0, 0
         self.wait_s = 0.0   # seconds the target spent in a round (send, the worker's drafting, receive)
         self._bytes = [0, 0]   # sent, received over the links of earlier epochs
+        if link is None and rendezvous is not None:   # nobody joined ``epoch``: open the next for a late worker
+            self.lost, self.epoch = True, epoch + 1
+            rendezvous.announce(self.epoch)
 
     @property
     def bytes_sent(self) -> int:

@@ -99,7 +99,12 @@ def serve_epochs(rv, drafter, device: torch.device, fault: str = "", idle: float
     while not (ep is not None and ep.stopped):
         if failed:
             raise failed[0]
-        e = rv.newest(None if ep is None else ep.number + 1, timeout=rv.timeout if ep is None else 1.0)
+        try:
+            e = rv.newest(None if ep is None else ep.number + 1, timeout=rv.timeout if ep is None else 1.0)
+        except HalError:   # the target is gone: after its STOP that is the end, else a failure
+            if ep is not None and ep.stopped:
+                return
+            raise
         now = time.monotonic()
         if e is None:   # the store is out of reach (the link is down)
             if ep is None and now - contact > rv.timeout:
