@@ -638,3 +638,52 @@ def test_sigterm_finishes_short_requests_ends_the_rest_cleanly_and_exits_0(serve
     text = open(log).read()
     assert "Traceback" not in text and "Exception in ASGI" not in text, text[-3000:]
 
+
+
+SCHEMA_CONST = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"const": "<|im_end|>"}}}
+SPECIAL_TOKEN_GRAMMARS = [   # the outside trial's reproducers: each ended every request in flight
+    ({"guided_choice": ["<|im_end|>"]}, "guided_choice"),
+    ({"guided_choice": ["<|im_start|>"]}, "guided_choice"),
+    ({"guided_choice": ["a<|im_end|>b"]}, "guided_choice"),
+    ({"guided_regex": "<\\|im_end\\|>"}, "guided_regex"),
+    ({"guided_regex": "a<\\|endoftext\\|>"}, "guided_regex"),
+    ({"guided_json": {"const": "<|im_end|>"}}, "guided_json"),
+    ({"guided_json": {"enum": ["<|im_end|>"]}}, "guided_json"),
+    ({"response_format": SCHEMA_CONST}, "response_format.json_schema.schema"),
+    ({"guided_choice": ["<|im_end|>"], "stream": True}, "guided_choice"),
+    ({"guided_choice": ["<|im_end|>"], "speculative": {"k": 0}}, "guided_choice"),
+    ({"guided_choice": ["<|im_end|>"], "n": 2}, "guided_choice"),
+]
+
+
+def test_special_token_grammars_fail_alone_while_another_stream_finishes_intact(server):
+    """Each reproducer is a 400 naming its field (refused at compile time), sent while another
+    client's greedy stream runs; that stream ends with ``finish_reason: "length"``, no error
+    event and the text it has alone. A grammar that plain text can still satisfy (``yes``
+    beside ``<|im_end|>``) is answered in plain tokens (the text ``<|im_end|>`` spelled out is
+    in its language too), the special token left out of the masks until it is complete."""
+    base = server[1]
+    victim = {"model": MODEL, "messages": [{"role": "user", "content": "Count from one to twenty in words."}],
+              "max_tokens": 40, "temperature": 0}
+    alone = httpx.post(base + "/v1/chat/completions", json=victim, timeout=120).json()["choices"][0]
+
+    def attack(extra):
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, **extra}
+        return httpx.post(base + "/v1/chat/completions", json=body, timeout=120)
+
+    with httpx.stream("POST", base + "/v1/chat/completions", json={**victim, "stream": True}, timeout=120) as s:
+        lines = s.iter_lines()
+        got = [next(line for line in lines if line.startswith("data: "))]
+        answers = [attack(extra) for extra, _ in SPECIAL_TOKEN_GRAMMARS]
+        mixed = attack({"guided_choice": ["<|im_end|>", "yes"]})
+        got += [line for line in lines if line.startswith("data: ")]
+    for (extra, param), r in zip(SPECIAL_TOKEN_GRAMMARS, answers):
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
+        assert "special token" in r.json()["error"]["message"], r.text
+    assert mixed.status_code == 200 and mixed.json()["choices"][0]["message"]["content"] in ("yes", "<|im_end|>") \
+        and mixed.json()["choices"][0]["finish_reason"] == "stop", mixed.text
+    chunks = [json.loads(line[6:]) for line in got if line != "data: [DONE]"]
+    assert got[-1] == "data: [DONE]" and not any("error" in c for c in chunks), got[-3:]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert text == alone["message"]["content"] and finish == [alone["finish_reason"]] == ["length"], (text, finish)

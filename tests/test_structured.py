@@ -9,6 +9,8 @@ import re
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import hal
 from hal.drafters import NgramDrafter
@@ -194,7 +196,7 @@ def test_a_mask_that_ignores_the_drafts_is_caught(model, compiler, monkeypatch):
     plain, _ = run(model, compiler, None, "json", 0)
     monkeypatch.setattr(grammar, "constrain", lambda states, drafts, ks: drafts)   # the forbidden drafts reach the rows
     monkeypatch.setattr(grammar, "_row_paths", mutate("grammar-ignores-drafts"))
-    with pytest.raises(HalError, match="refused emitted token"):
+    with pytest.raises(HalError, match="which it refused"):
         spec, _ = run(model, compiler, ModelDrafter(model, num_blocks=256), "json", 4)
         assert spec == plain   # not reached: the engine's own check refuses the token first
 
@@ -246,3 +248,111 @@ def test_a_request_left_without_tokens_fails_alone(model, compiler, temperature)
         assert dec.pool.allocator.num_free == dec.pool.allocator.num_blocks
         with pytest.raises(HalError, match=r"requests\[1\]: allowed_token_ids: expected a token"):
             dec.generate([ok, bad])
+
+
+def _one_step_at_a_time(dec, rids):
+    """Step ``dec`` to the end: each request's tokens and the errors of `StepOutput`."""
+    got, errors = {r: [] for r in rids}, {}
+    while dec.has_unfinished():
+        out = dec.step()
+        errors.update(out.errors)
+        for r in rids:
+            got[r] += out.tokens.get(r, [])
+    return got, errors
+
+
+@pytest.mark.parametrize("spec,field", [
+    (StructuredOutputs(choice=("<eos>",)), "structured.choice"),
+    (StructuredOutputs(choice=("a<eos>b",)), "structured.choice"),
+    (StructuredOutputs(regex="<eos>"), "structured.regex"),
+    (StructuredOutputs(json=json.dumps({"const": "<eos>"})), "structured.json"),
+    (StructuredOutputs(json=json.dumps({"enum": ["a<eos>"]})), "structured.json"),
+])
+def test_a_grammar_that_needs_a_special_token_is_refused_at_compile_time(compiler, spec, field):
+    """The outside trial's reproducers (``guided_choice: ["<|im_end|>"]`` and kin): llguidance
+    matches a grammar's special-token text to the special token, the stop token here, which
+    then ended the request mid-grammar and failed the whole step. Where the grammar's start
+    forces one, the compiler refuses it, naming the field."""
+    with pytest.raises(HalError, match=rf"^{re.escape(field)}: expected a grammar that plain text can satisfy"):
+        compiler.matcher(spec)
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_a_grammar_stuck_on_a_special_token_fails_alone(model, compiler, k):
+    """``ab?<eos>`` passes the compile check (its start is plain text) but, on this byte-level
+    vocabulary, ``<eos>`` can only be the stop token, which the masks leave out until the
+    grammar is complete: after ``a`` (and ``b``) no token is left, so that request fails alone
+    with an error naming ``structured``, never emitting a special token, while a plain and a
+    ``choice`` request in the same steps are what they are alone."""
+    ok = Request(PROMPTS[0], max_new_tokens=12, k=k, stop_ids=(EOS,))
+    fine = Request(PROMPTS[2], max_new_tokens=12, k=k, stop_ids=(EOS,),
+                   structured=StructuredOutputs(choice=("<eos>", "dd")))
+    solo = [SpeculativeDecoder(model, NgramDrafter(model.be), num_blocks=64, grammar=compiler).generate([r])[0]
+            for r in (ok, fine)]
+    assert solo[1] == tokenizer().encode("dd").ids + [EOS]
+    dec = SpeculativeDecoder(model, NgramDrafter(model.be), num_blocks=64, grammar=compiler)
+    a = dec.add(ok)
+    bad = dec.add(Request(PROMPTS[1], max_new_tokens=12, k=k, stop_ids=(EOS,),
+                          structured=StructuredOutputs(regex="ab?<eos>")))
+    c = dec.add(fine)
+    got, errors = _one_step_at_a_time(dec, [a, bad, c])
+    assert [got[a], got[c]] == solo and list(errors) == [bad] and errors[bad].startswith("structured: expected"), \
+        (got, errors)
+    assert EOS not in got[bad] and set(got[bad]) <= set(tokenizer().encode("ab").ids)
+    assert dec.pool.allocator.num_free == dec.pool.allocator.num_blocks
+
+
+def test_a_refused_token_fails_only_its_request(model, compiler, monkeypatch):
+    """A matcher that refuses an emitted token (a mask that let it through: here the planted
+    mutant that never masks special tokens) ends that request alone, without emitting the
+    token; the other requests of the step are untouched (it used to raise out of the step and
+    end every request in flight)."""
+    from hal.engine import grammar
+    from tests.mutants import mutate
+    ok = Request(PROMPTS[0], max_new_tokens=12, k=3, stop_ids=(EOS,))
+    alone = SpeculativeDecoder(model, NgramDrafter(model.be), num_blocks=64).generate([ok])[0]
+    monkeypatch.setattr(grammar.Matcher, "allowed", mutate("grammar-special-tokens-unmasked").allowed)
+    dec = SpeculativeDecoder(model, NgramDrafter(model.be), num_blocks=64, grammar=compiler)
+    a = dec.add(ok)
+    bad = dec.add(Request(PROMPTS[1], max_new_tokens=12, k=3, stop_ids=(EOS,),
+                          structured=StructuredOutputs(regex="ab?<eos>")))
+    got, errors = _one_step_at_a_time(dec, [a, bad])
+    assert got[a] == alone and list(errors) == [bad], (got, errors)
+    assert EOS not in got[bad] and "which it refused" in errors[bad], errors
+
+
+SPECIAL_TEXT = st.lists(st.sampled_from(["<eos>", "a", "b", "x", "<", "eos", ">", "\\"]), min_size=1, max_size=5)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(pieces=st.lists(SPECIAL_TEXT, min_size=1, max_size=3), field=st.sampled_from(["choice", "regex", "json"]))
+def test_fuzzed_grammars_with_special_token_text_never_hurt_another_request(model, compiler, pieces, field):
+    """Grammar fields made of special-token text and plain characters: each is refused at
+    compile time naming its field, or runs to a stop, or fails alone naming ``structured``;
+    it never emits a special token before its end, and a plain request beside it is intact."""
+    texts = ["".join(p) for p in pieces]
+    spec = {"choice": lambda: StructuredOutputs(choice=tuple(texts)),
+            "regex": lambda: StructuredOutputs(regex="|".join(re.escape(t) for t in texts)),
+            "json": lambda: StructuredOutputs(json=json.dumps({"enum": texts}))}[field]()
+    ok = Request(PROMPTS[0], max_new_tokens=10, k=3, stop_ids=(EOS,))
+    dec = SpeculativeDecoder(model, NgramDrafter(model.be), num_blocks=64, grammar=compiler)
+    a = dec.add(ok)
+    try:
+        bad = dec.add(Request(PROMPTS[1], max_new_tokens=10, k=3, stop_ids=(EOS,), structured=spec))
+    except HalError as e:
+        assert str(e).startswith(f"structured.{field}: expected"), e
+        bad = None
+    got, errors = _one_step_at_a_time(dec, [a] + ([bad] if bad is not None else []))
+    assert got[a] == _fuzz_alone(model, ok) and a not in errors
+    if bad is not None:
+        assert EOS not in got[bad][:-1] and (bad not in errors or errors[bad].startswith("structured: expected"))
+    assert dec.pool.allocator.num_free == dec.pool.allocator.num_blocks
+
+
+_ALONE: dict = {}
+
+
+def _fuzz_alone(model, req):
+    if "ok" not in _ALONE:
+        _ALONE["ok"] = SpeculativeDecoder(model, NgramDrafter(model.be), num_blocks=64).generate([req])[0]
+    return _ALONE["ok"]

@@ -310,7 +310,11 @@ class SpeculativeDecoder:
         n0 = len(state.generated)
         try:
             self._append(state, new)
-            grammar.advance(state, state.generated[n0:])
+            took, why = grammar.advance(state, state.generated[n0:])
+            if why is not None:   # this request's grammar refused a token: it alone fails, before emitting it
+                del state.tokens[len(state.tokens) - (len(state.generated) - n0 - took):]
+                del state.generated[n0 + took:]
+                self._fail(state, why)
         finally:
             now = time.perf_counter() - self._t0
             if n0 == 0 and state.generated:
@@ -324,10 +328,15 @@ class SpeculativeDecoder:
             if self.on_tokens is not None:
                 self.on_tokens(state.rid, state.generated[n0:])
 
-    def _fail(self, state: State) -> None:
-        """End a request whose own parameters left a row without any token to emit."""
-        if not state.done:
-            state.done = True
+    def _fail(self, state: State, why: str | None = None) -> None:
+        """End a request whose own parameters left a row without any token to emit (or ``why``
+        it failed, naming the parameter); the step's other requests go on."""
+        if state.rid in self._out.errors or (state.done and why is None):
+            return
+        state.done = True
+        if why is not None:
+            self._out.errors[state.rid] = f"{why} (request {state.rid})"
+        else:
             req = state.req
             names = [n for n, on in (("allowed_token_ids", req.allowed_token_ids is not None),
                                      ("bad_words", bool(req.bad_words)), ("structured", state.matcher is not None))

@@ -41,14 +41,24 @@ def _llguidance():
 class GrammarCompiler:
     """Compiles `StructuredOutputs` for one tokenizer: ``tokenizer_json`` (a ``tokenizers``
     tokenizer serialized, ``Tokenizer.to_str()``), the model's ``vocab`` (rows of its logits)
-    and its stop token ids (the grammar's end)."""
+    and its stop token ids (the grammar's end).
+
+    Special tokens (the tokenizer's added tokens marked special: ``<|im_end|>``, ...) are never
+    grammar text: llguidance matches a grammar's literal ``<|im_end|>`` to the special token,
+    which a client's text must not reach (a stop token there would end the request mid-grammar).
+    A grammar whose start forces one is refused at compile time (`matcher`); elsewhere the
+    masks leave them out (`masks`), and a stop token is allowed only where the grammar is
+    complete."""
 
     def __init__(self, tokenizer_json: str, vocab: int, stop_ids: tuple[int, ...]):
         if not stop_ids:
             raise HalError("GrammarCompiler stop_ids: expected at least one stop token id, got none")
         llg = _llguidance()
-        self.vocab = vocab
+        self.vocab, self.stop_ids = vocab, tuple(stop_ids)
         self.tokenizer = llg.LLTokenizer(tokenizer_json, n_vocab=vocab, eos_token=list(stop_ids))
+        added = json.loads(tokenizer_json).get("added_tokens") or []
+        self.special_ids = tuple(sorted({int(a["id"]) for a in added if a.get("special") and 0 <= a["id"] < vocab}
+                                        | set(self.stop_ids)))
 
     @staticmethod
     def grammar(spec: StructuredOutputs) -> tuple[str, str]:
@@ -93,7 +103,58 @@ class GrammarCompiler:
         m = llg.LLMatcher(self.tokenizer, grammar, log_level=0)
         if m.is_error():
             raise HalError(f"structured.{name}: expected a grammar llguidance accepts, got: {m.get_error()[:300]}")
-        return m
+        self._refuse_special_start(m, name)
+        return Matcher(m, self.special_ids, self.stop_ids)
+
+    def _refuse_special_start(self, m, name: str) -> None:
+        """`HalError` naming the field when the grammar's start can only go on through a
+        special token: every token it allows there is special, or its forced tokens hold one."""
+        allowed = _allowed(m, self.vocab)
+        ids = set(allowed.nonzero().flatten().tolist())
+        forced = [t for t in m.compute_ff_tokens() if t in self.special_ids]
+        if forced or (ids and ids <= set(self.special_ids)):
+            token = forced[0] if forced else min(ids)
+            raise HalError(f"structured.{name}: expected a grammar that plain text can satisfy, got one that "
+                           f"needs special token {token} (special tokens such as <|im_end|> are never grammar text)")
+
+
+class Matcher:
+    """A request's llguidance matcher with the special tokens taken out of its masks: the
+    ``special`` ids never, the ``stop`` ids only where the grammar is complete."""
+
+    def __init__(self, matcher, special: tuple[int, ...], stop: tuple[int, ...]):
+        self.m, self.special, self.stop = matcher, torch.tensor(special, dtype=torch.long), stop
+
+    def allowed(self, V: int) -> Tensor:
+        """``[V]`` bool: what may come next; only a stop token once the grammar is complete.
+        Empty where the grammar is stuck (the row is then left without a token, and the request
+        fails alone)."""
+        if self.m.is_error():
+            return torch.zeros(V, dtype=torch.bool)
+        allowed = torch.zeros(V, dtype=torch.bool) if self.m.is_stopped() else _allowed(self.m, V)
+        allowed[self.special[self.special < V]] = False
+        if self.m.is_accepting():
+            allowed[[t for t in self.stop if t < V]] = True
+        return allowed
+
+    # the llguidance matcher's own calls
+    def validate_tokens(self, ids: list[int]) -> int:
+        return self.m.validate_tokens(ids)
+
+    def try_consume_tokens(self, ids: list[int]) -> int:
+        return self.m.try_consume_tokens(ids)
+
+    def consume_token(self, t: int) -> bool:
+        return self.m.consume_token(t)
+
+    def compute_ff_tokens(self) -> list[int]:
+        return self.m.compute_ff_tokens()
+
+    def rollback(self, n: int) -> None:
+        self.m.rollback(n)
+
+    def get_error(self) -> str:
+        return self.m.get_error()
 
 
 def _escape(text: str) -> str:
@@ -173,19 +234,20 @@ def masks(states: list[State], counts: list[int], draft_ids: Tensor | None, pare
         for path in _row_paths(c, mine, pa):
             ok = s.matcher.try_consume_tokens(path) if path else 0
             # a path through a forbidden draft: that row is never used (the draft is rejected)
-            allowed = _allowed(s.matcher, V) if ok == len(path) else None
-            # all forbidden: the grammar has ended (the request stops before this row is used)
-            rows.append((allowed if allowed is not None and allowed.any() else torch.ones(V, dtype=torch.bool))[None])
+            rows.append((s.matcher.allowed(V) if ok == len(path) else torch.ones(V, dtype=torch.bool))[None])
             if ok:
                 s.matcher.rollback(ok)
     return torch.cat(rows).to(dev)
 
 
-def advance(state: State, tokens: list[int]) -> None:
+def advance(state: State, tokens: list[int]) -> tuple[int, str | None]:
     """The committed ``tokens`` (emitted by the step) go into the request's matcher. Once the
-    grammar is complete only a stop token is allowed, which ends the request."""
+    grammar is complete only a stop token is allowed, which ends the request. Returns how many
+    it took, and why it refused the next one (that request alone then fails:
+    `hal.engine.decoder.SpeculativeDecoder`), or None."""
     m = state.matcher
-    for t in tokens if m is not None else ():
+    for j, t in enumerate(tokens if m is not None else ()):
         if not m.consume_token(t):   # (consume_tokens refuses the stop token of a complete grammar)
-            raise HalError(f"request {state.rid}: its grammar refused emitted token {t} ({m.get_error()[:200]}); "
-                           "the mask was not applied")
+            return j, f"structured: expected tokens the grammar allows, got token {t}, which it refused " \
+                      f"({m.get_error()[:200]})"
+    return len(tokens), None

@@ -267,7 +267,10 @@ def make_app(target, served: str, max_model_len: int, default_k: int, max_in_fli
                 if text.stopped:
                     finish[i] = "stop"
                     loop.abort(handles[i])
-            elif event[0] in ("error", "invalid"):
+            elif event[0] in ("error", "invalid"):   # this choice ends with its reason, then the error event
+                finish[i] = "error"
+                for line in end(i):
+                    yield line
                 yield sse((ApiError(event[1], None, 500, "server_error") if event[0] == "error"
                            else invalid(event[1], parsed)).body())
                 yield "data: [DONE]\n\n"

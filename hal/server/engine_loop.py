@@ -105,12 +105,12 @@ class EngineLoop:
                 self.in_flight -= 1
             h.push(event)
 
-    def _cut(self, event: tuple) -> None:
+    def _cut(self, event: tuple, reason: str = "abort") -> None:
         for rid, h in list(self.live.items()):
             self.dec.abort(rid)   # frees its blocks, target and draft
             if self.metrics:
                 self.metrics.finished(h.arrival, h.first, time.perf_counter(), len(h.parsed.prompt_ids),
-                                      h.generated, "abort")
+                                      h.generated, reason)
             self._done(h, event)
         self.live.clear()
 
@@ -125,7 +125,7 @@ class EngineLoop:
             except Exception as e:   # never leave a client hanging: fail what is in flight, keep serving
                 self.error = f"{type(e).__name__}: {e}"
                 traceback.print_exc(file=sys.stderr)
-                self._cut(("error", self.error))
+                self._cut(("error", self.error), "error")
         self._cut(("shutdown",))   # stopping: end what is left
 
     def _drain(self, block: bool) -> None:
