@@ -687,3 +687,57 @@ def test_special_token_grammars_fail_alone_while_another_stream_finishes_intact(
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
     finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
     assert text == alone["message"]["content"] and finish == [alone["finish_reason"]] == ["length"], (text, finish)
+
+
+def test_the_openai_chat_loop_appends_each_answer_as_it_is(client):
+    """Three turns with the official client, each answer appended as
+    ``resp.choices[0].message.model_dump()`` (``refusal``, ``audio``, ``function_call``,
+    ``tool_calls``, ``annotations`` as null), and ``name`` on the user's turns; what this
+    server never produces stays refused by name."""
+    messages = [{"role": "system", "content": "Answer briefly.", "name": "rules"}]
+    for turn in ("Name a colour.", "Name another.", "And one more."):
+        messages.append({"role": "user", "content": turn, "name": "ada"})
+        r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0)
+        assert r.choices[0].message.content
+        messages.append(r.choices[0].message.model_dump())
+    assert {"refusal", "tool_calls", "annotations"} <= set(messages[-1]) and len(messages) == 7
+    empty = {**messages[2], "tool_calls": [], "annotations": []}
+    assert client.chat.completions.create(model=MODEL, messages=messages[:2] + [empty, messages[3]], max_tokens=2,
+                                          temperature=0).choices[0].message.content is not None
+    for field, value in (("refusal", "no"), ("tool_calls", [{"id": "1"}]), ("reasoning", "x")):
+        bad = messages[:2] + [{**messages[2], field: value}, messages[3]]
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=bad, max_tokens=2)
+        assert e.value.body["param"] == f"messages[2].{field}", e.value.body
+
+
+def test_a_body_cut_short_logs_one_line(server):
+    """A body shorter than its Content-Length, then a close: one line in the log (it was a
+    60-line ClientDisconnect traceback any client could repeat), and the server serves on."""
+    before = open(server[2]).read()
+    host, port = server[1].rsplit("//", 1)[1].split(":")
+    for _ in range(3):
+        with socket.create_connection((host, int(port))) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 100\r\n\r\n{\"model\":")
+    deadline = time.monotonic() + 30
+    while open(server[2]).read().count("a client disconnected after") < before.count(
+            "a client disconnected after") + 3 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    new = open(server[2]).read()[len(before):]
+    assert new.count("a client disconnected after 9 of 100 body bytes") == 3 and "Traceback" not in new, new
+    assert httpx.get(server[1] + "/health").status_code == 200
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "min_tokens": 9, "max_tokens": 8}, "min_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema", "json_schema": {
+        "schema": {}}}}, "response_format.json_schema.name"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"abc": 1}}, "logit_bias"),
+])
+def test_the_trials_validation_gaps_are_400s_with_short_messages(server, body, param):
+    r = httpx.post(server[1] + "/v1/chat/completions", json={"model": MODEL, **body})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == param and err["message"].startswith(param + ":"), r.text
+    assert len(err["message"]) < 160 and "^(" not in err["message"], err

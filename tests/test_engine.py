@@ -2,6 +2,7 @@
 has_unfinished`): continuous batching, the token budget with chunked prefill, preemption,
 abort, mixed greedy/sampled batches and logprobs, on a tiny random Llama (real ops)."""
 
+import math
 import random
 
 import pytest
@@ -254,3 +255,20 @@ def test_a_malformed_proposal_is_refused_naming_the_field(model, how, field, loo
     with pytest.raises(hal.HalError, match=field):
         while dec.has_unfinished():
             dec.step()
+
+
+def test_an_exact_tie_is_listed_in_the_greedy_order():
+    """The outside trial's finding: on an exact tie the greedy token (argmax: the lower id)
+    was listed second in the alternatives. A toy target with eight equal tokens: greedy emits
+    token 0 and lists 0..3, in that order, each with logprob log(1/8)."""
+    from tests.test_routing import ToyTarget
+    be = hal.get_backend("cpu")
+    dec = SpeculativeDecoder(ToyTarget(be, torch.full((8,), 0.125)), None, num_blocks=16)
+    rid = dec.add_request([0], SamplingParams(max_new_tokens=3, k=0, logprobs=4))
+    lps = []
+    while dec.has_unfinished():
+        lps += dec.step().logprobs.get(rid, [])
+    assert [e.token for e in lps] == [0, 0, 0]
+    for e in lps:
+        assert [i for i, _ in e.top] == [0, 1, 2, 3], e.top
+        assert all(abs(v - math.log(0.125)) < 1e-6 for _, v in e.top)

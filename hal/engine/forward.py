@@ -96,9 +96,10 @@ def logprob_rows(rows: Tensor, tokens: Tensor, top_n: int) -> list[Tensor]:
     under log_softmax(rows) (vLLM's raw logprobs) and the ``top_n`` best (values, ids)."""
     lsm = torch.log_softmax(rows.float(), -1)
     out = [lsm.gather(1, tokens.long().clamp(min=0)[:, None])[:, 0]]
-    if top_n:
-        top = lsm.topk(top_n, -1)
-        out += [top.values, top.indices]
+    if top_n:   # a stable sort: exact ties in the greedy order (the lower id first, as argmax picks); topk
+        #          leaves their order, and which of them it keeps, open
+        values, ids = torch.sort(lsm, stable=True, dim=-1, descending=True)
+        out += [values[:, :top_n], ids[:, :top_n]]
     return out
 
 
@@ -106,7 +107,7 @@ def logprob_entry(got, r: int, token: int, want: int, top_n: int) -> TokenLogpro
     """Row ``r``'s entry from a read-back `hal.engine.step_types.Logprobs` ``got``: the
     emitted token, its logprob and the ``want`` best alternatives of the ``top_n`` read."""
     top = []
-    if want:
+    if want:   # best first, exact ties in the greedy order (`logprob_rows`)
         vals = got.top_values[r * top_n:r * top_n + want]
         ids = got.top_ids[r * top_n:r * top_n + want]
         top = [(int(i), v) for i, v in zip(ids, vals)]

@@ -44,12 +44,19 @@ async def read_body(request) -> bytes:
     n = request.headers.get("content-length")
     if n is not None and (not n.isdigit() or int(n) > MAX_BODY):
         raise ApiError(f"body: expected at most {MAX_BODY} bytes, got {n}", "body", 413)
+    from starlette.requests import ClientDisconnect
     chunks, size = [], 0
-    async for c in request.stream():
-        size += len(c)
-        if size > MAX_BODY:
-            raise ApiError(f"body: expected at most {MAX_BODY} bytes, got more", "body", 413)
-        chunks.append(c)
+    try:
+        async for c in request.stream():
+            size += len(c)
+            if size > MAX_BODY:
+                raise ApiError(f"body: expected at most {MAX_BODY} bytes, got more", "body", 413)
+            chunks.append(c)
+    except ClientDisconnect:   # one line, not a traceback: any client can do this
+        print(f"spec-hal serve: a client disconnected after {size} of {n or 'unknown'} body bytes",
+              file=sys.stderr, flush=True)
+        raise ApiError(f"body: expected {n or 'the whole'} bytes, got {size} before the client disconnected",
+                       "body") from None
     return b"".join(chunks)
 
 

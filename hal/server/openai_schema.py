@@ -74,6 +74,11 @@ def parse(raw: bytes, *, chat: bool, tok, wire: WireModels, max_model_len: int, 
         raise ApiError(f"{name}: this model's maximum context length is {max_model_len} tokens; the prompt has "
                        f"{len(ids)} and {name} is {max_tokens} ({len(ids) + max_tokens} in all)", name)
     stop = [] if body.stop is None else [body.stop] if isinstance(body.stop, str) else list(body.stop)
+    if chat and body.top_logprobs and not body.logprobs:
+        raise ApiError(f"top_logprobs: expected it only with logprobs: true, got {body.top_logprobs} with logprobs "
+                       f"{body.logprobs}", "top_logprobs")
+    if body.min_tokens and body.min_tokens > max_tokens:
+        raise ApiError(f"min_tokens: expected at most {name} ({max_tokens}), got {body.min_tokens}", "min_tokens")
     if chat:
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
     else:

@@ -99,19 +99,41 @@ MAX_CHOICES = 64
 Content = Union[str, list[TextPart]]
 
 
+def _empty(v: list) -> list:
+    if v:
+        raise ValueError("expected an empty list (this server does not implement it)")
+    return v
+
+
+EmptyList = Annotated[list[Any], AfterValidator(_empty), WithJsonSchema({"type": "array", "maxItems": 0})]
+Name = Annotated[str, StringConstraints(max_length=256)]
+
+
 class SystemMessage(Closed):
     role: Literal["system", "developer"]
     content: Content
+    name: Name | None = Field(None, description="the participant's name (accepted; not rendered)")
 
 
 class UserMessage(Closed):
     role: Literal["user"]
     content: Content
+    name: Name | None = Field(None, description="the participant's name (accepted; not rendered)")
 
 
 class AssistantMessage(Closed):
+    """An earlier answer, as the official client's ``ChatCompletionMessage.model_dump()`` sends
+    it back: the fields this server never produces (``refusal``, ``audio``, ``function_call``,
+    ``tool_calls``, ``annotations``) are accepted null or empty, and nothing else."""
+
     role: Literal["assistant"]
     content: Content | None = None
+    name: Name | None = Field(None, description="the participant's name (accepted; not rendered)")
+    refusal: None = None
+    audio: None = None
+    function_call: None = None
+    tool_calls: EmptyList | None = None
+    annotations: EmptyList | None = None
 
 
 def _role(m) -> str | None:
@@ -231,6 +253,7 @@ def wire_models(served: str, max_model_len: int, vocab: int, max_k: int) -> Wire
 
 
 ROLE_TAGS = {"system", "user", "assistant"}
+FORMAT_TAGS = {"text", "json_object", "json_schema"}
 UNION_MESSAGES = {
     "prompt": "a non-empty string or list of token ids (one prompt)",
     "stop": f"a non-empty string or a list of at most {MAX_STOP}",
@@ -249,6 +272,8 @@ def error_param(loc: tuple, fields: set[str]) -> str:
             out += f"[{part}]"
         elif part in ROLE_TAGS and i > 0 and isinstance(loc[i - 1], int):
             continue   # the discriminator's tag (messages[i].<role>.content)
+        elif i == 1 and loc[0] == "response_format" and part in FORMAT_TAGS:
+            continue   # response_format's tag (response_format.<type>.json_schema.name)
         elif part in fields:
             out += ("." if out else "") + part
         else:
@@ -281,6 +306,8 @@ def error_message(err: dict, param: str) -> str:
         if tag == "type":
             return f"{param}: expected text, json_object or json_schema, got {_shown(got)}"
         return f"{param}: expected system, developer, user or assistant, got {_shown(got)}"
+    if kind == "string_pattern_mismatch" and leaf == "logit_bias":
+        return f"{param}: expected token ids as keys (decimal strings below the vocabulary size), got {got}"
     if kind in BOUNDS:
         op, key = BOUNDS[kind]
         return f"{param}: expected a value {op} {err['ctx'][key]!r}, got {got}"
