@@ -269,6 +269,8 @@ def add_dtype_args(ap) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from hal.checks import MAX_K
+    from hal.distributed.launcher import bounded, model_flag
     ap = argparse.ArgumentParser(prog="spec-hal", description="spec-hal: speculative decoding HAL")
     sub = ap.add_subparsers(dest="cmd", required=True)
     info = sub.add_parser("info", help="backends, availability, block sizes, validation level; the CPU and "
@@ -290,20 +292,20 @@ def main(argv: list[str] | None = None) -> int:
     mf.add_argument("name")
     g = sub.add_parser("generate", help="generate text with speculative decoding")
     add_dtype_args(g)
-    g.add_argument("--model", default="smollm2-135m", help="a fetchable name or a .gguf path")
+    g.add_argument("--model", default="smollm2-135m", type=model_flag, help="a fetchable name or a .gguf path")
     g.add_argument("--draft", default="ngram", help=draft_help(draft_kinds(cli=True)))
-    g.add_argument("--prompt", required=True)
-    g.add_argument("--k", type=int, default=5)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--prompt", required=True, help="the user's turn (rendered with the chat template)")
+    g.add_argument("--k", type=bounded(int, 0, MAX_K), default=5, help="drafts per step")
+    g.add_argument("--temperature", type=bounded(float, 0), default=0.0, help="0: greedy")
+    g.add_argument("--max-tokens", type=bounded(int, 1), default=128, help="tokens to generate")
+    g.add_argument("--seed", type=int, default=0, help="the sampling seed")
     g.add_argument("--compare", action="store_true", help="also run plain decoding and compare")
     b = sub.add_parser("bench", help="routed speculative decoding on the demo prompts; prints a summary and "
                                      "the metrics in Prometheus text format (needs prometheus-client)")
-    b.add_argument("--model", default="smollm2-135m")
+    b.add_argument("--model", default="smollm2-135m", type=model_flag, help="a fetchable name or a .gguf path")
     add_dtype_args(b)
     b.add_argument("--draft", default="ngram", help=draft_help(draft_kinds(cli=True)))
-    b.add_argument("--k", type=int, default=8, help="the cap on k (routed) or k itself (--fixed-k)")
+    b.add_argument("--k", type=bounded(int, 0, MAX_K), default=8, help="the cap on k (routed) or k itself (--fixed-k)")
     b.add_argument("--fixed-k", action="store_true", help="no router: always k drafts")
     b.add_argument("--batch", type=int, default=1, help="copies of each demo prompt in the batch")
     b.add_argument("--max-tokens", type=int, default=48)

@@ -41,3 +41,65 @@ def test_bench_prints_prometheus_metrics():
                  "spec_hal_time_to_first_token_seconds_count 2.0", "spec_hal_time_per_output_token_seconds_bucket",
                  'spec_hal_latency_quantile_seconds{metric="e2e_request_latency",quantile="0.99"}'):
         assert name in r.stdout, name
+
+
+def _refused(capsys, main, *argv):
+    import pytest
+    with pytest.raises(SystemExit) as e:
+        main(list(argv))
+    return e.value.code, capsys.readouterr().err
+
+
+def test_bad_serve_flags_exit_2_naming_the_flag_before_loading(capsys):
+    """The outside trial: ``--model smollm2`` and ``--draft model:/nonexistent.gguf`` ended in
+    raw tracebacks after loading, ``--k -1`` started and refused every request, ``--max-num-seqs
+    0`` failed only after the model loaded. argparse refuses each now, before anything loads
+    (nothing is fetched or planned: these return at once)."""
+    from hal.server.app import main
+    for argv, flag in ((["--model", "smollm2"], "--model"), (["--draft", "model:/nonexistent.gguf"], "--draft"),
+                       (["--draft", "eagle:/nonexistent"], "--draft"), (["--k", "-1"], "--k"),
+                       (["--max-num-seqs", "0"], "--max-num-seqs"), (["--port", "70000"], "--port"),
+                       (["--draft-timeout", "nan"], "--draft-timeout"), (["--max-model-len", "x"], "--max-model-len"),
+                       (["--memory-fraction", "0"], "--memory-fraction"), (["--draft", "bogus"], "--draft")):
+        code, err = _refused(capsys, main, *argv)
+        assert code == 2 and f"argument {flag}: expected" in err and "Traceback" not in err, (argv, err)
+
+
+def flags_without_help(text: str) -> list[str]:
+    """The options of an argparse ``--help`` text that have no help line."""
+    import re
+    entries = re.split(r"\n  (?=-)", "\n" + text.split("options:", 1)[1])[1:]
+    return [e.split()[0] for e in entries if len(e.strip().splitlines()) == 1 and "  " not in e.strip()]
+
+
+def test_every_flag_has_help(capsys):
+    import argparse
+    import pytest
+    from hal.cli import main as cli
+    from hal.server.app import main as serve
+    bare = argparse.ArgumentParser()
+    bare.add_argument("--host")
+    bare.add_argument("--port", help="the port")
+    assert flags_without_help(bare.format_help()) == ["--host"]   # the check itself finds a bare flag
+    for main, argv in ((serve, ["--help"]), (cli, ["generate", "--help"])):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert not flags_without_help(capsys.readouterr().out), argv
+
+
+def test_serve_on_port_0_prints_the_port_it_took(tmp_path):
+    """``--port 0`` printed port 0; now the port the system chose. (A model without a tokenizer
+    then ends start-up with exit 2 naming --model, after the port was taken and printed.)"""
+    import json
+    import re
+    import torch
+    from safetensors.torch import save_file
+    from tests.test_serve import FFN, H, HEADS, KV, LAYERS, V, hf_weights
+    save_file(hf_weights(torch.Generator().manual_seed(1)), str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(dict(
+        hidden_size=H, num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV,
+        intermediate_size=FFN, vocab_size=V, rope_theta=10000.0, rms_norm_eps=1e-5)))
+    r = run("serve", "--model", str(tmp_path), "--draft", "none", "--port", "0", "--dtype", "float32",
+            HAL_BACKEND="cpu")
+    port = re.search(r"listening on 127\.0\.0\.1:(\d+)", r.stderr + r.stdout)
+    assert r.returncode == 2 and port and int(port.group(1)) > 0 and "--model" in r.stderr, r.stderr[-2000:]

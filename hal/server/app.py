@@ -356,21 +356,23 @@ def _server(app, sock: socket.socket, shutdown_timeout: float):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hal.distributed.launcher import add_engine_args, start
+    from hal.distributed.launcher import add_engine_args, bounded, start
     from hal.distributed.startup import Phases
     from hal.distributed.protocol import DRAFT
     parser = argparse.ArgumentParser(prog="spec-hal serve", description=__doc__.split("\n\n")[0])
     add_engine_args(parser)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: 127.0.0.1)")
+    parser.add_argument("--port", type=bounded(int, 0, 65535), default=8000,
+                        help="the port to listen on (0: a free one, printed at start-up)")
     parser.add_argument("--served-model-name", help="the model name clients send (default: --model)")
-    parser.add_argument("--max-num-batched-tokens", type=int,
+    parser.add_argument("--max-num-batched-tokens", type=bounded(int, 1),
                         help="tokens fed to the target per step (none: unbounded)")
-    parser.add_argument("--max-num-seqs", type=int, default=32, help="requests running at once")
-    parser.add_argument("--max-model-len", type=int, default=2048, help="prompt + generated tokens per request")
-    parser.add_argument("--max-queue-len", type=int, default=256, help="requests waiting beyond --max-num-seqs; "
-                                                                    "past it: 503 with Retry-After")
-    parser.add_argument("--shutdown-timeout", type=float, default=10.0,
+    parser.add_argument("--max-num-seqs", type=bounded(int, 1), default=32, help="requests running at once")
+    parser.add_argument("--max-model-len", type=bounded(int, 2), default=2048,
+                        help="prompt + generated tokens per request")
+    parser.add_argument("--max-queue-len", type=bounded(int, 0), default=256,
+                        help="requests waiting beyond --max-num-seqs; past it: 503 with Retry-After")
+    parser.add_argument("--shutdown-timeout", type=bounded(float, 0), default=10.0,
                         help="seconds in-flight requests get on SIGTERM; then streams end with finish_reason "
                              "'abort' and non-streaming requests get 503")
     args = parser.parse_args(argv)
@@ -380,6 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if int(os.environ.get("RANK", "0")) != DRAFT:   # the target serves HTTP: take the port first
             sock = bind(args.host, args.port)
+            args.port = sock.getsockname()[1]   # --port 0: the one the system chose
             phases.say(f"listening on {args.host}:{args.port} (serving once ready)")
         target = start(args, args.max_num_seqs, {"max_num_batched_tokens": args.max_num_batched_tokens,
                                                  "max_num_seqs": args.max_num_seqs}, phases=phases)
