@@ -50,7 +50,7 @@ def print_plan(model: str, dtype: str, refresh: bool) -> None:
           flush=True)
     cfg = LlamaConfig(**MODEL_SHAPES[model], rope_base=1e4, eps=1e-5, rope_interleaved=True)
     choice = choose_plan(linear_shapes(cfg), dtype, refresh=refresh)
-    print(f"  {choice.plan.describe()} ({'cached' if choice.from_cache else 'measured now'})")
+    print(f"  {choice.plan.describe()} ({'cached' if choice.from_cache else 'measured now'}; {choice.conditions()})")
     for c in sorted(choice.candidates, key=lambda c: c["score"]):
         ms = ", ".join(f"M={m}: {t:.1f}" for m, t in c["ms"].items())
         print(f"    {c['plan']['dtype']:9s} {c['plan']['layout']:6s} widths {'/'.join(map(str, c['plan']['widths'])):11s}"

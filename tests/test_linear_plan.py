@@ -79,3 +79,29 @@ def test_a_cached_plan_is_used_only_under_its_signature(tmp_path, monkeypatch):
 def test_bad_dtype_is_refused_by_name():
     with pytest.raises(hal.HalError, match="dtype: expected auto, float32 or bfloat16"):
         choose_plan(SHAPES, "float16", cache=False)
+
+
+def test_a_noisy_measurement_is_repeated_then_not_cached(tmp_path, monkeypatch):
+    """The outside trial: a plan measured on a busy machine was cached for good. The winner is
+    timed twice; when its two scores differ by more than NOISE the whole measurement runs
+    again, and if it is still noisy the plan is used but not cached, and says so. A quiet
+    measurement is cached with when, at what load and with what spread it was measured."""
+    import hal.models.linear_plan as lp
+    monkeypatch.setenv("HAL_CACHE", str(tmp_path))
+    calls = []
+
+    def noisy(plan, weights, rows=lp.REPORT_ROWS, reps=3):   # PLANTED: every other timing 10x slower
+        calls.append(plan.layout)
+        return {m: 1.0 if len(calls) % 2 else 10.0 for m in rows}
+    monkeypatch.setattr(lp, "time_plan", noisy)
+    choice = choose_plan(SHAPES, "float32", layouts={"planted": rowwise}, cache=True)
+    assert choice.noisy and "noisy" in choice.conditions() and "not cached" in choice.summary()
+    assert len(calls) == 4, calls   # measured, checked, measured again, checked again
+    assert not (tmp_path / "plans").exists() or not list((tmp_path / "plans").glob("*.json"))
+
+    monkeypatch.setattr(lp, "time_plan", lambda plan, weights, rows=lp.REPORT_ROWS, reps=3: {m: 1.0 for m in rows})
+    monkeypatch.setattr(lp, "LAYOUTS", {"planted": rowwise})   # the cache is for the default layouts only
+    quiet = choose_plan(SHAPES, "float32")
+    assert not quiet.noisy and quiet.measured["spread"] == 0.0 and quiet.measured["load"] >= 0
+    cached = choose_plan(SHAPES, "float32")
+    assert cached.from_cache and cached.measured == quiet.measured and "at load" in cached.conditions()

@@ -229,9 +229,10 @@ def start(args, max_seqs: int, engine_kw: dict | None = None, phases: Phases = Q
     dmem, dpath = draft_memory(spec, path, shares) if world == 1 else (None, None)
     cfg = read_config(path)
     with phases("linear plan (measured once per machine, then cached)"):
-        linear = choose_plan(linear_shapes(cfg), args.dtype, refresh=args.plan_refresh, device=target_side.device,
-                             progress=phases.bars).plan
-    phases.say(f"linear plan: {linear.describe()}")
+        choice = choose_plan(linear_shapes(cfg), args.dtype, refresh=args.plan_refresh, device=target_side.device,
+                             progress=phases.bars)
+    linear = choice.plan
+    phases.say(f"linear plan: {linear.describe()} ({'cached' if choice.from_cache else 'now'}; {choice.conditions()})")
     with phases("memory plan"):
         mplan = plan(args, ModelMemory.from_config(cfg, "target", kv_dtype=linear.dtype), target_side, dmem,
                      draft_side, max_seqs)

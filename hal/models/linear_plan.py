@@ -52,6 +52,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PROBE_WIDTHS = (1, 2, 4, 8, 16)
 MIX = {1: 0.5, 5: 0.25, 9: 0.25}       # rows per forward -> weight in the score (decode, verify k=4, tree of 8)
 REPORT_ROWS = (1, 5, 9, 16)
+NOISE = 0.25   # the winner timed twice: scores further apart than this (relative) make the measurement noisy
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
@@ -107,11 +108,24 @@ class Choice:
     candidates: list[dict] = field(default_factory=list)   # {"plan", "ms" by rows, "score"} per usable candidate
     rejected: list[str] = field(default_factory=list)       # layouts/widths dropped by the self-check, and why
     from_cache: bool = False
+    measured: dict = field(default_factory=dict)   # {"at": UTC time, "load": 1-min load average, "spread": ...}
+
+    @property
+    def noisy(self) -> bool:
+        return self.measured.get("spread", 0.0) > NOISE
+
+    def conditions(self) -> str:
+        """When and under what load the plan was measured, and its timing spread."""
+        m = self.measured
+        if not m:
+            return "measured before spread was recorded"
+        said = f"measured {m['at']} at load {m['load']:.2f}, spread {m['spread']:.0%}"
+        return said + (f" (noisy: over {NOISE:.0%}; not cached, measured again next time)" if self.noisy else "")
 
     def summary(self) -> str:
         source = "cached" if self.from_cache else "measured"
         return (f"{self.plan.describe()} ({source} for {self.signature['cpu']}, {self.signature['threads']} "
-                f"threads; flags {' '.join(self.signature['flags']) or 'none'})")
+                f"threads; flags {' '.join(self.signature['flags']) or 'none'}; {self.conditions()})")
 
 
 def cpu_flags() -> list[str]:
@@ -245,41 +259,55 @@ def choose_plan(shapes: list[tuple[int, int]], dtype: str = "auto", *, weights: 
             saved = json.loads(path.read_text())
             if saved.get("signature") == signature and saved.get("dtype") == dtype:
                 return Choice(LinearPlan.from_json(saved["plan"]), signature, saved.get("candidates", []),
-                              saved.get("rejected", []), from_cache=True)
+                              saved.get("rejected", []), from_cache=True, measured=saved.get("measured") or {})
         except (ValueError, KeyError, HalError):
             pass   # a damaged or foreign cache file: measure again
-    distinct = sorted(set(shapes))
     if weights is None:
         gen = torch.Generator().manual_seed(0)
         weights = [torch.randn(n, k, generator=gen) * 0.02 for n, k in shapes]
-    candidates, rejected = [], []
+    for _ in range(2):   # a noisy measurement is repeated once; still noisy, it is not cached
+        choice = _measure(shapes, dtype, weights, signature, layouts, reps, dev, progress)
+        if not choice.noisy:
+            break
+    if path is not None and not choice.noisy:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"signature": signature, "dtype": dtype, "plan": choice.plan.to_json(),
+                                   "candidates": choice.candidates, "rejected": choice.rejected,
+                                   "measured": choice.measured}, indent=1))
+        tmp.replace(path)
+    return choice
+
+
+def _measure(shapes, dtype: str, weights: list[Tensor], signature: dict, layouts, reps: int, dev,
+             progress: bool) -> Choice:
+    """Time every usable candidate, then the winner once more: the spread of its two scores
+    (relative to the lower) says whether the machine was quiet enough to trust the choice."""
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    candidates, rejected, casts = [], [], {}
     flags = signature["flags"] if dev.type == "cpu" else list(BF16_FLAGS)   # accelerators: measure bf16 too
     bar = progress_bar(progress, len(candidate_dtypes(dtype, flags)) * len(layouts), "linear plan", "layout")
     for dt in candidate_dtypes(dtype, flags):
-        cast = [w.to(dev, dt) for w in weights]
+        casts[dt] = cast = [w.to(dev, dt) for w in weights]
         for name, fn in layouts.items():
-            groups, why = usable_groups(fn, dt, distinct, device=dev)
+            groups, why = usable_groups(fn, dt, sorted(set(shapes)), device=dev)
             rejected += [f"{str(dt).removeprefix('torch.')} {name}: {w}" for w in why]
             for widths in groups:
                 plan = LinearPlan(name, dt, widths, None if LAYOUTS.get(name) is fn else fn)
                 ms = time_plan(plan, cast, reps=reps)
                 candidates.append({"plan": plan, "ms": ms, "score": round(score(ms), 3)})
             bar.update()
-        del cast
     bar.close()
     if not candidates:
         raise HalError(f"dtype {dtype}: expected a batch-invariant linear layout on this CPU, got none usable "
                        f"({'; '.join(rejected[:4])})", arg="dtype")
     best = min(candidates, key=lambda c: c["score"])
+    again = score(time_plan(best["plan"], casts[best["plan"].dtype], reps=reps))
+    spread = abs(again - best["score"]) / max(min(again, best["score"]), 1e-9)
+    measured = {"at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load": round(load, 2),
+                "spread": round(spread, 3)}
     table = [{**c, "plan": c["plan"].to_json()} for c in candidates]
-    choice = Choice(best["plan"], signature, table, rejected)
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"signature": signature, "dtype": dtype, "plan": best["plan"].to_json(),
-                                   "candidates": table, "rejected": rejected}, indent=1))
-        tmp.replace(path)
-    return choice
+    return Choice(best["plan"], signature, table, rejected, measured=measured)
 
 
 def machine_line(plan: LinearPlan | None = None, threads: int | None = None) -> str:
