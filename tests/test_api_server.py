@@ -44,16 +44,25 @@ def start_server(*extra: str, port: int | None = None, log=None):
     return proc, f"http://127.0.0.1:{port}", log.name
 
 
+LOADING: dict[str, list] = {}   # base URL -> what /health answered once the log said "listening on"
+
+
 def wait_ready(proc, base: str, log: str, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
+    seen = LOADING.setdefault(base, [])
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             pytest.fail(f"the server exited ({proc.returncode}):\n{open(log).read()}")
+        listening = "listening on" in open(log).read()
         try:
-            if httpx.get(base + "/health", timeout=5).status_code == 200:
+            r = httpx.get(base + "/health", timeout=5)
+            if listening:
+                seen.append((r.status_code, r.json()))
+            if r.status_code == 200:
                 return
-        except httpx.HTTPError:
-            pass
+        except httpx.HTTPError as e:
+            if listening:
+                seen.append((None, type(e).__name__))
         time.sleep(0.2)
     proc.kill()
     pytest.fail(f"the server did not come up within {timeout} s:\n{open(log).read()}")
@@ -583,6 +592,17 @@ def test_startup_shows_its_phases_in_order(server):
     assert at == sorted(at), lines
 
 
+def test_while_loading_the_port_answers_503(server):
+    """The outside trial: during start-up the port was bound but refused connections, though
+    the log said "listening". Now, from that line on, /health answers 503 ``loading`` (with
+    Retry-After) until it answers 200; never a refused connection."""
+    seen = LOADING[server[1]]
+    assert seen and seen[-1][0] == 200, seen
+    assert all(code == 503 and body == {"status": "loading", "reason": "the server is starting: loading the model"}
+               for code, body in seen[:-1]), seen
+    assert len(seen) > 1, "the module's server was never seen loading"
+
+
 def test_a_taken_port_fails_at_once_before_loading():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -597,47 +617,6 @@ def test_a_taken_port_fails_at_once_before_loading():
     out = open(log).read()
     assert rc == 2 and "--port" in out and str(port) in out and "in use" in out, out
     assert not any(f"spec-hal serve: {phase}" in out for phase in ("load", "linear plan", "ready")), out
-
-
-def test_sigterm_finishes_short_requests_ends_the_rest_cleanly_and_exits_0(server, client):
-    """SIGTERM with streams, a long non-streaming request and a short one in flight: the short
-    one finishes; at --shutdown-timeout each stream ends with a final chunk (finish_reason
-    "abort") and [DONE], the long non-streaming request gets a 503 JSON body; exit 0 and no
-    traceback in the log. Waits on conditions only (busy machines)."""
-    proc, base, log = server
-    long = {"model": MODEL, "prompt": "Write a long story about the sea.", "max_tokens": 480, "ignore_eos": True}
-    out, lines = {}, {i: [] for i in range(3)}
-
-    def stream(i):
-        with httpx.stream("POST", base + "/v1/completions", json={**long, "stream": True}, timeout=120) as r:
-            lines[i] = [line for line in r.iter_lines() if line]
-
-    def plain(name, body):
-        out[name] = httpx.post(base + "/v1/completions", json=body, timeout=120)
-    threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
-    threads.append(threading.Thread(target=plain, args=("long", long)))
-    for t in threads:
-        t.start()
-    wait_for(lambda: running(base) >= 4, "four requests run")
-    short = threading.Thread(target=plain, args=("short", {"model": MODEL, "prompt": "Hi", "max_tokens": 3,
-                                                             "temperature": 0}))
-    short.start()
-    wait_for(lambda: running(base) >= 5 or "short" in out, "the short request is admitted")
-    proc.send_signal(signal.SIGTERM)
-    for t in [*threads, short]:
-        t.join(120)
-    assert proc.wait(60) == 0
-    assert out["short"].status_code == 200, out["short"].text
-    assert out["short"].json()["choices"][0]["finish_reason"] in ("length", "stop")
-    assert out["long"].status_code == 503 and out["long"].json()["error"]["type"] == "service_unavailable", \
-        out["long"].text
-    for i in range(3):
-        assert lines[i][-1] == "data: [DONE]", lines[i][-3:]
-        last = json.loads(lines[i][-2].removeprefix("data: "))
-        assert last["choices"][0]["finish_reason"] == "abort", last
-    text = open(log).read()
-    assert "Traceback" not in text and "Exception in ASGI" not in text, text[-3000:]
-
 
 
 SCHEMA_CONST = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"const": "<|im_end|>"}}}
@@ -664,7 +643,7 @@ def test_special_token_grammars_fail_alone_while_another_stream_finishes_intact(
     in its language too), the special token left out of the masks until it is complete."""
     base = server[1]
     victim = {"model": MODEL, "messages": [{"role": "user", "content": "Count from one to twenty in words."}],
-              "max_tokens": 40, "temperature": 0}
+              "max_tokens": 40, "temperature": 0, "ignore_eos": True}
     alone = httpx.post(base + "/v1/chat/completions", json=victim, timeout=120).json()["choices"][0]
 
     def attack(extra):
@@ -741,3 +720,52 @@ def test_the_trials_validation_gaps_are_400s_with_short_messages(server, body, p
     err = r.json()["error"]
     assert r.status_code == 400 and err["param"] == param and err["message"].startswith(param + ":"), r.text
     assert len(err["message"]) < 160 and "^(" not in err["message"], err
+
+
+# last: it stops the module's server
+def test_sigterm_finishes_short_requests_ends_the_rest_cleanly_and_exits_0(server, client):
+    """SIGTERM with streams, a long non-streaming request and a short one in flight: the short
+    one finishes; new requests get 503 JSON (the port stays open until exit); at --shutdown-timeout each stream ends with a final chunk (finish_reason
+    "abort") and [DONE], the long non-streaming request gets a 503 JSON body; exit 0 and no
+    traceback in the log. Waits on conditions only (busy machines)."""
+    proc, base, log = server
+    long = {"model": MODEL, "prompt": "Write a long story about the sea.", "max_tokens": 480, "ignore_eos": True}
+    out, lines = {}, {i: [] for i in range(3)}
+
+    def stream(i):
+        with httpx.stream("POST", base + "/v1/completions", json={**long, "stream": True}, timeout=120) as r:
+            lines[i] = [line for line in r.iter_lines() if line]
+
+    def plain(name, body):
+        out[name] = httpx.post(base + "/v1/completions", json=body, timeout=120)
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
+    threads.append(threading.Thread(target=plain, args=("long", long)))
+    for t in threads:
+        t.start()
+    wait_for(lambda: running(base) >= 4, "four requests run")
+    short = threading.Thread(target=plain, args=("short", {"model": MODEL, "prompt": "Hi", "max_tokens": 3,
+                                                             "temperature": 0}))
+    short.start()
+    wait_for(lambda: running(base) >= 5 or "short" in out, "the short request is admitted")
+    proc.send_signal(signal.SIGTERM)
+    after = None
+    deadline = time.monotonic() + 60
+    while after is None and time.monotonic() < deadline:   # until the engine says it is closing
+        r = httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}, timeout=60)
+        after = r if r.status_code == 503 else None
+    for t in [*threads, short]:
+        t.join(120)
+    assert proc.wait(60) == 0
+    assert out["short"].status_code == 200, out["short"].text
+    assert out["short"].json()["choices"][0]["finish_reason"] in ("length", "stop")
+    # a new request after SIGTERM: 503 JSON while the streams still run (it was "connection refused")
+    assert after is not None and after.json()["error"]["type"] == "service_unavailable", after
+    assert all(len(lines[i]) > 0 and lines[i][-1] == "data: [DONE]" for i in range(3))
+    assert out["long"].status_code == 503 and out["long"].json()["error"]["type"] == "service_unavailable", \
+        out["long"].text
+    for i in range(3):
+        assert lines[i][-1] == "data: [DONE]", lines[i][-3:]
+        last = json.loads(lines[i][-2].removeprefix("data: "))
+        assert last["choices"][0]["finish_reason"] == "abort", last
+    text = open(log).read()
+    assert "Traceback" not in text and "Exception in ASGI" not in text, text[-3000:]

@@ -23,6 +23,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -30,6 +31,7 @@ from dataclasses import replace
 from hal.engine.requests import check_request
 from hal.errors import HalError
 from hal.server.engine_loop import Busy, Closing, EngineLoop, Handle
+from hal.server.loading import LoadingResponder
 from hal.server.openai_schema import (ApiError, Parsed, TextState, chunk, logprobs_chat, logprobs_completion, new_id,
                                       parse, response, usage)
 from hal.server.protocol import WireModels, wire_models
@@ -348,7 +350,17 @@ def _server(app, sock: socket.socket, shutdown_timeout: float):
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
-            app.state.loop.close(shutdown_timeout)
+            """Stop accepting (new requests get 503 JSON while the port stays open), and
+            let uvicorn go once what is in flight has ended; a second signal stops at once."""
+            loop = app.state.loop
+            if loop.closing:
+                return super().handle_exit(sig, frame)
+            loop.close(shutdown_timeout)
+            threading.Thread(target=self._exit_when_drained, args=(sig, frame), name="hal-drain",
+                             daemon=True).start()
+
+        def _exit_when_drained(self, sig, frame) -> None:
+            app.state.loop.wait_drained(shutdown_timeout + SHUTDOWN_GRACE)
             super().handle_exit(sig, frame)
 
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=int(shutdown_timeout + SHUTDOWN_GRACE))
@@ -383,7 +395,8 @@ def main(argv: list[str] | None = None) -> int:
         if int(os.environ.get("RANK", "0")) != DRAFT:   # the target serves HTTP: take the port first
             sock = bind(args.host, args.port)
             args.port = sock.getsockname()[1]   # --port 0: the one the system chose
-            phases.say(f"listening on {args.host}:{args.port} (serving once ready)")
+            loading = LoadingResponder(sock)
+            phases.say(f"listening on {args.host}:{args.port} (503 until ready)")
         target = start(args, args.max_num_seqs, {"max_num_batched_tokens": args.max_num_batched_tokens,
                                                  "max_num_seqs": args.max_num_seqs}, phases=phases)
         if target is None:   # the draft rank served until the target stopped
@@ -395,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     except HalError as e:
         print(f"spec-hal serve: {e}", file=sys.stderr)
         if sock is not None:
+            loading.stop()
             sock.close()
         return 2
     phases.ready(f"http://{args.host}:{args.port}/v1 (model {args.served_model_name or args.model}, "
@@ -402,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     # uvicorn re-raises the SIGTERM it handled once it has shut down; with this handler
     # in place that is a no-op, so a graceful stop exits 0
     signal.signal(signal.SIGTERM, lambda *_: None)
+    loading.stop()
     _server(app, sock, args.shutdown_timeout).run(sockets=[sock])
     return 0
 

@@ -56,6 +56,7 @@ class EngineLoop:
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.live: dict[int, Handle] = {}
         self.in_flight, self._lock = 0, threading.Lock()
+        self._drained = threading.Condition(self._lock)
         self._stop = threading.Event()
         self.error: str | None = None
         self.deadline: float | None = None   # set by `close`: in-flight requests are cut then
@@ -98,12 +99,19 @@ class EngineLoop:
     def abort(self, h: Handle) -> None:
         self.inbox.put(("abort", h))
 
+    def wait_drained(self, timeout: float) -> bool:
+        """Block until no request is in flight (each has had its last event), at most
+        ``timeout`` seconds; whether it drained."""
+        with self._drained:
+            return self._drained.wait_for(lambda: self.in_flight == 0, timeout)
+
     def _done(self, h: Handle, event: tuple) -> None:
         if not h.done:
             h.done = True
+            h.push(event)
             with self._lock:
                 self.in_flight -= 1
-            h.push(event)
+                self._drained.notify_all()
 
     def _cut(self, event: tuple, reason: str = "abort") -> None:
         for rid, h in list(self.live.items()):

@@ -109,5 +109,5 @@ class ModelList(BaseModel):
 
 
 class Health(BaseModel):
-    status: Literal["ok", "degraded", "error"]
+    status: Literal["ok", "degraded", "error", "loading"]
     reason: str | None = None
