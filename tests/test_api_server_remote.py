@@ -68,3 +68,40 @@ def test_draft_worker_killed_mid_stream(tmp_path):
         for p in (draft, target):
             if p.poll() is None:
                 p.kill()
+
+
+def test_sigterm_under_torchrun_exits_0_without_a_traceback(tmp_path):
+    """The outside trial: under torchrun, SIGTERM exited 1 with a traceback (torchrun's agent
+    re-raises the signal; the draft rank ended in std::terminate). ``python -m
+    hal.distributed.torchrun`` (torchrun's arguments) stops both ranks and exits 0."""
+    import torch
+    from hal.models.fetch import fetch
+    try:
+        fetch(MODEL)
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"model not fetchable: {e}")
+    port = free_port()
+    cmd = [sys.executable, "-m", "hal.distributed.torchrun", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), "-m", "hal.server.app", "--model", MODEL, "--draft", "ngram",
+           "--port", str(port), "--max-model-len", "256", "--cpu-budget-gib", "2"]
+    # the ranks at this process's thread count: the linear plan cached for it is reused
+    env = {**os.environ, "HAL_BACKEND": "cpu", "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    log = tmp_path / "torchrun.log"
+    proc = subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).json().get("status") == "ok":
+                    break
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.2)
+        assert httpx.get(f"http://127.0.0.1:{port}/health").json() == {"status": "ok"}, log.read_text()[-3000:]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(90) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert "Traceback" not in text and "terminate called" not in text and "both ranks stopped" in text, text[-3000:]

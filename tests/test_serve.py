@@ -389,3 +389,94 @@ def test_worker_that_stops_before_its_first_reply(tiny, tmp_path):
     got = json.loads(out.read_text())
     assert got["outputs"] == plain(tiny, "cpu") and got["draft_failures"] == 1
     assert got["mean_acceptance_length"] == 1.0 or got["mean_acceptance_length"] == 0   # never speculated
+
+
+def _wait(cond, what: str, timeout: float = 60.0) -> float:
+    """Wait (bounded) for ``cond``; the seconds it took."""
+    import time
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout, what
+        time.sleep(0.01)
+    return time.monotonic() - t0
+
+
+def test_a_worker_waits_for_a_target_that_loads_past_the_old_bound(tiny):
+    """The outside trial: the target's first linear plan took 88 s, the worker gave up after
+    its 60 s bound and the server never answered. The bound now starts when the target is
+    ready to meet (it announces epoch 0 after its plan and load): a worker with a 2 s bound
+    waits out a target that takes 4 s to get ready, joins epoch 0 and drafts; the output is
+    plain greedy's."""
+    import threading
+    import time
+
+    from hal.drafters import NgramDrafter
+    from hal.distributed.protocol import DRAFT, Link
+    from hal.distributed.rendezvous import Rendezvous
+    from hal.distributed.remote import RemoteDrafter
+    from hal.distributed.worker import serve_epochs
+    from hal.metrics import SpecDecodeMetrics
+    be, port = hal.get_backend("cpu"), free_port()
+    rv = Rendezvous(0, "gloo", 2.0, "127.0.0.1", port)
+    failed = []
+
+    def work():
+        try:
+            serve_epochs(Rendezvous(1, "gloo", 2.0, "127.0.0.1", port), NgramDrafter(be), torch.device("cpu"),
+                         idle=60.0, join_timeout=10.0)
+        except Exception as e:  # noqa: BLE001 (reported below)
+            failed.append(e)
+    worker = threading.Thread(target=work, daemon=True)
+    worker.start()
+    model = load_safetensors(tiny, be)
+    time.sleep(4.0)   # the target's plan and load, past the worker's 2 s bound (what is tested is this delay)
+    assert worker.is_alive() and not failed, failed
+    rv.announce(0)
+    link = Link(DRAFT, torch.device("cpu"), rv.group(0, 10.0), framed=True)
+    metrics = SpecDecodeMetrics()
+    remote = RemoteDrafter(link, V, torch.device("cpu"), metrics, timeout=10, rendezvous=rv)
+    dec = SpeculativeDecoder(model, remote, num_blocks=64, metrics=metrics)
+    outs = dec.generate([Request([int(t) for t in p.split(",")], max_new_tokens=N, k=3) for p in PROMPTS])
+    remote.close()
+    worker.join(30)
+    assert outs == plain(tiny, "cpu") and metrics.total.num_draft_tokens > 0 and not failed, failed
+
+
+def test_an_idle_server_takes_back_a_fresh_worker_within_2_s(tiny):
+    """The outside trial: a fresh worker did not rejoin an idle server (``/health`` stayed
+    degraded for 300 s, and the first request then paid for a failed epoch). The engine loop
+    now calls the target's ``on_idle`` while nothing runs: a worker that says it joins is
+    taken back within 2 s, without any request."""
+    import threading
+
+    from hal.distributed.launcher import Target
+    from hal.drafters import NgramDrafter
+    from hal.distributed.rendezvous import Rendezvous
+    from hal.distributed.remote import RemoteDrafter
+    from hal.distributed.worker import serve_epochs
+    from hal.metrics import SpecDecodeMetrics
+    from hal.server.engine_loop import EngineLoop
+    be, port = hal.get_backend("cpu"), free_port()
+    rv = Rendezvous(0, "gloo", 10.0, "127.0.0.1", port)
+    metrics = SpecDecodeMetrics()
+    remote = RemoteDrafter(None, V, torch.device("cpu"), metrics, timeout=10, rendezvous=rv)   # nobody joined
+    dec = SpeculativeDecoder(load_safetensors(tiny, be), remote, num_blocks=64, metrics=metrics)
+    target = Target(dec, None, 2, "gloo", None)
+    loop = EngineLoop(dec, on_idle=target.on_idle)
+    loop.start()
+    assert target.degraded is not None
+    worker = threading.Thread(target=serve_epochs, daemon=True,
+                              args=(Rendezvous(1, "gloo", 10.0, "127.0.0.1", port), NgramDrafter(be),
+                                    torch.device("cpu")))
+    worker.start()
+    try:
+        _wait(lambda: rv.joining(remote.epoch), "the worker did not say it joins")
+        took = _wait(lambda: remote.alive, "the idle server did not take the worker back", timeout=30)
+        print(f"taken back {took:.2f} s after the worker said it joins")
+        assert took < 10.0 and metrics.workers_rejoined == 1 and target.degraded is None, took   # (0.1 s here)
+        assert dec.steps == 0   # no request was needed
+    finally:
+        loop.stop()
+        remote.close()
+        worker.join(30)
+    assert not worker.is_alive()

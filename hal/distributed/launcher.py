@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -71,6 +72,12 @@ class Target:
             return ("the draft worker did not join; decoding plainly" if d.rounds == 0 and d.lost
                     else "the draft worker was lost; decoding plainly")
         return None
+
+    def on_idle(self) -> None:
+        """Called by the engine's thread while nothing runs: a draft worker waiting to
+        rejoin is taken back now, not at the next request."""
+        if isinstance(self.dec.drafter, RemoteDrafter):
+            self.dec.drafter.take_back()
 
     def close(self) -> None:
         if isinstance(self.dec.drafter, RemoteDrafter):
@@ -189,10 +196,8 @@ def start(args, max_seqs: int, engine_kw: dict | None = None, phases: Phases = Q
     spec = parse_draft(args.draft, draft_kinds(remote=world == 2))
     rank = int(os.environ.get("RANK", "0"))
     rv = None
-    if world == 2:   # the store opens now (bounded); each side joins once it has loaded
+    if world == 2:   # the store opens now (bounded); the target announces epoch 0 once it has loaded
         rv = Rendezvous(rank, link_backend(placement), args.draft_startup_timeout)
-        if rank == TARGET:
-            rv.announce(0)
     from hal.models.fetch import MODELS, fetch
     from hal.models.linear_plan import choose_plan
     from hal.models.llama import linear_shapes, read_config
@@ -206,6 +211,7 @@ def start(args, max_seqs: int, engine_kw: dict | None = None, phases: Phases = Q
             return None
     head = spec.kind in HEADS   # an EAGLE head: it reads the target's features
     if rank == DRAFT:  # plan, allocate, load, serve
+        signal.signal(signal.SIGTERM, _quiet_exit)   # torchrun forwards its SIGTERM: end like the target, exit 0
         draft_side = resolve_side(placement.draft, "draft")
         mem, dpath = draft_memory(spec, path, shares_target=False)
         pool = plan(args, None, None, mem, draft_side, max_seqs).allocate("draft") if mem is not None else None
@@ -262,6 +268,13 @@ def start(args, max_seqs: int, engine_kw: dict | None = None, phases: Phases = Q
     return Target(dec, tok, world, rv.backend if world == 2 else None, target_side)
 
 
+def _quiet_exit(signum, frame) -> None:
+    """SIGTERM on the draft rank: exit 0 now. It holds nothing to flush, and unwinding past a
+    live gloo thread would end in std::terminate."""
+    print("hal.distributed.launcher worker: SIGTERM; stopping", file=sys.stderr, flush=True)
+    os._exit(0)
+
+
 def _auto(args, spec, path: str, max_seqs: int, rv, rank: int, world: int, phases: Phases):
     """``(Placement, draft spec, world)`` chosen by `hal.distributed.measure`; (None, ..) on a
     draft rank the target did not choose (it exits)."""
@@ -288,6 +301,7 @@ def _remote(args, rv: Rendezvous, spec, model, target_side, metrics, head: bool)
     if head:
         from hal.models.eagle import head_feature_layers, shipped_head
         layers = head_feature_layers(spec.path or shipped_head(args.model), model.cfg.layers)
+    rv.announce(0)   # ready to meet: the bound starts now, not at process start
     try:
         gloo = rv.backend == "gloo"
         link = Link(DRAFT, torch.device("cpu") if gloo else target_side.device, rv.group(0, args.draft_startup_timeout),

@@ -169,6 +169,10 @@ class RemoteDrafter:
         self._bytes = [self.bytes_sent, self.bytes_received]
         self.link = None
 
+    def take_back(self) -> bool:
+        """Between steps (an idle server): take back a worker waiting to rejoin (`_rejoin`)."""
+        return self.alive or self._rejoin()
+
     def _rejoin(self) -> bool:
         """Whether the worker rejoined (checked at most every 50 ms, never blocking unless it
         said it joins): the new epoch's link, every live request sent afresh."""

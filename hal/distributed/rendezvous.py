@@ -60,10 +60,12 @@ class Rendezvous:
     # -- the worker --------------------------------------------------------------------------
     def newest(self, wait_for: int | None = None, timeout: float = 1.0) -> int | None:
         """The newest epoch the target announced; with ``wait_for``, first wait up to
-        ``timeout`` s for that epoch to be announced. None when the store cannot be reached
-        within ``timeout`` (a partition): the next call connects afresh, so a healed link is
-        seen at once rather than after TCP's retransmission backoff. Raises `HalError` when
-        the target is gone (its port refuses connections)."""
+        ``timeout`` s for that epoch to be announced. -1 when the store answers but no epoch
+        is announced yet (the target is still loading: it announces once it is ready to meet).
+        None when the store cannot be reached within ``timeout`` (a partition): the next call
+        connects afresh, so a healed link is seen at once rather than after TCP's
+        retransmission backoff. Raises `HalError` when the target is gone (its port refuses
+        connections)."""
         try:
             if self.store is None:
                 self.store = dist.TCPStore(self.host, self.port, 2, False, timeout=_td(timeout),
@@ -73,6 +75,8 @@ class Rendezvous:
                 end = time.monotonic() + timeout
                 while not self.store.check([f"{EPOCH}/{wait_for}"]) and time.monotonic() < end:
                     time.sleep(0.05)
+            if not self.store.check([EPOCH]):
+                return -1
             return int(self.store.get(EPOCH))
         except (RuntimeError, ValueError):
             self.store = None

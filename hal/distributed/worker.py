@@ -92,27 +92,31 @@ def serve_epochs(rv, drafter, device: torch.device, fault: str = "", idle: float
                  join_timeout: float = 10.0) -> None:
     """The worker's life (`hal.distributed.rendezvous`): join the newest epoch and serve it
     (`draft_worker`, in a thread); when the target announces a newer epoch (it lost this
-    worker), drop every request of the old one and join the new. Returns at STOP; raises
-    `HalError` when the target is gone, or unreachable for ``idle`` s, or sent a bad message."""
+    worker), drop every request of the old one and join the new. The first meeting waits for
+    the target to be ready (it announces epoch 0 after its plan and load) up to ``idle`` s.
+    Returns at STOP; raises `HalError` when the target is gone, unreachable or not ready for
+    ``idle`` s, or sent a bad message."""
     lock, ep, thread, failed = threading.Lock(), None, None, []
-    contact = time.monotonic()
+    contact = start = time.monotonic()
     while not (ep is not None and ep.stopped):
         if failed:
             raise failed[0]
         try:
-            e = rv.newest(None if ep is None else ep.number + 1, timeout=rv.timeout if ep is None else 1.0)
+            e = rv.newest(0 if ep is None else ep.number + 1, timeout=1.0)
         except HalError:   # the target is gone: after its STOP that is the end, else a failure
             if ep is not None and ep.stopped:
                 return
             raise
         now = time.monotonic()
-        if e is None:   # the store is out of reach (the link is down)
-            if ep is None and now - contact > rv.timeout:
-                raise HalError(f"the target: expected it to open the rendezvous within {rv.timeout} s, got no answer")
+        if e is None:   # the store is out of reach (the link is down, or the target is stopped)
             if now - contact > idle:
                 raise HalError(f"the target: expected it reachable, got no answer for {idle} s")
             continue
         contact = now
+        if e < 0:   # the target is still loading
+            if now - start > idle:
+                raise HalError(f"the target: expected it ready to meet within {idle} s, got no epoch announced")
+            continue
         if ep is not None and e <= ep.number:
             continue
         with lock:   # the target dropped the old epoch: so does this worker

@@ -108,7 +108,7 @@ def make_app(target, served: str, max_model_len: int, default_k: int, max_in_fli
     dec, tok = target.dec, target.tok
     dec.metrics.bound(10_000)   # live figures go to prometheus; keep the in-process samples bounded
     metrics = LiveMetrics(max_k=max(default_k, 1))
-    loop = EngineLoop(dec, metrics, max_in_flight)
+    loop = EngineLoop(dec, metrics, max_in_flight, on_idle=target.on_idle)
     wire = wire_models(served, max_model_len, dec.target.cfg.vocab, default_k)
 
     @asynccontextmanager

@@ -51,8 +51,9 @@ class EngineLoop:
     """Owns the engine: adds, aborts and steps in one thread. ``submit``, ``abort`` and
     ``close`` are safe from any thread; events reach each request's asyncio queue."""
 
-    def __init__(self, dec, metrics=None, max_in_flight: int = 256):
+    def __init__(self, dec, metrics=None, max_in_flight: int = 256, on_idle=None):
         self.dec, self.metrics, self.max_in_flight = dec, metrics, max_in_flight
+        self.on_idle = on_idle   # called in this thread while nothing runs (a worker's rejoin)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.live: dict[int, Handle] = {}
         self.in_flight, self._lock = 0, threading.Lock()
@@ -130,6 +131,8 @@ class EngineLoop:
                     self._cut(("shutdown",))
                 if self.dec.has_unfinished():
                     self._dispatch(self.dec.step())
+                elif self.on_idle is not None:
+                    self.on_idle()
             except Exception as e:   # never leave a client hanging: fail what is in flight, keep serving
                 self.error = f"{type(e).__name__}: {e}"
                 traceback.print_exc(file=sys.stderr)
