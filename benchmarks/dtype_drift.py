@@ -22,7 +22,7 @@ import hal  # noqa: E402
 from benchmarks.report import publish  # noqa: E402
 from benchmarks.e2e import PROMPTS as E2E_PROMPTS  # noqa: E402
 from hal.cli import DEMO_PROMPTS  # noqa: E402
-from hal.engine.decoder import Request, SpeculativeDecoder  # noqa: E402
+from hal.engine import Request, SpeculativeDecoder  # noqa: E402
 from hal.engine.forward import forward  # noqa: E402
 from hal.kv import KVPool  # noqa: E402
 from hal.models.fetch import fetch  # noqa: E402

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 import hal
-from hal.engine.decoder import Request, SpeculativeDecoder
+from hal.engine import Request, SpeculativeDecoder
 from hal.drafters import ModelDrafter, NgramDrafter, NgramTreeDrafter
 from hal.drafters.registry import TREE
 from hal.models.fetch import fetch
@@ -68,7 +68,7 @@ def forward_cost(target, n_tokens, ctx=200, reps=7, tree=False):
     """Seconds of one target forward over n_tokens new tokens after ctx cached ones (``tree``:
     as a draft tree of n_tokens - 1 nodes, two branches, with its mask and depths)."""
     from hal.engine import trees
-    from hal.engine.decoder import forward
+    from hal.engine.forward import forward
     from hal.engine.forward import forward_tokens
     from hal.kv import KVPool
     cfg = target.cfg

@@ -25,7 +25,7 @@ import torch
 
 import hal
 from hal.models.linear_plan import machine_line
-from hal.engine.decoder import Request, SamplingParams, SpeculativeDecoder
+from hal.engine import Request, SamplingParams, SpeculativeDecoder
 from hal.drafters import NgramDrafter
 from hal.metrics import percentile
 from hal.models.fetch import fetch

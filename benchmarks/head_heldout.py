@@ -19,7 +19,7 @@ from hal.models.linear_plan import machine_line
 from hal import kv
 from hal.training import data as eagle_data
 from hal.models.eagle import load_eagle, shipped_head
-from hal.drafters.registry import load_model
+from hal.models.fetch import load_model
 from hal.engine.forward import make_batch
 from hal.models.tokenizer import chatml
 

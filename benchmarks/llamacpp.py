@@ -84,7 +84,7 @@ def complete(port: int, ids: list[int], n: int) -> tuple[list[int], float]:
 
 
 def ours(target, drafter, ids, n, k, costs=None):
-    from hal.engine.decoder import Request, SpeculativeDecoder
+    from hal.engine import Request, SpeculativeDecoder
     dec = SpeculativeDecoder(target, drafter, num_blocks=256)
     if costs is not None:
         from hal.engine.router import Router
@@ -111,7 +111,7 @@ def main() -> None:
     from hal.drafters.registry import make_drafter, parse_draft
     both = lambda: make_drafter(parse_draft("ngram+eagle"), be, target, "smollm2-135m")  # noqa: E731
     ngram = lambda: make_drafter(parse_draft("ngram"), be, target, "smollm2-135m")  # noqa: E731
-    from hal.engine.decoder import SpeculativeDecoder
+    from hal.engine import SpeculativeDecoder
     with torch.inference_mode():
         costs = {name: SpeculativeDecoder(target, make(), num_blocks=256).profile_costs(max_tokens=17, context=200)
                  for name, make in (("ngram", ngram), ("both", both))}

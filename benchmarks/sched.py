@@ -20,7 +20,8 @@ import torch
 
 import hal
 from hal.models.linear_plan import machine_line
-from hal.engine.decoder import Request, SpeculativeDecoder, draft_room
+from hal.engine import Request, SpeculativeDecoder
+from hal.engine.requests import draft_room
 from hal.drafters import NgramDrafter
 from hal.models.fetch import fetch
 from hal.models.llama import load_gguf

@@ -25,7 +25,7 @@ import torch
 import hal
 from report import publish
 from hal.drafters import NgramDrafter
-from hal.engine.decoder import Request, SpeculativeDecoder
+from hal.engine import Request, SpeculativeDecoder
 from hal.engine.grammar import GrammarCompiler
 from hal.engine.requests import StructuredOutputs
 from hal.models.fetch import fetch

@@ -7,7 +7,8 @@ import os
 import sys
 
 from hal.errors import HalError
-from hal.drafters.registry import draft_help, draft_kinds, load_model
+from hal.drafters.registry import draft_help, draft_kinds
+from hal.models.fetch import load_model
 
 
 def cmd_info(_args) -> int:
@@ -103,7 +104,7 @@ def cmd_demo(args) -> int:
     except HalError as e:
         print(f"demo: the model could not be fetched ({e}); showing one verify round instead", file=sys.stderr)
         return demo_ops()
-    from hal.engine.decoder import SpeculativeDecoder
+    from hal.engine import SpeculativeDecoder
     print(f"model smollm2-135m (SmolLM2-135M-Instruct, GGUF Q4_1), backend {be.name}, greedy; "
           f"linear plan {model.plan.describe()}")
     draft = "ngram+eagle"   # n-gram lookup where it matches, the shipped EAGLE head elsewhere
@@ -188,7 +189,7 @@ def run_generate(model, tok, prompt: str, draft: str, k: int, temperature: float
     `hal.engine.router.CostModel`) a router picks k <= ``k`` per step."""
     import time
 
-    from hal.engine.decoder import Request, SpeculativeDecoder
+    from hal.engine import Request, SpeculativeDecoder
     from hal.models.tokenizer import chatml
     ids = tok.encode(chatml(prompt)).ids
     shown = []
@@ -201,7 +202,8 @@ def run_generate(model, tok, prompt: str, draft: str, k: int, temperature: float
     dec = SpeculativeDecoder(model, make_drafter(draft, model, model.be, model_name), on_tokens=show if stream else None)
     if costs is not None and draft != "none":
         from hal.engine.router import Router
-        dec.router = Router(costs, max_k=k)
+        from hal.engine.requests import capabilities
+        dec.router = Router(costs, max_k=k, probe_every=0 if capabilities(dec.drafter).shadow else 16)
     req = Request(ids, max_new_tokens=max_tokens, temperature=temperature, seed=seed, k=k if draft != "none" else 0,
                   stop_ids=model.cfg.stop_ids)
     t = time.perf_counter()
@@ -218,7 +220,7 @@ def cmd_bench(args) -> int:
     import time
 
     import hal
-    from hal.engine.decoder import Request, SpeculativeDecoder
+    from hal.engine import Request, SpeculativeDecoder
     from hal.metrics import percentile, prometheus_text, require_prometheus
     from hal.models.tokenizer import chatml
     from hal.engine.router import Router
@@ -248,11 +250,17 @@ def cmd_generate(args) -> int:
     be = hal.get_backend()
     model, tok = load_model(args.model, be, args.dtype, plan_refresh=args.plan_refresh)
     runs = [(args.draft, args.k)] + ([("none", 0)] if args.compare and args.draft != "none" else [])
+    costs = None
+    if args.route and args.draft != "none":   # the router's cost table, measured before anything is timed
+        from hal.engine import SpeculativeDecoder
+        costs = SpeculativeDecoder(model, make_drafter(args.draft, model, be, args.model), num_blocks=64
+                                   ).profile_costs(max_tokens=args.k + 1, context=128, reps=3)
     results = []
     for draft, k in runs:
-        print(f"--- {draft if draft != 'none' else 'plain decoding'} (backend {be.name}) ---")
+        how = "" if draft == "none" else f", k <= {k} routed" if costs is not None else f", k = {k} fixed"
+        print(f"--- {draft if draft != 'none' else 'plain decoding'} (backend {be.name}{how}) ---")
         text, out, dt, m = run_generate(model, tok, args.prompt, draft, k, args.temperature, args.max_tokens, args.seed,
-                                        model_name=args.model)
+                                        costs=costs if draft != "none" else None, model_name=args.model)
         results.append((draft, out, dt))
         print(f"[{len(out)} tokens in {dt:.2f}s = {len(out) / dt:.1f} tok/s; acceptance rate "
               f"{m.acceptance_rate:.2f}, mean acceptance length {m.mean_acceptance_length:.2f}]")
@@ -295,7 +303,11 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--model", default="smollm2-135m", type=model_flag, help="a fetchable name or a .gguf path")
     g.add_argument("--draft", default="ngram", help=draft_help(draft_kinds(cli=True)))
     g.add_argument("--prompt", required=True, help="the user's turn (rendered with the chat template)")
-    g.add_argument("--k", type=bounded(int, 0, MAX_K), default=5, help="drafts per step")
+    g.add_argument("--k", type=bounded(int, 0, MAX_K), default=5, help="the cap on drafts per step (k itself "
+                                                                     "with --no-route)")
+    g.add_argument("--route", action=argparse.BooleanOptionalAction, default=True,
+                   help="the router chooses k (0 included) per step from profiled costs and measured acceptance "
+                        "(the default); --no-route: a fixed k")
     g.add_argument("--temperature", type=bounded(float, 0), default=0.0, help="0: greedy")
     g.add_argument("--max-tokens", type=bounded(int, 1), default=128, help="tokens to generate")
     g.add_argument("--seed", type=int, default=0, help="the sampling seed")

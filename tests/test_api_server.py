@@ -100,8 +100,8 @@ def client(server):
 def reference():
     """Plain greedy `generate` in this process, and the tokenizer."""
     import hal
-    from hal.engine.decoder import Request, SpeculativeDecoder
-    from hal.drafters.registry import load_model
+    from hal.engine import Request, SpeculativeDecoder
+    from hal.models.fetch import load_model
     model, tok = load_model(MODEL, hal.get_backend("cpu"), "auto")   # the server's default dtype
 
     def run(ids, n):
@@ -325,8 +325,8 @@ def test_logits_processors_through_http_equal_the_engine(client, reference):
     """Penalties, logit_bias, bad_words, min_tokens and min_p over HTTP (the openai client,
     vLLM's extensions in extra_body): greedy text equal to the engine's plain greedy output
     with the same processors."""
-    from hal.engine.decoder import Request, SpeculativeDecoder
-    from hal.drafters.registry import load_model
+    from hal.engine import Request, SpeculativeDecoder
+    from hal.models.fetch import load_model
     import hal
     run, tok = reference
     prompt = "The cat sat on the mat. The cat sat on the"

@@ -17,8 +17,8 @@ from tests.test_api_server import MODEL, free_port, metrics  # noqa: E402
 
 def test_draft_worker_killed_mid_stream(tmp_path):
     import hal
-    from hal.engine.decoder import Request, SpeculativeDecoder
-    from hal.drafters.registry import load_model
+    from hal.engine import Request, SpeculativeDecoder
+    from hal.models.fetch import load_model
     from hal.server.openai_schema import render_chat
     try:
         model, tok = load_model(MODEL, hal.get_backend("cpu"), "auto")   # the server's default dtype

@@ -10,7 +10,7 @@ import torch
 
 import hal
 from hal.conformance._helpers import assert_distribution
-from hal.engine.decoder import Request, SamplingParams, SpeculativeDecoder
+from hal.engine import Request, SamplingParams, SpeculativeDecoder
 from hal.drafters import ModelDrafter, NgramDrafter
 from hal.models.llama import load_safetensors
 from tests.test_serve import tiny  # noqa: F401  (the fixture: a tiny random model folder)
@@ -142,7 +142,7 @@ def test_mixed_batches_keep_the_target_law():
 
 
 def test_logprobs_match_log_softmax_of_the_target(model):
-    from hal.engine.decoder import forward
+    from hal.engine.forward import forward
     from hal.kv import KVPool
     dec = engine(model)
     rid = dec.add_request(PROMPTS[0], SamplingParams(max_new_tokens=N, k=3, logprobs=3))
@@ -213,7 +213,7 @@ def test_profiling_goes_through_the_synchronize_hook(model):
 def test_target_probs_equal_what_every_backend_samples_from():
     """Verification takes p from `target_probs` (no draw, no offset spent): the same q that
     each backend's `sample` returns, within 1e-5."""
-    from hal.engine.decoder import target_probs
+    from hal.engine.forward import target_probs
     g = torch.Generator().manual_seed(5)
     R, V = 12, 40
     logits = torch.randn(R, V, generator=g) * 3

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import hal
-from hal.engine.decoder import Request, SpeculativeDecoder, forward
+from hal.engine import Request, SpeculativeDecoder
+from hal.engine.forward import forward
 from hal.kv import KVPool
 from hal.models.llama import Llama, LlamaConfig, _fuse, load_safetensors
 

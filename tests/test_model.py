@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import hal
-from hal.engine.decoder import Request, SpeculativeDecoder
+from hal.engine import Request, SpeculativeDecoder
 from hal.drafters import EagleDrafter, ModelDrafter, NgramDrafter
 from hal.drafters.registry import make_drafter, parse_draft
 from hal.models.linear_plan import offered_dtypes

@@ -1,8 +1,8 @@
 """Every planted mutant (tests/mutants) must make the conformance suite fail, and
 the test that catches it must be the one meant to."""
 
+import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,19 +14,32 @@ from tests.mutants import ALL, HOST_MUTANTS
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("name", list(ALL))
-def test_conformance_catches_mutant(name):
-    """Runs the conformance module meant to catch it (-k), stopping at the first failure."""
-    env = dict(os.environ, HAL_PLUGINS="tests.mutants", TRITON_INTERPRET="1")
+@pytest.fixture(scope="module")
+def caught(tmp_path_factory) -> dict[str, str]:
+    """Every mutant's conformance module in one pytest process (tests/mutants/select.py keeps
+    each mutant's own module and stops that mutant at its first failure): mutant -> the first
+    test that failed on it."""
+    plan = {f"mutant-{name}": ALL[name][4].split("::")[0] for name in ALL}
+    out = tmp_path_factory.mktemp("mutants") / "caught.json"
+    env = dict(os.environ, HAL_PLUGINS="tests.mutants", TRITON_INTERPRET="1", HAL_MUTANT_PLAN=json.dumps(plan),
+               HAL_MUTANT_OUT=str(out))
     env.pop("HAL_BACKEND", None)
-    module = ALL[name][4].split(".py")[0]
-    r = subprocess.run([sys.executable, "-m", "hal", "conformance", "--backend", f"mutant-{name}", "-x", "-rf",
-                        "-k", module], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    failed = re.findall(r"^FAILED (\S+)", r.stdout, re.M)
-    assert r.returncode != 0 and failed, f"mutant {name} passed the conformance suite:\n{r.stdout[-3000:]}"
+    r = subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "hal.conformance", "-p", "hal.conformance.plugin",
+                        "-p", "tests.mutants.select", "--hal-backend", ",".join(plan), "-q",
+                        "-p", "no:cacheprovider", "-W", "ignore::pytest.PytestAssertRewriteWarning"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    first = json.loads(out.read_text()) if out.exists() else {}
+    return {**first, "__log__": r.stdout[-3000:] + r.stderr[-2000:]}
+
+
+@pytest.mark.parametrize("name", list(ALL))
+def test_conformance_catches_mutant(name, caught):
+    """The conformance module meant to catch it fails on it, first at the test meant to."""
+    failed = caught.get(f"mutant-{name}")
+    assert failed is not None, f"mutant {name} passed the conformance suite:\n{caught['__log__']}"
     expected = ALL[name][4]
-    assert expected in failed[0], f"mutant {name} was caught by {failed[0]}, expected {expected}"
-    print(f"mutant {name}: caught by {failed[0]}")
+    assert expected in failed, f"mutant {name} was caught by {failed}, expected {expected}"
+    print(f"mutant {name}: caught by {failed}")
 
 
 def test_mutants_change_their_source():

@@ -10,7 +10,7 @@ import pytest
 
 import hal
 from hal.drafters import NgramDrafter
-from hal.engine.decoder import Request, SamplingParams, SpeculativeDecoder
+from hal.engine import Request, SamplingParams, SpeculativeDecoder
 from hal.models.llama import load_safetensors
 from tests.test_serve import tiny  # noqa: F401  (the fixture: a tiny random model folder)
 
@@ -127,3 +127,21 @@ def test_a_draft_models_pool_caches_the_prompt_too(model):
     on, off = run_with(None), run_with(False)
     assert on[:2] == off[:2]
     assert on[2] == 2 * len(SYSTEM) and off[2] == 0
+
+
+def test_a_full_draft_pool_keeps_the_prefix_cache_of_the_requests_it_drafts_for(model):
+    """When the draft pool cannot hold every request, `ModelDrafter` drafts for a sub-batch
+    (`hal.drafters.batching.subset`); that sub-batch used to lose the target's block names, so
+    the requests it kept silently missed the draft pool's prefix cache. Here the system turn
+    is cached by a first request; then two more arrive together in a pool too small for both:
+    one is left without drafts, and the one drafted for starts on the cached blocks."""
+    from hal.drafters import ModelDrafter
+    drafter = ModelDrafter(model.layer_view(1), num_blocks=16, block_size=BS)
+    dec = SpeculativeDecoder(model, drafter, num_blocks=96, block_size=BS)
+    dec.generate([chat(0)])
+    hits = drafter.prefix_hits
+    outs = dec.generate([chat(1), chat(2)])
+    assert drafter.pool_full > 0, "the pool held both: the case is not exercised"
+    assert drafter.prefix_hits > hits, "a request drafted for in a sub-batch missed the draft pool's prefix cache"
+    plain = SpeculativeDecoder(model, None, num_blocks=96, block_size=BS).generate([chat(1), chat(2)])
+    assert outs == plain

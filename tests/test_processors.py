@@ -9,7 +9,7 @@ import torch
 
 import hal
 from hal.drafters import NgramDrafter
-from hal.engine.decoder import Request, SpeculativeDecoder
+from hal.engine import Request, SpeculativeDecoder
 from hal.errors import HalError
 from hal.models.llama import load_safetensors
 from tests.test_serve import tiny  # noqa: F401  (the fixture: a tiny random model folder)

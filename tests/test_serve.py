@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import hal
-from hal.engine.decoder import Request, SpeculativeDecoder
+from hal.engine import Request, SpeculativeDecoder
 from hal.engine.requests import SamplingParams
 from hal.models.llama import load_safetensors
 from tests.test_llama_runner import H, HEADS, KV, LAYERS, V, FFN, hf_weights
@@ -88,7 +88,7 @@ def test_two_ranks_cpu_sampled_with_sparse_q(tiny, tmp_path):
 
 
 def test_two_ranks_real_model(tmp_path):
-    from hal.drafters.registry import load_model
+    from hal.models.fetch import load_model
     try:
         target, tok = load_model("smollm2-135m", hal.get_backend("cpu"), "auto")   # the launcher's default
     except hal.HalError as e:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import hal
 from hal.drafters import NgramDrafter
-from hal.engine.decoder import Request, SpeculativeDecoder
+from hal.engine import Request, SpeculativeDecoder
 from hal.engine.requests import StructuredOutputs
 from hal.errors import HalError
 from hal.models.llama import load_safetensors

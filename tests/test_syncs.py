@@ -14,7 +14,7 @@ import torch
 
 import hal
 import hal.engine.step_types
-from hal.engine.decoder import Request, SpeculativeDecoder
+from hal.engine import Request, SpeculativeDecoder
 from hal.drafters import EagleDrafter, ModelDrafter, NgramDrafter
 from hal.drafters.eagle import HeadDrafter
 from hal.models.llama import load_safetensors

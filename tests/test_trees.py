@@ -12,7 +12,7 @@ import torch
 
 import hal
 from hal.conformance._helpers import assert_distribution
-from hal.engine.decoder import Request, SamplingParams, SpeculativeDecoder
+from hal.engine import Request, SamplingParams, SpeculativeDecoder
 from hal.drafters import NgramTreeDrafter
 from hal.engine.forward import forward
 from hal.kv import KVPool

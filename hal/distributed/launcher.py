@@ -31,11 +31,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from hal.engine.decoder import Request, SpeculativeDecoder
+from hal.engine import Request, SpeculativeDecoder
+from hal.engine.requests import capabilities
 from hal.errors import HalError
-from hal.drafters.registry import HEADS, draft_help, draft_kinds, draft_memory, load_model, make_drafter, parse_draft
+from hal.drafters.registry import HEADS, draft_help, draft_kinds, draft_memory, make_drafter, parse_draft
+from hal.models.fetch import load_model
 from hal.distributed.placement import Placement, link_backend
-from hal.distributed.protocol import DRAFT, TARGET, Link
+from hal.distributed.protocol import DRAFT, Link
 from hal.distributed.remote import RemoteDrafter
 from hal.distributed.startup import QUIET, Phases
 from hal.distributed.rendezvous import Rendezvous
@@ -141,10 +143,11 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--draft", default="ngram", type=draft_flag, help=draft_help())
     ap.add_argument("--model", default="smollm2-135m", type=model_flag,
                     help="a fetchable name, a .gguf path or an HF folder")
-    ap.add_argument("--k", type=bounded(int, 0, MAX_K), default=8, help=f"k per step (0..{MAX_K}), or its cap "
-                                                                        "with --route")
-    ap.add_argument("--route", action=argparse.BooleanOptionalAction, default=False,
-                    help="adaptive k (profiles costs at start-up)")
+    ap.add_argument("--k", type=bounded(int, 0, MAX_K), default=8, help=f"the cap on k per request and step "
+                                                                        f"(0..{MAX_K}); k itself with --no-route")
+    ap.add_argument("--route", action=argparse.BooleanOptionalAction, default=True,
+                    help="the router chooses k (0 included) per request and step from the costs profiled at "
+                         "start-up and the measured acceptance (the default); --no-route: a fixed k every step")
     ap.add_argument("--draft-startup-timeout", type=bounded(float, 0, lo_open=True), default=60.0,
                     help="seconds the target waits for the draft worker to join and send its first drafts; "
                          "then it serves alone by plain decoding")
@@ -264,7 +267,8 @@ def start(args, max_seqs: int, engine_kw: dict | None = None, phases: Phases = Q
     if args.route and drafter is not None:
         from hal.engine.router import Router
         with phases("routing profile (the target's and the drafter's costs, measured)"):
-            dec.router = Router(dec.profile_costs(profile_draft=world == 1, progress=phases.bars), max_k=args.k)
+            dec.router = Router(dec.profile_costs(profile_draft=world == 1, progress=phases.bars), max_k=args.k,
+                                probe_every=0 if capabilities(drafter).shadow else 16)   # shadows are scored free
     return Target(dec, tok, world, rv.backend if world == 2 else None, target_side)
 
 

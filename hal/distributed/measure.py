@@ -61,8 +61,9 @@ def profile_sides(sides: list[Side], path: str, spec, args, reps: int = 3, with_
                   hidden: int | None = None) -> list[DeviceProfile]:
     """Each side's measured `DeviceProfile` (``with_target`` False: the drafter only, a
     worker's; ``hidden``: the target's width then)."""
-    from hal.drafters.registry import HEADS, draft_memory, load_model, make_drafter
-    from hal.engine.decoder import SpeculativeDecoder
+    from hal.drafters.registry import HEADS, draft_memory, make_drafter
+    from hal.models.fetch import load_model
+    from hal.engine import SpeculativeDecoder
     from hal.engine.router import CostModel, profile_drafter
     out = []
     for s in sides:

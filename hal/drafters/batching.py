@@ -30,17 +30,19 @@ def empty(R: int, device) -> Proposal:
 
 
 def subset(batch: DraftBatch, keep: list[int]) -> DraftBatch:
-    """The rows ``keep`` of a `DraftBatch` (its features too)."""
+    """The rows ``keep`` of a `DraftBatch` (its features and prefix-cache names too)."""
     pick = lambda t: t[torch.tensor(keep, dtype=torch.long).to(t.device)]  # noqa: E731
     feats, counts = batch.features, batch.num_features
     if feats is not None:
         cu = cumulative(counts)
         feats = pick_rows(feats, [j for i in keep for j in range(cu[i], cu[i + 1])])
         counts = tuple(counts[i] for i in keep)
-    return DraftBatch(tuple(batch.rids[i] for i in keep), tuple(batch.params[i] for i in keep), pick(batch.history),
-                      pick(batch.num_tokens), None if batch.lengths is None else tuple(batch.lengths[i] for i in keep),
-                      tuple(batch.k[i] for i in keep), tuple(batch.offsets[i] for i in keep),
-                      None if batch.hidden is None else pick(batch.hidden), feats, counts)
+    rows = lambda xs: tuple(xs[i] for i in keep)  # noqa: E731
+    return DraftBatch(rids=rows(batch.rids), params=rows(batch.params), history=pick(batch.history),
+                      num_tokens=pick(batch.num_tokens), lengths=None if batch.lengths is None else rows(batch.lengths),
+                      k=rows(batch.k), offsets=rows(batch.offsets),
+                      hidden=None if batch.hidden is None else pick(batch.hidden), features=feats, num_features=counts,
+                      names=rows(batch.names) if batch.names else (), names_block_size=batch.names_block_size)
 
 
 def pick_rows(t: Tensor, rows: list[int]) -> Tensor:

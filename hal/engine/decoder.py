@@ -34,18 +34,17 @@ from hal import kv
 from hal.engine import grammar, proposals
 from hal.engine.grammar import GrammarCompiler
 from hal.engine.execution import Offsets, execute
-from hal.engine.forward import forward, logprob_entry, sampling_args, target_probs
+from hal.engine.forward import logprob_entry
 from hal.engine.history import HistoryBuffer
-from hal.engine.requests import (MAX_LOGPROBS, DraftBatch, Drafter, Proposal, Request, SamplingParams, State,
-                                 StepOutput, TokenLogprob, capabilities, check_request, draft_room)
+from hal.engine.requests import (Drafter, Request, SamplingParams, State, StepOutput, TokenLogprob, capabilities,
+                                 check_request, draft_room)
 from hal.engine.scheduler import Scheduler, blocks_for
 from hal.engine.step_types import StepDrafts, StepPlan, StepResult
 from hal.errors import HalError
 from hal.metrics import SpecDecodeMetrics
 from hal.models.llama import Llama
 
-__all__ = ["MAX_LOGPROBS", "DraftBatch", "Drafter", "Proposal", "Request", "SamplingParams", "SpeculativeDecoder",
-           "State", "StepOutput", "draft_room", "forward", "sampling_args", "target_probs"]
+__all__ = ["SpeculativeDecoder", "prefix_caching"]
 
 
 class SpeculativeDecoder:
@@ -138,10 +137,15 @@ class SpeculativeDecoder:
         """One scheduling round: decode the running requests (drafts within the budget),
         then prefill waiting ones with the budget left. Returns what it produced."""
         self._out = StepOutput(finished=self._aborted)
-        self._aborted = []
+        self._aborted, t0 = [], time.perf_counter()
         plan = self.scheduler.schedule(self._choose_k)
         result = self._execute(plan)
-        return self._postprocess(plan, result)
+        out = self._postprocess(plan, result)
+        if self.router is not None and result is not None:   # what a step with (or without) drafts really costs
+            counts = result.drafts.counts
+            self.router.observe_step(out.num_batched_tokens, sum(counts), max(counts, default=0),
+                                     time.perf_counter() - t0)
+        return out
 
     def generate(self, requests: list[Request]) -> list[list[int]]:
         """Generated token ids per request (stop token included when hit): add, step until done."""

@@ -69,7 +69,8 @@ def interpolate(table: dict[int, float], x: int) -> float:
 
 
 def profile(fn, points: list[int], reps: int = 3, synchronize=lambda: None, bar=NoBar()) -> dict[int, float]:
-    """Median seconds of ``fn(x)`` for each x (after one warm-up call each); ``synchronize``
+    """Least seconds of ``fn(x)`` over ``reps`` for each x (after one warm-up call each: a
+    compute cost is fixed, and a busy machine only adds to it); ``synchronize``
     (a backend's) runs before the clock starts and before it stops: device launches are
     asynchronous, so an unsynchronised timing measures only the launch. ``bar``: advanced
     once per point."""
@@ -84,7 +85,7 @@ def profile(fn, points: list[int], reps: int = 3, synchronize=lambda: None, bar=
             fn(x)
             synchronize()
             ts.append(time.perf_counter() - t)
-        out[x] = sorted(ts)[len(ts) // 2]
+        out[x] = min(ts)
     return out
 
 
@@ -108,14 +109,40 @@ class Router:
     """Chooses k per request (0 = plain decoding) to maximise expected tokens per second."""
 
     def __init__(self, costs: CostModel, max_k: int = 8, prior: float = 0.6, request_decay: float = 0.7,
-                 global_decay: float = 0.95, prior_weight: float = 2.0, probe_every: int = 16):
+                 global_decay: float = 0.95, prior_weight: float = 2.0, probe_every: int = 16, margin: float = 0.1):
         if max_k < 0:
             raise arg_error("max_k", "an int >= 0", max_k)
+        if not 0 <= margin < 10:
+            raise arg_error("margin", "a number in [0, 10)", margin)
         self.costs, self.max_k, self.prior, self.prior_weight = costs, max_k, prior, prior_weight
+        self.margin = margin   # drafts only where the model predicts this much more than plain decoding
         self.request_decay, self.probe_every = request_decay, probe_every
         self.glob = Ewma(global_decay)
         self.per: dict[object, Ewma] = {}
         self.idle: dict[object, int] = {}
+        # measured step time over the cost model's, for steps without drafts [0] and with [1]
+        self.ratio, self.ratio_steps = [0.0, 0.0], [0, 0]
+
+    def observe_step(self, fed: int, drafted: int, chain: int, seconds: float) -> None:
+        """A finished step's wall time: ``fed`` tokens in all (prefill too), ``drafted`` of
+        them drafts, the longest chain ``chain``. What drafting costs beyond the profiled
+        forward (verifying more rows, the drafter, its host work) shows as steps with drafts
+        running slower than the model says, relative to steps without (a busy machine slows
+        both alike); `draft_penalty` is that ratio."""
+        predicted = self.costs.cost(max(fed, 1), 0, chain)
+        if predicted > 0 and seconds > 0:
+            i = int(drafted > 0)
+            a = 0.9 if self.ratio_steps[i] >= 8 else 1.0 - 1.0 / (self.ratio_steps[i] + 1)   # a mean, then an EWMA
+            self.ratio[i] = a * self.ratio[i] + (1 - a) * seconds / predicted
+            self.ratio_steps[i] += 1
+
+    @property
+    def draft_penalty(self) -> float:
+        """How much slower than modelled a step with drafts runs, relative to one without
+        (>= 1: it only ever makes drafting look dearer; 1 until both have 4 steps measured)."""
+        if min(self.ratio_steps) < 4 or self.ratio[0] <= 0:
+            return 1.0
+        return max(1.0, self.ratio[1] / self.ratio[0])
 
     def acceptance(self, rid) -> float:
         g = self.glob.rate(self.prior, 1.0)
@@ -128,7 +155,9 @@ class Router:
 
         Drafts are added one at a time in order of marginal gain a_i^(k_i+1) up to every
         cap; the best point on that path wins (a first draft can cost more than later
-        ones, e.g. when decode has a single-token fast path, so stopping early would be wrong)."""
+        ones, e.g. when decode has a single-token fast path, so stopping early would be wrong),
+        if its predicted rate beats plain decoding's by ``margin`` (the cost model is measured,
+        so noisy: a predicted gain smaller than its error is not taken)."""
         n = len(states)
         caps = [max(0, min(self.max_k, state.req.k, draft_room(state))) for state in states]
         ctx = [len(state.tokens) for state in states]
@@ -137,19 +166,22 @@ class Router:
         fed, attn, top = n, sum(ctx), 0
         tokens = float(n)
         best, best_at = tokens / c.cost(fed, attn, top), 0
+        plain = best
         heap = [(-alpha[i], i, 1) for i in range(n) if caps[i]]
         heapq.heapify(heap)
-        path = []
+        path, penalty = [], self.draft_penalty
         while heap and (budget is None or fed < budget):
             g, i, k = heapq.heappop(heap)
             tokens, fed, attn, top = tokens - g, fed + 1, attn + ctx[i], max(top, k)
             path.append(i)
-            rate = tokens / c.cost(fed, attn, top)
+            rate = tokens / (c.cost(fed, attn, top) * penalty)
             if rate > best:
                 best, best_at = rate, len(path)
             if k < caps[i]:
                 heapq.heappush(heap, (-alpha[i] ** (k + 1), i, k + 1))
         ks = [0] * n
+        if best < plain * (1 + self.margin):
+            best_at = 0
         for i in path[:best_at]:
             ks[i] += 1
         for i, state in enumerate(states):  # keep learning: probe an idle request with one draft now and then
@@ -180,7 +212,7 @@ def expected_tokens(alpha: float, k: int) -> float:
 def profile_decoder(dec, max_tokens: int = 72, context: int = 512, reps: int = 5, profile_draft: bool = True,
                     progress: bool = False):
     """A `hal.engine.router.CostModel` measured here and now: the target forward over T fed
-    tokens (T = 1, 2, 3, 5, 9, ... up to ``max_tokens``, at a short context), the
+    tokens (T = 1 to 9, then either side of each chunk width up to ``max_tokens``, at a short context), the
     extra cost of ``context`` tokens of attention, and the drafter's chain of k
     (``profile_draft=False``: not profiled, e.g. a remote drafter whose work overlaps).
     ``progress``: a bar (tqdm, stderr) over the points measured."""
@@ -200,7 +232,9 @@ def profile_decoder(dec, max_tokens: int = 72, context: int = 512, reps: int = 5
             forward(dec.target, dec.pool, [q], [[1] * n], False)
             q.commit(n)
         fwd = lambda T, q=seqs[0]: forward(dec.target, dec.pool, [q], [[1] * T], True)  # noqa: E731
-        points = [p for p in (1, 2, 3, 5, 9, 17, 33, 65, 129, 257) if p <= max_tokens]
+        # every count up to 9 and both sides of the chunk widths a linear plan uses (2/4/8/16...): a
+        # step's cost is a staircase, which sparse points would smooth over
+        points = [p for p in (*range(1, 10), 12, 16, 17, 24, 32, 33, 48, 64, 65, 129, 257) if p <= max_tokens]
         bar = progress_bar(progress, len(points) + 2 + 4 * (dec.drafter is not None and profile_draft),
                            "routing profile", "point")
         verify = profile(fwd, points, reps, sync, bar)

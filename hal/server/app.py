@@ -412,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
             sock.close()
         return 2
     phases.ready(f"http://{args.host}:{args.port}/v1 (model {args.served_model_name or args.model}, "
-                 f"draft {args.draft}, k {args.k}{', routed' if args.route else ''})")
+                 f"draft {args.draft}, k {args.k}{', routed' if args.route and args.draft != 'none' else ''})")
     # uvicorn re-raises the SIGTERM it handled once it has shut down; with this handler
     # in place that is a no-op, so a graceful stop exits 0
     signal.signal(signal.SIGTERM, lambda *_: None)

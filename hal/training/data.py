@@ -119,7 +119,7 @@ def prompts(heldout: bool = False) -> list[str]:
 def generate(target, tok, texts: list[str], max_new_tokens: int = 160, batch: int = 16, progress=None
              ) -> list[list[int]]:
     """Greedy responses of ``target`` to ``texts`` (ChatML), each as prompt + response ids."""
-    from hal.engine.decoder import SpeculativeDecoder
+    from hal.engine import SpeculativeDecoder
     from hal.models.tokenizer import chatml
     from hal.engine.requests import Request
     eos = target.cfg.stop_ids

@@ -29,7 +29,7 @@ def build_data(model: str, max_new_tokens: int = 128, limit: int | None = None, 
     from tqdm import tqdm
 
     from hal.training import data as eagle_data
-    from hal.drafters.registry import load_model
+    from hal.models.fetch import load_model
     from hal.models.tokenizer import chatml
     from hal.registry import get_backend
     out = out or data_path(model)
@@ -139,7 +139,7 @@ def train(model: str, out: Path, minutes: float = 40.0, draft_size: int = 8192, 
 
     blob = torch.load(str(data or data_path(model)), weights_only=False)
     if target is None:
-        from hal.drafters.registry import load_model
+        from hal.models.fetch import load_model
         from hal.registry import get_backend
         target, _ = load_model(model, get_backend("cpu"))
     cfg = target.cfg

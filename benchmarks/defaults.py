@@ -1,0 +1,138 @@
+"""Do the defaults ever lose to plain decoding? ``spec-hal serve`` with its default flags
+(the README's command) against ``--draft none``, both started here, traffic interleaved rate
+by rate in one run:
+
+* open: sampled open-ended chat (temperature 0.7, each request its own seed), Poisson arrivals
+  at each of ``--rates``, ``--max-tokens`` each (ignore_eos, so both servers make the same work);
+* copy: the three copy-heavy prompts of benchmarks/e2e.py, greedy, a closed loop of
+  ``--copy-clients`` clients (each sends its next request when its last one ends): open-loop
+  arrivals would measure the arrival rate (below capacity) or the batch's verify cost (far
+  above it), not how fast a request is answered.
+
+Reported per traffic, rate and server: throughput (generated tokens / seconds from the first
+arrival to the last token), P50 / P99 TPOT and TTFT, and the default's ratio to ``none``.
+
+    python benchmarks/defaults.py [--rates 0.5,1,2] [--requests 16] [--max-tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).parent))
+from e2e import PROMPTS  # noqa: E402
+from load import MODEL, free_port, machine_line, pct, stop, wait_up  # noqa: E402
+
+OPEN = ["What are some fun things to do on a rainy weekend?", "Explain why the sky is blue to a child.",
+        "Write a short poem about autumn leaves.", "Give me three ideas for a birthday dinner.",
+        "What should I pack for a week of hiking?", "Describe your ideal city in a few sentences.",
+        "How do I start learning to play the guitar?", "Tell me a story about a lost umbrella."]
+COPY = [p for _, kind, p in PROMPTS if kind == "copy"]
+SERVERS = {"default": (), "none": ("--draft", "none")}
+
+
+def launch(name: str, port: int) -> subprocess.Popen:
+    log = open(Path("/tmp") / f"hal-defaults-{name}.log", "w")
+    return subprocess.Popen([sys.executable, "-m", "hal", "serve", "--model", MODEL, "--port", str(port),
+                             "--max-num-seqs", "32", "--max-model-len", "1024", "--cpu-budget-gib", "2",
+                             *SERVERS[name]], stdout=log, stderr=log)
+
+
+async def one(client, base, prompt, n, temperature, seed, t0, at, out):
+    await asyncio.sleep(max(0.0, at - (time.perf_counter() - t0)))
+    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": n,
+            "temperature": temperature, "seed": seed, "ignore_eos": True, "stream": True}
+    sent, stamps = time.perf_counter(), []
+    async with client.stream("POST", base + "/v1/chat/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                ch = json.loads(line[6:])
+                if ch["choices"] and ch["choices"][0]["delta"].get("content"):
+                    stamps.append(time.perf_counter())
+    if stamps:
+        out.append({"arrival": sent - t0, "ttft": stamps[0] - sent, "end": stamps[-1] - t0,
+                    "tpot": (stamps[-1] - stamps[0]) / max(1, n - 1), "tokens": n})
+
+
+async def run(base, prompts, rate, requests, n, temperature, seed, clients=None):
+    """Poisson arrivals at ``rate``, or (``clients``) a closed loop of that many clients."""
+    rng, t, arrivals = random.Random(seed), 0.0, []
+    for _ in range(requests):
+        arrivals.append(0.0 if clients else t)
+        t += rng.expovariate(rate)
+    out: list[dict] = []
+    t0 = time.perf_counter()
+    gate = asyncio.Semaphore(clients or requests)
+
+    async def send(i, a):
+        async with gate:
+            await one(client, base, prompts[i % len(prompts)], n, temperature, seed * 1000 + i, t0, a, out)
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=256)) as client:
+        await asyncio.gather(*(send(i, a) for i, a in enumerate(arrivals)))
+    span = max(o["end"] for o in out) - min(o["arrival"] for o in out)
+    return {"tok_s": sum(o["tokens"] for o in out) / span, "done": len(out),
+            **{f"{m}{q}": pct([o[m] for o in out], q) for m in ("ttft", "tpot") for q in (50, 99)}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rates", default="0.5,1,2", help="open-ended traffic, requests per second (Poisson)")
+    ap.add_argument("--copy-clients", type=int, default=1, help="copy-heavy traffic: clients in a closed loop")
+    ap.add_argument("--requests", type=int, default=16, help="requests per traffic, rate and server")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "defaults.md"))
+    args = ap.parse_args()
+    runs = [("open", float(r)) for r in args.rates.split(",")] + [("copy", 0.0)]
+    procs, bases = [], {}
+    try:
+        for name in SERVERS:
+            port = free_port()
+            procs.append(launch(name, port))
+            bases[name] = f"http://127.0.0.1:{port}"
+            wait_up(bases[name], procs[-1:])
+        results = {}
+        bar = tqdm(total=len(runs) * len(SERVERS), desc="defaults", unit="run")
+        for traffic, rate in runs:
+            for name in SERVERS:
+                prompts, temperature = (OPEN, 0.7) if traffic == "open" else (COPY, 0.0)
+                results[(traffic, rate, name)] = asyncio.run(run(
+                    bases[name], prompts, rate, args.requests, args.max_tokens, temperature, int(rate * 100),
+                    clients=args.copy_clients if traffic == "copy" else None))
+                bar.update()
+        bar.close()
+    finally:
+        stop(procs)
+    report(args, runs, results)
+
+
+def report(args, runs, results) -> None:
+    cmd = "python benchmarks/defaults.py " + " ".join(sys.argv[1:])
+    lines = ["# The defaults against plain decoding (`spec-hal serve` as the README starts it, and `--draft none`)",
+             "", f"Command: `{cmd.strip()}`; {machine_line()}; {time.strftime('%Y-%m-%d')}. {args.requests} chat "
+             f"requests per traffic, rate and server, {args.max_tokens} tokens each (ignore_eos); servers "
+             "interleaved run by run.", "",
+             "| traffic | rate (req/s) or closed loop | server | tok/s | default / none | TPOT P50 / P99 (ms) | TTFT P50 / P99 (s) |",
+             "|---|---|---|---|---|---|---|"]
+    for traffic, rate in runs:
+        none = results[(traffic, rate, "none")]
+        for name in SERVERS:
+            r = results[(traffic, rate, name)]
+            rel = f"{r['tok_s'] / none['tok_s']:.2f}x" if name == "default" else "-"
+            lines.append(f"| {traffic} | {f'{rate:g}' if rate else f'{args.copy_clients} client(s)'} | {name} | {r['tok_s']:.1f} | {rel} | {r['tpot50'] * 1e3:.0f} / "
+                         f"{r['tpot99'] * 1e3:.0f} | {r['ttft50']:.2f} / {r['ttft99']:.2f} |")
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

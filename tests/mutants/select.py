@@ -1,0 +1,45 @@
+"""A pytest plugin for running every mutant's conformance module in one session
+(`tests/test_mutants.py`): ``HAL_MUTANT_PLAN`` (JSON, backend name -> the conformance file
+meant to catch it) keeps only those items, and a backend's items after its first failure
+are skipped (the one-process form of ``-x`` per mutant). Each backend's first failed test id
+is written to the JSON file ``HAL_MUTANT_OUT``."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+_failed: dict[str, str] = {}   # backend -> its first failed test id
+
+
+def _plan() -> dict[str, str]:
+    return json.loads(os.environ.get("HAL_MUTANT_PLAN", "{}"))
+
+
+def _backend(item) -> str | None:
+    spec = getattr(item, "callspec", None)
+    return None if spec is None else spec.params.get("backend_name")
+
+
+def pytest_collection_modifyitems(config, items):
+    plan = _plan()
+    keep = [i for i in items if _backend(i) in plan and i.path.name == plan[_backend(i)]]
+    config.hook.pytest_deselected(items=[i for i in items if i not in keep])
+    items[:] = keep
+
+
+def pytest_runtest_setup(item):
+    if _backend(item) in _failed:
+        pytest.skip("this mutant is already caught")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.failed and _backend(item) not in _failed:
+        _failed[_backend(item)] = item.nodeid
+        with open(os.environ["HAL_MUTANT_OUT"], "w") as f:
+            json.dump(_failed, f)
+    return report
