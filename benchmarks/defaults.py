@@ -69,7 +69,7 @@ async def run(base, prompts, rate, requests, n, temperature, seed, clients=None)
     rng, t, arrivals = random.Random(seed), 0.0, []
     for _ in range(requests):
         arrivals.append(0.0 if clients else t)
-        t += rng.expovariate(rate)
+        t += 0.0 if clients else rng.expovariate(rate)
     out: list[dict] = []
     t0 = time.perf_counter()
     gate = asyncio.Semaphore(clients or requests)
@@ -108,6 +108,7 @@ def main() -> None:
                 results[(traffic, rate, name)] = asyncio.run(run(
                     bases[name], prompts, rate, args.requests, args.max_tokens, temperature, int(rate * 100),
                     clients=args.copy_clients if traffic == "copy" else None))
+                tqdm.write(f"{traffic} {rate:g} {name}: {results[(traffic, rate, name)]}")
                 bar.update()
         bar.close()
     finally:

@@ -87,7 +87,7 @@ def ready_server(*extra: str):
 
 @pytest.fixture(scope="module")
 def server():
-    yield from ready_server("--draft", "self:2", "--k", "3", "--max-num-seqs", "8", "--max-queue-len", "32",
+    yield from ready_server("--draft", "self:2", "--k", "3", "--no-route", "--max-num-seqs", "8", "--max-queue-len", "32",
                             "--max-model-len", "512", "--cpu-budget-gib", "2", "--shutdown-timeout", "8")
 
 

@@ -27,7 +27,7 @@ def test_draft_worker_killed_mid_stream(tmp_path):
     port = free_port()
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
            "HAL_BACKEND": "cpu"}
-    cmd = [sys.executable, "-m", "hal.server.app", "--model", MODEL, "--draft", "ngram", "--k", "4", "--port",
+    cmd = [sys.executable, "-m", "hal.server.app", "--model", MODEL, "--draft", "ngram", "--k", "4", "--no-route", "--port",
            str(port), "--max-model-len", "512", "--cpu-budget-gib", "2", "--draft-timeout", "10"]
     log = open(tmp_path / "draft.log", "w")
     draft = subprocess.Popen(cmd, env={**env, "RANK": "1", "HAL_SERVE_FAULT": "kill:2"}, stdout=log, stderr=log)

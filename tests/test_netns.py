@@ -158,7 +158,7 @@ def test_a_partition_mid_stream_heals_and_the_worker_rejoins(hosts, tmp_path):
         pytest.skip(f"model not fetchable: {e}")
     t_ns, d_ns, t_ip, _, t_if, d_if = hosts
     env = {**os.environ, "MASTER_ADDR": t_ip, "MASTER_PORT": "29519", "WORLD_SIZE": "2", "HAL_BACKEND": "cpu"}
-    cmd = [sys.executable, "-m", "hal.server.app", "--model", MODEL, "--draft", "ngram", "--k", "4", "--port", "8031",
+    cmd = [sys.executable, "-m", "hal.server.app", "--model", MODEL, "--draft", "ngram", "--k", "4", "--no-route", "--port", "8031",
            "--host", "127.0.0.1", "--max-model-len", "512", "--cpu-budget-gib", "2", "--draft-timeout", "3"]
     logs = [open(tmp_path / f"{n}.log", "w") for n in ("target", "draft")]
     draft = subprocess.Popen(["ip", "netns", "exec", d_ns, *cmd], env={**env, "RANK": "1", "GLOO_SOCKET_IFNAME": d_if},

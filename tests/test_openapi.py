@@ -26,7 +26,7 @@ PHASES = os.environ.get("HAL_SCHEMATHESIS_PHASES", "fuzzing")
 
 @pytest.fixture(scope="module")
 def server():
-    for _, base, _ in ready_server("--draft", "ngram", "--k", "3", "--max-num-seqs", "8", "--max-queue-len", "64",
+    for _, base, _ in ready_server("--draft", "ngram", "--k", "3", "--no-route", "--max-num-seqs", "8", "--max-queue-len", "64",
                                    "--max-model-len", "24", "--cpu-budget-gib", "1"):
         yield base
 

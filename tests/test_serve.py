@@ -47,7 +47,8 @@ def plain(folder, backend: str, prompts=PROMPTS, n=N):
 
 
 def serve_args(folder, out, *extra):
-    args = ["--model", str(folder), "--out", str(out), "--max-tokens", str(N)]
+    args = ["--model", str(folder), "--out", str(out), "--max-tokens", str(N), "--no-route"]   # a fixed k: the faults
+    #                                                                                  planted at reply N need drafts
     for p in PROMPTS:
         args += ["--prompt-ids", p]
     return args + list(extra)
