@@ -46,6 +46,7 @@ bench: $(STAMP)
 	cd benchmarks && ../$(BIN)/python serve.py
 	$(BIN)/python benchmarks/load.py
 	$(BIN)/python benchmarks/load.py --case prefix --requests 8 --max-tokens 24
+	$(BIN)/python benchmarks/defaults.py
 	$(BIN)/python benchmarks/structured.py
 
 docs: $(STAMP)

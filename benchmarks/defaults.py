@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import subprocess
 import sys
@@ -31,7 +30,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
 from e2e import PROMPTS  # noqa: E402
-from load import MODEL, free_port, machine_line, pct, stop, wait_up  # noqa: E402
+from load import MODEL, free_port, machine_line, one, stop, summary, wait_up  # noqa: E402
 
 OPEN = ["What are some fun things to do on a rainy weekend?", "Explain why the sky is blue to a child.",
         "Write a short poem about autumn leaves.", "Give me three ideas for a birthday dinner.",
@@ -48,22 +47,6 @@ def launch(name: str, port: int) -> subprocess.Popen:
                              *SERVERS[name]], stdout=log, stderr=log)
 
 
-async def one(client, base, prompt, n, temperature, seed, t0, at, out):
-    await asyncio.sleep(max(0.0, at - (time.perf_counter() - t0)))
-    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": n,
-            "temperature": temperature, "seed": seed, "ignore_eos": True, "stream": True}
-    sent, stamps = time.perf_counter(), []
-    async with client.stream("POST", base + "/v1/chat/completions", json=body) as r:
-        async for line in r.aiter_lines():
-            if line.startswith("data: {"):
-                ch = json.loads(line[6:])
-                if ch["choices"] and ch["choices"][0]["delta"].get("content"):
-                    stamps.append(time.perf_counter())
-    if stamps:
-        out.append({"arrival": sent - t0, "ttft": stamps[0] - sent, "end": stamps[-1] - t0,
-                    "tpot": (stamps[-1] - stamps[0]) / max(1, n - 1), "tokens": n})
-
-
 async def run(base, prompts, rate, requests, n, temperature, seed, clients=None):
     """Poisson arrivals at ``rate``, or (``clients``) a closed loop of that many clients."""
     rng, t, arrivals = random.Random(seed), 0.0, []
@@ -76,12 +59,11 @@ async def run(base, prompts, rate, requests, n, temperature, seed, clients=None)
 
     async def send(i, a):
         async with gate:
-            await one(client, base, prompts[i % len(prompts)], n, temperature, seed * 1000 + i, t0, a, out)
+            await one(client, base, prompts[i % len(prompts)], n, None, t0, a, out,
+                      sampling={"temperature": temperature, "seed": seed * 1000 + i})
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=256)) as client:
         await asyncio.gather(*(send(i, a) for i, a in enumerate(arrivals)))
-    span = max(o["end"] for o in out) - min(o["arrival"] for o in out)
-    return {"tok_s": sum(o["tokens"] for o in out) / span, "done": len(out),
-            **{f"{m}{q}": pct([o[m] for o in out], q) for m in ("ttft", "tpot") for q in (50, 99)}}
+    return summary(out)
 
 
 def main() -> None:

@@ -82,11 +82,13 @@ SYSTEM = " ".join(f"Rule {i}: answer in plain words, keep to the facts the user 
                   f"you followed." for i in range(1, 27))   # about 650 tokens with the chat template
 
 
-async def one(client, base, prompt, n, k, t0, at, out, system=None):
+async def one(client, base, prompt, n, k, t0, at, out, system=None, sampling: dict | None = None):
+    """One streamed chat request sent at ``at`` s (greedy unless ``sampling`` says otherwise);
+    its timings go to ``out``."""
     await asyncio.sleep(max(0.0, at - (time.perf_counter() - t0)))
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     body = {"model": MODEL, "messages": messages, "max_tokens": n, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+            "ignore_eos": True, "stream": True, **(sampling or {})}
     if k is not None:
         body["speculative"] = {"k": k}
     sent, stamps = time.perf_counter(), []
@@ -117,6 +119,12 @@ async def run_load(base, rate, requests, n, k, seed, system=None):
         await asyncio.gather(*(one(client, base, f"Question {i}: " + PROMPTS[i % len(PROMPTS)][2] if system
                                    else PROMPTS[i % len(PROMPTS)][2], n, k, t0, a, out, system)
                                for i, a in enumerate(arrivals)))
+    return summary(out)
+
+
+def summary(out: list[dict]) -> dict:
+    """Throughput (tokens over the seconds from the first arrival to the last token) and the
+    P50 / P99 of TTFT, TPOT and end to end, of one run's requests."""
     span = max(o["end"] for o in out) - min(o["arrival"] for o in out)
     return {"tok_s": sum(o["tokens"] for o in out) / span, "done": len(out),
             **{f"{m}{q}": pct([o[m] for o in out], q) for m in ("ttft", "tpot", "e2e") for q in (50, 99)}}

@@ -66,10 +66,6 @@ class BlockAllocator:
         """Blocks a new allocation can take: never used, or cached and held by nobody."""
         return len(self._free) + len(self._idle)
 
-    @property
-    def num_cached(self) -> int:
-        return len(self._by_hash)
-
     def _exhausted(self, need: int) -> HalError:
         return HalError(f"KV pool: expected {need} free block{'s' * (need != 1)}, got {self.num_free} of "
                         f"{self.num_blocks} (raise num_blocks or finish some sequences)")

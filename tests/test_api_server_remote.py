@@ -82,7 +82,7 @@ def test_sigterm_under_torchrun_exits_0_without_a_traceback(tmp_path):
         pytest.skip(f"model not fetchable: {e}")
     port = free_port()
     cmd = [sys.executable, "-m", "hal.distributed.torchrun", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), "-m", "hal.server.app", "--model", MODEL, "--draft", "ngram",
+           "--master-port", str(free_port()), "-m", "hal.server.app", "--model", MODEL, "--draft", "ngram", "--no-route",
            "--port", str(port), "--max-model-len", "256", "--cpu-budget-gib", "2"]
     # the ranks at this process's thread count: the linear plan cached for it is reused
     env = {**os.environ, "HAL_BACKEND": "cpu", "OMP_NUM_THREADS": str(torch.get_num_threads())}

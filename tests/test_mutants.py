@@ -24,7 +24,10 @@ def caught(tmp_path_factory) -> dict[str, str]:
     env = dict(os.environ, HAL_PLUGINS="tests.mutants", TRITON_INTERPRET="1", HAL_MUTANT_PLAN=json.dumps(plan),
                HAL_MUTANT_OUT=str(out))
     env.pop("HAL_BACKEND", None)
-    r = subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "hal.conformance", "-p", "hal.conformance.plugin",
+    from importlib.metadata import entry_points
+    installed = any(ep.value == "hal.conformance.plugin" for ep in entry_points(group="pytest11"))
+    plugin = [] if installed else ["-p", "hal.conformance.plugin"]   # as `hal conformance` loads it
+    r = subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "hal.conformance", *plugin,
                         "-p", "tests.mutants.select", "--hal-backend", ",".join(plan), "-q",
                         "-p", "no:cacheprovider", "-W", "ignore::pytest.PytestAssertRewriteWarning"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)

@@ -98,7 +98,7 @@ def test_two_ranks_real_model(tmp_path):
     prompts = ["Repeat this exactly: the cat sat on the mat, the cat sat on the mat.",
                "Write a Python function that adds two numbers."]
     out = tmp_path / "o.json"
-    torchrun(["--draft", "ngram", "--k", "5", "--max-tokens", "20", "--out", str(out)]
+    torchrun(["--draft", "ngram", "--k", "5", "--no-route", "--max-tokens", "20", "--out", str(out)]
              + [a for p in prompts for a in ("--prompt", p)])
     got = json.loads(out.read_text())
     reqs = [Request(tok.encode(chatml(p)).ids, max_new_tokens=20, k=0, stop_ids=(target.cfg.eos_id,))

@@ -30,7 +30,7 @@ from dataclasses import replace
 
 from hal.engine.requests import check_request
 from hal.errors import HalError
-from hal.server.engine_loop import Busy, Closing, EngineLoop, Handle
+from hal.server.engine_loop import Busy, Closing, EngineLoop, Failed, Finished, Handle, Shutdown, Tokens
 from hal.server.loading import LoadingResponder
 from hal.server.openai_schema import (ApiError, Parsed, TextState, chunk, logprobs_chat, logprobs_completion, new_id,
                                       parse, response, usage)
@@ -164,6 +164,9 @@ def make_app(target, served: str, max_model_len: int, default_k: int, max_in_fli
             name, message = parsed.structured_field, f"{parsed.structured_field}{message[len('structured'):]}"
         return ApiError(message, name if name.isidentifier() or "." in name else None)
 
+    def failure(event: Failed, parsed: Parsed) -> ApiError:
+        return invalid(event.message, parsed) if event.invalid else ApiError(event.message, None, 500, "server_error")
+
     async def accept(request: HttpRequest, chat: bool):
         """The checked request and one engine handle per choice (all queued, or none)."""
         if loop.closing:
@@ -199,7 +202,7 @@ def make_app(target, served: str, max_model_len: int, default_k: int, max_in_fli
                 for get in sorted(done - {gone}, key=gets.get):
                     i, event = gets.pop(get), get.result()
                     yield i, event
-                    if event[0] == "tokens":
+                    if isinstance(event, Tokens):
                         gets[asyncio.ensure_future(handles[i].q.get())] = i
                 if gone in done:
                     return
@@ -223,21 +226,19 @@ def make_app(target, served: str, max_model_len: int, default_k: int, max_in_fli
         parts, logprobs, finish = [[] for _ in hs], [[] for _ in hs], ["abort"] * len(hs)
         async for i, event in events(hs, request):
             text = texts[i]
-            if event[0] == "tokens" and not text.stopped:
-                parts[i].append(text.add(event[1]))
-                logprobs[i] += event[2] or []
+            if isinstance(event, Tokens) and not text.stopped:
+                parts[i].append(text.add(event.ids))
+                logprobs[i] += event.logprobs or []
                 if text.stopped:   # a stop string: this choice is done
                     finish[i] = "stop"
                     loop.abort(hs[i])
-            elif event[0] == "error":
-                return error(ApiError(event[1], None, 500, "server_error"))
-            elif event[0] == "invalid":
-                return error(invalid(event[1], parsed))
-            elif event[0] == "shutdown":
+            elif isinstance(event, Failed):
+                return error(failure(event, parsed))
+            elif isinstance(event, Shutdown):
                 return error(ApiError(f"the server is shutting down: the request was cut after {len(text.ids)} "
                                       f"tokens (--shutdown-timeout)", None, 503, "service_unavailable"))
-            elif event[0] == "finished" and not text.stopped:
-                finish[i] = event[1]
+            elif isinstance(event, Finished) and not text.stopped:
+                finish[i] = event.reason
         choices, used = [], 0
         for i, text in enumerate(texts):
             parts[i].append(text.finish())
@@ -264,29 +265,28 @@ def make_app(target, served: str, max_model_len: int, default_k: int, max_in_fli
             yield sse(chunk(chat, rid, parsed.model, None if chat else "", finish=finish[i], index=i))
         async for i, event in events(handles, None):
             text = texts[i]
-            if event[0] == "tokens" and not text.stopped:
-                delta = text.add(event[1])
+            if isinstance(event, Tokens) and not text.stopped:
+                delta = text.add(event.ids)
                 logprobs = None
-                if parsed.logprobs is not None and event[2]:
-                    keep = event[2][:max(0, text.kept_tokens - (len(text.ids) - len(event[1])))] \
-                        if text.stopped else event[2]
+                if parsed.logprobs is not None and event.logprobs:
+                    keep = event.logprobs[:max(0, text.kept_tokens - (len(text.ids) - len(event.ids)))] \
+                        if text.stopped else event.logprobs
                     logprobs = (logprobs_chat if chat else logprobs_completion)(tok, keep)
                 if delta or logprobs:
                     yield sse(chunk(chat, rid, parsed.model, delta, lp=logprobs, index=i))
                 if text.stopped:
                     finish[i] = "stop"
                     loop.abort(handles[i])
-            elif event[0] in ("error", "invalid"):   # this choice ends with its reason, then the error event
+            elif isinstance(event, Failed):   # this choice ends with its reason, then the error event
                 finish[i] = "error"
                 for line in end(i):
                     yield line
-                yield sse((ApiError(event[1], None, 500, "server_error") if event[0] == "error"
-                           else invalid(event[1], parsed)).body())
+                yield sse(failure(event, parsed).body())
                 yield "data: [DONE]\n\n"
                 return
-            elif event[0] != "tokens":
-                if event[0] == "finished" and not text.stopped:
-                    finish[i] = event[1]
+            elif not isinstance(event, Tokens):
+                if isinstance(event, Finished) and not text.stopped:
+                    finish[i] = event.reason
                 for line in end(i):
                     yield line
         if parsed.include_usage:

@@ -1,5 +1,5 @@
 """The engine loop of `hal.server.app`: one thread owns the `SpeculativeDecoder` (adds,
-aborts, steps); HTTP handlers talk to it only through queues (`EngineLoop.submit`,
+aborts, steps); HTTP handlers talk to it only through queues (`EngineLoop.submit_all`,
 `abort`, `close`), and each request's events come back on its asyncio queue (`Handle`)."""
 
 import asyncio
@@ -14,12 +14,42 @@ from hal.errors import HalError
 from hal.server.openai_schema import Parsed
 
 
+@dataclass(frozen=True)
+class Tokens:
+    """New tokens of a request (and their logprobs, when it asked for them)."""
+
+    ids: list[int]
+    logprobs: list | None = None
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The request ended: ``reason`` is ``stop``, ``length`` or ``abort``."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The request failed: ``invalid`` when its own parameters stopped it (a 400 naming the
+    first of them), else the engine did (a 500)."""
+
+    message: str
+    invalid: bool = False
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Cut by SIGTERM at ``--shutdown-timeout``."""
+
+
+Event = Tokens | Finished | Failed | Shutdown
+
+
 @dataclass
 class Handle:
-    """One HTTP request as the engine loop sees it; events go back through ``q``: ``("tokens",
-    ids, logprobs)``, then one of ``("finished", reason)``, ``("error", message)``,
-    ``("invalid", message)`` (its own parameters left no token to emit) or ``("shutdown",)``
-    (cut by SIGTERM at ``--shutdown-timeout``)."""
+    """One HTTP request as the engine loop sees it; events go back through ``q``: `Tokens`,
+    then one of `Finished`, `Failed` or `Shutdown`."""
 
     parsed: Parsed
     q: asyncio.Queue
@@ -32,7 +62,7 @@ class Handle:
     cancelled: bool = False
     done: bool = False
 
-    def push(self, event: tuple) -> None:
+    def push(self, event: Event) -> None:
         try:
             self.aio.call_soon_threadsafe(self.q.put_nowait, event)
         except RuntimeError:   # the event loop is gone (shutdown)
@@ -48,7 +78,7 @@ class Closing(Exception):
 
 
 class EngineLoop:
-    """Owns the engine: adds, aborts and steps in one thread. ``submit``, ``abort`` and
+    """Owns the engine: adds, aborts and steps in one thread. ``submit_all``, ``abort`` and
     ``close`` are safe from any thread; events reach each request's asyncio queue."""
 
     def __init__(self, dec, metrics=None, max_in_flight: int = 256, on_idle=None):
@@ -67,8 +97,8 @@ class EngineLoop:
         self.thread.start()
 
     def close(self, timeout: float) -> None:
-        """Stop accepting (`submit` raises `Closing`); what is in flight may run ``timeout``
-        more seconds, then each request still running ends with ``("shutdown",)``."""
+        """Stop accepting (`submit_all` raises `Closing`); what is in flight may run ``timeout``
+        more seconds, then each request still running ends with `Shutdown`."""
         with self._lock:
             if self.deadline is None:
                 self.deadline = time.monotonic() + timeout
@@ -82,9 +112,6 @@ class EngineLoop:
         self._stop.set()
         self.inbox.put(("wake", None))
         self.thread.join(timeout)
-
-    def submit(self, h: Handle) -> None:
-        self.submit_all([h])
 
     def submit_all(self, handles: list[Handle]) -> None:
         """Queue every handle (the choices of one request), or none (`Busy`, `Closing`)."""
@@ -106,7 +133,7 @@ class EngineLoop:
         with self._drained:
             return self._drained.wait_for(lambda: self.in_flight == 0, timeout)
 
-    def _done(self, h: Handle, event: tuple) -> None:
+    def _done(self, h: Handle, event: Event) -> None:
         if not h.done:
             h.done = True
             h.push(event)
@@ -114,13 +141,17 @@ class EngineLoop:
                 self.in_flight -= 1
                 self._drained.notify_all()
 
-    def _cut(self, event: tuple, reason: str = "abort") -> None:
+    def _end(self, h: Handle, event: Event, reason: str) -> None:
+        """The one place a request that ran ends: recorded (its ``finished_reason``), then its last event."""
+        if self.metrics:
+            self.metrics.finished(h.arrival, h.first, time.perf_counter(), len(h.parsed.prompt_ids), h.generated,
+                                  reason)
+        self._done(h, event)
+
+    def _cut(self, event: Event, reason: str = "abort") -> None:
         for rid, h in list(self.live.items()):
             self.dec.abort(rid)   # frees its blocks, target and draft
-            if self.metrics:
-                self.metrics.finished(h.arrival, h.first, time.perf_counter(), len(h.parsed.prompt_ids),
-                                      h.generated, reason)
-            self._done(h, event)
+            self._end(h, event, reason)
         self.live.clear()
 
     def _run(self) -> None:
@@ -128,7 +159,7 @@ class EngineLoop:
             try:
                 self._drain(block=not self.dec.has_unfinished())
                 if self.deadline is not None and time.monotonic() >= self.deadline:
-                    self._cut(("shutdown",))
+                    self._cut(Shutdown())
                 if self.dec.has_unfinished():
                     self._dispatch(self.dec.step())
                 elif self.on_idle is not None:
@@ -136,8 +167,8 @@ class EngineLoop:
             except Exception as e:   # never leave a client hanging: fail what is in flight, keep serving
                 self.error = f"{type(e).__name__}: {e}"
                 traceback.print_exc(file=sys.stderr)
-                self._cut(("error", self.error), "error")
-        self._cut(("shutdown",))   # stopping: end what is left
+                self._cut(Failed(self.error), "error")
+        self._cut(Shutdown())   # stopping: end what is left
 
     def _drain(self, block: bool) -> None:
         items = []
@@ -150,23 +181,19 @@ class EngineLoop:
         for kind, handle in items:
             if kind == "add":
                 if handle.cancelled:
-                    self._done(handle, ("finished", "abort"))
+                    self._done(handle, Finished("abort"))
                     continue
                 try:
                     handle.rid = self.dec.add(handle.parsed.params.request(handle.parsed.prompt_ids))
                 except HalError as e:
-                    self._done(handle, ("error", str(e)))
+                    self._done(handle, Failed(str(e)))
                     continue
                 self.live[handle.rid] = handle
             elif kind == "abort":
                 handle.cancelled = True
                 if handle.rid is not None and self.live.pop(handle.rid, None) is not None:
                     self.dec.abort(handle.rid)   # frees its blocks now, target and draft
-                    if self.metrics:
-                        self.metrics.finished(handle.arrival, handle.first, time.perf_counter(),
-                                              len(handle.parsed.prompt_ids),
-                                              handle.generated, "abort")
-                    self._done(handle, ("finished", "abort"))
+                    self._end(handle, Finished("abort"), "abort")
         if items and self.metrics:
             self.metrics.gauges(self.dec)
 
@@ -181,7 +208,7 @@ class EngineLoop:
                     self.metrics.first_token(handle.arrival, now)
             handle.generated += len(toks)
             handle.last = toks[-1]
-            handle.push(("tokens", toks, out.logprobs.get(rid)))
+            handle.push(Tokens(toks, out.logprobs.get(rid)))
         if self.metrics:
             self.metrics.step(self.dec, out)
         for rid in out.finished:
@@ -189,7 +216,4 @@ class EngineLoop:
                 continue
             reason = "error" if rid in out.errors else "stop" if handle.last in handle.parsed.params.stop_ids \
                 else "length"
-            if self.metrics:
-                self.metrics.finished(handle.arrival, handle.first, now, len(handle.parsed.prompt_ids),
-                                      handle.generated, reason)
-            self._done(handle, ("invalid", out.errors[rid]) if rid in out.errors else ("finished", reason))
+            self._end(handle, Failed(out.errors[rid], invalid=True) if rid in out.errors else Finished(reason), reason)
