@@ -214,24 +214,7 @@ def start(args, max_seqs: int, engine_kw: dict | None = None, phases: Phases = Q
             return None
     head = spec.kind in HEADS   # an EAGLE head: it reads the target's features
     if rank == DRAFT:  # plan, allocate, load, serve
-        signal.signal(signal.SIGTERM, _quiet_exit)   # torchrun forwards its SIGTERM: end like the target, exit 0
-        draft_side = resolve_side(placement.draft, "draft")
-        mem, dpath = draft_memory(spec, path, shares_target=False)
-        pool = plan(args, None, None, mem, draft_side, max_seqs).allocate("draft") if mem is not None else None
-        # a head shares the target's embeddings and lm_head: this rank loads the weights for them
-        tw = load_model(path, draft_side.backend, args.dtype)[0].to(draft_side.device) if head else None
-        drafter = make_drafter(spec, draft_side.backend, target=tw, path=args.model if head else dpath, pool=pool,
-                               device=draft_side.device)
-        if drafter is not None:   # its first call pays for the kernels' set-up (~1 s): not in the first round
-            from hal.engine.router import profile_drafter
-            profile_drafter(drafter, draft_side.device, tw.cfg.hidden if head else 1, reps=1, points=(1, max(1, args.k)))
-        try:
-            serve_epochs(rv, drafter, draft_side.device, os.environ.get("HAL_SERVE_FAULT", ""),
-                         idle=max(600.0, args.draft_timeout), join_timeout=args.draft_startup_timeout)
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        return None
+        return serve_draft_rank(args, spec, path, placement, rv, max_seqs)
     target_side = resolve_side(placement.target, "target")
     draft_side = resolve_side(placement.draft, "draft") if world == 1 else None
     shares = world == 1 and draft_side.device == target_side.device
@@ -270,6 +253,30 @@ def start(args, max_seqs: int, engine_kw: dict | None = None, phases: Phases = Q
             dec.router = Router(dec.profile_costs(profile_draft=world == 1, progress=phases.bars), max_k=args.k,
                                 probe_every=0 if capabilities(drafter).shadow else 16)   # shadows are scored free
     return Target(dec, tok, world, rv.backend if world == 2 else None, target_side)
+
+
+def serve_draft_rank(args, spec, path: str, placement, rv, max_seqs: int) -> None:
+    """The draft rank under torchrun: plan and load its drafter, then serve drafts epoch by
+    epoch (`hal.distributed.worker.serve_epochs`) until the target stops."""
+    from hal.distributed.placement import resolve_side
+    head = spec.kind in HEADS   # an EAGLE head: it reads the target's features
+    signal.signal(signal.SIGTERM, _quiet_exit)   # torchrun forwards its SIGTERM: end like the target, exit 0
+    draft_side = resolve_side(placement.draft, "draft")
+    mem, dpath = draft_memory(spec, path, shares_target=False)
+    pool = plan(args, None, None, mem, draft_side, max_seqs).allocate("draft") if mem is not None else None
+    # a head shares the target's embeddings and lm_head: this rank loads the weights for them
+    tw = load_model(path, draft_side.backend, args.dtype)[0].to(draft_side.device) if head else None
+    drafter = make_drafter(spec, draft_side.backend, target=tw, path=args.model if head else dpath, pool=pool,
+                           device=draft_side.device)
+    if drafter is not None:   # its first call pays for the kernels' set-up (~1 s): not in the first round
+        from hal.engine.router import profile_drafter
+        profile_drafter(drafter, draft_side.device, tw.cfg.hidden if head else 1, reps=1, points=(1, max(1, args.k)))
+    try:
+        serve_epochs(rv, drafter, draft_side.device, os.environ.get("HAL_SERVE_FAULT", ""),
+                     idle=max(600.0, args.draft_timeout), join_timeout=args.draft_startup_timeout)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _quiet_exit(signum, frame) -> None:

@@ -21,9 +21,7 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import sys
-import threading
 import time
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -32,38 +30,14 @@ from hal.engine.requests import check_request
 from hal.errors import HalError
 from hal.server.engine_loop import Busy, Closing, EngineLoop, Failed, Finished, Handle, Shutdown, Tokens
 from hal.server.loading import LoadingResponder
+from hal.server.transport import bind, read_body, uvicorn_server
 from hal.server.openai_schema import (ApiError, Parsed, TextState, chunk, logprobs_chat, logprobs_completion, new_id,
                                       parse, response, usage)
 from hal.server.protocol import WireModels, wire_models
 from hal.server.responses import ChatCompletionResponse, CompletionResponse, ErrorResponse, Health, ModelList
 
 
-MAX_BODY = 8 << 20   # bytes: far above any prompt within --max-model-len; a bigger body is refused unread
-
-
-async def read_body(request) -> bytes:
-    """The request body, refused with 413 past `MAX_BODY` (declared or streamed)."""
-    n = request.headers.get("content-length")
-    if n is not None and (not n.isdigit() or int(n) > MAX_BODY):
-        raise ApiError(f"body: expected at most {MAX_BODY} bytes, got {n}", "body", 413)
-    from starlette.requests import ClientDisconnect
-    chunks, size = [], 0
-    try:
-        async for c in request.stream():
-            size += len(c)
-            if size > MAX_BODY:
-                raise ApiError(f"body: expected at most {MAX_BODY} bytes, got more", "body", 413)
-            chunks.append(c)
-    except ClientDisconnect:   # one line, not a traceback: any client can do this
-        print(f"spec-hal serve: a client disconnected after {size} of {n or 'unknown'} body bytes",
-              file=sys.stderr, flush=True)
-        raise ApiError(f"body: expected {n or 'the whole'} bytes, got {size} before the client disconnected",
-                       "body") from None
-    return b"".join(chunks)
-
-
 ENGINE_NAMES = {"prompt_ids": "prompt", "max_new_tokens": "max_tokens", "prompt_ids + max_new_tokens": "max_tokens"}
-SHUTDOWN_GRACE = 30.0   # seconds past --shutdown-timeout before uvicorn cancels what is left (never, normally)
 
 
 def _responses(model) -> dict:
@@ -327,46 +301,6 @@ def make_app(target, served: str, max_model_len: int, default_k: int, max_in_fli
     return app
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """The listening address, taken before anything loads: `HalError` naming ``--port`` when
-    another process holds it."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise HalError(f"--port: expected a free port on {host}, got {port}, which is in use ({e.strerror})",
-                       arg="port") from None
-    return sock
-
-
-def _server(app, sock: socket.socket, shutdown_timeout: float):
-    """uvicorn's server, with SIGTERM first telling the engine to stop accepting and to cut
-    what still runs at ``shutdown_timeout`` (streams then end with ``finish_reason: "abort"``
-    and ``[DONE]``; non-streaming requests get 503), well before uvicorn would cancel them."""
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig, frame) -> None:
-            """Stop accepting (new requests get 503 JSON while the port stays open), and
-            let uvicorn go once what is in flight has ended; a second signal stops at once."""
-            loop = app.state.loop
-            if loop.closing:
-                return super().handle_exit(sig, frame)
-            loop.close(shutdown_timeout)
-            threading.Thread(target=self._exit_when_drained, args=(sig, frame), name="hal-drain",
-                             daemon=True).start()
-
-        def _exit_when_drained(self, sig, frame) -> None:
-            app.state.loop.wait_drained(shutdown_timeout + SHUTDOWN_GRACE)
-            super().handle_exit(sig, frame)
-
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=int(shutdown_timeout + SHUTDOWN_GRACE))
-    return Server(config)
-
-
 def main(argv: list[str] | None = None) -> int:
     from hal.distributed.launcher import add_engine_args, bounded, start
     from hal.distributed.startup import Phases
@@ -417,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     # in place that is a no-op, so a graceful stop exits 0
     signal.signal(signal.SIGTERM, lambda *_: None)
     loading.stop()
-    _server(app, sock, args.shutdown_timeout).run(sockets=[sock])
+    uvicorn_server(app, sock, args.shutdown_timeout).run(sockets=[sock])
     return 0
 
 
