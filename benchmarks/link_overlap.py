@@ -32,7 +32,7 @@ PROMPTS = ["What are some fun things to do on a rainy weekend?", "Explain glacie
 
 
 def launcher(args, draft: str, out: Path) -> list[str]:
-    return [sys.executable, "-m", "hal.distributed.launcher", "--draft", draft, "--k", str(args.k), "--max-tokens",
+    return [sys.executable, "-m", "hal.launch", "--draft", draft, "--k", str(args.k), "--max-tokens",
             str(args.max_tokens), "--out", str(out)] + [a for p in PROMPTS for a in ("--prompt", p)]
 
 

@@ -28,7 +28,7 @@ def port() -> int:
 
 
 def run(world: int, args, out: Path) -> dict:
-    serve = ["-m", "hal.distributed.launcher", "--draft", args.draft, "--k", str(args.k), "--max-tokens", str(args.max_tokens),
+    serve = ["-m", "hal.launch", "--draft", args.draft, "--k", str(args.k), "--max-tokens", str(args.max_tokens),
              "--out", str(out)] + [a for p in PROMPTS for a in ("--prompt", p)]
     cmd = [sys.executable] + (["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
                                "127.0.0.1", "--master-port", str(port())] if world == 2 else []) + serve

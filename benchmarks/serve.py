@@ -1,4 +1,4 @@
-"""The two-rank path's cost: `hal.distributed.launcher` with the draft worker on another rank (torchrun,
+"""The two-rank path's cost: `python -m hal.launch` with the draft worker on another rank (torchrun,
 gloo) against the same command in one process, interleaved. torchrun gives each rank one
 thread, so the one-process run gets OMP_NUM_THREADS=1 too. Writes a markdown table.
 
@@ -25,7 +25,7 @@ PROMPT = f"Rename the variable `parts` to `fields` in this code and output the w
 
 def serve(two_ranks: bool, args) -> dict:
     out = Path(tempfile.mkdtemp()) / "o.json"
-    cmd = ["-m", "hal.distributed.launcher", "--draft", args.draft, "--k", str(args.k), "--max-tokens", str(args.max_tokens),
+    cmd = ["-m", "hal.launch", "--draft", args.draft, "--k", str(args.k), "--max-tokens", str(args.max_tokens),
            "--prompt", PROMPT, "--out", str(out)]
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
     if two_ranks:
@@ -52,7 +52,7 @@ def main() -> None:
         for two in (False, True):
             runs[two].append(serve(two, args))
     same = all(r["outputs"] == runs[False][0]["outputs"] for rs in runs.values() for r in rs)
-    lines = ["# hal.distributed.launcher: draft worker on another rank vs one process (SmolLM2-135M, greedy)\n",
+    lines = ["# python -m hal.launch: draft worker on another rank vs one process (SmolLM2-135M, greedy)\n",
              f"Command: `python benchmarks/serve.py --draft {args.draft} --k {args.k} --max-tokens {args.max_tokens} "
              f"--reps {args.reps}`; {time.strftime('%Y-%m-%d')}. Edit-code prompt of benchmarks/e2e.py; one thread "
              "per process in both setups. Outputs identical across all runs: " + ("yes" if same else "NO") + ".\n",

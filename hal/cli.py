@@ -6,8 +6,10 @@ import argparse
 import os
 import sys
 
-from hal.errors import HalError
 from hal.drafters.registry import draft_help, draft_kinds
+from hal.errors import HalError
+from hal.launch.build import cli_drafter
+from hal.launch.flags import add_dtype_args, bounded, model_flag
 from hal.models.fetch import load_model
 
 
@@ -104,12 +106,10 @@ def cmd_demo(args) -> int:
     except HalError as e:
         print(f"demo: the model could not be fetched ({e}); showing one verify round instead", file=sys.stderr)
         return demo_ops()
-    from hal.engine import SpeculativeDecoder
     print(f"model smollm2-135m (SmolLM2-135M-Instruct, GGUF Q4_1), backend {be.name}, greedy; "
           f"linear plan {model.plan.describe()}")
     draft = "ngram+eagle"   # n-gram lookup where it matches, the shipped EAGLE head elsewhere
-    costs = SpeculativeDecoder(model, make_drafter(draft, model, be), num_blocks=64).profile_costs(
-        max_tokens=9, context=128, reps=3)
+    costs = measured_costs(model, cli_drafter(draft, model, be), max_tokens=9)
     print("cost table profiled: " + ", ".join(f"{t} tok {c * 1e3:.0f} ms" for t, c in sorted(costs.verify.items()))
           + "\n")
     for label, prompt in DEMO_PROMPTS:
@@ -162,12 +162,12 @@ def cmd_model(args) -> int:
     return 0
 
 
-def make_drafter(kind: str, target, backend, model: str = "smollm2-135m"):
-    """The CLI's drafters over ``target`` (`hal.drafters.registry`): none, ngram, ngram-tree, self[:L],
-    eagle[:<folder>], ngram+eagle[:<folder>] or their -tree forms (without a folder: the head
-    shipped for ``model``)."""
-    from hal.drafters.registry import draft_kinds, make_drafter as build, parse_draft
-    return build(parse_draft(kind, draft_kinds(cli=True)), backend, target=target, path=model)
+def measured_costs(model, drafter, max_tokens: int):
+    """The router's costs for ``drafter`` over ``model``, measured once before anything is
+    timed and shared by the engines of one command (`hal.engine.router.profile_costs`)."""
+    from hal.engine.memory import target_pool
+    from hal.engine.router import profile_costs
+    return profile_costs(model, drafter, target_pool(model, 64), max_tokens=max_tokens, context=128, reps=3)
 
 
 def cmd_train_head(args) -> int:
@@ -189,7 +189,8 @@ def run_generate(model, tok, prompt: str, draft: str, k: int, temperature: float
     `hal.engine.router.CostModel`) a router picks k <= ``k`` per step."""
     import time
 
-    from hal.engine import Request, SpeculativeDecoder
+    from hal.engine import Request
+    from hal.launch.build import build_engine, local_pool
     from hal.models.tokenizer import chatml
     ids = tok.encode(chatml(prompt)).ids
     shown = []
@@ -199,11 +200,9 @@ def run_generate(model, tok, prompt: str, draft: str, k: int, temperature: float
         shown.extend(new)
         print(tok.decode(shown, skip_special_tokens=True)[len(before):], end="", flush=True)
 
-    dec = SpeculativeDecoder(model, make_drafter(draft, model, model.be, model_name), on_tokens=show if stream else None)
-    if costs is not None and draft != "none":
-        from hal.engine.router import Router
-        from hal.engine.requests import capabilities
-        dec.router = Router(costs, max_k=k, probe_every=0 if capabilities(dec.drafter).shadow else 16)
+    dec = build_engine(model, cli_drafter(draft, model, model.be, model_name), k=k, route=costs is not None,
+                       costs=costs, pool=local_pool(model, 1, len(ids) + max_tokens, k),
+                       on_tokens=show if stream else None)
     req = Request(ids, max_new_tokens=max_tokens, temperature=temperature, seed=seed, k=k if draft != "none" else 0,
                   stop_ids=model.cfg.stop_ids)
     t = time.perf_counter()
@@ -220,18 +219,18 @@ def cmd_bench(args) -> int:
     import time
 
     import hal
-    from hal.engine import Request, SpeculativeDecoder
+    from hal.engine import Request
+    from hal.launch.build import build_engine, local_pool
     from hal.metrics import percentile, prometheus_text, require_prometheus
     from hal.models.tokenizer import chatml
-    from hal.engine.router import Router
     require_prometheus()  # fail before loading anything
     be = hal.get_backend()
     model, tok = load_model(args.model, be, args.dtype, plan_refresh=args.plan_refresh)
-    dec = SpeculativeDecoder(model, make_drafter(args.draft, model, be, args.model), num_blocks=128 * args.batch)
-    if not args.fixed_k:
-        dec.router = Router(dec.profile_costs(max_tokens=(args.k + 1) * len(DEMO_PROMPTS) * args.batch), max_k=args.k)
     reqs = [Request(tok.encode(chatml(p)).ids, max_new_tokens=args.max_tokens, k=args.k, stop_ids=model.cfg.stop_ids)
             for _ in range(args.batch) for _, p in DEMO_PROMPTS]
+    pool = local_pool(model, len(reqs), max(len(r.prompt_ids) for r in reqs) + args.max_tokens, args.k)
+    dec = build_engine(model, cli_drafter(args.draft, model, be, args.model), k=args.k, route=not args.fixed_k,
+                       pool=pool, profile={"max_tokens": (args.k + 1) * len(reqs)})
     t = time.perf_counter()
     outs = dec.generate(reqs)
     dt = time.perf_counter() - t
@@ -252,9 +251,7 @@ def cmd_generate(args) -> int:
     runs = [(args.draft, args.k)] + ([("none", 0)] if args.compare and args.draft != "none" else [])
     costs = None
     if args.route and args.draft != "none":   # the router's cost table, measured before anything is timed
-        from hal.engine import SpeculativeDecoder
-        costs = SpeculativeDecoder(model, make_drafter(args.draft, model, be, args.model), num_blocks=64
-                                   ).profile_costs(max_tokens=args.k + 1, context=128, reps=3)
+        costs = measured_costs(model, cli_drafter(args.draft, model, be, args.model), max_tokens=args.k + 1)
     results = []
     for draft, k in runs:
         how = "" if draft == "none" else f", k <= {k} routed" if costs is not None else f", k = {k} fixed"
@@ -271,14 +268,8 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def add_dtype_args(ap) -> None:
-    from hal.distributed.launcher import add_dtype_args as add
-    add(ap)
-
-
 def main(argv: list[str] | None = None) -> int:
     from hal.checks import MAX_K
-    from hal.distributed.launcher import bounded, model_flag
     ap = argparse.ArgumentParser(prog="spec-hal", description="spec-hal: speculative decoding HAL")
     sub = ap.add_subparsers(dest="cmd", required=True)
     info = sub.add_parser("info", help="backends, availability, block sizes, validation level; the CPU and "

@@ -92,7 +92,7 @@ def test_placement_auto_prints_the_choice_and_the_runner_up(capsys):
 # -- HAL_PLACEMENT=auto at start-up: measured here, and on the other rank --------------------------
 
 def test_local_sides_list_this_machines_devices_once():
-    from hal.distributed.measure import local_sides
+    from hal.launch.measure import local_sides
     sides = local_sides()
     assert sides and len({str(s.device) for s in sides}) == len(sides)
     assert "cpu" in {s.device.type for s in sides}
@@ -104,7 +104,7 @@ def test_a_published_profile_reads_back_and_a_malformed_one_is_refused():
 
     import torch.distributed as dist
 
-    from hal.distributed.measure import PROFILE, parse_profile, publish_profile
+    from hal.launch.measure import PROFILE, parse_profile, publish_profile
     store = dist.HashStore()
     publish_profile(store, [DeviceProfile("cuda:1", 3 * GB, None, {1: 0.002, 8: 0.01})], 2e-4, 1e9)
     link = parse_profile(store.get(PROFILE))
@@ -131,7 +131,7 @@ def test_placement_auto_at_start_up_in_one_process(tiny, tmp_path):  # noqa: F81
     and runs it: greedy output is plain greedy's whatever it chose."""
     from tests.test_serve import plain, serve_args
     out = tmp_path / "o.json"
-    r = subprocess.run([sys.executable, "-m", "hal.distributed.launcher",
+    r = subprocess.run([sys.executable, "-m", "hal.launch",
                         *serve_args(tiny, out, "--draft", "self:2", "--k", "3")],
                        env={**os.environ, "HAL_PLACEMENT": "auto"}, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]

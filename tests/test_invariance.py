@@ -158,7 +158,7 @@ def test_a_planted_leak_between_rows_breaks_the_forward_test(model):
 def test_serving_flag_turns_it_off():
     import argparse
 
-    from hal.distributed.launcher import add_engine_args
+    from hal.launch.flags import add_engine_args
     ap = argparse.ArgumentParser()
     add_engine_args(ap)
     assert ap.parse_args([]).batch_invariant is True

@@ -83,7 +83,7 @@ def ranks(hosts, args, draft_env=None, timeout=300):
     t_ns, d_ns, t_ip, _, t_if, d_if = hosts
     env = {**os.environ, "MASTER_ADDR": t_ip, "MASTER_PORT": "29517", "WORLD_SIZE": "2",
            "HAL_PLACEMENT": "draft=cpu,target=cpu", "OMP_NUM_THREADS": str(_threads())}
-    cmd = [sys.executable, "-m", "hal.distributed.launcher", *args]
+    cmd = [sys.executable, "-m", "hal.launch", *args]
     draft = subprocess.Popen(["ip", "netns", "exec", d_ns, *cmd],
                              env={**env, "RANK": "1", "GLOO_SOCKET_IFNAME": d_if, **(draft_env or {})},
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

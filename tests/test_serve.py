@@ -1,5 +1,5 @@
 """Draft and target as two torch.distributed ranks (gloo on 127.0.0.1), launched the
-documented way (torchrun -m hal.distributed.launcher): output identical to single-process plain greedy;
+documented way (torchrun -m hal.launch): output identical to single-process plain greedy;
 the draft worker killed or hung mid-run: the target finishes by plain decoding, with
 identical output and the failure counted."""
 
@@ -56,7 +56,7 @@ def serve_args(folder, out, *extra):
 
 def torchrun(args, env=None, timeout=300):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), "-m", "hal.distributed.launcher", *args]
+           "--master-port", str(free_port()), "-m", "hal.launch", *args]
     # the ranks compute at this process's thread count (torchrun would set 1): a linear plan, and a row's
     # bits, belong to a thread count, and the outputs are compared with references computed here
     threads = {"OMP_NUM_THREADS": str(torch.get_num_threads())}
@@ -111,7 +111,7 @@ def test_killed_draft_worker_target_finishes_by_plain_decoding(tiny, tmp_path):
     out, port = tmp_path / "o.json", str(free_port())
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2",
            "HAL_PLACEMENT": "draft=cpu,target=cpu"}
-    cmd = [sys.executable, "-m", "hal.distributed.launcher", *serve_args(tiny, out, "--draft", "self:2", "--k", "2")]
+    cmd = [sys.executable, "-m", "hal.launch", *serve_args(tiny, out, "--draft", "self:2", "--k", "2")]
     draft = subprocess.Popen(cmd, env={**env, "RANK": "1", "HAL_SERVE_FAULT": "kill:2"},
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     target = subprocess.run(cmd, env={**env, "RANK": "0"}, capture_output=True, text=True, timeout=300)
@@ -136,17 +136,17 @@ def test_hung_draft_worker_times_out_under_torchrun(tiny, tmp_path):
 def test_single_process_routed_and_planner_refusal(tiny, tmp_path):
     out = tmp_path / "o.json"
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
-    r = subprocess.run([sys.executable, "-m", "hal.distributed.launcher", *serve_args(tiny, out, "--draft", "self:2", "--route")],
+    r = subprocess.run([sys.executable, "-m", "hal.launch", *serve_args(tiny, out, "--draft", "self:2", "--route")],
                        env={**env, "HAL_PLACEMENT": "draft=cpu,target=cpu"}, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "max concurrent sequences x context" in r.stderr   # the plan is printed before anything is allocated
     got = json.loads(out.read_text())
     assert got["world_size"] == 1 and got["outputs"] == plain(tiny, "cpu")
-    bad = subprocess.run([sys.executable, "-m", "hal.distributed.launcher", *serve_args(tiny, out, "--cpu-budget-gib", "1e-6")],
+    bad = subprocess.run([sys.executable, "-m", "hal.launch", *serve_args(tiny, out, "--cpu-budget-gib", "1e-6")],
                          env=env, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "memory plan on cpu" in bad.stderr and "raise the budget" in bad.stderr
-    short = subprocess.run([sys.executable, "-m", "hal.distributed.launcher", *serve_args(tiny, out, "--max-context", "16")],
+    short = subprocess.run([sys.executable, "-m", "hal.launch", *serve_args(tiny, out, "--max-context", "16")],
                            env=env, capture_output=True, text=True, timeout=300)
     assert short.returncode == 2 and "--max-context: expected at least" in short.stderr
 
@@ -331,7 +331,7 @@ def test_worker_that_never_joins(tiny, tmp_path):
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
            "RANK": "0", "HAL_PLACEMENT": "draft=cpu,target=cpu"}
     t = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "hal.distributed.launcher", *serve_args(tiny, out, "--draft", "self:2",
+    r = subprocess.run([sys.executable, "-m", "hal.launch", *serve_args(tiny, out, "--draft", "self:2",
                                                                        "--draft-startup-timeout", "3")],
                        env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -450,7 +450,7 @@ def test_an_idle_server_takes_back_a_fresh_worker_within_2_s(tiny):
     taken back within 2 s, without any request."""
     import threading
 
-    from hal.distributed.launcher import Target
+    from hal.launch.start import Target
     from hal.drafters import NgramDrafter
     from hal.distributed.rendezvous import Rendezvous
     from hal.distributed.remote import RemoteDrafter

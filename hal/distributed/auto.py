@@ -10,7 +10,7 @@ second at the configured batch and acceptance (Leviathan's E(k), best k up to ``
 one that does not fit in memory is out. `choose` returns the best and the runner-up with
 their predicted throughput; it raises `HalError` naming what is missing when nothing fits.
 
-The inputs are data: the launcher measures them (`profile_decoder`, the memory plan, a
+The inputs are data: `hal.launch.measure` measures them (`hal.engine.router.profile_costs`, the memory plan, a
 timed round trip), tests inject them."""
 
 from __future__ import annotations

@@ -30,12 +30,12 @@ class Side:
 class Placement:
     draft: str = "auto"
     target: str = "auto"
-    measure: bool = False   # HAL_PLACEMENT=auto: measure at start-up and choose (`hal.distributed.measure`)
+    measure: bool = False   # HAL_PLACEMENT=auto: measure at start-up and choose (`hal.launch.measure`)
 
     @classmethod
     def from_env(cls, value: str | None = None) -> "Placement":
         """Parse ``HAL_PLACEMENT`` (``draft=...,target=...``, either may be omitted; or
-        ``auto``: measured at start-up, `hal.distributed.measure`)."""
+        ``auto``: measured at start-up, `hal.launch.measure`)."""
         value = os.environ.get("HAL_PLACEMENT", "") if value is None else value
         if value.strip() == "auto":
             return cls(measure=True)

@@ -4,7 +4,7 @@ float32 rows, optional int32 sparse indices, over torch.distributed point-to-poi
 
 One round: the target sends COMMIT (the tokens committed since the last round and each
 request's k); the worker answers DRAFTS built on exactly that committed prefix (base
-length and hash per request), or the target gets STOP at the end. See `hal.distributed.launcher`."""
+length and hash per request), or the target gets STOP at the end. See `hal.launch.start`."""
 
 from __future__ import annotations
 
@@ -122,7 +122,7 @@ CHUNK = 8 << 10   # bytes of a framed message's first tensor (`Link`): a round's
 def _checked(head: list[int]) -> list[int]:
     if not (1 <= head[0] <= MAX_WORDS and 0 <= head[1] <= MAX_ROWS and 0 <= head[2] <= MAX_COLS
             and head[1] * head[2] <= MAX_ROWS * 64 and head[3] in (0, 1)):
-        raise HalError(f"hal.distributed.launcher: expected a message header within bounds, got {head}")
+        raise HalError(f"hal.launch: expected a message header within bounds, got {head}")
     return head
 
 

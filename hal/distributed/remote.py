@@ -154,7 +154,7 @@ class RemoteDrafter:
         self.alive, self.lost = False, self.lost or lost
         self.metrics.draft_failures += 1
         again = lost and self.rendezvous is not None
-        print(f"hal.distributed.launcher: draft worker lost in epoch {self.epoch} ({type(e).__name__}: "
+        print(f"hal.launch: draft worker lost in epoch {self.epoch} ({type(e).__name__}: "
               f"{str(e).splitlines()[0][:160]}); decoding plainly" + (", until it rejoins" if again else ""),
               file=sys.stderr, flush=True)
         if lost:
@@ -185,7 +185,7 @@ class RemoteDrafter:
         try:
             group = rv.group(self.epoch, min(self.timeout, 10.0))
         except HalError as e:
-            print(f"hal.distributed.launcher: {e}; decoding plainly", file=sys.stderr, flush=True)
+            print(f"hal.launch: {e}; decoding plainly", file=sys.stderr, flush=True)
             self.epoch += 1
             rv.announce(self.epoch)
             return False
@@ -193,7 +193,7 @@ class RemoteDrafter:
         self.sent, self.hashes, self.finished = {}, {}, []
         self.alive, self.lost, self.rounds = True, False, 1   # no start-up wait: the worker is loaded
         self.metrics.workers_rejoined += 1
-        print(f"hal.distributed.launcher: draft worker rejoined (epoch {self.epoch}); speculating again",
+        print(f"hal.launch: draft worker rejoined (epoch {self.epoch}); speculating again",
               file=sys.stderr, flush=True)
         return True
 
@@ -212,3 +212,21 @@ class RemoteDrafter:
                 self.link.flush()
             except RuntimeError:
                 pass
+
+
+def connect(rv, vocab: int, device: torch.device, metrics, *, draft_timeout: float, startup_timeout: float,
+            features: tuple[int, ...] | None = None) -> RemoteDrafter:
+    """The target's view of the draft rank: epoch 0's link, or (the worker did not join within
+    ``startup_timeout``) none yet, with epoch 1 open for it to join late (counted in
+    ``metrics.draft_failures``). ``features``: the target layers an EAGLE head reads."""
+    rv.announce(0)   # ready to meet: the bound starts now, not at process start
+    try:
+        gloo = rv.backend == "gloo"
+        link = Link(DRAFT, torch.device("cpu") if gloo else device, rv.group(0, startup_timeout), framed=gloo)
+    except HalError as e:
+        print(f"hal.launch: the draft worker did not join within {startup_timeout} s ({e}); serving alone by "
+              "plain decoding until it joins", file=sys.stderr, flush=True)
+        link = None
+        metrics.draft_failures += 1
+    return RemoteDrafter(link, vocab, device, metrics, draft_timeout, first_timeout=startup_timeout,
+                         features=features, rendezvous=rv)

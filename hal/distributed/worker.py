@@ -71,7 +71,7 @@ def draft_worker(link: Link, drafter, fault: str = "", idle: float | None = None
                 ep.stopped = True
                 return
             if not isinstance(msg, Commit) or msg.epoch != ep.number:
-                raise HalError(f"hal.distributed.launcher worker: expected COMMIT of epoch {ep.number} or STOP, got "
+                raise HalError(f"hal.launch worker: expected COMMIT of epoch {ep.number} or STOP, got "
                                f"{type(msg).__name__}" + (f" of epoch {msg.epoch}" if isinstance(msg, Commit) else ""))
             order = _apply_commit(msg, reqs, hist, guess, drafter)
             out, hits, stale = _drafts_for(order, reqs, hist, guess, drafter)
@@ -129,10 +129,10 @@ def serve_epochs(rv, drafter, device: torch.device, fault: str = "", idle: float
         try:
             group = rv.group(e, join_timeout)
         except HalError as err:   # the target gave up on this epoch: it announces the next
-            print(f"hal.distributed.launcher worker: {err}", file=sys.stderr, flush=True)
+            print(f"hal.launch worker: {err}", file=sys.stderr, flush=True)
             ep.current = False
             continue
-        print(f"hal.distributed.launcher worker: joined epoch {e}", file=sys.stderr, flush=True)
+        print(f"hal.launch worker: joined epoch {e}", file=sys.stderr, flush=True)
         gloo = rv.backend_of(e) == "gloo"
         link = Link(TARGET, torch.device("cpu") if gloo else device, group, framed=gloo)
         thread = threading.Thread(target=_serve, args=(link, drafter, fault if e == 0 else "", idle, ep, lock, failed),
@@ -145,7 +145,7 @@ def _serve(link, drafter, fault, idle, ep: Epoch, lock, failed: list) -> None:
         draft_worker(link, drafter, fault, idle, ep, lock)
     except RuntimeError as e:   # the link: reset or timed out; the target announces the next epoch
         if ep.current:
-            print(f"hal.distributed.launcher worker: epoch {ep.number} lost ({str(e).splitlines()[0][:120]}); "
+            print(f"hal.launch worker: epoch {ep.number} lost ({str(e).splitlines()[0][:120]}); "
                   "waiting for the next", file=sys.stderr, flush=True)
     except HalError as e:
         if ep.current:
@@ -170,10 +170,10 @@ def _apply_commit(msg: Commit, reqs: dict[int, _Req], hist: HistoryBuffer, guess
             hist.release(e.rid)
             hist.add(e.rid, [])
         if e.rid not in reqs:
-            raise HalError(f"hal.distributed.launcher worker: expected a known request or its parameters, got request {e.rid}")
+            raise HalError(f"hal.launch worker: expected a known request or its parameters, got request {e.rid}")
         r = reqs[e.rid]
         if len(r.tokens) + len(e.delta) != e.length:
-            raise HalError(f"hal.distributed.launcher: expected a committed history of {e.length} tokens for request {e.rid}, "
+            raise HalError(f"hal.launch: expected a committed history of {e.length} tokens for request {e.rid}, "
                            f"got {len(r.tokens) + len(e.delta)} (protocol out of step)")
         if e.delta:
             hist.write([e.rid], [len(r.tokens)], torch.tensor([e.delta], dtype=torch.long))
@@ -273,3 +273,28 @@ def _guess_next(order: list[int], reqs: dict[int, _Req], hist: HistoryBuffer, ou
         if d:
             guess[rid] = (base + d[:1], d[1:], None if q is None else q[1:])
     return guess
+
+
+def serve_draft_rank(rv, drafter, device: torch.device, *, hidden: int, k: int, draft_timeout: float,
+                     join_timeout: float) -> None:
+    """The draft rank under torchrun, its drafter loaded (`hal.launch.start`): warm the drafter
+    up, then serve drafts epoch by epoch (`serve_epochs`) until the target stops. SIGTERM
+    (torchrun forwards its own) ends it with exit 0."""
+    import torch.distributed as dist
+    signal.signal(signal.SIGTERM, _quiet_exit)
+    if drafter is not None:   # its first call pays for the kernels' set-up (~1 s): not in the first round
+        from hal.engine.router import profile_drafter
+        profile_drafter(drafter, device, hidden, reps=1, points=(1, max(1, k)))
+    try:
+        serve_epochs(rv, drafter, device, os.environ.get("HAL_SERVE_FAULT", ""),
+                     idle=max(600.0, draft_timeout), join_timeout=join_timeout)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _quiet_exit(signum, frame) -> None:
+    """SIGTERM on the draft rank: exit 0 now. It holds nothing to flush, and unwinding past a
+    live gloo thread would end in std::terminate."""
+    print("hal.launch worker: SIGTERM; stopping", file=sys.stderr, flush=True)
+    os._exit(0)

@@ -1,5 +1,5 @@
 """Model loading and the one ``--draft`` grammar, shared by the command line and the
-two-rank server (`hal.distributed.launcher`): library code, which imports nothing from the CLI.
+two-rank server (`hal.launch`): library code, which imports nothing from the CLI.
 
 ``--draft`` is one of ``none``, ``ngram``, ``self`` / ``self:L`` (the target's first L
 layers; half of them by default), ``model:<path>`` (a separate draft model), ``eagle`` /

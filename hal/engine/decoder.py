@@ -27,15 +27,13 @@ from __future__ import annotations
 
 import time
 
-import torch
-
-
 from hal import kv
 from hal.engine import grammar, proposals
 from hal.engine.grammar import GrammarCompiler
 from hal.engine.execution import Offsets, execute
 from hal.engine.forward import logprob_entry
 from hal.engine.history import HistoryBuffer
+from hal.engine.memory import target_pool
 from hal.engine.requests import (Drafter, Request, SamplingParams, State, StepOutput, TokenLogprob, capabilities,
                                  check_request, draft_room)
 from hal.engine.scheduler import Scheduler, blocks_for
@@ -65,10 +63,7 @@ class SpeculativeDecoder:
                  enable_prefix_caching: bool | None = None, grammar: GrammarCompiler | None = None):
         self.target, self.drafter, self.on_tokens, self.router = target, drafter, on_tokens, router
         self.grammar = grammar
-        cfg = target.cfg
-        self.pool = pool or kv.KVPool(target.be, num_blocks, block_size, cfg.kv_heads, cfg.head_dim,
-                                      dtype=getattr(target, "dtype", torch.float32), num_layers=cfg.layers,
-                                      device=target.device)
+        self.pool = pool or target_pool(target, num_blocks, block_size)
         self.metrics = metrics or SpecDecodeMetrics()
         if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:
             raise HalError(f"max_num_seqs: expected an int >= 1, got {max_num_seqs!r}")
@@ -171,9 +166,10 @@ class SpeculativeDecoder:
 
     def profile_costs(self, max_tokens: int = 72, context: int = 512, reps: int = 5,
                       profile_draft: bool = True, progress: bool = False):
-        """A `hal.engine.router.CostModel` measured here and now (`hal.engine.router.profile_decoder`)."""
-        from hal.engine.router import profile_decoder
-        return profile_decoder(self, max_tokens, context, reps, profile_draft, progress)
+        """A `hal.engine.router.CostModel` measured here and now in this engine's pool
+        (`hal.engine.router.profile_costs`)."""
+        from hal.engine.router import profile_costs
+        return profile_costs(self.target, self.drafter, self.pool, max_tokens, context, reps, profile_draft, progress)
 
     # -- scheduling callbacks ----------------------------------------------------------------------
 

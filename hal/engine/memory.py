@@ -104,6 +104,14 @@ class Plan:
                       p.mem.layers, device=p.side.device)
 
 
+def target_pool(target, num_blocks: int, block_size: int = 16) -> KVPool:
+    """A KV pool of ``num_blocks`` blocks for ``target`` (a `hal.models.llama.Llama`), at its
+    dtype and on its device, without a plan (tests, benchmarks, small local engines)."""
+    cfg = target.cfg
+    return KVPool(target.be, num_blocks, block_size, cfg.kv_heads, cfg.head_dim,
+                  dtype=getattr(target, "dtype", torch.float32), num_layers=cfg.layers, device=target.device)
+
+
 def default_block_size(backend) -> int:
     """The smallest supported block size >= 16 (vLLM's default), else the smallest supported."""
     sizes = [b for b in range(1, 1025) if b in backend.spec.block_sizes]

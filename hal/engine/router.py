@@ -209,47 +209,48 @@ def expected_tokens(alpha: float, k: int) -> float:
     return float(k + 1) if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
-def profile_decoder(dec, max_tokens: int = 72, context: int = 512, reps: int = 5, profile_draft: bool = True,
-                    progress: bool = False):
-    """A `hal.engine.router.CostModel` measured here and now: the target forward over T fed
+def profile_costs(target, drafter, pool, max_tokens: int = 72, context: int = 512, reps: int = 5,
+                  profile_draft: bool = True, progress: bool = False):
+    """A `hal.engine.router.CostModel` measured here and now in ``pool`` (a `hal.kv.KVPool` of
+    ``target``'s; what it holds before is left as it was): the target forward over T fed
     tokens (T = 1 to 9, then either side of each chunk width up to ``max_tokens``, at a short context), the
-    extra cost of ``context`` tokens of attention, and the drafter's chain of k
+    extra cost of ``context`` tokens of attention, and ``drafter``'s chain of k
     (``profile_draft=False``: not profiled, e.g. a remote drafter whose work overlaps).
     ``progress``: a bar (tqdm, stderr) over the points measured."""
     from hal.engine.forward import forward
-    backends = {id(b): b for b in (dec.target.be, _backend_of(dec.drafter)) if b is not None}.values()
+    backends = {id(b): b for b in (target.be, _backend_of(drafter)) if b is not None}.values()
 
     def sync():
         for b in backends:
             b.synchronize()
-    bs = dec.pool.allocator.block_size  # stay inside the pool the plan gave us
-    room = (dec.pool.allocator.num_free - 4) * bs
+    bs = pool.allocator.block_size  # stay inside the pool the plan gave us
+    room = (pool.allocator.num_free - 4) * bs
     max_tokens = max(1, min(max_tokens, room // 2 - 16))
     context = max(16, min(context, room - max_tokens - 64))
-    seqs = [dec.pool.sequence(), dec.pool.sequence()]
+    seqs = [pool.sequence(), pool.sequence()]
     try:
         for q, n in zip(seqs, (16, 16 + context)):
-            forward(dec.target, dec.pool, [q], [[1] * n], False)
+            forward(target, pool, [q], [[1] * n], False)
             q.commit(n)
-        fwd = lambda T, q=seqs[0]: forward(dec.target, dec.pool, [q], [[1] * T], True)  # noqa: E731
+        fwd = lambda T, q=seqs[0]: forward(target, pool, [q], [[1] * T], True)  # noqa: E731
         # every count up to 9 and both sides of the chunk widths a linear plan uses (2/4/8/16...): a
         # step's cost is a staircase, which sparse points would smooth over
         points = [p for p in (*range(1, 10), 12, 16, 17, 24, 32, 33, 48, 64, 65, 129, 257) if p <= max_tokens]
-        bar = progress_bar(progress, len(points) + 2 + 4 * (dec.drafter is not None and profile_draft),
+        bar = progress_bar(progress, len(points) + 2 + 4 * (drafter is not None and profile_draft),
                            "routing profile", "point")
         verify = profile(fwd, points, reps, sync, bar)
         # attention: the same 9-token verify at a short and a long context (a difference of two
         # noisy timings: a wide gap keeps it meaningful)
         n = min(9, max_tokens)
-        long = profile(lambda _: forward(dec.target, dec.pool, [seqs[1]], [[1] * n], True), [1], reps, sync, bar)[1]
-        short = profile(lambda _: forward(dec.target, dec.pool, [seqs[0]], [[1] * n], True), [1], reps, sync, bar)[1]
+        long = profile(lambda _: forward(target, pool, [seqs[1]], [[1] * n], True), [1], reps, sync, bar)[1]
+        short = profile(lambda _: forward(target, pool, [seqs[0]], [[1] * n], True), [1], reps, sync, bar)[1]
         per_context = max(0.0, long - short) / (n * context)
     finally:
         for q in seqs:
             q.free()
     draft = {}
-    if dec.drafter is not None and profile_draft:
-        draft = profile_drafter(dec.drafter, dec.target.device, dec.target.cfg.hidden, reps, sync, bar)
+    if drafter is not None and profile_draft:
+        draft = profile_drafter(drafter, target.device, target.cfg.hidden, reps, sync, bar)
     bar.close()
     return CostModel(verify, draft, per_context)
 

@@ -17,40 +17,18 @@ and exits 0."""
 
 
 import argparse
-import asyncio
-import json
 import os
 import signal
 import sys
-import time
 from contextlib import asynccontextmanager
-from dataclasses import replace
 
-from hal.engine.requests import check_request
 from hal.errors import HalError
-from hal.server.engine_loop import Busy, Closing, EngineLoop, Failed, Finished, Handle, Shutdown, Tokens
+from hal.server.engine_loop import EngineLoop
 from hal.server.loading import LoadingResponder
-from hal.server.transport import bind, read_body, uvicorn_server
-from hal.server.openai_schema import (ApiError, Parsed, TextState, chunk, logprobs_chat, logprobs_completion, new_id,
-                                      parse, response, usage)
 from hal.server.protocol import WireModels, wire_models
-from hal.server.responses import ChatCompletionResponse, CompletionResponse, ErrorResponse, Health, ModelList
-
-
-ENGINE_NAMES = {"prompt_ids": "prompt", "max_new_tokens": "max_tokens", "prompt_ids + max_new_tokens": "max_tokens"}
-
-
-def _responses(model) -> dict:
-    """The documented answers of a completion endpoint: JSON or an SSE stream, and the errors."""
-    err = {"model": ErrorResponse}
-    event = {"type": "object", "required": ["data"], "description": "one SSE event: a JSON chunk, or [DONE] last",
-             "properties": {"data": {"type": "string"}}}
-    return {200: {"model": model, "content": {"text/event-stream": {"schema": event}}},
-            400: {**err, "description": "a bad request: ``param`` names the field"},
-            413: {**err, "description": "a body over 8 MiB"},
-            500: {**err, "description": "the engine failed (never a request's own parameters)"},
-            503: {**err, "description": "busy (with Retry-After) or shutting down",
-                  "headers": {"Retry-After": {"schema": {"type": "string"}, "description": "seconds (when busy)"}}}}
+from hal.server.routes import add_routes
+from hal.server.service import Service
+from hal.server.transport import bind, uvicorn_server
 
 
 def _openapi(app, wire: WireModels) -> dict:
@@ -73,13 +51,15 @@ def _openapi(app, wire: WireModels) -> dict:
 
 def make_app(target, served: str, max_model_len: int, default_k: int, max_in_flight: int,
              shutdown_timeout: float = 10.0):
-    """The FastAPI app over a `hal.distributed.launcher.Target` (engine + tokenizer)."""
-    from fastapi import FastAPI, Request as HttpRequest
-    from fastapi.responses import JSONResponse, Response, StreamingResponse
-    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+    """The FastAPI app over a `hal.launch.start.Target` (engine + tokenizer): an engine loop
+    (`hal.server.engine_loop`) started and stopped with the app, the routes (`hal.server.routes`)
+    over a `hal.server.service.Service`."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from fastapi import FastAPI
 
     from hal.server.live_metrics import LiveMetrics
-    dec, tok = target.dec, target.tok
+    dec = target.dec
     dec.metrics.bound(10_000)   # live figures go to prometheus; keep the in-process samples bounded
     metrics = LiveMetrics(max_k=max(default_k, 1))
     loop = EngineLoop(dec, metrics, max_in_flight, on_idle=target.on_idle)
@@ -93,8 +73,6 @@ def make_app(target, served: str, max_model_len: int, default_k: int, max_in_fli
         finally:
             loop.stop()
             target.close()
-
-    from importlib.metadata import PackageNotFoundError, version
     try:
         release = version("spec-hal")
     except PackageNotFoundError:
@@ -105,206 +83,15 @@ def make_app(target, served: str, max_model_len: int, default_k: int, max_in_fli
     app.state.loop, app.state.metrics = loop, metrics
     app.state.shutdown_timeout = shutdown_timeout
     app.openapi = lambda: _openapi(app, wire)
-
-    def error(e: ApiError):
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-    def check(raw: bytes, chat: bool) -> Parsed:
-        """Validate, tokenize and check against the engine: off the event loop (a prompt of
-        megabytes takes seconds to tokenize)."""
-        parsed = parse(raw, chat=chat, tok=tok, wire=wire, max_model_len=max_model_len, default_k=default_k,
-                       stop_ids=dec.target.cfg.stop_ids)
-        try:   # the engine's own checks (token ids, KV pool size), before the request is queued
-            check_request(parsed.params.request(parsed.prompt_ids), dec.target.cfg.vocab, dec.pool.allocator)
-        except HalError as e:
-            name = str(e).split(":")[0]
-            name = ENGINE_NAMES.get(name, name if name.isidentifier() else None)
-            raise ApiError(str(e), "messages" if chat and name == "prompt" else name) from None
-        if parsed.params.structured is not None:   # compile here, off the engine loop, to answer 400 now
-            if dec.grammar is None:
-                raise ApiError(f"{parsed.structured_field}: structured outputs need the llguidance package on the "
-                               "server (pip install llguidance)", parsed.structured_field.split(".")[0])
-            try:
-                dec.grammar.matcher(parsed.params.structured)
-            except HalError as e:
-                raise ApiError(f"{parsed.structured_field}: {str(e).split(': ', 1)[-1]}",
-                               parsed.structured_field) from None
-        return parsed
-
-    def invalid(message: str, parsed: Parsed) -> ApiError:
-        """A request its own parameters stopped (`StepOutput.errors`): a 400 naming the first."""
-        name = message.split(":")[0]
-        if name == "structured":
-            name, message = parsed.structured_field, f"{parsed.structured_field}{message[len('structured'):]}"
-        return ApiError(message, name if name.isidentifier() or "." in name else None)
-
-    def failure(event: Failed, parsed: Parsed) -> ApiError:
-        return invalid(event.message, parsed) if event.invalid else ApiError(event.message, None, 500, "server_error")
-
-    async def accept(request: HttpRequest, chat: bool):
-        """The checked request and one engine handle per choice (all queued, or none)."""
-        if loop.closing:
-            raise ApiError("the server is shutting down", None, 503, "service_unavailable")
-        parsed = await asyncio.to_thread(check, await read_body(request), chat)
-        if loop.error is not None and not loop.thread.is_alive():
-            raise ApiError("the engine loop stopped", None, 503, "server_error")
-        aio = asyncio.get_running_loop()
-        handles = [Handle(replace(parsed, params=parsed.sample_params(i)), asyncio.Queue(), aio)
-                   for i in range(parsed.n)]
-        try:
-            loop.submit_all(handles)
-        except Busy:
-            raise ApiError(f"server busy: {max_in_flight} requests in flight; retry later", None, 503,
-                           "server_busy", {"Retry-After": "1"}) from None
-        except Closing:
-            raise ApiError("the server is shutting down", None, 503, "service_unavailable") from None
-        return parsed, handles
-
-    async def disconnected(request: HttpRequest) -> None:
-        """Returns once the client has gone (the body is already read)."""
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    async def events(handles: list[Handle], request: HttpRequest | None):
-        """``(choice, event)`` until every choice has ended; with ``request``, ends early if
-        the client goes away. Whatever way it ends, a choice still running is aborted."""
-        gone = asyncio.ensure_future(disconnected(request)) if request is not None else None
-        gets = {asyncio.ensure_future(h.q.get()): i for i, h in enumerate(handles)}
-        try:
-            while gets:
-                done, _ = await asyncio.wait(set(gets) | ({gone} - {None}), return_when=asyncio.FIRST_COMPLETED)
-                for get in sorted(done - {gone}, key=gets.get):
-                    i, event = gets.pop(get), get.result()
-                    yield i, event
-                    if isinstance(event, Tokens):
-                        gets[asyncio.ensure_future(handles[i].q.get())] = i
-                if gone in done:
-                    return
-        finally:
-            for get in gets:
-                get.cancel()
-            if gone is not None:
-                gone.cancel()
-            for h in handles:
-                if not h.done:
-                    loop.abort(h)
-
-    async def handle(request: HttpRequest, chat: bool):
-        try:
-            parsed, hs = await accept(request, chat)
-        except ApiError as e:
-            return error(e)
-        rid, texts = new_id(chat), [TextState(tok, parsed.stop) for _ in hs]
-        if parsed.stream:
-            return StreamingResponse(stream(parsed, hs, rid, texts, chat), media_type="text/event-stream")
-        parts, logprobs, finish = [[] for _ in hs], [[] for _ in hs], ["abort"] * len(hs)
-        async for i, event in events(hs, request):
-            text = texts[i]
-            if isinstance(event, Tokens) and not text.stopped:
-                parts[i].append(text.add(event.ids))
-                logprobs[i] += event.logprobs or []
-                if text.stopped:   # a stop string: this choice is done
-                    finish[i] = "stop"
-                    loop.abort(hs[i])
-            elif isinstance(event, Failed):
-                return error(failure(event, parsed))
-            elif isinstance(event, Shutdown):
-                return error(ApiError(f"the server is shutting down: the request was cut after {len(text.ids)} "
-                                      f"tokens (--shutdown-timeout)", None, 503, "service_unavailable"))
-            elif isinstance(event, Finished) and not text.stopped:
-                finish[i] = event.reason
-        choices, used = [], 0
-        for i, text in enumerate(texts):
-            parts[i].append(text.finish())
-            n = text.kept_tokens if text.stopped else len(text.ids)
-            used += n
-            lps = None if parsed.logprobs is None else (logprobs_chat if chat else logprobs_completion)(
-                tok, logprobs[i][:n])
-            choices.append(("".join(parts[i]), finish[i], lps))
-        return JSONResponse(response(chat, rid, parsed.model, choices, usage(len(parsed.prompt_ids), used)))
-
-    async def stream(parsed: Parsed, handles: list[Handle], rid: str, texts: list[TextState], chat: bool):
-        def sse(obj) -> str:
-            return f"data: {json.dumps(obj)}\n\n"
-        if chat:
-            for i in range(len(handles)):
-                yield sse(chunk(True, rid, parsed.model, None, role=True, index=i))
-        else:   # an SSE comment: the response starts now, even while the request waits for a slot
-            yield ": spec-hal\n\n"
-        finish = ["abort"] * len(handles)   # also when cut by shutdown (vLLM's finish_reason)
-
-        def end(i: int):
-            if tail := texts[i].finish():
-                yield sse(chunk(chat, rid, parsed.model, tail, index=i))
-            yield sse(chunk(chat, rid, parsed.model, None if chat else "", finish=finish[i], index=i))
-        async for i, event in events(handles, None):
-            text = texts[i]
-            if isinstance(event, Tokens) and not text.stopped:
-                delta = text.add(event.ids)
-                logprobs = None
-                if parsed.logprobs is not None and event.logprobs:
-                    keep = event.logprobs[:max(0, text.kept_tokens - (len(text.ids) - len(event.ids)))] \
-                        if text.stopped else event.logprobs
-                    logprobs = (logprobs_chat if chat else logprobs_completion)(tok, keep)
-                if delta or logprobs:
-                    yield sse(chunk(chat, rid, parsed.model, delta, lp=logprobs, index=i))
-                if text.stopped:
-                    finish[i] = "stop"
-                    loop.abort(handles[i])
-            elif isinstance(event, Failed):   # this choice ends with its reason, then the error event
-                finish[i] = "error"
-                for line in end(i):
-                    yield line
-                yield sse(failure(event, parsed).body())
-                yield "data: [DONE]\n\n"
-                return
-            elif not isinstance(event, Tokens):
-                if isinstance(event, Finished) and not text.stopped:
-                    finish[i] = event.reason
-                for line in end(i):
-                    yield line
-        if parsed.include_usage:
-            n = sum(t.kept_tokens if t.stopped else len(t.ids) for t in texts)
-            yield sse(chunk(chat, rid, parsed.model, None, use=usage(len(parsed.prompt_ids), n)))
-        yield "data: [DONE]\n\n"
-
-    @app.post("/v1/completions", response_class=JSONResponse, responses=_responses(CompletionResponse),
-              summary="Create a completion")
-    async def completions(request: HttpRequest):
-        return await handle(request, chat=False)
-
-    @app.post("/v1/chat/completions", response_class=JSONResponse, responses=_responses(ChatCompletionResponse),
-              summary="Create a chat completion")
-    async def chat_completions(request: HttpRequest):
-        return await handle(request, chat=True)
-
-    @app.get("/v1/models", response_model=ModelList, summary="The served model")
-    async def models():
-        return {"object": "list", "data": [{"id": served, "object": "model", "created": int(time.time()),
-                                            "owned_by": "spec-hal", "max_model_len": max_model_len}]}
-
-    @app.get("/health", response_model=Health, response_model_exclude_none=True, responses={503: {"model": Health}},
-             summary="Liveness")
-    async def health():
-        if not loop.thread.is_alive():
-            return JSONResponse({"status": "error", "reason": loop.error or "the engine loop stopped"}, 503)
-        if loop.closing:
-            return JSONResponse({"status": "error", "reason": "shutting down"}, 503)
-        why = target.degraded
-        return {"status": "ok"} if why is None else {"status": "degraded", "reason": why}
-
-    @app.get("/metrics", response_class=Response, summary="Prometheus metrics",
-             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
-    async def prometheus():
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
+    add_routes(app, Service(target, loop, wire, max_model_len, default_k, max_in_flight), served, metrics)
     return app
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hal.distributed.launcher import add_engine_args, bounded, start
-    from hal.distributed.startup import Phases
     from hal.distributed.protocol import DRAFT
+    from hal.launch.flags import add_engine_args, bounded
+    from hal.launch.phases import Phases
+    from hal.launch.start import start
     parser = argparse.ArgumentParser(prog="spec-hal serve", description=__doc__.split("\n\n")[0])
     add_engine_args(parser)
     parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: 127.0.0.1)")

@@ -119,7 +119,7 @@ def prompts(heldout: bool = False) -> list[str]:
 def generate(target, tok, texts: list[str], max_new_tokens: int = 160, batch: int = 16, progress=None
              ) -> list[list[int]]:
     """Greedy responses of ``target`` to ``texts`` (ChatML), each as prompt + response ids."""
-    from hal.engine import SpeculativeDecoder
+    from hal.launch.build import build_engine
     from hal.models.tokenizer import chatml
     from hal.engine.requests import Request
     eos = target.cfg.stop_ids
@@ -127,7 +127,7 @@ def generate(target, tok, texts: list[str], max_new_tokens: int = 160, batch: in
     out: list[list[int]] = []
     for i in range(0, len(ids), batch):
         part = ids[i:i + batch]
-        dec = SpeculativeDecoder(target, None, num_blocks=1 + sum(-(-(len(p) + max_new_tokens) // 16) for p in part))
+        dec = build_engine(target, None, num_blocks=1 + sum(-(-(len(p) + max_new_tokens) // 16) for p in part))
         got = dec.generate([Request(p, max_new_tokens=max_new_tokens, k=0, stop_ids=eos) for p in part])
         out += [p + g for p, g in zip(part, got)]
         if progress is not None:

@@ -1,10 +1,10 @@
-"""What ``HAL_PLACEMENT=auto`` measures at start-up, for `hal.distributed.auto.choose`.
+"""What ``HAL_PLACEMENT=auto`` measures at start-up (`hal.launch.start`), for `hal.distributed.auto.choose`.
 
 - **Devices**: every device of an available registered backend (one backend per device: the
   highest priority), with its free memory (the backend's ``memory`` hook; on cpu the
   ``--cpu-budget-gib`` budget).
 - **Costs per device**: the target's forward over T fed tokens and the drafter's chain of k
-  (`hal.engine.router.profile_decoder`, `profile_drafter`), each model loaded there and
+  (`hal.engine.router.profile_costs`, `profile_drafter`), each model loaded there and
   timed, then dropped.
 - **The other rank** (two ranks): the draft worker measures its own devices' drafting costs
   and the link as it sees it (round trip and bandwidth to the target's store), and publishes
@@ -63,8 +63,8 @@ def profile_sides(sides: list[Side], path: str, spec, args, reps: int = 3, with_
     worker's; ``hidden``: the target's width then)."""
     from hal.drafters.registry import HEADS, draft_memory, make_drafter
     from hal.models.fetch import load_model
-    from hal.engine import SpeculativeDecoder
-    from hal.engine.router import CostModel, profile_drafter
+    from hal.engine.memory import target_pool
+    from hal.engine.router import CostModel, profile_costs, profile_drafter
     out = []
     for s in sides:
         t0 = time.perf_counter()
@@ -73,8 +73,8 @@ def profile_sides(sides: list[Side], path: str, spec, args, reps: int = 3, with_
         drafter = make_drafter(spec, s.backend, target=model, path=args.model if spec.kind in HEADS else dpath,
                                device=s.device)
         if with_target:
-            dec = SpeculativeDecoder(model, drafter, num_blocks=96)
-            cost = dec.profile_costs(max_tokens=min(72, max(9, (args.k + 1) * 4)), context=256, reps=reps)
+            cost = profile_costs(model, drafter, target_pool(model, 96), max_tokens=min(72, max(9, (args.k + 1) * 4)),
+                                 context=256, reps=reps)
             target, draft = CostModel(cost.verify, {}, cost.per_context), cost.draft or None
         else:
             target = None

@@ -1,0 +1,5 @@
+import sys
+
+from hal.launch.generate import main
+
+sys.exit(main())

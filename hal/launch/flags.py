@@ -1,0 +1,90 @@
+"""The flags every target entry point shares (``spec-hal serve``, ``python -m hal.launch``);
+names as vLLM's where one exists. A bad value or a missing path is refused by argparse (exit 2,
+naming the flag) before anything loads."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from hal.drafters.registry import draft_help, parse_draft
+from hal.errors import HalError
+
+
+def add_dtype_args(ap: argparse.ArgumentParser) -> None:
+    """``--dtype`` and ``--plan-refresh``: the runner's linear plan (`hal.models.linear_plan`)."""
+    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                    help="the linear layers' and KV cache's dtype (auto: bfloat16 where it measures faster and "
+                         "batch-invariant on this CPU, else float32)")
+    ap.add_argument("--plan-refresh", action="store_true", help="measure the linear plan again (it is cached "
+                                                                 "per CPU signature under $HAL_CACHE/plans)")
+
+
+def model_flag(value: str) -> str:
+    """``--model``: a fetchable name or an existing path (argparse refuses it before loading)."""
+    from hal.models.fetch import MODELS
+    if value not in MODELS and not os.path.exists(value):
+        raise argparse.ArgumentTypeError(f"expected one of {sorted(MODELS)}, a .gguf path or an HF folder, got "
+                                         f"{value!r} (no such model name or path)")
+    return value
+
+
+def draft_flag(value: str) -> str:
+    """``--draft``: a kind of `hal.drafters.registry.DRAFT_KINDS`, its path existing where it names one."""
+    try:
+        spec = parse_draft(value)
+    except HalError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--draft: ")) from None
+    if spec.path is not None and not os.path.exists(spec.path):
+        raise argparse.ArgumentTypeError(f"expected an existing path after {spec.kind}:, got {spec.path!r} "
+                                         "(no such file or folder)")
+    return value
+
+
+def bounded(kind, lo=None, hi=None, lo_open: bool = False):
+    """An argparse type: ``kind`` within ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``)."""
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an int' if kind is int else 'a number'}, got {text!r}") \
+                from None
+        if v != v or (lo is not None and (v <= lo if lo_open else v < lo)) or (hi is not None and v > hi):
+            span = f"{'>' if lo_open else '>='} {lo}" if hi is None else \
+                f"in {'(' if lo_open else '['}{lo}, {hi}]" if lo is not None else f"<= {hi}"
+            raise argparse.ArgumentTypeError(f"expected a value {span}, got {text}")
+        return v
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def add_engine_args(ap: argparse.ArgumentParser) -> None:
+    """The flags every target entry point shares (names as vLLM's where one exists); a bad
+    value or a missing path is refused by argparse (exit 2, naming the flag) before loading."""
+    from hal.checks import MAX_K
+    add_dtype_args(ap)
+    ap.add_argument("--draft", default="ngram", type=draft_flag, help=draft_help())
+    ap.add_argument("--model", default="smollm2-135m", type=model_flag,
+                    help="a fetchable name, a .gguf path or an HF folder")
+    ap.add_argument("--k", type=bounded(int, 0, MAX_K), default=8, help=f"the cap on k per request and step "
+                                                                        f"(0..{MAX_K}); k itself with --no-route")
+    ap.add_argument("--route", action=argparse.BooleanOptionalAction, default=True,
+                    help="the router chooses k (0 included) per request and step from the costs profiled at "
+                         "start-up and the measured acceptance (the default); --no-route: a fixed k every step")
+    ap.add_argument("--draft-startup-timeout", type=bounded(float, 0, lo_open=True), default=60.0,
+                    help="seconds the target waits for the draft worker to join and send its first drafts; "
+                         "then it serves alone by plain decoding")
+    ap.add_argument("--draft-timeout", type=bounded(float, 0, lo_open=True), default=30.0,
+                    help="seconds to wait for drafts before falling back to plain decoding")
+    ap.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
+                    help="compute the target in fixed shapes, so greedy output never depends on the batch "
+                         "(the default; --no-batch-invariant trades that for batched-decode throughput)")
+    ap.add_argument("--memory-fraction", type=bounded(float, 0, 1, lo_open=True), default=0.9,
+                    help="share of an accelerator's memory to plan in")
+    ap.add_argument("--cpu-budget-gib", type=bounded(float, 0, lo_open=True), default=4.0,
+                    help="memory budget of a cpu side, GiB")
+    ap.add_argument("--placement-acceptance", type=bounded(float, 0, 1), default=0.6,
+                    help="HAL_PLACEMENT=auto: the draft acceptance rate the choice assumes")
+    ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                    help="reuse the target KV of prompt blocks seen before (default: on, unless the drafter "
+                         "reads the target's features: an EAGLE head; --enable-prefix-caching then refuses)")

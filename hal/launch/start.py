@@ -1,0 +1,201 @@
+"""A rank's start-up: one process (draft in-process), or under torchrun the target rank and
+the draft rank (`hal.distributed`: the link, the protocol and the worker's loop).
+
+`start` plans memory before anything is allocated, chooses the linear plan, loads the
+target, makes the drafter (or the target's view of the draft rank), and builds the engine
+(`hal.launch.build.build_engine`) with its router. The draft rank loads its drafter and
+serves drafts until the target stops (`hal.distributed.worker.serve_draft_rank`)."""
+
+from __future__ import annotations
+
+import os
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from hal.distributed.placement import Placement, link_backend, resolve_side
+from hal.distributed.protocol import DRAFT
+from hal.distributed.remote import RemoteDrafter, connect
+from hal.distributed.rendezvous import Rendezvous
+from hal.drafters.registry import HEADS, draft_kinds, draft_memory, make_drafter, parse_draft
+from hal.engine import SpeculativeDecoder
+from hal.errors import HalError
+from hal.launch.build import build_engine, grammar_compiler, memory_plan
+from hal.launch.phases import QUIET, Phases
+from hal.models.fetch import load_model
+
+
+@dataclass
+class Target:
+    """What the target rank runs: the engine, its tokenizer (None for HF folders), and the
+    link (``world`` 2: a draft rank; ``link``: the first epoch's backend)."""
+
+    dec: SpeculativeDecoder
+    tok: object
+    world: int
+    link: str | None
+    side: object
+
+    @property
+    def degraded(self) -> str | None:
+        """Why speculation is off now (the draft rank is not joined), else None."""
+        d = self.dec.drafter
+        if isinstance(d, RemoteDrafter) and not d.alive:
+            return ("the draft worker did not join; decoding plainly" if d.rounds == 0 and d.lost
+                    else "the draft worker was lost; decoding plainly")
+        return None
+
+    def on_idle(self) -> None:
+        """Called by the engine's thread while nothing runs: a draft worker waiting to
+        rejoin is taken back now, not at the next request."""
+        if isinstance(self.dec.drafter, RemoteDrafter):
+            self.dec.drafter.take_back()
+
+    def close(self) -> None:
+        if isinstance(self.dec.drafter, RemoteDrafter):
+            self.dec.drafter.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@dataclass(frozen=True)
+class Rank:
+    """Who this process is: ``world`` 1 (the draft in-process) or 2, its ``rank``, the
+    rendezvous (two ranks), the placement, the draft spec and the model's path."""
+
+    world: int
+    rank: int
+    rv: Rendezvous | None
+    placement: Placement
+    spec: object
+    path: str
+
+
+def start(args, max_seqs: int, engine_kw: dict | None = None, phases: Phases = QUIET) -> Target | None:
+    """Set this rank up from the shared flags (`hal.launch.flags.add_engine_args`): under
+    torchrun the draft rank serves drafts until the target stops (returns None); the target
+    rank (or a single process) returns its `Target`. ``phases`` reports each phase of the
+    target's start-up; ``engine_kw`` go to the engine."""
+    me = _whoami(args)
+    if me.placement.measure:   # HAL_PLACEMENT=auto: measure here (and there), then choose
+        me = _auto(args, me, max_seqs, phases)
+        if me is None:
+            return None
+    if me.rank == DRAFT:
+        _draft_rank(args, me, max_seqs)
+        return None
+    return _target_rank(args, me, max_seqs, engine_kw or {}, phases)
+
+
+def _whoami(args) -> Rank:
+    from hal.models.fetch import MODELS, fetch
+    placement = Placement.from_env()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world not in (1, 2):
+        raise HalError(f"WORLD_SIZE: expected 1 (in-process draft) or 2 (draft and target ranks), got {world}")
+    spec = parse_draft(args.draft, draft_kinds(remote=world == 2))
+    rank = int(os.environ.get("RANK", "0"))
+    # two ranks: the store opens now (bounded); the target announces epoch 0 once it has loaded
+    rv = Rendezvous(rank, link_backend(placement), args.draft_startup_timeout) if world == 2 else None
+    weightless = rank == DRAFT and spec.kind in ("ngram", "ngram-tree")   # an n-gram worker needs no weights
+    path = str(fetch(args.model) if args.model in MODELS and not weightless else args.model)
+    return Rank(world, rank, rv, placement, spec, path)
+
+
+def _target_rank(args, me: Rank, max_seqs: int, engine_kw: dict, phases: Phases) -> Target:
+    """Plan, load, draft, build: the target's start-up, one phase at a time."""
+    from hal.engine.memory import ModelMemory
+    from hal.metrics import SpecDecodeMetrics
+    from hal.models.linear_plan import choose_plan
+    from hal.models.llama import linear_shapes, read_config
+    spec, world = me.spec, me.world
+    target_side = resolve_side(me.placement.target, "target")
+    draft_side = resolve_side(me.placement.draft, "draft") if world == 1 else None
+    shares = world == 1 and draft_side.device == target_side.device
+    dmem, dpath = draft_memory(spec, me.path, shares) if world == 1 else (None, None)
+    cfg = read_config(me.path)
+    with phases("linear plan (measured once per machine, then cached)"):
+        choice = choose_plan(linear_shapes(cfg), args.dtype, refresh=args.plan_refresh, device=target_side.device,
+                             progress=phases.bars)
+    phases.say(f"linear plan: {choice.plan.describe()} ({'cached' if choice.from_cache else 'now'}; "
+               f"{choice.conditions()})")
+    with phases("memory plan"):
+        mplan = memory_plan(args, ModelMemory.from_config(cfg, "target", kv_dtype=choice.plan.dtype), target_side,
+                            dmem, draft_side, max_seqs)
+        pool = mplan.allocate("target")  # nothing was allocated before the plan passed
+    with phases(f"load {args.model}"):
+        model, tok = load_model(me.path, target_side.backend, plan=choice.plan)
+        model.batch_invariant = getattr(args, "batch_invariant", True)
+        model.to(target_side.device)
+    metrics = SpecDecodeMetrics()
+    head = spec.kind in HEADS   # an EAGLE head: it reads the target's features
+    with phases(f"draft {args.draft}"):
+        if world == 2:
+            drafter = _remote(args, me.rv, spec, model, target_side, metrics, head)
+        else:
+            drafter = make_drafter(spec, draft_side.backend, target=model if shares or head else None,
+                                   path=args.model if head else dpath,
+                                   pool=mplan.allocate("draft") if dmem else None, device=draft_side.device)
+    dec = _engine(args, model, drafter, pool, metrics, grammar_compiler(tok, model.cfg, phases.say), world == 1,
+                  engine_kw, phases)
+    return Target(dec, tok, world, me.rv.backend if world == 2 else None, target_side)
+
+
+def _engine(args, model, drafter, pool, metrics, grammar, profile_draft: bool, engine_kw: dict,
+            phases: Phases) -> SpeculativeDecoder:
+    route = args.route and drafter is not None
+    asked = getattr(args, "enable_prefix_caching", None)
+    with phases("routing profile (the target's and the drafter's costs, measured)") if route else nullcontext():
+        dec = build_engine(model, drafter, k=args.k, route=route, pool=pool, metrics=metrics, grammar=grammar,
+                           enable_prefix_caching=asked,
+                           profile={"profile_draft": profile_draft, "progress": phases.bars}, **engine_kw)
+    phases.say(f"prefix caching {'on' if dec.prefix_caching else 'off'}" + (
+        " (the drafter reads the target's features of every position)" if asked is None and not dec.prefix_caching
+        else ""))
+    return dec
+
+
+def _draft_rank(args, me: Rank, max_seqs: int) -> None:
+    """The draft rank: plan and load its drafter, then serve drafts until the target stops."""
+    from hal.distributed.worker import serve_draft_rank
+    head = me.spec.kind in HEADS   # an EAGLE head: it reads the target's features
+    draft_side = resolve_side(me.placement.draft, "draft")
+    mem, dpath = draft_memory(me.spec, me.path, shares_target=False)
+    pool = memory_plan(args, None, None, mem, draft_side, max_seqs).allocate("draft") if mem is not None else None
+    # a head shares the target's embeddings and lm_head: this rank loads the weights for them
+    tw = load_model(me.path, draft_side.backend, args.dtype)[0].to(draft_side.device) if head else None
+    drafter = make_drafter(me.spec, draft_side.backend, target=tw, path=args.model if head else dpath, pool=pool,
+                           device=draft_side.device)
+    serve_draft_rank(me.rv, drafter, draft_side.device, hidden=tw.cfg.hidden if head else 1, k=args.k,
+                     draft_timeout=args.draft_timeout, join_timeout=args.draft_startup_timeout)
+
+
+def _auto(args, me: Rank, max_seqs: int, phases: Phases) -> Rank | None:
+    """This rank as `hal.launch.measure` placed it; None on a draft rank the target did not
+    choose (it exits)."""
+    import sys
+    from dataclasses import replace
+
+    from hal.launch.measure import auto_target, auto_worker
+    if me.rank == DRAFT:
+        chosen = auto_worker(args, me.spec, me.path, me.rv)
+        if chosen is None:
+            print("hal.launch worker: placement auto put the draft in the target's process (or nowhere); this "
+                  "rank exits", file=sys.stderr, flush=True)
+            return None
+        return replace(me, placement=Placement(draft=chosen))
+    with phases("automatic placement (each device measured)"):
+        placement, choice = auto_target(args, me.spec, me.path, max_seqs, me.rv)
+    spec = parse_draft("none") if choice.best.draft is None else me.spec
+    world = 1 if me.world == 2 and choice.best.where != "other rank" else me.world   # the worker was told to exit
+    return replace(me, placement=placement, spec=spec, world=world)
+
+
+def _remote(args, rv: Rendezvous, spec, model, target_side, metrics, head: bool) -> RemoteDrafter:
+    layers = None
+    if head:
+        from hal.models.eagle import head_feature_layers, shipped_head
+        layers = head_feature_layers(spec.path or shipped_head(args.model), model.cfg.layers)
+    return connect(rv, model.cfg.vocab, target_side.device, metrics, draft_timeout=args.draft_timeout,
+                   startup_timeout=args.draft_startup_timeout, features=layers)
