@@ -73,11 +73,11 @@ def draft(target, head, n: int, tree: bool):
     d, dev = HeadDrafter(head, tree=TREE if tree else None), target.device
     feats = torch.zeros(CTX - 1, target.cfg.hidden, device=dev)
     hist = torch.arange(10, 10 + CTX)[None].to(dev)
-    first = DraftBatch((0,), (Request([1]),), hist, torch.tensor([CTX], device=dev), (CTX,), (n,), (0,), None,
-                       feats, (CTX - 1,))
+    common = dict(rids=(0,), params=(Request([1]),), history=hist, num_tokens=torch.tensor([CTX], device=dev),
+                  lengths=(CTX,), k=(n,), offsets=(0,))
+    first = DraftBatch(**common, features=feats, num_features=(CTX - 1,))
     d.propose(first)      # the history's features go in once; each timed call re-feeds the newest pair
-    again = DraftBatch((0,), (Request([1]),), hist, torch.tensor([CTX], device=dev), (CTX,), (n,), (0,), None,
-                       None, (0,))
+    again = DraftBatch(**common, num_features=(0,))
     return lambda: d.propose(again)
 
 

@@ -243,7 +243,7 @@ class BadDrafter(NgramDrafter):
             return dataclasses.replace(prop, draft_token_ids=prop.draft_token_ids[1:])
         if self.how == "cu":
             return dataclasses.replace(prop, cu_num_draft_tokens=prop.cu_num_draft_tokens[:-1])
-        return dataclasses.replace(prop, num_valid=tuple(k + 1 for k in b.k))
+        return dataclasses.replace(prop, num_valid=torch.tensor([k + 1 for k in b.k]))
 
 
 @pytest.mark.parametrize("lookahead", [True, False])

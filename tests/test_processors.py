@@ -57,7 +57,8 @@ class Oracle:
             ids += d
             cu.append(cu[-1] + k)
         dev = batch.history.device
-        return Proposal(torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(cu, device=dev))
+        return Proposal(draft_token_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+                        cu_num_draft_tokens=torch.tensor(cu, device=dev))
 
     def commit(self, rids, lengths):
         pass

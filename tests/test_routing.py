@@ -53,7 +53,7 @@ class PeekingDrafter:
         ids, cu = prop.draft_token_ids.tolist(), prop.cu_num_draft_tokens.tolist()
         rows = [ids[a:b] for a, b in zip(cu, cu[1:])]
         keep = tuple(d.index(1) if 1 in d else len(d) for d in rows)
-        return dataclasses.replace(prop, num_valid=keep)
+        return dataclasses.replace(prop, num_valid=torch.tensor(keep))
 
     def commit(self, *a):
         pass

@@ -283,7 +283,7 @@ class PeekingConstantDrafter(ConstantDrafter):
         prop = super().propose(batch)
         ids, cu = prop.draft_token_ids.tolist(), prop.cu_num_draft_tokens.tolist()
         keep = tuple(d.index(1) if 1 in d else len(d) for d in (ids[a:b] for a, b in zip(cu, cu[1:])))
-        return dataclasses.replace(prop, num_valid=keep)
+        return dataclasses.replace(prop, num_valid=torch.tensor(keep))
 
 
 def test_planted_peeking_worker_is_caught():

@@ -125,23 +125,35 @@ def test_one_host_sync_per_decode_step(tiny, counter, drafter, mixed):  # noqa: 
     assert dec.pool.allocator.num_free == dec.pool.allocator.num_blocks
 
 
-class ListDrafter(NgramDrafter):
-    """PLANTED: the old way, drafts read back to Python lists inside the drafter."""
+class OutsideLookahead(NgramDrafter):
+    """The n-gram drafter called before the verify forward (not as a lookahead): the engine
+    reads its device counts (`Proposal.num_valid`) once more before the forward."""
 
     lookahead = False
 
+
+class ListDrafter(OutsideLookahead):
+    """PLANTED: the old way, drafts read back to Python lists inside the drafter."""
+
     def propose(self, b):
         prop = super().propose(b)
-        return type(prop)(prop.draft_token_ids, prop.cu_num_draft_tokens, None, tuple(prop.num_valid.tolist()))
+        ids = torch.tensor(prop.draft_token_ids.tolist())   # the read the engine must see
+        return type(prop)(draft_token_ids=ids, cu_num_draft_tokens=prop.cu_num_draft_tokens, num_valid=prop.num_valid)
 
 
-def test_a_drafter_that_reads_back_is_counted(tiny, counter):  # noqa: F811
+def syncs_of_a_decode_step(tiny, counter, drafter_type) -> int:
     counter.depth += 1
     model = load_safetensors(tiny, Quiet(hal.get_backend("cpu"), counter))
-    dec = SpeculativeDecoder(model, ListDrafter(model.be), num_blocks=64)
+    dec = SpeculativeDecoder(model, drafter_type(model.be), num_blocks=64)
     dec.add(Request(PROMPTS[0], max_new_tokens=10, k=3))
     dec.step()   # prefill
     counter.depth -= 1
     counter.count = 0
     dec.step()
-    assert counter.count == 2, counter.where
+    return counter.count
+
+
+def test_a_drafter_that_reads_back_is_counted(tiny, counter):  # noqa: F811
+    base = syncs_of_a_decode_step(tiny, counter, OutsideLookahead)
+    assert base == 2, counter.where   # the drafts' counts, then the step's one readback
+    assert syncs_of_a_decode_step(tiny, counter, ListDrafter) == base + 1, counter.where

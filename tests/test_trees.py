@@ -62,7 +62,7 @@ class OracleTree:
             parents += par
             self.trees += 1
         cu = torch.tensor([0, *b.k]).cumsum(0)
-        return Proposal(torch.tensor(ids), cu, None, None, torch.tensor(parents))
+        return Proposal(draft_token_ids=torch.tensor(ids), cu_num_draft_tokens=cu, parent_ids=torch.tensor(parents))
 
     def commit(self, rids, kept):
         pass
@@ -125,7 +125,7 @@ def test_a_malformed_tree_is_refused_and_changes_nothing(model, how):
                 par = par[:-1]
             else:
                 par[2] = {"self": 2, "later": 3, "below": -2}[how]
-            return Proposal(p.draft_token_ids, p.cu_num_draft_tokens, None, None, par)
+            return Proposal(draft_token_ids=p.draft_token_ids, cu_num_draft_tokens=p.cu_num_draft_tokens, parent_ids=par)
     dec = SpeculativeDecoder(model, Bad(PROMPTS, [[0] * N] * len(PROMPTS), model.cfg.vocab), num_blocks=64)
     rid = dec.add_request(PROMPTS[0], SamplingParams(max_new_tokens=8, k=4))
     dec.step()                                    # the prefill and the first token
@@ -154,7 +154,8 @@ class TopTree:
             par += [-1, -1, 0, 0, 1, 1][:k] + list(range(5, k - 1))
             valid.append(min(k, 6))
         cu = torch.tensor([0, *b.k]).cumsum(0)
-        return Proposal(torch.tensor(ids), cu, None, tuple(valid), torch.tensor(par))
+        return Proposal(draft_token_ids=torch.tensor(ids), cu_num_draft_tokens=cu, num_valid=torch.tensor(valid),
+                        parent_ids=torch.tensor(par))
 
     def commit(self, rids, kept):
         pass

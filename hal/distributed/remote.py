@@ -146,7 +146,8 @@ class RemoteDrafter:
                 if p is not None:
                     par[r:r + len(p)] = torch.tensor(p, dtype=torch.long)
             par = par.to(self.device)
-        return Proposal(ids.to(self.device), cu.to(self.device), probs, tuple(len(d) for d in drafts), par)
+        return Proposal(draft_token_ids=ids.to(self.device), cu_num_draft_tokens=cu.to(self.device), draft_probs=probs,
+                        num_valid=torch.tensor([len(d) for d in drafts]), parent_ids=par)
 
     def _fail(self, e: Exception, lost: bool = False) -> None:
         """Plain decoding from here. ``lost``: the link failed (not the worker's words), so a

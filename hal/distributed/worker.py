@@ -201,16 +201,16 @@ def _propose(drafter, reqs: dict[int, _Req], hist: HistoryBuffer, rids: list[int
     """Run the drafter on ``bases`` (the histories, already in ``hist``): host drafts, q rows
     and a tree's parents."""
     lens = [len(b) for b in bases]
-    batch = DraftBatch(tuple(rids), tuple(reqs[r].params for r in rids), hist.view(rids, max(lens)),
-                       torch.tensor(lens), tuple(lens), tuple(ks), tuple(reqs[r].offset for r in rids), None,
-                       *pack_features([reqs[r].features for r in rids]))
+    features, num_features = pack_features([reqs[r].features for r in rids])
+    batch = DraftBatch(rids=tuple(rids), params=tuple(reqs[r].params for r in rids), history=hist.view(rids, max(lens)),
+                       num_tokens=torch.tensor(lens), lengths=tuple(lens), k=tuple(ks),
+                       offsets=tuple(reqs[r].offset for r in rids), features=features, num_features=num_features)
     prop = drafter.propose(batch)
     for r in rids:
         reqs[r].features = []   # passed once
     ids = prop.draft_token_ids.cpu().tolist()
     par = None if prop.parent_ids is None else prop.parent_ids.cpu().tolist()
-    valid = ks if prop.num_valid is None else [int(v) for v in (
-        prop.num_valid.cpu().tolist() if isinstance(prop.num_valid, Tensor) else prop.num_valid)]
+    valid = ks if prop.num_valid is None else [int(v) for v in prop.num_valid.cpu().tolist()]
     q = None if prop.draft_probs is None else prop.draft_probs.cpu()
     out, c = [], 0
     for rid, k, n, base in zip(rids, ks, valid, bases):

@@ -22,7 +22,7 @@ def slots(drafts: Tensor, k: tuple[int, ...], probs: Tensor | None = None, num_v
     cu = torch.tensor([0, *k], dtype=torch.long).cumsum(0).to(dev)
     ids = drafts.reshape(-1)[idx].long()
     q = None if probs is None else probs.reshape(R * K, -1)[idx]
-    return Proposal(ids, cu, q, num_valid)
+    return Proposal(draft_token_ids=ids, cu_num_draft_tokens=cu, draft_probs=q, num_valid=num_valid)
 
 
 def empty(R: int, device) -> Proposal:
@@ -63,7 +63,8 @@ def widen(batch: DraftBatch, keep: list[int], part: Proposal | None, dev) -> Pro
             probs[:, 0] = 1   # filler slots: valid rows, never verified
             probs[at] = part.draft_probs
     kept = set(keep)
-    return Proposal(ids, torch.tensor(cu).to(dev), probs, tuple(k if i in kept else 0 for i, k in enumerate(batch.k)))
+    return Proposal(draft_token_ids=ids, cu_num_draft_tokens=torch.tensor(cu).to(dev), draft_probs=probs,
+                    num_valid=torch.tensor([k if i in kept else 0 for i, k in enumerate(batch.k)]))
 
 
 def sample_chain(batch: DraftBatch, backend, dev, step: Callable[[Tensor, int], Tensor]) -> Proposal:

@@ -197,7 +197,8 @@ class HeadDrafter:
             par = par[:, :M]
         idx = torch.tensor([i * M + j for i, n in enumerate(batch.k) for j in range(n)], dtype=torch.long).to(dev)
         cu = torch.tensor([0, *batch.k]).cumsum(0).to(dev)
-        return Proposal(toks_c.reshape(-1)[idx], cu, None, tuple(min(n, N) for n in batch.k), par.reshape(-1)[idx])
+        return Proposal(draft_token_ids=toks_c.reshape(-1)[idx], cu_num_draft_tokens=cu,
+                        num_valid=torch.tensor([min(n, N) for n in batch.k]), parent_ids=par.reshape(-1)[idx])
 
     def _lose(self, rid: int) -> None:
         if rid not in self.lost_rids:
@@ -232,8 +233,7 @@ class NgramOrHead:
     def propose(self, batch: DraftBatch) -> Proposal:
         dev = self.head.head.device
         lookup = self.ngram.propose(batch)
-        found = list(batch.k) if lookup.num_valid is None else [
-            int(v) for v in readback(torch.as_tensor(lookup.num_valid))[0]]
+        found = list(batch.k) if lookup.num_valid is None else [int(v) for v in readback(lookup.num_valid)[0]]
         use = [f > 0 and k > 0 for f, k in zip(found, batch.k)]
         head_part = self.head.propose(replace(batch, k=tuple(0 if u else k for u, k in zip(use, batch.k))))
         cu = cumulative(batch.k)
@@ -253,15 +253,16 @@ class NgramOrHead:
                 probs[up(at_h)] = head_part.draft_probs
             if at_ng:
                 probs[up(at_ng), ids[up(at_ng)]] = 1.0
-        hv = head_part.num_valid if head_part.num_valid is not None else tuple(0 if u else k for u, k in zip(use,
-                                                                                                             batch.k))
-        valid = tuple(min(f, k) if u else int(hv[i]) for i, (u, f, k) in enumerate(zip(use, found, batch.k)))
+        hv = [0 if u else k for u, k in zip(use, batch.k)] if head_part.num_valid is None else [
+            int(v) for v in readback(head_part.num_valid)[0]]
+        valid = torch.tensor([min(f, k) if u else hv[i] for i, (u, f, k) in enumerate(zip(use, found, batch.k))])
         parents = None
         if head_part.parent_ids is not None:   # a tree head: the lookup's rows are chains
             parents = up(trees.chain_parents(batch.k))
             if at_h:
                 parents[up(at_h)] = head_part.parent_ids.to(dev)
-        return Proposal(ids, up(cu), probs, valid, parents)
+        return Proposal(draft_token_ids=ids, cu_num_draft_tokens=up(cu), draft_probs=probs, num_valid=valid,
+                        parent_ids=parents)
 
     def commit(self, rids, kept) -> None:
         self.ngram.commit(rids, kept)

@@ -80,7 +80,8 @@ class NgramTreeDrafter:
             parents += par + list(range(len(par) - 1, k - 1))   # filler: a chain under the last node
         cu = torch.tensor([0, *batch.k]).cumsum(0)
         up = lambda v: torch.tensor(v, dtype=torch.long).to(dev)  # noqa: E731
-        return Proposal(up(ids), cu.to(dev), None, tuple(valid), up(parents))
+        return Proposal(draft_token_ids=up(ids), cu_num_draft_tokens=cu.to(dev), num_valid=torch.tensor(valid),
+                        parent_ids=up(parents))
 
     def commit(self, rids, kept) -> None:
         pass

@@ -246,9 +246,8 @@ class SpeculativeDecoder:
                 self._emit(state, [token], logprobs)
             if result.lookahead is not None:
                 ahead = result.lookahead
-                ahead.valid = ahead.caps if ahead.proposal.num_valid is None else proposals.valid_counts(
-                    result.reads.lookahead_valid if result.reads.lookahead_valid is not None
-                    else ahead.proposal.num_valid, ahead.caps)
+                ahead.valid = ahead.caps if result.reads.lookahead_valid is None else proposals.valid_counts(
+                    result.reads.lookahead_valid, ahead.caps)
                 self._ahead = ahead
             out.num_batched_tokens = result.fed + sum(c.num_tokens for c in plan.prefill)
         for state in self.scheduler.drop_finished():

@@ -121,7 +121,7 @@ def readback(*tensors: Tensor) -> list[list]:
         return []
     dev = tensors[0].device
     flat = torch.cat([transfer(t, dev).reshape(-1).to(torch.float64) for t in tensors])
-    vals, out, i = flat.cpu().tolist(), [], 0
+    vals, out, i = (flat if flat.device.type == "cpu" else flat.cpu()).tolist(), [], 0
     for t in tensors:
         out.append(vals[i:i + t.numel()])
         i += t.numel()

@@ -24,15 +24,17 @@ def view(history: HistoryBuffer, states: list[State], k: list[int], num_tokens: 
     rids = [state.rid for state in states]
     lens = [len(state.tokens) for state in states]
     hidden = [state.last_hidden for state in states]
-    return DraftBatch(tuple(rids), tuple(state.req for state in states), history.view(rids, width or max(lens,
-                                                                                                         default=0)),
-                      num_tokens if num_tokens is not None else torch.tensor(lens).to(history.device),
-                      None if num_tokens is not None else tuple(lens), tuple(k),
-                      () if num_tokens is not None else tuple(state.offset for state in states),
-                      None if any(h is None for h in hidden) or not hidden else torch.stack(hidden),
-                      *pack_features([state.features for state in states]),
-                      tuple(tuple(state.names or ()) for state in states) if any(s.names for s in states) else (),
-                      states[0].seq.block_size if states else 0)
+    ahead = num_tokens is not None   # a lookahead call: lengths are on the device only
+    features, num_features = pack_features([state.features for state in states])
+    return DraftBatch(rids=tuple(rids), params=tuple(state.req for state in states),
+                      history=history.view(rids, width or max(lens, default=0)),
+                      num_tokens=num_tokens if ahead else torch.tensor(lens).to(history.device),
+                      lengths=None if ahead else tuple(lens), k=tuple(k),
+                      offsets=() if ahead else tuple(state.offset for state in states),
+                      hidden=None if any(h is None for h in hidden) or not hidden else torch.stack(hidden),
+                      features=features, num_features=num_features,
+                      names=tuple(tuple(s.names or ()) for s in states) if any(s.names for s in states) else (),
+                      names_block_size=states[0].seq.block_size if states else 0)
 
 
 def check_proposal(prop, ks: list[int]) -> None:
@@ -57,9 +59,9 @@ def check_proposal(prop, ks: list[int]) -> None:
                        f"{list(par.shape) if isinstance(par, Tensor) else type(par).__name__}")
     if par is not None and par.device.type == "cpu" and N:   # values too where reading them is free
         tree_parents("Proposal.parent_ids", par, torch.tensor([0, *ks]).cumsum(0))
-    if valid is not None and (len(valid) != R if isinstance(valid, (tuple, list)) else
-                              not isinstance(valid, Tensor) or list(valid.shape) != [R]):
-        raise HalError(f"Proposal.num_valid: expected None, {R} ints or a tensor [{R}], got {valid!r:.80}")
+    if valid is not None and (not isinstance(valid, Tensor) or list(valid.shape) != [R] or valid.is_floating_point()):
+        raise HalError(f"Proposal.num_valid: expected None or an integer tensor [{R}], got "
+                       f"{list(valid.shape) if isinstance(valid, Tensor) else type(valid).__name__}")
 
 
 def valid_counts(valid, ks: list[int]) -> list[int]:
@@ -95,12 +97,8 @@ def drafts_for(drafter: Drafter | None, shadow_ok: bool, ahead: Lookahead | None
         prop = drafter.propose(view(history, live, want))
         check_proposal(prop, want)
         used, passed = want, True
-        valid = prop.num_valid
-        if valid is None:
-            valid = want
-        elif isinstance(valid, Tensor):   # a variable-count drafter outside the lookahead: one more sync
-            valid = readback(valid)[0]
-        valid = valid_counts(valid, want)
+        # a variable-count drafter outside the lookahead: read its counts (free where they are on the host)
+        valid = want if prop.num_valid is None else valid_counts(readback(prop.num_valid)[0], want)
         where = {state.rid: (start, v) for state, start, v in zip(live, cumulative(want), valid)}
     counts = [0 if state.rid in shadow else min(k, where[state.rid][1]) for state, k in zip(live, ks)]
     guesses = [(i, where[state.rid][0]) for i, state in enumerate(live)

@@ -128,7 +128,7 @@ def draft_room(s) -> int:
     return s.req.max_new_tokens - len(s.generated) - 1
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DraftBatch:
     """What a drafter reads: a read-only view of the requests to draft for, one row each.
     Drafters get data, never the engine's state."""
@@ -158,14 +158,15 @@ def pack_features(per_request: list[list[Tensor]]) -> tuple[Tensor | None, tuple
     return (torch.cat(flat) if flat else None), tuple(sum(len(f) for f in blocks) for blocks in per_request)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Proposal:
     """What a drafter returns: the op contract's CSR layout, on the drafter's device.
 
     Row i has exactly ``k[i]`` slots (so the scheduler knows every size without reading
     anything back). ``num_valid`` says how many leading slots are worth verifying (the
-    rest are filler): None (all), host ints, or an ``[R]`` device tensor (lookahead
-    drafters; the engine reads it with its one readback per step). A drafter whose drafts
+    rest are filler): an ``[R]`` int64 tensor, or None (all). A drafter that knows the counts
+    on the host keeps the tensor there (reading it costs nothing); a lookahead drafter's may live
+    on its device (the engine reads it with its one readback per step). A drafter whose drafts
     are random must not shorten them by looking at the draws (DSpark's counterexample).
 
     ``parent_ids`` makes each row a draft tree (`hal.ops.Ops.verify_tree`'s layout): slot j's
@@ -177,7 +178,7 @@ class Proposal:
     draft_token_ids: Tensor            # [N] int64
     cu_num_draft_tokens: Tensor        # [R + 1] int64
     draft_probs: Tensor | None = None  # [N, V] the q each draft was drawn from; None for deterministic drafts
-    num_valid: Tensor | tuple[int, ...] | None = None
+    num_valid: Tensor | None = None      # [R] int64: leading slots worth verifying per row; None: all
     parent_ids: Tensor | None = None   # [N] int64: a tree per row (see above); None: chains
 
 

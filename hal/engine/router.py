@@ -264,9 +264,10 @@ def profile_drafter(drafter, device, hidden: int, reps: int = 5, sync=lambda: No
     h = torch.zeros(1, hidden, device=device)
     layers = capabilities(drafter).features
     feats = None if layers is None else torch.zeros(15, hidden * max(1, len(layers)), device=device)
-    view = lambda k: DraftBatch((-1,), (req,), torch.ones(1, 16, dtype=torch.long, device=device),  # noqa: E731
-                                torch.tensor([16], device=device), (16,), (k,), (0,), h, feats,
-                                (0,) if feats is None else (15,))
+    view = lambda k: DraftBatch(rids=(-1,), params=(req,), history=torch.ones(1, 16, dtype=torch.long,  # noqa: E731
+                                                                                device=device),
+                                num_tokens=torch.tensor([16], device=device), lengths=(16,), k=(k,), offsets=(0,),
+                                hidden=h, features=feats, num_features=(0,) if feats is None else (15,))
     try:
         return profile(lambda k: drafter.propose(view(k)), list(points), reps, sync, bar)
     finally:

@@ -103,8 +103,8 @@ def _on(be, t: Tensor) -> Tensor:
 def _draft(drafter, params, history: list[int], k: int, offset: int) -> tuple[list[int], Tensor | None]:
     """The drafter's first valid drafts for one sequence (host ids) and their q rows."""
     h = torch.tensor([history], dtype=torch.long)
-    prop = drafter.propose(DraftBatch((0,), (params,), h, torch.tensor([len(history)]), (len(history),), (k,),
-                                      (offset,)))
+    prop = drafter.propose(DraftBatch(rids=(0,), params=(params,), history=h, num_tokens=torch.tensor([len(history)]),
+                                      lengths=(len(history),), k=(k,), offsets=(offset,)))
     valid = prop.num_valid
     n = k if valid is None else int(valid[0])
     if not 0 <= n <= k:
