@@ -24,7 +24,8 @@ from hal.drafters.eagle import HeadDrafter
 from hal.drafters.registry import TREE
 from hal.engine.forward import forward, forward_tokens
 from hal.kv import KVPool
-from hal.engine.requests import DraftBatch, Request
+from hal.engine.drafting import DraftBatch
+from hal.engine.requests import Request
 
 CTX = 200
 

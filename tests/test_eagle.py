@@ -350,7 +350,7 @@ def test_eagle_drafts_name_what_is_missing(target, tmp_path):
     with pytest.raises(HalError, match="expected the target model in this process"):
         make_drafter(parse_draft(f"eagle:{tmp_path}"), target.be)
     d = HeadDrafter(load_eagle(eagle1(tmp_path)[1], target))
-    b = __import__("hal.engine.requests", fromlist=["DraftBatch"]).DraftBatch(
+    b = __import__("hal.engine.drafting", fromlist=["DraftBatch"]).DraftBatch(
         rids=(0,), params=(Request([1, 2]),), history=torch.tensor([[1, 2]]), num_tokens=torch.tensor([2]),
         lengths=(2,), k=(1,), offsets=(0,), num_features=(1,))
     with pytest.raises(HalError, match="DraftBatch.features"):

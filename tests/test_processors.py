@@ -47,7 +47,7 @@ class Oracle:
         self.sequences = sequences   # prompt + plain output, per request (matched by prefix)
 
     def propose(self, batch):
-        from hal.engine.requests import Proposal
+        from hal.engine.drafting import Proposal
         ids, cu = [], [0]
         for i, k in enumerate(batch.k):
             L = int(batch.num_tokens[i])

@@ -17,7 +17,7 @@ from hal.drafters import NgramTreeDrafter
 from hal.engine.forward import forward
 from hal.kv import KVPool
 from hal.models.llama import load_safetensors
-from hal.engine.requests import Proposal
+from hal.engine.drafting import Proposal
 from hal.models.linear_plan import offered_dtypes
 from tests.test_engine import PROMPTS, N
 from tests.test_serve import tiny  # noqa: F401  (the fixture: a tiny random model folder)

@@ -156,7 +156,7 @@ class CommitEntry:
     length: int              # the committed history's length after ``delta``
     delta: list[int]         # tokens committed since the last round
     new: NewRequest | None = None
-    features: Tensor | None = None  # [n, F] the target's features not sent before (`hal.engine.requests.DraftBatch`)
+    features: Tensor | None = None  # [n, F] the target's features not sent before (`hal.engine.drafting.DraftBatch`)
 
     def __eq__(self, other) -> bool:
         f, g = self.features, getattr(other, "features", None)

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from hal.engine import trees
 from hal.checks import MAX_K, prob_values
-from hal.engine.requests import DraftBatch, Proposal
+from hal.engine.drafting import DraftBatch, Proposal
 from hal.errors import HalError
 from hal.devices import dense_q, transfer
 from hal.distributed.protocol import (DRAFT, HASH_SEED, Commit, CommitEntry, Drafts, Link, NewRequest, Stop, decode,

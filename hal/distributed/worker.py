@@ -22,7 +22,8 @@ from hal.engine.history import HistoryBuffer
 from hal.devices import sparse_q
 from hal.distributed.protocol import (DRAFT_SEED, HASH_SEED, TARGET, Commit, DraftEntry, Drafts, Link, Stop, corrupted,
                                      decode, encode, history_hash)
-from hal.engine.requests import DraftBatch, SamplingParams, capabilities, pack_features
+from hal.engine.drafting import DraftBatch, capabilities, pack_features
+from hal.engine.requests import SamplingParams
 
 Guess = dict[int, tuple[list[int], list[int], Tensor | None]]  # rid -> (assumed history, drafts, q rows)
 

@@ -1,5 +1,5 @@
 """Drafters: what proposes the tokens the target verifies. Each reads a
-`hal.engine.requests.DraftBatch` and returns a `hal.engine.requests.Proposal`; the one
+`hal.engine.drafting.DraftBatch` and returns a `hal.engine.drafting.Proposal`; the one
 table of ``--draft`` kinds is `hal.drafters.registry`."""
 
 from hal.drafters.eagle import HeadDrafter, NgramOrHead

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from hal.csr import cumulative
 from hal.engine.forward import sampling_tensors
-from hal.engine.requests import DraftBatch, Proposal
+from hal.engine.drafting import DraftBatch, Proposal
 
 
 def slots(drafts: Tensor, k: tuple[int, ...], probs: Tensor | None = None, num_valid=None) -> Proposal:

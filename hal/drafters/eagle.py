@@ -1,6 +1,6 @@
 """Drafting with an EAGLE head (`hal.models.eagle.EagleModel`): `HeadDrafter` keeps the head's own KV
 and is passed every target feature once; `NgramOrHead` takes n-gram lookup's drafts where it
-matches and the head's elsewhere. Both are `hal.engine.requests.Drafter` s with ``features``."""
+matches and the head's elsewhere. Both are `hal.engine.drafting.Drafter` s with ``features``."""
 
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ from hal.drafters.batching import empty, sample_chain, slots, subset, widen
 from hal.models.eagle import EagleModel
 from hal.engine.forward import make_batch, readback
 from hal.errors import HalError
-from hal.engine.requests import DraftBatch, Proposal
+from hal.engine.drafting import DraftBatch, Proposal
 
 
 class HeadDrafter:
-    """Drafts a chain with an `EagleModel` (a `hal.engine.requests.Drafter` with ``features``).
+    """Drafts a chain with an `EagleModel` (a `hal.engine.drafting.Drafter` with ``features``).
 
     Per request its KV holds the pairs (f_t, x_{t+1}) of every committed position whose
     target feature it was passed (``valid``); each `propose` drops its previous scratch

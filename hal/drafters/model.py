@@ -15,7 +15,7 @@ from hal.devices import transfer
 from hal.drafters.batching import empty, sample_chain, subset, widen
 from hal.drafters.draft_kv import DraftKV
 from hal.engine.forward import forward_tokens
-from hal.engine.requests import DraftBatch, Proposal
+from hal.engine.drafting import DraftBatch, Proposal
 from hal.errors import HalError
 from hal.models.llama import Llama
 

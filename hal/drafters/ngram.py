@@ -8,7 +8,7 @@ import torch
 from hal.devices import transfer
 from hal.drafters.batching import empty, slots
 from hal.engine.forward import readback
-from hal.engine.requests import DraftBatch, Proposal
+from hal.engine.drafting import DraftBatch, Proposal
 from hal.errors import HalError
 
 

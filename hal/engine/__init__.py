@@ -3,6 +3,7 @@ ragged target forward per step (`SpeculativeDecoder`), with its request types, r
 memory plan. Knows drafters only through the `Drafter` protocol."""
 
 from hal.engine.decoder import SpeculativeDecoder
-from hal.engine.requests import DraftBatch, Drafter, Proposal, Request, SamplingParams, StepOutput
+from hal.engine.drafting import DraftBatch, Drafter, Proposal
+from hal.engine.requests import Request, SamplingParams, StepOutput
 
 __all__ = ["DraftBatch", "Drafter", "Proposal", "Request", "SamplingParams", "SpeculativeDecoder", "StepOutput"]

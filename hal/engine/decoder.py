@@ -18,7 +18,7 @@ path's KV compacted (`hal.engine.trees`). With prefix caching (on by default) ev
 of committed tokens is named in the target pool, and a request whose tokens start the same
 prefills from its first uncached block (`hal.engine.prefix`); output is unchanged.
 
-Drafters get data (`hal.engine.requests.DraftBatch`) and return data (`hal.engine.requests.Proposal`,
+Drafters get data (`hal.engine.drafting.DraftBatch`) and return data (`hal.engine.drafting.Proposal`,
 on their own device); the step reads the device once, after verification (`hal.engine.forward.
 readback`), and a lookahead drafter (n-gram) drafts the next step before that read.
 """
@@ -34,8 +34,9 @@ from hal.engine.execution import Offsets, execute
 from hal.engine.forward import logprob_entry
 from hal.engine.history import HistoryBuffer
 from hal.engine.memory import target_pool
-from hal.engine.requests import (Drafter, Request, SamplingParams, State, StepOutput, TokenLogprob, capabilities,
-                                 check_request, draft_room)
+from hal.engine.drafting import Drafter, capabilities
+from hal.engine.requests import Request, SamplingParams, State, StepOutput, TokenLogprob, draft_room
+from hal.engine.validation import check_request
 from hal.engine.scheduler import Scheduler, blocks_for
 from hal.engine.step_types import StepDrafts, StepPlan, StepResult
 from hal.errors import HalError

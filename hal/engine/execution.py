@@ -18,7 +18,7 @@ from hal.engine import grammar, proposals, trees
 from hal.engine.forward import forward_tokens, logprob_rows, sampling_args
 from hal.engine.history import HistoryBuffer
 from hal.engine.processors import processor_args
-from hal.engine.requests import Drafter, capabilities
+from hal.engine.drafting import Drafter, capabilities
 from hal.engine.step_types import Logprobs, StepDrafts, StepPlan, StepReads, StepResult, read_back
 from hal.models.llama import Llama
 

@@ -188,7 +188,7 @@ def constrain(states: list[State], drafts: StepDrafts, ks: list[int]) -> StepDra
     fast-forward tokens: a JSON key, its quotes and colon), up to the request's ``ks[i]``
     slots (the scheduler's budget). Forced tokens are the target's only choice, so they are
     accepted. Exact only because these drafts are deterministic: random drafts must not be
-    shortened by looking at them (`hal.engine.requests.Proposal`), so they are left alone.
+    shortened by looking at them (`hal.engine.drafting.Proposal`), so they are left alone.
     Reads the draft ids back once, only when a request has a grammar; they stay in
     ``host_ids`` for `masks`."""
     if drafts.probs is not None or drafts.parent_ids is not None or \

@@ -1,6 +1,6 @@
 """Every request's committed tokens, kept on the device: one row per request, from
 `add` to `release`, written in place as tokens are committed. Drafters read views of
-it (`hal.engine.requests.DraftBatch.history`); nothing is rebuilt from Python lists per step.
+it (`hal.engine.drafting.DraftBatch.history`); nothing is rebuilt from Python lists per step.
 
 Entries past a request's committed length are scratch: the engine writes a whole
 verify result there (accepted or not) and readers go only up to the length."""

@@ -14,7 +14,8 @@ from hal.errors import HalError
 from hal.engine.forward import readback
 from hal.engine.history import HistoryBuffer
 from hal.devices import transfer
-from hal.engine.requests import DraftBatch, Drafter, Proposal, State, capabilities, draft_room, pack_features
+from hal.engine.drafting import DraftBatch, Drafter, Proposal, capabilities, pack_features
+from hal.engine.requests import State, draft_room
 from hal.engine.step_types import Lookahead, StepDrafts
 
 
@@ -42,7 +43,7 @@ def check_proposal(prop, ks: list[int]) -> None:
     request (shapes only: nothing is read back)."""
     R, N = len(ks), sum(ks)
     if not isinstance(prop, Proposal):
-        raise HalError(f"drafter.propose: expected a hal.engine.requests.Proposal, got {type(prop).__name__}")
+        raise HalError(f"drafter.propose: expected a hal.engine.drafting.Proposal, got {type(prop).__name__}")
     ids, cu, q, valid = prop.draft_token_ids, prop.cu_num_draft_tokens, prop.draft_probs, prop.num_valid
     if not isinstance(ids, Tensor) or ids.dim() != 1 or ids.shape[0] != N or ids.is_floating_point():
         raise HalError(f"Proposal.draft_token_ids: expected an integer tensor [{N}] (sum of k), got "

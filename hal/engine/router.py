@@ -259,7 +259,8 @@ def profile_drafter(drafter, device, hidden: int, reps: int = 5, sync=lambda: No
                     points=(1, 2, 4, 8)) -> dict[int, float]:
     """Seconds of one draft chain of k tokens (k in ``points``) for a request of 16 tokens on
     ``device`` (``hidden``: the target's width, for a drafter that reads its features)."""
-    from hal.engine.requests import DraftBatch, Request, capabilities
+    from hal.engine.drafting import DraftBatch, capabilities
+    from hal.engine.requests import Request
     req = Request([1] * 16)
     h = torch.zeros(1, hidden, device=device)
     layers = capabilities(drafter).features

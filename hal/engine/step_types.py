@@ -18,7 +18,8 @@ from dataclasses import dataclass, field, fields, replace
 from torch import Tensor
 
 from hal.engine.forward import readback
-from hal.engine.requests import Proposal, State
+from hal.engine.drafting import Proposal
+from hal.engine.requests import State
 
 
 @dataclass(eq=False)

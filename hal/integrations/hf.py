@@ -8,7 +8,7 @@ arguments instead (the documented route)::
     from hal.integrations.hf import generate
     out = generate(model, input_ids, drafter=NgramDrafter(hal.get_backend("cpu")), max_new_tokens=64, k=5)
 
-Each round: the drafter reads the sequence (a `hal.engine.requests.DraftBatch`, on its own
+Each round: the drafter reads the sequence (a `hal.engine.drafting.DraftBatch`, on its own
 backend if it has one), the target scores ``[last token, drafts...]`` in one forward over
 its KV cache, ``verify_greedy`` (or ``verify_rejection`` when sampling) keeps the accepted
 prefix plus one token, and the cache is cropped back to the committed tokens. Greedy
@@ -23,7 +23,8 @@ import hal
 from hal.errors import HalError, arg_error
 from hal.engine.forward import target_probs
 from hal.devices import transfer
-from hal.engine.requests import DraftBatch, SamplingParams
+from hal.engine.drafting import DraftBatch
+from hal.engine.requests import SamplingParams
 
 
 def generate(model, input_ids: Tensor, *, drafter=None, backend=None, max_new_tokens: int = 20, k: int = 5,

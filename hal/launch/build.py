@@ -12,7 +12,7 @@ import sys
 
 from hal.engine import SpeculativeDecoder
 from hal.engine.memory import GiB, Plan, plan_memory, target_pool
-from hal.engine.requests import capabilities
+from hal.engine.drafting import capabilities
 from hal.engine.router import CostModel, Router, profile_costs
 
 PROBE_EVERY = 16   # the router drafts a probe every this many plain steps (not for shadow-scored drafters)

@@ -9,7 +9,7 @@ import asyncio
 import json
 from dataclasses import replace
 
-from hal.engine.requests import check_request
+from hal.engine.validation import check_request
 from hal.errors import HalError
 from hal.server.engine_loop import Busy, Closing, EngineLoop, Failed, Finished, Handle, Shutdown, Tokens
 from hal.server.openai_schema import (ApiError, Parsed, TextState, chunk, logprobs_chat, logprobs_completion, new_id,

@@ -1,0 +1,109 @@
+"""The drafter contract: what a drafter reads (`DraftBatch`, a read-only view of the requests
+to draft for), what it returns (`Proposal`, the op contract's CSR layout on its own device),
+what it may declare (`DrafterCapabilities`) and the `Drafter` protocol itself."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True, kw_only=True)
+class DraftBatch:
+    """What a drafter reads: a read-only view of the requests to draft for, one row each.
+    Drafters get data, never the engine's state."""
+
+    rids: tuple[int, ...]
+    params: tuple          # each request's sampling parameters (`SamplingParams` fields; do not modify)
+    history: Tensor        # [R, L] int64 committed token ids (a copy of the engine's `hal.engine.history.HistoryBuffer`
+    #                        rows); row i is valid up to num_tokens[i], scratch after
+    num_tokens: Tensor     # [R] int64 committed lengths, on the history's device
+    lengths: tuple[int, ...] | None  # the same on the host; None on a lookahead call (not known before the readback)
+    k: tuple[int, ...]     # draft slots wanted per request
+    offsets: tuple[int, ...]  # draft j of request i may draw with Philox (seed, offsets[i] + j)
+    hidden: Tensor | None = None  # [R, H] the target's final hidden state at each request's last committed token
+    features: Tensor | None = None  # [sum(num_features), F] for a drafter with ``features`` (an EAGLE head): the
+    #                                 target's features not passed before, each request's rows in order, ending
+    #                                 at the position that produced its last committed token (lengths[i] - 2)
+    num_features: tuple[int, ...] = ()
+    names: tuple[tuple[bytes, ...], ...] = ()  # per request: the target's prefix-cache names of its leading full
+    #                                     blocks of prompt (`hal.kv.block_hashes` in blocks of names_block_size), so
+    #                                     a drafter with its own pool may cache them too; () when the target does not
+    names_block_size: int = 0
+
+
+def pack_features(per_request: list[list[Tensor]]) -> tuple[Tensor | None, tuple[int, ...]]:
+    """`DraftBatch.features` and ``num_features`` from each request's pending feature blocks."""
+    flat = [f for blocks in per_request for f in blocks]
+    return (torch.cat(flat) if flat else None), tuple(sum(len(f) for f in blocks) for blocks in per_request)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Proposal:
+    """What a drafter returns: the op contract's CSR layout, on the drafter's device.
+
+    Row i has exactly ``k[i]`` slots (so the scheduler knows every size without reading
+    anything back). ``num_valid`` says how many leading slots are worth verifying (the
+    rest are filler): an ``[R]`` int64 tensor, or None (all). A drafter that knows the counts
+    on the host keeps the tensor there (reading it costs nothing); a lookahead drafter's may live
+    on its device (the engine reads it with its one readback per step). A drafter whose drafts
+    are random must not shorten them by looking at the draws (DSpark's counterexample).
+
+    ``parent_ids`` makes each row a draft tree (`hal.ops.Ops.verify_tree`'s layout): slot j's
+    local parent, -1 for a child of the root (the last committed token), parents before
+    children, so any prefix of the slots is a tree too. Sampled requests verify a tree by
+    exact multi-draft rejection: siblings must be deterministic (``draft_probs`` None) or
+    i.i.d. draws from their q."""
+
+    draft_token_ids: Tensor            # [N] int64
+    cu_num_draft_tokens: Tensor        # [R + 1] int64
+    draft_probs: Tensor | None = None  # [N, V] the q each draft was drawn from; None for deterministic drafts
+    num_valid: Tensor | None = None      # [R] int64: leading slots worth verifying per row; None: all
+    parent_ids: Tensor | None = None   # [N] int64: a tree per row (see above); None: chains
+
+
+@dataclass(frozen=True)
+class DrafterCapabilities:
+    """What a drafter may declare, as optional attributes of the same names (read only by
+    `capabilities`)."""
+
+    lookahead: bool = False
+    """The drafter needs only device data (history, num_tokens), so the engine calls it right
+    after verification, before its one host readback, with ``lengths=None`` and ``k`` = each
+    request's cap; the next step verifies a prefix of those slots."""
+    shadow: bool = False
+    """Its drafts are free and deterministic: a router may have it draft one token for
+    requests routed to k = 0 and score that draft against the emitted token."""
+    features: tuple[int, ...] | None = None
+    """Target layer indices: the drafter reads the target's features (`DraftBatch.features`),
+    the residual streams entering those layers, concatenated, or for ``()`` the final normed
+    hidden state. Each position's feature is passed once, in order, to the first `propose`
+    after it was computed. None: no features."""
+
+
+def capabilities(drafter) -> DrafterCapabilities:
+    """A drafter's declared `DrafterCapabilities` (absent attributes take the defaults)."""
+    if drafter is None:
+        return DrafterCapabilities()
+    features = getattr(drafter, "features", None)
+    return DrafterCapabilities(bool(getattr(drafter, "lookahead", False)), bool(getattr(drafter, "shadow", False)),
+                               None if features is None else tuple(features))
+
+
+class Drafter(Protocol):
+    """Proposes drafts for live requests from a `DraftBatch`. Optional attributes declare
+    its `DrafterCapabilities` (``lookahead``, ``shadow``, ``features``)."""
+
+    def propose(self, batch: DraftBatch) -> Proposal:
+        """Drafts: exactly ``batch.k[i]`` slots for request i (see `Proposal`)."""
+
+    def commit(self, rids: list[int], kept: list[int]) -> None:
+        """After verification: the first ``kept[i]`` tokens of (the history request
+        ``rids[i]`` was last drafted from + those drafts) are committed; anything a drafter
+        cached beyond them is stale."""
+
+    def release(self, rid: int) -> None:
+        """The request finished, was aborted or preempted: drop what is kept for it."""
