@@ -5,7 +5,7 @@ thread count, greedy. Writes a markdown table and a PNG under benchmarks/results
 
     python benchmarks/e2e.py [--max-new-tokens 96] [--k 5] [--eagle-k 4] [--tree-k 7] [--no-hf]
 
-Draft trees: EAGLE-2 dynamic trees from the shipped head (`hal.drafters.registry.TREE`) and n-gram
+Draft trees: EAGLE-2 dynamic trees from the shipped head (`hal.drafters.kinds.TREE`) and n-gram
 tries, ``--tree-k`` nodes (fixed) or routed up to that many.
 """
 
@@ -20,7 +20,7 @@ import torch
 import hal
 from hal.engine import Request, SpeculativeDecoder
 from hal.drafters import ModelDrafter, NgramDrafter, NgramTreeDrafter
-from hal.drafters.registry import TREE
+from hal.drafters.kinds import TREE
 from hal.models.fetch import fetch
 from hal.models.linear_plan import machine_line
 from hal.models.llama import load_gguf

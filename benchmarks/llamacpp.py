@@ -108,7 +108,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     gguf, be, n = fetch("smollm2-135m"), hal.get_backend("cpu"), args.max_new_tokens
     target, tok = load_gguf(gguf, be, args.dtype)
-    from hal.drafters.registry import make_drafter, parse_draft
+    from hal.drafters.kinds import make_drafter, parse_draft
     both = lambda: make_drafter(parse_draft("ngram+eagle"), be, target, "smollm2-135m")  # noqa: E731
     ngram = lambda: make_drafter(parse_draft("ngram"), be, target, "smollm2-135m")  # noqa: E731
     from hal.engine import SpeculativeDecoder

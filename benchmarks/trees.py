@@ -1,6 +1,6 @@
 """What a draft tree costs here: the target's verify of N drafts as a chain and as a tree
 (mask, depths, the invariant runner's chain-order gathers), and the EAGLE head's drafting of
-N tokens as a chain and as an EAGLE-2 tree (`hal.drafters.registry.TREE`), against one decode, all
+N tokens as a chain and as an EAGLE-2 tree (`hal.drafters.kinds.TREE`), against one decode, all
 interleaved in one run (medians). SmolLM2-135M (GGUF) with its shipped head, or random weights
 of the same shapes (``--random``: no download; what the GPU check uses). Writes
 benchmarks/results/trees-<backend>.md.
@@ -21,7 +21,7 @@ import hal
 from hal.models.linear_plan import machine_line
 from hal.engine import trees
 from hal.drafters.eagle import HeadDrafter
-from hal.drafters.registry import TREE
+from hal.drafters.kinds import TREE
 from hal.engine.forward import forward, forward_tokens
 from hal.kv import KVPool
 from hal.engine.drafting import DraftBatch

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from hal.drafters.registry import draft_help, draft_kinds
+from hal.drafters.kinds import draft_help, draft_kinds
 from hal.errors import HalError
 from hal.launch.build import cli_drafter
 from hal.launch.flags import add_dtype_args, bounded, model_flag

@@ -57,6 +57,7 @@ num_kv_heads, head_dim]``. A slot is ``block * block_size + offset``.
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Protocol, runtime_checkable
 
 from torch import Tensor
@@ -326,3 +327,9 @@ OP_FILES: dict[str, str] = {
 
 OP_NAMES: tuple[str, ...] = tuple(n for n in vars(Ops) if not n.startswith("_")
                                   and callable(getattr(Ops, n)))
+
+
+def cumulative(counts) -> list[int]:
+    """``[0, c0, c0 + c1, ...]``: row i's items are ``[out[i], out[i + 1])`` (``len(counts) + 1`` values,
+    the host form of ``cu_num_draft_tokens``)."""
+    return list(accumulate(counts, initial=0))

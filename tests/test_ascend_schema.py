@@ -30,7 +30,7 @@ META = "torch_npu/op_plugin/meta/_meta_registrations.py"
 
 
 def wheel() -> Path:
-    from hal.models.fetch import cache_dir
+    from hal.models.cache_dir import cache_dir
     version = torch.__version__.split("+")[0]
     folder = cache_dir() / "wheels"
     found = sorted(folder.glob(f"torch_npu-{version}-*.whl"))

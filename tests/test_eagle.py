@@ -313,7 +313,7 @@ def test_the_head_on_another_backend(target, tmp_path):
     import os
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs TRITON_INTERPRET=1 for the cuda backend on CPU")
-    from hal.drafters.registry import make_drafter, parse_draft
+    from hal.drafters.kinds import make_drafter, parse_draft
     cuda = hal.get_backend("cuda")
     d = make_drafter(parse_draft(f"eagle:{eagle1(tmp_path)[1]}"), cuda, target, device=cuda.device_type)
     assert d.head.be is cuda
@@ -343,7 +343,7 @@ def test_ngram_or_head_is_lossless_and_uses_both(target, tmp_path):
 
 def test_eagle_drafts_name_what_is_missing(target, tmp_path):
     from hal.models.eagle import shipped_head
-    from hal.drafters.registry import make_drafter, parse_draft
+    from hal.drafters.kinds import make_drafter, parse_draft
     with pytest.raises(HalError, match="--draft eagle: expected a model with a shipped head") as e:
         shipped_head("no-such-model")
     assert e.value.arg == "--draft"

@@ -34,7 +34,7 @@ def test_the_tree_keeps_its_layers():
 @pytest.mark.parametrize("module, line, names", [
     ("hal/engine/requests.py", "from hal.server import app", "hal.engine.requests -> hal.server.app"),
     ("hal/ops.py", "from hal.engine import decoder", "hal.ops -> hal.engine.decoder"),
-    ("hal/models/llama.py", "from hal.drafters import registry", "hal.models.llama -> hal.drafters.registry"),
+    ("hal/models/llama.py", "from hal.drafters import kinds", "hal.models.llama -> hal.drafters.kinds"),
 ])
 def test_a_planted_upward_import_breaks_it(tmp_path, module, line, names):
     tree = copy_tree(tmp_path)

@@ -96,7 +96,7 @@ def test_op_files_line_up():
 
 
 def test_library_code_never_imports_the_cli():
-    """hal.cli is a front end: library modules import what they share from hal.drafters.registry."""
+    """hal.cli is a front end: library modules import what they share from hal.drafters.kinds."""
     import re
     root = Path(__file__).resolve().parents[1] / "hal"
     offenders = [str(p.relative_to(root)) for p in root.rglob("*.py")
@@ -107,7 +107,7 @@ def test_library_code_never_imports_the_cli():
 
 def test_one_draft_grammar():
     import hal
-    from hal.drafters.registry import DraftSpec, parse_draft
+    from hal.drafters.kinds import DraftSpec, parse_draft
     assert parse_draft("self:8") == DraftSpec("self", 8) and parse_draft("self") == DraftSpec("self")
     assert parse_draft("model:/m.gguf") == DraftSpec("model", path="/m.gguf") and parse_draft("none").kind == "none"
     assert parse_draft("eagle") == DraftSpec("eagle") and parse_draft("eagle:/h") == DraftSpec("eagle", path="/h")

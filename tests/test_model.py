@@ -9,7 +9,7 @@ import torch
 import hal
 from hal.engine import Request, SpeculativeDecoder
 from hal.drafters import EagleDrafter, ModelDrafter, NgramDrafter
-from hal.drafters.registry import make_drafter, parse_draft
+from hal.drafters.kinds import make_drafter, parse_draft
 from hal.models.linear_plan import offered_dtypes
 from hal.models.llama import Llama
 from hal.models.tokenizer import chatml

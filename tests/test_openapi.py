@@ -1,5 +1,5 @@
 """The published schema is the validation: ``/openapi.json`` declares every request and
-response body (`hal.server.protocol`), and schemathesis, run against it with all its
+response body (`hal.server.request_bodies`), and schemathesis, run against it with all its
 checks, finds nothing. Here: a bounded, deterministic pass (the fuzzing phase, about 100
 cases, about a minute). The whole run, coverage phase included (750+ cases, about six
 minutes on 2 cores): ``HAL_SCHEMATHESIS_PHASES=coverage,fuzzing pytest tests/test_openapi.py``.

@@ -27,7 +27,7 @@ def test_the_engine_example_runs_and_generates(capsys):
 
 
 def test_the_draft_kinds_listed_are_the_registry_s():
-    from hal.drafters.registry import DRAFT_KINDS
+    from hal.drafters.kinds import DRAFT_KINDS
     line = README[README.index("`--draft` takes one of the kinds"):].split("\n\n")[0]
     listed = [form for form in re.findall(r"`([^`]+)`", line) if form.split("[")[0].split(":")[0] != "--draft"]
     assert listed[1:] == [kind.form() for kind in DRAFT_KINDS], listed   # [0] is the table's own name

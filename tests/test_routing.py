@@ -11,7 +11,7 @@ import torch
 import hal
 from hal.conformance._helpers import assert_distribution
 from hal.engine import Request, SpeculativeDecoder
-from hal.drafters import EagleDrafter
+from tests.drafters import EagleDrafter
 from hal.engine.router import CostModel, Router, expected_tokens
 
 

@@ -15,7 +15,8 @@ import torch
 import hal
 import hal.engine.step_types
 from hal.engine import Request, SpeculativeDecoder
-from hal.drafters import EagleDrafter, ModelDrafter, NgramDrafter
+from hal.drafters import ModelDrafter, NgramDrafter
+from tests.drafters import EagleDrafter
 from hal.drafters.eagle import HeadDrafter
 from hal.models.llama import load_safetensors
 from tests.test_serve import tiny  # noqa: F401  (the fixture: a tiny random model folder)

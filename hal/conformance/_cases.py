@@ -134,6 +134,11 @@ def valid_case(draw, be, op):
         parents = _parents(g, ks, it) if draw(st.booleans()) else None
         groups = {name: draw(st.booleans()) for name in ("penalties", "bias", "bad_words", "min_tokens", "min_p")}
         return processors(g, ids, cu, _logits(g, N + R, V, ft, zeros), parents, max_k, groups, it), V
+    return _kv_case(draw, g, be, op, R, it, ft), V
+
+
+def _kv_case(draw, g, be, op: str, R: int, it, ft) -> dict:
+    """The args of a valid ``write_kv``, ``copy_kv`` or ``paged_attention`` call."""
     bs = bs_of(be)
     nb = draw(st.integers(1, 4))
     H, D = draw(st.sampled_from([1, 2])), 16
@@ -146,11 +151,11 @@ def valid_case(draw, be, op):
         slots = torch.randperm(nslots, generator=g)[:T]
         slots[torch.rand(T, generator=g) < 0.3] = -1
         return dict(key=torch.randn(T, H, D, generator=g).to(ft), value=torch.randn(T, H, D, generator=g).to(ft),
-                    **caches, slot_mapping=slots.to(it)), V
+                    **caches, slot_mapping=slots.to(it))
     if op == "copy_kv":
         M = draw(st.integers(0, min(6, nslots)))
         return dict(**caches, src_slots=torch.randint(0, nslots, (M,), generator=g).to(it),
-                    dst_slots=torch.randperm(nslots, generator=g)[:M].to(it)), V
+                    dst_slots=torch.randperm(nslots, generator=g)[:M].to(it))
     assert op == "paged_attention"
     width = draw(st.integers(1, 3))
     seq = torch.randint(1, width * bs + 1, (R,), generator=g)
@@ -170,4 +175,4 @@ def valid_case(draw, be, op):
             tm[qs[r]:qs[r + 1], :int(ql[r])] |= torch.eye(int(ql[r]), dtype=torch.bool)
     return dict(query=torch.randn(T, H * draw(st.sampled_from([1, 2])), D, generator=g).to(cdt), **caches,
                 block_tables=bt, seq_lens=seq.to(it), query_start_loc=torch.cat([torch.zeros(1), ql.cumsum(0)]).to(it),
-                scale=D ** -0.5, tree_mask=tm), V
+                scale=D ** -0.5, tree_mask=tm)

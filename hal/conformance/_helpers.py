@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
-from hal.csr import cumulative
+from hal.ops import cumulative
 
 # Every statistical test fails when its chi-square exceeds the 1 - ALPHA quantile.
 ALPHA = 1e-6

@@ -27,171 +27,178 @@ pytestmark = pytest.mark.hal_op("write_kv", "copy_kv")
 H, D = 1, 16
 
 
+class KVMachine(RuleBasedStateMachine):
+    """The machine; `machine` binds it to a backend (``be``), an allocator module (``kv``) and
+    the backend's smallest block size (``bs``)."""
+
+    be, kv, bs, num_blocks = None, hal.kv, 0, 6
+
+    def __init__(self):
+        super().__init__()
+        self.alloc = self.kv.BlockAllocator(self.num_blocks, self.bs, caching=True)
+        shape = (self.num_blocks, self.bs, H, D)
+        self.k, self.v = put(self.be, torch.zeros(shape), torch.zeros(shape))
+        self.seqs: list = []
+        self.model: list[list[float]] = []
+        self.dead: list = []
+        self.tag = 0.0
+        self.past: list[list[float]] = []   # token tags of freed sequences (their blocks may still be cached)
+        self.offered: list[list[float]] = []   # every token list offered to the cache (checked for ever)
+
+    def snapshot(self):
+        return (list(self.alloc.refcount), list(self.alloc._free), list(self.alloc._idle),
+                dict(self.alloc._by_hash),
+                [(list(s.blocks), s.length, s.reserved, s.freed) for s in self.seqs + self.dead])
+
+    @rule()
+    def new(self):
+        self.seqs.append(self.kv.Sequence(self.alloc))
+        self.model.append([])
+
+    @precondition(lambda self: self.seqs)
+    @rule(i=st.integers(0, 99), n=st.integers(0, 3 * 128), keep=st.just(1.0) | st.floats(0, 1), offer=st.booleans())
+    def step(self, i, n, keep, offer):
+        i %= len(self.seqs)
+        n %= 3 * self.bs + 1   # 0 .. 3 blocks' worth
+        s, before = self.seqs[i], self.snapshot()
+        try:
+            slots, copies = s.reserve(n)
+        except hal.HalError:
+            assert self.snapshot() == before, "a failed reserve changed the allocator"
+            return
+        if copies:
+            self.be.copy_kv(self.k, self.v, *put(self.be, *block_copy_slots(copies, self.bs)))
+        tags = [self.tag + j + 1 for j in range(n)]
+        self.tag += n
+        key = torch.tensor(tags).view(n, 1, 1).expand(n, H, D).contiguous()
+        self.be.write_kv(*put(self.be, key, -key), self.k, self.v,
+                         put(self.be, torch.tensor(slots, dtype=torch.long)))
+        m = int(keep * n)
+        s.commit(m)
+        self.model[i] += tags[:m]
+        if offer:   # as the engine does after each commit
+            self._offer(i)
+
+    @precondition(lambda self: self.seqs)
+    @rule(i=st.integers(0, 99), cut=st.floats(0, 1), offer=st.booleans())
+    def truncate(self, i, cut, offer):
+        i %= len(self.seqs)
+        if offer:   # named blocks past the cut must lose their names before they are rewritten
+            self._offer(i)
+        n = int(cut * self.seqs[i].length)
+        self.seqs[i].truncate(n)
+        del self.model[i][n:]
+
+    @precondition(lambda self: self.seqs)
+    @rule(i=st.integers(0, 99))
+    def fork(self, i):
+        i %= len(self.seqs)
+        self.seqs.append(self.seqs[i].fork())
+        self.model.append(list(self.model[i]))
+
+    @precondition(lambda self: self.seqs)
+    @rule(i=st.integers(0, 99), offer=st.booleans())
+    def free(self, i, offer):
+        i %= len(self.seqs)
+        if offer:   # its full blocks stay cached after it is gone
+            self._offer(i)
+        s = self.seqs.pop(i)
+        self.past.append(self.model.pop(i))
+        s.free()
+        self.dead.append(s)
+
+    @precondition(lambda self: self.seqs)
+    @rule(i=st.integers(0, 99))
+    def offer(self, i):
+        self._offer(i % len(self.seqs))
+
+    @precondition(lambda self: self.seqs)
+    @rule(i=st.integers(0, 99))
+    def recycle(self, i):
+        """Free a sequence, then adopt its tokens anew (its cached blocks come back from idle)."""
+        i = max(range(len(self.seqs)), key=lambda j: (len(self.model[j]), -j)) if i == 0 else i % len(self.seqs)
+        if len(self.model[i]) < self.bs:   # give it a full block first (when the pool has room)
+            self.step(i, self.bs, 1.0, False)
+        self._offer(i)
+        tokens = self.model[i]
+        self.free(i, False)
+        s = self.kv.Sequence(self.alloc)
+        got = s.adopt(self.kv.block_hashes([int(t) for t in tokens], self.bs))
+        assert got == len(tokens) // self.bs * self.bs, "a freed sequence's cached blocks were not found again"
+        self.seqs.append(s)
+        self.model.append(list(tokens[:got]))
+
+    def _offer(self, i):
+        self.seqs[i].cache_full_blocks([int(t) for t in self.model[i]])
+        self.offered.append(list(self.model[i]))
+
+    @precondition(lambda self: self.seqs or self.past or self.offered)
+    @rule(i=st.integers(0, 99))
+    def adopt(self, i):
+        pick = sorted(self.model + self.past + self.offered, key=len, reverse=True)   # i = 0: the longest
+        tokens = pick[i % len(pick)]
+        s = self.kv.Sequence(self.alloc)
+        got = s.adopt(self.kv.block_hashes([int(t) for t in tokens], self.bs))
+        assert got % self.bs == 0 and got <= len(tokens)
+        self.seqs.append(s)
+        self.model.append(list(tokens[:got]))
+
+    @precondition(lambda self: self.dead)
+    @rule(i=st.integers(0, 99), what=st.sampled_from(["free", "reserve", "fork", "commit", "truncate"]))
+    def use_after_free(self, i, what):
+        s, before = self.dead[i % len(self.dead)], self.snapshot()
+        with pytest.raises(hal.HalError):
+            {"free": s.free, "reserve": lambda: s.reserve(1), "fork": s.fork, "commit": lambda: s.commit(0),
+             "truncate": lambda: s.truncate(0)}[what]()
+        assert self.snapshot() == before, "a refused call changed the allocator"
+
+    @precondition(lambda self: self.seqs)
+    @rule(i=st.integers(0, 99), bad=st.sampled_from([-1, 1.5, True, "2", None, 2 ** 70]))
+    def bad_arguments(self, i, bad):
+        s, before = self.seqs[i % len(self.seqs)], self.snapshot()
+        for call in (lambda: s.reserve(bad), lambda: s.commit(bad), lambda: s.truncate(bad)):
+            with pytest.raises(hal.HalError):   # a bool is no count; 2**70 blocks do not exist
+                call()
+            assert self.snapshot() == before, "a refused call changed the allocator"
+
+    @invariant()
+    def refcounts_and_free_list(self):
+        holders = [0] * self.num_blocks
+        for s in self.seqs:
+            for b in s.blocks:
+                holders[b] += 1
+        assert holders == self.alloc.refcount, "refcounts differ from the number of holders"
+        free, idle = self.alloc._free, list(self.alloc._idle)
+        assert len(set(free + idle)) == len(free + idle), "a block is twice on the free lists"
+        assert sorted(free + idle) == [b for b in range(self.num_blocks) if holders[b] == 0], \
+            "the free lists are not exactly the unheld blocks (a held block could be reused)"
+        assert all(self.alloc.cached(b) for b in idle) and not any(self.alloc.cached(b) for b in free)
+
+    @invariant()
+    def cached_names_hold_their_tokens(self):
+        kh = host(self.k).view(-1, H, D)
+        for tokens in self.model + self.past + self.offered:
+            names = self.kv.block_hashes([int(t) for t in tokens], self.bs)
+            for bi, b in enumerate(self.alloc.match(names)):
+                got = kh[b * self.bs:(b + 1) * self.bs, 0, 0].tolist()
+                assert got == tokens[bi * self.bs:(bi + 1) * self.bs], "a cached block does not hold its tokens"
+
+    @invariant()
+    def committed_tokens_read_back(self):
+        kh, vh = host(self.k).view(-1, H, D), host(self.v).view(-1, H, D)
+        for s, tags in zip(self.seqs, self.model):
+            assert s.length == len(tags)
+            if tags:
+                slots = torch.tensor([s.slot(p) for p in range(s.length)])
+                assert kh[slots, 0, 0].tolist() == tags, "a committed key reads back wrong"
+                assert (-vh[slots, 0, 0]).tolist() == tags, "a committed value reads back wrong"
+
+
 def machine(be, kv=hal.kv):
     """The state machine over ``be``'s KV ops and the allocator of module ``kv`` (a planted
     mutant of `hal.kv` in tests)."""
     bs = next(b for b in (2, 4, 8, 16, 32, 64, 128) if b in be.spec.block_sizes)
-    num_blocks = 6
-
-    class KV(RuleBasedStateMachine):
-        def __init__(self):
-            super().__init__()
-            self.alloc = kv.BlockAllocator(num_blocks, bs, caching=True)
-            self.k, self.v = put(be, torch.zeros(num_blocks, bs, H, D), torch.zeros(num_blocks, bs, H, D))
-            self.seqs: list = []
-            self.model: list[list[float]] = []
-            self.dead: list = []
-            self.tag = 0.0
-            self.past: list[list[float]] = []   # token tags of freed sequences (their blocks may still be cached)
-            self.offered: list[list[float]] = []   # every token list offered to the cache (checked for ever)
-
-        def snapshot(self):
-            return (list(self.alloc.refcount), list(self.alloc._free), list(self.alloc._idle),
-                    dict(self.alloc._by_hash),
-                    [(list(s.blocks), s.length, s.reserved, s.freed) for s in self.seqs + self.dead])
-
-        @rule()
-        def new(self):
-            self.seqs.append(kv.Sequence(self.alloc))
-            self.model.append([])
-
-        @precondition(lambda self: self.seqs)
-        @rule(i=st.integers(0, 99), n=st.integers(0, 3 * bs), keep=st.just(1.0) | st.floats(0, 1), offer=st.booleans())
-        def step(self, i, n, keep, offer):
-            i %= len(self.seqs)
-            s, before = self.seqs[i], self.snapshot()
-            try:
-                slots, copies = s.reserve(n)
-            except hal.HalError:
-                assert self.snapshot() == before, "a failed reserve changed the allocator"
-                return
-            if copies:
-                be.copy_kv(self.k, self.v, *put(be, *block_copy_slots(copies, bs)))
-            tags = [self.tag + j + 1 for j in range(n)]
-            self.tag += n
-            key = torch.tensor(tags).view(n, 1, 1).expand(n, H, D).contiguous()
-            be.write_kv(*put(be, key, -key), self.k, self.v, put(be, torch.tensor(slots, dtype=torch.long)))
-            m = int(keep * n)
-            s.commit(m)
-            self.model[i] += tags[:m]
-            if offer:   # as the engine does after each commit
-                self._offer(i)
-
-        @precondition(lambda self: self.seqs)
-        @rule(i=st.integers(0, 99), cut=st.floats(0, 1), offer=st.booleans())
-        def truncate(self, i, cut, offer):
-            i %= len(self.seqs)
-            if offer:   # named blocks past the cut must lose their names before they are rewritten
-                self._offer(i)
-            n = int(cut * self.seqs[i].length)
-            self.seqs[i].truncate(n)
-            del self.model[i][n:]
-
-        @precondition(lambda self: self.seqs)
-        @rule(i=st.integers(0, 99))
-        def fork(self, i):
-            i %= len(self.seqs)
-            self.seqs.append(self.seqs[i].fork())
-            self.model.append(list(self.model[i]))
-
-        @precondition(lambda self: self.seqs)
-        @rule(i=st.integers(0, 99), offer=st.booleans())
-        def free(self, i, offer):
-            i %= len(self.seqs)
-            if offer:   # its full blocks stay cached after it is gone
-                self._offer(i)
-            s = self.seqs.pop(i)
-            self.past.append(self.model.pop(i))
-            s.free()
-            self.dead.append(s)
-
-        @precondition(lambda self: self.seqs)
-        @rule(i=st.integers(0, 99))
-        def offer(self, i):
-            self._offer(i % len(self.seqs))
-
-        @precondition(lambda self: self.seqs)
-        @rule(i=st.integers(0, 99))
-        def recycle(self, i):
-            """Free a sequence, then adopt its tokens anew (its cached blocks come back from idle)."""
-            i = max(range(len(self.seqs)), key=lambda j: (len(self.model[j]), -j)) if i == 0 else i % len(self.seqs)
-            if len(self.model[i]) < bs:   # give it a full block first (when the pool has room)
-                self.step(i, bs, 1.0, False)
-            self._offer(i)
-            tokens = self.model[i]
-            self.free(i, False)
-            s = kv.Sequence(self.alloc)
-            got = s.adopt(kv.block_hashes([int(t) for t in tokens], bs))
-            assert got == len(tokens) // bs * bs, "a freed sequence's cached blocks were not found again"
-            self.seqs.append(s)
-            self.model.append(list(tokens[:got]))
-
-        def _offer(self, i):
-            self.seqs[i].cache_full_blocks([int(t) for t in self.model[i]])
-            self.offered.append(list(self.model[i]))
-
-        @precondition(lambda self: self.seqs or self.past or self.offered)
-        @rule(i=st.integers(0, 99))
-        def adopt(self, i):
-            pick = sorted(self.model + self.past + self.offered, key=len, reverse=True)   # i = 0: the longest
-            tokens = pick[i % len(pick)]
-            s = kv.Sequence(self.alloc)
-            got = s.adopt(kv.block_hashes([int(t) for t in tokens], bs))
-            assert got % bs == 0 and got <= len(tokens)
-            self.seqs.append(s)
-            self.model.append(list(tokens[:got]))
-
-        @precondition(lambda self: self.dead)
-        @rule(i=st.integers(0, 99), what=st.sampled_from(["free", "reserve", "fork", "commit", "truncate"]))
-        def use_after_free(self, i, what):
-            s, before = self.dead[i % len(self.dead)], self.snapshot()
-            with pytest.raises(hal.HalError):
-                {"free": s.free, "reserve": lambda: s.reserve(1), "fork": s.fork, "commit": lambda: s.commit(0),
-                 "truncate": lambda: s.truncate(0)}[what]()
-            assert self.snapshot() == before, "a refused call changed the allocator"
-
-        @precondition(lambda self: self.seqs)
-        @rule(i=st.integers(0, 99), bad=st.sampled_from([-1, 1.5, True, "2", None, 2 ** 70]))
-        def bad_arguments(self, i, bad):
-            s, before = self.seqs[i % len(self.seqs)], self.snapshot()
-            for call in (lambda: s.reserve(bad), lambda: s.commit(bad), lambda: s.truncate(bad)):
-                with pytest.raises(hal.HalError):   # a bool is no count; 2**70 blocks do not exist
-                    call()
-                assert self.snapshot() == before, "a refused call changed the allocator"
-
-        @invariant()
-        def refcounts_and_free_list(self):
-            holders = [0] * num_blocks
-            for s in self.seqs:
-                for b in s.blocks:
-                    holders[b] += 1
-            assert holders == self.alloc.refcount, "refcounts differ from the number of holders"
-            free, idle = self.alloc._free, list(self.alloc._idle)
-            assert len(set(free + idle)) == len(free + idle), "a block is twice on the free lists"
-            assert sorted(free + idle) == [b for b in range(num_blocks) if holders[b] == 0], \
-                "the free lists are not exactly the unheld blocks (a held block could be reused)"
-            assert all(self.alloc.cached(b) for b in idle) and not any(self.alloc.cached(b) for b in free)
-
-        @invariant()
-        def cached_names_hold_their_tokens(self):
-            kh = host(self.k).view(-1, H, D)
-            for tokens in self.model + self.past + self.offered:
-                names = kv.block_hashes([int(t) for t in tokens], bs)
-                for bi, b in enumerate(self.alloc.match(names)):
-                    got = kh[b * bs:(b + 1) * bs, 0, 0].tolist()
-                    assert got == tokens[bi * bs:(bi + 1) * bs], "a cached block does not hold its tokens"
-
-        @invariant()
-        def committed_tokens_read_back(self):
-            kh, vh = host(self.k).view(-1, H, D), host(self.v).view(-1, H, D)
-            for s, tags in zip(self.seqs, self.model):
-                assert s.length == len(tags)
-                if tags:
-                    slots = torch.tensor([s.slot(p) for p in range(s.length)])
-                    assert kh[slots, 0, 0].tolist() == tags, "a committed key reads back wrong"
-                    assert (-vh[slots, 0, 0]).tolist() == tags, "a committed value reads back wrong"
-
-    return KV
+    return type("KV", (KVMachine,), {"be": be, "kv": kv, "bs": bs})
 
 
 def run(be, kv=hal.kv, n: int | None = None) -> None:

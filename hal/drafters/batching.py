@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from hal.csr import cumulative
+from hal.ops import cumulative
 from hal.engine.forward import sampling_tensors
 from hal.engine.drafting import DraftBatch, Proposal
 

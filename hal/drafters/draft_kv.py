@@ -8,13 +8,21 @@ from hal import kv
 
 
 class DraftKV:
-    """A drafter's KV bookkeeping. ``valid[rid]``: leading positions of request ``rid``'s
-    draft sequence known to hold its committed history."""
+    """A drafter's KV bookkeeping: per request its draft sequence and how many leading
+    positions hold its committed history (`valid_len`, set only through `mark_valid`)."""
 
     def __init__(self, pool: kv.KVPool):
         self.pool = pool
         self.seqs: dict[int, kv.Sequence] = {}
-        self.valid: dict[int, int] = {}
+        self._valid: dict[int, int] = {}
+
+    def valid_len(self, rid: int) -> int:
+        """Leading positions of ``rid``'s draft sequence that hold its committed history (0: none)."""
+        return self._valid.get(rid, 0)
+
+    def mark_valid(self, rid: int, n: int) -> None:
+        """The first ``n`` positions of ``rid``'s draft sequence now hold its committed history."""
+        self._valid[rid] = n
 
     def sequence(self, rid: int) -> kv.Sequence:
         """Request ``rid``'s draft sequence (a new, empty one the first time)."""
@@ -33,4 +41,4 @@ class DraftKV:
         """Free request ``rid``'s blocks and forget it."""
         if (seq := self.seqs.pop(rid, None)) is not None:
             seq.free()
-        self.valid.pop(rid, None)
+        self._valid.pop(rid, None)

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from hal import kv
 from hal.engine import trees
-from hal.csr import cumulative
+from hal.ops import cumulative
 from hal.drafters.draft_kv import DraftKV
 from hal.drafters.batching import empty, sample_chain, slots, subset, widen
 from hal.models.eagle import EagleModel
@@ -70,7 +70,7 @@ class HeadDrafter:
         need = 0
         for i, (rid, length) in enumerate(zip(batch.rids, batch.lengths)):
             n = cu[i + 1] - cu[i]
-            start, v = length - 1 - n, self.draft_kv.valid.get(rid, 0)
+            start, v = length - 1 - n, self.draft_kv.valid_len(rid)
             need += self.draft_kv.blocks_needed(rid, length - 1 + K)
             if start > v or (n == 0 and rid not in self.last) or rid in self.lost_rids or need > self.draft_kv.num_free:
                 self._lose(rid)
@@ -103,7 +103,7 @@ class HeadDrafter:
             toks.append(hist[i, p0 + 1:length])
             seqs.append(seq)
             lens.append(x.shape[0])
-            self.draft_kv.valid[rid] = length - 1
+            self.draft_kv.mark_valid(rid, length - 1)
         tokens, x = torch.cat(toks), torch.cat(inputs)
         batch = make_batch(self.be, dev, self.pool, seqs, lens, tokens)
         logits0, h = head.forward(batch, self.pool.k[0], self.pool.v[0], tokens, x, True)

@@ -1,14 +1,11 @@
 """Model drafters: a separate draft model, or the target's first L layers
-(self-speculative), with its own KV pool (`ModelDrafter`); and a chain from any
-EAGLE-style head callable (`EagleDrafter`). Each reads a `DraftBatch` and returns a
-`Proposal` on its own device; none reads anything back to the host."""
+(self-speculative), with its own KV pool (`ModelDrafter`). It reads a `DraftBatch` and returns a
+`Proposal` on its own device; it reads nothing back to the host."""
 
 from __future__ import annotations
 
-from typing import Callable
 
 import torch
-from torch import Tensor
 
 from hal import kv
 from hal.devices import transfer
@@ -76,14 +73,15 @@ class ModelDrafter:
             seq = self.draft_kv.sequence(rid)
             if fresh and names and names[i]:   # start on the blocks another request cached
                 got = seq.adopt(names[i][:(length - 1) // seq.block_size])
-                self.draft_kv.valid[rid], self.prefix_hits = got, self.prefix_hits + got
-            n = min(self.draft_kv.valid.get(rid, 0), length - 1)   # feed at least the last token
+                self.draft_kv.mark_valid(rid, got)
+                self.prefix_hits += got
+            n = min(self.draft_kv.valid_len(rid), length - 1)   # feed at least the last token
             seq.truncate(n)
             seqs.append(seq)
             lens.append(length - n)
             rows += [i] * (length - n)
             cols += range(n, length)
-            self.draft_kv.valid[rid] = n
+            self.draft_kv.mark_valid(rid, n)
         K = max(batch.k, default=0)
         if K == 0:
             return empty(len(batch.rids), dev)
@@ -98,7 +96,8 @@ class ModelDrafter:
             return logits
         prop = sample_chain(batch, self.model.be, dev, step)
         for i, (rid, length) in enumerate(zip(batch.rids, batch.lengths)):  # the KV: history, drafts 1..K-1
-            self.draft_kv.valid[rid], self.cached[rid] = length, length + K - 1
+            self.draft_kv.mark_valid(rid, length)
+            self.cached[rid] = length + K - 1
             if names and names[i]:
                 self.draft_kv.seqs[rid].name_blocks(names[i], length)
         return prop
@@ -106,38 +105,9 @@ class ModelDrafter:
     def commit(self, rids, kept) -> None:
         for rid, n in zip(rids, kept):
             if rid in self.cached:
-                self.draft_kv.valid[rid] = min(self.cached.pop(rid), n)
+                self.draft_kv.mark_valid(rid, min(self.cached.pop(rid), n))
 
     def release(self, rid) -> None:
         self.draft_kv.release(rid)
         self.cached.pop(rid, None)
 
-
-EagleHead = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
-"""An EAGLE-style head: ``(hidden [M, H], token_ids [M]) -> (logits [M, V], next_hidden [M, H])``,
-where ``hidden`` is the target's final hidden state at the position that produced ``token_ids``."""
-
-
-class EagleDrafter:
-    """Drafts by chaining an EAGLE-style head from the target's last hidden state."""
-
-    def __init__(self, head: EagleHead, backend):
-        self.head, self.be = head, backend
-
-    def propose(self, batch: DraftBatch) -> Proposal:
-        if batch.hidden is None:
-            raise HalError("EagleDrafter.propose: expected the target's hidden states (DraftBatch.hidden), got None")
-        h = batch.hidden
-        last = batch.history.gather(1, (batch.num_tokens - 1).clamp(min=0)[:, None])[:, 0]
-        state = {"h": h}
-
-        def step(x, j):
-            logits, state["h"] = self.head(state["h"], last.to(h.device) if x is None else x)
-            return logits
-        return sample_chain(batch, self.be, h.device, step)
-
-    def commit(self, rids, kept) -> None:
-        pass
-
-    def release(self, rid) -> None:
-        pass

@@ -75,11 +75,16 @@ class SpeculativeDecoder:
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.pool.allocator.caching = self.prefix_caching = prefix_caching(enable_prefix_caching, drafter)
         self.scheduler = Scheduler(self.pool.allocator, max_num_seqs, max_num_batched_tokens, self._preempt)
-        self.steps, self.preemptions = 0, 0
+        self.steps = 0
         self._next_id, self._aborted, self._out = 0, [], StepOutput()
         self.history = HistoryBuffer(target.device)
         self._ahead = None   # a lookahead drafter's proposal for the next step (`hal.engine.step_types.Lookahead`)
         self._t0 = time.perf_counter()
+
+    @property
+    def preemptions(self) -> int:
+        """Requests preempted so far (counted once, in ``metrics.preemptions``)."""
+        return self.metrics.preemptions
 
     @property
     def waiting(self):
@@ -190,7 +195,6 @@ class SpeculativeDecoder:
         if self.drafter is not None:
             self.drafter.release(state.rid)
         self.scheduler.requeue(state)
-        self.preemptions += 1
         self.metrics.preemptions += 1
         self._out.preempted.append(state.rid)
 

@@ -82,6 +82,11 @@ class DrafterCapabilities:
     the residual streams entering those layers, concatenated, or for ``()`` the final normed
     hidden state. Each position's feature is passed once, in order, to the first `propose`
     after it was computed. None: no features."""
+    be: object = None
+    """The backend it runs its ops on (read from ``be``, else its ``model``'s), synchronised
+    around timings; None: it runs nothing here (a remote drafter)."""
+    pool: object = None
+    """Its own KV pool (a `hal.kv.KVPool`), reported with the target's in the metrics."""
 
 
 def capabilities(drafter) -> DrafterCapabilities:
@@ -89,8 +94,9 @@ def capabilities(drafter) -> DrafterCapabilities:
     if drafter is None:
         return DrafterCapabilities()
     features = getattr(drafter, "features", None)
+    be = getattr(drafter, "be", None) or getattr(getattr(drafter, "model", None), "be", None)
     return DrafterCapabilities(bool(getattr(drafter, "lookahead", False)), bool(getattr(drafter, "shadow", False)),
-                               None if features is None else tuple(features))
+                               None if features is None else tuple(features), be, getattr(drafter, "pool", None))
 
 
 class Drafter(Protocol):

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from hal.checks import tree_parents
-from hal.csr import cumulative
+from hal.ops import cumulative
 from hal.errors import HalError
 from hal.engine.forward import readback
 from hal.engine.history import HistoryBuffer

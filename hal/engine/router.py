@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hal.engine.drafting import capabilities
 from hal.engine.requests import draft_room
 from hal.errors import arg_error
-from hal.progress import NoBar, bar as progress_bar
+from hal.models.progress import NoBar, bar as progress_bar
 
 
 @dataclass
@@ -218,7 +219,7 @@ def profile_costs(target, drafter, pool, max_tokens: int = 72, context: int = 51
     (``profile_draft=False``: not profiled, e.g. a remote drafter whose work overlaps).
     ``progress``: a bar (tqdm, stderr) over the points measured."""
     from hal.engine.forward import forward
-    backends = {id(b): b for b in (target.be, _backend_of(drafter)) if b is not None}.values()
+    backends = {id(b): b for b in (target.be, capabilities(drafter).be) if b is not None}.values()
 
     def sync():
         for b in backends:
@@ -274,10 +275,3 @@ def profile_drafter(drafter, device, hidden: int, reps: int = 5, sync=lambda: No
     finally:
         drafter.release(-1)
 
-
-def _backend_of(drafter):
-    """The backend a drafter runs its ops on (None for none or a remote one)."""
-    if drafter is None:
-        return None
-    model = getattr(drafter, "model", None)
-    return getattr(drafter, "be", None) or getattr(model, "be", None)

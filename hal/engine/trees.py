@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from hal import kv
-from hal.csr import cumulative
+from hal.ops import cumulative
 from hal.engine.forward import sampling_args, target_probs
 
 

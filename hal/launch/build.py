@@ -80,8 +80,8 @@ def grammar_compiler(tok, cfg, say=lambda line: None):
 
 
 def cli_drafter(draft: str, target, backend, model: str = "smollm2-135m"):
-    """A drafter for the CLI's ``--draft`` over a loaded ``target`` (`hal.drafters.registry`): none,
+    """A drafter for the CLI's ``--draft`` over a loaded ``target`` (`hal.drafters.kinds`): none,
     ngram, ngram-tree, self[:L], eagle[:<folder>], ngram+eagle[:<folder>] or their -tree forms
     (without a folder: the head shipped for ``model``)."""
-    from hal.drafters.registry import draft_kinds, make_drafter, parse_draft
+    from hal.drafters.kinds import draft_kinds, make_drafter, parse_draft
     return make_drafter(parse_draft(draft, draft_kinds(cli=True)), backend, target=target, path=model)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from hal.drafters.registry import draft_help, parse_draft
+from hal.drafters.kinds import draft_help, parse_draft
 from hal.errors import HalError
 
 
@@ -30,7 +30,7 @@ def model_flag(value: str) -> str:
 
 
 def draft_flag(value: str) -> str:
-    """``--draft``: a kind of `hal.drafters.registry.DRAFT_KINDS`, its path existing where it names one."""
+    """``--draft``: a kind of `hal.drafters.kinds.DRAFT_KINDS`, its path existing where it names one."""
     try:
         spec = parse_draft(value)
     except HalError as e:

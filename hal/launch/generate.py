@@ -25,6 +25,7 @@ import json
 import sys
 import time
 
+from hal.distributed.remote import RemoteDrafter
 from hal.engine import Request
 from hal.errors import HalError
 from hal.launch.flags import add_engine_args
@@ -77,12 +78,12 @@ def _run(args) -> int:
     dt = time.perf_counter() - t
     for p, o in zip(args.prompt_ids + args.prompt, outs):
         print(f"=== {p[:60]!r}\n{o if tok is None else tok.decode(o, skip_special_tokens=True)}\n")
-    m = metrics
+    m, remote = metrics, isinstance(drafter, RemoteDrafter)
     summary = {"outputs": outs, "seconds": dt, "tokens": sum(map(len, outs)), "world_size": world,
                "link": backend if world == 2 else None, "target": f"{target_side.backend.name}@{target_side.device}",
                "acceptance_rate": m.acceptance_rate, "mean_acceptance_length": m.mean_acceptance_length,
                "draft_failures": m.draft_failures, "stale_drafts": m.stale_drafts,
-               "overlap_hits": getattr(drafter, "guess_hits", 0), "overlap_misses": getattr(drafter, "guess_misses", 0),
+               "overlap_hits": drafter.guess_hits if remote else 0, "overlap_misses": drafter.guess_misses if remote else 0,
                "steps": dec.steps}
     if world == 2 and drafter is not None:   # what crossed the link, and the share of time spent in rounds
         summary.update(rounds=drafter.rounds, round_trip_seconds=drafter.wait_s, epoch=drafter.epoch,

@@ -61,7 +61,7 @@ def profile_sides(sides: list[Side], path: str, spec, args, reps: int = 3, with_
                   hidden: int | None = None) -> list[DeviceProfile]:
     """Each side's measured `DeviceProfile` (``with_target`` False: the drafter only, a
     worker's; ``hidden``: the target's width then)."""
-    from hal.drafters.registry import HEADS, draft_memory, make_drafter
+    from hal.drafters.kinds import HEADS, draft_memory, make_drafter
     from hal.models.fetch import load_model
     from hal.engine.memory import target_pool
     from hal.engine.router import CostModel, profile_costs, profile_drafter
@@ -165,7 +165,7 @@ def auto_target(args, spec, path: str, max_seqs: int, rv=None):
     measured devices and, with ``rv`` (two ranks), the worker's published profile and link;
     the choice is published for the worker. Printed with its runner-up."""
     from hal.distributed.placement import Placement
-    from hal.drafters.registry import draft_memory
+    from hal.drafters.kinds import draft_memory
     from hal.engine.memory import ModelMemory
     from hal.models.llama import read_config
     devices = profile_sides(local_sides(), path, spec, args)
@@ -189,7 +189,7 @@ def auto_target(args, spec, path: str, max_seqs: int, rv=None):
 def auto_worker(args, spec, path: str, rv) -> str | None:
     """The draft rank's part: measure its devices and the link, publish them, and return the
     device the target chose for the draft here (None: not on this rank)."""
-    from hal.drafters.registry import HEADS
+    from hal.drafters.kinds import HEADS
     from hal.models.llama import read_config
     hidden = read_config(path).hidden if spec.kind in HEADS else 1   # only a head reads the target's features
     devices = profile_sides(local_sides(), path, spec, args, with_target=False, hidden=hidden)

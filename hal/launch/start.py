@@ -18,7 +18,7 @@ from hal.distributed.placement import Placement, link_backend, resolve_side
 from hal.distributed.protocol import DRAFT
 from hal.distributed.remote import RemoteDrafter, connect
 from hal.distributed.rendezvous import Rendezvous
-from hal.drafters.registry import HEADS, draft_kinds, draft_memory, make_drafter, parse_draft
+from hal.drafters.kinds import HEADS, draft_kinds, draft_memory, make_drafter, parse_draft
 from hal.engine import SpeculativeDecoder
 from hal.errors import HalError
 from hal.launch.build import build_engine, grammar_compiler, memory_plan

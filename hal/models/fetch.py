@@ -10,7 +10,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from hal.cache import cache_dir
+from hal.models.cache_dir import cache_dir
 from hal.errors import HalError
 
 MODELS = {

@@ -39,9 +39,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from hal.cache import cache_dir
+from hal.models.cache_dir import cache_dir
 from hal.errors import HalError
-from hal.progress import bar as progress_bar
+from hal.models.progress import bar as progress_bar
 
 Layout = Callable[[Tensor, Tensor], Tensor]   # (x [M, K], w [N, K]) -> x @ w.T [M, N]
 LAYOUTS: dict[str, Layout] = {

@@ -7,7 +7,7 @@ own thread; HTTP handlers talk to it through queues only, so a slow client never
 a step. Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
 ``stream``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus, updated
 every step), ``GET /openapi.json`` (the request and response bodies as declared models,
-`hal.server.protocol`: the schema is the validation). The port is taken before anything
+`hal.server.request_bodies`: the schema is the validation). The port is taken before anything
 loads. A client that disconnects (streaming or not) is aborted and its KV blocks freed
 (target and draft); past ``--max-num-seqs + --max-queue-len`` requests in flight the
 answer is 503 with ``Retry-After``; SIGTERM stops accepting, lets in-flight requests
@@ -25,7 +25,7 @@ from contextlib import asynccontextmanager
 from hal.errors import HalError
 from hal.server.engine_loop import EngineLoop
 from hal.server.loading import LoadingResponder
-from hal.server.protocol import WireModels, wire_models
+from hal.server.request_bodies import WireModels, wire_models
 from hal.server.routes import add_routes
 from hal.server.service import Service
 from hal.server.transport import bind, uvicorn_server
@@ -33,7 +33,7 @@ from hal.server.transport import bind, uvicorn_server
 
 def _openapi(app, wire: WireModels) -> dict:
     """FastAPI's document with the request bodies declared: the models the handlers
-    validate with (`hal.server.protocol`)."""
+    validate with (`hal.server.request_bodies`)."""
     from fastapi.openapi.utils import get_openapi
     if app.openapi_schema is None:
         doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
+from hal.engine.drafting import capabilities
+
 LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 PER_TOKEN = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 
@@ -91,7 +93,7 @@ class LiveMetrics:
         self.running.set(len(dec.running))
         self.waiting.set(len(dec.waiting) + len(dec.prefilling))
         pools = [("target", dec.pool.allocator)]
-        if (dp := getattr(dec.drafter, "pool", None)) is not None:
+        if (dp := capabilities(dec.drafter).pool) is not None:
             pools.append(("draft", dp.allocator))
         for name, a in pools:
             self.kv_used.labels(pool=name).set(a.num_blocks - a.num_free)

@@ -1,5 +1,5 @@
 """The OpenAI wire format for `hal.server.app`: request bodies validated against the
-declared models of `hal.server.protocol` (an HTTP client is untrusted input: every error
+declared models of `hal.server.request_bodies` (an HTTP client is untrusted input: every error
 names the field), the chat template,
 incremental detokenization with stop strings, and the response and chunk shapes."""
 
@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from hal.checks import MAX_K
 from hal.engine.requests import SamplingParams, StructuredOutputs, TokenLogprob
-from hal.server.protocol import WireModels, first_error
+from hal.server.request_bodies import WireModels, first_error
 
 
 class ApiError(Exception):
@@ -53,7 +53,7 @@ class Parsed:
 def parse(raw: bytes, *, chat: bool, tok, wire: WireModels, max_model_len: int, default_k: int,
           stop_ids: tuple[int, ...]) -> Parsed:
     """Validate an OpenAI request body (completions or chat) against the declared models
-    (`hal.server.protocol`), tokenize its prompt and check it fits the context."""
+    (`hal.server.request_bodies`), tokenize its prompt and check it fits the context."""
     model = wire.chat if chat else wire.completion
     try:
         body = model.model_validate_json(raw)
@@ -155,7 +155,7 @@ def encode(tok, text: str) -> list[int]:
 def render_chat(messages) -> str:
     """ChatML, as SmolLM2-Instruct's template renders it (its default system turn when none
     is given), ending with the assistant's turn. ``messages``: validated
-    (`hal.server.protocol`) or plain dicts of the same shape."""
+    (`hal.server.request_bodies`) or plain dicts of the same shape."""
     from hal.models.tokenizer import DEFAULT_SYSTEM
     out = []
     for m in messages:

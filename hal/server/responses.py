@@ -1,6 +1,6 @@
 """The response bodies of `hal.server.app`, as published in ``/openapi.json`` (OpenAI's
 shapes: completions, chat completions and their chunks' choices, logprobs, errors, the model
-list, health). Requests are `hal.server.protocol`'s."""
+list, health). Requests are `hal.server.request_bodies`'s."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from hal.errors import HalError
 from hal.server.engine_loop import Busy, Closing, EngineLoop, Failed, Finished, Handle, Shutdown, Tokens
 from hal.server.openai_schema import (ApiError, Parsed, TextState, chunk, logprobs_chat, logprobs_completion, new_id,
                                       parse, response, usage)
-from hal.server.protocol import WireModels
+from hal.server.request_bodies import WireModels
 from hal.server.transport import read_body
 
 ENGINE_NAMES = {"prompt_ids": "prompt", "max_new_tokens": "max_tokens", "prompt_ids + max_new_tokens": "max_tokens"}

@@ -11,6 +11,7 @@ published EAGLE layout (plus ``d2t``), with a loss curve as PNG."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -20,7 +21,7 @@ from hal.errors import HalError
 
 
 def data_path(model: str) -> Path:
-    from hal.models.fetch import cache_dir
+    from hal.models.cache_dir import cache_dir
     return cache_dir() / "eagle" / f"{Path(model).name}-data.pt"
 
 
@@ -124,17 +125,127 @@ def config_json(cfg, ffn: int, draft_size: int) -> dict:
             "vocab_size": cfg.vocab, "draft_vocab_size": draft_size, "bias": True, "torch_dtype": "float16"}
 
 
+@dataclass
+class HeadData:
+    """What a head trains on: each kept sequence's ids and target features, the draft vocabulary
+    (``ids``) and its frozen lm_head rows (``W``), the target's embeddings, and the split."""
+
+    seqs: list
+    feats: list
+    ids: Tensor
+    W: Tensor
+    embed: Tensor
+    hidden: int
+    tr: list[int]
+    val: list[int]
+
+
+def load_head_data(blob: dict, target, draft_size: int) -> HeadData:
+    """The data `train` uses from the cached ``blob`` (prompts the data excludes are dropped);
+    draws the validation split from torch's generator (seeded by the caller)."""
+    from hal.training import data as eagle_data
+    cfg = target.cfg
+    texts = blob.get("texts")           # data without its prompt texts (a test's): all of it
+    keep = [i for i in range(len(blob["ids"]))
+            if texts is None or not any(w in texts[i].lower() for w in eagle_data.EXCLUDE)]
+    seqs, feats = [blob["ids"][i] for i in keep], [blob["features"][i] for i in keep]
+    ids = draft_vocab(seqs, draft_size, cfg.stop_ids)
+    n_val = max(1, len(seqs) // 20)
+    order = torch.randperm(len(seqs)).tolist()
+    return HeadData(seqs, feats, ids, target.head[ids].contiguous(), target.embed, cfg.hidden,
+                    order[n_val:], order[:n_val])
+
+
+def batch_of(d: HeadData, idx: list[int]):
+    """Inputs of one batch: the next tokens' embeddings, the features (in and out) and the mask."""
+    T = max(len(d.seqs[i]) for i in idx) - 1
+    emb = torch.zeros(len(idx), T, d.hidden)
+    f = torch.zeros(len(idx), T + 1, d.hidden)
+    mask = torch.zeros(len(idx), T)
+    for j, i in enumerate(idx):
+        s = torch.tensor(d.seqs[i])
+        n = len(s) - 1
+        emb[j, :n] = d.embed[s[1:]]
+        f[j, :n + 1] = d.feats[i].float()
+        mask[j, :n - 1] = 1                            # pair t predicts f_{t+1}, which must exist
+    return emb, f[:, :-1], f[:, 1:], mask
+
+
+def loss_of(d: HeadData, head, idx: list[int], noise: bool):
+    """(feature regression, distillation cross-entropy, top-1 agreement) on a batch."""
+    import torch.nn.functional as F
+    emb, x, y, mask = batch_of(d, idx)
+    if noise:
+        x = x + (torch.rand_like(x) - 0.5) * 0.2       # EAGLE's U(-0.1, 0.1) feature noise
+    pred = head(emb, x)
+    m = mask.bool()
+    reg = F.smooth_l1_loss(pred[m], y[m])
+    p = torch.softmax(y[m] @ d.W.T, -1)
+    logq = torch.log_softmax(pred[m] @ d.W.T, -1)
+    ce = -(p * logq).sum(-1).mean()
+    acc = (logq.argmax(-1) == p.argmax(-1)).float().mean()
+    return reg, ce, acc
+
+
+@dataclass
+class Run:
+    """A training run's clock and schedule: steps so far, the loss curve, and when to stop."""
+
+    budget: float
+    lr: float
+    max_steps: int | None
+    t0: float = field(default_factory=time.time)
+    steps: int = 0
+    est_steps: int | None = None
+    curve: list = field(default_factory=list)
+
+    def done(self) -> bool:
+        return time.time() - self.t0 >= self.budget or (self.max_steps is not None and self.steps >= self.max_steps)
+
+    def rate(self) -> float:
+        """Warm-up, then cosine to a tenth over the estimated steps."""
+        import math
+        if self.est_steps is None and self.steps == 5:
+            self.est_steps = self.max_steps or int(self.budget / ((time.time() - self.t0) / 5))
+        frac = 0.0 if self.est_steps is None else min(1.0, self.steps / self.est_steps)
+        return self.lr * min(1.0, (self.steps + 1) / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def train_epoch(d: HeadData, head, opt, run: Run, batch: int, bar, epoch: int) -> None:
+    """One pass over the training split in a random order (or until the run is done)."""
+    perm = [d.tr[i] for i in torch.randperm(len(d.tr)).tolist()]
+    for b0 in range(0, len(perm), batch):
+        if run.done():
+            break
+        rate = run.rate()
+        for g in opt.param_groups:
+            g["lr"] = rate
+        reg, ce, acc = loss_of(d, head, perm[b0:b0 + batch], True)
+        loss = reg + 0.1 * ce
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
+        opt.step()
+        run.steps += 1
+        run.curve.append((time.time() - run.t0, run.steps, reg.item(), ce.item(), acc.item(), None))
+        bar.n = int(min(run.budget, time.time() - run.t0))
+        c = run.curve[-1]
+        bar.set_postfix(epoch=epoch, reg=f"{c[2]:.3f}", ce=f"{c[3]:.2f}", acc=f"{c[4]:.2f}")
+        bar.refresh()
+
+
+def validate(d: HeadData, head, batch: int) -> float:
+    with torch.no_grad():
+        vs = [loss_of(d, head, d.val[i:i + batch], False) for i in range(0, len(d.val), batch)]
+    return sum(float(a) for _, _, a in vs) / len(vs)
+
+
 def train(model: str, out: Path, minutes: float = 40.0, draft_size: int = 8192, ffn: int | None = None,
           batch: int = 8, lr: float = 1e-3, seed: int = 0, data: Path | None = None, target=None,
           max_steps: int | None = None) -> dict:
     """Train a head on the cached data for ``minutes`` (or ``max_steps``); write
     ``out``/{config.json, model.safetensors, loss.png, train.json}. Returns the summary (also
     in train.json). ``target``: the loaded model (else ``model`` is loaded)."""
-    import json
-    import math
-
-    import torch.nn.functional as F
-    from safetensors.torch import save_file
     from tqdm import tqdm
 
     blob = torch.load(str(data or data_path(model)), weights_only=False)
@@ -144,95 +255,41 @@ def train(model: str, out: Path, minutes: float = 40.0, draft_size: int = 8192, 
         target, _ = load_model(model, get_backend("cpu"))
     cfg = target.cfg
     torch.manual_seed(seed)
-    from hal.training import data as eagle_data
-    texts = blob.get("texts")           # data without its prompt texts (a test's): all of it
-    keep = [i for i in range(len(blob["ids"]))
-            if texts is None or not any(w in texts[i].lower() for w in eagle_data.EXCLUDE)]
-    seqs, feats = [blob["ids"][i] for i in keep], [blob["features"][i] for i in keep]
-    ids = draft_vocab(seqs, draft_size, cfg.stop_ids)
-    W = target.head[ids].contiguous()                      # frozen: the target's lm_head rows
-    remap = torch.full((cfg.vocab,), -1, dtype=torch.long)
-    remap[ids] = torch.arange(len(ids))
-    n_val = max(1, len(seqs) // 20)
-    order = torch.randperm(len(seqs)).tolist()
-    val, tr = order[:n_val], order[n_val:]
+    d = load_head_data(blob, target, draft_size)
     head = TrainHead(cfg.hidden, cfg.heads, cfg.kv_heads, ffn or cfg.ffn, 10000.0, cfg.eps)
     opt = torch.optim.AdamW(head.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-
-    def batch_of(idx):
-        T = max(len(seqs[i]) for i in idx) - 1
-        emb = torch.zeros(len(idx), T, cfg.hidden)
-        f = torch.zeros(len(idx), T + 1, cfg.hidden)
-        mask = torch.zeros(len(idx), T)
-        for j, i in enumerate(idx):
-            s = torch.tensor(seqs[i])
-            n = len(s) - 1
-            emb[j, :n] = target.embed[s[1:]]
-            f[j, :n + 1] = feats[i].float()
-            mask[j, :n - 1] = 1                            # pair t predicts f_{t+1}, which must exist
-        return emb, f[:, :-1], f[:, 1:], mask
-
-    def loss_of(idx, noise: bool):
-        emb, x, y, mask = batch_of(idx)
-        if noise:
-            x = x + (torch.rand_like(x) - 0.5) * 0.2       # EAGLE's U(-0.1, 0.1) feature noise
-        pred = head(emb, x)
-        m = mask.bool()
-        reg = F.smooth_l1_loss(pred[m], y[m])
-        p = torch.softmax(y[m] @ W.T, -1)
-        logq = torch.log_softmax(pred[m] @ W.T, -1)
-        ce = -(p * logq).sum(-1).mean()
-        acc = (logq.argmax(-1) == p.argmax(-1)).float().mean()
-        return reg, ce, acc
-
-    t0, steps, curve, best = time.time(), 0, [], (-1.0, None)
-    budget = minutes * 60
-    bar = tqdm(total=int(budget), desc="train", unit="s")
-    epoch = 0
-    est_steps = None
-    done = lambda: time.time() - t0 >= budget or (max_steps is not None and steps >= max_steps)  # noqa: E731
-    while not done():
-        perm = [tr[i] for i in torch.randperm(len(tr)).tolist()]
-        for b0 in range(0, len(perm), batch):
-            el = time.time() - t0
-            if done():
-                break
-            if est_steps is None and steps == 5:
-                est_steps = max_steps or int(budget / (el / 5))
-            frac = 0.0 if est_steps is None else min(1.0, steps / est_steps)
-            for g in opt.param_groups:                     # warm-up, then cosine to a tenth
-                g["lr"] = lr * min(1.0, (steps + 1) / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
-            reg, ce, acc = loss_of(perm[b0:b0 + batch], True)
-            loss = reg + 0.1 * ce
-            opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
-            opt.step()
-            steps += 1
-            curve.append((time.time() - t0, steps, reg.item(), ce.item(), acc.item(), None))
-            bar.n = int(min(budget, time.time() - t0))
-            bar.set_postfix(epoch=epoch, reg=f"{curve[-1][2]:.3f}", ce=f"{curve[-1][3]:.2f}", acc=f"{curve[-1][4]:.2f}")
-            bar.refresh()
+    run, best, epoch = Run(minutes * 60, lr, max_steps), (-1.0, None), 0
+    bar = tqdm(total=int(run.budget), desc="train", unit="s")
+    while not run.done():
+        train_epoch(d, head, opt, run, batch, bar, epoch)
         epoch += 1
-        with torch.no_grad():
-            vs = [loss_of(val[i:i + batch], False) for i in range(0, len(val), batch)]
-        vacc = sum(float(a) for _, _, a in vs) / len(vs)
-        curve[-1] = curve[-1][:5] + (vacc,)
+        vacc = validate(d, head, batch)
+        run.curve[-1] = run.curve[-1][:5] + (vacc,)
         if vacc > best[0]:
             best = (vacc, {n: t.detach().clone() for n, t in head.weights().items()})
     bar.close()
+    curve = run.curve
+    summary = {"model": model, "minutes": minutes, "first_loss": curve[0][2] + 0.1 * curve[0][3],
+               "last_loss": sum(c[2] + 0.1 * c[3] for c in curve[-5:]) / len(curve[-5:]), "steps": run.steps,
+               "epochs": epoch, "sequences": len(d.tr), "val_sequences": len(d.val),
+               "train_tokens": sum(len(d.seqs[i]) for i in d.tr), "draft_vocab": len(d.ids), "val_top1": best[0],
+               "seed": seed, "lr": lr, "batch": batch, "data_made": blob.get("made")}
+    write_head(out, best[1], d.ids, config_json(cfg, ffn or cfg.ffn, len(d.ids)), summary, curve)
+    return summary
+
+
+def write_head(out: Path, weights: dict, ids: Tensor, config: dict, summary: dict, curve) -> None:
+    """``out``/{model.safetensors, config.json, train.json, loss.png}."""
+    import json
+
+    from safetensors.torch import save_file
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {n: t.half().contiguous() for n, t in best[1].items()}
+    tensors = {n: t.half().contiguous() for n, t in weights.items()}
     tensors["d2t"] = (ids - torch.arange(len(ids))).contiguous()   # EAGLE-3's draft -> target offsets
     save_file(tensors, str(out / "model.safetensors"))
-    (out / "config.json").write_text(json.dumps(config_json(cfg, ffn or cfg.ffn, len(ids)), indent=1) + "\n")
-    summary = {"model": model, "minutes": minutes, "first_loss": curve[0][2] + 0.1 * curve[0][3],
-               "last_loss": sum(c[2] + 0.1 * c[3] for c in curve[-5:]) / len(curve[-5:]), "steps": steps, "epochs": epoch, "sequences": len(tr),
-               "val_sequences": len(val), "train_tokens": sum(len(seqs[i]) for i in tr), "draft_vocab": len(ids),
-               "val_top1": best[0], "seed": seed, "lr": lr, "batch": batch, "data_made": blob.get("made")}
+    (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
     (out / "train.json").write_text(json.dumps(summary, indent=1) + "\n")
     plot(curve, out / "loss.png")
-    return summary
 
 
 def plot(curve, path: Path) -> None:
