@@ -1,7 +1,7 @@
 """How much of the drafting and the link the two-rank protocol hides, at 0, 1 and 5 ms RTT.
 
 The target rank in one network namespace, the draft worker in another, joined by
-`tests.delayline` (a userspace wire: this kernel has no ``sch_netem``) with the one-way delay
+`tests.distributed.delayline` (a userspace wire: this kernel has no ``sch_netem``) with the one-way delay
 that gives each round trip; the same launcher with the draft in the target's process is the
 baseline, run right before each remote run (same threads: ``OMP_NUM_THREADS`` as here).
 
@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.report import publish  # noqa: E402
-from tests.delayline import tcp_rtt, wired  # noqa: E402
+from tests.distributed.delayline import tcp_rtt, wired  # noqa: E402
 
 PROMPTS = ["What are some fun things to do on a rainy weekend?", "Explain glaciers to a beginner in a short paragraph."]
 
@@ -99,7 +99,7 @@ def main() -> None:
              f"Command: `python benchmarks/link_overlap.py --drafts {args.drafts} --rtts {args.rtts} --k {args.k} "
              f"--max-tokens {args.max_tokens} --reps {args.reps}`; {time.strftime('%Y-%m-%d')}; {len(PROMPTS)} prompts "
              f"as one batch; both ranks and the baseline at {args.threads} threads on one host (network namespaces "
-             f"joined by `tests.delayline`; its own round trip at no delay {base * 1e3:.3f} ms); {machine_line()}.",
+             f"joined by `tests.distributed.delayline`; its own round trip at no delay {base * 1e3:.3f} ms); {machine_line()}.",
              "", "| RTT asked / measured (ms) | draft | step in-process (ms) | step remote (ms) | remote / in-process "
              "| wait per round W (ms) | W - RTT (ms) | drafting hidden (overlap hits / rounds) | link hidden | outputs |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]

@@ -94,7 +94,7 @@ def test_serve_on_port_0_prints_the_port_it_took(tmp_path):
     import re
     import torch
     from safetensors.torch import save_file
-    from tests.test_serve import FFN, H, HEADS, KV, LAYERS, V, hf_weights
+    from tests.launch.test_generate import FFN, H, HEADS, KV, LAYERS, V, hf_weights
     save_file(hf_weights(torch.Generator().manual_seed(1)), str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text(json.dumps(dict(
         hidden_size=H, num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV,

@@ -7,7 +7,7 @@ chi-square on (top, tail) at alpha 1e-6, for `sample`, the bonus token of
 `verify_rejection` (from probabilities and from logits) and the extra token of sampling `verify_tree`.
 
 About 2e9 token evaluations per op: a minute on the cpu reference, seconds on a GPU,
-hours under the Triton interpreter (there `tests/test_random.py` checks the race's
+hours under the Triton interpreter (there `tests/backends/test_random.py` checks the race's
 exponentials directly)."""
 
 import os

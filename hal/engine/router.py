@@ -10,7 +10,7 @@ batch grows (no threshold cliff).
 Non-anticipating: `Router.choose` runs before anything is drafted and reads only
 finished steps (EWMA acceptance), prompt and context lengths and the batch size, so
 the choice of k never depends on this step's draws and the output distribution is
-unchanged (tests/test_routing.py, with the DSpark counterexample).
+unchanged (tests/engine/test_router.py, with the DSpark counterexample).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A token's logits must not depend on what else is in the batch: otherwise greedy 
 output equals plain greedy only by luck (a near-tie flips when a 9-token verify rounds
 differently from a 1-token decode). vLLM's batch-invariant mode fixes the reduction order per
 output element; here the same comes from fixed shapes, checked bit for bit in
-``tests/test_invariance.py``:
+``tests/models/test_invariant.py``:
 
 * linear layers: a `hal.models.linear_plan.LinearPlan` measured on this machine: a layout and
   dtype, each row computed in a chunk of exactly one of the widths whose rows were checked

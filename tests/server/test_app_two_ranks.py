@@ -12,7 +12,7 @@ import time
 import pytest
 
 httpx = pytest.importorskip("httpx")
-from tests.test_api_server import MODEL, free_port, metrics  # noqa: E402
+from tests.server.test_app import MODEL, free_port, metrics  # noqa: E402
 
 
 def test_draft_worker_killed_mid_stream(tmp_path):

@@ -13,7 +13,7 @@ from hal.conformance._helpers import assert_distribution
 from hal.engine import Request, SamplingParams, SpeculativeDecoder
 from hal.drafters import ModelDrafter, NgramDrafter
 from hal.models.llama import load_safetensors
-from tests.test_serve import tiny  # noqa: F401  (the fixture: a tiny random model folder)
+from tests.launch.test_generate import tiny  # noqa: F401  (the fixture: a tiny random model folder)
 
 PROMPTS = [[1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [5, 6, 7, 5, 6, 7, 5], [9, 8, 7, 6, 5, 4, 3, 2, 1, 9, 8, 7, 6, 5, 4, 3],
            [11, 12, 11, 12, 11], [20, 21, 22, 23, 24, 25, 20, 21, 22, 23, 24, 25, 20, 21], [3, 3, 3]]
@@ -132,7 +132,7 @@ def test_mixed_greedy_and_sampled_batch(model, singles):
 def test_mixed_batches_keep_the_target_law():
     """A toy target with p = (0.7, 0.3) everywhere, sampled rows mixed with greedy rows in
     every step: the sampled tokens follow p (chi-square), greedy rows are all token 0."""
-    from tests.test_routing import P2, Q2, ToyTarget, constant_drafter
+    from tests.engine.test_router import P2, Q2, ToyTarget, constant_drafter
     be = hal.get_backend("cpu")
     dec = SpeculativeDecoder(ToyTarget(be, P2), constant_drafter(be, Q2), num_blocks=16 * 16)
     reqs = [Request([0], max_new_tokens=120, temperature=1.0 if i % 2 else 0.0, seed=i, k=3) for i in range(16)]
@@ -261,7 +261,7 @@ def test_an_exact_tie_is_listed_in_the_greedy_order():
     """The outside trial's finding: on an exact tie the greedy token (argmax: the lower id)
     was listed second in the alternatives. A toy target with eight equal tokens: greedy emits
     token 0 and lists 0..3, in that order, each with logprob log(1/8)."""
-    from tests.test_routing import ToyTarget
+    from tests.engine.test_router import ToyTarget
     be = hal.get_backend("cpu")
     dec = SpeculativeDecoder(ToyTarget(be, torch.full((8,), 0.125)), None, num_blocks=16)
     rid = dec.add_request([0], SamplingParams(max_new_tokens=3, k=0, logprobs=4))

@@ -19,8 +19,8 @@ from hal.kv import KVPool
 from hal.models.llama import load_safetensors
 from hal.engine.drafting import Proposal
 from hal.models.linear_plan import offered_dtypes
-from tests.test_engine import PROMPTS, N
-from tests.test_serve import tiny  # noqa: F401  (the fixture: a tiny random model folder)
+from tests.engine.test_decoder import PROMPTS, N
+from tests.launch.test_generate import tiny  # noqa: F401  (the fixture: a tiny random model folder)
 
 
 @pytest.fixture(scope="module")
@@ -102,8 +102,8 @@ def test_ngram_trees_are_lossless_and_branch(model, plain):
 
 
 def test_logprobs_follow_the_accepted_path(model, plain):
-    from tests.test_engine import test_logprobs_match_log_softmax_of_the_target as check
-    import tests.test_engine as te
+    from tests.engine.test_decoder import test_logprobs_match_log_softmax_of_the_target as check
+    import tests.engine.test_decoder as te
     real = te.engine
     te.engine = lambda m, drafter="ngram", **kw: SpeculativeDecoder(m, OracleTree(PROMPTS, plain, m.cfg.vocab),
                                                                    num_blocks=64)

@@ -17,7 +17,7 @@ import hal
 from hal.engine import Request, SpeculativeDecoder
 from hal.engine.requests import SamplingParams
 from hal.models.llama import load_safetensors
-from tests.test_llama_runner import H, HEADS, KV, LAYERS, V, FFN, hf_weights
+from tests.models.test_llama import H, HEADS, KV, LAYERS, V, FFN, hf_weights
 
 PROMPTS = ["1,2,3,4,5,6,7,8,9", "10,11,12,13,10,11,12"]
 N = 24
@@ -250,7 +250,7 @@ def remote_sampled(drafter_cls):
     from hal.metrics import SpecDecodeMetrics
     from hal.distributed.remote import RemoteDrafter
     from hal.distributed.worker import draft_worker
-    from tests.test_routing import P2, Q2, ToyTarget
+    from tests.engine.test_router import P2, Q2, ToyTarget
     be = hal.get_backend("cpu")
     a, b = queue.Queue(), queue.Queue()
     worker = threading.Thread(target=draft_worker, args=(QueueLink(a, b), drafter_cls(be, Q2)), daemon=True)
@@ -268,7 +268,7 @@ def test_remote_sampling_with_overlap_keeps_the_target_distribution():
     """Sampled drafts from the worker, reused from the overlap guess when it holds: the emitted
     tokens and consecutive pairs still follow p (DSpark p=(0.7,0.3), q=(0.5,0.5), chi-square)."""
     from hal.conformance._helpers import assert_distribution
-    from tests.test_routing import P2
+    from tests.engine.test_router import P2
     out, metrics, remote = remote_sampled(ConstantDrafter)
     assert remote.guess_hits > 20 and metrics.total.num_draft_tokens > 200
     assert_distribution(torch.tensor([t for o in out for t in o]), P2, "remote drafts with overlap")
@@ -288,7 +288,7 @@ class PeekingConstantDrafter(ConstantDrafter):
 
 def test_planted_peeking_worker_is_caught():
     from hal.conformance._helpers import assert_distribution
-    from tests.test_routing import P2
+    from tests.engine.test_router import P2
     out, _, _ = remote_sampled(PeekingConstantDrafter)
     with pytest.raises(AssertionError, match="chi-square"):
         assert_distribution(torch.tensor([t for o in out for t in o]), P2, "peeking worker")

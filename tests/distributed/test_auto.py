@@ -14,7 +14,7 @@ import pytest
 from hal.distributed.auto import DeviceProfile, LinkProfile, choose
 from hal.engine.router import CostModel, expected_tokens
 from hal.errors import HalError
-from tests.test_serve import tiny  # noqa: F401  (the model fixture)
+from tests.launch.test_generate import tiny  # noqa: F401  (the model fixture)
 
 GB = 1 << 30
 # the target's forward: 10 ms + 0.1 ms per fed token (memory-bound: batching is nearly free)
@@ -129,7 +129,7 @@ def test_a_published_profile_reads_back_and_a_malformed_one_is_refused():
 def test_placement_auto_at_start_up_in_one_process(tiny, tmp_path):  # noqa: F811
     """The launcher measures this machine's devices, prints the choice and its runner-up,
     and runs it: greedy output is plain greedy's whatever it chose."""
-    from tests.test_serve import plain, serve_args
+    from tests.launch.test_generate import plain, serve_args
     out = tmp_path / "o.json"
     r = subprocess.run([sys.executable, "-m", "hal.launch",
                         *serve_args(tiny, out, "--draft", "self:2", "--k", "3")],
@@ -143,7 +143,7 @@ def test_placement_auto_at_start_up_in_one_process(tiny, tmp_path):  # noqa: F81
 def test_placement_auto_across_two_ranks(tiny, tmp_path):  # noqa: F811
     """Under torchrun the worker measures its devices and the link and publishes them; the
     target chooses among its own devices and the other rank's. Either way, plain greedy."""
-    from tests.test_serve import plain, serve_args, torchrun
+    from tests.launch.test_generate import plain, serve_args, torchrun
     out = tmp_path / "o.json"
     r = torchrun(serve_args(tiny, out, "--draft", "ngram", "--k", "3"), {"HAL_PLACEMENT": "auto"})
     line = next(x for x in r.stderr.splitlines() if x.startswith("placement auto: target on"))

@@ -6,7 +6,7 @@ output equals plain greedy; with the link down before the rendezvous the target 
 alone.
 
 Skips, saying why, where namespaces cannot be made (not root, no ``ip``). Delay, jitter and
-loss use ``tc netem`` (the kernel's ``sch_netem``) where it exists, else `tests.delayline`: the
+loss use ``tc netem`` (the kernel's ``sch_netem``) where it exists, else `tests.distributed.delayline`: the
 two namespaces joined through two TAP devices by a userspace wire that holds and drops
 frames the same way. Every wait is bounded."""
 
@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from tests.test_serve import V, plain, serve_args, tiny  # noqa: F401  (tiny: the model fixture)
+from tests.launch.test_generate import V, plain, serve_args, tiny  # noqa: F401  (tiny: the model fixture)
 
 
 def _run(*cmd, check=True):
@@ -57,7 +57,7 @@ def hosts():
 
 def netem_or_delayline(hosts, delay_ms: float, jitter_ms: float, loss_pct: float):
     """Shape both ends with ``tc netem``; where the kernel has none, rewire the two namespaces
-    through `tests.delayline` instead (same addresses, TAP devices in place of the veth pair).
+    through `tests.distributed.delayline` instead (same addresses, TAP devices in place of the veth pair).
     Returns (hosts, the delay line's process or None)."""
     t_ns, d_ns, t_ip, d_ip, t_if, d_if = hosts
     ok = all(_run("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "netem", "delay",
@@ -66,15 +66,15 @@ def netem_or_delayline(hosts, delay_ms: float, jitter_ms: float, loss_pct: float
     if ok:
         return hosts, None
     if not os.path.exists("/dev/net/tun"):
-        pytest.skip("neither tc netem (the kernel's sch_netem) nor /dev/net/tun for tests.delayline")
+        pytest.skip("neither tc netem (the kernel's sch_netem) nor /dev/net/tun for tests.distributed.delayline")
     _run("ip", "-n", t_ns, "link", "del", t_if)   # the veth pair goes; TAP devices take its addresses
     tag = t_if[3:]
-    line = subprocess.Popen([sys.executable, "-m", "tests.delayline", t_ns, f"hta{tag}", t_ip, d_ns, f"htb{tag}",
+    line = subprocess.Popen([sys.executable, "-m", "tests.distributed.delayline", t_ns, f"hta{tag}", t_ip, d_ns, f"htb{tag}",
                              d_ip, str(delay_ms), str(jitter_ms), str(loss_pct), "7"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if line.stdout.readline().strip() != "ready":
         line.kill()
-        raise AssertionError(f"tests.delayline did not start: {line.stderr.read()[-2000:]}")
+        raise AssertionError(f"tests.distributed.delayline did not start: {line.stderr.read()[-2000:]}")
     return (t_ns, d_ns, t_ip, d_ip, f"hta{tag}", f"htb{tag}"), line
 
 
@@ -127,7 +127,7 @@ def test_a_link_down_before_the_rendezvous_leaves_the_target_alone(tiny, hosts, 
 
 
 def test_greedy_under_delay_jitter_and_loss_equals_plain(tiny, hosts, tmp_path):  # noqa: F811
-    """1 ms +- 0.5 ms each way and 1% loss (tc netem, or tests.delayline where the kernel has
+    """1 ms +- 0.5 ms each way and 1% loss (tc netem, or tests.distributed.delayline where the kernel has
     none): TCP retransmits, greedy output is still plain greedy's."""
     shaped, line = netem_or_delayline(hosts, 1.0, 0.5, 1.0)
     try:
@@ -149,7 +149,7 @@ def test_a_partition_mid_stream_heals_and_the_worker_rejoins(hosts, tmp_path):
     alone; the link comes back: the worker rejoins by a new epoch and drafts resume. Every
     answer (a stream spanning it all, and requests one after another) is plain greedy's."""
     pytest.importorskip("httpx")
-    from tests.test_api_server import MODEL
+    from tests.server.test_app import MODEL
     import hal
     try:
         from hal.models.fetch import fetch
@@ -166,7 +166,7 @@ def test_a_partition_mid_stream_heals_and_the_worker_rejoins(hosts, tmp_path):
     target = subprocess.Popen(["ip", "netns", "exec", t_ns, *cmd], env={**env, "RANK": "0", "GLOO_SOCKET_IFNAME": t_if},
                               stdout=logs[0], stderr=subprocess.STDOUT)
     try:
-        r = subprocess.run(["ip", "netns", "exec", t_ns, sys.executable, "tests/netns_partition.py",
+        r = subprocess.run(["ip", "netns", "exec", t_ns, sys.executable, "tests/distributed/netns_partition.py",
                             "http://127.0.0.1:8031", t_if, MODEL], capture_output=True, text=True, timeout=600)
         log = "".join((tmp_path / f"{n}.log").read_text()[-2500:] for n in ("target", "draft"))
         assert r.returncode == 0, r.stdout + r.stderr[-3000:] + log

@@ -18,8 +18,8 @@ from hal.engine import Request, SpeculativeDecoder
 from hal.engine.requests import StructuredOutputs
 from hal.errors import HalError
 from hal.models.llama import load_safetensors
-from tests.test_processors import Oracle
-from tests.test_serve import tiny  # noqa: F401  (the fixture: a tiny random model folder)
+from tests.engine.test_processors import Oracle
+from tests.launch.test_generate import tiny  # noqa: F401  (the fixture: a tiny random model folder)
 
 pytest.importorskip("llguidance")
 from hal.engine.grammar import GrammarCompiler  # noqa: E402

@@ -20,7 +20,7 @@ from hal.training.train import TrainHead
 from hal.errors import HalError
 from hal.engine.forward import forward_tokens, make_batch
 from hal.engine.requests import Request
-from tests.models import random_llama
+from hal.models.llama import random_llama
 
 H, HEADS, KV, D, FFN, V, LAYERS = 64, 4, 2, 16, 128, 96, 8
 
@@ -282,7 +282,7 @@ def test_a_head_on_the_draft_rank_gets_the_features_over_the_link(target, tmp_pa
     from hal.metrics import SpecDecodeMetrics
     from hal.distributed.remote import RemoteDrafter
     from hal.distributed.worker import draft_worker
-    from tests.test_serve import QueueLink
+    from tests.launch.test_generate import QueueLink
     head = load_eagle(eagle3(tmp_path), target)
     local = lossless(target, HeadDrafter(head, tree=tree), PROMPTS, k=k)
     a, b = queue.Queue(), queue.Queue()

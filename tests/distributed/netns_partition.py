@@ -1,8 +1,8 @@
-"""Run inside the target's network namespace (`tests/test_netns.py`): against the two-rank
+"""Run inside the target's network namespace (`tests/distributed/test_netns.py`): against the two-rank
 server there, partition the link mid-stream (the target's end of the veth pair down), heal
 it, and record what came back. Prints one JSON object. Every wait is bounded.
 
-    ip netns exec NS python tests/netns_partition.py BASE_URL IFNAME MODEL"""
+    ip netns exec NS python tests/distributed/netns_partition.py BASE_URL IFNAME MODEL"""
 
 import json
 import subprocess

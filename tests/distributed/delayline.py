@@ -8,7 +8,7 @@ dropped with probability ``loss`` (seeded). ARP and TCP cross it like any wire. 
 process (root), it prints ``ready`` once both ends are up and runs until SIGTERM; every
 select is bounded.
 
-    python -m tests.delayline NS_A IF_A IP_A NS_B IF_B IP_B DELAY_MS JITTER_MS LOSS_PCT [SEED]
+    python -m tests.distributed.delayline NS_A IF_A IP_A NS_B IF_B IP_B DELAY_MS JITTER_MS LOSS_PCT [SEED]
 """
 
 from __future__ import annotations
@@ -90,11 +90,11 @@ def wired(tag: str, delay_ms: float, jitter_ms: float = 0.0, loss_pct: float = 0
     try:
         for ns in (t_ns, d_ns):
             subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True, timeout=30)
-        line = subprocess.Popen([sys.executable, "-m", "tests.delayline", t_ns, f"hta{tag}", t_ip, d_ns, f"htb{tag}",
+        line = subprocess.Popen([sys.executable, "-m", "tests.distributed.delayline", t_ns, f"hta{tag}", t_ip, d_ns, f"htb{tag}",
                                  d_ip, str(delay_ms), str(jitter_ms), str(loss_pct)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         if line.stdout.readline().strip() != "ready":
-            raise RuntimeError(f"tests.delayline did not start: {line.stderr.read()[-2000:]}")
+            raise RuntimeError(f"tests.distributed.delayline did not start: {line.stderr.read()[-2000:]}")
         yield t_ns, d_ns, t_ip, d_ip, f"hta{tag}", f"htb{tag}"
     finally:
         if line is not None:

@@ -1,4 +1,4 @@
-"""Loaded by the schemathesis run of tests/test_openapi.py (``SCHEMATHESIS_HOOKS``).
+"""Loaded by the schemathesis run of tests/server/test_openapi.py (``SCHEMATHESIS_HOOKS``).
 
 With its default checks, schemathesis expects every schema-valid request to be accepted.
 One refusal of ours no JSON schema can express: a prompt that, once tokenized, leaves no

@@ -11,7 +11,7 @@ import torch
 import hal
 from hal.conformance._helpers import assert_distribution
 from hal.engine import Request, SpeculativeDecoder
-from tests.drafters import EagleDrafter
+from tests.drafters.toy_heads import EagleDrafter
 from hal.engine.router import CostModel, Router, expected_tokens
 
 

@@ -8,7 +8,8 @@ import torch
 
 import hal
 from hal.engine import Request, SpeculativeDecoder
-from hal.drafters import EagleDrafter, ModelDrafter, NgramDrafter
+from hal.drafters import ModelDrafter, NgramDrafter
+from tests.drafters.toy_heads import EagleDrafter
 from hal.drafters.kinds import make_drafter, parse_draft
 from hal.models.linear_plan import offered_dtypes
 from hal.models.llama import Llama

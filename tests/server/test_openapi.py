@@ -2,7 +2,7 @@
 response body (`hal.server.request_bodies`), and schemathesis, run against it with all its
 checks, finds nothing. Here: a bounded, deterministic pass (the fuzzing phase, about 100
 cases, about a minute). The whole run, coverage phase included (750+ cases, about six
-minutes on 2 cores): ``HAL_SCHEMATHESIS_PHASES=coverage,fuzzing pytest tests/test_openapi.py``.
+minutes on 2 cores): ``HAL_SCHEMATHESIS_PHASES=coverage,fuzzing pytest tests/server/test_openapi.py``.
 
 The server: SmolLM2-135M, n-gram drafts, ``--max-model-len 24`` (so every accepted case
 generates at most 23 tokens)."""
@@ -17,7 +17,7 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("schemathesis")
 
-from tests.test_api_server import ready_server  # noqa: E402
+from tests.server.test_app import ready_server  # noqa: E402
 
 HERE = Path(__file__).parent / "schemathesis"
 EXAMPLES = int(os.environ.get("HAL_SCHEMATHESIS_EXAMPLES", "20"))

@@ -12,7 +12,7 @@ import hal
 from hal.drafters import NgramDrafter
 from hal.engine import Request, SamplingParams, SpeculativeDecoder
 from hal.models.llama import load_safetensors
-from tests.test_serve import tiny  # noqa: F401  (the fixture: a tiny random model folder)
+from tests.launch.test_generate import tiny  # noqa: F401  (the fixture: a tiny random model folder)
 
 BS = 4
 SYSTEM = [7, 3, 9, 1, 4, 4, 8, 2, 6, 5, 3, 3, 1, 9, 2, 7, 5, 8, 6, 1, 2, 2, 9, 4, 3, 7, 8, 1]   # 7 blocks of 4

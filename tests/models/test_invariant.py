@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import hal
-from tests.models import random_llama
+from hal.models.llama import random_llama
 from hal.engine.forward import forward
 from hal.kv import KVPool
 from hal.models import invariant
