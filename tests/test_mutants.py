@@ -19,7 +19,7 @@ def caught(tmp_path_factory) -> dict[str, str]:
     """Every mutant's conformance module in one pytest process (tests/mutants/select.py keeps
     each mutant's own module and stops that mutant at its first failure): mutant -> the first
     test that failed on it."""
-    plan = {f"mutant-{name}": ALL[name][4].split("::")[0] for name in ALL}
+    plan = {f"mutant-{name}": [ALL[name][4].split("::")[0], ALL[name][1]] for name in ALL}   # file, changed op
     out = tmp_path_factory.mktemp("mutants") / "caught.json"
     env = dict(os.environ, HAL_PLUGINS="tests.mutants", TRITON_INTERPRET="1", HAL_MUTANT_PLAN=json.dumps(plan),
                HAL_MUTANT_OUT=str(out))

@@ -1,7 +1,8 @@
 """A pytest plugin for running every mutant's conformance module in one session
-(`tests/test_mutants.py`): ``HAL_MUTANT_PLAN`` (JSON, backend name -> the conformance file
-meant to catch it) keeps only those items, and a backend's items after its first failure
-are skipped (the one-process form of ``-x`` per mutant). Each backend's first failed test id
+(`tests/test_mutants.py`): ``HAL_MUTANT_PLAN`` (JSON, backend name -> ``[the conformance file
+meant to catch it, the op it changes]``) keeps only those items (of a test parametrized by op,
+only the changed op's: the others cannot see the mutant), and a backend's items after its first
+failure are skipped (the one-process form of ``-x`` per mutant). Each backend's first failed test id
 is written to the JSON file ``HAL_MUTANT_OUT``."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pytest
 _failed: dict[str, str] = {}   # backend -> its first failed test id
 
 
-def _plan() -> dict[str, str]:
+def _plan() -> dict[str, list[str]]:
     return json.loads(os.environ.get("HAL_MUTANT_PLAN", "{}"))
 
 
@@ -25,7 +26,8 @@ def _backend(item) -> str | None:
 
 def pytest_collection_modifyitems(config, items):
     plan = _plan()
-    keep = [i for i in items if _backend(i) in plan and i.path.name == plan[_backend(i)]]
+    keep = [i for i in items if _backend(i) in plan and i.path.name == plan[_backend(i)][0]
+            and i.callspec.params.get("op", plan[_backend(i)][1]) == plan[_backend(i)][1]]
     config.hook.pytest_deselected(items=[i for i in items if i not in keep])
     items[:] = keep
 
