@@ -130,7 +130,8 @@ class Service:
                 if not h.done:
                     self.loop.abort(h)
 
-    def _logprobs(self, chat: bool, entries):
+    def logprobs_of(self, chat: bool, entries):
+        """A choice's logprobs object (chat or completion shape) for ``entries``."""
         return (logprobs_chat if chat else logprobs_completion)(self.tok, entries)
 
     # -- the two answers --------------------------------------------------------------------------
@@ -160,7 +161,7 @@ class Service:
             parts[i].append(text.finish())
             n = text.kept_tokens if text.stopped else len(text.ids)
             used += n
-            lps = None if parsed.logprobs is None else self._logprobs(chat, logprobs[i][:n])
+            lps = None if parsed.logprobs is None else self.logprobs_of(chat, logprobs[i][:n])
             choices.append(("".join(parts[i]), finish[i], lps))
         return response(chat, rid, parsed.model, choices, usage(len(parsed.prompt_ids), used))
 
@@ -224,7 +225,7 @@ class _Stream:
         if self.parsed.logprobs is not None and event.logprobs:
             keep = event.logprobs[:max(0, text.kept_tokens - (len(text.ids) - len(event.ids)))] \
                 if text.stopped else event.logprobs
-            logprobs = self.s._logprobs(self.chat, keep)
+            logprobs = self.s.logprobs_of(self.chat, keep)
         if delta or logprobs:
             yield self._chunk(delta, lp=logprobs, index=i)
         if text.stopped:
