@@ -243,12 +243,18 @@ class BadDrafter(NgramDrafter):
             return dataclasses.replace(prop, draft_token_ids=prop.draft_token_ids[1:])
         if self.how == "cu":
             return dataclasses.replace(prop, cu_num_draft_tokens=prop.cu_num_draft_tokens[:-1])
+        if self.how == "valid-tuple":   # host ints: num_valid has one type, an int64 tensor
+            return dataclasses.replace(prop, num_valid=tuple(b.k))
+        if self.how == "valid-float":
+            return dataclasses.replace(prop, num_valid=torch.tensor([float(k) for k in b.k]))
         return dataclasses.replace(prop, num_valid=torch.tensor([k + 1 for k in b.k]))
 
 
 @pytest.mark.parametrize("lookahead", [True, False])
 @pytest.mark.parametrize("how,field", [("ids", "draft_token_ids"), ("cu", "cu_num_draft_tokens"),
-                                       ("valid", "num_valid")])
+                                       ("valid", "num_valid"), ("valid-tuple", "Proposal.num_valid: expected None or "
+                                                                                "an integer tensor"),
+                                       ("valid-float", "Proposal.num_valid: expected None or an integer tensor")])
 def test_a_malformed_proposal_is_refused_naming_the_field(model, how, field, lookahead):
     dec = engine(model, drafter=BadDrafter(model.be, how, lookahead))
     dec.add(Request(PROMPTS[0], max_new_tokens=N, k=3))
