@@ -38,7 +38,7 @@ from hal.engine.drafting import Drafter, capabilities
 from hal.engine.requests import Request, SamplingParams, State, StepOutput, TokenLogprob, draft_room
 from hal.engine.validation import check_request
 from hal.engine.scheduler import Scheduler, blocks_for
-from hal.engine.step_types import StepDrafts, StepPlan, StepResult
+from hal.engine.step_types import PrefillChunk, StepDrafts, StepPlan, StepResult
 from hal.errors import HalError
 from hal.metrics import SpecDecodeMetrics
 from hal.models.llama import Llama
@@ -217,15 +217,30 @@ class SpeculativeDecoder:
         drafts = grammar.constrain(live, drafts, plan.k)   # deterministic drafts follow each request's grammar
         self._ahead = None
         self._apply_drafts(live, drafts)
-        fed = len(live) + sum(drafts.counts)
-        plan.prefill = self.scheduler.plan_prefill(plan.budget - fed, self.pool.allocator.num_free - sum(
-            blocks_for(state, 1 + c) for state, c in zip(live, drafts.counts)))
+        fed, decoding = len(live) + sum(drafts.counts), sum(blocks_for(s, 1 + c) for s, c in zip(live, drafts.counts))
+        self._admit(self.scheduler.admit(self.pool.allocator.num_free - decoding))
+        plan.prefill = self.scheduler.plan_prefill(plan.budget - fed, self.pool.allocator.num_free - decoding)
         if not live and not plan.prefill:
             return None
         sampled = any(state.req.temperature > 0 for state in live)
         offsets = Offsets([state.next_offset() for state in live] if live and sampled else None,
                           [state.next_offset() for state in plan.first])
         return execute(self.target, self.pool, self.history, self.drafter, plan, drafts, offsets)
+
+    def _admit(self, admitted: list[State]) -> None:
+        """Start newly admitted requests on their cached blocks (prefix caching)."""
+        if self.prefix_caching:
+            for state in admitted:
+                state.prefilled = state.seq.adopt(state.block_names(self.pool.allocator.block_size))
+
+    def _finish_prefill(self, chunks: list[PrefillChunk]) -> None:
+        """Commit the chunks' tokens to the KV; a request whose prompt is in starts decoding."""
+        for chunk in chunks:
+            s = chunk.state
+            s.seq.commit(chunk.num_tokens)
+            s.seq.cache_full_blocks(s.tokens)
+            s.prefilled += chunk.num_tokens
+        self.scheduler.prefilled([c.state for c in chunks if c.completes])
 
     def _apply_drafts(self, live: list[State], drafts: StepDrafts) -> None:
         for s, used in zip(live, drafts.offsets_used):
@@ -238,7 +253,7 @@ class SpeculativeDecoder:
         out = self._out
         if result is not None:
             first, resumed = plan.first, plan.resumed
-            self.scheduler.finish_prefill(plan.prefill)
+            self._finish_prefill(plan.prefill)
             self._commit(plan.decode, result)
             self._keep_prefill_hidden(plan, result, first + resumed)
             for j, state in enumerate(first):

@@ -13,15 +13,6 @@ from hal import kv
 from hal.engine.requests import State
 
 
-def names(state: State, block_size: int) -> list[bytes]:
-    """The names (`hal.kv.block_hashes`) of the blocks ``state`` may take from the cache,
-    computed once per length of its tokens."""
-    stop = max(0, state.prefill_end() - 1) // block_size
-    if state.names is None or len(state.names) != stop:
-        state.names = kv.block_hashes(state.tokens, block_size, stop=stop)
-    return state.names
-
-
 def pending(prefilling: list[State]) -> set[bytes]:
     """Names that requests in prefill will cache but have not yet."""
     out: set[bytes] = set()
@@ -34,6 +25,6 @@ def pending(prefilling: list[State]) -> set[bytes]:
 def lookup(state: State, allocator: kv.BlockAllocator, in_flight: set[bytes]) -> tuple[list[int], bool]:
     """The cached blocks ``state`` would start on, and whether it should wait because a
     request in prefill is computing its next block."""
-    wanted = names(state, allocator.block_size)
+    wanted = state.block_names(allocator.block_size)
     hit = allocator.match(wanted)
     return hit, len(hit) < len(wanted) and wanted[len(hit)] in in_flight

@@ -107,7 +107,7 @@ class State:
     prefilled: int = 0       # tokens of ``tokens`` already in the KV during (re)prefill
     arrival: float = 0.0
     aborted: bool = False
-    names: list[bytes] | None = None   # prefix-cache names of its leading blocks (`hal.engine.prefix.names`)
+    names: list[bytes] | None = None   # prefix-cache names of its leading blocks (`State.block_names`)
     matcher: object | None = None      # its grammar's matcher at the committed tokens (`hal.engine.grammar`)
 
     def next_offset(self) -> int:
@@ -117,6 +117,15 @@ class State:
     def prefill_end(self) -> int:
         """Tokens a (re)prefill puts in the KV: the prompt, or all but the last of a resumed request."""
         return len(self.tokens) - (1 if self.generated else 0)
+
+    def block_names(self, block_size: int) -> list[bytes]:
+        """The names (`hal.kv.block_hashes`) of the blocks a (re)prefill may take from the
+        prefix cache, computed once per length of the tokens. A request always computes at
+        least its last prefill token, so at most ``(prefill_end - 1) // block_size`` blocks."""
+        stop = max(0, self.prefill_end() - 1) // block_size
+        if self.names is None or len(self.names) != stop:
+            self.names = kv.block_hashes(self.tokens, block_size, stop=stop)
+        return self.names
 
 
 def draft_room(s) -> int:

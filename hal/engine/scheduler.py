@@ -8,7 +8,10 @@ requests, in chunks. When KV blocks run out, drafts go first, then the latest-ar
 running request is preempted (the engine frees its blocks; it is recomputed later from
 its tokens). Prefill chunks are sized once the drafts are known (`Scheduler.plan_prefill`),
 so a short proposal leaves its budget to prefill. With prefix caching, an admitted request
-starts on the cached blocks of its tokens (`hal.engine.prefix`)."""
+starts on the cached blocks of its tokens (`hal.engine.prefix`).
+
+The scheduler owns its queues and returns decisions; the engine alone changes request
+state (starts a request on its cached blocks, commits prefill tokens, preempts)."""
 
 from __future__ import annotations
 
@@ -89,12 +92,12 @@ class Scheduler:
 
     # -- the prefill half ------------------------------------------------------------------------
 
-    def plan_prefill(self, budget: int, free: int) -> list[PrefillChunk]:
-        """Admit waiting requests and size their prefill chunks within ``budget`` tokens and
-        ``free`` blocks."""
-        # admit only what can finish its (re)prefill plus one token in blocks nobody has claimed yet
+    def admit(self, free: int) -> list[State]:
+        """Waiting requests that join the prefill now, within ``free`` blocks: each can finish
+        its (re)prefill plus one token in blocks nobody has claimed yet. The engine starts
+        each on its cached blocks (`hal.engine.prefix`) before `plan_prefill`."""
         claimed = sum(blocks_for(state, state.prefill_end() - state.prefilled + 1) for state in self.prefilling)
-        caching, at = self.allocator.caching, 0
+        caching, at, admitted, taken = self.allocator.caching, 0, [], set()
         in_flight = prefix.pending(self.prefilling) if caching else set()
         while at < len(self.waiting) and len(self.running) + len(self.prefilling) < self.max_num_seqs:
             state = self.waiting[at]
@@ -102,19 +105,23 @@ class Scheduler:
             if wait:      # a request in prefill is computing its next block: take it from the cache next step
                 at += 1
                 continue
-            revived = sum(self.allocator.refcount[b] == 0 for b in hit)
+            revived = {b for b in hit if self.allocator.refcount[b] == 0} - taken
             need = -(-(state.prefill_end() + 1) // self.allocator.block_size) - len(hit)
-            if need + revived > free - claimed:
+            if need + len(revived) > free - claimed:
                 break
-            claimed, free = claimed + need, free - revived
+            claimed, free, taken = claimed + need, free - len(revived), taken | revived
             del self.waiting[at]
             if caching:
-                state.seq.adopt(state.names)
-                state.prefilled = state.seq.length
                 self.prefix_queries += state.prefill_end()
-                self.prefix_hits += state.prefilled
-                in_flight.update(state.names[len(hit):])
+                self.prefix_hits += len(hit) * self.allocator.block_size
+                in_flight.update(state.block_names(self.allocator.block_size)[len(hit):])
             self.prefilling.append(state)
+            admitted.append(state)
+        return admitted
+
+    def plan_prefill(self, budget: int, free: int) -> list[PrefillChunk]:
+        """The prefill chunks of this step, in admission order, within ``budget`` tokens and
+        ``free`` blocks."""
         chunks, block_size = [], self.allocator.block_size
         for state in self.prefilling:
             room = (len(state.seq.blocks) + free) * block_size - state.seq.length
@@ -123,20 +130,15 @@ class Scheduler:
                 break
             free -= blocks_for(state, n)
             budget -= n
-            chunks.append(PrefillChunk(state, n))
+            chunks.append(PrefillChunk(state, n, state.prefilled + n == state.prefill_end()))
         return chunks
 
-    def finish_prefill(self, chunks: list[PrefillChunk]) -> None:
-        """Commit the chunks' tokens to the KV; a request whose prompt is in starts decoding."""
-        for chunk in chunks:
-            s, complete = chunk.state, chunk.completes
-            s.seq.commit(chunk.num_tokens)
-            s.seq.cache_full_blocks(s.tokens)
-            s.prefilled += chunk.num_tokens
-            if complete:
-                self.prefilling.remove(s)
-                self.running.append(s)
-                self.running.sort(key=lambda x: x.rid)
+    def prefilled(self, states: list[State]) -> None:
+        """``states``' prompts are in the KV: they decode from the next step."""
+        for s in states:
+            self.prefilling.remove(s)
+            self.running.append(s)
+        self.running.sort(key=lambda x: x.rid)
 
     def drop_finished(self) -> list[State]:
         """Take finished requests off the running queue; returns them."""

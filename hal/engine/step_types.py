@@ -26,11 +26,7 @@ from hal.engine.requests import State
 class PrefillChunk:
     state: State
     num_tokens: int              # prompt tokens this step feeds into the KV
-
-    @property
-    def completes(self) -> bool:
-        """The chunk ends the (re)prefill: the request decodes from the next step."""
-        return self.state.prefilled + self.num_tokens == self.state.prefill_end()
+    completes: bool              # the chunk ends the (re)prefill: the request decodes from the next step
 
 
 @dataclass
