@@ -41,9 +41,9 @@ def cmd_info(_args) -> int:
 
 def print_plan(model: str, dtype: str, refresh: bool) -> None:
     """The linear plan the runner uses for ``model``'s shapes on this machine (measured once, then cached)."""
-    from hal.models.fetch import MODEL_SHAPES
+    from hal.models.fetch import MODEL_SHAPES, MODEL_INT4
     from hal.models.linear_plan import choose_plan, cpu_signature
-    from hal.models.llama import LlamaConfig, linear_shapes
+    from hal.models.llama import LINEAR_KEYS, LlamaConfig, linear_shapes
     if model not in MODEL_SHAPES:
         return
     sig = cpu_signature()
@@ -52,11 +52,14 @@ def print_plan(model: str, dtype: str, refresh: bool) -> None:
     print(f"linear plan for {model} (--dtype {dtype}; measured once per machine, cached under $HAL_CACHE/plans):",
           flush=True)
     cfg = LlamaConfig(**MODEL_SHAPES[model], rope_base=1e4, eps=1e-5, rope_interleaved=True)
-    choice = choose_plan(linear_shapes(cfg), dtype, refresh=refresh)
+    int4 = [name in MODEL_INT4[model] for _ in range(cfg.layers) for name in LINEAR_KEYS] + [False]
+    choice = choose_plan(linear_shapes(cfg), dtype, refresh=refresh, stored_int4=int4)
     print(f"  {choice.plan.describe()} ({'cached' if choice.from_cache else 'measured now'}; {choice.conditions()})")
     for c in sorted(choice.candidates, key=lambda c: c["score"]):
         ms = ", ".join(f"M={m}: {t:.1f}" for m, t in c["ms"].items())
-        print(f"    {c['plan']['dtype']:9s} {c['plan']['layout']:6s} widths {'/'.join(map(str, c['plan']['widths'])):11s}"
+        plan = c["plan"]
+        print(f"    {plan['dtype']:9s} {plan.get('weights', 'float'):5s} {plan['layout']:6s} widths "
+              f"{'/'.join(map(str, plan['widths'])):11s}"
               f" score {c['score']:7.1f} ms  ({ms} ms)")
 
 

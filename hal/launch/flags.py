@@ -13,9 +13,12 @@ from hal.errors import HalError
 
 def add_dtype_args(ap: argparse.ArgumentParser) -> None:
     """``--dtype`` and ``--plan-refresh``: the runner's linear plan (`hal.models.linear_plan`)."""
-    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
-                    help="the linear layers' and KV cache's dtype (auto: bfloat16 where it measures faster and "
-                         "batch-invariant on this CPU, else float32)")
+    from hal.models.linear_plan import CHOICES
+    ap.add_argument("--dtype", default="auto", choices=CHOICES,
+                    help="how the linear layers run (auto: the fastest batch-invariant choice measured on this CPU "
+                         "among float32, bfloat16 where the CPU has a bf16 unit, and the file's Q4_0/Q4_1 weights "
+                         "as stored; stored: the int4 weights as stored, other weights and the KV cache in the "
+                         "rows' dtype; float32, bfloat16: every weight dequantized to that dtype)")
     ap.add_argument("--plan-refresh", action="store_true", help="measure the linear plan again (it is cached "
                                                                  "per CPU signature under $HAL_CACHE/plans)")
 

@@ -27,6 +27,11 @@ MODEL_SHAPES = {   # what a linear plan needs before the file is fetched (`hal.m
 }
 
 
+MODEL_INT4 = {   # the linears each model's file stores as Q4_0/Q4_1 blocks (`hal.models.llama.linear_int4`)
+    "smollm2-135m": ("wqkv", "wo", "wgu", "wdown"),   # every layer's; the tied head is Q8_0
+}
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

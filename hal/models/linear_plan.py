@@ -6,13 +6,20 @@ dtype for the weights and the multiplied rows (float32, or bfloat16 where the CP
 AVX512-BF16 or AMX), and the chunk widths: every row is computed inside a chunk of exactly
 one of those widths (zero-padded), so its bits never depend on how many rows came with it.
 
+Weights the file stores as Q4_0/Q4_1 blocks can also run **as stored** (``weights="int4"``):
+PyTorch's int4pack kernel multiplies the codes with a scale and a zero per 32 weights
+(`hal.models.int4`), rows in bfloat16 where the CPU has a bf16 unit (float32 elsewhere);
+the other weights (the head) then run in the plan's float layout and dtype. ``--dtype
+auto`` measures these candidates with the float ones; ``stored`` measures only them.
+
 `choose_plan` picks one at model load:
 
 1. **Usable** candidates only. For each layout and dtype, each probe width is run with a row
    in several positions among random batch-mates, on every weight shape of the model; a width
    whose row changes with its mates or position is dropped, and the remaining widths are
    grouped by the bits they give (widths in one group agree with each other exactly). Each
-   group is a candidate plan.
+   group is a candidate plan, with the subset of its widths predicted fastest
+   (`fastest_subset`: any subset of a group is as invariant as the group).
 2. The **fastest** usable candidate by the measured time of all the model's linears at a mix
    of rows (`MIX`: one-token decode, a 4-draft verify, an 8-node tree verify).
 3. **Cached** per CPU signature (model name, SIMD flags, cores, threads, torch version) and
@@ -39,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from hal.models import int4
 from hal.models.cache_dir import cache_dir
 from hal.errors import HalError
 from hal.models.progress import bar as progress_bar
@@ -49,6 +57,8 @@ LAYOUTS: dict[str, Layout] = {
     "linear": lambda x, w: F.linear(x, w),
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+CHOICES = ("auto", "stored", *DTYPES)   # what ``--dtype`` may ask for
+WEIGHTS = ("float", "int4")              # how the weights stored as int4 blocks run (`LinearPlan.weights`)
 PROBE_WIDTHS = (1, 2, 4, 8, 16)
 MIX = {1: 0.5, 5: 0.25, 9: 0.25}       # rows per forward -> weight in the score (decode, verify k=4, tree of 8)
 REPORT_ROWS = (1, 5, 9, 16)
@@ -65,11 +75,14 @@ class LinearPlan:
     dtype: torch.dtype
     widths: tuple[int, ...]
     fn: Layout | None = field(default=None, compare=False, repr=False)   # a layout not in LAYOUTS (tests)
+    weights: str = "float"   # int4: weights stored as int4 blocks run as stored (`hal.models.int4`), rows in dtype
 
-    def linear(self, x: Tensor, w: Tensor) -> Tensor:
+    def linear(self, x: Tensor, w: Tensor | int4.Int4Weight) -> Tensor:
         """``x @ w.T`` for ``x`` [T, K] (any float dtype), computed in ``w``'s dtype (the model
-        casts its weights to ``self.dtype`` once), returned as float32."""
-        fn, T = self.fn or LAYOUTS[self.layout], x.shape[0]
+        casts its weights to ``self.dtype`` once; an `hal.models.int4.Int4Weight` multiplies
+        rows of its activation dtype), returned as float32."""
+        fn = _int4_mm if isinstance(w, int4.Int4Weight) else self.fn or LAYOUTS[self.layout]
+        T = x.shape[0]
         x = x.to(w.dtype)
         out = torch.empty(T, w.shape[0], dtype=torch.float32, device=x.device)
         start = 0
@@ -86,17 +99,25 @@ class LinearPlan:
 
     def describe(self) -> str:
         name = "mm(W, X.T)" if self.layout == "mm" else "F.linear"
-        return f"{str(self.dtype).removeprefix('torch.')} {name} in chunks of {'/'.join(map(str, self.widths))}"
+        dt, widths = str(self.dtype).removeprefix("torch."), "/".join(map(str, self.widths))
+        if self.weights == "int4":
+            return f"int4 weights as stored ({dt} rows; other weights {dt} {name}) in chunks of {widths}"
+        return f"{dt} {name} in chunks of {widths}"
 
     def to_json(self) -> dict:
-        return {"layout": self.layout, "dtype": str(self.dtype).removeprefix("torch."), "widths": list(self.widths)}
+        return {"layout": self.layout, "dtype": str(self.dtype).removeprefix("torch."), "widths": list(self.widths),
+                "weights": self.weights}
 
     @classmethod
     def from_json(cls, d: dict) -> "LinearPlan":
-        if d.get("layout") not in LAYOUTS or d.get("dtype") not in DTYPES:
-            raise HalError(f"linear plan: expected a layout in {sorted(LAYOUTS)} and a dtype in {sorted(DTYPES)}, "
-                           f"got {d!r:.120}")
-        return cls(d["layout"], DTYPES[d["dtype"]], tuple(int(n) for n in d["widths"]))
+        if d.get("layout") not in LAYOUTS or d.get("dtype") not in DTYPES or d.get("weights", "float") not in WEIGHTS:
+            raise HalError(f"linear plan: expected a layout in {sorted(LAYOUTS)}, a dtype in {sorted(DTYPES)} and "
+                           f"weights in {list(WEIGHTS)}, got {d!r:.120}")
+        return cls(d["layout"], DTYPES[d["dtype"]], tuple(int(n) for n in d["widths"]), weights=d.get("weights", "float"))
+
+
+def _int4_mm(x: Tensor, w: int4.Int4Weight) -> Tensor:
+    return w.mm(x)
 
 
 @dataclass
@@ -155,12 +176,21 @@ def cpu_signature(threads: int | None = None, device: torch.device | None = None
 
 
 def candidate_dtypes(dtype: str, flags: list[str]) -> list[torch.dtype]:
-    """The dtypes ``--dtype`` allows here: auto is float32, plus bfloat16 where the CPU has a bf16 unit."""
-    if dtype not in ("auto", *DTYPES):
-        raise HalError(f"dtype: expected auto, float32 or bfloat16, got {dtype!r}", arg="dtype")
+    """The float dtypes ``--dtype`` allows here: auto is float32, plus bfloat16 where the CPU
+    has a bf16 unit; stored allows none (every candidate runs the int4 weights as stored)."""
+    if dtype not in CHOICES:
+        raise HalError(f"dtype: expected one of {', '.join(CHOICES)}, got {dtype!r}", arg="dtype")
+    if dtype == "stored":
+        return []
     if dtype != "auto":
         return [DTYPES[dtype]]
     return [torch.float32] + ([torch.bfloat16] if any(f in flags for f in BF16_FLAGS) else [])
+
+
+def int4_activation(flags: list[str]) -> torch.dtype:
+    """The rows an int4 candidate multiplies: bfloat16 where the CPU has a bf16 unit (the
+    kernel's fast path), float32 elsewhere (the only one there)."""
+    return torch.bfloat16 if any(f in flags for f in BF16_FLAGS) else torch.float32
 
 
 def offered_dtypes() -> list[str]:
@@ -169,11 +199,12 @@ def offered_dtypes() -> list[str]:
 
 
 def usable_groups(fn: Layout, dtype: torch.dtype, shapes: list[tuple[int, int]], widths=PROBE_WIDTHS,
-                  seed: int = 0, device: torch.device | None = None,
-                  rows: int = 64) -> tuple[list[tuple[int, ...]], list[str]]:
+                  seed: int = 0, device: torch.device | None = None, rows: int = 64,
+                  int4_shapes: frozenset = frozenset()) -> tuple[list[tuple[int, ...]], list[str]]:
     """Width groups whose rows are independent of their batch-mates and position and agree
     bit for bit within the group, on every shape ``[N, K]`` (on ``device``); and why the
-    other widths fail.
+    other widths fail. Shapes in ``int4_shapes`` are checked with random int4 weights
+    (`hal.models.int4`), multiplied by the int4pack kernel with ``dtype`` rows.
 
     ``rows`` random rows are computed in chunks of each width twice, in two random orders (so
     each row meets other mates at another position): a width whose rows change is dropped.
@@ -184,8 +215,10 @@ def usable_groups(fn: Layout, dtype: torch.dtype, shapes: list[tuple[int, int]],
     bits: dict[int, list[bytes]] = {n: [] for n in widths}
     why = []
     for N, K in shapes:
-        w = torch.randn(N, K, generator=g).to(dev, dtype)
+        packed = (N, K) in int4_shapes
+        w = int4.random(N, K, g).pack(dtype) if packed else torch.randn(N, K, generator=g).to(dev, dtype)
         x = torch.randn(rows, K, generator=g).to(dev, dtype)
+        mm = _int4_mm if packed else fn
         orders = [torch.randperm(rows, generator=g) for _ in range(2)]
         for n in list(bits):
             runs = []
@@ -196,10 +229,11 @@ def usable_groups(fn: Layout, dtype: torch.dtype, shapes: list[tuple[int, int]],
                     chunk = x[idx.to(dev)]
                     if len(idx) < n:   # the last chunk: random mates as padding
                         chunk = torch.cat([chunk, torch.randn(n - len(idx), K, generator=g).to(dev, dtype)])
-                    out[idx.to(dev)] = fn(chunk.contiguous(), w)[:len(idx)].float()
+                    out[idx.to(dev)] = mm(chunk.contiguous(), w)[:len(idx)].float()
                 runs.append(out.cpu().numpy().tobytes())
             if runs[0] != runs[1]:
-                why.append(f"width {n} on [{N}, {K}]: a row's bits depend on its batch-mates or position")
+                why.append(f"width {n} on {'int4 ' * packed}[{N}, {K}]: a row's bits depend on its batch-mates "
+                           f"or position")
                 del bits[n]
                 continue
             bits[n].append(runs[0])
@@ -231,29 +265,65 @@ def time_plan(plan: LinearPlan, weights: list[Tensor], rows=REPORT_ROWS, reps: i
     return out
 
 
+def chunks(widths: tuple[int, ...], rows: int) -> list[int]:
+    """The chunk widths `LinearPlan.linear` computes ``rows`` rows in."""
+    out = []
+    while rows > 0:
+        width = next((n for n in widths if n >= rows), widths[-1])
+        out.append(width)
+        rows -= width
+    return out
+
+
+def fastest_subset(plan: LinearPlan, weights: list, reps: int = 3) -> LinearPlan:
+    """``plan`` with the subset of its widths that scores best (`MIX`). Widths of one group
+    give a row the same bits, so any subset of them is as invariant as the whole; which is
+    fastest depends on the kernel (int4pack at 4 rows can cost more than 4 single rows).
+    Each width is timed once as a single chunk; a subset's score is predicted from those."""
+    if len(plan.widths) == 1:
+        return plan
+    one = {n: time_plan(LinearPlan(plan.layout, plan.dtype, (n,), plan.fn, plan.weights), weights, rows=(n,),
+                        reps=reps)[n] for n in plan.widths}
+    best, best_score = plan.widths, None
+    for mask in range((1 << len(plan.widths)) - 1, 0, -1):    # the whole group first: it wins ties
+        subset = tuple(n for j, n in enumerate(plan.widths) if mask >> j & 1)
+        predicted = sum(weight * sum(one[n] for n in chunks(subset, m)) for m, weight in MIX.items())
+        if best_score is None or predicted < best_score * (1 - 1e-9):
+            best, best_score = subset, predicted
+    return LinearPlan(plan.layout, plan.dtype, best, plan.fn, plan.weights)
+
+
 def score(ms: dict[int, float]) -> float:
     return sum(weight * ms[m] for m, weight in MIX.items())
 
 
-def _cache_path(signature: dict, shapes, dtype: str, layouts) -> Path:
-    key = json.dumps([signature, sorted(set(shapes)), dtype, sorted(layouts)], sort_keys=True)
+def _cache_path(signature: dict, shapes, dtype: str, layouts, int4_shapes) -> Path:
+    key = json.dumps([signature, sorted(set(shapes)), dtype, sorted(layouts), sorted(int4_shapes)], sort_keys=True)
     return cache_dir() / "plans" / f"linear-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
 def choose_plan(shapes: list[tuple[int, int]], dtype: str = "auto", *, weights: list[Tensor] | None = None,
                 refresh: bool = False, threads: int | None = None, layouts: dict[str, Layout] | None = None,
                 reps: int = 3, cache: bool = True, device: torch.device | str | None = None,
-                progress: bool = False) -> Choice:
+                progress: bool = False, stored_int4: list[bool] | None = None) -> Choice:
     """The fastest usable `LinearPlan` for a model whose linear weights have ``shapes`` ([N, K]
     each, in forward order) on this machine; see the module docstring. ``weights``: those
     weights to time with (default: random ones of the shapes, made only when measuring).
-    ``layouts``: the candidates (default `LAYOUTS`; tests plant others). `HalError` when no
-    candidate of the requested dtype is usable. ``progress``: a bar (tqdm, stderr) while measuring."""
+    ``layouts``: the candidates (default `LAYOUTS`; tests plant others). ``stored_int4``: which of
+    ``shapes`` the file stores as int4 blocks (Q4_0/Q4_1): ``auto`` then also measures them
+    run as stored, and ``stored`` measures only that. `HalError` when no candidate of the
+    requested dtype is usable. ``progress``: a bar (tqdm, stderr) while measuring."""
     layouts = LAYOUTS if layouts is None else layouts
     dev = torch.device(device) if device is not None else torch.device("cpu")
     signature = cpu_signature(threads, dev)
     shapes = [tuple(int(n) for n in s) for s in shapes]
-    path = _cache_path(signature, shapes, dtype, layouts) if cache and layouts is LAYOUTS else None
+    int4_shapes = frozenset(s for s, q in zip(shapes, stored_int4 or []) if q and int4.fits(*s)) \
+        if dev.type == "cpu" else frozenset()
+    candidate_dtypes(dtype, [])   # a bad dtype is refused before anything is read or measured
+    if dtype == "stored" and not int4_shapes:
+        raise HalError(f"dtype: expected a model with weights stored as Q4_0/Q4_1 blocks for 'stored' on a CPU, "
+                       f"got {'none' if dev.type == 'cpu' else 'device ' + dev.type}", arg="dtype")
+    path = _cache_path(signature, shapes, dtype, layouts, int4_shapes) if cache and layouts is LAYOUTS else None
     if path is not None and path.exists() and not refresh:
         try:
             saved = json.loads(path.read_text())
@@ -266,7 +336,7 @@ def choose_plan(shapes: list[tuple[int, int]], dtype: str = "auto", *, weights: 
         gen = torch.Generator().manual_seed(0)
         weights = [torch.randn(n, k, generator=gen) * 0.02 for n, k in shapes]
     for _ in range(2):   # a noisy measurement is repeated once; still noisy, it is not cached
-        choice = _measure(shapes, dtype, weights, signature, layouts, reps, dev, progress)
+        choice = _measure(shapes, dtype, weights, signature, layouts, reps, dev, progress, int4_shapes)
         if not choice.noisy:
             break
     if path is not None and not choice.noisy:
@@ -279,21 +349,38 @@ def choose_plan(shapes: list[tuple[int, int]], dtype: str = "auto", *, weights: 
     return choice
 
 
+def _kinds(dtype: str, flags: list[str], int4_shapes) -> list[tuple[torch.dtype, str]]:
+    """(row dtype, weights) of every candidate family ``dtype`` allows."""
+    kinds = [(dt, "float") for dt in candidate_dtypes(dtype, flags)]
+    return kinds + ([(int4_activation(flags), "int4")] if int4_shapes and dtype in ("auto", "stored") else [])
+
+
+def _timing_weights(weights: list[Tensor], shapes, dt: torch.dtype, kind: str, int4_shapes, dev) -> list:
+    """``weights`` in the candidate's form: int4 shapes as random int4 weights (timing only)."""
+    g = torch.Generator().manual_seed(0)
+    return [int4.random(*s, g).pack(dt) if kind == "int4" and s in int4_shapes else
+            w if isinstance(w, int4.Int4Weight) else w.to(dev, dt) for w, s in zip(weights, shapes)]
+
+
 def _measure(shapes, dtype: str, weights: list[Tensor], signature: dict, layouts, reps: int, dev,
-             progress: bool) -> Choice:
+             progress: bool, int4_shapes=frozenset()) -> Choice:
     """Time every usable candidate, then the winner once more: the spread of its two scores
     (relative to the lower) says whether the machine was quiet enough to trust the choice."""
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     candidates, rejected, casts = [], [], {}
     flags = signature["flags"] if dev.type == "cpu" else list(BF16_FLAGS)   # accelerators: measure bf16 too
-    bar = progress_bar(progress, len(candidate_dtypes(dtype, flags)) * len(layouts), "linear plan", "layout")
-    for dt in candidate_dtypes(dtype, flags):
-        casts[dt] = cast = [w.to(dev, dt) for w in weights]
+    kinds = _kinds(dtype, flags, int4_shapes)
+    bar = progress_bar(progress, len(kinds) * len(layouts), "linear plan", "layout")
+    for dt, kind in kinds:
+        casts[dt, kind] = cast = _timing_weights(weights, shapes, dt, kind, int4_shapes, dev)
+        checked = int4_shapes if kind == "int4" else frozenset()
         for name, fn in layouts.items():
-            groups, why = usable_groups(fn, dt, sorted(set(shapes)), device=dev)
-            rejected += [f"{str(dt).removeprefix('torch.')} {name}: {w}" for w in why]
-            for widths in groups:
-                plan = LinearPlan(name, dt, widths, None if LAYOUTS.get(name) is fn else fn)
+            groups, why = usable_groups(fn, dt, sorted(set(shapes)), device=dev, int4_shapes=checked)
+            label = f"{str(dt).removeprefix('torch.')}{' int4' * (kind == 'int4')} {name}"
+            rejected += [f"{label}: {w}" for w in why]
+            for group in groups:
+                plan = LinearPlan(name, dt, group, None if LAYOUTS.get(name) is fn else fn, weights=kind)
+                plan = fastest_subset(plan, cast, reps)
                 ms = time_plan(plan, cast, reps=reps)
                 candidates.append({"plan": plan, "ms": ms, "score": round(score(ms), 3)})
             bar.update()
@@ -302,7 +389,7 @@ def _measure(shapes, dtype: str, weights: list[Tensor], signature: dict, layouts
         raise HalError(f"dtype {dtype}: expected a batch-invariant linear layout on this CPU, got none usable "
                        f"({'; '.join(rejected[:4])})", arg="dtype")
     best = min(candidates, key=lambda c: c["score"])
-    again = score(time_plan(best["plan"], casts[best["plan"].dtype], reps=reps))
+    again = score(time_plan(best["plan"], casts[best["plan"].dtype, best["plan"].weights], reps=reps))
     spread = abs(again - best["score"]) / max(min(again, best["score"]), 1e-9)
     measured = {"at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load": round(load, 2),
                 "spread": round(spread, 3)}

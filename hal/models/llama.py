@@ -16,6 +16,7 @@ from torch import Tensor
 
 from hal.errors import HalError
 from hal.models import invariant
+from hal.models import int4
 from hal.models.linear_plan import DTYPES, LinearPlan, choose_plan
 
 
@@ -96,12 +97,13 @@ class Llama:
         self.plan_choice = None
         if plan is None:
             weights = linear_weights(w, config.layers, self.head)
-            dtype = dtype or str(weights[0].dtype).removeprefix("torch.")
-            if not batch_invariant and dtype != "auto":   # the plain path runs F.linear: nothing to measure
+            packed = [isinstance(t, int4.Int4Weight) for t in weights]   # int4 as stored: they run so
+            dtype = "stored" if any(packed) else dtype or str(weights[0].dtype).removeprefix("torch.")
+            if not batch_invariant and dtype not in ("auto", "stored"):   # plain F.linear: nothing to measure
                 plan = LinearPlan("linear", DTYPES[dtype], (1,))
             else:
                 self.plan_choice = choose_plan([tuple(t.shape) for t in weights], dtype, weights=weights,
-                                               refresh=plan_refresh, device=self.device)
+                                               refresh=plan_refresh, device=self.device, stored_int4=packed)
                 plan = self.plan_choice.plan
         self.plan = plan
         self._cast(plan.dtype)
@@ -115,7 +117,12 @@ class Llama:
         for i in range(self.cfg.layers):
             for name in LINEAR_KEYS:
                 key = f"{i}.{name}"
-                if self.w[key].dtype != dtype:
+                if isinstance(self.w[key], int4.Int4Weight):
+                    if self.plan.weights != "int4" or self.w[key].dtype != dtype:
+                        raise HalError(f"weights[{key!r}]: expected float weights or int4 ones for a {dtype} "
+                                       f"int4 plan, got int4 ({self.w[key].dtype}) under {self.plan.describe()}",
+                                       arg="weights")
+                elif self.w[key].dtype != dtype:
                     self.w[key] = self.w[key].to(dtype)
         if self.w.get("head_lin") is None or self.w["head_lin"].dtype != dtype:
             self.w["head_lin"] = self.head if dtype == self.head.dtype else self.head.to(dtype)
@@ -272,20 +279,55 @@ def _rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
     return F.rms_norm(x, w.shape, w, eps)
 
 
-def _fuse(w: dict, layers: int) -> dict:
+def _fuse(w: dict, layers: int, dtype: torch.dtype | None = None) -> dict:
+    """Fused projections (qkv, gate-up); weights kept as int4 blocks are packed for ``dtype`` rows."""
     out = {"embed": w["embed"], "norm": w["norm"]}
     if "head" in w:
         out["head"] = w["head"]
+
+    def join(*names):
+        parts = [w[n] for n in names]
+        if isinstance(parts[0], int4.Int4Blocks):
+            return int4.cat(parts).pack(dtype)
+        return torch.cat(parts).contiguous() if len(parts) > 1 else parts[0].contiguous()
+
     for i in range(layers):
         out[f"{i}.attn_norm"], out[f"{i}.ffn_norm"] = w[f"{i}.attn_norm"], w[f"{i}.ffn_norm"]
-        out[f"{i}.wqkv"] = torch.cat([w[f"{i}.wq"], w[f"{i}.wk"], w[f"{i}.wv"]]).contiguous()
-        out[f"{i}.wgu"] = torch.cat([w[f"{i}.wgate"], w[f"{i}.wup"]]).contiguous()
-        out[f"{i}.wo"], out[f"{i}.wdown"] = w[f"{i}.wo"].contiguous(), w[f"{i}.wdown"].contiguous()
+        out[f"{i}.wqkv"] = join(f"{i}.wq", f"{i}.wk", f"{i}.wv")
+        out[f"{i}.wgu"] = join(f"{i}.wgate", f"{i}.wup")
+        out[f"{i}.wo"], out[f"{i}.wdown"] = join(f"{i}.wo"), join(f"{i}.wdown")
     return out
 
 
 GGUF_NAMES = {"attn_norm": "attn_norm", "ffn_norm": "ffn_norm", "attn_q": "wq", "attn_k": "wk", "attn_v": "wv",
               "attn_output": "wo", "ffn_gate": "wgate", "ffn_up": "wup", "ffn_down": "wdown"}
+FUSED_PARTS = {"wqkv": ("attn_q", "attn_k", "attn_v"), "wo": ("attn_output",), "wgu": ("ffn_gate", "ffn_up"),
+               "wdown": ("ffn_down",)}   # each linear the forward runs, from the file's tensors
+
+
+def _int4_tensors(tensors, layers: int) -> set[str]:
+    """The names of the file's tensors that can run as stored: every part of a fused linear
+    is Q4_0/Q4_1, and the fused shape fits the kernel (`hal.models.int4.fits`)."""
+    types = {t.name: t.tensor_type.name for t in tensors}
+    shapes = {t.name: [int(s) for s in reversed(t.shape.tolist())] for t in tensors}
+    out = set()
+    for i in range(layers):
+        for parts in FUSED_PARTS.values():
+            names = [f"blk.{i}.{p}.weight" for p in parts]
+            if all(types.get(n) in int4.BLOCK_BYTES for n in names) and int4.fits(
+                    sum(shapes[n][0] for n in names), shapes[names[0]][1]):
+                out.update(names)
+    return out
+
+
+def linear_int4(path: str | Path, cfg: LlamaConfig) -> list[bool]:
+    """Which of `linear_shapes` ``path`` stores as int4 blocks (an HF folder: none)."""
+    path = Path(path)
+    if path.is_dir():
+        return [False] * (4 * cfg.layers + 1)
+    from gguf import GGUFReader
+    stored = _int4_tensors(GGUFReader(str(path)).tensors, cfg.layers)
+    return [f"blk.{i}.{FUSED_PARTS[k][0]}.weight" in stored for i in range(cfg.layers) for k in LINEAR_KEYS] + [False]
 
 
 def _gguf_config(r) -> LlamaConfig:
@@ -329,8 +371,11 @@ def weight_bytes(cfg: LlamaConfig) -> int:
 
 def load_gguf(path: str | Path, backend, dtype: str = "float32", plan_refresh: bool = False,
               plan: LinearPlan | None = None):
-    """(Llama, tokenizer) from a llama-architecture GGUF file, dequantized to fp32; the linear
-    layers then run in ``dtype`` (``auto``: the measured plan's choice, `Llama`)."""
+    """(Llama, tokenizer) from a llama-architecture GGUF file. ``plan`` (None: measured for
+    ``dtype`` on this machine, `hal.models.linear_plan.choose_plan`) says how the linear
+    layers run: weights stored as Q4_0/Q4_1 blocks stay int4 as stored when it runs them so
+    (no float copy is kept); every other weight is dequantized to fp32, then cast to the
+    plan's dtype (`Llama`)."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
@@ -338,10 +383,20 @@ def load_gguf(path: str | Path, backend, dtype: str = "float32", plan_refresh: b
     r = GGUFReader(str(path))
     f = lambda k, d=None: r.fields[k].contents() if k in r.fields else d  # noqa: E731
     cfg = _gguf_config(r)
+    stored = _int4_tensors(r.tensors, cfg.layers)
+    choice = None
+    if plan is None:
+        mask = [f"blk.{i}.{FUSED_PARTS[k][0]}.weight" in stored for i in range(cfg.layers) for k in LINEAR_KEYS]
+        choice = choose_plan(linear_shapes(cfg), dtype, refresh=plan_refresh, stored_int4=mask + [False],
+                             device=torch.device(backend.device_type))
+        plan = choice.plan
     w = {}
     for t in r.tensors:
         shape = [int(s) for s in reversed(t.shape.tolist())]
-        arr = torch.from_numpy(dequantize(t.data, t.tensor_type).reshape(shape).copy()).float()
+        if plan.weights == "int4" and t.name in stored:
+            arr = int4.from_blocks(t.data, t.tensor_type.name, tuple(shape))
+        else:
+            arr = torch.from_numpy(dequantize(t.data, t.tensor_type).reshape(shape).copy()).float()
         parts = t.name.split(".")
         if parts[0] == "blk":
             w[f"{parts[1]}.{GGUF_NAMES[parts[2]]}"] = arr
@@ -349,7 +404,9 @@ def load_gguf(path: str | Path, backend, dtype: str = "float32", plan_refresh: b
             w[{"token_embd": "embed", "output_norm": "norm", "output": "head"}[parts[0]]] = arr
     tok = from_gguf_fields({k: f(k) for k in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges",
                                               "tokenizer.ggml.token_type")})
-    return Llama(cfg, _fuse(w, cfg.layers), backend, dtype=dtype, plan_refresh=plan_refresh, plan=plan), tok
+    model = Llama(cfg, _fuse(w, cfg.layers, plan.dtype), backend, plan=plan)
+    model.plan_choice = choice
+    return model, tok
 
 
 HF_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "wq",

@@ -103,6 +103,29 @@ def test_bf16_greedy_speculative_equals_plain_bf16(model_bf16, kind):
     assert dec.metrics.acceptance_rate > 0.15, dec.metrics.acceptance_rate
 
 
+@pytest.fixture(scope="module")
+def model_int4():
+    return load_real("stored")
+
+
+@pytest.mark.parametrize("kind", ["draft-model", "ngram+eagle-tree"])
+def test_int4_as_stored_greedy_speculative_equals_plain(model_int4, kind):
+    """The file's Q4_1 weights run as stored (int4pack, no float copy): speculative greedy
+    equals plain greedy under that plan too, by the plan's invariance."""
+    from hal.models import int4
+    target, tok = model_int4
+    assert target.plan.weights == "int4", target.plan
+    assert all(isinstance(target.w[f"{i}.{n}"], int4.Int4Weight) for i in range(target.cfg.layers)
+               for n in ("wqkv", "wo", "wgu", "wdown")), "a weight that runs as stored kept a float copy"
+    plain = run(target, None, PROMPTS, tok, k=0)[0]
+    assert "the cat sat on the mat" in tok.decode(plain[0]).lower()
+    drafter = ModelDrafter(Llama(target.cfg, target.w, target.be)) if kind == "draft-model" else \
+        make_drafter(parse_draft(kind), target.be, target, "smollm2-135m")
+    out, dec = run(target, drafter, PROMPTS, tok)
+    assert out == plain, f"{kind}: int4 speculative greedy output differs from int4 plain greedy"
+    assert dec.metrics.acceptance_rate > (0.99 if kind == "draft-model" else 0.15), dec.metrics.acceptance_rate
+
+
 def test_draft_on_another_backend(model):
     """Draft on the cuda backend (Triton interpreter), target on cpu: still lossless."""
     if os.environ.get("TRITON_INTERPRET") != "1":

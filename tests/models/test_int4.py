@@ -1,0 +1,113 @@
+"""int4 weights as stored (`hal.models.int4`): GGUF's Q4_0/Q4_1 blocks read exactly as the
+gguf package dequantizes them, multiplied by the int4pack kernel, and chosen by the linear
+plan only where the kernel is batch-invariant.
+
+Tolerances: float32 rows against float32 ``x @ W.T`` of the dequantized weights, 1e-5
+relative to the largest output (accumulation order only); bfloat16 rows, 2e-2 (bfloat16
+rows, scales and zeros: 8 bits of mantissa)."""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import quants
+
+from hal.errors import HalError
+from hal.models import int4
+from hal.models import linear_plan as lp
+from hal.models.linear_plan import LAYOUTS, LinearPlan, choose_plan
+
+KINDS = {"Q4_0": gguf.GGMLQuantizationType.Q4_0, "Q4_1": gguf.GGMLQuantizationType.Q4_1}
+
+
+def stored(kind: str, N: int, K: int, seed: int = 0):
+    x = np.random.default_rng(seed).standard_normal((N, K)).astype(np.float32) * 0.05
+    raw = quants.quantize(x, KINDS[kind])
+    return raw, torch.from_numpy(quants.dequantize(raw, KINDS[kind]).reshape(N, K).copy())
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_blocks_read_exactly_as_gguf_dequantizes_them(kind):
+    raw, ref = stored(kind, 48, 96)
+    blocks = int4.from_blocks(raw, kind, (48, 96))
+    assert torch.equal(blocks.dequantize(), ref)
+    assert int(blocks.codes.max()) <= 15
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_the_kernel_multiplies_the_stored_weights(kind):
+    raw, ref_w = stored(kind, 64, 128, seed=1)
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(1))
+    ref = x @ ref_w.T
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        w = int4.from_blocks(raw, kind, (64, 128)).pack(dtype)
+        got = w.mm(x.to(dtype)).float()
+        assert (got - ref).abs().max() <= tol * ref.abs().max(), (kind, dtype)
+
+
+def test_fused_projections_equal_their_parts():
+    parts = [int4.from_blocks(stored("Q4_1", n, 64, seed=n)[0], "Q4_1", (n, 64)) for n in (32, 16, 16)]
+    fused = int4.cat(parts).pack(torch.float32)
+    x = torch.randn(3, 64)
+    each = torch.cat([p.pack(torch.float32).mm(x) for p in parts], 1)
+    assert torch.equal(fused.mm(x), each)
+
+
+def test_bad_blocks_are_refused_naming_the_argument():
+    raw, _ = stored("Q4_1", 16, 64)
+    with pytest.raises(HalError, match="raw"):
+        int4.from_blocks(raw[:, :-1], "Q4_1", (16, 64))
+    with pytest.raises(HalError, match="kind"):
+        int4.from_blocks(raw, "Q5_1", (16, 64))
+    with pytest.raises(HalError, match="weight: expected int4 codes .N, K. with N a multiple of 16"):
+        int4.from_blocks(stored("Q4_1", 8, 64)[0], "Q4_1", (8, 64))
+    with pytest.raises(HalError, match="cpu"):
+        int4.from_blocks(raw, "Q4_1", (16, 64)).pack(torch.float32).to("meta")
+
+
+SHAPES = [(96, 64), (64, 64), (500, 64)]
+INT4 = [True, True, False]
+
+
+def test_stored_runs_the_int4_shapes_as_stored_and_the_rest_as_float():
+    choice = choose_plan(SHAPES, "stored", stored_int4=INT4, cache=False)
+    plan = choice.plan
+    assert plan.weights == "int4" and all(c["plan"]["weights"] == "int4" for c in choice.candidates)
+    assert plan.dtype == lp.int4_activation(lp.cpu_flags())
+    g = torch.Generator().manual_seed(3)
+    w4, wf = int4.random(96, 64, g), torch.randn(500, 64, generator=g)
+    x = torch.randn(7, 64, generator=g)
+    packed = w4.pack(plan.dtype)
+    # each row as if alone: the same bits in a batch of 7 as in a chunk of one
+    alone = torch.cat([plan.linear(x[i:i + 1], packed) for i in range(7)])
+    assert torch.equal(plan.linear(x, packed), alone)
+    assert torch.equal(plan.linear(x, wf.to(plan.dtype)),
+                       torch.cat([plan.linear(x[i:i + 1], wf.to(plan.dtype)) for i in range(7)]))
+
+
+def test_an_int4_kernel_that_mixes_rows_is_never_chosen(monkeypatch):
+    """The teeth of the self-check: a planted int4 kernel whose rows depend on their batch-mates."""
+    def mixing(x, w):     # PLANTED: the true product plus a term from every row
+        return w.mm(x) + x.sum(0, keepdim=True)[:, :1] * 1e-2
+    monkeypatch.setattr(lp, "_int4_mm", mixing)
+    choice = choose_plan(SHAPES, "auto", stored_int4=INT4, cache=False, layouts={"mm": LAYOUTS["mm"]})
+    assert any("on int4 [" in why for why in choice.rejected), choice.rejected
+    assert all(c["plan"]["weights"] == "float" or c["plan"]["widths"] == [1] for c in choice.candidates)
+
+
+def test_stored_without_int4_weights_is_refused():
+    with pytest.raises(HalError, match="dtype"):
+        choose_plan(SHAPES, "stored", stored_int4=[False] * 3, cache=False)
+    with pytest.raises(HalError, match="dtype"):
+        choose_plan(SHAPES, "int8", cache=False)
+
+
+def test_a_subset_of_a_width_group_is_chosen_by_its_predicted_time(monkeypatch):
+    """Widths of one group give a row the same bits; the plan keeps the subset that costs least."""
+    cost = {1: 2.0, 2: 5.0, 4: 20.0, 8: 8.0, 16: 100.0}     # ms of one chunk of each width (planted)
+    monkeypatch.setattr(lp, "time_plan", lambda plan, weights, rows=lp.REPORT_ROWS, reps=3: {
+        m: sum(cost[n] for n in lp.chunks(plan.widths, m)) for m in rows})
+    plan = lp.fastest_subset(LinearPlan("mm", torch.float32, (1, 2, 4, 8, 16)), [])
+    # 1 row: one chunk of 1; 5 rows: one of 8 (8 ms) beats 4 + 1 (22) and five of 1 (10); 9 rows: 8 + 1
+    assert [lp.chunks(plan.widths, m) for m in (1, 5, 9)] == [[1], [8], [8, 1]], plan
+    assert lp.fastest_subset(LinearPlan("mm", torch.float32, (1, 2, 4, 8, 16)), []).widths == plan.widths
