@@ -66,13 +66,14 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-hf", action="store_true")
-    ap.add_argument("--dtypes", default="float32,bfloat16", help="the dtypes to load (each with its measured plan; "
-                                                                   "bfloat16 only where this CPU offers it)")
+    ap.add_argument("--dtypes", default="float32,bfloat16,stored",
+                    help="the dtypes to load (each with its measured plan; bfloat16 only where this CPU offers it; "
+                         "stored: the int4 weights as stored)")
     ap.add_argument("--out", default="benchmarks/results/forward.md")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     path = fetch("smollm2-135m")
-    offered = offered_dtypes()
+    offered = offered_dtypes() + ["stored"]   # stored: the file's int4 weights as stored (`--dtype stored`)
     dtypes = [d for d in args.dtypes.split(",") if d in offered]
     models = {}
     for dt in dtypes:   # one load per dtype: the weights are cast in place
@@ -80,7 +81,8 @@ def main() -> None:
     fns = {}
     with torch.inference_mode():
         for dt, inv in models.items():
-            plain = Llama(inv.cfg, inv.w, inv.be, batch_invariant=False, plan=LinearPlan("linear", inv.dtype, (1,)))
+            plain = Llama(inv.cfg, inv.w, inv.be, batch_invariant=False,
+                          plan=LinearPlan("linear", inv.dtype, (1,), weights=inv.plan.weights))
             for m in MS:
                 fns[(dt, "invariant", m)] = ours(inv, m)
                 fns[(dt, "plain", m)] = ours(plain, m)

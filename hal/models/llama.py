@@ -17,6 +17,7 @@ from torch import Tensor
 from hal.errors import HalError
 from hal.models import invariant
 from hal.models import int4
+from hal.models.gguf_file import GGUFFile, open_gguf
 from hal.models.linear_plan import DTYPES, LinearPlan, choose_plan
 
 
@@ -253,9 +254,10 @@ def lm_head(x: Tensor, w: Tensor, w_t: Tensor | None = None) -> Tensor:
     return out if out.dtype == torch.float32 else out.float()
 
 
-def plain_linear(x: Tensor, w: Tensor) -> Tensor:
-    """``F.linear`` in the weight's dtype, returned as float32 (the plain, not batch-invariant path)."""
-    out = F.linear(x.to(w.dtype), w)
+def plain_linear(x: Tensor, w: Tensor | int4.Int4Weight) -> Tensor:
+    """``F.linear`` in the weight's dtype (an int4 weight: its kernel), returned as float32
+    (the plain, not batch-invariant path)."""
+    out = w.mm(x.to(w.dtype)) if isinstance(w, int4.Int4Weight) else F.linear(x.to(w.dtype), w)
     return out if out.dtype == torch.float32 else out.float()
 
 
@@ -308,8 +310,8 @@ FUSED_PARTS = {"wqkv": ("attn_q", "attn_k", "attn_v"), "wo": ("attn_output",), "
 def _int4_tensors(tensors, layers: int) -> set[str]:
     """The names of the file's tensors that can run as stored: every part of a fused linear
     is Q4_0/Q4_1, and the fused shape fits the kernel (`hal.models.int4.fits`)."""
-    types = {t.name: t.tensor_type.name for t in tensors}
-    shapes = {t.name: [int(s) for s in reversed(t.shape.tolist())] for t in tensors}
+    types = {t.name: t.kind for t in tensors}
+    shapes = {t.name: t.shape for t in tensors}
     out = set()
     for i in range(layers):
         for parts in FUSED_PARTS.values():
@@ -325,13 +327,12 @@ def linear_int4(path: str | Path, cfg: LlamaConfig) -> list[bool]:
     path = Path(path)
     if path.is_dir():
         return [False] * (4 * cfg.layers + 1)
-    from gguf import GGUFReader
-    stored = _int4_tensors(GGUFReader(str(path)).tensors, cfg.layers)
+    stored = _int4_tensors(open_gguf(path).tensors, cfg.layers)
     return [f"blk.{i}.{FUSED_PARTS[k][0]}.weight" in stored for i in range(cfg.layers) for k in LINEAR_KEYS] + [False]
 
 
-def _gguf_config(r) -> LlamaConfig:
-    f = lambda k, d=None: r.fields[k].contents() if k in r.fields else d  # noqa: E731
+def _gguf_config(r: GGUFFile) -> LlamaConfig:
+    f = r.field
     if f("general.architecture") != "llama":
         raise HalError(f"model: expected a llama-architecture GGUF, got {f('general.architecture')!r}")
     heads, hidden = f("llama.attention.head_count"), f("llama.embedding_length")
@@ -358,8 +359,7 @@ def read_config(path: str | Path) -> LlamaConfig:
     path = Path(path)
     if path.is_dir():
         return _hf_config(json.loads((path / "config.json").read_text()))
-    from gguf import GGUFReader
-    return _gguf_config(GGUFReader(str(path)))
+    return _gguf_config(open_gguf(path))
 
 
 def weight_bytes(cfg: LlamaConfig) -> int:
@@ -376,12 +376,12 @@ def load_gguf(path: str | Path, backend, dtype: str = "float32", plan_refresh: b
     layers run: weights stored as Q4_0/Q4_1 blocks stay int4 as stored when it runs them so
     (no float copy is kept); every other weight is dequantized to fp32, then cast to the
     plan's dtype (`Llama`)."""
-    from gguf import GGUFReader
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
     from hal.models.tokenizer import from_gguf_fields
-    r = GGUFReader(str(path))
-    f = lambda k, d=None: r.fields[k].contents() if k in r.fields else d  # noqa: E731
+    r = open_gguf(path)
+    f = r.field
     cfg = _gguf_config(r)
     stored = _int4_tensors(r.tensors, cfg.layers)
     choice = None
@@ -392,11 +392,11 @@ def load_gguf(path: str | Path, backend, dtype: str = "float32", plan_refresh: b
         plan = choice.plan
     w = {}
     for t in r.tensors:
-        shape = [int(s) for s in reversed(t.shape.tolist())]
+        shape, data = t.shape, r.data(t)
         if plan.weights == "int4" and t.name in stored:
-            arr = int4.from_blocks(t.data, t.tensor_type.name, tuple(shape))
+            arr = int4.from_blocks(data, t.kind, tuple(shape))
         else:
-            arr = torch.from_numpy(dequantize(t.data, t.tensor_type).reshape(shape).copy()).float()
+            arr = torch.from_numpy(dequantize(data, GGMLQuantizationType[t.kind]).reshape(shape).copy()).float()
         parts = t.name.split(".")
         if parts[0] == "blk":
             w[f"{parts[1]}.{GGUF_NAMES[parts[2]]}"] = arr
