@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-Q_CHUNK = 16          # query positions per attention chunk (bounds the key copies; results do not depend on it)
+Q_CHUNK = 16          # query positions per attention chunk (bounds the scores' size; results do not depend on it)
 KEY_BLOCK = 256       # keys per p @ V block
 
 
@@ -95,7 +95,9 @@ def attention(query: Tensor, k_cache: Tensor, v_cache: Tensor, plan: Plan, scale
 
     Every (request, query, KV head) is its own bmm entry with the G query heads of that group
     as rows: the product's shape per entry never depends on the batch, and a decode query
-    costs no padding. Chunks of up to ``Q_CHUNK`` query positions bound the copies of the keys.
+    costs no padding. Each query position is one bmm over the batch's (request, KV head)
+    entries, so keys and values are never copied per query; chunks of up to ``Q_CHUNK``
+    positions bound the scores held at once.
     With a tree mask (in ``plan``) each query's scores are reordered, and its values gathered
     past the shared context blocks, into its path's chain order."""
     T, Hq, D = query.shape
@@ -112,24 +114,28 @@ def attention(query: Tensor, k_cache: Tensor, v_cache: Tensor, plan: Plan, scale
     blocks = list(vb.unbind(0))
     vals = vb.permute(1, 0, 3, 2, 4)                                         # [R, blocks, 256, Hkv, D] (a view)
     ar = torch.arange(R, device=dev)[:, None, None]
+    kt_flat = kt.view(R * Hkv, D, Lp)
     out = query.new_empty(T + 1, Hq, D)       # row T takes the padding queries' outputs: no boolean indexing
     for n, rows, valid, see, dest, order in plan.chunks:
-        per = lambda t: t[:, :, None].expand(R, Hkv, n, *t.shape[2:]).reshape(R * Hkv * n, *t.shape[2:])  # noqa
-        q = torch.where(valid, query[rows].float(), 0.0)                    # [R, n, Hq, D]
-        q = q.view(R, n, Hkv, G, D).permute(0, 2, 1, 3, 4).reshape(R * Hkv * n, G, D)
-        s = torch.bmm(q, per(kt)).view(R, Hkv, n, G, Lp) * scale
+        q = torch.where(valid, query[rows].float(), 0.0).view(R, n, Hkv, G, D)    # [R, n, Hkv, G, D]
+        # one bmm per query position: every entry is its G rows against its own keys, never a copy of them
+        s = torch.stack([torch.bmm(q[:, i].reshape(R * Hkv, G, D), kt_flat) for i in range(n)], 1)
+        s = s.view(R, Hkv, n, G, Lp) * scale
         if order is not None:   # each score is its own 64-long dot product: reorder them into chain order
             s = s.gather(-1, order[:, None, :, None].expand(R, Hkv, n, G, Lp))
-        p = torch.softmax(torch.where(see, s, -torch.inf), -1).view(R * Hkv * n, G, Lp)
-        acc = None
+        p = torch.softmax(torch.where(see, s, -torch.inf), -1)                   # [R, Hkv, n, G, Lp]
+        acc = [None] * n
         for b, k0 in enumerate(range(0, Lp, KEY_BLOCK)):
-            if order is None or b < plan.context_blocks:   # context only: every query's chain order is the cache's
-                vb = per(blocks[b])
-            else:                                          # values gathered per query in its chain order
+            shared = order is None or b < plan.context_blocks   # context only: every query's order is the cache's
+            if shared:
+                vflat = blocks[b].view(R * Hkv, KEY_BLOCK, D)
+            else:                                               # values gathered per query in its chain order
                 at = order[..., k0:k0 + KEY_BLOCK]
-                vb = vals[ar, at // KEY_BLOCK, at % KEY_BLOCK].permute(0, 3, 1, 2, 4).reshape(R * Hkv * n, KEY_BLOCK, D)
-            pv = torch.bmm(p[:, :, k0:k0 + KEY_BLOCK].contiguous(), vb)
-            acc = pv if acc is None else acc + pv
-        o = acc.view(R, Hkv, n, G, D).permute(0, 2, 1, 3, 4).reshape(R * n, Hq, D)
+                vq = vals[ar, at // KEY_BLOCK, at % KEY_BLOCK].permute(0, 3, 1, 2, 4)   # [R, Hkv, n, 256, D]
+            for i in range(n):
+                v = vflat if shared else vq[:, :, i].reshape(R * Hkv, KEY_BLOCK, D)
+                pv = torch.bmm(p[:, :, i, :, k0:k0 + KEY_BLOCK].reshape(R * Hkv, G, KEY_BLOCK), v)
+                acc[i] = pv if acc[i] is None else acc[i] + pv
+        o = torch.stack(acc, 1).view(R, Hkv, n, G, D).permute(0, 2, 1, 3, 4).reshape(R * n, Hq, D)
         out[dest] = o.to(query.dtype)
     return out[:T]
