@@ -26,8 +26,8 @@ from hal.engine import Request, SpeculativeDecoder  # noqa: E402
 from hal.engine.forward import forward  # noqa: E402
 from hal.kv import KVPool  # noqa: E402
 from hal.models.fetch import fetch  # noqa: E402
-from hal.models.linear_plan import machine_line  # noqa: E402
-from hal.models.llama import load_gguf  # noqa: E402
+from hal.models.machine import machine_line  # noqa: E402
+from hal.models.loaders import load_gguf  # noqa: E402
 from hal.models.tokenizer import chatml  # noqa: E402
 
 

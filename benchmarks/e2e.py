@@ -22,8 +22,8 @@ from hal.engine import Request, SpeculativeDecoder
 from hal.drafters import ModelDrafter, NgramDrafter, NgramTreeDrafter
 from hal.drafters.kinds import TREE
 from hal.models.fetch import fetch
-from hal.models.linear_plan import machine_line
-from hal.models.llama import load_gguf
+from hal.models.machine import machine_line
+from hal.models.loaders import load_gguf
 from hal.models.tokenizer import chatml
 
 PASSAGE = ("The committee met on Tuesday to review the annual budget. After a long discussion, the members agreed "

@@ -24,12 +24,12 @@ from pathlib import Path
 import torch
 
 import hal
-from hal.models.linear_plan import machine_line
+from hal.models.machine import machine_line
 from hal.engine import Request, SamplingParams, SpeculativeDecoder
 from hal.drafters import NgramDrafter
 from hal.metrics import percentile
 from hal.models.fetch import fetch
-from hal.models.llama import load_gguf
+from hal.models.loaders import load_gguf
 from hal.models.tokenizer import chatml
 
 from e2e import PROMPTS  # noqa: E402  (benchmarks/ is the script's folder)

@@ -20,8 +20,10 @@ from report import publish
 from hal.engine.forward import forward
 from hal.kv import KVPool
 from hal.models.fetch import fetch
-from hal.models.linear_plan import LinearPlan, cpu_signature, offered_dtypes
-from hal.models.llama import Llama, load_gguf
+from hal.models.linear_plan import LinearPlan, offered_dtypes
+from hal.models.machine import cpu_signature
+from hal.models.llama import Llama
+from hal.models.loaders import load_gguf
 
 MS = (1, 2, 4, 5, 8, 9, 16, 17)
 BATCHES = (4, 16)

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 import hal
-from hal.models.linear_plan import machine_line
+from hal.models.machine import machine_line
 from hal import kv
 from hal.training import data as eagle_data
 from hal.models.eagle import load_eagle, shipped_head

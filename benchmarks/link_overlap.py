@@ -77,7 +77,7 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     args.worker_threads = args.worker_threads or args.threads
-    from hal.models.linear_plan import machine_line
+    from hal.models.machine import machine_line
     with wired("bo", 0.0) as h:
         base = tcp_rtt(h[0], h[1], h[3])   # the wire's own round trip at no delay
     rows = []

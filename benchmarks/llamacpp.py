@@ -33,8 +33,8 @@ import hal  # noqa: E402
 from benchmarks.report import publish  # noqa: E402
 from benchmarks.e2e import PROMPTS  # noqa: E402
 from hal.models.fetch import fetch  # noqa: E402
-from hal.models.linear_plan import cpu_flags, machine_line  # noqa: E402
-from hal.models.llama import load_gguf  # noqa: E402
+from hal.models.machine import cpu_flags, machine_line  # noqa: E402
+from hal.models.loaders import load_gguf  # noqa: E402
 from hal.models.tokenizer import chatml  # noqa: E402
 
 

@@ -19,7 +19,7 @@ import torch
 import hal
 from report import publish
 from hal.engine.forward import target_probs
-from hal.models.linear_plan import machine_line
+from hal.models.machine import machine_line
 
 OUT = Path(__file__).parent / "results" / "processors.md"
 

@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hal.models.linear_plan import machine_line
+from hal.models.machine import machine_line
 
 PROMPTS = ["What are some fun things to do on a rainy weekend?", "Explain glaciers to a beginner in a short paragraph."]
 

@@ -19,12 +19,12 @@ from pathlib import Path
 import torch
 
 import hal
-from hal.models.linear_plan import machine_line
+from hal.models.machine import machine_line
 from hal.engine import Request, SpeculativeDecoder
 from hal.engine.requests import draft_room
 from hal.drafters import NgramDrafter
 from hal.models.fetch import fetch
-from hal.models.llama import load_gguf
+from hal.models.loaders import load_gguf
 from hal.models.tokenizer import chatml
 from hal.engine.router import Router
 

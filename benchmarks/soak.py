@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from load import MODEL, free_port, stop, wait_up  # noqa: E402
 from report import publish  # noqa: E402
 
-from hal.models.linear_plan import machine_line  # noqa: E402
+from hal.models.machine import machine_line  # noqa: E402
 
 OUT = Path(__file__).parent / "results" / "soak.md"
 SYSTEM = "You are a patient assistant. Answer in two short sentences and never use lists. " * 6

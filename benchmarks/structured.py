@@ -29,8 +29,8 @@ from hal.engine import Request, SpeculativeDecoder
 from hal.engine.grammar import GrammarCompiler
 from hal.engine.requests import StructuredOutputs
 from hal.models.fetch import fetch
-from hal.models.linear_plan import machine_line
-from hal.models.llama import load_gguf
+from hal.models.machine import machine_line
+from hal.models.loaders import load_gguf
 from hal.models.tokenizer import chatml
 
 OUT = Path(__file__).parent / "results" / "structured.md"

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 import hal
-from hal.models.linear_plan import machine_line
+from hal.models.machine import machine_line
 from hal.engine import trees
 from hal.drafters.eagle import HeadDrafter
 from hal.drafters.kinds import TREE
@@ -45,7 +45,7 @@ def models(be, dev, random: bool):
         return target, EagleModel(cfg, w, target)
     from hal.models.eagle import load_eagle, shipped_head
     from hal.models.fetch import fetch
-    from hal.models.llama import load_gguf
+    from hal.models.loaders import load_gguf
     target = load_gguf(fetch("smollm2-135m"), be, "auto")[0].to(dev)
     return target, load_eagle(shipped_head("smollm2-135m"), target)
 

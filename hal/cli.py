@@ -42,7 +42,8 @@ def cmd_info(_args) -> int:
 def print_plan(model: str, dtype: str, refresh: bool) -> None:
     """The linear plan the runner uses for ``model``'s shapes on this machine (measured once, then cached)."""
     from hal.models.fetch import MODEL_SHAPES, MODEL_INT4
-    from hal.models.linear_plan import choose_plan, cpu_signature
+    from hal.models.linear_plan import choose_plan
+    from hal.models.machine import cpu_signature
     from hal.models.llama import LINEAR_KEYS, LlamaConfig, linear_shapes
     if model not in MODEL_SHAPES:
         return

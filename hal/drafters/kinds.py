@@ -91,7 +91,7 @@ def parse_draft(spec: str, allowed: tuple[str, ...] | None = None) -> DraftSpec:
 
 def draft_memory(spec: DraftSpec, model_path: str, shares_target: bool):
     """(ModelMemory of the draft model or None for n-gram/none, its weights' path)."""
-    from hal.models.llama import read_config
+    from hal.models.loaders import read_config
     from hal.engine.memory import ModelMemory
     if not KINDS[spec.kind].weights:   # n-gram, none; a head's KV is 1/L of the target's: in its slack
         return None, None

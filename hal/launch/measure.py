@@ -167,7 +167,7 @@ def auto_target(args, spec, path: str, max_seqs: int, rv=None):
     from hal.distributed.placement import Placement
     from hal.drafters.kinds import draft_memory
     from hal.engine.memory import ModelMemory
-    from hal.models.llama import read_config
+    from hal.models.loaders import read_config
     devices = profile_sides(local_sides(), path, spec, args)
     link = None
     if rv is not None:   # the worker measured its side while this rank measured its own
@@ -190,7 +190,7 @@ def auto_worker(args, spec, path: str, rv) -> str | None:
     """The draft rank's part: measure its devices and the link, publish them, and return the
     device the target chose for the draft here (None: not on this rank)."""
     from hal.drafters.kinds import HEADS
-    from hal.models.llama import read_config
+    from hal.models.loaders import read_config
     hidden = read_config(path).hidden if spec.kind in HEADS else 1   # only a head reads the target's features
     devices = profile_sides(local_sides(), path, spec, args, with_target=False, hidden=hidden)
     publish_profile(rv.store, devices, *measure_link(rv.store))

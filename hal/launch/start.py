@@ -108,7 +108,8 @@ def _target_rank(args, me: Rank, max_seqs: int, engine_kw: dict, phases: Phases)
     from hal.engine.memory import ModelMemory
     from hal.metrics import SpecDecodeMetrics
     from hal.models.linear_plan import choose_plan
-    from hal.models.llama import linear_int4, linear_shapes, read_config
+    from hal.models.llama import linear_shapes
+    from hal.models.loaders import linear_int4, read_config
     spec, world = me.spec, me.world
     target_side = resolve_side(me.placement.target, "target")
     draft_side = resolve_side(me.placement.draft, "draft") if world == 1 else None

@@ -27,7 +27,7 @@ MODEL_SHAPES = {   # what a linear plan needs before the file is fetched (`hal.m
 }
 
 
-MODEL_INT4 = {   # the linears each model's file stores as Q4_0/Q4_1 blocks (`hal.models.llama.linear_int4`)
+MODEL_INT4 = {   # the linears each model's file stores as Q4_0/Q4_1 blocks (`hal.models.loaders.linear_int4`)
     "smollm2-135m": ("wqkv", "wo", "wgu", "wdown"),   # every layer's; the tied head is Q8_0
 }
 
@@ -72,7 +72,7 @@ def load_model(name: str, backend, dtype: str = "float32", plan=None, plan_refre
     """(Llama, tokenizer) for a fetchable model name or a .gguf path; (Llama, None) for an
     HF folder (config.json + safetensors). ``dtype``/``plan``: the linear layers' plan
     (`hal.models.linear_plan`; ``auto`` measures float32 against bfloat16 here)."""
-    from hal.models.llama import load_gguf, load_safetensors
+    from hal.models.loaders import load_gguf, load_safetensors
     path = fetch(name) if name in MODELS else Path(name)
     if path.is_dir():
         return load_safetensors(path, backend, dtype, plan_refresh, plan), None

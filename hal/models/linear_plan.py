@@ -48,6 +48,7 @@ from torch import Tensor
 
 from hal.models import int4
 from hal.models.cache_dir import cache_dir
+from hal.models.machine import BF16_FLAGS, cpu_flags, cpu_signature
 from hal.errors import HalError
 from hal.models.progress import bar as progress_bar
 
@@ -63,7 +64,6 @@ PROBE_WIDTHS = (1, 2, 4, 8, 16)
 MIX = {1: 0.5, 5: 0.25, 9: 0.25}       # rows per forward -> weight in the score (decode, verify k=4, tree of 8)
 REPORT_ROWS = (1, 5, 9, 16)
 NOISE = 0.25   # the winner timed twice: scores further apart than this (relative) make the measurement noisy
-BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
 @dataclass(frozen=True)
@@ -86,9 +86,7 @@ class LinearPlan:
         x = x.to(w.dtype)
         out = torch.empty(T, w.shape[0], dtype=torch.float32, device=x.device)
         start = 0
-        while start < T:
-            left = T - start
-            width = next((n for n in self.widths if n >= left), self.widths[-1])
+        for width in chunks(self.widths, T):
             end = min(start + width, T)
             chunk = x[start:end]
             if end - start < width:
@@ -147,32 +145,6 @@ class Choice:
         source = "cached" if self.from_cache else "measured"
         return (f"{self.plan.describe()} ({source} for {self.signature['cpu']}, {self.signature['threads']} "
                 f"threads; flags {' '.join(self.signature['flags']) or 'none'}; {self.conditions()})")
-
-
-def cpu_flags() -> list[str]:
-    """The SIMD flags that decide a layout's speed (avx*, amx*), from /proc/cpuinfo."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        flags = []
-    return sorted(f for f in flags if f.startswith(("avx", "amx")))
-
-
-def cpu_signature(threads: int | None = None, device: torch.device | None = None) -> dict:
-    """What a measured plan depends on: CPU model, SIMD flags, cores, threads, torch version
-    (and the device, when it is not the CPU)."""
-    model = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        pass
-    sig = {"cpu": model or "unknown", "flags": cpu_flags(), "cores": os.cpu_count() or 1,
-           "threads": threads or torch.get_num_threads(), "torch": torch.__version__}
-    if device is not None and torch.device(device).type != "cpu":
-        sig["device"] = torch.device(device).type
-    return sig
 
 
 def candidate_dtypes(dtype: str, flags: list[str]) -> list[torch.dtype]:
@@ -266,7 +238,8 @@ def time_plan(plan: LinearPlan, weights: list[Tensor], rows=REPORT_ROWS, reps: i
 
 
 def chunks(widths: tuple[int, ...], rows: int) -> list[int]:
-    """The chunk widths `LinearPlan.linear` computes ``rows`` rows in."""
+    """The chunk widths ``rows`` rows are computed in (`LinearPlan.linear`): the narrowest that
+    holds what is left, else the widest."""
     out = []
     while rows > 0:
         width = next((n for n in widths if n >= rows), widths[-1])
@@ -395,11 +368,3 @@ def _measure(shapes, dtype: str, weights: list[Tensor], signature: dict, layouts
                 "spread": round(spread, 3)}
     table = [{**c, "plan": c["plan"].to_json()} for c in candidates]
     return Choice(best["plan"], signature, table, rejected, measured=measured)
-
-
-def machine_line(plan: LinearPlan | None = None, threads: int | None = None) -> str:
-    """One line for a benchmark's results: the CPU, its SIMD flags and (given) the linear plan."""
-    sig = cpu_signature(threads)
-    line = (f"CPU {sig['cpu']} ({sig['cores']} cores, {sig['threads']} threads; flags "
-            f"{' '.join(sig['flags']) or 'none'}), torch {sig['torch']}")
-    return line + (f"; linear plan {plan.describe()}" if plan is not None else "")

@@ -6,9 +6,7 @@ batch is ragged, so prefill, decode and multi-token verify share one forward.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +15,6 @@ from torch import Tensor
 from hal.errors import HalError
 from hal.models import invariant
 from hal.models import int4
-from hal.models.gguf_file import GGUFFile, open_gguf
 from hal.models.linear_plan import DTYPES, LinearPlan, choose_plan
 
 
@@ -301,139 +298,11 @@ def _fuse(w: dict, layers: int, dtype: torch.dtype | None = None) -> dict:
     return out
 
 
-GGUF_NAMES = {"attn_norm": "attn_norm", "ffn_norm": "ffn_norm", "attn_q": "wq", "attn_k": "wk", "attn_v": "wv",
-              "attn_output": "wo", "ffn_gate": "wgate", "ffn_up": "wup", "ffn_down": "wdown"}
-FUSED_PARTS = {"wqkv": ("attn_q", "attn_k", "attn_v"), "wo": ("attn_output",), "wgu": ("ffn_gate", "ffn_up"),
-               "wdown": ("ffn_down",)}   # each linear the forward runs, from the file's tensors
-
-
-def _int4_tensors(tensors, layers: int) -> set[str]:
-    """The names of the file's tensors that can run as stored: every part of a fused linear
-    is Q4_0/Q4_1, and the fused shape fits the kernel (`hal.models.int4.fits`)."""
-    types = {t.name: t.kind for t in tensors}
-    shapes = {t.name: t.shape for t in tensors}
-    out = set()
-    for i in range(layers):
-        for parts in FUSED_PARTS.values():
-            names = [f"blk.{i}.{p}.weight" for p in parts]
-            if all(types.get(n) in int4.BLOCK_BYTES for n in names) and int4.fits(
-                    sum(shapes[n][0] for n in names), shapes[names[0]][1]):
-                out.update(names)
-    return out
-
-
-def linear_int4(path: str | Path, cfg: LlamaConfig) -> list[bool]:
-    """Which of `linear_shapes` ``path`` stores as int4 blocks (an HF folder: none)."""
-    path = Path(path)
-    if path.is_dir():
-        return [False] * (4 * cfg.layers + 1)
-    stored = _int4_tensors(open_gguf(path).tensors, cfg.layers)
-    return [f"blk.{i}.{FUSED_PARTS[k][0]}.weight" in stored for i in range(cfg.layers) for k in LINEAR_KEYS] + [False]
-
-
-def _gguf_config(r: GGUFFile) -> LlamaConfig:
-    f = r.field
-    if f("general.architecture") != "llama":
-        raise HalError(f"model: expected a llama-architecture GGUF, got {f('general.architecture')!r}")
-    heads, hidden = f("llama.attention.head_count"), f("llama.embedding_length")
-    return LlamaConfig(hidden=hidden, layers=f("llama.block_count"), heads=heads,
-                       kv_heads=f("llama.attention.head_count_kv", heads), head_dim=hidden // heads,
-                       ffn=f("llama.feed_forward_length"), vocab=len(f("tokenizer.ggml.tokens")),
-                       rope_base=float(f("llama.rope.freq_base", 10000.0)),
-                       eps=float(f("llama.attention.layer_norm_rms_epsilon", 1e-5)), rope_interleaved=True,
-                       bos_id=f("tokenizer.ggml.bos_token_id"), eos_id=f("tokenizer.ggml.eos_token_id"))
-
-
-def _hf_config(c: dict) -> LlamaConfig:
-    heads = c["num_attention_heads"]
-    return LlamaConfig(hidden=c["hidden_size"], layers=c["num_hidden_layers"], heads=heads,
-                       kv_heads=c.get("num_key_value_heads", heads),
-                       head_dim=c.get("head_dim", c["hidden_size"] // heads), ffn=c["intermediate_size"],
-                       vocab=c["vocab_size"], rope_base=float(c.get("rope_theta", 10000.0)),
-                       eps=float(c.get("rms_norm_eps", 1e-5)), rope_interleaved=False,
-                       bos_id=c.get("bos_token_id"), eos_id=c.get("eos_token_id"))
-
-
-def read_config(path: str | Path) -> LlamaConfig:
-    """The config of a GGUF file or an HF folder, without loading any weights."""
-    path = Path(path)
-    if path.is_dir():
-        return _hf_config(json.loads((path / "config.json").read_text()))
-    return _gguf_config(open_gguf(path))
-
-
 def weight_bytes(cfg: LlamaConfig) -> int:
     """fp32 bytes the runner holds: embeddings, the [H, V] head copy, fused layer weights, norms."""
     nq, nk = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
     layer = cfg.hidden * (nq + 2 * nk) + nq * cfg.hidden + 3 * cfg.hidden * cfg.ffn + 2 * cfg.hidden
     return 4 * (2 * cfg.vocab * cfg.hidden + cfg.layers * layer + cfg.hidden)
-
-
-def load_gguf(path: str | Path, backend, dtype: str = "float32", plan_refresh: bool = False,
-              plan: LinearPlan | None = None):
-    """(Llama, tokenizer) from a llama-architecture GGUF file. ``plan`` (None: measured for
-    ``dtype`` on this machine, `hal.models.linear_plan.choose_plan`) says how the linear
-    layers run: weights stored as Q4_0/Q4_1 blocks stay int4 as stored when it runs them so
-    (no float copy is kept); every other weight is dequantized to fp32, then cast to the
-    plan's dtype (`Llama`)."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
-    from hal.models.tokenizer import from_gguf_fields
-    r = open_gguf(path)
-    f = r.field
-    cfg = _gguf_config(r)
-    stored = _int4_tensors(r.tensors, cfg.layers)
-    choice = None
-    if plan is None:
-        mask = [f"blk.{i}.{FUSED_PARTS[k][0]}.weight" in stored for i in range(cfg.layers) for k in LINEAR_KEYS]
-        choice = choose_plan(linear_shapes(cfg), dtype, refresh=plan_refresh, stored_int4=mask + [False],
-                             device=torch.device(backend.device_type))
-        plan = choice.plan
-    w = {}
-    for t in r.tensors:
-        shape, data = t.shape, r.data(t)
-        if plan.weights == "int4" and t.name in stored:
-            arr = int4.from_blocks(data, t.kind, tuple(shape))
-        else:
-            arr = torch.from_numpy(dequantize(data, GGMLQuantizationType[t.kind]).reshape(shape).copy()).float()
-        parts = t.name.split(".")
-        if parts[0] == "blk":
-            w[f"{parts[1]}.{GGUF_NAMES[parts[2]]}"] = arr
-        else:
-            w[{"token_embd": "embed", "output_norm": "norm", "output": "head"}[parts[0]]] = arr
-    tok = from_gguf_fields({k: f(k) for k in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges",
-                                              "tokenizer.ggml.token_type")})
-    model = Llama(cfg, _fuse(w, cfg.layers, plan.dtype), backend, plan=plan)
-    model.plan_choice = choice
-    return model, tok
-
-
-HF_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "wq",
-            "self_attn.k_proj": "wk", "self_attn.v_proj": "wv", "self_attn.o_proj": "wo", "mlp.gate_proj": "wgate",
-            "mlp.up_proj": "wup", "mlp.down_proj": "wdown"}
-
-
-def load_safetensors(folder: str | Path, backend, dtype: str = "float32", plan_refresh: bool = False,
-                     plan: LinearPlan | None = None) -> Llama:
-    """A Llama from an HF folder (config.json + *.safetensors), rotate-half RoPE."""
-    from safetensors.torch import load_file
-    folder = Path(folder)
-    cfg = _hf_config(json.loads((folder / "config.json").read_text()))
-    w = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        for name, t in load_file(str(file)).items():
-            t = t.float()
-            if name == "model.embed_tokens.weight":
-                w["embed"] = t
-            elif name == "model.norm.weight":
-                w["norm"] = t
-            elif name == "lm_head.weight":
-                w["head"] = t
-            elif name.startswith("model.layers."):
-                _, _, i, rest = name.split(".", 3)
-                w[f"{i}.{HF_NAMES[rest.removesuffix('.weight')]}"] = t
-    return Llama(cfg, _fuse(w, cfg.layers), backend, dtype=dtype, plan_refresh=plan_refresh, plan=plan)
 
 
 def random_llama(H: int, layers: int, heads: int, kv_heads: int, D: int, ffn: int, V: int, seed: int,

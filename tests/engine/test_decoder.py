@@ -12,7 +12,7 @@ import hal
 from hal.conformance._helpers import assert_distribution
 from hal.engine import Request, SamplingParams, SpeculativeDecoder
 from hal.drafters import ModelDrafter, NgramDrafter
-from hal.models.llama import load_safetensors
+from hal.models.loaders import load_safetensors
 from tests.launch.test_generate import tiny  # noqa: F401  (the fixture: a tiny random model folder)
 
 PROMPTS = [[1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [5, 6, 7, 5, 6, 7, 5], [9, 8, 7, 6, 5, 4, 3, 2, 1, 9, 8, 7, 6, 5, 4, 3],

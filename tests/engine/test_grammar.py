@@ -17,7 +17,7 @@ from hal.drafters import NgramDrafter
 from hal.engine import Request, SpeculativeDecoder
 from hal.engine.requests import StructuredOutputs
 from hal.errors import HalError
-from hal.models.llama import load_safetensors
+from hal.models.loaders import load_safetensors
 from tests.engine.test_processors import Oracle
 from tests.launch.test_generate import tiny  # noqa: F401  (the fixture: a tiny random model folder)
 

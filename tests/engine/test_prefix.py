@@ -11,7 +11,7 @@ import pytest
 import hal
 from hal.drafters import NgramDrafter
 from hal.engine import Request, SamplingParams, SpeculativeDecoder
-from hal.models.llama import load_safetensors
+from hal.models.loaders import load_safetensors
 from tests.launch.test_generate import tiny  # noqa: F401  (the fixture: a tiny random model folder)
 
 BS = 4

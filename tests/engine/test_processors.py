@@ -11,7 +11,7 @@ import hal
 from hal.drafters import NgramDrafter
 from hal.engine import Request, SpeculativeDecoder
 from hal.errors import HalError
-from hal.models.llama import load_safetensors
+from hal.models.loaders import load_safetensors
 from tests.launch.test_generate import tiny  # noqa: F401  (the fixture: a tiny random model folder)
 
 PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [1, 2, 3, 1, 2, 3, 1, 2, 3], [9, 9, 9, 9], [11, 12, 13, 11, 12]]

@@ -21,7 +21,7 @@ PROMPTS = ["Repeat this exactly: the cat sat on the mat, the cat sat on the mat.
 
 def load_real(dtype: str = "float32"):
     from hal.models.fetch import fetch
-    from hal.models.llama import load_gguf
+    from hal.models.loaders import load_gguf
     try:
         path = fetch("smollm2-135m")
     except hal.HalError as e:

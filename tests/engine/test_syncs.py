@@ -18,7 +18,7 @@ from hal.engine import Request, SpeculativeDecoder
 from hal.drafters import ModelDrafter, NgramDrafter
 from tests.drafters.toy_heads import EagleDrafter
 from hal.drafters.eagle import HeadDrafter
-from hal.models.llama import load_safetensors
+from hal.models.loaders import load_safetensors
 from tests.launch.test_generate import tiny  # noqa: F401  (the fixture: a tiny random model folder)
 
 READS = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")

@@ -16,7 +16,7 @@ from hal.engine import Request, SamplingParams, SpeculativeDecoder
 from hal.drafters import NgramTreeDrafter
 from hal.engine.forward import forward
 from hal.kv import KVPool
-from hal.models.llama import load_safetensors
+from hal.models.loaders import load_safetensors
 from hal.engine.drafting import Proposal
 from hal.models.linear_plan import offered_dtypes
 from tests.engine.test_decoder import PROMPTS, N

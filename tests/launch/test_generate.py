@@ -16,7 +16,7 @@ import torch
 import hal
 from hal.engine import Request, SpeculativeDecoder
 from hal.engine.requests import SamplingParams
-from hal.models.llama import load_safetensors
+from hal.models.loaders import load_safetensors
 from tests.models.test_llama import H, HEADS, KV, LAYERS, V, FFN, hf_weights
 
 PROMPTS = ["1,2,3,4,5,6,7,8,9", "10,11,12,13,10,11,12"]

@@ -16,6 +16,7 @@ from hal.errors import HalError
 from hal.models import int4
 from hal.models import linear_plan as lp
 from hal.models.linear_plan import LAYOUTS, LinearPlan, choose_plan
+from hal.models.machine import cpu_flags
 
 KINDS = {"Q4_0": gguf.GGMLQuantizationType.Q4_0, "Q4_1": gguf.GGMLQuantizationType.Q4_1}
 
@@ -73,7 +74,7 @@ def test_stored_runs_the_int4_shapes_as_stored_and_the_rest_as_float():
     choice = choose_plan(SHAPES, "stored", stored_int4=INT4, cache=False)
     plan = choice.plan
     assert plan.weights == "int4" and all(c["plan"]["weights"] == "int4" for c in choice.candidates)
-    assert plan.dtype == lp.int4_activation(lp.cpu_flags())
+    assert plan.dtype == lp.int4_activation(cpu_flags())
     g = torch.Generator().manual_seed(3)
     w4, wf = int4.random(96, 64, g), torch.randn(500, 64, generator=g)
     x = torch.randn(7, 64, generator=g)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import hal
-from hal.models.linear_plan import LAYOUTS, LinearPlan, choose_plan, cpu_signature, usable_groups
+from hal.models.linear_plan import LAYOUTS, LinearPlan, choose_plan, usable_groups
+from hal.models.machine import cpu_signature
 
 SHAPES = [(96, 64), (64, 64), (192, 64), (64, 96), (500, 64)]
 

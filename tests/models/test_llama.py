@@ -11,7 +11,8 @@ import hal
 from hal.engine import Request, SpeculativeDecoder
 from hal.engine.forward import forward
 from hal.kv import KVPool
-from hal.models.llama import Llama, LlamaConfig, _fuse, load_safetensors
+from hal.models.llama import Llama, LlamaConfig, _fuse
+from hal.models.loaders import load_safetensors
 
 H, HEADS, KV, D, FFN, V, LAYERS = 64, 4, 2, 16, 96, 50, 2
 
