@@ -15,7 +15,7 @@ import os
 
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
@@ -201,11 +201,14 @@ def machine(be, kv=hal.kv):
     return type("KV", (KVMachine,), {"be": be, "kv": kv, "bs": bs})
 
 
-def run(be, kv=hal.kv, n: int | None = None) -> None:
+def run(be, kv=hal.kv, n: int | None = None, shrink: bool = True) -> None:
+    """The state machine on ``be`` (``kv``: the allocator module). ``shrink=False`` reports the
+    first failing sequence as found (a planted mutant only has to fail, not to be minimal)."""
     n = n or int(os.environ.get("HAL_KV_EXAMPLES", "25"))
+    phases = tuple(p for p in Phase if shrink or p is not Phase.shrink)
     run_state_machine_as_test(machine(be, kv), settings=settings(
         max_examples=n, stateful_step_count=30, deadline=None, derandomize=True, database=None,
-        report_multiple_bugs=False,
+        report_multiple_bugs=False, phases=phases,
         suppress_health_check=list(HealthCheck)))
 
 

@@ -21,7 +21,9 @@ auto`` measures these candidates with the float ones; ``stored`` measures only t
    group is a candidate plan, with the subset of its widths predicted fastest
    (`fastest_subset`: any subset of a group is as invariant as the group).
 2. The **fastest** usable candidate by the measured time of all the model's linears at a mix
-   of rows (`MIX`: one-token decode, a 4-draft verify, an 8-node tree verify).
+   of rows (`MIX`: one-token decode, a 4-draft verify, an 8-node tree verify). A candidate
+   whose score, predicted from one chunk of each of its widths, is over `PRUNE` times the
+   best prediction is not timed further (a cold plan costs what the close ones cost).
 3. **Cached** per CPU signature (model name, SIMD flags, cores, threads, torch version) and
    weight shapes under ``$HAL_CACHE/plans``, so a second load costs nothing; a cache written
    under another signature is ignored. ``refresh=True`` (``--plan-refresh``) re-measures.
@@ -62,7 +64,9 @@ CHOICES = ("auto", "stored", *DTYPES)   # what ``--dtype`` may ask for
 WEIGHTS = ("float", "int4")              # how the weights stored as int4 blocks run (`LinearPlan.weights`)
 PROBE_WIDTHS = (1, 2, 4, 8, 16)
 MIX = {1: 0.5, 5: 0.25, 9: 0.25}       # rows per forward -> weight in the score (decode, verify k=4, tree of 8)
+SCORE_ROWS = tuple(MIX)                 # the rows a candidate is timed at
 REPORT_ROWS = (1, 5, 9, 16)
+PRUNE = 1.5    # a candidate predicted over this times the best prediction is not timed (its score stays predicted)
 NOISE = 0.25   # the winner timed twice: scores further apart than this (relative) make the measurement noisy
 
 
@@ -248,19 +252,31 @@ def chunks(widths: tuple[int, ...], rows: int) -> list[int]:
     return out
 
 
-def fastest_subset(plan: LinearPlan, weights: list, reps: int = 3) -> LinearPlan:
+def single_chunks(plan: LinearPlan, weights: list, reps: int = 3) -> dict[int, float]:
+    """ms of one chunk of each of ``plan``'s widths (all of ``weights``' products)."""
+    return {n: time_plan(LinearPlan(plan.layout, plan.dtype, (n,), plan.fn, plan.weights), weights, rows=(n,),
+                         reps=reps)[n] for n in plan.widths}
+
+
+def predicted_score(widths: tuple[int, ...], one: dict[int, float]) -> float:
+    """The `MIX` score of ``widths`` predicted from one chunk's time per width (`single_chunks`)."""
+    return sum(weight * sum(one[n] for n in chunks(widths, m)) for m, weight in MIX.items())
+
+
+def fastest_subset(plan: LinearPlan, weights: list, reps: int = 3,
+                   one: dict[int, float] | None = None) -> LinearPlan:
     """``plan`` with the subset of its widths that scores best (`MIX`). Widths of one group
     give a row the same bits, so any subset of them is as invariant as the whole; which is
     fastest depends on the kernel (int4pack at 4 rows can cost more than 4 single rows).
-    Each width is timed once as a single chunk; a subset's score is predicted from those."""
+    Each width is timed once as a single chunk (or ``one`` gives those times); a subset's
+    score is predicted from those."""
     if len(plan.widths) == 1:
         return plan
-    one = {n: time_plan(LinearPlan(plan.layout, plan.dtype, (n,), plan.fn, plan.weights), weights, rows=(n,),
-                        reps=reps)[n] for n in plan.widths}
+    one = one or single_chunks(plan, weights, reps)
     best, best_score = plan.widths, None
     for mask in range((1 << len(plan.widths)) - 1, 0, -1):    # the whole group first: it wins ties
         subset = tuple(n for j, n in enumerate(plan.widths) if mask >> j & 1)
-        predicted = sum(weight * sum(one[n] for n in chunks(subset, m)) for m, weight in MIX.items())
+        predicted = predicted_score(subset, one)
         if best_score is None or predicted < best_score * (1 - 1e-9):
             best, best_score = subset, predicted
     return LinearPlan(plan.layout, plan.dtype, best, plan.fn, plan.weights)
@@ -290,9 +306,10 @@ def choose_plan(shapes: list[tuple[int, int]], dtype: str = "auto", *, weights: 
     dev = torch.device(device) if device is not None else torch.device("cpu")
     signature = cpu_signature(threads, dev)
     shapes = [tuple(int(n) for n in s) for s in shapes]
-    int4_shapes = frozenset(s for s, q in zip(shapes, stored_int4 or []) if q and int4.fits(*s)) \
-        if dev.type == "cpu" else frozenset()
     candidate_dtypes(dtype, [])   # a bad dtype is refused before anything is read or measured
+    # only auto and stored run int4 candidates: a float plan's key (and choice) ignores the storage
+    int4_shapes = frozenset(s for s, q in zip(shapes, stored_int4 or []) if q and int4.fits(*s)) \
+        if dev.type == "cpu" and dtype in ("auto", "stored") else frozenset()
     if dtype == "stored" and not int4_shapes:
         raise HalError(f"dtype: expected a model with weights stored as Q4_0/Q4_1 blocks for 'stored' on a CPU, "
                        f"got {'none' if dev.type == 'cpu' else 'device ' + dev.type}", arg="dtype")
@@ -337,10 +354,39 @@ def _timing_weights(weights: list[Tensor], shapes, dt: torch.dtype, kind: str, i
 
 def _measure(shapes, dtype: str, weights: list[Tensor], signature: dict, layouts, reps: int, dev,
              progress: bool, int4_shapes=frozenset()) -> Choice:
-    """Time every usable candidate, then the winner once more: the spread of its two scores
-    (relative to the lower) says whether the machine was quiet enough to trust the choice."""
+    """Every usable candidate (`_candidates`), its score predicted from single chunks; those
+    within `PRUNE` of the best prediction timed at the `MIX` rows, then the winner once more:
+    the spread of its two scores (relative to the lower) says whether the machine was quiet
+    enough to trust the choice."""
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    candidates, rejected, casts = [], [], {}
+    found, rejected, casts = _candidates(shapes, dtype, weights, signature, layouts, reps, dev, progress,
+                                         int4_shapes)
+    if not found:
+        raise HalError(f"dtype {dtype}: expected a batch-invariant linear layout on this CPU, got none usable "
+                       f"({'; '.join(rejected[:4])})", arg="dtype")
+    floor = min(predicted for _, predicted in found)
+    candidates = []
+    for plan, predicted in found:
+        if predicted > PRUNE * floor:   # far slower by its own chunks: not worth timing
+            candidates.append({"plan": plan, "ms": {}, "score": round(predicted, 3), "predicted": True})
+            continue
+        ms = time_plan(plan, casts[plan.dtype, plan.weights], rows=SCORE_ROWS, reps=reps)
+        candidates.append({"plan": plan, "ms": ms, "score": round(score(ms), 3)})
+    best = min((c for c in candidates if c["ms"]), key=lambda c: c["score"])
+    again = score(time_plan(best["plan"], casts[best["plan"].dtype, best["plan"].weights], rows=SCORE_ROWS,
+                            reps=reps))
+    spread = abs(again - best["score"]) / max(min(again, best["score"]), 1e-9)
+    measured = {"at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load": round(load, 2),
+                "spread": round(spread, 3)}
+    table = [{**c, "plan": c["plan"].to_json()} for c in candidates]
+    return Choice(best["plan"], signature, table, rejected, measured=measured)
+
+
+def _candidates(shapes, dtype: str, weights: list[Tensor], signature: dict, layouts, reps: int, dev,
+                progress: bool, int4_shapes) -> tuple[list[tuple[LinearPlan, float]], list[str], dict]:
+    """(plan, predicted score) per usable width group of every layout and dtype family, with
+    its fastest subset; why other widths were dropped; the weights cast per family."""
+    found, rejected, casts = [], [], {}
     flags = signature["flags"] if dev.type == "cpu" else list(BF16_FLAGS)   # accelerators: measure bf16 too
     kinds = _kinds(dtype, flags, int4_shapes)
     bar = progress_bar(progress, len(kinds) * len(layouts), "linear plan", "layout")
@@ -353,18 +399,9 @@ def _measure(shapes, dtype: str, weights: list[Tensor], signature: dict, layouts
             rejected += [f"{label}: {w}" for w in why]
             for group in groups:
                 plan = LinearPlan(name, dt, group, None if LAYOUTS.get(name) is fn else fn, weights=kind)
-                plan = fastest_subset(plan, cast, reps)
-                ms = time_plan(plan, cast, reps=reps)
-                candidates.append({"plan": plan, "ms": ms, "score": round(score(ms), 3)})
+                one = single_chunks(plan, cast, reps)
+                plan = fastest_subset(plan, cast, reps, one)
+                found.append((plan, predicted_score(plan.widths, one)))
             bar.update()
     bar.close()
-    if not candidates:
-        raise HalError(f"dtype {dtype}: expected a batch-invariant linear layout on this CPU, got none usable "
-                       f"({'; '.join(rejected[:4])})", arg="dtype")
-    best = min(candidates, key=lambda c: c["score"])
-    again = score(time_plan(best["plan"], casts[best["plan"].dtype, best["plan"].weights], reps=reps))
-    spread = abs(again - best["score"]) / max(min(again, best["score"]), 1e-9)
-    measured = {"at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load": round(load, 2),
-                "spread": round(spread, 3)}
-    table = [{**c, "plan": c["plan"].to_json()} for c in candidates]
-    return Choice(best["plan"], signature, table, rejected, measured=measured)
+    return found, rejected, casts

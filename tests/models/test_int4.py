@@ -112,3 +112,15 @@ def test_a_subset_of_a_width_group_is_chosen_by_its_predicted_time(monkeypatch):
     # 1 row: one chunk of 1; 5 rows: one of 8 (8 ms) beats 4 + 1 (22) and five of 1 (10); 9 rows: 8 + 1
     assert [lp.chunks(plan.widths, m) for m in (1, 5, 9)] == [[1], [8], [8, 1]], plan
     assert lp.fastest_subset(LinearPlan("mm", torch.float32, (1, 2, 4, 8, 16)), []).widths == plan.widths
+
+
+def test_a_float_plan_is_one_plan_however_the_file_stores_the_weights(tmp_path, monkeypatch):
+    """float32/bfloat16 never run int4 candidates, so the storage mask is not part of their
+    key: the target (its file's mask) and a draft model built on its float weights (no mask)
+    share one measurement."""
+    monkeypatch.setenv("HAL_CACHE", str(tmp_path))
+    monkeypatch.setattr(lp, "time_plan", lambda plan, weights, rows=lp.REPORT_ROWS, reps=3: {m: float(m) for m in rows})
+    assert not choose_plan(SHAPES, "float32", stored_int4=INT4).from_cache
+    assert choose_plan(SHAPES, "float32").from_cache
+    assert not choose_plan(SHAPES, "auto", stored_int4=INT4).from_cache   # auto measures int4 too: its own key
+    assert not choose_plan(SHAPES, "auto").from_cache

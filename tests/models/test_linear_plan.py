@@ -96,7 +96,7 @@ def test_a_noisy_measurement_is_repeated_then_not_cached(tmp_path, monkeypatch):
     calls = []
 
     def noisy(plan, weights, rows=lp.REPORT_ROWS, reps=3):   # PLANTED: every other plan timing 10x slower
-        if rows != lp.REPORT_ROWS:   # a single width's chunk (`fastest_subset`)
+        if rows != lp.SCORE_ROWS:   # a single width's chunk (`single_chunks`)
             return {m: 1.0 for m in rows}
         calls.append(plan.layout)
         return {m: 1.0 if len(calls) % 2 else 10.0 for m in rows}
@@ -112,3 +112,21 @@ def test_a_noisy_measurement_is_repeated_then_not_cached(tmp_path, monkeypatch):
     assert not quiet.noisy and quiet.measured["spread"] == 0.0 and quiet.measured["load"] >= 0
     cached = choose_plan(SHAPES, "float32")
     assert cached.from_cache and cached.measured == quiet.measured and "at load" in cached.conditions()
+
+
+def test_a_candidate_far_slower_by_its_single_chunks_is_not_timed_further(monkeypatch):
+    """A cold plan times at the `MIX` rows only the candidates predicted within `PRUNE` of the
+    best; the others keep their predicted score and are never chosen."""
+    import hal.models.linear_plan as lp
+    timed = []
+
+    def planted(plan, weights, rows=lp.REPORT_ROWS, reps=3):   # PLANTED: "slow" costs 10x per chunk
+        if rows == lp.SCORE_ROWS:
+            timed.append(plan.layout)
+        return {m: (10.0 if plan.layout == "slow" else 1.0) * len(lp.chunks(plan.widths, m)) for m in rows}
+    monkeypatch.setattr(lp, "time_plan", planted)
+    choice = choose_plan(SHAPES, "float32", layouts={"mm": LAYOUTS["mm"], "slow": rowwise}, cache=False)
+    assert "slow" not in timed and "mm" in timed, timed
+    slow = [c for c in choice.candidates if c["plan"]["layout"] == "slow"]
+    assert slow and all(c.get("predicted") and not c["ms"] for c in slow), slow
+    assert choice.plan.layout == "mm"
