@@ -57,6 +57,9 @@ class BackendSpec:
     :param validation: how it was validated, in words (shown by ``hal info``).
     :param always_check_values: run value checks (NaN, ranges, sums) on every
         call, not only under ``HAL_CHECK=1``. True where they cost no device sync.
+    :param fuzz_examples: the examples per property the conformance fuzz runs here by default
+        (``--slow`` and ``HAL_FUZZ_EXAMPLES`` override it); an interpreted backend, whose every
+        example costs ~20x a native one, names fewer. None: the fuzz's default.
     :param devices: the device types a `hal.distributed.placement.Placement` may name to get this
         backend (``"npu"`` for ascend); ``device_type`` is always one of them.
     :param collective: the torch.distributed backend for links between two ranks that
@@ -79,6 +82,7 @@ class BackendSpec:
     validation: str = "unknown"
     always_check_values: bool = False
     devices: tuple[str, ...] = ()
+    fuzz_examples: int | None = None   # examples per fuzz property in a default conformance run (None: 50)
     collective: str = "gloo"
     memory: Callable[[int], tuple[int, int]] | None = None
     synchronize: Callable[[], None] = lambda: None

@@ -40,6 +40,9 @@ def _memory(index: int) -> tuple[int, int]:
     return torch.cuda.mem_get_info(index)
 
 
+INTERPRETED_FUZZ = 20   # fuzz examples per property under the interpreter by default (--slow: all)
+
+
 @hookimpl
 def register_backends(register):
     interp = interpreted()
@@ -54,6 +57,7 @@ def register_backends(register):
         validation=("Triton interpreter on CPU (conformance in CI); real GPU: " + GPU_VALIDATION) if interp
         else ("Triton kernels on a CUDA device; real GPU: " + GPU_VALIDATION),
         always_check_values=interp,
+        fuzz_examples=INTERPRETED_FUZZ if interp else None,
         devices=("cuda",),
         collective="gloo" if interp else "nccl",
         memory=None if interp else _memory,

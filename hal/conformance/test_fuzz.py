@@ -11,8 +11,9 @@ Three properties per op, each case under a watchdog (a hang fails the case):
   huge size, aliased caches) raises `hal.HalError` naming that argument and leaves the
   KV caches untouched.
 
-``HAL_FUZZ_EXAMPLES`` sets the examples per op and property (default 50); ``python -m hal
-conformance --backend X --fuzz N`` runs N cases in all. Figures are printed at the end.
+``HAL_FUZZ_EXAMPLES`` sets the examples per op and property (default 50, or a backend's
+own `fuzz_examples`: 20 for cuda under the Triton interpreter, unless ``--slow``); ``python -m
+hal conformance --backend X --fuzz N`` runs N cases in all. Figures are printed at the end.
 """
 
 from __future__ import annotations
@@ -34,8 +35,19 @@ from hal.ops import OP_NAMES
 
 EXAMPLES = int(os.environ.get("HAL_FUZZ_EXAMPLES", "50"))
 WATCHDOG_S = float(os.environ.get("HAL_FUZZ_WATCHDOG", "60"))
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
-                suppress_health_check=list(HealthCheck))
+
+
+def fuzz(backend: Backend):
+    """The hypothesis settings of ``backend``'s properties: `EXAMPLES` each, or the fewer its
+    spec affords by default (`hal.backend.BackendSpec.fuzz_examples`: cuda under the Triton
+    interpreter, where each example costs ~20x a native one) unless ``--slow`` (HAL_SLOW=1)
+    or an explicit HAL_FUZZ_EXAMPLES asks for more. The planted ``cuda-ignores-strides``
+    mutant is caught at the interpreter's count (tests/test_mutants.py)."""
+    n = EXAMPLES
+    if backend.spec.fuzz_examples and os.environ.get("HAL_SLOW") != "1" and "HAL_FUZZ_EXAMPLES" not in os.environ:
+        n = min(n, backend.spec.fuzz_examples)
+    return settings(max_examples=n, deadline=None, derandomize=True, database=None,
+                    suppress_health_check=list(HealthCheck))
 STATS: dict[str, int] = {"cases": 0, "refused with HalError": 0, "equal to the oracle": 0,
                          "strided equal to contiguous": 0, "other exceptions": 0, "hangs": 0, "wrong results": 0}
 
@@ -146,7 +158,7 @@ def _compare_to_oracle(op, args, got, want, V):
 
 @pytest.mark.parametrize("op", OP_NAMES)
 def test_fuzz_valid_edges_equal_the_oracle(backend, oracle, op):
-    @FUZZ
+    @fuzz(backend)
     @given(data=st.data())
     def prop(data):
         args, V = data.draw(valid_case(backend, op))
@@ -180,7 +192,7 @@ def strided(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("op", OP_NAMES)
 def test_fuzz_strided_equals_contiguous(backend, op):
-    @FUZZ
+    @fuzz(backend)
     @given(data=st.data())
     def prop(data):
         args, _ = data.draw(valid_case(backend, op))
@@ -268,7 +280,7 @@ def _broken(how, name, v, args):
 
 @pytest.mark.parametrize("op", OP_NAMES)
 def test_fuzz_bad_input_is_refused(backend, op):
-    @FUZZ
+    @fuzz(backend)
     @given(data=st.data())
     def prop(data):
         args, V = data.draw(valid_case(backend, op))

