@@ -1,10 +1,11 @@
 """Where a forward's time goes (SmolLM2-135M, GGUF Q4_1, 200 cached tokens, the auto plan):
 linears, attention, norms and RoPE, KV writes, everything else the forward runs, and the
-host time between ops, for a one-token decode and a 5-token verify; then one engine step
-(decode of one request) against its forward alone. Writes benchmarks/results/breakdown.md.
+host time between ops, for a one-token decode and a 5-token verify; one engine step (decode
+of one request) against its forward alone; and the KV writes as one native call per layer
+against the backend op per layer, side by side. Writes benchmarks/results/breakdown.md.
 
 Every op the profiler records (torch.profiler, CPU) is charged to the innermost function of
-the runner it was called from (its Python stack): `LinearPlan.linear` -> linears,
+the runner it was called from (the profiler's Python-function events above it): `LinearPlan.linear` -> linears,
 `invariant.attention` / `Plan` -> attention, `_rms_norm` and `Rope` -> norms and RoPE,
 `write_kv` -> KV writes. "host" is the wall time no op covers (Python, dispatch).
 
@@ -25,6 +26,7 @@ from report import publish
 from hal.engine import Request, SpeculativeDecoder
 from hal.engine.forward import forward
 from hal.kv import KVPool
+from hal.models import invariant
 from hal.models.fetch import fetch
 from hal.models.loaders import load_gguf
 from hal.models.machine import machine_line
@@ -44,16 +46,24 @@ def decode_fn(model, m):
     return lambda: forward(model, pool, [seq], [list(range(100, 100 + m))], True)
 
 
-def part_of(stack: list[str]) -> str:
-    for frame in stack:   # innermost first
+def part_of(evt) -> str:
+    """The part an op is charged to: the innermost runner function among its callers (the
+    profiler's Python-function events above it)."""
+    parent = evt.cpu_parent
+    while parent is not None:
         for name, marks in PARTS:
-            if any(mark in frame for mark in marks):
+            if _is_python(parent) and any(mark in parent.name for mark in marks):
                 return name
+        parent = parent.cpu_parent
     return "batch metadata (hal.engine.forward)"
 
 
+def _is_python(evt) -> bool:
+    return "): " in evt.name or evt.name.startswith("<built-in")
+
+
 def breakdown(fn, reps: int) -> tuple[float, dict[str, float]]:
-    """Median wall ms of ``fn``, and ms per call of each part (op self time, by stack)."""
+    """Median wall ms of ``fn``, and ms per call of each part (ops' self time, by caller)."""
     for _ in range(3):
         fn()
     walls = []
@@ -66,9 +76,9 @@ def breakdown(fn, reps: int) -> tuple[float, dict[str, float]]:
             fn()
     parts: dict[str, float] = {}
     for evt in prof.events():
-        if evt.device_type != torch.autograd.DeviceType.CPU or not evt.stack:
+        if _is_python(evt):
             continue
-        name = part_of(evt.stack)
+        name = part_of(evt)
         parts[name] = parts.get(name, 0.0) + evt.self_cpu_time_total / 1e3 / reps
     return statistics.median(walls) * 1e3, parts
 
@@ -77,7 +87,7 @@ def engine_step(model, tok, reps: int) -> float:
     """Median ms of one decode step of one request (schedule, forward, sample, commit)."""
     dec = SpeculativeDecoder(model, None, num_blocks=64)
     ids = tok.encode("Write a short story about a lighthouse keeper.").ids
-    dec.add(Request(ids, max_new_tokens=reps + 8, k=0, ignore_eos=True))
+    dec.add(Request(ids, max_new_tokens=reps + 8, k=0))   # no stop ids: it runs to max_new_tokens
     for _ in range(4):   # prefill, then warm decode steps
         dec.step()
     times = []
@@ -86,6 +96,25 @@ def engine_step(model, tok, reps: int) -> float:
         dec.step()
         times.append(time.perf_counter() - t)
     return statistics.median(times) * 1e3
+
+
+def kv_writes_side_by_side(model, reps: int) -> dict[tuple[int, str], float]:
+    """Median forward ms at M = 1 and 5, interleaved: layers after the first writing their KV
+    in one native call each (`invariant.write_kv`, the default) against the backend's
+    ``write_kv`` op per layer (what every layer did before)."""
+    fused = invariant.write_kv
+    fns = {m: decode_fn(model, m) for m in (1, 5)}
+    times = {(m, mode): [] for m in fns for mode in ("backend op per layer", "one native call")}
+    try:
+        for _ in range(reps):
+            for m, mode in times:
+                invariant.write_kv = fused if mode == "one native call" else (lambda *a: False)
+                t = time.perf_counter()
+                fns[m]()
+                times[m, mode].append(time.perf_counter() - t)
+    finally:
+        invariant.write_kv = fused
+    return {key: statistics.median(v) * 1e3 for key, v in times.items()}
 
 
 def main() -> None:
@@ -99,9 +128,10 @@ def main() -> None:
     model, tok = load_gguf(fetch("smollm2-135m"), hal.get_backend("cpu"), args.dtype)
     rows = {}
     with torch.inference_mode():
+        step = engine_step(model, tok, args.reps)   # before the profiler has run in this process
+        ab = kv_writes_side_by_side(model, 2 * args.reps)
         for m in (1, 5):
             rows[m] = breakdown(decode_fn(model, m), args.reps)
-        step = engine_step(model, tok, args.reps)
     names = [n for n, _ in PARTS] + ["batch metadata (hal.engine.forward)"]
     lines = [f"# Where a forward's time goes (SmolLM2-135M, {CTX} cached tokens, --dtype {args.dtype})", "",
              f"Command: `python benchmarks/breakdown.py --reps {args.reps} --threads {args.threads} --dtype "
@@ -119,6 +149,10 @@ def main() -> None:
     lines.append(f"| **forward (wall)** | **{rows[1][0]:.2f}** | | **{rows[5][0]:.2f}** | |")
     lines += ["", f"One engine decode step (one request, k=0: schedule, forward, sample, commit): {step:.2f} ms; "
               f"the engine's own share over the M=1 forward: {step - rows[1][0]:.2f} ms."]
+    lines += ["", "KV writes side by side (interleaved, medians of {} forwards each):".format(2 * args.reps), "",
+              "| M | backend op per layer ms | one native call per layer ms | ratio |", "|---:|---:|---:|---:|"]
+    lines += [f"| {m} | {ab[m, 'backend op per layer']:.2f} | {ab[m, 'one native call']:.2f} | "
+              f"{ab[m, 'one native call'] / ab[m, 'backend op per layer']:.3f} |" for m in (1, 5)]
     publish(lines, args.out)
 
 

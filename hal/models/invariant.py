@@ -51,8 +51,14 @@ class Plan:
     on the cached tokens before any request's new ones (host-known; only a tree uses it)."""
 
     def __init__(self, block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor, T: int, bs: int,
-                 max_query: int, tree_mask: Tensor | None = None, min_context: int = 0):
+                 max_query: int, tree_mask: Tensor | None = None, min_context: int = 0,
+                 slot_mapping: Tensor | None = None):
         dev = block_tables.device
+        self.slots = self.keep = None   # host slots: `write_kv` writes each layer's new keys in one native call
+        if slot_mapping is not None and slot_mapping.device.type == "cpu":   # the mask costs no device sync
+            rows = (slot_mapping >= 0).nonzero().squeeze(1)   # the tokens that are not padding (its shape: no read)
+            self.keep = None if rows.shape[0] == slot_mapping.shape[0] else rows
+            self.slots = (slot_mapping if self.keep is None else slot_mapping.index_select(0, rows)).long()
         R, nb = block_tables.shape
         qsl, seq = query_start_loc.long(), seq_lens.long()
         q_len = qsl[1:] - qsl[:-1]
@@ -87,6 +93,20 @@ class Plan:
             see = (j[None, None] < (ctx[:, None] + seen)[..., None]) | ~valid[..., None]   # [R, n, Lp]
             self.chunks.append((n, rows, valid[..., None, None], see[:, None, :, None],
                                 torch.where(valid, rows, T).flatten(), order))
+
+
+def write_kv(plan: Plan, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor) -> bool:
+    """The `hal.ops.Ops.write_kv` contract for a forward whose metadata the first layer's
+    checked op already validated: on host tensors and contiguous caches, one ``index_copy_``
+    per cache (no op dispatch per layer); False (nothing written) where it does not apply."""
+    if plan.slots is None or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return False
+    if plan.keep is not None:
+        key, value = key.index_select(0, plan.keep), value.index_select(0, plan.keep)
+    nb, bs = k_cache.shape[:2]
+    k_cache.view(nb * bs, *k_cache.shape[2:]).index_copy_(0, plan.slots, key.to(k_cache.dtype))
+    v_cache.view(nb * bs, *v_cache.shape[2:]).index_copy_(0, plan.slots, value.to(v_cache.dtype))
+    return True
 
 
 def attention(query: Tensor, k_cache: Tensor, v_cache: Tensor, plan: Plan, scale: float) -> Tensor:

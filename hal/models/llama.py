@@ -1,7 +1,9 @@
 """A compact Llama-family runner (RMSNorm, RoPE, GQA attention, SwiGLU) over the HAL.
 
-Attention goes through the backend's ``write_kv`` and ``paged_attention``; the
-batch is ragged, so prefill, decode and multi-token verify share one forward.
+Attention goes through the backend's ``write_kv`` and ``paged_attention`` (the batch-invariant
+default: the first layer's ``write_kv`` checked, then host KV writes in one native call each,
+and `hal.models.invariant` attention); the batch is ragged, so prefill, decode and multi-token
+verify share one forward.
 """
 
 from __future__ import annotations
@@ -160,19 +162,21 @@ class Llama:
             if max_query is None:
                 max_query = int((batch.query_start_loc[1:] - batch.query_start_loc[:-1]).max()) if T else 0
             plan = invariant.Plan(batch.block_tables, batch.seq_lens, batch.query_start_loc, T,
-                                  k_caches[0].shape[1], max_query, tree_mask, batch.min_context)
+                                  k_caches[0].shape[1], max_query, tree_mask, batch.min_context, batch.slot_mapping)
         taps = []
         for i in range(self.num_layers):
             if i in batch.feature_layers:
                 taps.append(h)
             # the first layer goes through the checked ops; the rest reuse the same, now valid, metadata
+            # (host KV writes in one native call each: `invariant.write_kv`)
             ops = self.be if i == 0 else self.be.impl
             x = _rms_norm(h, self.w[f"{i}.attn_norm"], cfg.eps)
             qkv = lin(x, self.w[f"{i}.wqkv"])
             q = self.rope.apply(qkv[:, :nq].view(T, cfg.heads, cfg.head_dim), rot)
             k = self.rope.apply(qkv[:, nq:nq + nk].view(T, cfg.kv_heads, cfg.head_dim), rot)
             v = qkv[:, nq + nk:].view(T, cfg.kv_heads, cfg.head_dim)
-            ops.write_kv(k, v, k_caches[i], v_caches[i], batch.slot_mapping)
+            if i == 0 or plan is None or not invariant.write_kv(plan, k, v, k_caches[i], v_caches[i]):
+                ops.write_kv(k, v, k_caches[i], v_caches[i], batch.slot_mapping)
             if plan is not None:
                 o = invariant.attention(q, k_caches[i], v_caches[i], plan, scale)
             else:

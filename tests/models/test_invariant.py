@@ -225,8 +225,8 @@ def test_tree_attention_needs_chain_order(model, monkeypatch):
         pytest.skip("attention is float32 at every dtype; its tooth is shown on the float32 model")
     real = invariant.Plan.__init__
 
-    def in_place(self, bt, seq, qsl, T, bs, max_query, tree_mask=None, min_context=0):
-        real(self, bt, seq, qsl, T, bs, max_query, tree_mask, min_context)
+    def in_place(self, bt, seq, qsl, T, bs, max_query, tree_mask=None, min_context=0, slot_mapping=None):
+        real(self, bt, seq, qsl, T, bs, max_query, tree_mask, min_context, slot_mapping)
         if tree_mask is None:
             return
         ctx = seq.long() - (qsl[1:] - qsl[:-1]).long()
@@ -242,3 +242,23 @@ def test_tree_attention_needs_chain_order(model, monkeypatch):
     rows = _tree_rows(model, False)
     assert not all(torch.equal(rows[1 + n], _path_decoded(model, n)) for n in range(len(PARENTS))), \
         "masking in place gave the chain's bits: the tree test would prove nothing"
+
+
+def test_host_kv_writes_equal_the_backend_op_and_skip_padding():
+    """`invariant.write_kv` (layers after the first, host tensors) writes what the backend's
+    ``write_kv`` writes, leaves padding slots (-1) untouched, and steps aside for a strided cache."""
+    g = torch.Generator().manual_seed(11)
+    be = hal.get_backend("cpu")
+    kc, vc = _cache(g)
+    key, value = torch.randn(5, 3, 64, generator=g), torch.randn(5, 3, 64, generator=g)
+    slots = torch.tensor([3, -1, 40, 17, -1])
+    bt, seq, qsl = torch.tensor([[0, 1, 2]]), torch.tensor([41]), torch.tensor([0, 5])
+    plan = invariant.Plan(bt, seq, qsl, 5, kc.shape[1], 5, slot_mapping=slots)
+    want_k, want_v = kc.clone(), vc.clone()
+    be.write_kv(key, value, want_k, want_v, slots)
+    assert invariant.write_kv(plan, key, value, kc, vc)
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+    strided = torch.randn(12, 3, 16, 64, generator=g).transpose(1, 2)   # [blocks, bs, Hkv, D], not contiguous
+    before = strided.clone()
+    assert not invariant.write_kv(plan, key, value, strided, strided.clone())
+    assert torch.equal(strided, before)
