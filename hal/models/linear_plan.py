@@ -26,7 +26,9 @@ auto`` measures these candidates with the float ones; ``stored`` measures only t
    best prediction is not timed further (a cold plan costs what the close ones cost).
 3. **Cached** per CPU signature (model name, SIMD flags, cores, threads, torch version) and
    weight shapes under ``$HAL_CACHE/plans``, so a second load costs nothing; a cache written
-   under another signature is ignored. ``refresh=True`` (``--plan-refresh``) re-measures.
+   under another signature is ignored. ``refresh=True`` (``--plan-refresh``) re-measures. One
+   process measures a plan at a time (a lock file beside the cache): another loading the same
+   model waits, then reads the cache, instead of timing the first one's contention.
 
 Nothing here is tuned for one microarchitecture: the AVX2 machine this runner was first
 written on chose ``mm`` in 4/8-row chunks; an AMX machine measured bf16 ``mm`` flat from 2 to 16
@@ -35,6 +37,8 @@ rows; each machine now finds its own.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -314,14 +318,47 @@ def choose_plan(shapes: list[tuple[int, int]], dtype: str = "auto", *, weights: 
         raise HalError(f"dtype: expected a model with weights stored as Q4_0/Q4_1 blocks for 'stored' on a CPU, "
                        f"got {'none' if dev.type == 'cpu' else 'device ' + dev.type}", arg="dtype")
     path = _cache_path(signature, shapes, dtype, layouts, int4_shapes) if cache and layouts is LAYOUTS else None
-    if path is not None and path.exists() and not refresh:
+    cached = None if path is None or refresh else _cached(path, signature, dtype)
+    if cached is not None:
+        return cached
+    with _measuring(path):   # one process measures a plan at a time; the others then read its cache
+        cached = None if path is None or refresh else _cached(path, signature, dtype)
+        return cached or _measure_and_cache(path, shapes, dtype, weights, signature, layouts, reps, dev, progress,
+                                            int4_shapes)
+
+
+def _cached(path: Path, signature: dict, dtype: str) -> Choice | None:
+    """The plan cached at ``path`` for this signature and dtype, or None (absent, damaged, foreign)."""
+    if not path.exists():
+        return None
+    try:
+        saved = json.loads(path.read_text())
+        if saved.get("signature") == signature and saved.get("dtype") == dtype:
+            return Choice(LinearPlan.from_json(saved["plan"]), signature, saved.get("candidates", []),
+                          saved.get("rejected", []), from_cache=True, measured=saved.get("measured") or {})
+    except (ValueError, KeyError, HalError):
+        pass   # a damaged or foreign cache file: measure again
+    return None
+
+
+@contextlib.contextmanager
+def _measuring(path: Path | None):
+    """Hold ``path``'s lock file while measuring: two processes loading one model (a target
+    and a draft rank) would otherwise time each other's contention, and cache it."""
+    if path is None:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)   # released when the file closes, or the holder dies
         try:
-            saved = json.loads(path.read_text())
-            if saved.get("signature") == signature and saved.get("dtype") == dtype:
-                return Choice(LinearPlan.from_json(saved["plan"]), signature, saved.get("candidates", []),
-                              saved.get("rejected", []), from_cache=True, measured=saved.get("measured") or {})
-        except (ValueError, KeyError, HalError):
-            pass   # a damaged or foreign cache file: measure again
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _measure_and_cache(path, shapes, dtype, weights, signature, layouts, reps, dev, progress, int4_shapes) -> Choice:
+    """Measure (`_measure`; once more if noisy) and cache at ``path`` unless still noisy."""
     if weights is None:
         gen = torch.Generator().manual_seed(0)
         weights = [torch.randn(n, k, generator=gen) * 0.02 for n, k in shapes]

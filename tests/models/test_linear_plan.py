@@ -130,3 +130,36 @@ def test_a_candidate_far_slower_by_its_single_chunks_is_not_timed_further(monkey
     slow = [c for c in choice.candidates if c["plan"]["layout"] == "slow"]
     assert slow and all(c.get("predicted") and not c["ms"] for c in slow), slow
     assert choice.plan.layout == "mm"
+
+
+def test_a_second_process_waits_for_the_first_ones_measurement_and_reads_it(tmp_path, monkeypatch):
+    """Two processes loading one model (a target and its draft rank): while one holds the
+    measuring lock the other waits, then reads what it cached, and never times anything."""
+    import fcntl
+    import threading
+
+    import hal.models.linear_plan as lp
+    monkeypatch.setenv("HAL_CACHE", str(tmp_path))
+    monkeypatch.setattr(lp, "time_plan", lambda plan, weights, rows=lp.REPORT_ROWS, reps=3: {m: 1.0 for m in rows})
+    first = choose_plan(SHAPES, "float32")          # what "the other process" will have cached
+    (path,) = (tmp_path / "plans").glob("linear-*.json")
+    saved = path.read_text()
+    path.unlink()
+    timed, waiting, real_flock = [], threading.Event(), fcntl.flock
+
+    def flock(f, op):
+        if op == fcntl.LOCK_EX:
+            waiting.set()
+        return real_flock(f, op)
+    monkeypatch.setattr(lp.fcntl, "flock", flock)
+    monkeypatch.setattr(lp, "time_plan", lambda *a, **k: timed.append(1) or {m: 1.0 for m in lp.REPORT_ROWS})
+    got = []
+    with open(path.with_suffix(".lock"), "a") as held:
+        real_flock(held, fcntl.LOCK_EX)              # the other process is measuring
+        t = threading.Thread(target=lambda: got.append(choose_plan(SHAPES, "float32")))
+        t.start()
+        assert waiting.wait(60), "choose_plan never asked for the lock"
+        path.write_text(saved)                       # the other process cached its plan
+        real_flock(held, fcntl.LOCK_UN)
+    t.join(60)
+    assert got and got[0].from_cache and got[0].plan == first.plan and not timed, (got, timed)
