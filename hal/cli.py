@@ -57,11 +57,12 @@ def print_plan(model: str, dtype: str, refresh: bool) -> None:
     choice = choose_plan(linear_shapes(cfg), dtype, refresh=refresh, stored_int4=int4)
     print(f"  {choice.plan.describe()} ({'cached' if choice.from_cache else 'measured now'}; {choice.conditions()})")
     for c in sorted(choice.candidates, key=lambda c: c["score"]):
-        ms = ", ".join(f"M={m}: {t:.1f}" for m, t in c["ms"].items()) or "predicted from single chunks; not timed"
+        ms = ", ".join(f"M={m}: {t:.1f}" for m, t in c["ms"].items())
+        ms = f"{ms} ms" if ms else "predicted from single chunks; not timed"
         plan = c["plan"]
         print(f"    {plan['dtype']:9s} {plan.get('weights', 'float'):5s} {plan['layout']:6s} widths "
               f"{'/'.join(map(str, plan['widths'])):11s}"
-              f" score {c['score']:7.1f} ms  ({ms} ms)")
+              f" score {c['score']:7.1f} ms  ({ms})")
 
 
 def cmd_conformance(args, extra: list[str]) -> int:
