@@ -22,28 +22,17 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import hal
+from forward import CTX, ours as decode_fn   # M fed tokens after CTX cached ones
 from report import publish
 from hal.engine import Request, SpeculativeDecoder
-from hal.engine.forward import forward
-from hal.kv import KVPool
 from hal.models import invariant
 from hal.models.fetch import fetch
 from hal.models.loaders import load_gguf
 from hal.models.machine import machine_line
 
-CTX = 200
-PARTS = [("linears", ("linear_plan.py(", "_int4_mm")), ("attention", ("invariant.py(",)),
+PARTS = [("linears", ("linear_plan.py(", "plan_check.py(")), ("attention", ("invariant.py(",)),
          ("KV writes", ("write_kv",)), ("norms and RoPE", ("_rms_norm", "Rope", "apply")),
          ("embed, head rows, residuals", ("llama.py(",))]
-
-
-def decode_fn(model, m):
-    cfg = model.cfg
-    pool = KVPool(model.be, 64, 16, cfg.kv_heads, cfg.head_dim, dtype=model.dtype, num_layers=cfg.layers)
-    seq = pool.sequence()
-    forward(model, pool, [seq], [list(range(10, 10 + CTX))], False)
-    seq.commit(CTX)
-    return lambda: forward(model, pool, [seq], [list(range(100, 100 + m))], True)
 
 
 def part_of(evt) -> str:

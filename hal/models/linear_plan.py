@@ -14,7 +14,7 @@ auto`` measures these candidates with the float ones; ``stored`` measures only t
 
 `choose_plan` picks one at model load:
 
-1. **Usable** candidates only. For each layout and dtype, each probe width is run with a row
+1. **Usable** candidates only (`hal.models.plan_check`). For each layout and dtype, each probe width is run with a row
    in several positions among random batch-mates, on every weight shape of the model; a width
    whose row changes with its mates or position is dropped, and the remaining widths are
    grouped by the bits they give (widths in one group agree with each other exactly). Each
@@ -24,7 +24,7 @@ auto`` measures these candidates with the float ones; ``stored`` measures only t
    of rows (`MIX`: one-token decode, a 4-draft verify, an 8-node tree verify). A candidate
    whose score, predicted from one chunk of each of its widths, is over `PRUNE` times the
    best prediction is not timed further (a cold plan costs what the close ones cost).
-3. **Cached** per CPU signature (model name, SIMD flags, cores, threads, torch version) and
+3. **Cached** (`hal.models.plan_cache`) per CPU signature (model name, SIMD flags, cores, threads, torch version) and
    weight shapes under ``$HAL_CACHE/plans``, so a second load costs nothing; a cache written
    under another signature is ignored. ``refresh=True`` (``--plan-refresh``) re-measures. One
    process measures a plan at a time (a lock file beside the cache): another loading the same
@@ -37,36 +37,29 @@ rows; each machine now finds its own.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import hashlib
-import json
 import os
 import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from hal.models import int4
-from hal.models.cache_dir import cache_dir
+from hal.models import plan_cache, plan_check
 from hal.models.machine import BF16_FLAGS, cpu_flags, cpu_signature
 from hal.errors import HalError
 from hal.models.progress import bar as progress_bar
 
-Layout = Callable[[Tensor, Tensor], Tensor]   # (x [M, K], w [N, K]) -> x @ w.T [M, N]
-LAYOUTS: dict[str, Layout] = {
+LAYOUTS: dict[str, plan_check.Layout] = {
     "mm": lambda x, w: torch.mm(w, x.T).T,
     "linear": lambda x, w: F.linear(x, w),
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 CHOICES = ("auto", "stored", *DTYPES)   # what ``--dtype`` may ask for
 WEIGHTS = ("float", "int4")              # how the weights stored as int4 blocks run (`LinearPlan.weights`)
-PROBE_WIDTHS = (1, 2, 4, 8, 16)
 MIX = {1: 0.5, 5: 0.25, 9: 0.25}       # rows per forward -> weight in the score (decode, verify k=4, tree of 8)
 SCORE_ROWS = tuple(MIX)                 # the rows a candidate is timed at
 REPORT_ROWS = (1, 5, 9, 16)
@@ -82,14 +75,14 @@ class LinearPlan:
     layout: str
     dtype: torch.dtype
     widths: tuple[int, ...]
-    fn: Layout | None = field(default=None, compare=False, repr=False)   # a layout not in LAYOUTS (tests)
+    fn: plan_check.Layout | None = field(default=None, compare=False, repr=False)   # a layout not in LAYOUTS (tests)
     weights: str = "float"   # int4: weights stored as int4 blocks run as stored (`hal.models.int4`), rows in dtype
 
     def linear(self, x: Tensor, w: Tensor | int4.Int4Weight) -> Tensor:
         """``x @ w.T`` for ``x`` [T, K] (any float dtype), computed in ``w``'s dtype (the model
         casts its weights to ``self.dtype`` once; an `hal.models.int4.Int4Weight` multiplies
         rows of its activation dtype), returned as float32."""
-        fn = _int4_mm if isinstance(w, int4.Int4Weight) else self.fn or LAYOUTS[self.layout]
+        fn = plan_check.int4_mm if isinstance(w, int4.Int4Weight) else self.fn or LAYOUTS[self.layout]
         T = x.shape[0]
         x = x.to(w.dtype)
         out = torch.empty(T, w.shape[0], dtype=torch.float32, device=x.device)
@@ -120,10 +113,6 @@ class LinearPlan:
             raise HalError(f"linear plan: expected a layout in {sorted(LAYOUTS)}, a dtype in {sorted(DTYPES)} and "
                            f"weights in {list(WEIGHTS)}, got {d!r:.120}")
         return cls(d["layout"], DTYPES[d["dtype"]], tuple(int(n) for n in d["widths"]), weights=d.get("weights", "float"))
-
-
-def _int4_mm(x: Tensor, w: int4.Int4Weight) -> Tensor:
-    return w.mm(x)
 
 
 @dataclass
@@ -176,51 +165,6 @@ def int4_activation(flags: list[str]) -> torch.dtype:
 def offered_dtypes() -> list[str]:
     """The dtype names ``--dtype auto`` chooses among on this CPU: float32, plus bfloat16 where it has a bf16 unit."""
     return [str(d).removeprefix("torch.") for d in candidate_dtypes("auto", cpu_flags())]
-
-
-def usable_groups(fn: Layout, dtype: torch.dtype, shapes: list[tuple[int, int]], widths=PROBE_WIDTHS,
-                  seed: int = 0, device: torch.device | None = None, rows: int = 64,
-                  int4_shapes: frozenset = frozenset()) -> tuple[list[tuple[int, ...]], list[str]]:
-    """Width groups whose rows are independent of their batch-mates and position and agree
-    bit for bit within the group, on every shape ``[N, K]`` (on ``device``); and why the
-    other widths fail. Shapes in ``int4_shapes`` are checked with random int4 weights
-    (`hal.models.int4`), multiplied by the int4pack kernel with ``dtype`` rows.
-
-    ``rows`` random rows are computed in chunks of each width twice, in two random orders (so
-    each row meets other mates at another position): a width whose rows change is dropped.
-    Widths are grouped by the bits of all those rows; many rows are needed because two
-    accumulation orders rounded to bfloat16 agree on most values and differ on a few."""
-    g = torch.Generator().manual_seed(seed)
-    dev = device or torch.device("cpu")
-    bits: dict[int, list[bytes]] = {n: [] for n in widths}
-    why = []
-    for N, K in shapes:
-        packed = (N, K) in int4_shapes
-        w = int4.random(N, K, g).pack(dtype) if packed else torch.randn(N, K, generator=g).to(dev, dtype)
-        x = torch.randn(rows, K, generator=g).to(dev, dtype)
-        mm = _int4_mm if packed else fn
-        orders = [torch.randperm(rows, generator=g) for _ in range(2)]
-        for n in list(bits):
-            runs = []
-            for order in orders:
-                out = torch.empty(rows, N, dtype=torch.float32, device=dev)
-                for start in range(0, rows, n):
-                    idx = order[start:start + n]
-                    chunk = x[idx.to(dev)]
-                    if len(idx) < n:   # the last chunk: random mates as padding
-                        chunk = torch.cat([chunk, torch.randn(n - len(idx), K, generator=g).to(dev, dtype)])
-                    out[idx.to(dev)] = mm(chunk.contiguous(), w)[:len(idx)].float()
-                runs.append(out.cpu().numpy().tobytes())
-            if runs[0] != runs[1]:
-                why.append(f"width {n} on {'int4 ' * packed}[{N}, {K}]: a row's bits depend on its batch-mates "
-                           f"or position")
-                del bits[n]
-                continue
-            bits[n].append(runs[0])
-    groups: dict[tuple, list[int]] = {}
-    for n, sig in bits.items():
-        groups.setdefault(tuple(sig), []).append(n)
-    return [tuple(ws) for ws in groups.values()], why
 
 
 def time_plan(plan: LinearPlan, weights: list[Tensor], rows=REPORT_ROWS, reps: int = 5) -> dict[int, float]:
@@ -290,13 +234,8 @@ def score(ms: dict[int, float]) -> float:
     return sum(weight * ms[m] for m, weight in MIX.items())
 
 
-def _cache_path(signature: dict, shapes, dtype: str, layouts, int4_shapes) -> Path:
-    key = json.dumps([signature, sorted(set(shapes)), dtype, sorted(layouts), sorted(int4_shapes)], sort_keys=True)
-    return cache_dir() / "plans" / f"linear-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
-
-
 def choose_plan(shapes: list[tuple[int, int]], dtype: str = "auto", *, weights: list[Tensor] | None = None,
-                refresh: bool = False, threads: int | None = None, layouts: dict[str, Layout] | None = None,
+                refresh: bool = False, threads: int | None = None, layouts: dict[str, plan_check.Layout] | None = None,
                 reps: int = 3, cache: bool = True, device: torch.device | str | None = None,
                 progress: bool = False, stored_int4: list[bool] | None = None) -> Choice:
     """The fastest usable `LinearPlan` for a model whose linear weights have ``shapes`` ([N, K]
@@ -317,11 +256,11 @@ def choose_plan(shapes: list[tuple[int, int]], dtype: str = "auto", *, weights: 
     if dtype == "stored" and not int4_shapes:
         raise HalError(f"dtype: expected a model with weights stored as Q4_0/Q4_1 blocks for 'stored' on a CPU, "
                        f"got {'none' if dev.type == 'cpu' else 'device ' + dev.type}", arg="dtype")
-    path = _cache_path(signature, shapes, dtype, layouts, int4_shapes) if cache and layouts is LAYOUTS else None
+    path = plan_cache.path(signature, shapes, dtype, layouts, int4_shapes) if cache and layouts is LAYOUTS else None
     cached = None if path is None or refresh else _cached(path, signature, dtype)
     if cached is not None:
         return cached
-    with _measuring(path):   # one process measures a plan at a time; the others then read its cache
+    with plan_cache.measuring(path):   # one process measures a plan at a time; the others then read its cache
         cached = None if path is None or refresh else _cached(path, signature, dtype)
         return cached or _measure_and_cache(path, shapes, dtype, weights, signature, layouts, reps, dev, progress,
                                             int4_shapes)
@@ -329,32 +268,14 @@ def choose_plan(shapes: list[tuple[int, int]], dtype: str = "auto", *, weights: 
 
 def _cached(path: Path, signature: dict, dtype: str) -> Choice | None:
     """The plan cached at ``path`` for this signature and dtype, or None (absent, damaged, foreign)."""
-    if not path.exists():
+    saved = plan_cache.load(path, signature, dtype)
+    if saved is None:
         return None
     try:
-        saved = json.loads(path.read_text())
-        if saved.get("signature") == signature and saved.get("dtype") == dtype:
-            return Choice(LinearPlan.from_json(saved["plan"]), signature, saved.get("candidates", []),
-                          saved.get("rejected", []), from_cache=True, measured=saved.get("measured") or {})
-    except (ValueError, KeyError, HalError):
-        pass   # a damaged or foreign cache file: measure again
-    return None
-
-
-@contextlib.contextmanager
-def _measuring(path: Path | None):
-    """Hold ``path``'s lock file while measuring: two processes loading one model (a target
-    and a draft rank) would otherwise time each other's contention, and cache it."""
-    if path is None:
-        yield
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)   # released when the file closes, or the holder dies
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+        return Choice(LinearPlan.from_json(saved["plan"]), signature, saved.get("candidates", []),
+                      saved.get("rejected", []), from_cache=True, measured=saved.get("measured") or {})
+    except (ValueError, KeyError, TypeError, HalError):
+        return None   # a damaged record: measure again
 
 
 def _measure_and_cache(path, shapes, dtype, weights, signature, layouts, reps, dev, progress, int4_shapes) -> Choice:
@@ -367,12 +288,9 @@ def _measure_and_cache(path, shapes, dtype, weights, signature, layouts, reps, d
         if not choice.noisy:
             break
     if path is not None and not choice.noisy:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"signature": signature, "dtype": dtype, "plan": choice.plan.to_json(),
-                                   "candidates": choice.candidates, "rejected": choice.rejected,
-                                   "measured": choice.measured}, indent=1))
-        tmp.replace(path)
+        plan_cache.store(path, {"signature": signature, "dtype": dtype, "plan": choice.plan.to_json(),
+                                "candidates": choice.candidates, "rejected": choice.rejected,
+                                "measured": choice.measured})
     return choice
 
 
@@ -431,7 +349,7 @@ def _candidates(shapes, dtype: str, weights: list[Tensor], signature: dict, layo
         casts[dt, kind] = cast = _timing_weights(weights, shapes, dt, kind, int4_shapes, dev)
         checked = int4_shapes if kind == "int4" else frozenset()
         for name, fn in layouts.items():
-            groups, why = usable_groups(fn, dt, sorted(set(shapes)), device=dev, int4_shapes=checked)
+            groups, why = plan_check.usable_groups(fn, dt, sorted(set(shapes)), device=dev, int4_shapes=checked)
             label = f"{str(dt).removeprefix('torch.')}{' int4' * (kind == 'int4')} {name}"
             rejected += [f"{label}: {w}" for w in why]
             for group in groups:

@@ -15,6 +15,7 @@ from gguf import quants
 from hal.errors import HalError
 from hal.models import int4
 from hal.models import linear_plan as lp
+from hal.models import plan_check
 from hal.models.linear_plan import LAYOUTS, LinearPlan, choose_plan
 from hal.models.machine import cpu_flags
 
@@ -90,7 +91,7 @@ def test_an_int4_kernel_that_mixes_rows_is_never_chosen(monkeypatch):
     """The teeth of the self-check: a planted int4 kernel whose rows depend on their batch-mates."""
     def mixing(x, w):     # PLANTED: the true product plus a term from every row
         return w.mm(x) + x.sum(0, keepdim=True)[:, :1] * 1e-2
-    monkeypatch.setattr(lp, "_int4_mm", mixing)
+    monkeypatch.setattr(plan_check, "int4_mm", mixing)
     choice = choose_plan(SHAPES, "auto", stored_int4=INT4, cache=False, layouts={"mm": LAYOUTS["mm"]})
     assert any("on int4 [" in why for why in choice.rejected), choice.rejected
     assert all(c["plan"]["weights"] == "float" or c["plan"]["widths"] == [1] for c in choice.candidates)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import hal
-from hal.models.linear_plan import LAYOUTS, LinearPlan, choose_plan, usable_groups
+from hal.models.linear_plan import LAYOUTS, LinearPlan, choose_plan
+from hal.models.plan_check import usable_groups
 from hal.models.machine import cpu_signature
 
 SHAPES = [(96, 64), (64, 64), (192, 64), (64, 96), (500, 64)]
@@ -139,6 +140,7 @@ def test_a_second_process_waits_for_the_first_ones_measurement_and_reads_it(tmp_
     import threading
 
     import hal.models.linear_plan as lp
+    from hal.models import plan_cache
     monkeypatch.setenv("HAL_CACHE", str(tmp_path))
     monkeypatch.setattr(lp, "time_plan", lambda plan, weights, rows=lp.REPORT_ROWS, reps=3: {m: 1.0 for m in rows})
     first = choose_plan(SHAPES, "float32")          # what "the other process" will have cached
@@ -151,7 +153,7 @@ def test_a_second_process_waits_for_the_first_ones_measurement_and_reads_it(tmp_
         if op == fcntl.LOCK_EX:
             waiting.set()
         return real_flock(f, op)
-    monkeypatch.setattr(lp.fcntl, "flock", flock)
+    monkeypatch.setattr(plan_cache.fcntl, "flock", flock)
     monkeypatch.setattr(lp, "time_plan", lambda *a, **k: timed.append(1) or {m: 1.0 for m in lp.REPORT_ROWS})
     got = []
     with open(path.with_suffix(".lock"), "a") as held:

@@ -1,0 +1,65 @@
+"""The linear plan's self-check (`hal.models.linear_plan`): which chunk widths give a row the
+same bits whatever its batch-mates and position, per layout and dtype, on every weight shape."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from hal.models import int4
+
+Layout = Callable[[Tensor, Tensor], Tensor]   # (x [M, K], w [N, K]) -> x @ w.T [M, N]
+PROBE_WIDTHS = (1, 2, 4, 8, 16)
+
+
+def int4_mm(x: Tensor, w: int4.Int4Weight) -> Tensor:
+    """``x @ W.T`` for weights run as stored (the int4pack kernel); the plan and its self-check
+    both call it here, so a planted kernel is seen by both."""
+    return w.mm(x)
+
+
+def usable_groups(fn: Layout, dtype: torch.dtype, shapes: list[tuple[int, int]], widths=PROBE_WIDTHS,
+                  seed: int = 0, device: torch.device | None = None, rows: int = 64,
+                  int4_shapes: frozenset = frozenset()) -> tuple[list[tuple[int, ...]], list[str]]:
+    """Width groups whose rows are independent of their batch-mates and position and agree
+    bit for bit within the group, on every shape ``[N, K]`` (on ``device``); and why the
+    other widths fail. Shapes in ``int4_shapes`` are checked with random int4 weights
+    (`hal.models.int4`), multiplied by the int4pack kernel with ``dtype`` rows.
+
+    ``rows`` random rows are computed in chunks of each width twice, in two random orders (so
+    each row meets other mates at another position): a width whose rows change is dropped.
+    Widths are grouped by the bits of all those rows; many rows are needed because two
+    accumulation orders rounded to bfloat16 agree on most values and differ on a few."""
+    g = torch.Generator().manual_seed(seed)
+    dev = device or torch.device("cpu")
+    bits: dict[int, list[bytes]] = {n: [] for n in widths}
+    why = []
+    for N, K in shapes:
+        packed = (N, K) in int4_shapes
+        w = int4.random(N, K, g).pack(dtype) if packed else torch.randn(N, K, generator=g).to(dev, dtype)
+        x = torch.randn(rows, K, generator=g).to(dev, dtype)
+        mm = int4_mm if packed else fn
+        orders = [torch.randperm(rows, generator=g) for _ in range(2)]
+        for n in list(bits):
+            runs = []
+            for order in orders:
+                out = torch.empty(rows, N, dtype=torch.float32, device=dev)
+                for start in range(0, rows, n):
+                    idx = order[start:start + n]
+                    chunk = x[idx.to(dev)]
+                    if len(idx) < n:   # the last chunk: random mates as padding
+                        chunk = torch.cat([chunk, torch.randn(n - len(idx), K, generator=g).to(dev, dtype)])
+                    out[idx.to(dev)] = mm(chunk.contiguous(), w)[:len(idx)].float()
+                runs.append(out.cpu().numpy().tobytes())
+            if runs[0] != runs[1]:
+                why.append(f"width {n} on {'int4 ' * packed}[{N}, {K}]: a row's bits depend on its batch-mates "
+                           f"or position")
+                del bits[n]
+                continue
+            bits[n].append(runs[0])
+    groups: dict[tuple, list[int]] = {}
+    for n, sig in bits.items():
+        groups.setdefault(tuple(sig), []).append(n)
+    return [tuple(ws) for ws in groups.values()], why
