@@ -175,10 +175,31 @@ def measured_costs(model, drafter, max_tokens: int):
     return profile_costs(model, drafter, target_pool(model, 64), max_tokens=max_tokens, context=128, reps=3)
 
 
+def taps_flag(value: str) -> tuple[int, ...]:
+    """``--taps``: comma-separated target layers, each one of the layers the block drafter's data records."""
+    from hal.training.block_data import CANDIDATE_TAPS
+    try:
+        taps = tuple(int(v) for v in value.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {value!r}") from None
+    if not taps or len(set(taps)) != len(taps) or any(t not in CANDIDATE_TAPS for t in taps):
+        raise argparse.ArgumentTypeError(f"expected distinct layers of {list(CANDIDATE_TAPS)}, got {value!r}")
+    return taps
+
+
 def cmd_train_head(args) -> int:
     from pathlib import Path
 
     from hal.training.train import build_data, train
+    if args.kind == "dspark":
+        from hal.training.block_train import run
+        out = Path(args.out or f"{Path(args.model).stem}-dspark")
+        s = run(args.model, out, args.minutes, block=args.block, layers=args.layers, taps=args.taps, rank=args.rank,
+                draft_size=args.draft_vocab, seed=args.seed, max_new_tokens=args.max_new_tokens, limit=args.limit,
+                batch=args.batch, lr=args.lr)
+        print(f"block drafter written to {out}/ (model.safetensors, config.json, loss.png, train.json): "
+              f"{s['steps']} steps, validation tau {s['val']['tau']:.3f}, top-1 {s['val']['top1']:.3f}")
+        return 0
     data = build_data(args.model, args.max_new_tokens, args.limit)
     out = Path(args.out or f"{Path(args.model).stem}-eagle")
     summary = train(args.model, out, args.minutes, args.draft_vocab, batch=args.batch, lr=args.lr, seed=args.seed,
@@ -317,17 +338,26 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--fixed-k", action="store_true", help="no router: always k drafts")
     b.add_argument("--batch", type=int, default=1, help="copies of each demo prompt in the batch")
     b.add_argument("--max-tokens", type=int, default=48)
-    th = sub.add_parser("train-head", help="train an EAGLE head for a model by self-distillation (CPU; "
-                                           "needs tqdm and matplotlib: pip install 'spec-hal[train]')")
+    th = sub.add_parser("train-head", help="train an EAGLE head or a DSpark block drafter for a model by "
+                                           "self-distillation (CPU; needs tqdm and matplotlib: "
+                                           "pip install 'spec-hal[train]')")
+    th.add_argument("--kind", choices=("eagle", "dspark"), default="eagle",
+                    help="eagle: a one-layer EAGLE head; dspark: a block drafter (data cached under $HAL_CACHE/dspark)")
+    th.add_argument("--block", type=bounded(int, 2, 64), default=8, help="dspark: the block size B (B - 1 proposals)")
+    th.add_argument("--layers", type=bounded(int, 1, 8), default=2, help="dspark: draft layers")
+    th.add_argument("--taps", type=taps_flag, default=(1, 8, 16, 24, 29),
+                    help="dspark: comma-separated target layers whose inputs are the context features (a subset of "
+                         "hal.training.block_data.CANDIDATE_TAPS)")
+    th.add_argument("--rank", type=bounded(int, 1, 512), default=32, help="dspark: the Markov head's rank")
     th.add_argument("--model", default="smollm2-135m", help="a fetchable name or a .gguf path")
     th.add_argument("--minutes", type=float, default=40.0, help="training time (data generation comes first, "
-                                                                 "cached under $HAL_CACHE/eagle)")
-    th.add_argument("--out", help="output folder (default: <model>-eagle)")
+                                                                 "cached under $HAL_CACHE/eagle or dspark)")
+    th.add_argument("--out", help="output folder (default: <model>-eagle or <model>-dspark)")
     th.add_argument("--draft-vocab", type=int, default=8192, help="the head's vocabulary: the N most frequent ids")
     th.add_argument("--max-new-tokens", type=int, default=128, help="response length when generating the data")
     th.add_argument("--limit", type=int, help="only the first N prompts (a quick run)")
-    th.add_argument("--batch", type=int, default=8)
-    th.add_argument("--lr", type=float, default=1e-3)
+    th.add_argument("--batch", type=int, default=8, help="sequences per step")
+    th.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW; warm-up, then cosine)")
     th.add_argument("--seed", type=int, default=0)
     sub.add_parser("serve", help="an OpenAI-compatible HTTP server (spec-hal serve --help)", add_help=False)
     args, extra = ap.parse_known_args(argv)

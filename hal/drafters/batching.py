@@ -42,7 +42,8 @@ def subset(batch: DraftBatch, keep: list[int]) -> DraftBatch:
                       num_tokens=pick(batch.num_tokens), lengths=None if batch.lengths is None else rows(batch.lengths),
                       k=rows(batch.k), offsets=rows(batch.offsets),
                       hidden=None if batch.hidden is None else pick(batch.hidden), features=feats, num_features=counts,
-                      names=rows(batch.names) if batch.names else (), names_block_size=batch.names_block_size)
+                      names=rows(batch.names) if batch.names else (), names_block_size=batch.names_block_size,
+                      costs=batch.costs)
 
 
 def pick_rows(t: Tensor, rows: list[int]) -> Tensor:

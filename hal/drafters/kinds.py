@@ -6,7 +6,8 @@ layers; half of them by default), ``model:<path>`` (a separate draft model), ``e
 ``eagle:<path>`` (an EAGLE head: the one shipped for the model, or a folder in the published
 EAGLE-1 / EAGLE-3 layout), ``ngram+eagle[:<path>]`` (n-gram lookup where it finds a match,
 the head elsewhere), or the draft-tree forms ``ngram-tree`` (lookup candidates as branches),
-``eagle-tree[:<path>]`` and ``ngram+eagle-tree[:<path>]`` (EAGLE-2 dynamic trees, `TREE`)."""
+``eagle-tree[:<path>]`` and ``ngram+eagle-tree[:<path>]`` (EAGLE-2 dynamic trees, `TREE`), or
+``dspark[:<path>]`` (a DSpark block drafter, `hal.models.dspark`)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ class DraftKind:
     name: str
     argument: str            # "" (none), "[:L]" (optional layer count), ":<path>" (required) or "[:<path>]"
     summary: str
-    head: bool = False       # runs an EAGLE head: reads the target's features, shares its embeddings
+    head: bool = False       # reads the target's features and shares its embeddings (an EAGLE head, a block drafter)
     tree: bool = False       # drafts trees (`TREE` for heads)
     weights: bool = False    # loads draft-model weights of its own (planned by `draft_memory`)
     cli: bool = True         # offered by ``spec-hal generate / demo / bench``
@@ -47,9 +48,11 @@ DRAFT_KINDS = (
     DraftKind("ngram+eagle", "[:<path>]", "n-gram lookup where it matches, the EAGLE head elsewhere", head=True),
     DraftKind("eagle-tree", "[:<path>]", "EAGLE-2 dynamic draft trees from the head", head=True, tree=True),
     DraftKind("ngram+eagle-tree", "[:<path>]", "n-gram lookup, else the head's EAGLE-2 trees", head=True, tree=True),
+    DraftKind("dspark", "[:<path>]", "a DSpark block drafter (one forward per block, confidence-scheduled "
+              "verification): the one shipped for the model, or a folder", head=True),
 )
 KINDS = {kind.name: kind for kind in DRAFT_KINDS}
-HEADS = tuple(kind.name for kind in DRAFT_KINDS if kind.head)   # the kinds that run an EAGLE head
+HEADS = tuple(kind.name for kind in DRAFT_KINDS if kind.head)   # the kinds that read the target's features
 
 
 def draft_kinds(*, cli: bool = False, remote: bool = False) -> tuple[str, ...]:
@@ -102,6 +105,19 @@ def draft_memory(spec: DraftSpec, model_path: str, shares_target: bool):
     return ModelMemory.from_config(read_config(spec.path), "draft"), spec.path
 
 
+def feature_layers(spec: DraftSpec, model: str, target_layers: int) -> tuple[int, ...] | None:
+    """The target layers a feature-reading kind taps (``()``: the final normed hidden state), read
+    from its folder without loading its weights (a target rank whose drafter runs elsewhere);
+    None for kinds that read no features."""
+    if not KINDS[spec.kind].head:
+        return None
+    if spec.kind == "dspark":
+        from hal.models.dspark import read_config, shipped_block
+        return read_config(spec.path or shipped_block(model)).taps
+    from hal.models.eagle import head_feature_layers, shipped_head
+    return head_feature_layers(spec.path or shipped_head(model), target_layers)
+
+
 def make_drafter(spec: DraftSpec, backend, target=None, path: str | None = None, pool=None, device=None):
     """The drafter for ``spec``: None, `NgramDrafter`, a `ModelDrafter` over the first L
     layers of ``target`` (self) or of the model at ``path`` (model, or self without a target),
@@ -114,6 +130,13 @@ def make_drafter(spec: DraftSpec, backend, target=None, path: str | None = None,
         return NgramDrafter(backend)
     if spec.kind == "ngram-tree":
         return NgramTreeDrafter(backend)
+    if spec.kind == "dspark":
+        from hal.drafters.dspark import BlockDrafter
+        from hal.models.dspark import load_block, shipped_block
+        if target is None:
+            raise HalError("--draft dspark: expected the target model in this process (a block drafter shares its "
+                           "embeddings and lm_head), got a separate draft rank", arg="--draft")
+        return BlockDrafter(load_block(spec.path or shipped_block(path or ""), target, backend, device))
     if KINDS[spec.kind].head:
         from hal.models.eagle import load_eagle, shipped_head
         from hal.drafters.eagle import HeadDrafter, NgramOrHead

@@ -213,7 +213,7 @@ class SpeculativeDecoder:
         live, dev = plan.decode, self.target.device
         self._out.k = {state.rid: k for state, k in zip(live, plan.k)}
         drafts = proposals.drafts_for(self.drafter, self.router is not None, self._ahead, self.history, live,
-                                      plan.k, dev)
+                                      plan.k, dev, None if self.router is None else self.router.costs)
         drafts = grammar.constrain(live, drafts, plan.k)   # deterministic drafts follow each request's grammar
         self._ahead = None
         self._apply_drafts(live, drafts)

@@ -33,6 +33,8 @@ class DraftBatch:
     #                                     blocks of prompt (`hal.kv.block_hashes` in blocks of names_block_size), so
     #                                     a drafter with its own pool may cache them too; () when the target does not
     names_block_size: int = 0
+    costs: object = None   # the router's `hal.engine.router.CostModel` when the engine routes (a drafter that
+    #                        schedules its own verification length reads it); None otherwise
 
 
 def pack_features(per_request: list[list[Tensor]]) -> tuple[Tensor | None, tuple[int, ...]]:

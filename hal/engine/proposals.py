@@ -20,7 +20,7 @@ from hal.engine.step_types import Lookahead, StepDrafts
 
 
 def view(history: HistoryBuffer, states: list[State], k: list[int], num_tokens: Tensor | None = None,
-         width: int | None = None) -> DraftBatch:
+         width: int | None = None, costs=None) -> DraftBatch:
     """The drafter's read-only view: host lengths, or (a lookahead call) device ones."""
     rids = [state.rid for state in states]
     lens = [len(state.tokens) for state in states]
@@ -35,7 +35,7 @@ def view(history: HistoryBuffer, states: list[State], k: list[int], num_tokens: 
                       hidden=None if any(h is None for h in hidden) or not hidden else torch.stack(hidden),
                       features=features, num_features=num_features,
                       names=tuple(tuple(s.names or ()) for s in states) if any(s.names for s in states) else (),
-                      names_block_size=states[0].seq.block_size if states else 0)
+                      names_block_size=states[0].seq.block_size if states else 0, costs=costs)
 
 
 def check_proposal(prop, ks: list[int]) -> None:
@@ -75,10 +75,11 @@ def valid_counts(valid, ks: list[int]) -> list[int]:
 
 
 def drafts_for(drafter: Drafter | None, shadow_ok: bool, ahead: Lookahead | None, history: HistoryBuffer,
-               live: list[State], ks: list[int], dev) -> StepDrafts:
+               live: list[State], ks: list[int], dev, costs=None) -> StepDrafts:
     """The drafts each live request verifies this step (``ks[i]`` allowed to request i).
     ``shadow_ok``: a router scores a free deterministic drafter's first draft for requests
     routed to k = 0 (those drafts are not verified, only compared with the emitted token).
+    ``costs``: the router's cost model, passed on in the `DraftBatch`.
     Changes no request state: `StepDrafts` says what the engine must advance."""
     nothing = torch.zeros(0, dtype=torch.long, device=dev)
     none = StepDrafts(nothing, [0] * len(live), None, None, [], None, [0] * len(live))
@@ -95,7 +96,7 @@ def drafts_for(drafter: Drafter | None, shadow_ok: bool, ahead: Lookahead | None
         want = [1 if state.rid in shadow else k for state, k in zip(live, ks)]
         if not any(want):
             return none
-        prop = drafter.propose(view(history, live, want))
+        prop = drafter.propose(view(history, live, want, costs=costs))
         check_proposal(prop, want)
         used, passed = want, True
         # a variable-count drafter outside the lookahead: read its counts (free where they are on the host)

@@ -91,3 +91,4 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                     help="reuse the target KV of prompt blocks seen before (default: on, unless the drafter "
                          "reads the target's features: an EAGLE head; --enable-prefix-caching then refuses)")
+

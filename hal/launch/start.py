@@ -194,9 +194,7 @@ def _auto(args, me: Rank, max_seqs: int, phases: Phases) -> Rank | None:
 
 
 def _remote(args, rv: Rendezvous, spec, model, target_side, metrics, head: bool) -> RemoteDrafter:
-    layers = None
-    if head:
-        from hal.models.eagle import head_feature_layers, shipped_head
-        layers = head_feature_layers(spec.path or shipped_head(args.model), model.cfg.layers)
+    from hal.drafters.kinds import feature_layers
+    layers = feature_layers(spec, args.model, model.cfg.layers) if head else None
     return connect(rv, model.cfg.vocab, target_side.device, metrics, draft_timeout=args.draft_timeout,
                    startup_timeout=args.draft_startup_timeout, features=layers)

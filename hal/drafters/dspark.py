@@ -1,0 +1,194 @@
+"""Drafting with a DSpark block drafter (`hal.models.dspark.BlockModel`): one forward proposes a
+whole block, the Markov head links it left to right, and the confidence head decides how much
+of it the target verifies (`confidence_cut`).
+
+Per request the drafter keeps a context cache: the fused target features of every verified
+position, in its own pool (one sequence per request). A call writes the features it was passed
+and the block's scratch K/V after them; the next call truncates the scratch, so a rejection
+needs no rollback and an accepted prefix costs nothing extra."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch import Tensor
+
+from hal import kv
+from hal.drafters.batching import empty, sample_chain, slots, subset, widen
+from hal.drafters.draft_kv import DraftKV
+from hal.engine.drafting import DraftBatch, Proposal
+from hal.engine.forward import make_batch
+from hal.errors import HalError
+from hal.models.dspark import BlockModel
+from hal.ops import cumulative
+
+
+class BlockDrafter:
+    """A `hal.engine.drafting.Drafter` with ``features`` (the block drafter's taps).
+
+    Request i gets ``min(k[i], B - 1)`` proposals from one forward (the rest of its ``k[i]``
+    slots are filler). With ``batch.costs`` (a routed engine) ``num_valid`` is the confidence
+    cut; without, every proposal is verified (a fixed-length block). ``confidences`` holds the
+    last call's predicted acceptances per request (host floats, for metrics and tests)."""
+
+    shadow = False   # a block costs a forward: requests routed to k = 0 are probed by the router instead
+
+    def __init__(self, model: BlockModel, num_blocks: int = 512, block_size: int = 16):
+        self.model, self.be = model, model.be
+        c = model.cfg
+        self.pool = kv.KVPool(model.be, num_blocks, block_size, c.kv_heads, c.head_dim, num_layers=c.layers,
+                              dtype=model.w["0.wqkv"].dtype, device=model.device)
+        self.draft_kv = DraftKV(self.pool)
+        self.lost_rids: set[int] = set()
+        self.lost = 0
+        self.confidences: dict[int, list[float]] = {}
+
+    @property
+    def features(self) -> tuple[int, ...]:
+        return self.model.cfg.taps
+
+    def propose(self, batch: DraftBatch) -> Proposal:
+        if batch.lengths is None:
+            raise HalError("BlockDrafter.propose: expected host lengths (it is not a lookahead drafter), got None")
+        if batch.features is None and sum(batch.num_features):
+            raise HalError("BlockDrafter.propose: expected DraftBatch.features, got None")
+        dev, B = self.model.device, self.model.cfg.block
+        cu = cumulative(batch.num_features or (0,) * len(batch.rids))
+        keep, plan, need = [], [], 0
+        for i, (rid, length) in enumerate(zip(batch.rids, batch.lengths)):
+            start, v = length - 1 - (cu[i + 1] - cu[i]), self.draft_kv.valid_len(rid)
+            need += self.draft_kv.blocks_needed(rid, length - 1 + B)
+            if start > v or rid in self.lost_rids or need > self.draft_kv.num_free:
+                self._lose(rid)   # features it missed: no drafts for this request again
+                continue
+            keep.append(i)        # k = 0 too: its features go into the context cache now or never
+            plan.append((rid, length, max(0, v - start)))   # skip the features it already has
+        if not keep:
+            return empty(len(batch.rids), dev) if not any(batch.k) else widen(batch, [], None, dev)
+        sub = batch if len(keep) == len(batch.rids) else subset(batch, keep)
+        part = self._propose(sub, plan)
+        return part if sub is batch else widen(batch, keep, part, dev)
+
+    def _forward(self, b: DraftBatch, plan) -> tuple[Tensor, Tensor, Tensor]:
+        """Write the new context, run the block: (base logits [R, B-1, Vd], hidden [R, B-1, H], anchors [R])."""
+        m, dev, B = self.model, self.model.device, self.model.cfg.block
+        feats = None if b.features is None else b.features.to(dev)
+        seqs, lens, ctx_rows, blk_rows, parts, end, row = [], [], [], [], [], 0, 0
+        for (rid, length, skip), n in zip(plan, b.num_features or (0,) * len(plan)):
+            a, end = end + skip, end + n
+            seq = self.draft_kv.sequence(rid)
+            p0 = length - 1 - (end - a)
+            seq.truncate(p0)                 # drops the last call's scratch block
+            if end > a:
+                parts.append(feats[a:end])
+            ctx_rows += range(row, row + end - a)
+            blk_rows += range(row + end - a, row + end - a + B)
+            row += end - a + B
+            seqs.append(seq)
+            lens.append(end - a + B)
+        anchors = b.history.to(dev)[torch.arange(len(plan)), torch.tensor([p[1] - 1 for p in plan])]
+        batch = make_batch(self.be, dev, self.pool, seqs, lens, torch.zeros(row, dtype=torch.long, device=dev))
+        up = lambda x: torch.tensor(x, dtype=torch.long).to(dev)  # noqa: E731
+        blocks = replace(batch, query_start_loc=up([B * i for i in range(len(plan) + 1)]))   # the block queries
+        ctx = torch.cat(parts).float() if parts else torch.zeros(0, m.w["fc"].shape[1], device=dev)
+        base, h = m.forward(batch, self.pool.k, self.pool.v, ctx, up(ctx_rows), up(blk_rows), anchors, blocks)
+        for (rid, length, _), seq, n in zip(plan, seqs, lens):
+            seq.commit(n)
+            self.draft_kv.mark_valid(rid, length - 1)
+        return base, h, anchors
+
+    def _propose(self, b: DraftBatch, plan) -> Proposal:
+        m, dev = self.model, self.model.device
+        base, h, anchors = self._forward(b, plan)
+        K = min(max(b.k), m.proposals)
+        capped = replace(b, k=tuple(min(k, K) for k in b.k))
+        if K == 0:
+            return empty(len(b.rids), dev)
+        conf = []
+
+        def row(prev: Tensor, j: int) -> Tensor:
+            r = base[:, j].float() + m.markov(prev)
+            conf.append(m.confidence(h[:, j].float(), r))
+            return r
+        if all(p.temperature == 0 for p in b.params):   # greedy: the argmax of the same rows
+            toks, prev = [], anchors
+            for j in range(K):
+                prev = m.draft_ids[row(prev, j).argmax(-1)]
+                toks.append(prev)
+            part = slots(torch.stack(toks, 1), capped.k)
+        else:
+            part = sample_chain(capped, self.be, dev, lambda x, j: m.full_logits(row(anchors if j == 0 else x, j)))
+        c = torch.stack(conf, 1).tolist() if conf else [[] for _ in b.rids]
+        self.confidences = dict(zip(b.rids, c))
+        valid = confidence_cut(c, capped.k, b.lengths, b.costs) if b.costs is not None else list(capped.k)
+        return pad(part, capped.k, b.k, valid, dev)
+
+    def _lose(self, rid: int) -> None:
+        if rid not in self.lost_rids:
+            self.release(rid)
+            self.lost_rids.add(rid)
+            self.lost += 1
+
+    def commit(self, rids, kept) -> None:
+        pass   # only verified features are kept; the block is scratch, truncated at the next call
+
+    def release(self, rid) -> None:
+        self.draft_kv.release(rid)
+        self.lost_rids.discard(rid)
+        self.confidences.pop(rid, None)
+
+
+def pad(part: Proposal, have: tuple[int, ...], want: tuple[int, ...], valid: list[int], dev) -> Proposal:
+    """``part`` (``have[i]`` slots per request) widened to ``want[i]`` slots (filler after), ``num_valid`` = ``valid``."""
+    nv = torch.tensor(valid, dtype=torch.long)
+    if have == want:
+        return replace(part, num_valid=nv)
+    cu_h, cu_w = cumulative(have), cumulative(want)
+    at = torch.tensor([cu_w[i] + j for i, n in enumerate(have) for j in range(n)], dtype=torch.long).to(dev)
+    ids = torch.zeros(cu_w[-1], dtype=torch.long, device=dev)
+    ids[at] = part.draft_token_ids
+    probs = None
+    if part.draft_probs is not None:
+        probs = torch.zeros(cu_w[-1], part.draft_probs.shape[1], device=dev)
+        probs[:, 0] = 1   # filler rows: valid distributions, never verified
+        probs[at] = part.draft_probs
+    return Proposal(draft_token_ids=ids, cu_num_draft_tokens=torch.tensor(cu_w).to(dev), draft_probs=probs,
+                    num_valid=nv)
+
+
+LOOK = 32   # the cut looks this many positions ahead at a position's own P (a plan's chunk widths are <= 32)
+
+
+def confidence_cut(conf: list[list[float]], caps: tuple[int, ...], contexts, costs, margin: float = 0.0
+                   ) -> list[int]:
+    """How many leading proposals of each request to verify (DSpark's confidence scheduling).
+
+    Position j of request i is reached and accepted with predicted chance
+    ``P[i][j] = conf[i][0] * ... * conf[i][j]``. Positions are taken in descending P (a request's
+    earlier positions first), and each is taken while some run of m more positions at its own P
+    would raise the predicted tokens per second of the step (``costs``: the router's
+    `hal.engine.router.CostModel`; drafting is already paid). The first that would not stops the cut.
+
+    Non-anticipating: ``conf[i][j]`` depends on request i's draws before j only, and whether j is
+    taken depends on the P ranked above it (its own earlier positions, and other requests',
+    drawn independently), never on its token at j or later (tests/engine/test_router.py's
+    DSpark counterexample is the case this must not be)."""
+    R = len(caps)
+    P = [[] for _ in range(R)]
+    for i in range(R):
+        run = 1.0
+        for j in range(caps[i]):
+            run *= conf[i][j]
+            P[i].append(run)
+    order = sorted(((-p, j, i) for i in range(R) for j, p in enumerate(P[i])))
+    fed, attn, tokens = R, sum(contexts), float(R)
+    taken = [0] * R
+    left = len(order)
+    for neg, j, i in order:
+        p, now = -neg, tokens / costs.cost(fed, attn, 0)
+        if not any((tokens + m * p) / costs.cost(fed + m, attn + m * contexts[i], 0) > now * (1 + margin)
+                   for m in range(1, min(left, LOOK) + 1)):
+            break
+        taken[i], fed, attn, tokens, left = taken[i] + 1, fed + 1, attn + contexts[i], tokens + p, left - 1
+    return taken

@@ -1,0 +1,214 @@
+"""A DSpark block drafter: a few transformer layers that propose a whole block in one forward
+pass (DFlash), a low-rank Markov head that links the block's positions left to right, and a
+confidence head that predicts each position's acceptance (DSpark, arXiv 2607.05147).
+
+Glossary:
+- anchor: the last committed token (position ``L - 1`` of a request with ``L`` tokens); the
+  block is ``[anchor, mask x (B - 1)]`` at positions ``L - 1 .. L + B - 2``, and row j >= 1 of
+  its output proposes the token at position ``L - 1 + j``.
+- context features: the residual streams entering the target layers ``taps`` at positions
+  ``0 .. L - 2`` (the rows the target has verified), fused by ``fc`` and ``hidden_norm``; each
+  draft layer projects them with its own k/v weights into its KV (positions as in the target).
+  Only these are kept per request (the drafter's context cache); the block's own K/V are
+  scratch, dropped at the next call, so a rejection needs no rollback.
+- base logits: ``lm_head(norm(h_j))`` over the draft vocabulary (the target's lm_head rows
+  ``draft_ids``), from one forward for every position at once.
+- Markov bias: ``markov_out @ (markov_in @ embed[x_{j-1}])``, rank r, added to position j's base
+  logits once the token before it (x_0 = the anchor) is drawn: the draft is sampled left to
+  right from these rows, and exactly these rows are its q.
+- confidence: ``sigmoid(conf . [h_j, log max softmax(row_j)] + conf_bias)``, the predicted
+  chance that position j is accepted given that every position before it was. It reads row j,
+  which depends on the tokens before j only, never on the token drawn at j.
+
+Attention: block queries see every context position and the whole block (non-causal, a
+tree mask of ones over the block)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from hal.errors import HalError
+from hal.models.llama import Batch, Llama, Rope, plain_linear, _rms_norm, lm_head
+
+
+@dataclass(frozen=True)
+class BlockConfig:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    layers: int                # draft layers
+    taps: tuple[int, ...]      # target layers whose input residual streams are the context features
+    block: int                 # B: the anchor plus B - 1 proposed tokens
+    rank: int                  # the Markov head's rank r
+    draft_vocab: int
+    rope_base: float = 10000.0
+    eps: float = 1e-5
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every weight's shape under its internal name (``draft_ids`` aside)."""
+        H, nq, nk = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        out = {"fc": (H, len(self.taps) * H), "hidden_norm": (H,), "mask": (H,), "norm": (H,),
+               "markov_in": (self.rank, H), "markov_out": (self.draft_vocab, self.rank), "conf": (H + 1,),
+               "conf_bias": (1,)}
+        for i in range(self.layers):
+            out.update({f"{i}.attn_norm": (H,), f"{i}.wqkv": (nq + 2 * nk, H), f"{i}.wo": (H, nq),
+                        f"{i}.ffn_norm": (H,), f"{i}.wgu": (2 * self.ffn, H), f"{i}.wdown": (H, self.ffn)})
+        return out
+
+
+LINEAR = ("wqkv", "wo", "wgu", "wdown")
+
+
+class BlockModel:
+    """A block drafter's weights and its forward over its own context cache (a `hal.kv.KVPool`
+    with ``cfg.layers`` layers), for ``target`` (its embeddings and lm_head rows)."""
+
+    def __init__(self, cfg: BlockConfig, w: dict[str, Tensor], target: Llama, backend=None, device=None):
+        self.be = backend or target.be
+        self.device = torch.device(device) if device is not None else (
+            target.device if backend is None else torch.device(backend.device_type))
+        tc = target.cfg
+        if cfg.hidden != tc.hidden:
+            raise HalError(f"block drafter hidden: expected the target's {tc.hidden}, got {cfg.hidden}")
+        if any(not 0 <= t < tc.layers for t in cfg.taps) or len(set(cfg.taps)) != len(cfg.taps):
+            raise HalError(f"block drafter taps: expected distinct layers in [0, {tc.layers}), got {cfg.taps}")
+        if cfg.block < 2:
+            raise HalError(f"block drafter block: expected >= 2 (the anchor and a proposal), got {cfg.block}")
+        for name, shape in cfg.shapes().items():
+            if name not in w or tuple(w[name].shape) != shape:
+                raise HalError(f"block drafter weight {name}: expected shape {list(shape)}, got "
+                               f"{list(w[name].shape) if name in w else 'nothing'}")
+        ids = w.get("draft_ids")
+        if ids is None or tuple(ids.shape) != (cfg.draft_vocab,) or ids.min() < 0 or ids.max() >= tc.vocab:
+            raise HalError(f"block drafter draft_ids: expected {cfg.draft_vocab} ids in [0, {tc.vocab}), got "
+                           f"{None if ids is None else list(ids.shape)}")
+        self.cfg, self.vocab = cfg, tc.vocab
+        self.w = {n: t.to(self.device, torch.float32) for n, t in w.items() if n != "draft_ids"}
+        self.draft_ids = ids.long().to(self.device)
+        self.embed = target.embed.to(self.device)
+        self.w["head"] = target.head.to(self.device)[self.draft_ids].contiguous()
+        for i in range(cfg.layers):
+            for name in LINEAR:
+                self.w[f"{i}.{name}"] = self.w[f"{i}.{name}"].to(target.dtype)
+        for name in ("fc", "head"):
+            self.w[name] = self.w[name].to(target.dtype)
+        self.rope = Rope(cfg.head_dim, cfg.rope_base, False).to(self.device)
+
+    @property
+    def proposals(self) -> int:
+        """Tokens one forward proposes (B - 1)."""
+        return self.cfg.block - 1
+
+    def forward(self, batch: Batch, k_caches: list[Tensor], v_caches: list[Tensor], feats: Tensor,
+                ctx_rows: Tensor, block_rows: Tensor, anchors: Tensor, block_batch: Batch) -> tuple[Tensor, Tensor]:
+        """Base logits [R, B - 1, Vd] and hidden states [R, B - 1, H] of each request's block.
+
+        ``batch``: every fed row (each request's new context rows, then its B block rows, at
+        consecutive positions) with its KV slot; ``ctx_rows`` / ``block_rows`` index them
+        (``feats`` [len(ctx_rows), len(taps) * H] are the context rows' features, ``anchors``
+        [R] the block's first tokens). ``block_batch``: the attention metadata of the block
+        queries alone (B per request, a tree mask of ones)."""
+        cfg, w = self.cfg, self.w
+        nq, nk, D = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.head_dim
+        R, B = anchors.shape[0], cfg.block
+        ctx = _rms_norm(plain_linear(feats, w["fc"]), w["hidden_norm"], cfg.eps) if len(ctx_rows) else None
+        h = torch.cat([self.embed[anchors][:, None], w["mask"].expand(R, B - 1, cfg.hidden)], 1).reshape(R * B, -1)
+        rot = self.rope(batch.positions, batch.max_position)
+        rot_blk = rot[block_rows]
+        T = batch.positions.shape[0]
+        ones = torch.ones(R * B, B, dtype=torch.bool, device=self.device)
+        for i in range(cfg.layers):
+            qkv = plain_linear(_rms_norm(h, w[f"{i}.attn_norm"], cfg.eps), w[f"{i}.wqkv"])
+            k = qkv.new_empty(T, cfg.kv_heads, D)
+            v = qkv.new_empty(T, cfg.kv_heads, D)
+            k[block_rows] = self.rope.apply(qkv[:, nq:nq + nk].view(-1, cfg.kv_heads, D), rot_blk)
+            v[block_rows] = qkv[:, nq + nk:].view(-1, cfg.kv_heads, D)
+            if ctx is not None:
+                kv = plain_linear(ctx, w[f"{i}.wqkv"][nq:])
+                k[ctx_rows] = self.rope.apply(kv[:, :nk].view(-1, cfg.kv_heads, D), rot[ctx_rows])
+                v[ctx_rows] = kv[:, nk:].view(-1, cfg.kv_heads, D)
+            self.be.write_kv(k.to(k_caches[i].dtype), v.to(v_caches[i].dtype), k_caches[i], v_caches[i],
+                             batch.slot_mapping)
+            q = self.rope.apply(qkv[:, :nq].view(-1, cfg.heads, D), rot_blk).to(k_caches[i].dtype)
+            o = self.be.paged_attention(q, k_caches[i], v_caches[i], block_batch.block_tables, block_batch.seq_lens,
+                                        block_batch.query_start_loc, D ** -0.5, ones)
+            h = h + plain_linear(o.reshape(R * B, nq), w[f"{i}.wo"])
+            gate, up = plain_linear(_rms_norm(h, w[f"{i}.ffn_norm"], cfg.eps), w[f"{i}.wgu"]).split(cfg.ffn, -1)
+            h = h + plain_linear(F.silu(gate) * up, w[f"{i}.wdown"])
+        out = _rms_norm(h.view(R, B, -1)[:, 1:], w["norm"], cfg.eps)
+        return lm_head(out.reshape(R * (B - 1), -1), w["head"]).view(R, B - 1, -1), out
+
+    def markov(self, prev: Tensor) -> Tensor:
+        """The Markov head's logit bias [R, Vd] for the positions after tokens ``prev`` [R] (target ids)."""
+        return (self.embed[prev] @ self.w["markov_in"].T) @ self.w["markov_out"].T
+
+    def confidence(self, h: Tensor, row: Tensor) -> Tensor:
+        """Predicted acceptance [R] of a position from its hidden state [R, H] and its final
+        draft-vocabulary logits [R, Vd] (temperature 1; never the token drawn from them)."""
+        top = torch.log_softmax(row.float(), -1).max(-1).values
+        return torch.sigmoid(h @ self.w["conf"][:-1] + top * self.w["conf"][-1] + self.w["conf_bias"])
+
+    def full_logits(self, draft_logits: Tensor) -> Tensor:
+        """Draft-vocabulary logits spread over the target's vocabulary (-inf elsewhere)."""
+        out = draft_logits.new_full((draft_logits.shape[0], self.vocab), float("-inf"))
+        out[:, self.draft_ids] = draft_logits
+        return out
+
+
+# -- the folder layout: config.json (BlockConfig's fields) + model.safetensors (internal names) -----------------
+
+def save_block(folder: Path, cfg: BlockConfig, w: dict[str, Tensor], extra: dict | None = None) -> None:
+    from safetensors.torch import save_file
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {n: (t.long() if n == "draft_ids" else t.half()).contiguous() for n, t in w.items()}
+    save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps({"architecture": "dspark-block", **asdict(cfg), **(extra or {})},
+                                                   indent=1) + "\n")
+
+
+def read_config(folder: str | Path) -> BlockConfig:
+    """A block drafter's config from its folder, without its weights (a target rank's taps)."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise HalError(f"block drafter: expected a folder with config.json, got {str(folder)!r}")
+    c = json.loads(path.read_text())
+    if c.get("architecture") != "dspark-block":
+        raise HalError(f"block drafter {str(folder)!r}: expected architecture 'dspark-block', got "
+                       f"{c.get('architecture')!r}")
+    names = BlockConfig.__dataclass_fields__
+    try:
+        return BlockConfig(**{**{k: v for k, v in c.items() if k in names}, "taps": tuple(c["taps"])})
+    except (KeyError, TypeError) as e:
+        raise HalError(f"block drafter {str(folder)!r}: expected the BlockConfig fields, got {e}") from None
+
+
+def load_block(folder: str | Path, target: Llama, backend=None, device=None) -> BlockModel:
+    """A block drafter from ``folder`` (config.json + model.safetensors) for ``target``."""
+    from safetensors.torch import load_file
+    cfg = read_config(folder)
+    path = Path(folder) / "model.safetensors"
+    if not path.is_file():
+        raise HalError(f"block drafter: expected {str(path)!r}, got no such file")
+    return BlockModel(cfg, load_file(str(path)), target, backend, device)
+
+
+BLOCKS_DIR = Path(__file__).parent / "heads"
+SHIPPED = {"smollm2-135m": "smollm2-135m-dspark"}   # model name -> folder under hal/models/heads
+
+
+def shipped_block(model: str) -> Path:
+    """The block drafter shipped for ``model`` (a `hal.models.fetch.MODELS` name or its GGUF path)."""
+    from hal.models.fetch import MODELS
+    name = next((n for n in SHIPPED if model == n or Path(model).name == Path(MODELS[n]["member"]).name), None)
+    if name is None or not (BLOCKS_DIR / SHIPPED[name] / "config.json").is_file():
+        raise HalError(f"--draft dspark: expected a model with a shipped block drafter ({sorted(SHIPPED)}) or "
+                       f"dspark:<folder>, got {model!r}", arg="--draft")
+    return BLOCKS_DIR / SHIPPED[name]

@@ -1,0 +1,107 @@
+"""Self-distillation data for a block drafter (`hal.models.dspark`): the target's greedy
+responses to the project's prompt set (`hal.training.data`, its held-out split apart) and the
+residual streams entering a set of candidate target layers at every position.
+
+Two caches under ``$HAL_CACHE/dspark/``: the responses (``<model>-ids.pt``, shared by every
+layer choice) and the features at ``CANDIDATE_TAPS`` (``<model>-taps.pt``), so the tapped
+layers can be chosen by measurement without running the target again."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from hal.errors import HalError
+
+CANDIDATE_TAPS = (1, 4, 8, 12, 16, 20, 24, 27, 29)   # layer inputs recorded; a drafter taps a subset
+
+
+def cache_paths(model: str) -> tuple[Path, Path]:
+    from hal.models.cache_dir import cache_dir
+    root = cache_dir() / "dspark"
+    return root / f"{Path(model).name}-ids.pt", root / f"{Path(model).name}-taps.pt"
+
+
+def _save(obj, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(obj, str(path) + ".part")
+    Path(str(path) + ".part").rename(path)
+
+
+def responses(model: str, max_new_tokens: int = 128, limit: int | None = None, target=None, tok=None) -> dict:
+    """{"ids": prompt + greedy response per prompt, "prompt_lens", "texts"}, cached."""
+    from tqdm import tqdm
+
+    from hal.training import data
+    from hal.models.tokenizer import chatml
+    path = cache_paths(model)[0]
+    texts = data.prompts()[:limit]
+    if path.exists():
+        blob = torch.load(str(path), weights_only=False)
+        if len(blob["ids"]) >= len(texts):
+            return blob
+    target, tok = _load(model, target, tok)
+    inv = target.batch_invariant
+    target.batch_invariant = False            # generation only: the fast batched path
+    try:
+        with tqdm(total=len(texts), desc="generate", unit="prompt") as bar:
+            ids = data.generate(target, tok, texts, max_new_tokens, progress=bar.update)
+    finally:
+        target.batch_invariant = inv
+    blob = {"ids": ids, "prompt_lens": [len(tok.encode(chatml(t)).ids) for t in texts], "texts": texts,
+            "made": time.strftime("%Y-%m-%d %H:%M:%S")}
+    _save(blob, path)
+    return blob
+
+
+def tapped(model: str, blob: dict, target=None, batch: int = 8) -> list[torch.Tensor]:
+    """The residual streams entering `CANDIDATE_TAPS` at every position of each sequence
+    ([len, len(CANDIDATE_TAPS), H] fp16), ``batch`` sequences per forward, cached. The forward is
+    the plain one (batched attention, not the batch-invariant path: a prefill of hundreds of rows
+    through the invariant attention costs seconds per sequence); a drafter trains on features
+    that differ from the engine's by rounding only."""
+    from tqdm import tqdm
+
+    from hal import kv
+    from hal.engine.forward import forward_tokens
+    path = cache_paths(model)[1]
+    seqs = blob["ids"]
+    if path.exists():
+        feats = torch.load(str(path), weights_only=False)
+        if len(feats) >= len(seqs):
+            return feats
+    target, _ = _load(model, target, None)
+    inv, target.batch_invariant = target.batch_invariant, False
+    out = []
+    try:
+        with tqdm(total=len(seqs), desc="features", unit="seq") as bar:
+            for i in range(0, len(seqs), batch):
+                part = seqs[i:i + batch]
+                lens = [len(s) for s in part]
+                pool = kv.KVPool(target.be, sum(-(-n // 16) for n in lens), 16, target.cfg.kv_heads,
+                                 target.cfg.head_dim, dtype=target.dtype, num_layers=target.num_layers,
+                                 device=target.device)
+                rows = torch.arange(sum(lens))
+                _, h = forward_tokens(target, pool, [pool.sequence() for _ in part], lens,
+                                      torch.tensor([t for s in part for t in s]).to(target.device), rows=rows[-1:],
+                                      hidden_rows=rows, feature_layers=CANDIDATE_TAPS)
+                out += [f.view(n, len(CANDIDATE_TAPS), -1).half().cpu() for f, n in zip(h.split(lens), lens)]
+                bar.update(len(part))
+    finally:
+        target.batch_invariant = inv
+    _save(out, path)
+    return out
+
+
+def _load(model: str, target, tok):
+    """The target (``auto`` plan: what serves by default) and its tokenizer, unless given."""
+    if target is not None:
+        return target, tok
+    from hal.models.fetch import load_model
+    from hal.registry import get_backend
+    target, tok = load_model(model, get_backend("cpu"), "auto")
+    if tok is None:
+        raise HalError(f"--model: expected a GGUF model with its tokenizer, got {model!r}", arg="--model")
+    return target, tok

@@ -1,0 +1,257 @@
+"""``spec-hal train-head --kind dspark``: train a block drafter (`hal.models.dspark`) by
+self-distillation on the target's own greedy continuations (`hal.training.block_data`).
+
+Each step takes a few sequences and, in each, random anchors in the response: block n is
+``[token at a_n, mask x (B - 1)]`` and sees the context features of positions ``< a_n`` and its own
+block (the DFlash training mask). Losses, per proposed position j = 1 .. B - 1:
+- cross-entropy of ``base + Markov(previous true token)`` against the target's token, weighted
+  ``exp(-(j - 1) / DECAY)`` (later positions count less: they are verified only after the earlier);
+- the confidence head's binary cross-entropy against "this row's argmax is the target's token"
+  (inputs detached, so it never pulls the drafter toward easy positions).
+
+The same maths as `hal.models.dspark.BlockModel` (dense SDPA with a mask instead of the paged
+cache; `tests/models/test_dspark.py` checks the two agree)."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from hal.models.dspark import LINEAR, BlockConfig
+
+DECAY = 4.0   # position j's loss weight exp(-(j - 1) / DECAY)
+
+
+class BlockTrain(torch.nn.Module):
+    """A block drafter's parameters (internal names, `BlockConfig.shapes`) and its training forward."""
+
+    def __init__(self, cfg: BlockConfig, embed: Tensor, head: Tensor, draft_ids: Tensor, seed: int = 0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.cfg = cfg
+        self.p = torch.nn.ParameterDict()
+        for name, shape in cfg.shapes().items():
+            if name.endswith("norm"):
+                t = torch.ones(shape)
+            elif name in ("conf", "conf_bias"):
+                t = torch.zeros(shape)
+            elif name == "mask":
+                t = torch.randn(shape, generator=g) * float(embed.std())
+            else:
+                t = torch.randn(shape, generator=g) * 0.02
+            self.p[name.replace(".", "_")] = torch.nn.Parameter(t)
+        self.register_buffer("embed", embed.float(), persistent=False)
+        self.register_buffer("head", head.float()[draft_ids].contiguous(), persistent=False)
+        self.register_buffer("draft_ids", draft_ids.long(), persistent=False)
+        from hal.models.llama import Rope
+        self.rope = Rope(cfg.head_dim, cfg.rope_base, False)
+
+    def w(self, name: str) -> Tensor:
+        return self.p[name.replace(".", "_")]
+
+    def weights(self) -> dict[str, Tensor]:
+        return {name: self.w(name).detach() for name in self.cfg.shapes()} | {"draft_ids": self.draft_ids}
+
+    def forward(self, feats: Tensor, ids: Tensor, anchors: Tensor) -> tuple[Tensor, Tensor]:
+        """feats [S, T, len(taps) * H], ids [S, T], anchors [S, N] (positions) -> base logits
+        [S, N, B - 1, Vd] and hidden states [S, N, B - 1, H]."""
+        c = self.cfg
+        S, T = ids.shape
+        N, B, D = anchors.shape[1], c.block, c.head_dim
+        nq, nk = c.heads * D, c.kv_heads * D
+        ctx = F.rms_norm(feats @ self.w("fc").T, (c.hidden,), self.w("hidden_norm"), c.eps)
+        first = self.embed[ids.gather(1, anchors)]                                       # [S, N, H]
+        h = torch.cat([first[:, :, None], self.w("mask").expand(S, N, B - 1, c.hidden)], 2).reshape(S, N * B, -1)
+        pos_blk = (anchors[:, :, None] + torch.arange(B)).reshape(S, N * B)
+        rot_blk = self.rope(pos_blk.reshape(-1))
+        rot_ctx = self.rope(torch.arange(T).repeat(S))
+        block_of = torch.arange(N).repeat_interleave(B)
+        see_ctx = torch.arange(T)[None, None] < anchors.repeat_interleave(B, 1)[:, :, None]   # [S, NB, T]
+        see_blk = (block_of[:, None] == block_of[None]).expand(S, N * B, N * B)
+        mask = torch.cat([see_ctx, see_blk], 2)[:, None]
+        for i in range(c.layers):
+            x = F.rms_norm(h, (c.hidden,), self.w(f"{i}.attn_norm"), c.eps)
+            qkv = x @ self.w(f"{i}.wqkv").T
+            kv = ctx @ self.w(f"{i}.wqkv")[nq:].T
+            rope = lambda t, rot, n: self.rope.apply(t.reshape(-1, n, D), rot).view(S, -1, n, D)  # noqa: E731
+            q = rope(qkv[..., :nq], rot_blk, c.heads)
+            k = torch.cat([rope(kv[..., :nk], rot_ctx, c.kv_heads), rope(qkv[..., nq:nq + nk], rot_blk, c.kv_heads)], 1)
+            v = torch.cat([kv[..., nk:], qkv[..., nq + nk:]], 1).view(S, -1, c.kv_heads, D)
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               attn_mask=mask, enable_gqa=True)
+            h = h + o.transpose(1, 2).reshape(S, N * B, nq) @ self.w(f"{i}.wo").T
+            gate, up = (F.rms_norm(h, (c.hidden,), self.w(f"{i}.ffn_norm"), c.eps) @ self.w(f"{i}.wgu").T
+                        ).split(c.ffn, -1)
+            h = h + (F.silu(gate) * up) @ self.w(f"{i}.wdown").T
+        out = F.rms_norm(h.view(S, N, B, -1)[:, :, 1:], (c.hidden,), self.w("norm"), c.eps)
+        return out @ self.head.T, out
+
+    def markov(self, prev: Tensor) -> Tensor:
+        return (self.embed[prev] @ self.w("markov_in").T) @ self.w("markov_out").T
+
+    def confidence(self, h: Tensor, row: Tensor) -> Tensor:
+        """Logits of the confidence (the model applies the sigmoid)."""
+        top = torch.log_softmax(row, -1).max(-1).values
+        return h @ self.w("conf")[:-1] + top * self.w("conf")[-1] + self.w("conf_bias")
+
+
+def block_targets(ids: Tensor, anchors: Tensor, lengths: Tensor, B: int, to_draft: Tensor):
+    """(previous tokens [S, N, B-1], draft-vocabulary labels [S, N, B-1] (-1: outside it), valid
+    positions [S, N, B-1]) of each block."""
+    j = torch.arange(1, B)
+    at = anchors[:, :, None] + j                                     # positions proposed
+    valid = at < lengths[:, None, None]
+    safe = at.clamp(max=ids.shape[1] - 1)
+    S = ids.shape[0]
+    flat = lambda t: ids.gather(1, t.reshape(S, -1)).view_as(t)  # noqa: E731
+    return flat(safe - 1), to_draft[flat(safe)], valid
+
+
+def losses(model: BlockTrain, feats: Tensor, ids: Tensor, anchors: Tensor, lengths: Tensor, to_draft: Tensor):
+    """(weighted cross-entropy, confidence BCE, accepted-length tau, top-1) on a batch; tau is
+    the mean count of leading positions whose Markov-chained greedy draft equals the target's."""
+    B = model.cfg.block
+    base, h = model(feats, ids, anchors)
+    prev, label, valid = block_targets(ids, anchors, lengths, B, to_draft)
+    rows = base + model.markov(prev)
+    weight = torch.exp(-torch.arange(B - 1) / DECAY)
+    hit = valid & (label >= 0)
+    ce = F.cross_entropy(rows[hit], label[hit], reduction="none")
+    ce = (ce * weight.expand_as(label)[hit]).sum() / weight.expand_as(label)[hit].sum().clamp(min=1e-6)
+    right = (rows.argmax(-1) == label) & hit
+    conf = model.confidence(h.detach(), rows.detach())
+    bce = F.binary_cross_entropy_with_logits(conf[valid], right[valid].float())
+    tau = right.long().cumprod(-1).sum(-1).float()
+    return ce, bce, tau.mean(), right[hit].float().mean()
+
+
+def sample_anchors(starts: Tensor, lengths: Tensor, n: int, g: torch.Generator) -> Tensor:
+    """``n`` anchors per sequence, uniform in [start, length - 2] (with replacement)."""
+    span = (lengths - 1 - starts).clamp(min=1)
+    return starts[:, None] + (torch.rand(len(starts), n, generator=g) * span[:, None]).long()
+
+
+def schedule(lr: float, step: int, est: int) -> float:
+    """Warm-up over 20 steps, then cosine to a tenth over ``est`` steps."""
+    frac = min(1.0, step / max(1, est))
+    return lr * min(1.0, (step + 1) / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def now() -> float:
+    return time.time()
+
+
+# -- the run ---------------------------------------------------------------------------------------------------
+
+class BlockData:
+    """Sequences (ids, tapped features) split into training and validation, the draft vocabulary."""
+
+    def __init__(self, blob: dict, feats: list[Tensor], tap_index: list[int], draft_size: int, stop_ids, seed: int):
+        from hal.training import data as prompt_data
+        from hal.training.train import draft_vocab
+        texts = blob["texts"]
+        keep = [i for i in range(len(blob["ids"])) if not any(w in texts[i].lower() for w in prompt_data.EXCLUDE)]
+        self.ids = [torch.tensor(blob["ids"][i]) for i in keep]
+        self.feats = [feats[i][:, tap_index].flatten(1) for i in keep]
+        self.starts = torch.tensor([blob["prompt_lens"][i] - 1 for i in keep])
+        self.draft_ids = draft_vocab([blob["ids"][i] for i in keep], draft_size, tuple(stop_ids))
+        order = torch.randperm(len(keep), generator=torch.Generator().manual_seed(seed)).tolist()
+        n_val = max(1, len(keep) // 20)
+        self.val, self.tr = order[:n_val], order[n_val:]
+
+    def batch(self, idx: list[int]):
+        T = max(len(self.ids[i]) for i in idx)
+        ids = torch.zeros(len(idx), T, dtype=torch.long)
+        feats = torch.zeros(len(idx), T, self.feats[idx[0]].shape[1])
+        for j, i in enumerate(idx):
+            ids[j, :len(self.ids[i])] = self.ids[i]
+            feats[j, :len(self.ids[i])] = self.feats[i].float()
+        return feats, ids, self.starts[idx], torch.tensor([len(self.ids[i]) for i in idx])
+
+
+def train_block(cfg: BlockConfig, blob: dict, feats: list[Tensor], target, minutes: float, *, batch: int = 8,
+                anchors: int = 16, lr: float = 1e-3, seed: int = 0, max_steps: int | None = None, say=print) -> dict:
+    """Train for ``minutes`` (or ``max_steps``); returns {"weights": best by validation tau, "summary"}."""
+    from hal.training.block_data import CANDIDATE_TAPS
+    torch.manual_seed(seed)
+    d = BlockData(blob, feats, [CANDIDATE_TAPS.index(t) for t in cfg.taps], cfg.draft_vocab, target.cfg.stop_ids,
+                  seed)
+    to_draft = torch.full((target.cfg.vocab,), -1, dtype=torch.long)
+    to_draft[d.draft_ids] = torch.arange(len(d.draft_ids))
+    model = BlockTrain(cfg, target.embed, target.head, d.draft_ids, seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+    g = torch.Generator().manual_seed(seed)
+    t0, step, est, best, curve = now(), 0, max_steps, (-1.0, None), []
+    budget = minutes * 60
+    while (max_steps is None or step < max_steps) and now() - t0 < budget:
+        perm = [d.tr[i] for i in torch.randperm(len(d.tr), generator=g).tolist()]
+        for b0 in range(0, len(perm) - batch + 1, batch):
+            if (max_steps is not None and step >= max_steps) or now() - t0 >= budget:
+                break
+            if est is None and step == 5:
+                est = int(budget / ((now() - t0) / 5))
+            for group in opt.param_groups:
+                group["lr"] = schedule(lr, step, est or 1000)
+            f, ids, starts, lens = d.batch(perm[b0:b0 + batch])
+            ce, bce, tau, _ = losses(model, f, ids, sample_anchors(starts, lens, anchors, g), lens, to_draft)
+            opt.zero_grad()
+            (ce + 0.1 * bce).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            step += 1
+            curve.append((now() - t0, step, ce.item(), bce.item(), tau.item(), None))
+        v = validate(model, d, to_draft, batch, anchors)
+        curve[-1] = curve[-1][:5] + (v["tau"],)
+        say(f"step {step} ({now() - t0:.0f} s): ce {curve[-1][2]:.3f}, val tau {v['tau']:.3f}, "
+            f"top-1 {v['top1']:.3f}, conf bce {v['bce']:.3f}")
+        if v["tau"] > best[0]:
+            best = (v["tau"], model.weights(), v)
+    summary = {"steps": step, "minutes": minutes, "seconds": now() - t0, "val": best[2],
+               "sequences": len(d.tr), "val_sequences": len(d.val), "lr": lr, "batch": batch, "anchors": anchors,
+               "seed": seed, "data_made": blob.get("made"), "curve": curve}
+    return {"weights": {n: t.clone() for n, t in best[1].items()}, "summary": summary}
+
+
+def validate(model: BlockTrain, d: BlockData, to_draft: Tensor, batch: int, anchors: int) -> dict:
+    """Validation tau, top-1 and confidence BCE at fixed anchors."""
+    g = torch.Generator().manual_seed(1234)
+    out = []
+    with torch.no_grad():
+        for b0 in range(0, len(d.val), batch):
+            f, ids, starts, lens = d.batch(d.val[b0:b0 + batch])
+            ce, bce, tau, top1 = losses(model, f, ids, sample_anchors(starts, lens, anchors, g), lens, to_draft)
+            out.append((tau.item(), top1.item(), bce.item()))
+    mean = lambda k: sum(o[k] for o in out) / len(out)  # noqa: E731
+    return {"tau": mean(0), "top1": mean(1), "bce": mean(2)}
+
+
+def run(model: str, out, minutes: float, *, block: int = 8, layers: int = 2, taps: tuple[int, ...] = (1, 8, 16, 24, 29),
+        rank: int = 32, draft_size: int = 8192, seed: int = 0, max_new_tokens: int = 128, limit: int | None = None,
+        **kw) -> dict:
+    """``spec-hal train-head --kind dspark``: data (cached), training, and the folder
+    ``out``/{config.json, model.safetensors, train.json, loss.png}. Returns the summary."""
+    import json
+    from pathlib import Path
+
+    from hal.models.dspark import save_block
+    from hal.training import block_data
+    from hal.training.train import plot
+    blob = block_data.responses(model, max_new_tokens, limit)
+    feats = block_data.tapped(model, blob)
+    target, _ = block_data._load(model, None, None)
+    c = target.cfg
+    cfg = BlockConfig(hidden=c.hidden, heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim, ffn=c.ffn,
+                      layers=layers, taps=tuple(taps), block=block, rank=rank, draft_vocab=draft_size, eps=c.eps)
+    got = train_block(cfg, blob, feats, target, minutes, seed=seed, **kw)
+    out = Path(out)
+    summary = {"model": model, **got["summary"]}
+    curve = summary.pop("curve")
+    save_block(out, cfg, got["weights"])
+    (out / "train.json").write_text(json.dumps(summary, indent=1) + "\n")
+    plot(curve, out / "loss.png", ("weighted cross-entropy vs target", "confidence BCE",
+                                    "train tau (accepted length)", "validation tau"))
+    return summary

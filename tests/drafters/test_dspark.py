@@ -1,0 +1,184 @@
+"""DSpark block drafting: the drafter's paged path equals the training module (from scratch and
+after its context cache has grown), sampled drafts return exactly the rows they were drawn
+from, greedy output with the drafter equals plain greedy, and the confidence cut is
+non-anticipating."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from hal.drafters.dspark import BlockDrafter, confidence_cut
+from hal.engine import SpeculativeDecoder
+from hal.engine.drafting import DraftBatch
+from hal.engine.requests import Request
+from hal.engine.router import CostModel
+from hal.errors import HalError
+from hal.models.dspark import BlockConfig, BlockModel, load_block, save_block
+from hal.models.llama import random_llama
+from hal.training.block_train import BlockTrain
+from tests.drafters.test_eagle import D, FFN, H, HEADS, KV, LAYERS, V, target_features
+
+TAPS = (1, 4, 6)
+DRAFT = torch.tensor(sorted(set(range(0, V, 2)) | {1, 3, 5}))
+
+
+@pytest.fixture(scope="module")
+def target():
+    return random_llama(H, LAYERS, HEADS, KV, D, FFN, V, seed=7, scale=0.15)
+
+
+def config(block=4, layers=2) -> BlockConfig:
+    return BlockConfig(hidden=H, heads=HEADS, kv_heads=KV, head_dim=D, ffn=FFN, layers=layers, taps=TAPS, block=block,
+                       rank=4, draft_vocab=len(DRAFT))
+
+
+def trained(target, seed=0, **kw) -> BlockTrain:
+    m = BlockTrain(config(**kw), target.embed, target.head, DRAFT, seed)
+    with torch.no_grad():   # non-trivial norms, Markov and confidence weights
+        for name, p in m.p.items():
+            if name.endswith("norm") or name in ("markov_in", "markov_out", "conf", "conf_bias"):
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.3)
+    return m
+
+
+def view(ids, L, feats, k, rid=0, temperature=0.0, costs=None):
+    return DraftBatch(rids=(rid,), params=(Request(ids[:L], k=k, temperature=temperature, seed=3),),
+                      history=torch.tensor([ids]), num_tokens=torch.tensor([L]), lengths=(L,), k=(k,), offsets=(0,),
+                      features=feats, num_features=(len(feats),), costs=costs)
+
+
+def train_rows(train, f, ids, anchor, prev):
+    """The training module's final rows [B-1, Vd] at ``anchor`` with the Markov head fed ``prev``."""
+    with torch.no_grad():
+        base, h = train(f[None], torch.tensor(ids)[None], torch.tensor([[anchor]]))
+        return base[0, 0] + train.markov(torch.tensor(prev)), h[0, 0]
+
+
+def test_the_drafter_equals_the_training_module_from_scratch_and_incrementally(target):
+    train = trained(target)
+    model = BlockModel(train.cfg, train.weights(), target)
+    drafter = BlockDrafter(model)
+    ids = [(7 * i + 3) % V for i in range(30)]
+    f = target_features(target, ids, TAPS)
+    for L, new in ((12, slice(0, 11)), (17, slice(11, 16)), (17, slice(16, 16)), (25, slice(16, 24))):
+        p = drafter.propose(view(ids, L, f[new], k=3))
+        drafts = p.draft_token_ids.tolist()
+        rows, h = train_rows(train, f, ids, L - 1, [ids[L - 1]] + drafts[:-1])
+        assert drafts == DRAFT[rows.argmax(-1)].tolist()          # Markov-chained greedy, left to right
+        conf = torch.sigmoid(train.confidence(h, rows))
+        torch.testing.assert_close(torch.tensor(drafter.confidences[0]), conf[:3], atol=1e-5, rtol=1e-5)
+        assert p.num_valid.tolist() == [3]
+
+
+def test_sampled_drafts_carry_exactly_the_rows_they_were_drawn_from(target):
+    train = trained(target, seed=1)
+    drafter = BlockDrafter(BlockModel(train.cfg, train.weights(), target))
+    ids = [(5 * i + 1) % V for i in range(20)]
+    f = target_features(target, ids, TAPS)
+    p = drafter.propose(view(ids, 14, f[:13], k=5, temperature=0.7))   # k > B - 1: filler after 3
+    assert p.num_valid.tolist() == [3] and p.draft_probs.shape == (5, V)
+    drafts = p.draft_token_ids[:3].tolist()
+    rows, _ = train_rows(train, f, ids, 13, [ids[13]] + drafts[:2])
+    full = torch.full((3, V), float("-inf"))
+    full[:, DRAFT] = rows
+    torch.testing.assert_close(p.draft_probs[:3], torch.softmax(full / 0.7, -1), atol=1e-5, rtol=1e-4)
+    assert all(p.draft_probs[j, t] > 0 for j, t in enumerate(drafts))
+
+
+def lossless(target, drafter, prompts, k=3, **kw):
+    plain = SpeculativeDecoder(target, None).generate([Request(p, max_new_tokens=20, k=0) for p in prompts])
+    dec = SpeculativeDecoder(target, drafter, **kw)
+    assert dec.generate([Request(p, max_new_tokens=20, k=k) for p in prompts]) == plain
+    return dec
+
+
+PROMPTS = [[3, 17, 17, 40, 2, 9], [50, 51, 52], list(range(1, 40, 3)), [7]]
+
+
+def test_greedy_output_with_the_block_drafter_equals_plain_greedy(target):
+    model = BlockModel(trained(target).cfg, trained(target).weights(), target)
+    dec = lossless(target, BlockDrafter(model), PROMPTS, max_num_batched_tokens=16, max_num_seqs=4)
+    assert dec.metrics.total.num_draft_tokens > 0
+    lossless(target, BlockDrafter(model), PROMPTS, k=6, num_blocks=7, max_num_seqs=4)   # preemption; k > B - 1
+    small = BlockDrafter(model, num_blocks=2)
+    lossless(target, small, PROMPTS)
+    assert small.lost > 0                      # a full context cache means no drafts, not wrong ones
+    runs = [SpeculativeDecoder(target, BlockDrafter(model)).generate(
+        [Request(p, max_new_tokens=16, k=3, temperature=0.8, seed=5) for p in PROMPTS]) for _ in range(2)]
+    assert runs[0] == runs[1] and all(len(r) == 16 for r in runs[0])
+
+
+def test_a_saved_block_drafter_loads_and_bad_ones_are_refused(target, tmp_path):
+    train = trained(target)
+    save_block(tmp_path / "b", train.cfg, train.weights())
+    model = load_block(tmp_path / "b", target)
+    assert model.cfg == train.cfg and torch.equal(model.draft_ids, DRAFT)
+    w = train.weights()
+    with pytest.raises(HalError, match="weight 0.wqkv: expected shape"):
+        BlockModel(train.cfg, {**w, "0.wqkv": w["0.wqkv"][:-1]}, target)
+    with pytest.raises(HalError, match="taps: expected distinct layers"):
+        BlockModel(BlockConfig(**{**train.cfg.__dict__, "taps": (1, 1, 99)}), w, target)
+    with pytest.raises(HalError, match="draft_ids: expected"):
+        BlockModel(train.cfg, {**w, "draft_ids": w["draft_ids"] + V}, target)
+    with pytest.raises(HalError, match="expected a folder with config.json"):
+        load_block(tmp_path / "none", target)
+
+
+COSTS = CostModel({1: 0.010, 2: 0.0105, 4: 0.011, 8: 0.013, 9: 0.019, 16: 0.022, 32: 0.04})
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(st.lists(st.lists(st.floats(0.01, 0.99), min_size=7, max_size=7), min_size=1, max_size=4),
+       st.integers(0, 3), st.integers(0, 6), st.lists(st.floats(0.01, 0.99), min_size=7, max_size=7))
+def test_the_confidence_cut_never_looks_at_a_position_or_later(conf, i, j, other):
+    """Whether request i verifies position j depends on its confidences up to j (and other
+    requests'), never on those after j: they depend on the token drawn at j."""
+    i = i % len(conf)
+    caps, ctx = (7,) * len(conf), [40] * len(conf)
+    before = confidence_cut(conf, caps, ctx, COSTS)
+    changed = [row[:] for row in conf]
+    changed[i][j + 1:] = other[j + 1:]
+    after = confidence_cut(changed, caps, ctx, COSTS)
+    assert min(before[i], j + 1) == min(after[i], j + 1)
+    assert all(0 <= t <= 7 for t in before)
+
+
+def test_the_confidence_cut_verifies_what_pays():
+    sure, unsure = [0.99] * 7, [0.03] * 7
+    assert confidence_cut([sure], (7,), [10], COSTS) == [7]       # the step stays below a chunk width
+    assert confidence_cut([unsure], (7,), [10], COSTS) == [0]
+    assert confidence_cut([sure, unsure], (7, 7), [10, 10], COSTS) == [7, 0]
+    assert confidence_cut([sure], (3,), [10], COSTS) == [3]       # never past the cap
+
+
+def test_training_learns_a_predictable_continuation_and_writes_a_loadable_drafter(target, tmp_path):
+    """Sequences that follow a fixed permutation of the vocabulary: a block drafter trained for
+    200 steps proposes the whole block (validation tau near B - 1 = 3; untrained, near 0)."""
+    from hal.training.block_data import CANDIDATE_TAPS
+    from hal.training.block_train import train_block
+    g = torch.Generator().manual_seed(0)
+    perm = torch.randperm(V - 1, generator=g) + 1
+    seqs = []
+    for _ in range(48):
+        t, s = int(torch.randint(1, V, (1,), generator=g)), [2, 9]
+        for _ in range(30):
+            s.append(t)
+            t = int(perm[t - 1])
+        seqs.append(s)
+    feats = []
+    for s in seqs:   # the data's layout: every candidate tap; this test's target fills the first two
+        f = torch.zeros(len(s), len(CANDIDATE_TAPS), H)
+        f[:, :2] = target_features(target, s, (1, 4)).view(len(s), 2, H)
+        feats.append(f.half())
+    blob = {"ids": seqs, "prompt_lens": [8] * len(seqs), "texts": ["x"] * len(seqs)}
+    cfg = BlockConfig(hidden=H, heads=HEADS, kv_heads=KV, head_dim=D, ffn=FFN, layers=1, taps=CANDIDATE_TAPS[:2],
+                      block=4, rank=8, draft_vocab=V)
+    got = train_block(cfg, blob, feats, target, 10.0, batch=8, anchors=8, lr=3e-3, max_steps=200, say=lambda _: None)
+    first, last = got["summary"]["curve"][0], got["summary"]["val"]
+    assert first[4] < 0.5 and last["tau"] > 2.5 and last["top1"] > 0.9, (first, last)
+    save_block(tmp_path / "b", cfg, got["weights"])
+    drafter = BlockDrafter(load_block(tmp_path / "b", target))
+    dec = lossless(target, drafter, [s[:12] for s in seqs[-3:]])
+    assert dec.metrics.total.num_draft_tokens > 0
