@@ -113,21 +113,25 @@ def cmd_demo(args) -> int:
         return demo_ops()
     print(f"model smollm2-135m (SmolLM2-135M-Instruct, GGUF Q4_1), backend {be.name}, greedy; "
           f"linear plan {model.plan.describe()}")
-    draft = "ngram+eagle"   # n-gram lookup where it matches, the shipped EAGLE head elsewhere
-    costs = measured_costs(model, cli_drafter(draft, model, be), max_tokens=9)
-    print("cost table profiled: " + ", ".join(f"{t} tok {c * 1e3:.0f} ms" for t, c in sorted(costs.verify.items()))
-          + "\n")
+    drafts = {"ngram+eagle": "n-gram lookup where it matches, else the EAGLE head",
+              "ngram+dspark": "n-gram lookup where it matches, else the DSpark block drafter"}
+    costs = {d: measured_costs(model, cli_drafter(d, model, be), max_tokens=9) for d in drafts}
+    print("cost table profiled: " + ", ".join(f"{t} tok {c * 1e3:.0f} ms"
+                                              for t, c in sorted(costs["ngram+eagle"].verify.items())) + "\n")
     for label, prompt in DEMO_PROMPTS:
         print(f"=== {label} prompt ===\n{prompt}\n")
-        print("--- speculative (n-gram lookup where it matches, else the EAGLE head; k <= 6 chosen per step "
-              "by the router) ---")
-        _, spec, ts, m = run_generate(model, tok, prompt, draft, 6, 0.0, 96, 0, costs=costs)
+        runs = {}
+        for draft, what in drafts.items():
+            print(f"--- speculative ({what}; k <= 6 chosen per step by the router) ---")
+            runs[draft] = run_generate(model, tok, prompt, draft, 6, 0.0, 96, 0, costs=costs[draft])[1:]
         print("--- plain decoding ---")
         _, plain, tp, _ = run_generate(model, tok, prompt, "none", 0, 0.0, 96, 0)
-        print(f"\n[{label}] speculative {len(spec) / ts:.1f} tok/s, plain {len(plain) / tp:.1f} tok/s, "
-              f"speedup {len(spec) / ts / (len(plain) / tp):.2f}x; acceptance rate {m.acceptance_rate:.2f}, "
-              f"mean acceptance length {m.mean_acceptance_length:.2f}; "
-              f"outputs {'identical' if spec == plain else 'DIFFERENT'}\n")
+        for draft, (spec, ts, m) in runs.items():
+            print(f"\n[{label}] {draft}: speculative {len(spec) / ts:.1f} tok/s, plain {len(plain) / tp:.1f} tok/s, "
+                  f"speedup {len(spec) / ts / (len(plain) / tp):.2f}x; acceptance rate {m.acceptance_rate:.2f}, "
+                  f"mean acceptance length {m.mean_acceptance_length:.2f}; "
+                  f"outputs {'identical' if spec == plain else 'DIFFERENT'}")
+        print()
     return 0
 
 

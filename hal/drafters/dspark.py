@@ -29,8 +29,9 @@ class BlockDrafter:
 
     Request i gets ``min(k[i], B - 1)`` proposals from one forward (the rest of its ``k[i]``
     slots are filler). With ``batch.costs`` (a routed engine) ``num_valid`` is the confidence
-    cut; without, every proposal is verified (a fixed-length block). ``confidences`` holds the
-    last call's predicted acceptances per request (host floats, for metrics and tests)."""
+    cut; without, every proposal is verified (a fixed-length block; so on a draft rank, whose
+    worker has no cost model). ``confidences`` holds the last call's predicted acceptances per
+    request (host floats: one small readback of [R, B - 1] per call, free on CPU)."""
 
     shadow = False   # a block costs a forward: requests routed to k = 0 are probed by the router instead
 
@@ -47,6 +48,10 @@ class BlockDrafter:
     @property
     def features(self) -> tuple[int, ...]:
         return self.model.cfg.taps
+
+    @property
+    def device(self):
+        return self.model.device
 
     def propose(self, batch: DraftBatch) -> Proposal:
         if batch.lengths is None:
@@ -70,41 +75,57 @@ class BlockDrafter:
         part = self._propose(sub, plan)
         return part if sub is batch else widen(batch, keep, part, dev)
 
-    def _forward(self, b: DraftBatch, plan) -> tuple[Tensor, Tensor, Tensor]:
-        """Write the new context, run the block: (base logits [R, B-1, Vd], hidden [R, B-1, H], anchors [R])."""
+    def _forward(self, b: DraftBatch, plan) -> tuple[Tensor, Tensor, Tensor, list[int]]:
+        """Write the new context of every request and run the blocks of those with k > 0:
+        (base logits [R', B-1, Vd], hidden [R', B-1, H], anchors [R'], their rows of ``b``)."""
         m, dev, B = self.model, self.model.device, self.model.cfg.block
         feats = None if b.features is None else b.features.to(dev)
-        seqs, lens, ctx_rows, blk_rows, parts, end, row = [], [], [], [], [], 0, 0
-        for (rid, length, skip), n in zip(plan, b.num_features or (0,) * len(plan)):
+        seqs, ctx_rows, blk_rows, parts, drafting, at, end, row = [], [], [], [], [], [], 0, 0
+        for i, ((rid, length, skip), n) in enumerate(zip(plan, b.num_features or (0,) * len(plan))):
             a, end = end + skip, end + n
             seq = self.draft_kv.sequence(rid)
             p0 = length - 1 - (end - a)
             seq.truncate(p0)                 # drops the last call's scratch block
+            block = B if b.k[i] else 0       # a request routed to k = 0 only extends its context
             if end > a:
                 parts.append(feats[a:end])
             ctx_rows += range(row, row + end - a)
-            blk_rows += range(row + end - a, row + end - a + B)
-            row += end - a + B
-            seqs.append(seq)
-            lens.append(end - a + B)
-        anchors = b.history.to(dev)[torch.arange(len(plan)), torch.tensor([p[1] - 1 for p in plan])]
-        batch = make_batch(self.be, dev, self.pool, seqs, lens, torch.zeros(row, dtype=torch.long, device=dev))
+            blk_rows += range(row + end - a, row + end - a + block)
+            row += end - a + block
+            if block:
+                drafting.append(i)
+                at.append(len(seqs))         # its row of the batch's block tables
+            if end - a + block:
+                seqs.append((rid, length, seq, end - a + block))
+        if not seqs:
+            return None, None, None, []
         up = lambda x: torch.tensor(x, dtype=torch.long).to(dev)  # noqa: E731
-        blocks = replace(batch, query_start_loc=up([B * i for i in range(len(plan) + 1)]))   # the block queries
+        batch = make_batch(self.be, dev, self.pool, [s[2] for s in seqs], [s[3] for s in seqs],
+                           torch.zeros(row, dtype=torch.long, device=dev))
+        anchors = b.history.to(dev)[up(drafting), up([plan[i][1] - 1 for i in drafting])] if drafting else up([])
+        blocks = replace(batch, block_tables=batch.block_tables[up(at)], seq_lens=batch.seq_lens[up(at)],
+                         query_start_loc=up([B * i for i in range(len(drafting) + 1)]))   # the block queries
         ctx = torch.cat(parts).float() if parts else torch.zeros(0, m.w["fc"].shape[1], device=dev)
         base, h = m.forward(batch, self.pool.k, self.pool.v, ctx, up(ctx_rows), up(blk_rows), anchors, blocks)
-        for (rid, length, _), seq, n in zip(plan, seqs, lens):
+        for rid, length, seq, n in seqs:
             seq.commit(n)
             self.draft_kv.mark_valid(rid, length - 1)
-        return base, h, anchors
+        return base, h, anchors, drafting
 
     def _propose(self, b: DraftBatch, plan) -> Proposal:
         m, dev = self.model, self.model.device
-        base, h, anchors = self._forward(b, plan)
+        base, h, anchors, drafting = self._forward(b, plan)
+        if not drafting:
+            return empty(len(b.rids), dev) if not any(b.k) else widen(b, [], None, dev)
+        d = b if len(drafting) == len(b.rids) else subset(b, drafting)
+        part = self._draft(d, base, h, anchors)
+        return part if d is b else widen(b, drafting, part, dev)
+
+    def _draft(self, b: DraftBatch, base: Tensor, h: Tensor, anchors: Tensor) -> Proposal:
+        """The Markov-chained drafts of every row of ``b`` (each has k > 0), and the cut."""
+        m, dev = self.model, self.model.device
         K = min(max(b.k), m.proposals)
         capped = replace(b, k=tuple(min(k, K) for k in b.k))
-        if K == 0:
-            return empty(len(b.rids), dev)
         conf = []
 
         def row(prev: Tensor, j: int) -> Tensor:
@@ -119,7 +140,7 @@ class BlockDrafter:
             part = slots(torch.stack(toks, 1), capped.k)
         else:
             part = sample_chain(capped, self.be, dev, lambda x, j: m.full_logits(row(anchors if j == 0 else x, j)))
-        c = torch.stack(conf, 1).tolist() if conf else [[] for _ in b.rids]
+        c = torch.stack(conf, 1).tolist()
         self.confidences = dict(zip(b.rids, c))
         valid = confidence_cut(c, capped.k, b.lengths, b.costs) if b.costs is not None else list(capped.k)
         return pad(part, capped.k, b.k, valid, dev)

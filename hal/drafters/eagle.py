@@ -57,6 +57,10 @@ class HeadDrafter:
     def features(self) -> tuple[int, ...]:
         return self.head.feature_layers
 
+    @property
+    def device(self):
+        return self.head.device
+
     def propose(self, batch: DraftBatch) -> Proposal:
         if batch.lengths is None:
             raise HalError("HeadDrafter.propose: expected host lengths (it is not a lookahead drafter), got None")
@@ -217,21 +221,21 @@ class HeadDrafter:
 
 class NgramOrHead:
     """Best of both per request: n-gram lookup's drafts where it finds a match (copy-heavy
-    text), the head's elsewhere (open-ended text; a chain or, from a tree head, a tree).
+    text), the head's elsewhere (open-ended text; a chain or, from a tree head, a tree; the head
+    is a `HeadDrafter` or a `hal.drafters.dspark.BlockDrafter`).
     One extra host read per step (whether the lookup matched); the head is always passed its
     features, drafting 0 tokens for the rows the lookup covers. ``shadow`` as for the head."""
 
-    shadow = True
-
-    def __init__(self, ngram, head: HeadDrafter):
+    def __init__(self, ngram, head):
         self.ngram, self.head, self.be = ngram, head, head.be
+        self.shadow = head.shadow     # a block drafter's first draft is not free (`hal.drafters.dspark`)
 
     @property
     def features(self) -> tuple[int, ...]:
         return self.head.features
 
     def propose(self, batch: DraftBatch) -> Proposal:
-        dev = self.head.head.device
+        dev = self.head.device
         lookup = self.ngram.propose(batch)
         found = list(batch.k) if lookup.num_valid is None else [int(v) for v in readback(lookup.num_valid)[0]]
         use = [f > 0 and k > 0 for f, k in zip(found, batch.k)]

@@ -7,7 +7,7 @@ layers; half of them by default), ``model:<path>`` (a separate draft model), ``e
 EAGLE-1 / EAGLE-3 layout), ``ngram+eagle[:<path>]`` (n-gram lookup where it finds a match,
 the head elsewhere), or the draft-tree forms ``ngram-tree`` (lookup candidates as branches),
 ``eagle-tree[:<path>]`` and ``ngram+eagle-tree[:<path>]`` (EAGLE-2 dynamic trees, `TREE`), or
-``dspark[:<path>]`` (a DSpark block drafter, `hal.models.dspark`)."""
+``dspark[:<path>]`` / ``ngram+dspark[:<path>]`` (a DSpark block drafter, `hal.models.dspark`)."""
 
 from __future__ import annotations
 
@@ -50,6 +50,7 @@ DRAFT_KINDS = (
     DraftKind("ngram+eagle-tree", "[:<path>]", "n-gram lookup, else the head's EAGLE-2 trees", head=True, tree=True),
     DraftKind("dspark", "[:<path>]", "a DSpark block drafter (one forward per block, confidence-scheduled "
               "verification): the one shipped for the model, or a folder", head=True),
+    DraftKind("ngram+dspark", "[:<path>]", "n-gram lookup where it matches, the block drafter elsewhere", head=True),
 )
 KINDS = {kind.name: kind for kind in DRAFT_KINDS}
 HEADS = tuple(kind.name for kind in DRAFT_KINDS if kind.head)   # the kinds that read the target's features
@@ -111,7 +112,7 @@ def feature_layers(spec: DraftSpec, model: str, target_layers: int) -> tuple[int
     None for kinds that read no features."""
     if not KINDS[spec.kind].head:
         return None
-    if spec.kind == "dspark":
+    if spec.kind.endswith("dspark"):
         from hal.models.dspark import read_config, shipped_block
         return read_config(spec.path or shipped_block(model)).taps
     from hal.models.eagle import head_feature_layers, shipped_head
@@ -130,13 +131,15 @@ def make_drafter(spec: DraftSpec, backend, target=None, path: str | None = None,
         return NgramDrafter(backend)
     if spec.kind == "ngram-tree":
         return NgramTreeDrafter(backend)
-    if spec.kind == "dspark":
+    if spec.kind in ("dspark", "ngram+dspark"):
         from hal.drafters.dspark import BlockDrafter
+        from hal.drafters.eagle import NgramOrHead
         from hal.models.dspark import load_block, shipped_block
         if target is None:
-            raise HalError("--draft dspark: expected the target model in this process (a block drafter shares its "
-                           "embeddings and lm_head), got a separate draft rank", arg="--draft")
-        return BlockDrafter(load_block(spec.path or shipped_block(path or ""), target, backend, device))
+            raise HalError(f"--draft {spec.kind}: expected the target model in this process (a block drafter shares "
+                           f"its embeddings and lm_head), got a separate draft rank", arg="--draft")
+        block = BlockDrafter(load_block(spec.path or shipped_block(path or ""), target, backend, device))
+        return block if spec.kind == "dspark" else NgramOrHead(NgramDrafter(backend, min_n=2), block)
     if KINDS[spec.kind].head:
         from hal.models.eagle import load_eagle, shipped_head
         from hal.drafters.eagle import HeadDrafter, NgramOrHead

@@ -81,7 +81,8 @@ def grammar_compiler(tok, cfg, say=lambda line: None):
 
 def cli_drafter(draft: str, target, backend, model: str = "smollm2-135m"):
     """A drafter for the CLI's ``--draft`` over a loaded ``target`` (`hal.drafters.kinds`): none,
-    ngram, ngram-tree, self[:L], eagle[:<folder>], ngram+eagle[:<folder>] or their -tree forms
-    (without a folder: the head shipped for ``model``)."""
+    ngram, ngram-tree, self[:L], eagle[:<folder>], ngram+eagle[:<folder>] or their -tree forms,
+    dspark[:<folder>] or ngram+dspark[:<folder>] (without a folder: the head or block drafter
+    shipped for ``model``)."""
     from hal.drafters.kinds import draft_kinds, make_drafter, parse_draft
     return make_drafter(parse_draft(draft, draft_kinds(cli=True)), backend, target=target, path=model)

@@ -109,17 +109,20 @@ class BlockModel:
 
     def forward(self, batch: Batch, k_caches: list[Tensor], v_caches: list[Tensor], feats: Tensor,
                 ctx_rows: Tensor, block_rows: Tensor, anchors: Tensor, block_batch: Batch) -> tuple[Tensor, Tensor]:
-        """Base logits [R, B - 1, Vd] and hidden states [R, B - 1, H] of each request's block.
+        """Base logits [R, B - 1, Vd] and hidden states [R, B - 1, H] of each drafting request's block.
 
-        ``batch``: every fed row (each request's new context rows, then its B block rows, at
-        consecutive positions) with its KV slot; ``ctx_rows`` / ``block_rows`` index them
-        (``feats`` [len(ctx_rows), len(taps) * H] are the context rows' features, ``anchors``
-        [R] the block's first tokens). ``block_batch``: the attention metadata of the block
-        queries alone (B per request, a tree mask of ones)."""
+        ``batch``: every fed row (each request's new context rows, then, for the R requests that
+        draft, its B block rows, at consecutive positions) with its KV slot; ``ctx_rows`` /
+        ``block_rows`` index them (``feats`` [len(ctx_rows), len(taps) * H] are the context rows'
+        features, ``anchors`` [R] the blocks' first tokens). ``block_batch``: the attention
+        metadata of the R blocks' queries alone (B each, a tree mask of ones). With R = 0 only
+        the context is written (a request routed to k = 0 keeps its cache for later)."""
         cfg, w = self.cfg, self.w
         nq, nk, D = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.head_dim
         R, B = anchors.shape[0], cfg.block
         ctx = _rms_norm(plain_linear(feats, w["fc"]), w["hidden_norm"], cfg.eps) if len(ctx_rows) else None
+        if R == 0:
+            return self._write_context(batch, k_caches, v_caches, ctx)
         h = torch.cat([self.embed[anchors][:, None], w["mask"].expand(R, B - 1, cfg.hidden)], 1).reshape(R * B, -1)
         rot = self.rope(batch.positions, batch.max_position)
         rot_blk = rot[block_rows]
@@ -145,6 +148,21 @@ class BlockModel:
             h = h + plain_linear(F.silu(gate) * up, w[f"{i}.wdown"])
         out = _rms_norm(h.view(R, B, -1)[:, 1:], w["norm"], cfg.eps)
         return lm_head(out.reshape(R * (B - 1), -1), w["head"]).view(R, B - 1, -1), out
+
+    def _write_context(self, batch: Batch, k_caches, v_caches, ctx: Tensor | None) -> tuple[Tensor, Tensor]:
+        """Every fed row is a context row: each layer's K/V of the fused features, written; no block."""
+        cfg, w = self.cfg, self.w
+        nq, nk, D = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.head_dim
+        if ctx is not None:
+            rot = self.rope(batch.positions, batch.max_position)
+            for i in range(cfg.layers):
+                kv = plain_linear(ctx, w[f"{i}.wqkv"][nq:])
+                k = self.rope.apply(kv[:, :nk].view(-1, cfg.kv_heads, D), rot)
+                self.be.write_kv(k.to(k_caches[i].dtype), kv[:, nk:].reshape(-1, cfg.kv_heads, D).to(v_caches[i].dtype),
+                                 k_caches[i], v_caches[i], batch.slot_mapping)
+        none = torch.zeros(0, cfg.block - 1, device=self.device)
+        return none[..., None].expand(0, cfg.block - 1, cfg.draft_vocab), none[..., None].expand(0, cfg.block - 1,
+                                                                                                  cfg.hidden)
 
     def markov(self, prev: Tensor) -> Tensor:
         """The Markov head's logit bias [R, Vd] for the positions after tokens ``prev`` [R] (target ids)."""
@@ -201,14 +219,22 @@ def load_block(folder: str | Path, target: Llama, backend=None, device=None) -> 
 
 
 BLOCKS_DIR = Path(__file__).parent / "heads"
-SHIPPED = {"smollm2-135m": "smollm2-135m-dspark"}   # model name -> folder under hal/models/heads
+SHIPPED = {   # model name -> (folder under hal/models/heads, sha256 of its model.safetensors)
+    "smollm2-135m": ("smollm2-135m-dspark", "c08140f90a100c0d1296aaa1619bf97d9cb7763162a448fbf3bea066e38ccc2e"),
+}
 
 
 def shipped_block(model: str) -> Path:
-    """The block drafter shipped for ``model`` (a `hal.models.fetch.MODELS` name or its GGUF path)."""
-    from hal.models.fetch import MODELS
+    """The block drafter shipped for ``model`` (a `hal.models.fetch.MODELS` name or its GGUF
+    path), its weights' sha256 checked."""
+    from hal.models.fetch import MODELS, _sha256
     name = next((n for n in SHIPPED if model == n or Path(model).name == Path(MODELS[n]["member"]).name), None)
-    if name is None or not (BLOCKS_DIR / SHIPPED[name] / "config.json").is_file():
+    if name is None:
         raise HalError(f"--draft dspark: expected a model with a shipped block drafter ({sorted(SHIPPED)}) or "
                        f"dspark:<folder>, got {model!r}", arg="--draft")
-    return BLOCKS_DIR / SHIPPED[name]
+    folder, sha = SHIPPED[name]
+    path = BLOCKS_DIR / folder
+    got = _sha256(path / "model.safetensors") if (path / "model.safetensors").is_file() else "no file"
+    if got != sha:
+        raise HalError(f"block drafter {folder}: expected model.safetensors with sha256 {sha}, got {got}")
+    return path

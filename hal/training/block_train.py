@@ -251,7 +251,36 @@ def run(model: str, out, minutes: float, *, block: int = 8, layers: int = 2, tap
     summary = {"model": model, **got["summary"]}
     curve = summary.pop("curve")
     save_block(out, cfg, got["weights"])
+    summary["tokens"] = sum(len(s) for s in blob["ids"])
     (out / "train.json").write_text(json.dumps(summary, indent=1) + "\n")
+    (out / "README.md").write_text(readme(model, cfg, summary, out))
     plot(curve, out / "loss.png", ("weighted cross-entropy vs target", "confidence BCE",
                                     "train tau (accepted length)", "validation tau"))
     return summary
+
+
+def readme(model: str, cfg: BlockConfig, s: dict, out) -> str:
+    """The folder's README: what it is, how it was made, what it scored (from the run itself)."""
+    import hashlib
+    sha = hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
+    n = sum(math.prod(shape) for shape in cfg.shapes().values())
+    v = s["val"]
+    return (f"# DSpark block drafter for {model}\n\n"
+            f"- Shape: {cfg.layers} draft layer{'s' if cfg.layers > 1 else ''} (hidden {cfg.hidden}, {cfg.heads} heads, {cfg.kv_heads} KV heads, "
+            f"ffn {cfg.ffn}), block {cfg.block} ({cfg.block - 1} proposals per forward), context features from the "
+            f"inputs of target layers {list(cfg.taps)}, Markov head rank {cfg.rank}, confidence head; the "
+            f"target's lm_head restricted to a {cfg.draft_vocab}-token draft vocabulary (`draft_ids`). "
+            f"fp16, {n / 1e6:.1f} M parameters.\n"
+            f"- `model.safetensors` sha256 `{sha}`.\n"
+            f"- Made by: `python -m hal train-head --kind dspark --model {model} --minutes {s['minutes']:g} "
+            f"--block {cfg.block} --layers {cfg.layers} --taps {','.join(map(str, cfg.taps))} --rank {cfg.rank} "
+            f"--batch {s['batch']} --lr {s['lr']:g} --seed {s['seed']}` ({time.strftime('%Y-%m-%d')}, torch "
+            f"{torch.__version__}).\n"
+            f"  - Data (`hal/training/block_data.py`): the target's greedy answers to the project's prompt set "
+            f"(`hal/training/data.py`; held-out topics and benchmark-like prompts excluded), {s['tokens']:,} "
+            f"tokens, made {s['data_made']}.\n"
+            f"  - Training (`hal/training/block_train.py`): {s['steps']} steps over {s['sequences']} sequences "
+            f"({s['anchors']} random anchors each per step), {s['seconds'] / 60:.1f} min; the checkpoint with the "
+            f"best validation tau over {s['val_sequences']} held-back sequences is kept.\n"
+            f"- Validation: tau (mean accepted length of the greedy block, teacher-forced) **{v['tau']:.3f}**, "
+            f"top-1 {v['top1']:.3f}, confidence BCE {v['bce']:.3f}. `loss.png` is the curve.\n")

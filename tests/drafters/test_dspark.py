@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dataclasses import replace
+
 from hypothesis import given, settings, strategies as st
 
 from hal.drafters.dspark import BlockDrafter, confidence_cut
@@ -62,8 +64,12 @@ def test_the_drafter_equals_the_training_module_from_scratch_and_incrementally(t
     drafter = BlockDrafter(model)
     ids = [(7 * i + 3) % V for i in range(30)]
     f = target_features(target, ids, TAPS)
-    for L, new in ((12, slice(0, 11)), (17, slice(11, 16)), (17, slice(16, 16)), (25, slice(16, 24))):
-        p = drafter.propose(view(ids, L, f[new], k=3))
+    for L, new, k in ((12, slice(0, 11), 3), (17, slice(11, 16), 3), (17, slice(16, 16), 3), (20, slice(16, 19), 0),
+                      (25, slice(19, 24), 3)):
+        p = drafter.propose(view(ids, L, f[new], k=k))
+        if k == 0:   # routed to k = 0: the context is written, no block runs
+            assert p.draft_token_ids.numel() == 0 and drafter.draft_kv.valid_len(0) == L - 1
+            continue
         drafts = p.draft_token_ids.tolist()
         rows, h = train_rows(train, f, ids, L - 1, [ids[L - 1]] + drafts[:-1])
         assert drafts == DRAFT[rows.argmax(-1)].tolist()          # Markov-chained greedy, left to right
@@ -105,6 +111,16 @@ def test_greedy_output_with_the_block_drafter_equals_plain_greedy(target):
     small = BlockDrafter(model, num_blocks=2)
     lossless(target, small, PROMPTS)
     assert small.lost > 0                      # a full context cache means no drafts, not wrong ones
+    from hal.drafters import NgramDrafter
+    from hal.drafters.eagle import NgramOrHead
+    both = lossless(target, NgramOrHead(NgramDrafter(target.be, min_n=2), BlockDrafter(model)),
+                    PROMPTS + [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
+    assert both.metrics.total.num_draft_tokens > 0
+    from hal.launch.build import build_engine
+    cut = BlockDrafter(model)
+    routed = build_engine(target, cut, k=3, route=True, costs=COSTS)
+    plain = SpeculativeDecoder(target, None).generate([Request(p, max_new_tokens=20, k=0) for p in PROMPTS])
+    assert routed.generate([Request(p, max_new_tokens=20, k=3) for p in PROMPTS]) == plain   # router + cut
     runs = [SpeculativeDecoder(target, BlockDrafter(model)).generate(
         [Request(p, max_new_tokens=16, k=3, temperature=0.8, seed=5) for p in PROMPTS]) for _ in range(2)]
     assert runs[0] == runs[1] and all(len(r) == 16 for r in runs[0])
@@ -182,3 +198,132 @@ def test_training_learns_a_predictable_continuation_and_writes_a_loadable_drafte
     drafter = BlockDrafter(load_block(tmp_path / "b", target))
     dec = lossless(target, drafter, [s[:12] for s in seqs[-3:]])
     assert dec.metrics.total.num_draft_tokens > 0
+
+
+def test_the_block_drafter_on_the_draft_rank_gets_the_features_over_the_link(target):
+    """The block drafter in the draft worker (in-process link): the taps' features cross once, so
+    its drafts and acceptance are exactly those of the same drafter in-process; greedy == plain."""
+    import queue
+    import threading
+
+    from hal.distributed.remote import RemoteDrafter
+    from hal.distributed.worker import draft_worker
+    from hal.metrics import SpecDecodeMetrics
+    from tests.launch.test_generate import QueueLink
+    train = trained(target, seed=2)
+    model = BlockModel(train.cfg, train.weights(), target)
+    local = lossless(target, BlockDrafter(model), PROMPTS)
+    a, b = queue.Queue(), queue.Queue()
+    worker = threading.Thread(target=draft_worker, daemon=True, args=(QueueLink(a, b), BlockDrafter(model)))
+    worker.start()
+    metrics = SpecDecodeMetrics()
+    remote = RemoteDrafter(QueueLink(b, a), V, torch.device("cpu"), metrics, timeout=30, features=TAPS)
+    lossless(target, remote, PROMPTS, metrics=metrics)
+    remote.close()
+    worker.join(timeout=30)
+    assert metrics.draft_failures == 0
+    assert metrics.total.accepted_per_position == local.metrics.total.accepted_per_position
+    assert metrics.total.num_draft_tokens == local.metrics.total.num_draft_tokens > 0
+
+
+def best_prefix_cut(conf, caps, contexts, costs):
+    """A planted mutant: the router's rule (the best prefix of the whole ranked path), which
+    reads every confidence before deciding any position."""
+    R = len(caps)
+    P = [[float(torch.tensor(conf[i][:j + 1]).prod()) for j in range(caps[i])] for i in range(R)]
+    order = sorted((-p, j, i) for i in range(R) for j, p in enumerate(P[i]))
+    fed, attn, tokens = R, sum(contexts), float(R)
+    best, best_at, path = tokens / costs.cost(fed, attn, 0), 0, []
+    for neg, j, i in order:
+        fed, attn, tokens = fed + 1, attn + contexts[i], tokens - neg
+        path.append(i)
+        if tokens / costs.cost(fed, attn, 0) > best:
+            best, best_at = tokens / costs.cost(fed, attn, 0), len(path)
+    return [path[:best_at].count(i) for i in range(R)]
+
+
+def test_the_best_prefix_rule_would_anticipate_and_the_cut_does_not():
+    """Position 0 alone does not pay at P = 0.045 (cost(2) is 5% over cost(1)); with three more at
+    about that P it does (cost(4) is 10% over). The cut decides position 0 from its own P; the
+    mutant takes it only when the later confidences, drawn after it, are high."""
+    high, low = [[0.045] + [0.99] * 6], [[0.045] + [0.01] * 6]
+    assert min(best_prefix_cut(high, (7,), [10], COSTS)[0], 1) != min(best_prefix_cut(low, (7,), [10], COSTS)[0], 1)
+    assert min(confidence_cut(high, (7,), [10], COSTS)[0], 1) == min(confidence_cut(low, (7,), [10], COSTS)[0], 1)
+
+
+@pytest.fixture(scope="module")
+def distilled(target):
+    """A block drafter self-distilled on this target's own greedy continuations (200 steps), so
+    its sampled drafts are accepted often enough to test the law."""
+    from hal.training.block_data import CANDIDATE_TAPS
+    from hal.training.block_train import train_block
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, V, (4,), generator=g).tolist() for _ in range(48)]
+    outs = SpeculativeDecoder(target, None).generate([Request(p, max_new_tokens=28, k=0) for p in prompts])
+    seqs = [p + o for p, o in zip(prompts, outs)]
+    feats = []
+    for s in seqs:
+        f = torch.zeros(len(s), len(CANDIDATE_TAPS), H)
+        f[:, :2] = target_features(target, s, CANDIDATE_TAPS[:2]).view(len(s), 2, H)
+        feats.append(f.half())
+    cfg = BlockConfig(hidden=H, heads=HEADS, kv_heads=KV, head_dim=D, ffn=FFN, layers=1, taps=CANDIDATE_TAPS[:2],
+                      block=4, rank=8, draft_vocab=V)
+    blob = {"ids": seqs, "prompt_lens": [4] * len(seqs), "texts": ["x"] * len(seqs)}
+    got = train_block(cfg, blob, feats, target, 10.0, batch=8, anchors=8, lr=3e-3, max_steps=200, say=lambda _: None)
+    return BlockModel(cfg, got["weights"], target)
+
+
+class WrongRow(BlockDrafter):
+    """A planted mutant: each position reports a q that is not the row it was drawn from: the
+    first a uniform row over the draft vocabulary (as if neither its base row nor its Markov
+    bias applied), the later ones the row of the position before (the Markov head fed the wrong
+    previous token)."""
+
+    def propose(self, batch):
+        p = super().propose(batch)
+        if p.draft_probs is None:
+            return p
+        q = p.draft_probs.clone()
+        cu = p.cu_num_draft_tokens.tolist()
+        for i in range(len(batch.rids)):
+            if cu[i + 1] - cu[i] > 1:
+                q[cu[i] + 1:cu[i + 1]] = p.draft_probs[cu[i]:cu[i + 1] - 1]
+            if cu[i + 1] > cu[i]:   # the first: as if drawn without its Markov row, uniformly over the draft vocabulary
+                q[cu[i]] = torch.zeros(V).index_fill_(0, DRAFT, 1.0 / len(DRAFT))
+        return replace(p, draft_probs=q)
+
+
+def law(target, drafter, prompt, n=900, temperature=2.5):
+    """The first three sampled tokens of ``n`` seeds (temperature 2.5: this random target is peaked)."""
+    dec = SpeculativeDecoder(target, drafter, num_blocks=1024, max_num_seqs=64)
+    outs = dec.generate([Request(prompt, max_new_tokens=4, k=0 if drafter is None else 3, seed=s,
+                                 temperature=temperature) for s in range(n)])
+    return [tuple(o[:3]) for o in outs], dec
+
+
+def test_sampled_output_keeps_the_target_law_and_a_wrong_row_mutant_does_not(target, distilled):
+    from scipy.stats import chi2_contingency
+    prompt = [5, 17, 30, 2]
+    plain, _ = law(target, None, prompt)
+    spec, dec = law(target, BlockDrafter(distilled), prompt)
+    mutant, _ = law(target, WrongRow(distilled), prompt)
+    assert dec.metrics.total.num_accepted_tokens > 150, "too few drafts accepted to test anything"
+
+    def p_value(a, b, at):   # the law of the token at index ``at`` (cells under 5 expected pooled)
+        a, b = [t[at] for t in a], [t[at] for t in b]
+        keys = sorted(set(a) | set(b), key=lambda x: -(a.count(x) + b.count(x)))
+        big = [x for x in keys if a.count(x) + b.count(x) >= 10]
+        rows = [[a.count(x) for x in big] + [sum(a.count(x) for x in keys if x not in big)],
+                [b.count(x) for x in big] + [sum(b.count(x) for x in keys if x not in big)]]
+        return chi2_contingency([[c + 0.5 for c in r] for r in rows])[1]
+    assert p_value(plain, spec, 1) > 1e-3 and p_value(plain, spec, 2) > 1e-3   # index 0 comes from the prefill
+    assert p_value(plain, mutant, 1) < 1e-6
+
+
+def test_the_shipped_block_drafter_is_checked_and_named():
+    from hal.models.dspark import read_config, shipped_block
+    path = shipped_block("smollm2-135m")
+    cfg = read_config(path)
+    assert (cfg.hidden, cfg.taps, cfg.block, cfg.layers) == (576, (1, 16, 29), 8, 1)
+    with pytest.raises(HalError, match="shipped block drafter"):
+        shipped_block("other-model")
