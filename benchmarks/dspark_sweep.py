@@ -61,7 +61,7 @@ def main() -> None:
     from hal.training.block_train import train_block
     blob = block_data.responses("smollm2-135m")
     feats = block_data.tapped("smollm2-135m", blob)
-    target, tok = block_data._load("smollm2-135m", None, None)
+    target, tok = block_data.load_target("smollm2-135m", None, None)
     c = target.cfg
     prompts = data.prompts(heldout=True)[:args.prompts]
     rows = []

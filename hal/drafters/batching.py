@@ -1,9 +1,10 @@
 """Shared by the drafters: a `Proposal` from padded drafts (`slots`, `empty`), a
-sub-batch of a `DraftBatch` and back (`subset`, `widen`), and an autoregressive sampled
-chain (`sample_chain`)."""
+sub-batch of a `DraftBatch` and back (`subset`, `widen`), fewer slots per request than
+asked widened with filler (`pad`), and an autoregressive sampled chain (`sample_chain`)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -85,3 +86,21 @@ def sample_chain(batch: DraftBatch, backend, dev, step: Callable[[Tensor, int], 
     if not toks:
         return empty(R, dev)
     return slots(torch.stack(toks, 1), batch.k, torch.stack(draft_probs, 1).float() if sampled else None)
+
+
+def pad(part: Proposal, have: tuple[int, ...], want: tuple[int, ...], valid: list[int], dev) -> Proposal:
+    """``part`` (``have[i]`` slots per request) widened to ``want[i]`` slots (filler after), ``num_valid`` = ``valid``."""
+    nv = torch.tensor(valid, dtype=torch.long)
+    if have == want:
+        return replace(part, num_valid=nv)
+    cu_h, cu_w = cumulative(have), cumulative(want)
+    at = torch.tensor([cu_w[i] + j for i, n in enumerate(have) for j in range(n)], dtype=torch.long).to(dev)
+    ids = torch.zeros(cu_w[-1], dtype=torch.long, device=dev)
+    ids[at] = part.draft_token_ids
+    probs = None
+    if part.draft_probs is not None:
+        probs = torch.zeros(cu_w[-1], part.draft_probs.shape[1], device=dev)
+        probs[:, 0] = 1   # filler rows: valid distributions, never verified
+        probs[at] = part.draft_probs
+    return Proposal(draft_token_ids=ids, cu_num_draft_tokens=torch.tensor(cu_w).to(dev), draft_probs=probs,
+                    num_valid=nv)

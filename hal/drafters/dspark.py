@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from hal import kv
-from hal.drafters.batching import empty, sample_chain, slots, subset, widen
+from hal.drafters.batching import empty, pad, sample_chain, slots, subset, widen
 from hal.drafters.draft_kv import DraftKV
 from hal.engine.drafting import DraftBatch, Proposal
 from hal.engine.forward import make_batch
@@ -158,24 +158,6 @@ class BlockDrafter:
         self.draft_kv.release(rid)
         self.lost_rids.discard(rid)
         self.confidences.pop(rid, None)
-
-
-def pad(part: Proposal, have: tuple[int, ...], want: tuple[int, ...], valid: list[int], dev) -> Proposal:
-    """``part`` (``have[i]`` slots per request) widened to ``want[i]`` slots (filler after), ``num_valid`` = ``valid``."""
-    nv = torch.tensor(valid, dtype=torch.long)
-    if have == want:
-        return replace(part, num_valid=nv)
-    cu_h, cu_w = cumulative(have), cumulative(want)
-    at = torch.tensor([cu_w[i] + j for i, n in enumerate(have) for j in range(n)], dtype=torch.long).to(dev)
-    ids = torch.zeros(cu_w[-1], dtype=torch.long, device=dev)
-    ids[at] = part.draft_token_ids
-    probs = None
-    if part.draft_probs is not None:
-        probs = torch.zeros(cu_w[-1], part.draft_probs.shape[1], device=dev)
-        probs[:, 0] = 1   # filler rows: valid distributions, never verified
-        probs[at] = part.draft_probs
-    return Proposal(draft_token_ids=ids, cu_num_draft_tokens=torch.tensor(cu_w).to(dev), draft_probs=probs,
-                    num_valid=nv)
 
 
 LOOK = 32   # the cut looks this many positions ahead at a position's own P (a plan's chunk widths are <= 32)

@@ -218,23 +218,12 @@ def load_block(folder: str | Path, target: Llama, backend=None, device=None) -> 
     return BlockModel(cfg, load_file(str(path)), target, backend, device)
 
 
-BLOCKS_DIR = Path(__file__).parent / "heads"
 SHIPPED = {   # model name -> (folder under hal/models/heads, sha256 of its model.safetensors)
     "smollm2-135m": ("smollm2-135m-dspark", "c08140f90a100c0d1296aaa1619bf97d9cb7763162a448fbf3bea066e38ccc2e"),
 }
 
 
 def shipped_block(model: str) -> Path:
-    """The block drafter shipped for ``model`` (a `hal.models.fetch.MODELS` name or its GGUF
-    path), its weights' sha256 checked."""
-    from hal.models.fetch import MODELS, _sha256
-    name = next((n for n in SHIPPED if model == n or Path(model).name == Path(MODELS[n]["member"]).name), None)
-    if name is None:
-        raise HalError(f"--draft dspark: expected a model with a shipped block drafter ({sorted(SHIPPED)}) or "
-                       f"dspark:<folder>, got {model!r}", arg="--draft")
-    folder, sha = SHIPPED[name]
-    path = BLOCKS_DIR / folder
-    got = _sha256(path / "model.safetensors") if (path / "model.safetensors").is_file() else "no file"
-    if got != sha:
-        raise HalError(f"block drafter {folder}: expected model.safetensors with sha256 {sha}, got {got}")
-    return path
+    """The block drafter shipped for ``model``, its weights' sha256 checked (`hal.models.shipped`)."""
+    from hal.models.shipped import shipped_folder
+    return shipped_folder(SHIPPED, model, "dspark", "block drafter")

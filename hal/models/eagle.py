@@ -213,23 +213,12 @@ def load_eagle(path: str | Path, target: Llama, backend=None, device=None) -> Ea
 
 # -- heads shipped with the package ----------------------------------------------------------------
 
-HEADS_DIR = Path(__file__).parent / "heads"
 SHIPPED = {   # model name -> (folder under hal/models/heads, sha256 of its model.safetensors)
     "smollm2-135m": ("smollm2-135m-eagle", "a324b230a2c5912621fbd105f18366daba17446053a93468739090178ee42918"),
 }
 
 
 def shipped_head(model: str) -> Path:
-    """The folder of the head shipped for ``model`` (a `hal.models.fetch.MODELS` name or its
-    GGUF path), its weights' sha256 checked."""
-    from hal.models.fetch import MODELS, _sha256
-    name = next((n for n in SHIPPED if model == n or Path(model).name == Path(MODELS[n]["member"]).name), None)
-    if name is None:
-        raise HalError(f"--draft eagle: expected a model with a shipped head ({sorted(SHIPPED)}) or eagle:<folder>, "
-                       f"got {model!r}", arg="--draft")
-    folder, sha = SHIPPED[name]
-    path = HEADS_DIR / folder
-    got = _sha256(path / "model.safetensors") if (path / "model.safetensors").is_file() else "no file"
-    if sha is None or got != sha:
-        raise HalError(f"head {folder}: expected model.safetensors with sha256 {sha}, got {got}")
-    return path
+    """The folder of the head shipped for ``model``, its weights' sha256 checked (`hal.models.shipped`)."""
+    from hal.models.shipped import shipped_folder
+    return shipped_folder(SHIPPED, model, "eagle", "head")

@@ -42,7 +42,7 @@ def responses(model: str, max_new_tokens: int = 128, limit: int | None = None, t
         blob = torch.load(str(path), weights_only=False)
         if len(blob["ids"]) >= len(texts):
             return blob
-    target, tok = _load(model, target, tok)
+    target, tok = load_target(model, target, tok)
     inv = target.batch_invariant
     target.batch_invariant = False            # generation only: the fast batched path
     try:
@@ -72,7 +72,7 @@ def tapped(model: str, blob: dict, target=None, batch: int = 8) -> list[torch.Te
         feats = torch.load(str(path), weights_only=False)
         if len(feats) >= len(seqs):
             return feats
-    target, _ = _load(model, target, None)
+    target, _ = load_target(model, target, None)
     inv, target.batch_invariant = target.batch_invariant, False
     out = []
     try:
@@ -95,7 +95,7 @@ def tapped(model: str, blob: dict, target=None, batch: int = 8) -> list[torch.Te
     return out
 
 
-def _load(model: str, target, tok):
+def load_target(model: str, target, tok):
     """The target (``auto`` plan: what serves by default) and its tokenizer, unless given."""
     if target is not None:
         return target, tok

@@ -242,7 +242,7 @@ def run(model: str, out, minutes: float, *, block: int = 8, layers: int = 2, tap
     from hal.training.train import plot
     blob = block_data.responses(model, max_new_tokens, limit)
     feats = block_data.tapped(model, blob)
-    target, _ = block_data._load(model, None, None)
+    target, _ = block_data.load_target(model, None, None)
     c = target.cfg
     cfg = BlockConfig(hidden=c.hidden, heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim, ffn=c.ffn,
                       layers=layers, taps=tuple(taps), block=block, rank=rank, draft_vocab=draft_size, eps=c.eps)

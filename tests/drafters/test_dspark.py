@@ -327,3 +327,13 @@ def test_the_shipped_block_drafter_is_checked_and_named():
     assert (cfg.hidden, cfg.taps, cfg.block, cfg.layers) == (576, (1, 16, 29), 8, 1)
     with pytest.raises(HalError, match="shipped block drafter"):
         shipped_block("other-model")
+
+
+@pytest.mark.parametrize("bad", ["1,1", "3", "x", ""])
+def test_bad_taps_are_refused_by_the_cli(bad):
+    import argparse
+
+    from hal.cli import taps_flag
+    with pytest.raises(argparse.ArgumentTypeError, match="expected"):
+        taps_flag(bad)
+    assert taps_flag("1,16,29") == (1, 16, 29)
