@@ -101,8 +101,9 @@ def main() -> None:
              f"as one batch; both ranks and the baseline at {args.threads} threads on one host (network namespaces "
              f"joined by `tests.distributed.delayline`; its own round trip at no delay {base * 1e3:.3f} ms); {machine_line()}.",
              "", "| RTT asked / measured (ms) | draft | step in-process (ms) | step remote (ms) | remote / in-process "
-             "| wait per round W (ms) | W - RTT (ms) | drafting hidden (overlap hits / rounds) | link hidden | outputs |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "| wait per round W (ms) | W - RTT (ms) | speculation cache hits / (hits + misses) | branches per round "
+             "| link hidden | outputs |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for rtt_ms, measured, draft, pairs in rows:
         s_in = statistics.median(a["seconds"] / a["steps"] for a, _ in pairs)
         s_rem = statistics.median(b["seconds"] / b["steps"] for _, b in pairs)
@@ -111,13 +112,15 @@ def main() -> None:
         same = all(a["outputs"] == b["outputs"] for a, b in pairs)
         lines.append(f"| {rtt_ms:g} / {measured * 1e3:.2f} | {draft} | {s_in * 1e3:.1f} | {s_rem * 1e3:.1f} | "
                      f"{s_rem / s_in:.3f}x | {wait * 1e3:.2f} | {(wait - measured) * 1e3:.2f} | "
-                     f"{100 * b['overlap_hits'] / max(1, b['rounds']):.0f}% ({b['overlap_hits']} / {b['rounds']}) | "
-                     f"0% | {'identical' if same else 'DIFFERENT'} |")
+                     f"{100 * b['cache_hits'] / max(1, b['cache_hits'] + b['cache_misses']):.0f}% "
+                     f"({b['cache_hits']} / {b['cache_hits'] + b['cache_misses']}) | "
+                     f"{b['fanout_branches'] / max(1, b['rounds']):.1f} | 0% | {'identical' if same else 'DIFFERENT'} |")
     lines += ["", "Step times are medians over the reps of seconds / steps; each remote run follows its in-process "
               "run. W is what the target waited per round (`round_trip_seconds / rounds`: send, the worker's "
-              "drafting, receive). The worker's drafting is hidden on the rounds its overlap guess held (it drafted "
-              "them while the target verified); an EAGLE head drafts from the round's own features, so it never "
-              "drafts ahead. The link's round trip is never hidden: the target asks for the next drafts only once "
+              "drafting, receive). The worker's drafting is hidden for the requests answered from its speculation "
+              "cache (`hal.distributed.speculate`: it drafted the likeliest outcomes while the target verified); an "
+              "EAGLE head drafts from the round's own features, so it never drafts ahead. The link's round trip is "
+              "never hidden: the target asks for the next drafts (the COMMIT is answered from the cache) only once "
               "it has verified. W - RTT is the rest of a round: the worker's drafting where not hidden, and on this "
               "2-core host both ranks and the wire sharing two cores (the target's OpenMP threads spin after each "
               "parallel region while the other processes wait for a core)."]

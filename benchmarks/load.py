@@ -181,7 +181,7 @@ def stop(procs) -> None:
 
 
 def machine_line() -> str:
-    from hal.models.linear_plan import machine_line as line
+    from hal.models.machine import machine_line as line
     return line()
 
 

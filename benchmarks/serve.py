@@ -63,7 +63,7 @@ def main() -> None:
         secs = [r["seconds"] for r in rs]
         lines.append(f"| {label} | {rs[-1]['link'] or '-'} | {rs[-1]['tokens']} | "
                      f"{', '.join(f'{s:.2f}' for s in secs)} | {rs[-1]['tokens'] / statistics.median(secs):.1f} | "
-                     f"{rs[-1]['overlap_hits']} / {rs[-1]['overlap_misses']} |")
+                     f"{rs[-1]['cache_hits']} / {rs[-1]['cache_misses']} |")
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -59,6 +59,11 @@ class SpecDecodeMetrics:
         self.workers_lost = 0         # the link to the draft worker failed (a reset or a timeout)
         self.workers_rejoined = 0     # ... and the worker joined again by a new epoch
         self.stale_drafts = 0         # drafts dropped because they were not built on the committed prefix
+        self.spec_cache_hits = 0      # a remote draft's requests answered from its speculation cache
+        self.spec_cache_misses = 0    # ... drafted ahead, but their outcome was not among the branches
+        self.fanout_branches = 0      # branches the draft worker drafted ahead (`hal.distributed.speculate`)
+        self.draft_ahead_seconds = 0.0   # the worker's drafting while the target verified (hidden)
+        self.draft_inline_seconds = 0.0  # from a COMMIT's arrival to the reply (what the target waits, less the link)
         self.preemptions = 0          # running requests preempted when KV blocks ran out (recomputed later)
         self.acceptance_lengths: list[int] = []  # tokens emitted per request per verify step with drafts
         self._first: dict[Hashable, float] = {}
@@ -146,7 +151,16 @@ def prometheus_text(m: SpecDecodeMetrics, prefix: str = "spec_hal") -> str:
                          ("draft_workers_lost", "draft workers lost to the link (a reset or a timeout)", m.workers_lost),
                          ("draft_workers_rejoined", "draft workers that joined again by a new epoch",
                           m.workers_rejoined),
-                         ("stale_drafts", "drafts dropped: not built on the committed prefix", m.stale_drafts)):
+                         ("stale_drafts", "drafts dropped: not built on the committed prefix", m.stale_drafts),
+                         ("spec_cache_hits", "requests answered from the draft worker's speculation cache",
+                          m.spec_cache_hits),
+                         ("spec_cache_misses", "requests drafted ahead whose outcome was not among the branches",
+                          m.spec_cache_misses),
+                         ("fanout_branches", "branches the draft worker drafted ahead", m.fanout_branches),
+                         ("draft_ahead_seconds", "the worker's drafting while the target verified (hidden)",
+                          m.draft_ahead_seconds),
+                         ("draft_inline_seconds", "the worker's time from a COMMIT to its reply (not hidden)",
+                          m.draft_inline_seconds)):
         pc.Counter(f"{prefix}_{name}", doc, registry=reg).inc(v)
     pc.Gauge(f"{prefix}_acceptance_rate", "accepted / proposed draft tokens", registry=reg).set(m.acceptance_rate)
     pc.Gauge(f"{prefix}_mean_acceptance_length", "tokens per verify step", registry=reg).set(

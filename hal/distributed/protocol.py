@@ -20,6 +20,7 @@ from hal.errors import HalError
 from hal.devices import transfer
 
 COMMIT, DRAFTS, STOP = 1, 2, 3
+DRAFTS_HEAD = 7   # words before a DRAFTS message's first entry
 MAX_WORDS, MAX_ROWS, MAX_COLS = 1 << 24, 1 << 20, 1 << 20  # what a peer's message header may announce
 MAX_EPOCH = 1 << 40
 TARGET, DRAFT = 0, 1
@@ -131,7 +132,8 @@ def _checked(head: list[int]) -> list[int]:
 #   COMMIT: [COMMIT, epoch, n, n_finished, *finished, n x (rid, k, length, new, [top_k, seed, max_new,
 #            temperature, top_p (IEEE-754 float64 bits)] if new, n_delta, *delta, n_features)],
 #           rows: the target's features, n_features rows per request in order (an EAGLE head's input)
-#   DRAFTS: [DRAFTS, epoch, hits, stale, n x (rid, base_len, base_hash, n_drafts, *drafts, n_parents, *parents)],
+#   DRAFTS: [DRAFTS, epoch, hits, misses, branches, ahead_us, inline_us,
+#            n x (rid, base_len, base_hash, n_drafts, *drafts, n_parents, *parents)],
 #           n_parents 0 (a chain) or n_drafts (a draft tree: each draft's local parent, -1 the root)
 #           rows: q rows of the drafts (dense [N, V], or sparse values with ``idx``)
 #   STOP:   [STOP]
@@ -182,13 +184,23 @@ class DraftEntry:
 
 
 @dataclass
+class Timing:
+    """The worker's account of a reply (`hal.distributed.speculate`), for the metrics."""
+
+    branches: int = 0        # branches it drafted ahead while the target verified the last round
+    ahead_us: int = 0        # microseconds that took (off the target's critical path)
+    inline_us: int = 0       # microseconds from the COMMIT's arrival to this reply (on it)
+
+
+@dataclass
 class Drafts:
-    hits: int                # overlap guesses that held this round
-    stale: int               # overlap guesses dropped
+    hits: int                # requests answered from the speculation cache this round
+    stale: int               # requests drafted ahead whose outcome was not among the branches (misses)
     entries: list[DraftEntry]
     q: Tensor | None = None  # [N, V] rows (dense), or the values of a sparse form with ``idx``
     idx: Tensor | None = None
     epoch: int = 0           # the COMMIT's epoch this answers
+    timing: Timing = field(default_factory=Timing)
 
 
 @dataclass
@@ -215,7 +227,8 @@ def encode(msg: Message) -> tuple[list[int], Tensor | None, Tensor | None]:
             if n:
                 feats.append(e.features)
         return words, torch.cat(feats) if feats else None, None
-    words = [DRAFTS, msg.epoch, msg.hits, msg.stale]
+    t = msg.timing
+    words = [DRAFTS, msg.epoch, msg.hits, msg.stale, t.branches, t.ahead_us, t.inline_us]
     for e in msg.entries:
         words += [e.rid, e.base_len, e.base_hash, len(e.tokens), *e.tokens]
         words += [0] if e.parents is None else [len(e.parents), *e.parents]
@@ -296,7 +309,9 @@ def decode(words: list[int], rows: Tensor | None, idx: Tensor | None, vocab: int
         for e, c in zip(entries, counts):
             e.features, at = (rows[at:at + c] if c else None), at + c
         return Commit(entries, finished, epoch)
-    hits, stale = r.one("the overlap hits", 0, MAX_ROWS), r.one("the stale count", 0, MAX_ROWS)
+    hits, stale = r.one("the cache hits", 0, MAX_ROWS), r.one("the cache misses", 0, MAX_ROWS)
+    timing = Timing(r.one("the branch count", 0, MAX_WORDS), r.one("the time ahead", 0, 1 << 40),
+                    r.one("the time inline", 0, 1 << 40))
     entries = []
     while r.at < len(r.words):
         rid, base_len, base_hash = r.one("a request id", 0, 1 << 62), r.one("a base length", 0, 1 << 40), r.one("a hash")
@@ -313,19 +328,19 @@ def decode(words: list[int], rows: Tensor | None, idx: Tensor | None, vocab: int
     if idx is not None and (rows is None or idx.shape != rows.shape
                             or bool(((idx < 0) | (idx >= hi_tok)).any())):
         raise r.bad(f"sparse q indices in [0, {hi_tok}) shaped like its values", None if idx is None else list(idx.shape))
-    return Drafts(hits, stale, entries, rows, idx, epoch)
+    return Drafts(hits, stale, entries, rows, idx, epoch, timing)
 
 
 def corrupted(words: list[int], how: str) -> list[int]:
     """A DRAFTS reply made invalid in one way (tests: the target must not trust it)."""
     w = list(words)
-    first = 4 + 4  # the first request's first draft, when it has one
+    count = DRAFTS_HEAD + 3   # the first request's draft count; its first draft follows
     if how == "kind":
         w[0] = 77
     elif how == "truncated":
-        w = w[:max(5, len(w) // 2)]
+        w = w[:max(DRAFTS_HEAD + 1, len(w) // 2)]
     elif how == "count":
-        w[4 + 3] = 1 << 40
+        w[count] = 1 << 40
     elif how in ("oov", "negative"):
-        w = w[:4 + 3] + [w[4 + 3] + 1] + [1 << 20 if how == "oov" else -3] + w[first:]
+        w = w[:count] + [w[count] + 1] + [1 << 20 if how == "oov" else -3] + w[count + 1:]
     return w

@@ -34,7 +34,7 @@ class RemoteDrafter:
         self.sent: dict[int, int] = {}     # rid -> tokens of its history the worker has
         self.hashes: dict[int, int] = {}   # rid -> history_hash of those tokens
         self.finished: list[int] = []
-        self.alive, self.lost, self.rounds, self.guess_hits, self.guess_misses = link is not None, False, 0, 0, 0
+        self.alive, self.lost, self.rounds, self.cache_hits, self.cache_misses = link is not None, False, 0, 0, 0
         self.wait_s = 0.0   # seconds the target spent in a round (send, the worker's drafting, receive)
         self._bytes = [0, 0]   # sent, received over the links of earlier epochs
         if link is None and rendezvous is not None:   # nobody joined ``epoch``: open the next for a late worker
@@ -99,11 +99,9 @@ class RemoteDrafter:
             self.metrics.stale_drafts += len(reply.entries)
             return [[] for _ in range(R)], None, None
         if len(reply.entries) != R or not (reply.hits <= R and reply.stale <= R):
-            raise HalError(f"draft worker reply: expected {R} entries and overlap counts at most that, "
+            raise HalError(f"draft worker reply: expected {R} entries and cache counts at most that, "
                            f"got {len(reply.entries)} entries, counts {reply.hits}/{reply.stale}")
-        self.guess_hits += reply.hits
-        self.guess_misses += reply.stale
-        self.metrics.stale_drafts += reply.stale
+        self._count(reply)
         drafts, keep, r = [], [], 0
         for rid, L, k, e in zip(b.rids, b.lengths, b.k, reply.entries):
             d, n = e.tokens, len(e.tokens)
@@ -122,6 +120,17 @@ class RemoteDrafter:
         q = rows if reply.idx is None else dense_q(transfer(reply.idx[keep], self.device), rows, self.vocab)
         prob_values("draft_probs (from the draft worker)", q)
         return drafts, q, parents
+
+    def _count(self, reply: Drafts) -> None:
+        """The worker's speculation account (`hal.distributed.protocol.Timing`) into the metrics."""
+        t, m = reply.timing, self.metrics
+        self.cache_hits += reply.hits
+        self.cache_misses += reply.stale
+        m.spec_cache_hits += reply.hits
+        m.spec_cache_misses += reply.stale
+        m.fanout_branches += t.branches
+        m.draft_ahead_seconds += t.ahead_us / 1e6
+        m.draft_inline_seconds += t.inline_us / 1e6
 
     def _proposal(self, b: DraftBatch, drafts: list[list[int]], q: Tensor | None, parents=None) -> Proposal:
         """``k[i]`` slots per request: the worker's drafts first, then filler (token 0, a one-hot

@@ -1,6 +1,7 @@
 """The draft worker's side of the two-rank protocol: `draft_worker` answers each COMMIT
 with DRAFTS built on exactly the committed prefix, and overlaps the target's verification
-by drafting the next round on "all accepted + its own guess of the bonus token".
+by drafting the next round ahead for the likeliest outcomes of the one being verified
+(`hal.distributed.speculate`): a COMMIT whose outcome was among them is answered at once.
 `serve_epochs` is the worker's life across epochs (`hal.distributed.rendezvous`): when the
 target lost it, the worker drops every request and joins the next epoch."""
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import signal
 import sys
 import threading
@@ -20,12 +22,13 @@ from torch import Tensor
 from hal.errors import HalError
 from hal.engine.history import HistoryBuffer
 from hal.devices import sparse_q
-from hal.distributed.protocol import (DRAFT_SEED, HASH_SEED, TARGET, Commit, DraftEntry, Drafts, Link, Stop, corrupted,
-                                     decode, encode, history_hash)
+from hal.distributed.protocol import (DRAFT_SEED, HASH_SEED, STOP, TARGET, Commit, DraftEntry, Drafts, Link, Stop,
+                                     Timing, corrupted, decode, encode, history_hash)
+from hal.distributed.speculate import TOP, Drafted, FanOut
 from hal.engine.drafting import DraftBatch, capabilities, pack_features
 from hal.engine.requests import SamplingParams
 
-Guess = dict[int, tuple[list[int], list[int], Tensor | None]]  # rid -> (assumed history, drafts, q rows)
+FANOUT = 8   # branches drafted ahead per request and round (``--fanout``)
 
 
 @dataclass
@@ -54,43 +57,101 @@ class Epoch:
 
 
 def draft_worker(link: Link, drafter, fault: str = "", idle: float | None = None, epoch: Epoch | None = None,
-                 lock: threading.Lock | None = None) -> None:
+                 lock: threading.Lock | None = None, fanout: int = FANOUT, bounded: bool = True) -> None:
     """Serve DRAFTS for each COMMIT of ``epoch`` until STOP (see the module docstring); ``idle``:
     the longest wait for the next COMMIT, in seconds (None: the link's default). ``lock`` is
-    held while the drafter works; once ``epoch`` is no longer current this returns untouched."""
+    held while the drafter works; once ``epoch`` is no longer current this returns untouched.
+    ``fanout``: branches drafted ahead per request and round (`hal.distributed.speculate`; 0:
+    none; a drafter that reads the target's features never drafts ahead); ``bounded`` False:
+    the whole fan-out before the next message (tests: hits that do not depend on timing)."""
     ep = epoch or Epoch()
     reqs, lock = ep.reqs, lock or contextlib.nullcontext()
     hist = HistoryBuffer("cpu")   # the committed tokens the drafter reads (drafters move them to their device)
-    guess: Guess = {}
+    fan = FanOut(fanout if capabilities(drafter).features is None else 0, bounded)
+    inbox: queue.Queue = queue.Queue()
+    threading.Thread(target=_receive, args=(link, inbox, idle), daemon=True, name=f"hal-recv-{ep.number}").start()
     replies = 0
     while True:
-        msg = decode(*link.recv(idle))   # the target is another process too: checked
+        arrived, msg = _await(inbox, lambda: _ahead(fan, reqs, hist, drafter, lock, ep, inbox))
         with lock:
             if not ep.current:
                 return
+            msg = decode(*msg)   # the target is another process too: checked
             if isinstance(msg, Stop):
                 ep.stopped = True
                 return
             if not isinstance(msg, Commit) or msg.epoch != ep.number:
                 raise HalError(f"hal.launch worker: expected COMMIT of epoch {ep.number} or STOP, got "
                                f"{type(msg).__name__}" + (f" of epoch {msg.epoch}" if isinstance(msg, Commit) else ""))
-            order = _apply_commit(msg, reqs, hist, guess, drafter)
-            out, hits, stale = _drafts_for(order, reqs, hist, guess, drafter)
+            order = _apply_commit(msg, reqs, hist, fan, drafter)
+            out, hits, misses = _drafts_for(order, reqs, hist, fan, drafter)
             if fault and replies == int(fault.split(":")[1]):  # fault injection for tests: HAL_SERVE_FAULT=
                 if fault.startswith("kill"):                   # kill:N (SIGKILL after N replies),
                     os.kill(os.getpid(), signal.SIGKILL)       # hang:N:S (stop answering for S s, then exit),
                 if fault.startswith("hang"):                   # bad:N:KIND (reply N+1 malformed: KIND is
                     time.sleep(float(fault.split(":")[2]))     # kind, truncated, oov, negative or count)
                     os._exit(0)
-            _reply(link, order, reqs, out, hits, stale,
+            timing = Timing(fan.branches, int(1e6 * fan.ahead_s), int(1e6 * (time.perf_counter() - arrived)))
+            _reply(link, order, reqs, out, hits, misses, timing,
                    fault.split(":")[2] if fault.startswith("bad") and replies == int(fault.split(":")[1]) else "",
                    ep.number)
             replies += 1
-            guess = _guess_next(order, reqs, hist, out, drafter)  # overlaps the target's verification
+            fan.replied_now(arrived)
+            for rid in order:   # round r+1 draws after round r's drafts and the extension's guess
+                r = reqs[rid]
+                r.offset += r.k + 1 if r.k else 0
+                if r.k:
+                    fan.plan(rid, out[rid])
+
+
+def _receive(link: Link, inbox: queue.Queue, idle: float | None) -> None:
+    """The link's reader (its own thread, so the drafter can work while no message is due):
+    each message with its arrival time, or the link's failure, into ``inbox``."""
+    while True:
+        try:
+            got = link.recv(idle)
+        except BaseException as e:   # the link failed or timed out: the loop raises it
+            inbox.put((time.perf_counter(), e))
+            return
+        inbox.put((time.perf_counter(), got))
+        if got[0][:1] == [STOP]:
+            return
+
+
+def _await(inbox: queue.Queue, ahead) -> tuple[float, tuple]:
+    """The next message and its arrival time; first ``ahead()`` drafts waves until it returns
+    False (nothing more worth drafting, or a message has arrived)."""
+    while ahead():
+        pass
+    arrived, got = inbox.get()
+    if isinstance(got, BaseException):
+        raise got
+    return arrived, got
+
+
+def _ahead(fan: FanOut, reqs: dict[int, _Req], hist: HistoryBuffer, drafter, lock, ep: Epoch,
+           inbox: queue.Queue) -> bool:
+    """One wave of the fan-out (`hal.distributed.speculate`): one branch per request, regular
+    branches in one drafter call and extensions (one slot more, from the guess's offset) in
+    another. False when nothing is left, the window is spent, or the epoch is over."""
+    with lock:
+        wave = fan.next_wave() if ep.current and fan.fits(not inbox.empty()) else []
+        if not wave:
+            return False
+        t0, got = time.perf_counter(), {}
+        for extra in (0, 1):
+            group = [b for b in wave if b.extend == bool(extra)]
+            if group:
+                rids = [b.rid for b in group]
+                res = _propose(drafter, reqs, hist, rids, [reqs[r].k + extra for r in rids], [b.base for b in group],
+                               [reqs[r].offset - extra for r in rids], TOP + 1)
+                got.update(zip(map(id, group), res))
+        fan.store(wave, [got[id(b)] for b in wave], time.perf_counter() - t0)
+        return True
 
 
 def serve_epochs(rv, drafter, device: torch.device, fault: str = "", idle: float = 600.0,
-                 join_timeout: float = 10.0) -> None:
+                 join_timeout: float = 10.0, fanout: int = FANOUT) -> None:
     """The worker's life (`hal.distributed.rendezvous`): join the newest epoch and serve it
     (`draft_worker`, in a thread); when the target announces a newer epoch (it lost this
     worker), drop every request of the old one and join the new. The first meeting waits for
@@ -136,14 +197,14 @@ def serve_epochs(rv, drafter, device: torch.device, fault: str = "", idle: float
         print(f"hal.launch worker: joined epoch {e}", file=sys.stderr, flush=True)
         gloo = rv.backend_of(e) == "gloo"
         link = Link(TARGET, torch.device("cpu") if gloo else device, group, framed=gloo)
-        thread = threading.Thread(target=_serve, args=(link, drafter, fault if e == 0 else "", idle, ep, lock, failed),
+        thread = threading.Thread(target=_serve, args=(link, drafter, fault if e == 0 else "", idle, ep, lock, failed, fanout),
                                   daemon=True, name=f"hal-draft-epoch-{e}")
         thread.start()
 
 
-def _serve(link, drafter, fault, idle, ep: Epoch, lock, failed: list) -> None:
+def _serve(link, drafter, fault, idle, ep: Epoch, lock, failed: list, fanout: int) -> None:
     try:
-        draft_worker(link, drafter, fault, idle, ep, lock)
+        draft_worker(link, drafter, fault, idle, ep, lock, fanout)
     except RuntimeError as e:   # the link: reset or timed out; the target announces the next epoch
         if ep.current:
             print(f"hal.launch worker: epoch {ep.number} lost ({str(e).splitlines()[0][:120]}); "
@@ -153,16 +214,16 @@ def _serve(link, drafter, fault, idle, ep: Epoch, lock, failed: list) -> None:
             failed.append(e)
 
 
-def _apply_commit(msg: Commit, reqs: dict[int, _Req], hist: HistoryBuffer, guess: Guess, drafter) -> list[int]:
+def _apply_commit(msg: Commit, reqs: dict[int, _Req], hist: HistoryBuffer, fan: FanOut, drafter) -> list[int]:
     """Extend each request's committed history (new requests arrive with their sampling
-    parameters; finished ones are released) and tell the drafter what of its last drafts
-    became history. Returns the requests of this round, in order."""
+    parameters; finished ones are released) and tell the fan-out what was committed. Returns
+    the requests of this round, in order."""
     for rid in msg.finished:
         if reqs.pop(rid, None) is not None:
             drafter.release(rid)
             hist.release(rid)
-        guess.pop(rid, None)
-    order, kept = [], []
+        fan.drop(rid)
+    order = []
     for e in msg.entries:
         if e.new is not None:
             n = e.new
@@ -170,6 +231,7 @@ def _apply_commit(msg: Commit, reqs: dict[int, _Req], hist: HistoryBuffer, guess
                                               top_k=n.top_k, top_p=n.top_p, seed=n.seed + DRAFT_SEED))
             hist.release(e.rid)
             hist.add(e.rid, [])
+            fan.drop(e.rid)
         if e.rid not in reqs:
             raise HalError(f"hal.launch worker: expected a known request or its parameters, got request {e.rid}")
         r = reqs[e.rid]
@@ -180,104 +242,99 @@ def _apply_commit(msg: Commit, reqs: dict[int, _Req], hist: HistoryBuffer, guess
             hist.write([e.rid], [len(r.tokens)], torch.tensor([e.delta], dtype=torch.long))
         r.tokens = r.tokens + e.delta
         r.hash = history_hash(e.delta, r.hash)
+        fan.observe(e.rid, e.delta)
         if e.features is not None:
             r.features.append(e.features)
         r.k = e.k
-        if r.last is not None:
-            kept.append((e.rid, _common_prefix(r.last, r.tokens)))
-            r.last = None
         order.append(e.rid)
-    if kept:
-        drafter.commit([rid for rid, _ in kept], [n for _, n in kept])
     return order
-
-
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 def _propose(drafter, reqs: dict[int, _Req], hist: HistoryBuffer, rids: list[int], ks: list[int],
-             bases: list[list[int]]) -> list[tuple[list[int], Tensor | None, list[int] | None]]:
-    """Run the drafter on ``bases`` (the histories, already in ``hist``): host drafts, q rows
-    and a tree's parents."""
+             bases: list[list[int]], offsets: list[int], alternatives: int = 0) -> list[Drafted]:
+    """Run the drafter on ``bases`` (each the committed history, or a branch of it whose
+    uncommitted tail is written after it as scratch), drawing from ``offsets``. The drafter
+    is first told how much of what it last drafted each base keeps (`Drafter.commit`)."""
+    for rid, base in zip(rids, bases):
+        tail = base[len(reqs[rid].tokens):]
+        if tail:
+            hist.write([rid], [len(reqs[rid].tokens)], torch.tensor([tail], dtype=torch.long))
+    kept = [(rid, _common_prefix(reqs[rid].last, base)) for rid, base in zip(rids, bases) if reqs[rid].last is not None]
+    if kept:
+        drafter.commit([rid for rid, _ in kept], [n for _, n in kept])
     lens = [len(b) for b in bases]
     features, num_features = pack_features([reqs[r].features for r in rids])
     batch = DraftBatch(rids=tuple(rids), params=tuple(reqs[r].params for r in rids), history=hist.view(rids, max(lens)),
-                       num_tokens=torch.tensor(lens), lengths=tuple(lens), k=tuple(ks),
-                       offsets=tuple(reqs[r].offset for r in rids), features=features, num_features=num_features)
+                       num_tokens=torch.tensor(lens), lengths=tuple(lens), k=tuple(ks), offsets=tuple(offsets),
+                       features=features, num_features=num_features, alternatives=alternatives)
     prop = drafter.propose(batch)
     for r in rids:
         reqs[r].features = []   # passed once
+    return [_drafted(reqs[rid], base, got) for rid, base, got in zip(rids, bases, _split(prop, ks))]
+
+
+def _split(prop, ks: list[int]) -> list[Drafted]:
+    """A `Proposal` as host `Drafted` per request (its valid slots only)."""
     ids = prop.draft_token_ids.cpu().tolist()
     par = None if prop.parent_ids is None else prop.parent_ids.cpu().tolist()
     valid = ks if prop.num_valid is None else [int(v) for v in prop.num_valid.cpu().tolist()]
     q = None if prop.draft_probs is None else prop.draft_probs.cpu()
+    top = None if prop.top_ids is None else list(zip(prop.top_ids.cpu().tolist(), prop.top_probs.cpu().tolist()))
     out, c = [], 0
-    for rid, k, n, base in zip(rids, ks, valid, bases):
-        d = ids[c:c + n]
-        out.append((d, None if q is None else q[c:c + n], None if par is None else par[c:c + n]))
-        reqs[rid].offset += k
-        reqs[rid].last = base + d if par is None else base   # a tree's slots are not a continuation
+    for k, n in zip(ks, valid):
+        alts = None if top is None else [list(zip(*top[j])) for j in range(c, c + n)]
+        out.append(Drafted(ids[c:c + n], None if q is None else q[c:c + n], alts, None if par is None else par[c:c + n]))
         c += k
     return out
 
 
-def _drafts_for(order: list[int], reqs: dict[int, _Req], hist: HistoryBuffer, guess: Guess, drafter):
-    """Each request's drafts (and q rows): the overlap guess where it holds (the target
-    accepted everything and its bonus token was the draft's guess), else fresh ones."""
-    hit_ids = {rid for rid in order if reqs[rid].k and rid in guess and guess[rid][0] == reqs[rid].tokens
-               and len(guess[rid][1]) >= reqs[rid].k}
-    stale = sum(1 for rid in order if rid in guess and rid not in hit_ids)
-    out: dict[int, tuple[list[int], Tensor | None, list[int] | None]] = {rid: ([], None, None) for rid in order}
-    for rid in hit_ids:
-        _, d, q = guess[rid]
-        k = reqs[rid].k
-        out[rid] = (d[:k], None if q is None else q[:k], None)
+def _drafted(r: _Req, base: list[int], got: Drafted) -> Drafted:
+    r.last = base + got.drafts if got.parents is None else base   # a tree's slots are not a continuation
+    return got
+
+
+def _drafts_for(order: list[int], reqs: dict[int, _Req], hist: HistoryBuffer, fan: FanOut, drafter):
+    """Each request's drafts for this round: from the speculation cache where its outcome was
+    drafted ahead, else fresh. Returns them, the cache hits and the misses."""
+    out: dict[int, Drafted] = {}
+    misses = 0
+    for rid in order:
+        r = reqs[rid]
+        got, planned = fan.lookup(rid, len(r.tokens), r.hash, r.k)
+        if got is not None:
+            out[rid] = got
+        misses += planned and got is None and r.k > 0
+    hits = len(out)
     # a feature drafter (an EAGLE head) is passed every request's new features, drafting or not
-    fresh = [rid for rid in order if (reqs[rid].k or reqs[rid].features) and rid not in hit_ids]
+    fresh = [rid for rid in order if (reqs[rid].k or reqs[rid].features) and rid not in out]
     if fresh:
-        got = _propose(drafter, reqs, hist, fresh, [reqs[r].k for r in fresh], [reqs[r].tokens for r in fresh])
+        got = _propose(drafter, reqs, hist, fresh, [reqs[r].k for r in fresh], [reqs[r].tokens for r in fresh],
+                       [reqs[r].offset for r in fresh], TOP + 1 if fan.budget else 0)
         out.update(zip(fresh, got))
-    return out, len(hit_ids), stale
+    for rid in order:
+        out.setdefault(rid, Drafted([]))
+    return out, hits, misses
 
 
-def _reply(link: Link, order: list[int], reqs: dict[int, _Req], out, hits: int, stale: int,
-           corrupt: str = "", epoch: int = 0) -> None:
+def _reply(link: Link, order: list[int], reqs: dict[int, _Req], out: dict[int, Drafted], hits: int, misses: int,
+           timing: Timing, corrupt: str = "", epoch: int = 0) -> None:
     """DRAFTS: per request its base (length, hash) and drafts; q rows sparse when sampled
     with top-k/top-p. ``corrupt`` plants a malformed reply (fault injection for tests)."""
-    rows = [out[rid][1] for rid in order if out[rid][1] is not None]
+    rows = [out[rid].q for rid in order if out[rid].q is not None and out[rid].drafts]
     q = torch.cat(rows) if rows else None
     sparse = q is not None and any(reqs[r].params.top_k > 0 or reqs[r].params.top_p < 1 for r in order)
     idx, q = sparse_q(q) if sparse else (None, q)
-    words, q, idx = encode(Drafts(hits, stale, [DraftEntry(rid, len(reqs[rid].tokens), reqs[rid].hash, out[rid][0],
-                                                           out[rid][2]) for rid in order], q, idx, epoch))
+    entries = [DraftEntry(rid, len(reqs[rid].tokens), reqs[rid].hash, out[rid].drafts, out[rid].parents)
+               for rid in order]
+    words, q, idx = encode(Drafts(hits, misses, entries, q, idx, epoch, timing))
     link.send(corrupted(words, corrupt) if corrupt else words, q, idx)
 
 
-def _guess_next(order: list[int], reqs: dict[int, _Req], hist: HistoryBuffer, out, drafter) -> Guess:
-    """Draft the next round assuming every draft is accepted: the chain continues with one
-    more token (the guessed bonus) and then the next round's drafts."""
-    spec = [rid for rid in order if reqs[rid].k]
-    if not spec or capabilities(drafter).features is not None:   # no features for guessed tokens
-        return {}
-    if any(out[rid][2] is not None for rid in spec):   # a tree has no single continuation to guess from
-        return {}
-    bases = [reqs[rid].tokens + out[rid][0] for rid in spec]
-    for rid in spec:   # the drafts sit after the committed tokens (scratch until the next COMMIT)
-        if out[rid][0]:
-            hist.write([rid], [len(reqs[rid].tokens)], torch.tensor([out[rid][0]], dtype=torch.long))
-    drafter.commit(spec, [len(b) for b in bases])   # assume all drafts accepted
-    got = _propose(drafter, reqs, hist, spec, [reqs[rid].k + 1 for rid in spec], bases)
-    guess: Guess = {}
-    for rid, base, (d, q, _) in zip(spec, bases, got):
-        if d:
-            guess[rid] = (base + d[:1], d[1:], None if q is None else q[1:])
-    return guess
-
-
 def serve_draft_rank(rv, drafter, device: torch.device, *, hidden: int, k: int, draft_timeout: float,
-                     join_timeout: float) -> None:
+                     join_timeout: float, fanout: int = FANOUT) -> None:
     """The draft rank under torchrun, its drafter loaded (`hal.launch.start`): warm the drafter
     up, then serve drafts epoch by epoch (`serve_epochs`) until the target stops. SIGTERM
     (torchrun forwards its own) ends it with exit 0."""
@@ -288,7 +345,7 @@ def serve_draft_rank(rv, drafter, device: torch.device, *, hidden: int, k: int, 
         profile_drafter(drafter, device, hidden, reps=1, points=(1, max(1, k)))
     try:
         serve_epochs(rv, drafter, device, os.environ.get("HAL_SERVE_FAULT", ""),
-                     idle=max(600.0, draft_timeout), join_timeout=join_timeout)
+                     idle=max(600.0, draft_timeout), join_timeout=join_timeout, fanout=fanout)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -15,15 +15,19 @@ from hal.engine.forward import sampling_tensors
 from hal.engine.drafting import DraftBatch, Proposal
 
 
-def slots(drafts: Tensor, k: tuple[int, ...], probs: Tensor | None = None, num_valid=None) -> Proposal:
-    """A `Proposal` from padded drafts ``[R, K]`` (and q ``[R, K, V]``): the first ``k[i]`` of row i."""
+def slots(drafts: Tensor, k: tuple[int, ...], probs: Tensor | None = None, num_valid=None,
+          top: tuple[Tensor, Tensor] | None = None) -> Proposal:
+    """A `Proposal` from padded drafts ``[R, K]`` (and q ``[R, K, V]``, and each slot's likeliest
+    tokens and their probabilities ``[R, K, F]`` twice): the first ``k[i]`` of row i."""
     R, K = drafts.shape[0], drafts.shape[1] if drafts.dim() == 2 else 0
     dev = drafts.device
     idx = torch.tensor([i * K + j for i, n in enumerate(k) for j in range(n)], dtype=torch.long).to(dev)
     cu = torch.tensor([0, *k], dtype=torch.long).cumsum(0).to(dev)
     ids = drafts.reshape(-1)[idx].long()
     q = None if probs is None else probs.reshape(R * K, -1)[idx]
-    return Proposal(draft_token_ids=ids, cu_num_draft_tokens=cu, draft_probs=q, num_valid=num_valid)
+    top_ids, top_p = (None, None) if top is None else (t.reshape(R * K, -1)[idx] for t in top)
+    return Proposal(draft_token_ids=ids, cu_num_draft_tokens=cu, draft_probs=q, num_valid=num_valid,
+                    top_ids=top_ids, top_probs=top_p)
 
 
 def empty(R: int, device) -> Proposal:
@@ -44,7 +48,7 @@ def subset(batch: DraftBatch, keep: list[int]) -> DraftBatch:
                       k=rows(batch.k), offsets=rows(batch.offsets),
                       hidden=None if batch.hidden is None else pick(batch.hidden), features=feats, num_features=counts,
                       names=rows(batch.names) if batch.names else (), names_block_size=batch.names_block_size,
-                      costs=batch.costs)
+                      costs=batch.costs, alternatives=batch.alternatives)
 
 
 def pick_rows(t: Tensor, rows: list[int]) -> Tensor:
@@ -71,21 +75,30 @@ def widen(batch: DraftBatch, keep: list[int], part: Proposal | None, dev) -> Pro
 
 def sample_chain(batch: DraftBatch, backend, dev, step: Callable[[Tensor, int], Tensor]) -> Proposal:
     """Draft max(k) tokens by ``step(x, j) -> logits`` (x: the previous draft), sampling each
-    request with its own parameters at Philox offset ``offsets[i] + j``."""
-    R, K = len(batch.rids), max(batch.k, default=0)
+    request with its own parameters at Philox offset ``offsets[i] + j``. With
+    ``batch.alternatives`` = F, each slot's F likeliest tokens too: under q where the request
+    samples, under softmax(logits) where it is greedy."""
+    R, K, F = len(batch.rids), max(batch.k, default=0), batch.alternatives
     temp, top_k, top_p = sampling_tensors(batch.params, [1] * R, dev)
     seeds = torch.tensor([p.seed for p in batch.params], dtype=torch.long).to(dev)
     off = torch.tensor(batch.offsets, dtype=torch.long).to(dev)
-    toks, draft_probs, x = [], [], None
+    greedy = torch.tensor([p.temperature == 0 for p in batch.params]).to(dev)[:, None]
+    toks, draft_probs, alt_p, alt_i, x = [], [], [], [], None
     for j in range(K):
-        tok, q = backend.sample(step(x, j).float(), temp, top_k, top_p, seeds, off + j)
+        logits = step(x, j).float()
+        tok, q = backend.sample(logits, temp, top_k, top_p, seeds, off + j)
         x = tok.long()
         toks.append(x)
         draft_probs.append(q)
+        if F:
+            p, i = torch.where(greedy, torch.softmax(logits, -1), q.float()).topk(min(F, logits.shape[-1]), -1)
+            alt_p.append(p)
+            alt_i.append(i)
     sampled = any(p.temperature > 0 for p in batch.params)
     if not toks:
         return empty(R, dev)
-    return slots(torch.stack(toks, 1), batch.k, torch.stack(draft_probs, 1).float() if sampled else None)
+    top = (torch.stack(alt_i, 1), torch.stack(alt_p, 1)) if F else None
+    return slots(torch.stack(toks, 1), batch.k, torch.stack(draft_probs, 1).float() if sampled else None, top=top)
 
 
 def pad(part: Proposal, have: tuple[int, ...], want: tuple[int, ...], valid: list[int], dev) -> Proposal:

@@ -35,6 +35,8 @@ class DraftBatch:
     names_block_size: int = 0
     costs: object = None   # the router's `hal.engine.router.CostModel` when the engine routes (a drafter that
     #                        schedules its own verification length reads it); None otherwise
+    alternatives: int = 0  # F > 0: also return each slot's F likeliest tokens (`Proposal.top_ids`), if the
+    #                        drafter has a distribution there; the draft worker ranks its fan-out by them
 
 
 def pack_features(per_request: list[list[Tensor]]) -> tuple[Tensor | None, tuple[int, ...]]:
@@ -65,6 +67,9 @@ class Proposal:
     draft_probs: Tensor | None = None  # [N, V] the q each draft was drawn from; None for deterministic drafts
     num_valid: Tensor | None = None      # [R] int64: leading slots worth verifying per row; None: all
     parent_ids: Tensor | None = None   # [N] int64: a tree per row (see above); None: chains
+    top_ids: Tensor | None = None      # [N, F] int64: each slot's F likeliest tokens under the drafter
+    #                                    (`DraftBatch.alternatives`), likeliest first; None: not asked or unknown
+    top_probs: Tensor | None = None    # [N, F] float32: their probabilities (q where sampled, else softmax)
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,10 @@ that committed prefix, which the target checks (base length and hash) before ver
 so the draft never builds on uncommitted tokens and a stale draft is dropped.
 
 Overlap: right after answering, while the target verifies, the worker drafts the next
-round assuming everything is accepted and guessing the bonus token (its own next
-draft). If the COMMIT that arrives matches that guess the reply is immediate; else the
-guess is dropped and the worker drafts afresh. If the worker dies or times out, the
+round for the likeliest outcomes of this one (each accept length x its top bonus-token
+guesses, ``--fanout`` branches per request; `hal.distributed.speculate`). If the COMMIT
+that arrives is one of them the reply comes from that speculation cache at once; else the
+worker drafts afresh. If the worker dies or times out, the
 target finishes every request by plain decoding (identical output; counted in
 ``metrics.draft_failures``). Without torchrun (WORLD_SIZE unset) the draft runs in-process.
 """
@@ -83,7 +84,9 @@ def _run(args) -> int:
                "link": backend if world == 2 else None, "target": f"{target_side.backend.name}@{target_side.device}",
                "acceptance_rate": m.acceptance_rate, "mean_acceptance_length": m.mean_acceptance_length,
                "draft_failures": m.draft_failures, "stale_drafts": m.stale_drafts,
-               "overlap_hits": drafter.guess_hits if remote else 0, "overlap_misses": drafter.guess_misses if remote else 0,
+               "cache_hits": drafter.cache_hits if remote else 0, "cache_misses": drafter.cache_misses if remote else 0,
+               "fanout_branches": m.fanout_branches, "draft_ahead_seconds": m.draft_ahead_seconds,
+               "draft_inline_seconds": m.draft_inline_seconds,
                "steps": dec.steps}
     if world == 2 and drafter is not None:   # what crossed the link, and the share of time spent in rounds
         summary.update(rounds=drafter.rounds, round_trip_seconds=drafter.wait_s, epoch=drafter.epoch,

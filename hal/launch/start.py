@@ -169,7 +169,8 @@ def _draft_rank(args, me: Rank, max_seqs: int) -> None:
     drafter = make_drafter(me.spec, draft_side.backend, target=tw, path=args.model if head else dpath, pool=pool,
                            device=draft_side.device)
     serve_draft_rank(me.rv, drafter, draft_side.device, hidden=tw.cfg.hidden if head else 1, k=args.k,
-                     draft_timeout=args.draft_timeout, join_timeout=args.draft_startup_timeout)
+                     draft_timeout=args.draft_timeout, join_timeout=args.draft_startup_timeout,
+                     fanout=args.fanout)
 
 
 def _auto(args, me: Rank, max_seqs: int, phases: Phases) -> Rank | None:

@@ -44,6 +44,15 @@ class LiveMetrics:
                                         registry=registry)
         self.stale_drafts = Counter(p + "stale_drafts", "drafts dropped: not built on the committed prefix",
                                     registry=registry)
+        self.spec_hits = Counter(p + "spec_cache_hits", "requests answered from the draft worker's speculation cache",
+                                 registry=registry)
+        self.spec_misses = Counter(p + "spec_cache_misses", "requests drafted ahead whose outcome was not among the "
+                                   "branches", registry=registry)
+        self.fanout = Counter(p + "fanout_branches", "branches the draft worker drafted ahead", registry=registry)
+        self.ahead = Counter(p + "draft_ahead_seconds", "the worker's drafting while the target verified (hidden)",
+                             registry=registry)
+        self.inline = Counter(p + "draft_inline_seconds", "the worker's time from a COMMIT to its reply (not hidden)",
+                              registry=registry)
         self.prefix_queries = Counter(p + "prefix_cache_queries", "prompt tokens looked up in the prefix cache",
                                       registry=registry)
         self.prefix_hits = Counter(p + "prefix_cache_hits", "prompt tokens found in the prefix cache",
@@ -56,7 +65,8 @@ class LiveMetrics:
         self.generation_tokens = Counter(p + "generation_tokens", "tokens generated", registry=registry)
         self.requests = Counter(p + "request_success", "requests finished", ["finished_reason"], registry=registry)
         self._last = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "pos": [], "pre": 0, "fail": 0, "stale": 0,
-                      "queries": 0, "hits": 0, "lost": 0, "rejoined": 0}
+                      "queries": 0, "hits": 0, "lost": 0, "rejoined": 0,
+                      "spec_hits": 0, "spec_misses": 0, "fanout": 0, "ahead": 0.0, "inline": 0.0}
 
     def step(self, dec, out) -> None:
         """After ``out = dec.step()``: counters by delta, gauges set, router k observed."""
@@ -70,6 +80,11 @@ class LiveMetrics:
                                    ("stale", self.stale_drafts, m.stale_drafts),
                                    ("lost", self.workers_lost, m.workers_lost),
                                    ("rejoined", self.workers_rejoined, m.workers_rejoined),
+                                   ("spec_hits", self.spec_hits, m.spec_cache_hits),
+                                   ("spec_misses", self.spec_misses, m.spec_cache_misses),
+                                   ("fanout", self.fanout, m.fanout_branches),
+                                   ("ahead", self.ahead, m.draft_ahead_seconds),
+                                   ("inline", self.inline, m.draft_inline_seconds),
                                    ("queries", self.prefix_queries, dec.prefix_cache_stats[0]),
                                    ("hits", self.prefix_hits, dec.prefix_cache_stats[1])):
             if now > last[name]:

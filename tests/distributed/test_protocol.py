@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hal
-from hal.distributed.protocol import (Commit, CommitEntry, DraftEntry, Drafts, NewRequest, Stop, decode, encode,
+from hal.distributed.protocol import (DRAFTS_HEAD, Commit, CommitEntry, DraftEntry, Drafts, NewRequest, Stop, decode, encode,
                           history_hash)
 
 V = 50
@@ -83,8 +83,10 @@ def test_truncated_or_corrupted_words_are_refused_or_consistent(msg, data):
 
 def test_out_of_range_values_name_what_was_expected():
     words, rows, idx = encode(Drafts(0, 0, [DraftEntry(3, 4, 5, [1, 2])]))
-    for bad, what in ((words[:4] + [3, 4, 5, 2, 1, V], "draft token ids"), ([99], "message kind"),
-                      (words[:7] + [2 ** 40, 1, 2], "draft count"), ([words[0], -1] + words[2:], "epoch")):
+    H = DRAFTS_HEAD
+    for bad, what in ((words[:H] + [3, 4, 5, 2, 1, V], "draft token ids"), ([99], "message kind"),
+                      (words[:H + 3] + [2 ** 40, 1, 2], "draft count"), ([words[0], -1] + words[2:], "epoch"),
+                      (words[:4] + [-1] + words[5:], "branch count")):
         refused(bad, None, what)
     refused(encode(Commit([CommitEntry(1, 2, 3, [4], NewRequest(0, 1, 5, float("nan"), 1.0))]))[0], None,
             "temperature")
