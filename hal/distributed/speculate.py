@@ -63,7 +63,6 @@ class Branch:
 class _Spec:
     """One request's speculation: the round in flight, the branches still to draft, the cache."""
 
-    committed: list[int] = field(default_factory=list)
     sent: list[int] = field(default_factory=list)        # round r's drafts (what the target verifies)
     todo: list[Branch] = field(default_factory=list)     # a heap
     cache: dict[tuple[int, int], Drafted] = field(default_factory=dict)
@@ -92,18 +91,18 @@ class FanOut:
         self.ahead_s = 0.0    # seconds drafting them
         self.waves = 0        # waves drafted since the last reply
 
-    def observe(self, rid: int, delta: list[int]) -> None:
-        """COMMIT: ``delta`` was committed for ``rid``: its acceptance of the drafts in flight and
-        its next-token counts."""
+    def observe(self, rid: int, before: list[int], delta: list[int]) -> None:
+        """COMMIT: ``delta`` was committed for ``rid`` after ``before``: its acceptance of the
+        drafts in flight and its next-token counts."""
         s = self.specs.setdefault(rid, _Spec())
         if s.sent:
             a = next((i for i, (x, y) in enumerate(zip(s.sent, delta)) if x != y), min(len(s.sent), len(delta)))
             s.accepted += a
             s.rejected += a < len(s.sent)
-        hist, at = s.committed + delta, max(1, len(s.committed))
-        for x, y in zip(hist[at - 1:], hist[at:]):
+        seq = before[-1:] + delta
+        for x, y in zip(seq, seq[1:]):
             s.bigram.setdefault(x, Counter())[y] += 1
-        s.committed, s.sent = hist, []
+        s.sent = []
 
     def lookup(self, rid: int, length: int, h: int, k: int) -> tuple[Drafted | None, bool]:
         """The cached drafts for request ``rid``'s committed history (``length``, hash ``h``),
@@ -119,13 +118,14 @@ class FanOut:
             return None, planned
         return cut(got, k), planned
 
-    def plan(self, rid: int, got: Drafted) -> None:
-        """Round r's drafts for ``rid`` were sent: rank the outcomes to draft ahead."""
+    def plan(self, rid: int, base: list[int], got: Drafted) -> None:
+        """Round r's drafts for ``rid`` were sent, built on its committed history ``base``: rank
+        the outcomes to draft ahead."""
         s = self.specs.setdefault(rid, _Spec())
         s.sent, s.todo, s.cache, s.drafted = list(got.drafts), [], {}, 0
         if not self.budget or not got.drafts or got.parents is not None:
             return
-        d, alpha, base = got.drafts, s.alpha, s.committed
+        d, alpha = got.drafts, s.alpha
         for a in range(len(d)):
             alts = got.alts[a] if got.alts else self._bigram(s, (base + d[:a])[-1])
             other = [(b, p) for b, p in alts if b != d[a]]
@@ -167,7 +167,7 @@ class FanOut:
     def store(self, branches: list[Branch], got: list[Drafted], seconds: float) -> None:
         """A wave's results: each branch's drafts under its key (an extension's guess becomes
         its key's last token, and its first slot's alternatives new branches)."""
-        self.wave_s = seconds if not self.wave_s else 0.7 * self.wave_s + 0.3 * seconds
+        self.wave_s = _ema(self.wave_s, seconds)
         self.waves += 1
         self.ahead_s += seconds
         for br, g in zip(branches, got):
@@ -191,12 +191,16 @@ class FanOut:
         """A reply was sent: the window from the last reply to this COMMIT is measured."""
         now = time.perf_counter()
         if committed_at is not None:
-            w = committed_at - self.replied
-            self.window = w if not self.window else 0.7 * self.window + 0.3 * w
+            self.window = _ema(self.window, committed_at - self.replied)
         self.replied, self.branches, self.ahead_s, self.waves = now, 0, 0.0, 0
 
     def drop(self, rid: int) -> None:
         self.specs.pop(rid, None)
+
+
+def _ema(old: float, new: float) -> float:
+    """A moving average of a measured time (0: none measured yet)."""
+    return new if not old else 0.7 * old + 0.3 * new
 
 
 def cut(g: Drafted, k: int, start: int = 0) -> Drafted:

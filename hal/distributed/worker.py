@@ -101,7 +101,7 @@ def draft_worker(link: Link, drafter, fault: str = "", idle: float | None = None
                 r = reqs[rid]
                 r.offset += r.k + 1 if r.k else 0
                 if r.k:
-                    fan.plan(rid, out[rid])
+                    fan.plan(rid, r.tokens, out[rid])
 
 
 def _receive(link: Link, inbox: queue.Queue, idle: float | None) -> None:
@@ -240,9 +240,9 @@ def _apply_commit(msg: Commit, reqs: dict[int, _Req], hist: HistoryBuffer, fan: 
                            f"got {len(r.tokens) + len(e.delta)} (protocol out of step)")
         if e.delta:
             hist.write([e.rid], [len(r.tokens)], torch.tensor([e.delta], dtype=torch.long))
+        fan.observe(e.rid, r.tokens, e.delta)
         r.tokens = r.tokens + e.delta
         r.hash = history_hash(e.delta, r.hash)
-        fan.observe(e.rid, e.delta)
         if e.features is not None:
             r.features.append(e.features)
         r.k = e.k

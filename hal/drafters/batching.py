@@ -82,7 +82,7 @@ def sample_chain(batch: DraftBatch, backend, dev, step: Callable[[Tensor, int], 
     temp, top_k, top_p = sampling_tensors(batch.params, [1] * R, dev)
     seeds = torch.tensor([p.seed for p in batch.params], dtype=torch.long).to(dev)
     off = torch.tensor(batch.offsets, dtype=torch.long).to(dev)
-    greedy = torch.tensor([p.temperature == 0 for p in batch.params]).to(dev)[:, None]
+    greedy = torch.tensor([p.temperature == 0 for p in batch.params]).to(dev)[:, None] if F else None
     toks, draft_probs, alt_p, alt_i, x = [], [], [], [], None
     for j in range(K):
         logits = step(x, j).float()

@@ -10,11 +10,13 @@ COMMITTED = [5, 6, 7, 5, 6]
 
 def planned(alts=None, budget=64, accepted=None):
     fan = FanOut(budget)
-    fan.observe(1, COMMITTED)
+    fan.observe(1, [], COMMITTED)
+    hist = COMMITTED
     if accepted is not None:   # one earlier round: drafts [9, 9, 9], ``accepted`` of them kept
-        fan.plan(1, Drafted([9, 9, 9]))
-        fan.observe(1, [9] * accepted + [8])
-    fan.plan(1, Drafted([7, 5, 6], alts=alts))
+        fan.plan(1, hist, Drafted([9, 9, 9]))
+        fan.observe(1, hist, [9] * accepted + [8])
+        hist = hist + [9] * accepted + [8]
+    fan.plan(1, hist, Drafted([7, 5, 6], alts=alts))
     return fan
 
 
@@ -28,7 +30,7 @@ def drain(fan):
 def test_every_accept_length_with_its_corrections_then_the_extension_in_rank_order():
     alts = [[(7, 0.6), (8, 0.3), (4, 0.1)], [(5, 0.5), (3, 0.5)], [(2, 0.7), (6, 0.2), (1, 0.1)]]
     branches = drain(planned(alts))
-    base = planned().specs[1].committed
+    base = COMMITTED
     scores = [-b.neg_score for b in branches]
     assert scores == sorted(scores, reverse=True)
     got = {(b.a, tuple(b.base[len(base):])) for b in branches}
@@ -50,8 +52,8 @@ def test_without_the_drafters_distribution_corrections_come_from_what_followed_i
     # after 6 the history has 7, after 7: 5, after 5: 6, each the draft at that slot: no correction, the extension only
     assert [b.extend for b in branches] == [True]
     fan = FanOut(8)
-    fan.observe(2, [1, 2, 1, 3, 1, 2])
-    fan.plan(2, Drafted([4]))      # after 2 the history holds 1 (twice): the correction guessed at slot 0
+    fan.observe(2, [], [1, 2, 1, 3, 1, 2])
+    fan.plan(2, [1, 2, 1, 3, 1, 2], Drafted([4]))      # after 2 the history holds 1 (twice): the correction guessed at slot 0
     got = drain(fan)
     assert {tuple(b.base[6:]) for b in got if not b.extend} == {(1,)}
 
@@ -59,8 +61,8 @@ def test_without_the_drafters_distribution_corrections_come_from_what_followed_i
 def test_the_budget_bounds_branches_per_request_and_a_wave_takes_one_each():
     alts = [[(t, 0.1) for t in range(10)]] * 3
     fan = planned(alts, budget=4)
-    fan.observe(2, [1, 2, 3])
-    fan.plan(2, Drafted([4, 4], alts=[[(t, 0.1) for t in range(10)]] * 2))
+    fan.observe(2, [], [1, 2, 3])
+    fan.plan(2, [1, 2, 3], Drafted([4, 4], alts=[[(t, 0.1) for t in range(10)]] * 2))
     waves = []
     while wave := fan.next_wave():
         waves.append(sorted(b.rid for b in wave))
