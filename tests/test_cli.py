@@ -60,7 +60,8 @@ def test_bad_serve_flags_exit_2_naming_the_flag_before_loading(capsys):
                        (["--draft", "eagle:/nonexistent"], "--draft"), (["--k", "-1"], "--k"),
                        (["--max-num-seqs", "0"], "--max-num-seqs"), (["--port", "70000"], "--port"),
                        (["--draft-timeout", "nan"], "--draft-timeout"), (["--max-model-len", "x"], "--max-model-len"),
-                       (["--memory-fraction", "0"], "--memory-fraction"), (["--draft", "bogus"], "--draft")):
+                       (["--memory-fraction", "0"], "--memory-fraction"), (["--draft", "bogus"], "--draft"),
+                       (["--fanout", "-1"], "--fanout"), (["--fanout", "65"], "--fanout")):
         code, err = _refused(capsys, main, *argv)
         assert code == 2 and f"argument {flag}: expected" in err and "Traceback" not in err, (argv, err)
 
