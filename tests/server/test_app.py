@@ -530,9 +530,9 @@ PERSON = {"type": "object", "additionalProperties": False, "required": ["age", "
     "likes": {"type": "array", "items": {"enum": ["tea", "cats", "rain"]}, "minItems": 1, "maxItems": 2}}}
 
 
-def test_json_schema_responses_parse_across_50_seeded_sampled_requests(server, client):
-    """response_format json_schema through the official client: every one of 50 sampled
-    answers (seeds 0..49, speculative decoding on) parses and validates against its schema."""
+def test_json_schema_responses_parse_across_20_seeded_sampled_requests(server, client):
+    """response_format json_schema through the official client: every one of 20 sampled
+    answers (seeds 0..19, speculative decoding on) parses and validates against its schema."""
     from concurrent.futures import ThreadPoolExecutor
 
     import jsonschema_rs   # schemathesis's validator
@@ -543,11 +543,11 @@ def test_json_schema_responses_parse_across_50_seeded_sampled_requests(server, c
                                            max_tokens=48, temperature=1.0, seed=seed, response_format=fmt)
         return r.choices[0]
     with ThreadPoolExecutor(8) as pool:
-        answers = list(pool.map(ask, range(50)))
+        answers = list(pool.map(ask, range(20)))
     for a in answers:
         assert a.finish_reason == "stop", a
         jsonschema_rs.validate(PERSON, json.loads(a.message.content))
-    assert len({a.message.content for a in answers}) > 10, "50 seeds gave few different answers"
+    assert len({a.message.content for a in answers}) > 6, "20 seeds gave few different answers"
 
 
 def test_guided_decoding_greedy_equals_plain_and_follows_the_grammar(client):
