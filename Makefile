@@ -14,13 +14,21 @@ $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q -e ".[test,triton,models,docs]"
 	touch $(STAMP)
 
+# The suite runs in JOBS pytest-xdist workers (whole files each, so a module's server or model
+# is made once), each with one intra-op thread: the cores, at most 4 (each worker holds its own
+# models). The linear plan is measured (or read) once first, alone, so no worker measures it
+# while another loads the machine.
+JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
+
 # the layer contracts (pyproject.toml), the docs site (a broken reference fails), then the suite
 test: $(STAMP)
 	@command -v ip >/dev/null 2>&1 || apt-get install -y -qq iproute2 >/dev/null 2>&1 || \
 		echo "make test: iproute2 is missing and could not be installed; the two-namespace tests will skip"
 	$(BIN)/lint-imports --no-cache
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir $(VENV)/site
-	TRITON_INTERPRET=1 HAL_ASCEND_EMULATE=1 $(BIN)/python -m pytest -q --durations=15
+	-$(BIN)/python -m hal info >/dev/null
+	OMP_NUM_THREADS=1 TRITON_INTERPRET=1 HAL_ASCEND_EMULATE=1 $(BIN)/python -m pytest -q -n $(JOBS) --dist loadfile \
+		--durations=15
 
 demo: $(STAMP)
 	$(BIN)/python -m hal info
@@ -48,6 +56,9 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/load.py --case prefix --requests 8 --max-tokens 24
 	$(BIN)/python benchmarks/defaults.py
 	$(BIN)/python benchmarks/structured.py
+	@echo "make bench: the slow tests (HAL_SLOW=1: the long tail, the full interpreter grids, the partition-and-rejoin)"
+	HAL_SLOW=1 TRITON_INTERPRET=1 HAL_ASCEND_EMULATE=1 $(BIN)/python -m pytest -q hal/conformance/test_long_tail.py \
+		hal/conformance/test_sample.py hal/conformance/test_fuzz.py tests/distributed/test_netns.py
 
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve

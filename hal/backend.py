@@ -60,6 +60,9 @@ class BackendSpec:
     :param fuzz_examples: the examples per property the conformance fuzz runs here by default
         (``--slow`` and ``HAL_FUZZ_EXAMPLES`` override it); an interpreted backend, whose every
         example costs ~20x a native one, names fewer. None: the fuzz's default.
+    :param draw_share: the share of a sampling test's draws (`test_sample.py`'s 100,000 rows) a
+        default conformance run takes here (``--slow``: all); an interpreted backend, whose cost
+        grows with the programs it launches, takes fewer and so detects only larger deviations.
     :param devices: the device types a `hal.distributed.placement.Placement` may name to get this
         backend (``"npu"`` for ascend); ``device_type`` is always one of them.
     :param collective: the torch.distributed backend for links between two ranks that
@@ -83,6 +86,7 @@ class BackendSpec:
     always_check_values: bool = False
     devices: tuple[str, ...] = ()
     fuzz_examples: int | None = None   # examples per fuzz property in a default conformance run (None: 50)
+    draw_share: float = 1.0
     collective: str = "gloo"
     memory: Callable[[int], tuple[int, int]] | None = None
     synchronize: Callable[[], None] = lambda: None

@@ -41,6 +41,7 @@ def _memory(index: int) -> tuple[int, int]:
 
 
 INTERPRETED_FUZZ = 20   # fuzz examples per property under the interpreter by default (--slow: all)
+INTERPRETED_DRAWS = 0.25   # the share of test_sample's draws under the interpreter by default (--slow: all)
 
 
 @hookimpl
@@ -58,6 +59,7 @@ def register_backends(register):
         else ("Triton kernels on a CUDA device; real GPU: " + GPU_VALIDATION),
         always_check_values=interp,
         fuzz_examples=INTERPRETED_FUZZ if interp else None,
+        draw_share=INTERPRETED_DRAWS if interp else 1.0,
         devices=("cuda",),
         collective="gloo" if interp else "nccl",
         memory=None if interp else _memory,

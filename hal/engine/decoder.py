@@ -304,6 +304,10 @@ class SpeculativeDecoder:
             self.router.observe(live, counts, accepted)
             self.router.observe([live[i] for i, _ in shadow], [1] * len(shadow),
                                 [int(h) for h in (reads.shadow_hits or [])])
+            if result.drafts.asked is not None:   # did the drafter offer anything where it was asked?
+                scored = {i for i, _ in shadow}
+                self.router.observe_offers(live, result.drafts.asked,
+                                           [1 if i in scored else c for i, c in enumerate(counts)])
         row, max_k = 0, width - 1
         for i, state in enumerate(live):
             state.seq.commit(accepted[i] + 1)

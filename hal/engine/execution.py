@@ -69,7 +69,7 @@ def execute(target: Llama, pool: kv.KVPool, history: HistoryBuffer, drafter: Dra
         slots = torch.tensor([j for _, j in drafts.shadow]).to(drafts.proposal.draft_token_ids.device)
         reads.shadow_hits = transfer(drafts.proposal.draft_token_ids[slots], dev) == \
             reads.out[[i for i, _ in drafts.shadow], 0]
-    ahead = proposals.lookahead(drafter, history, live, first, resumed, reads.accepted, dev)
+    ahead = proposals.lookahead(drafter, history, live, first, resumed, reads.accepted, dev, plan.k)
     if ahead is not None and ahead.proposal.num_valid is not None:
         reads.lookahead_valid = ahead.proposal.num_valid
     return StepResult(read_back(reads), hidden, fed, top_n, layers is not None, drafts, ahead)   # the one host sync

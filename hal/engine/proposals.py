@@ -89,11 +89,11 @@ def drafts_for(drafter: Drafter | None, shadow_ok: bool, ahead: Lookahead | None
               if k == 0 and state.req.temperature == 0 and draft_room(state) > 0} if (
         shadow_ok and capabilities(drafter).shadow) else set()
     used, passed = [0] * len(live), False
+    want = [1 if state.rid in shadow else k for state, k in zip(live, ks)]   # what the drafter is asked
     if ahead is not None and all(state.rid in ahead.rids for state in live):
         prop = ahead.proposal             # drafted during the previous step
         where = dict(zip(ahead.rids, zip(ahead.first_slot, ahead.valid)))
     else:
-        want = [1 if state.rid in shadow else k for state, k in zip(live, ks)]
         if not any(want):
             return none
         prop = drafter.propose(view(history, live, want, costs=costs))
@@ -114,16 +114,22 @@ def drafts_for(drafter: Drafter | None, shadow_ok: bool, ahead: Lookahead | None
             q = transfer(prop.draft_probs[idx.to(prop.draft_probs.device)], dev)
         if prop.parent_ids is not None:   # a prefix of a row's slots is a tree: local parents stay valid
             par = transfer(prop.parent_ids[idx.to(prop.parent_ids.device)], dev).long()
-    return StepDrafts(ids, counts, q, par, guesses, prop, used, passed)
+    return StepDrafts(ids, counts, q, par, guesses, prop, used, passed, asked=want)
 
 
 def lookahead(drafter: Drafter | None, history: HistoryBuffer, live: list[State], first: list[State],
-              resumed: list[State], acc: Tensor | None, dev) -> Lookahead | None:
+              resumed: list[State], acc: Tensor | None, dev, ks: list[int] | None = None) -> Lookahead | None:
     """A lookahead drafter drafts the next step now, from the device history, for every
     request running after this step: ``live`` (``acc`` accepted drafts + 1 token each, not
-    yet on the host), ``first`` (one token) and ``resumed`` (none). Slots: each request's k."""
+    yet on the host), ``first`` (one token) and ``resumed`` (none). Slots: each request's k.
+    ``ks``: this step's k per live request; a sampled request routed to 0 is not drafted for
+    (a router that asks it again next step gets its drafts inline: `drafts_for`)."""
     if drafter is None or not capabilities(drafter).lookahead:
         return None
+    if ks is not None and live:
+        keep = [i for i, (state, k) in enumerate(zip(live, ks)) if k or state.req.temperature == 0]
+        if len(keep) < len(live):
+            live, acc = [live[i] for i in keep], acc[torch.tensor(keep, dtype=torch.long).to(acc.device)]
     states = live + first + resumed
     if not states:
         return None

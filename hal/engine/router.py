@@ -5,7 +5,9 @@ tokens per verify step, and the (k+1)-th draft adds a^(k+1). A step's cost is th
 target forward over all fed tokens (profiled at start-up) plus the draft chain. The
 router adds drafts one at a time, to the request with the largest marginal gain, while
 batch tokens per second ``sum E / cost`` still rises; so k shrinks smoothly as the
-batch grows (no threshold cliff).
+batch grows (no threshold cliff). A drafter that often has nothing to offer (n-gram lookup
+on open-ended text finds no match on most steps) gains only at its measured offer rate r:
+draft j is worth r * a^j, so a lookup that rarely matches is not asked, except by a probe.
 
 Non-anticipating: `Router.choose` runs before anything is drafted and reads only
 finished steps (EWMA acceptance), prompt and context lengths and the batch size, so
@@ -110,7 +112,8 @@ class Router:
     """Chooses k per request (0 = plain decoding) to maximise expected tokens per second."""
 
     def __init__(self, costs: CostModel, max_k: int = 8, prior: float = 0.6, request_decay: float = 0.7,
-                 global_decay: float = 0.95, prior_weight: float = 2.0, probe_every: int = 16, margin: float = 0.1):
+                 global_decay: float = 0.95, prior_weight: float = 2.0, probe_every: int = 16, margin: float = 0.1,
+                 shadow: bool = False):
         if max_k < 0:
             raise arg_error("max_k", "an int >= 0", max_k)
         if not 0 <= margin < 10:
@@ -120,6 +123,9 @@ class Router:
         self.request_decay, self.probe_every = request_decay, probe_every
         self.glob = Ewma(global_decay)
         self.per: dict[object, Ewma] = {}
+        self.offers = Ewma(global_decay)          # asked for drafts, did the drafter offer any?
+        self.offered: dict[object, Ewma] = {}
+        self.shadow = shadow   # the decoder scores the drafter's first draft for free on greedy requests at k = 0
         self.idle: dict[object, int] = {}
         # measured step time over the cost model's, for steps without drafts [0] and with [1]
         self.ratio, self.ratio_steps = [0.0, 0.0], [0, 0]
@@ -150,6 +156,12 @@ class Router:
         e = self.per.get(rid)
         return e.rate(g, self.prior_weight) if e else g
 
+    def offer_rate(self, rid) -> float:
+        """The share of steps on which the drafter offered drafts when asked (1 until measured)."""
+        g = self.offers.rate(1.0, 1.0)
+        e = self.offered.get(rid)
+        return e.rate(g, self.prior_weight) if e else g
+
     def choose(self, states, budget: int | None = None) -> list[int]:
         """k per live request, from finished steps only (see the module docstring); with
         ``budget``, the tokens fed (one per request plus the drafts) stay within it.
@@ -163,12 +175,13 @@ class Router:
         caps = [max(0, min(self.max_k, state.req.k, draft_room(state))) for state in states]
         ctx = [len(state.tokens) for state in states]
         alpha = [self.acceptance(state.rid) for state in states]
+        offer = [self.offer_rate(state.rid) for state in states]
         c = self.costs
         fed, attn, top = n, sum(ctx), 0
         tokens = float(n)
         best, best_at = tokens / c.cost(fed, attn, top), 0
         plain = best
-        heap = [(-alpha[i], i, 1) for i in range(n) if caps[i]]
+        heap = [(-offer[i] * alpha[i], i, 1) for i in range(n) if caps[i]]
         heapq.heapify(heap)
         path, penalty = [], self.draft_penalty
         while heap and (budget is None or fed < budget):
@@ -179,17 +192,18 @@ class Router:
             if rate > best:
                 best, best_at = rate, len(path)
             if k < caps[i]:
-                heapq.heappush(heap, (-alpha[i] ** (k + 1), i, k + 1))
+                heapq.heappush(heap, (-offer[i] * alpha[i] ** (k + 1), i, k + 1))
         ks = [0] * n
         if best < plain * (1 + self.margin):
             best_at = 0
         for i in path[:best_at]:
             ks[i] += 1
         for i, state in enumerate(states):  # keep learning: probe an idle request with one draft now and then
-            # (drafters with ``shadow`` are scored for free by the decoder instead; set probe_every=0)
+            # (greedy requests of a ``shadow`` drafter are scored for free by the decoder instead)
             self.idle[state.rid] = 0 if ks[i] else self.idle.get(state.rid, 0) + 1
-            if not ks[i] and caps[i] and self.probe_every and self.idle[state.rid] >= self.probe_every and (
-                    budget is None or n + sum(ks) < budget):
+            scored = self.shadow and state.req.temperature == 0
+            if not ks[i] and caps[i] and not scored and self.probe_every and self.idle[state.rid] >= self.probe_every \
+                    and (budget is None or n + sum(ks) < budget):
                 ks[i], self.idle[state.rid] = 1, 0
         return ks
 
@@ -200,8 +214,16 @@ class Router:
                 self.per.setdefault(s.rid, Ewma(self.request_decay)).add(d, a)
                 self.glob.add(d, a)
 
+    def observe_offers(self, states, asked: list[int], offered: list[int]) -> None:
+        """Where the drafter was asked for ``asked[i]`` > 0 drafts, did it offer any (``offered[i]``)?"""
+        for s, a, o in zip(states, asked, offered):
+            if a:
+                self.offered.setdefault(s.rid, Ewma(self.request_decay)).add(1, int(o > 0))
+                self.offers.add(1, int(o > 0))
+
     def release(self, state) -> None:
         self.per.pop(state.rid, None)
+        self.offered.pop(state.rid, None)
         self.idle.pop(state.rid, None)
 
 

@@ -15,13 +15,14 @@ from hal.engine.memory import GiB, Plan, plan_memory, target_pool
 from hal.engine.drafting import capabilities
 from hal.engine.router import CostModel, Router, profile_costs
 
-PROBE_EVERY = 16   # the router drafts a probe every this many plain steps (not for shadow-scored drafters)
+PROBE_EVERY = 16   # the router drafts a probe every this many plain steps (not where shadow-scored)
 
 
 def make_router(costs: CostModel, drafter, max_k: int) -> Router:
     """The router over ``costs`` for ``drafter``, k capped at ``max_k``; a shadow-scored
-    drafter (n-gram lookup: its acceptance is scored for free) is never probed."""
-    return Router(costs, max_k=max_k, probe_every=0 if capabilities(drafter).shadow else PROBE_EVERY)
+    drafter (n-gram lookup: its acceptance is scored for free on greedy requests) is probed
+    only on sampled requests."""
+    return Router(costs, max_k=max_k, probe_every=PROBE_EVERY, shadow=capabilities(drafter).shadow)
 
 
 def build_engine(target, drafter=None, *, k: int = 8, route: bool = False, costs: CostModel | None = None,

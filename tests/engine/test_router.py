@@ -92,8 +92,10 @@ def test_dspark_counterexample_keeps_the_target_distribution(policy):
 
 
 def test_planted_peeking_policy_is_caught():
+    """At a fixed k = 6: the router learns that this drafter offers nothing on half its steps
+    (its first draft is token 1) and asks it for less, which would blunt the planted bias."""
     be = hal.get_backend("cpu")
-    out, _ = emitted(be, P2, PeekingDrafter(constant_drafter(be, Q2)), adaptive_router())
+    out, _ = emitted(be, P2, PeekingDrafter(constant_drafter(be, Q2)), None)
     toks = torch.tensor([t for o in out for t in o])
     with pytest.raises(AssertionError, match="chi-square"):
         assert_distribution(toks, P2, "peeking policy")
@@ -111,9 +113,9 @@ def test_adaptive_k_on_a_wider_vocabulary():
 
 
 class _S:  # the fields a router reads
-    def __init__(self, rid, k=8, ctx=100, left=100):
+    def __init__(self, rid, k=8, ctx=100, left=100, temperature=0.0):
         self.rid, self.tokens, self.generated = rid, [0] * ctx, []
-        self.req = Request([0], max_new_tokens=left, k=k)
+        self.req = Request([0], max_new_tokens=left, k=k, temperature=temperature)
 
 
 def test_router_follows_acceptance_and_respects_caps():
@@ -136,6 +138,32 @@ def test_idle_requests_are_probed():
         r.observe([s], [4], [0])
     ks = [r.choose([s])[0] for _ in range(8)]
     assert ks == [0, 0, 0, 1, 0, 0, 0, 1]
+
+
+def test_a_drafter_that_rarely_offers_is_not_asked_but_probed():
+    """N-gram lookup on open-ended text: asked for drafts, it finds no match on most steps.
+    Drafts it does offer are accepted at 0.9, but at an offer rate of 1 in 10 the expected gain
+    (0.1 x 0.9 tokens for the first draft) is within the margin, so k goes to 0; a sampled request
+    is then probed every `probe_every` plain steps, a greedy one of a shadow-scored drafter never
+    (the decoder scores its first draft for free)."""
+    costs = CostModel({1: 1.0, 2: 1.02, 9: 1.1, 64: 4.0})
+    sampled, greedy = _S("t", temperature=0.7), _S("g")
+    r = Router(costs, max_k=8, probe_every=4, shadow=True)
+    assert r.choose([sampled])[0] >= 4   # nothing measured: offers assumed
+    for step in range(40):
+        offered = int(step % 10 == 0)
+        r.observe_offers([sampled, greedy], [8, 8], [offered * 8, offered * 8])
+        r.observe([sampled, greedy], [offered * 8] * 2, [offered * 7] * 2)
+    assert r.offer_rate("t") < 0.25 and r.acceptance("t") > 0.8, (r.offer_rate("t"), r.acceptance("t"))
+    ks = [r.choose([sampled, greedy]) for _ in range(8)]
+    assert [k[0] for k in ks] == [0, 0, 0, 1, 0, 0, 0, 1] and all(k[1] == 0 for k in ks), ks
+    r.release(sampled)
+    assert "t" not in r.offered
+    always = Router(costs, max_k=8, probe_every=4, shadow=True)   # the same acceptance, always offered
+    for _ in range(40):
+        always.observe_offers([sampled], [8], [8])
+        always.observe([sampled], [8], [7])
+    assert always.choose([sampled])[0] >= 4
 
 
 def test_k_shrinks_smoothly_with_batch_size():
@@ -168,3 +196,33 @@ def test_a_gain_within_the_margin_is_not_taken():
         assert r.acceptance("low") == pytest.approx(0.08)
         assert r.choose([low]) == want, margin
     assert Router(costs, max_k=2, prior=0.9, probe_every=0).choose([_S("hi", k=2)]) == [2]
+
+
+class _Counted:
+    """N-gram lookup that counts how often it is asked to draft."""
+
+    def __init__(self, inner):
+        self.inner, self.calls, self.shadow, self.lookahead = inner, 0, inner.shadow, inner.lookahead
+
+    def propose(self, batch):
+        self.calls += 1
+        return self.inner.propose(batch)
+
+    def commit(self, *a):
+        self.inner.commit(*a)
+
+    def release(self, rid):
+        self.inner.release(rid)
+
+
+def test_sampled_requests_routed_to_plain_are_not_drafted_for_every_step():
+    """A verify cost that grows one for one with fed tokens: drafts never pay, so sampled requests
+    run at k = 0, and n-gram lookup (a lookahead drafter) is asked only by the router's probes
+    (every 16 plain steps), not on each of the 160 steps; the output keeps the target's law."""
+    from hal.drafters.ngram import NgramDrafter
+    be = hal.get_backend("cpu")
+    ngram = _Counted(NgramDrafter(be))
+    router = Router(CostModel({1: 1.0, 2: 2.0, 9: 9.0}), max_k=6, probe_every=16, shadow=True)
+    out, dec = emitted(be, P2, ngram, router, requests=4, tokens=160)
+    assert_distribution(torch.tensor([t for o in out for t in o]), P2, "routed to plain")
+    assert 0 < ngram.calls <= 2 * 160 // 16, ngram.calls

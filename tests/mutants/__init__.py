@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
-from backends.cuda import INTERPRETED_FUZZ
+from backends.cuda import INTERPRETED_DRAWS, INTERPRETED_FUZZ
 from hal import BackendSpec, hookimpl
 
 # name: (module, function, original text, planted text, a test that must catch it)
@@ -146,4 +146,4 @@ def register_backends(register):
                              load=lambda n=name: _load(n, "backends.cuda.ops"), priority=-100,
                              probe=lambda: None if os.environ.get("TRITON_INTERPRET") == "1" else "needs TRITON_INTERPRET=1",
                              validation="planted bug (tests only)", always_check_values=True,
-                             fuzz_examples=INTERPRETED_FUZZ))   # caught at the interpreter's default count
+                             fuzz_examples=INTERPRETED_FUZZ, draw_share=INTERPRETED_DRAWS))   # caught at the interpreter's default counts
