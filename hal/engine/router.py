@@ -152,14 +152,16 @@ class Router:
         return max(1.0, self.ratio[1] / self.ratio[0])
 
     def acceptance(self, rid) -> float:
-        g = self.glob.rate(self.prior, 1.0)
-        e = self.per.get(rid)
-        return e.rate(g, self.prior_weight) if e else g
+        return self._blend(self.glob, self.per, rid, self.prior)
 
     def offer_rate(self, rid) -> float:
         """The share of steps on which the drafter offered drafts when asked (1 until measured)."""
-        g = self.offers.rate(1.0, 1.0)
-        e = self.offered.get(rid)
+        return self._blend(self.offers, self.offered, rid, 1.0)
+
+    def _blend(self, overall: Ewma, per: dict, rid, prior: float) -> float:
+        """A request's rate, shrunk towards the overall rate (itself towards ``prior``)."""
+        g = overall.rate(prior, 1.0)
+        e = per.get(rid)
         return e.rate(g, self.prior_weight) if e else g
 
     def choose(self, states, budget: int | None = None) -> list[int]:

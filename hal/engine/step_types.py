@@ -61,7 +61,7 @@ class StepDrafts:
     proposal: Proposal | None       # the drafter's proposal (where the shadow drafts are read)
     offsets_used: list[int]         # [R] Philox offsets the drafter spent per request (State.offset advances)
     passed_features: bool = False   # the drafter was passed every pending feature (State.features clears)
-    asked: list[int] | None = None  # [R] drafts asked of the drafter this step (None: none asked, or drafted ahead)
+    asked: list[int] | None = None  # [R] drafts asked of the drafter this step, inline or ahead (None: nothing asked)
     host_ids: list[int] | None = None   # token_ids on the host, where a grammar read them (`hal.engine.grammar`)
 
 
