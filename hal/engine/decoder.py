@@ -212,7 +212,8 @@ class SpeculativeDecoder:
         """Draft, size the prefill chunks with the budget left, and run the step (None: nothing to run)."""
         live, dev = plan.decode, self.target.device
         self._out.k = {state.rid: k for state, k in zip(live, plan.k)}
-        drafts = proposals.drafts_for(self.drafter, self.router is not None, self._ahead, self.history, live,
+        drafts = proposals.drafts_for(self.drafter, set() if self.router is None else self.router.scored,
+                                      self._ahead, self.history, live,
                                       plan.k, dev, None if self.router is None else self.router.costs)
         drafts = grammar.constrain(live, drafts, plan.k)   # deterministic drafts follow each request's grammar
         self._ahead = None
@@ -302,8 +303,7 @@ class SpeculativeDecoder:
         if self.router is not None:
             shadow = result.drafts.shadow
             self.router.observe(live, counts, accepted)
-            self.router.observe([live[i] for i, _ in shadow], [1] * len(shadow),
-                                [int(h) for h in (reads.shadow_hits or [])])
+            self.router.observe_scores([live[i] for i, _ in shadow], reads.shadow_scores or [])
             if result.drafts.asked is not None:   # did the drafter offer anything where it was asked?
                 scored = {i for i, _ in shadow}
                 self.router.observe_offers(live, result.drafts.asked,

@@ -15,12 +15,13 @@ from torch import Tensor
 from hal import kv
 from hal.devices import transfer
 from hal.engine import grammar, proposals, trees
-from hal.engine.forward import forward_tokens, logprob_rows, sampling_args
+from hal.engine.forward import forward_tokens, logprob_rows, sampling_args, sampling_tensors, target_probs
 from hal.engine.history import HistoryBuffer
 from hal.engine.processors import processor_args
 from hal.engine.drafting import Drafter, capabilities
 from hal.engine.step_types import Logprobs, StepDrafts, StepPlan, StepReads, StepResult, read_back
 from hal.models.llama import Llama
+from hal.ops import cumulative
 
 
 @dataclass
@@ -65,10 +66,6 @@ def execute(target: Llama, pool: kv.KVPool, history: HistoryBuffer, drafter: Dra
         if want:
             reads.first_logprobs = Logprobs(*_padded(logprob_rows(frows, tok, top_n)))
         history.write([state.rid for state in first], [len(state.tokens) for state in first], reads.first[:, None])
-    if drafts.shadow:
-        slots = torch.tensor([j for _, j in drafts.shadow]).to(drafts.proposal.draft_token_ids.device)
-        reads.shadow_hits = transfer(drafts.proposal.draft_token_ids[slots], dev) == \
-            reads.out[[i for i, _ in drafts.shadow], 0]
     ahead = proposals.lookahead(drafter, history, live, first, resumed, reads.accepted, dev, plan.k)
     if ahead is not None and ahead.proposal.num_valid is not None:
         reads.lookahead_valid = ahead.proposal.num_valid
@@ -110,7 +107,30 @@ def _verify(backend, pool: kv.KVPool, history: HistoryBuffer, plan: StepPlan, dr
         rows = logits if verified.nodes is None else logits[
             trees.path_rows(verified.nodes, counts, dev).reshape(-1)[flat]]
         reads.logprobs = Logprobs(*_padded(logprob_rows(rows, verified.out.reshape(-1)[flat], top_n)))
+    if drafts.shadow:
+        reads.shadow_scores = _shadow_scores(live, drafts, target, verified.out)
     history.write([s.rid for s in live], [len(s.tokens) for s in live], verified.out)
+
+
+def _shadow_scores(live, drafts: StepDrafts, target: Tensor, out: Tensor) -> Tensor:
+    """[G] fp32: each scored first draft (`StepDrafts.shadow`, its request at k = 0) scored
+    against its request's target row (processed, as verified): 1 or 0 where greedy (is it the
+    emitted token?), and where sampled p(draft) under the row's sampling distribution, the
+    chance a verify would have accepted that deterministic draft (its expectation: no draw)."""
+    dev = target.device
+    at = [i for i, _ in drafts.shadow]
+    slots = torch.tensor([j for _, j in drafts.shadow]).to(drafts.proposal.draft_token_ids.device)
+    guess = transfer(drafts.proposal.draft_token_ids[slots], dev).long()
+    scores = (guess == out[at, 0]).float()
+    sampled = [g for g, i in enumerate(at) if live[i].req.temperature > 0]
+    if sampled:
+        first = cumulative([1 + c for c in drafts.counts])      # each request's first verified row
+        reqs = [live[at[g]].req for g in sampled]
+        rows = target[torch.tensor([first[at[g]] for g in sampled]).to(dev)]
+        p = target_probs(rows, *sampling_tensors(reqs, [1] * len(reqs), dev), params=reqs)
+        pick = torch.tensor(sampled).to(dev)
+        scores[pick] = p.gather(1, guess[pick][:, None])[:, 0].float()
+    return scores
 
 
 def processed(backend, states, logits: Tensor, ids: Tensor, counts: list[int], parents: Tensor | None,

@@ -74,11 +74,12 @@ def valid_counts(valid, ks: list[int]) -> list[int]:
     return out
 
 
-def drafts_for(drafter: Drafter | None, shadow_ok: bool, ahead: Lookahead | None, history: HistoryBuffer,
+def drafts_for(drafter: Drafter | None, scored: set, ahead: Lookahead | None, history: HistoryBuffer,
                live: list[State], ks: list[int], dev, costs=None) -> StepDrafts:
     """The drafts each live request verifies this step (``ks[i]`` allowed to request i).
-    ``shadow_ok``: a router scores a free deterministic drafter's first draft for requests
-    routed to k = 0 (those drafts are not verified, only compared with the emitted token).
+    ``scored``: the requests routed to k = 0 whose first draft of a free deterministic drafter
+    the router scores (`hal.engine.router.Router.scored`; not verified, only scored against
+    the step's target row).
     ``costs``: the router's cost model, passed on in the `DraftBatch`.
     Changes no request state: `StepDrafts` says what the engine must advance."""
     nothing = torch.zeros(0, dtype=torch.long, device=dev)
@@ -86,8 +87,7 @@ def drafts_for(drafter: Drafter | None, shadow_ok: bool, ahead: Lookahead | None
     if drafter is None or not live:
         return none
     shadow = {state.rid for state, k in zip(live, ks)
-              if k == 0 and state.req.temperature == 0 and draft_room(state) > 0} if (
-        shadow_ok and capabilities(drafter).shadow) else set()
+              if k == 0 and state.rid in scored and draft_room(state) > 0} if capabilities(drafter).shadow else set()
     used, passed = [0] * len(live), False
     want = [1 if state.rid in shadow else k for state, k in zip(live, ks)]   # what the drafter is asked
     if ahead is not None and all(state.rid in ahead.rids for state in live):

@@ -8,6 +8,9 @@ batch tokens per second ``sum E / cost`` still rises; so k shrinks smoothly as t
 batch grows (no threshold cliff). A drafter that often has nothing to offer (n-gram lookup
 on open-ended text finds no match on most steps) gains only at its measured offer rate r:
 draft j is worth r * a^j, so a lookup that rarely matches is not asked, except by a probe.
+A probe of a free deterministic (``shadow``) drafter verifies nothing: the decoder scores its
+first draft against the step's own target row, as the emitted token (greedy) or as its
+acceptance probability p(draft) (sampled), so measuring a request at k = 0 costs no verify.
 
 Non-anticipating: `Router.choose` runs before anything is drafted and reads only
 finished steps (EWMA acceptance), prompt and context lengths and the batch size, so
@@ -104,6 +107,11 @@ class Ewma:
         self.accepted = self.decay * self.accepted + accepted
         self.trials = self.decay * self.trials + accepted + (accepted < drafted)
 
+    def score(self, p: float) -> None:
+        """One first draft scored, not verified: accepted with probability ``p`` (its expectation)."""
+        self.accepted = self.decay * self.accepted + p
+        self.trials = self.decay * self.trials + 1.0
+
     def rate(self, prior: float, weight: float) -> float:
         return (self.accepted + weight * prior) / (self.trials + weight)
 
@@ -125,7 +133,8 @@ class Router:
         self.per: dict[object, Ewma] = {}
         self.offers = Ewma(global_decay)          # asked for drafts, did the drafter offer any?
         self.offered: dict[object, Ewma] = {}
-        self.shadow = shadow   # the decoder scores the drafter's first draft for free on greedy requests at k = 0
+        self.shadow = shadow   # the decoder can score the drafter's first draft unverified at k = 0
+        self.scored: set = set()   # the last `choose`'s requests at k = 0 whose first draft the decoder scores
         self.idle: dict[object, int] = {}
         # measured step time over the cost model's, for steps without drafts [0] and with [1]
         self.ratio, self.ratio_steps = [0.0, 0.0], [0, 0]
@@ -200,14 +209,26 @@ class Router:
             best_at = 0
         for i in path[:best_at]:
             ks[i] += 1
-        for i, state in enumerate(states):  # keep learning: probe an idle request with one draft now and then
-            # (greedy requests of a ``shadow`` drafter are scored for free by the decoder instead)
-            self.idle[state.rid] = 0 if ks[i] else self.idle.get(state.rid, 0) + 1
-            scored = self.shadow and state.req.temperature == 0
-            if not ks[i] and caps[i] and not scored and self.probe_every and self.idle[state.rid] >= self.probe_every \
-                    and (budget is None or n + sum(ks) < budget):
-                ks[i], self.idle[state.rid] = 1, 0
+        self._keep_learning(states, ks, caps, budget)
         return ks
+
+    def _keep_learning(self, states, ks: list[int], caps: list[int], budget: int | None) -> None:
+        """Requests at k = 0 keep being measured. A ``shadow`` drafter's first draft is scored by
+        the decoder without verifying it (`scored`): a greedy request's on every step, a sampled
+        one's when a probe is due. Other drafters' idle requests are probed with one verified
+        draft every ``probe_every`` plain steps."""
+        self.scored = set()
+        for i, state in enumerate(states):
+            rid = state.rid
+            self.idle[rid] = 0 if ks[i] else self.idle.get(rid, 0) + 1
+            if ks[i] or not caps[i]:
+                continue
+            due = bool(self.probe_every) and self.idle[rid] >= self.probe_every
+            if self.shadow and (state.req.temperature == 0 or due):
+                self.scored.add(rid)
+                self.idle[rid] = 0 if due else self.idle[rid]
+            elif due and (budget is None or len(states) + sum(ks) < budget):
+                ks[i], self.idle[rid] = 1, 0
 
     def observe(self, states, drafted: list[int], accepted: list[int]) -> None:
         for s, d, a in zip(states, drafted, accepted):
@@ -215,6 +236,12 @@ class Router:
                 self.idle[s.rid] = 0
                 self.per.setdefault(s.rid, Ewma(self.request_decay)).add(d, a)
                 self.glob.add(d, a)
+
+    def observe_scores(self, states, scores: list[float]) -> None:
+        """First drafts scored, not verified (`scored`): each accepted with probability ``scores[i]``."""
+        for s, p in zip(states, scores):
+            self.per.setdefault(s.rid, Ewma(self.request_decay)).score(p)
+            self.glob.score(p)
 
     def observe_offers(self, states, asked: list[int], offered: list[int]) -> None:
         """Where the drafter was asked for ``asked[i]`` > 0 drafts, did it offer any (``offered[i]``)?"""

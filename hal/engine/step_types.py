@@ -95,7 +95,7 @@ class StepReads:
     logprobs: Logprobs | None = None          # the decoding rows' emitted tokens
     first: Tensor | list | None = None        # [F] first tokens of requests whose prefill completed
     first_logprobs: Logprobs | None = None
-    shadow_hits: Tensor | list | None = None  # [G] shadow first drafts equal to the emitted token
+    shadow_scores: Tensor | list | None = None  # [G] fp32: a scored first draft's chance of acceptance
     lookahead_valid: Tensor | list | None = None  # [L] the lookahead proposal's num_valid
     dead: Tensor | list | None = None         # [N + R] verified rows left without any token by the processors
     first_dead: Tensor | list | None = None   # [F] the same for first-token rows (None: no processor is on)

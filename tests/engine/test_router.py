@@ -143,9 +143,10 @@ def test_idle_requests_are_probed():
 def test_a_drafter_that_rarely_offers_is_not_asked_but_probed():
     """N-gram lookup on open-ended text: asked for drafts, it finds no match on most steps.
     Drafts it does offer are accepted at 0.9, but at an offer rate of 1 in 10 the expected gain
-    (0.1 x 0.9 tokens for the first draft) is within the margin, so k goes to 0; a sampled request
-    is then probed every `probe_every` plain steps, a greedy one of a shadow-scored drafter never
-    (the decoder scores its first draft for free)."""
+    (0.1 x 0.9 tokens for the first draft) is within the margin, so k goes to 0. A shadow-scored
+    drafter's requests are then never verified at k > 0: the decoder scores a greedy one's first
+    draft on every step and a sampled one's every `probe_every` plain steps (`Router.scored`); a
+    drafter that cannot be scored has its sampled request probed with one verified draft."""
     costs = CostModel({1: 1.0, 2: 1.02, 9: 1.1, 64: 4.0})
     sampled, greedy = _S("t", temperature=0.7), _S("g")
     r = Router(costs, max_k=8, probe_every=4, shadow=True)
@@ -155,8 +156,15 @@ def test_a_drafter_that_rarely_offers_is_not_asked_but_probed():
         r.observe_offers([sampled, greedy], [8, 8], [offered * 8, offered * 8])
         r.observe([sampled, greedy], [offered * 8] * 2, [offered * 7] * 2)
     assert r.offer_rate("t") < 0.25 and r.acceptance("t") > 0.8, (r.offer_rate("t"), r.acceptance("t"))
-    ks = [r.choose([sampled, greedy]) for _ in range(8)]
-    assert [k[0] for k in ks] == [0, 0, 0, 1, 0, 0, 0, 1] and all(k[1] == 0 for k in ks), ks
+    plain = Router(costs, max_k=8, probe_every=4)   # the same measurements, no shadow scoring
+    plain.per, plain.glob, plain.offered, plain.offers = r.per, r.glob, r.offered, r.offers
+    ks, scored = [], []
+    for _ in range(8):
+        ks.append(r.choose([sampled, greedy]))
+        scored.append(sorted(r.scored))
+    assert all(k == [0, 0] for k in ks), ks
+    assert scored == [["g"], ["g"], ["g"], ["g", "t"]] * 2, scored
+    assert [plain.choose([sampled, greedy])[0] for _ in range(8)] == [0, 0, 0, 1, 0, 0, 0, 1] and not plain.scored
     r.release(sampled)
     assert "t" not in r.offered
     always = Router(costs, max_k=8, probe_every=4, shadow=True)   # the same acceptance, always offered
@@ -164,6 +172,25 @@ def test_a_drafter_that_rarely_offers_is_not_asked_but_probed():
         always.observe_offers([sampled], [8], [8])
         always.observe([sampled], [8], [7])
     assert always.choose([sampled])[0] >= 4
+
+
+def test_a_scored_first_draft_counts_as_its_acceptance_probability():
+    """A scored (unverified) first draft adds its acceptance probability p to the accepted
+    count and one trial, so scores of p converge to an acceptance of p (0/1 scores are the
+    same as a verified draft of one); the router then drafts where p is high."""
+    costs = CostModel({1: 1.0, 2: 1.02, 9: 1.1, 64: 4.0})
+    hi, lo = _S("hi", temperature=0.7), _S("lo", temperature=0.7)
+    for s, p, want in ((hi, 0.9, lambda k: k >= 4), (lo, 0.05, lambda k: k == 0)):
+        r = Router(costs, max_k=8, shadow=True)
+        for _ in range(200):
+            r.observe_scores([s], [p])
+        assert r.acceptance(s.rid) == pytest.approx(p, abs=0.02)
+        assert want(r.choose([s])[0]), (p, r.choose([s]))
+    r, v = Router(costs, max_k=8, shadow=True), Router(costs, max_k=8)
+    for a in (1, 0, 1, 1, 0):
+        r.observe_scores([_S("x")], [float(a)])
+        v.observe([_S("x")], [1], [a])
+    assert (r.per["x"].accepted, r.per["x"].trials) == (v.per["x"].accepted, v.per["x"].trials)
 
 
 def test_k_shrinks_smoothly_with_batch_size():
@@ -226,3 +253,47 @@ def test_sampled_requests_routed_to_plain_are_not_drafted_for_every_step():
     out, dec = emitted(be, P2, ngram, router, requests=4, tokens=160)
     assert_distribution(torch.tensor([t for o in out for t in o]), P2, "routed to plain")
     assert 0 < ngram.calls <= 2 * 160 // 16, ngram.calls
+
+
+def test_scored_first_drafts_read_their_own_row_and_token():
+    """`execution._shadow_scores`: a greedy request's first draft scores 1 or 0 (is it the
+    emitted token?); a sampled one's scores p(draft) under its own target row's sampling
+    distribution (temperature and top-k applied), read from that request's row of a ragged
+    verify (here after another request's 2 verified drafts)."""
+    from types import SimpleNamespace
+    from hal.engine.execution import _shadow_scores
+    g = torch.Generator().manual_seed(3)
+    target = torch.randn(6, 10, generator=g)
+    reqs = [Request([0], k=2), Request([0]), Request([0], temperature=1.0), Request([0], temperature=0.5, top_k=2)]
+    live = [SimpleNamespace(req=r) for r in reqs]
+    top2 = target[5].topk(2).indices
+    guess = torch.tensor([5, 7, int(top2[1])])
+    drafts = SimpleNamespace(shadow=[(1, 0), (2, 1), (3, 2)], counts=[2, 0, 0, 0],
+                             proposal=SimpleNamespace(draft_token_ids=guess))
+    out = torch.tensor([[1, 1, 1], [5, 0, 0], [3, 0, 0], [4, 0, 0]])
+    scores = _shadow_scores(live, drafts, target, out)
+    want_2 = torch.softmax(target[4], -1)[7]
+    kept = target[5][top2] / 0.5
+    want_3 = torch.softmax(kept, -1)[1]
+    assert scores.dtype == torch.float32
+    torch.testing.assert_close(scores, torch.stack([torch.tensor(1.0), want_2, want_3]), rtol=1e-5, atol=1e-6)
+    out[1, 0] = 6
+    assert _shadow_scores(live, drafts, target, out)[0] == 0.0
+
+
+def test_sampled_requests_of_a_scored_drafter_are_measured_without_verifying():
+    """Sampled requests routed to k = 0 with n-gram lookup (a shadow drafter): the router's
+    probes verify nothing (no draft is ever fed to the target), yet the router learns from
+    the scored first drafts; each score is one of the toy target's probabilities (0.7 or 0.3),
+    and the output keeps the target's law."""
+    from hal.drafters.ngram import NgramDrafter
+    be = hal.get_backend("cpu")
+    router = Router(CostModel({1: 1.0, 2: 2.0, 9: 9.0}), max_k=6, probe_every=16, shadow=True)
+    seen = []
+    observe = router.observe_scores
+    router.observe_scores = lambda states, scores: (seen.extend(scores), observe(states, scores))
+    out, dec = emitted(be, P2, NgramDrafter(be), router, requests=4, tokens=160)
+    assert_distribution(torch.tensor([t for o in out for t in o]), P2, "scored, routed to plain")
+    assert dec.metrics.total.num_draft_tokens == 0
+    assert len(seen) >= 4 and all(min(abs(s - 0.7), abs(s - 0.3)) < 1e-5 for s in seen), seen
+    assert router.glob.trials > 0
