@@ -64,6 +64,9 @@ class Plan:
         q_len = qsl[1:] - qsl[:-1]
         ctx = seq - q_len
         self.R, self.T = R, T
+        # every request feeds exactly one token (host-known: T rows, R requests, none longer than
+        # one): query rows are the requests in order, with no padding to mask or scatter
+        self.decode_only = tree_mask is None and max_query == 1 and T == R
         self.Lp = -(-max(nb * bs, 1) // KEY_BLOCK) * KEY_BLOCK
         nbp = -(-self.Lp // bs)                                              # blocks covering Lp keys
         used = torch.arange(nbp, device=dev)[None] * bs < seq[:, None]
@@ -72,8 +75,7 @@ class Plan:
         j = torch.arange(self.Lp, device=dev)
         self.live = (j[None] < seq[:, None])[..., None, None]                # [R, Lp, 1, 1]
         self.flat_bt = self.bt.flatten()
-        # value slots past each sequence's end, in the values' block layout [blocks, R, 1, 256, 1]
-        self.dead = ~self.live.view(R, self.Lp // KEY_BLOCK, KEY_BLOCK).permute(1, 0, 2)[:, :, None, :, None]
+        self.dead = ~self.live                                               # value slots past each sequence's end
         self.buffers: dict[str, Tensor] = {}   # scratch reused by every layer of this forward
         self.chunks = []
         self.context_blocks = min_context // KEY_BLOCK    # key blocks before every request's new tokens
@@ -109,6 +111,22 @@ def write_kv(plan: Plan, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: T
     return True
 
 
+def _decode(query: Tensor, kt: Tensor, blocks: list[Tensor], plan: Plan, scale: float) -> Tensor:
+    """`attention` when every request feeds one token (`Plan.decode_only`): the same products
+    in the same shapes, without the per-query gathers, stacks and scatter (bit for bit the
+    general path's rows). ``kt`` [R * Hkv, D, Lp]; ``blocks`` [R, Hkv, 256, D] per key block."""
+    T, Hq, D = query.shape
+    G = Hq // (kt.shape[0] // T)
+    s = torch.bmm(query.float().reshape(-1, G, D), kt).view(T, -1, 1, G, plan.Lp) * scale
+    _, _, _, see, _, _ = plan.chunks[0]
+    p = torch.softmax(torch.where(see, s, -torch.inf), -1)                   # [R, Hkv, 1, G, Lp]
+    acc = None
+    for b, k0 in enumerate(range(0, plan.Lp, KEY_BLOCK)):
+        pv = torch.bmm(p[..., k0:k0 + KEY_BLOCK].reshape(-1, G, KEY_BLOCK), blocks[b].view(-1, KEY_BLOCK, D))
+        acc = pv if acc is None else acc + pv
+    return acc.view(T, Hq, D).to(query.dtype)
+
+
 def attention(query: Tensor, k_cache: Tensor, v_cache: Tensor, plan: Plan, scale: float) -> Tensor:
     """Causal paged attention over ragged queries (the `hal.ops.Ops.paged_attention` contract
     without a tree mask), computed in fixed shapes; ``plan`` holds the batch's metadata.
@@ -129,11 +147,13 @@ def attention(query: Tensor, k_cache: Tensor, v_cache: Tensor, plan: Plan, scale
     kt = _scratch(plan, "kt", (R, Hkv, D, Lp), torch.float32, dev)          # [R, Hkv, D, Lp]
     kt.copy_(_gathered(plan, k_cache, "k").permute(0, 2, 3, 1))
     vb = _scratch(plan, "vb", (nblk, R, Hkv, KEY_BLOCK, D), torch.float32, dev)   # [R, Hkv, 256, D] per key block
-    vb.copy_(_gathered(plan, v_cache, "v").reshape(R, nblk, KEY_BLOCK, Hkv, D).permute(1, 0, 3, 2, 4))
-    vb.masked_fill_(plan.dead, 0.0)
+    vb.copy_(_gathered(plan, v_cache, "v").masked_fill_(plan.dead, 0.0)
+             .reshape(R, nblk, KEY_BLOCK, Hkv, D).permute(1, 0, 3, 2, 4))
     blocks = list(vb.unbind(0))
+    if plan.decode_only:
+        return _decode(query, kt.view(R * Hkv, D, Lp), blocks, plan, scale)
     vals = vb.permute(1, 0, 3, 2, 4)                                         # [R, blocks, 256, Hkv, D] (a view)
-    ar = torch.arange(R, device=dev)[:, None, None]
+    ar = torch.arange(R, device=dev)[:, None, None] if any(c[5] is not None for c in plan.chunks) else None
     kt_flat = kt.view(R * Hkv, D, Lp)
     out = query.new_empty(T + 1, Hq, D)       # row T takes the padding queries' outputs: no boolean indexing
     for n, rows, valid, see, dest, order in plan.chunks:
