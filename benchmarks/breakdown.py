@@ -22,7 +22,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import hal
-from forward import CTX, ours as decode_fn   # M fed tokens after CTX cached ones
+from forward import CTX, batch_decode, ours as decode_fn   # M fed tokens after CTX cached ones
 from report import publish
 from hal.engine import Request, SpeculativeDecoder
 from hal.models import invariant
@@ -118,6 +118,38 @@ def kv_writes_side_by_side(model, reps: int) -> dict[tuple[int, str], float]:
     return {key: statistics.median(v) * 1e3 for key, v in times.items()}
 
 
+class _GeneralPlan(invariant.Plan):
+    """The attention metadata with the decode-only path off: every forward takes the general one."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.decode_only = False
+
+
+def decode_path_side_by_side(model, reps: int) -> dict[tuple[int, str], float]:
+    """Median forward ms of one-token decodes (1 and 4 requests), interleaved: the attention's
+    decode-only path (the default) against the general path it replaces; their logits must be
+    bit-identical."""
+    real = invariant.Plan
+    fns = {1: decode_fn(model, 1), 4: batch_decode(model, 4)}
+    times = {(r, mode): [] for r in fns for mode in ("general", "decode-only")}
+    try:
+        for rep in range(reps + 1):
+            for r, mode in times:
+                invariant.Plan = real if mode == "decode-only" else _GeneralPlan
+                t = time.perf_counter()
+                logits = fns[r]()[0]
+                if rep:
+                    times[r, mode].append(time.perf_counter() - t)
+                elif mode == "general":
+                    want = logits
+                elif not torch.equal(logits, want):
+                    raise SystemExit(f"the decode-only path's logits differ from the general path's ({r} requests)")
+    finally:
+        invariant.Plan = real
+    return {key: statistics.median(v) * 1e3 for key, v in times.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=20)
@@ -131,6 +163,7 @@ def main() -> None:
     with torch.inference_mode():
         step = engine_step(model, tok, args.reps)   # before the profiler has run in this process
         ab = kv_writes_side_by_side(model, 2 * args.reps)
+        paths = decode_path_side_by_side(model, 2 * args.reps)
         for m in (1, 5):
             rows[m] = breakdown(decode_fn(model, m), args.reps)
     names = [n for n, _ in PARTS] + ["batch metadata (hal.engine.forward)"]
@@ -154,6 +187,11 @@ def main() -> None:
               "| M | backend op per layer ms | one native call per layer ms | ratio |", "|---:|---:|---:|---:|"]
     lines += [f"| {m} | {ab[m, 'backend op per layer']:.2f} | {ab[m, 'one native call']:.2f} | "
               f"{ab[m, 'one native call'] / ab[m, 'backend op per layer']:.3f} |" for m in (1, 5)]
+    lines += ["", "Attention of one-token decodes side by side (interleaved, medians of {} forwards each; the "
+              "logits bit-identical):".format(2 * args.reps), "",
+              "| requests | general path ms | decode-only path ms | ratio |", "|---:|---:|---:|---:|"]
+    lines += [f"| {r} | {paths[r, 'general']:.2f} | {paths[r, 'decode-only']:.2f} | "
+              f"{paths[r, 'decode-only'] / paths[r, 'general']:.3f} |" for r in (1, 4)]
     publish(lines, args.out)
 
 
