@@ -13,7 +13,8 @@ output element; here the same comes from fixed shapes, checked bit for bit in
 * attention: each (request, query, KV head) is one bmm entry of G rows (the group's query heads)
   against keys padded to a multiple of 256; ``q.k`` is a 64-long dot product per score; masked
   scores are -inf before the softmax (trailing -inf change no row's sum); ``p @ V`` is summed in
-  fixed 256-key blocks, so keys a query cannot see add exact zeros.
+  fixed 256-key blocks, so keys a query cannot see add exact zeros. A forward of one-token
+  decodes only runs the same products without the per-query gathers and scatter.
 * tree attention (a verify of a draft tree): a node's scores and values are taken in the order
   its path would have as a chain (context, then its ancestors by depth, then itself), so every
   node's row is the row a chain decode of its path computes (positions come from the caller).
