@@ -226,7 +226,8 @@ class Router:
             due = bool(self.probe_every) and self.idle[rid] >= self.probe_every
             if self.shadow and (state.req.temperature == 0 or due):
                 self.scored.add(rid)
-                self.idle[rid] = 0 if due else self.idle[rid]
+                if due:
+                    self.idle[rid] = 0
             elif due and (budget is None or len(states) + sum(ks) < budget):
                 ks[i], self.idle[rid] = 1, 0
 

@@ -15,13 +15,13 @@ from hal.engine.memory import GiB, Plan, plan_memory, target_pool
 from hal.engine.drafting import capabilities
 from hal.engine.router import CostModel, Router, profile_costs
 
-PROBE_EVERY = 16   # the router drafts a probe every this many plain steps (not where shadow-scored)
+PROBE_EVERY = 16   # a request at k = 0 is measured every this many plain steps (a probe, or a scored draft)
 
 
 def make_router(costs: CostModel, drafter, max_k: int) -> Router:
     """The router over ``costs`` for ``drafter``, k capped at ``max_k``; a shadow-scored
-    drafter (n-gram lookup: its acceptance is scored for free on greedy requests) is probed
-    only on sampled requests."""
+    drafter (n-gram lookup) is never probed with a verified draft: its first draft is scored
+    for free, on every step of a greedy request and every ``PROBE_EVERY`` of a sampled one."""
     return Router(costs, max_k=max_k, probe_every=PROBE_EVERY, shadow=capabilities(drafter).shadow)
 
 

@@ -74,9 +74,8 @@ class Plan:
         bt = torch.nn.functional.pad(block_tables.long(), (0, nbp - nb))
         self.bt = torch.where(used, bt, 0)                                   # [R, nbp]: unused entries read block 0
         j = torch.arange(self.Lp, device=dev)
-        self.live = (j[None] < seq[:, None])[..., None, None]                # [R, Lp, 1, 1]
         self.flat_bt = self.bt.flatten()
-        self.dead = ~self.live                                               # value slots past each sequence's end
+        self.dead = (j[None] >= seq[:, None])[..., None, None]               # [R, Lp, 1, 1]: past each sequence's end
         self.buffers: dict[str, Tensor] = {}   # scratch reused by every layer of this forward
         self.chunks = []
         self.context_blocks = min_context // KEY_BLOCK    # key blocks before every request's new tokens
