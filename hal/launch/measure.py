@@ -180,10 +180,19 @@ def auto_target(args, spec, path: str, max_seqs: int, rv=None):
     placement, choice = Placement.auto(
         devices, target_bytes=need(ModelMemory.from_config(read_config(path), "target")),
         draft_bytes=need(draft_memory(spec, path, shares_target=False)[0]), batch=batch,
-        acceptance=args.placement_acceptance, max_k=args.k, context=min(ctx, 512), link=link)
+        acceptance=args.placement_acceptance, max_k=args.k, context=min(ctx, 512), link=link,
+        hit_rate=ahead_hit_rate(args, spec))
     if rv is not None:
         publish_choice(rv.store, choice.best.draft if choice.best.where == "other rank" else None)
     return placement, choice
+
+
+def ahead_hit_rate(args, spec) -> float:
+    """The speculation-cache hit rate another rank is scored at: ``--placement-hit-rate``, or
+    0 where the worker never drafts ahead (a drafter that reads the target's features, or
+    ``--fanout 0``)."""
+    from hal.drafters.kinds import HEADS
+    return 0.0 if spec.kind in HEADS or not args.fanout else args.placement_hit_rate
 
 
 def auto_worker(args, spec, path: str, rv) -> str | None:

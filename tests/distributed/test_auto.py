@@ -1,7 +1,7 @@
 """`hal.distributed.auto.choose` on injected device profiles whose optimum is known by hand:
 plain decoding when drafts cost more than they save, the draft beside the target when it
 is cheap, the draft on the slow device when the fast one cannot hold both models, the other
-rank when the link hides the drafting, and a HalError naming what is missing."""
+rank when its drafts are ready ahead, and a HalError naming what is missing."""
 
 import json
 import os
@@ -53,14 +53,39 @@ def test_the_draft_goes_to_the_slow_device_when_the_fast_one_cannot_hold_both():
     assert all(c.where != "same device" or c.target != "cuda:0" for c in got.table)   # never offered: no room
 
 
-def test_another_rank_hides_the_drafting_behind_verification():
-    """A draft chain that costs as much as a verify step: in-process it doubles the step, on
-    another rank over a 0.2 ms link it overlaps the verification."""
+def test_another_rank_pays_off_only_as_far_as_its_drafts_are_ready_ahead():
+    """A draft chain that costs as much as a verify step: in-process it doubles the step. On
+    another rank over a 0.2 ms link, the rounds answered from the speculation cache (the
+    worker drafted them while the target verified) cost max(verify + link, draft), the others
+    verify + link + draft. At a 90% hit rate the other rank wins; at 0% (nothing drafted
+    ahead) it is another device plus the link, so the draft stays beside the target."""
     gpu = DeviceProfile("cuda:0", 40 * GB, FAST, {1: 0.002, 6: 0.012})
     peer = DeviceProfile("cuda:1", 40 * GB, FAST, {1: 0.002, 6: 0.012})
-    got = choose([gpu], **kw(), link=LinkProfile(2e-4, 10e9, (peer,)))
+    link = LinkProfile(2e-4, 10e9, (peer,))
+    got = choose([gpu], **kw(), link=link, hit_rate=0.9)
     assert (got.best.draft, got.best.where) == ("cuda:1", "other rank")
     assert got.runner_up.where in ("same device", "plain")
+    k = got.best.k
+    verify, wire, draft = FAST.cost(4 * (1 + k), 0, 0), 2e-4 + 4 * k * 8 / 10e9, 0.002 * k
+    step = 0.9 * max(verify + wire, draft) + 0.1 * (verify + wire + draft)
+    assert got.best.tokens_per_s == pytest.approx(4 * expected_tokens(0.8, k) / step)
+    assert "90% speculation-cache hit rate" in got.describe()
+    cold = choose([gpu], **kw(), link=link)
+    assert cold.best.where == "same device" and cold.hit_rate == 0.0
+    remote = next(c for c in cold.table if c.where == "other rank")
+    assert remote.tokens_per_s < cold.best.tokens_per_s
+
+
+def test_the_hit_rate_is_a_share_and_heads_never_draft_ahead():
+    from argparse import Namespace
+    from hal.drafters.kinds import parse_draft
+    from hal.launch.measure import ahead_hit_rate
+    with pytest.raises(HalError, match="hit_rate"):
+        choose([DeviceProfile("cpu", 40 * GB, FAST, {1: 0.001})], **kw(), hit_rate=1.5)
+    args = Namespace(placement_hit_rate=0.7, fanout=8)
+    assert ahead_hit_rate(args, parse_draft("ngram")) == 0.7
+    assert ahead_hit_rate(Namespace(placement_hit_rate=0.7, fanout=0), parse_draft("ngram")) == 0.0
+    assert ahead_hit_rate(args, parse_draft("eagle")) == 0.0
 
 
 def test_a_slow_link_keeps_the_draft_in_process():
