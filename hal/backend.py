@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from hal import checks, processor_checks
+from hal.errors import HalError
 from hal.ops import Ops
 
 
@@ -90,6 +91,22 @@ class BackendSpec:
     collective: str = "gloo"
     memory: Callable[[int], tuple[int, int]] | None = None
     synchronize: Callable[[], None] = lambda: None
+
+    def __post_init__(self):
+        """A plugin's spec is checked where it is made: each bad field named, with what was expected."""
+        def refuse(what: str, expected: str, got) -> None:
+            raise HalError(f"BackendSpec {self.name!r}: {what}: expected {expected}, got {got!r}", arg=what,
+                           expected=expected, got=repr(got))
+        if not isinstance(self.name, str) or not self.name:
+            refuse("name", "a non-empty str", self.name)
+        if not isinstance(self.device_type, str) or not self.device_type:
+            refuse("device_type", "a non-empty str", self.device_type)
+        if not (isinstance(self.head_dim_align, int) and self.head_dim_align >= 1):
+            refuse("head_dim_align", "an int >= 1", self.head_dim_align)
+        if self.fuzz_examples is not None and not (isinstance(self.fuzz_examples, int) and self.fuzz_examples >= 1):
+            refuse("fuzz_examples", "None or an int >= 1", self.fuzz_examples)
+        if not (isinstance(self.draw_share, (int, float)) and 0 < self.draw_share <= 1):
+            refuse("draw_share", "a share in (0, 1]", self.draw_share)
 
     def serves(self) -> tuple[str, ...]:
         return (self.device_type, *self.devices)

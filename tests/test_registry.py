@@ -183,3 +183,15 @@ def test_the_pytest_plugin_is_inert_in_another_project(tmp_path):
     assert r.returncode == 0 and "2 passed" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
     assert "spec-hal" in subprocess.run([sys.executable, "-m", "pytest", "--help"], cwd=tmp_path,
                                         capture_output=True, text=True, timeout=120).stdout  # the plugin is loaded
+
+
+@pytest.mark.parametrize("field, value", [("draw_share", 0.0), ("draw_share", 1.5), ("draw_share", float("nan")),
+                                          ("fuzz_examples", 0), ("fuzz_examples", -3), ("fuzz_examples", 2.5),
+                                          ("head_dim_align", 0), ("name", ""), ("device_type", None)])
+def test_a_plugin_spec_with_a_bad_field_is_refused_naming_it(field, value):
+    """A third party's `BackendSpec` is checked where it is made: a draw share outside (0, 1]
+    (a sampling test of no draws proves nothing), no fuzz examples, a zero alignment."""
+    with pytest.raises(hal.HalError, match=f"{field}: expected") as e:
+        BackendSpec(**{"name": "bad", "device_type": "cpu", "load": cpu_ops, field: value})
+    assert e.value.arg == field
+    assert BackendSpec(name="fine", device_type="cpu", load=cpu_ops, draw_share=0.05, fuzz_examples=1).draw_share == 0.05
