@@ -11,6 +11,8 @@ draft j is worth r * a^j, so a lookup that rarely matches is not asked, except b
 A probe of a free deterministic (``shadow``) drafter verifies nothing: the decoder scores its
 first draft against the step's own target row, as the emitted token (greedy) or as its
 acceptance probability p(draft) (sampled), so measuring a request at k = 0 costs no verify.
+So a shadow drafter's request is drafted for only once its own first drafts have been
+measured (``evidence`` of them, scored or verified): the prior is never spent on a verify.
 
 Non-anticipating: `Router.choose` runs before anything is drafted and reads only
 finished steps (EWMA acceptance), prompt and context lengths and the batch size, so
@@ -121,11 +123,13 @@ class Router:
 
     def __init__(self, costs: CostModel, max_k: int = 8, prior: float = 0.6, request_decay: float = 0.7,
                  global_decay: float = 0.95, prior_weight: float = 2.0, probe_every: int = 16, margin: float = 0.1,
-                 shadow: bool = False):
+                 shadow: bool = False, evidence: int = 2):
         if max_k < 0:
             raise arg_error("max_k", "an int >= 0", max_k)
         if not 0 <= margin < 10:
             raise arg_error("margin", "a number in [0, 10)", margin)
+        if not 0 <= evidence <= 1000:
+            raise arg_error("evidence", "an int in [0, 1000]", evidence)
         self.costs, self.max_k, self.prior, self.prior_weight = costs, max_k, prior, prior_weight
         self.margin = margin   # drafts only where the model predicts this much more than plain decoding
         self.request_decay, self.probe_every = request_decay, probe_every
@@ -135,6 +139,8 @@ class Router:
         self.offered: dict[object, Ewma] = {}
         self.shadow = shadow   # the decoder can score the drafter's first draft unverified at k = 0
         self.scored: set = set()   # the last `choose`'s requests at k = 0 whose first draft the decoder scores
+        self.evidence = evidence if shadow else 0   # a shadow drafter's request drafts after this many measured
+        self.measured: dict[object, int] = {}       # ... first drafts of its own (scored or verified)
         self.idle: dict[object, int] = {}
         # measured step time over the cost model's, for steps without drafts [0] and with [1]
         self.ratio, self.ratio_steps = [0.0, 0.0], [0, 0]
@@ -192,7 +198,7 @@ class Router:
         tokens = float(n)
         best, best_at = tokens / c.cost(fed, attn, top), 0
         plain = best
-        heap = [(-offer[i] * alpha[i], i, 1) for i in range(n) if caps[i]]
+        heap = [(-offer[i] * alpha[i], i, 1) for i in range(n) if caps[i] and self._known(states[i].rid)]
         heapq.heapify(heap)
         path, penalty = [], self.draft_penalty
         while heap and (budget is None or fed < budget):
@@ -215,7 +221,7 @@ class Router:
     def _keep_learning(self, states, ks: list[int], caps: list[int], budget: int | None) -> None:
         """Requests at k = 0 keep being measured. A ``shadow`` drafter's first draft is scored by
         the decoder without verifying it (`scored`): a greedy request's on every step, a sampled
-        one's when a probe is due. Other drafters' idle requests are probed with one verified
+        one's when a probe is due or while it is not yet `_known`. Other drafters' idle requests are probed with one verified
         draft every ``probe_every`` plain steps."""
         self.scored = set()
         for i, state in enumerate(states):
@@ -224,23 +230,29 @@ class Router:
             if ks[i] or not caps[i]:
                 continue
             due = bool(self.probe_every) and self.idle[rid] >= self.probe_every
-            if self.shadow and (state.req.temperature == 0 or due):
+            if self.shadow and (state.req.temperature == 0 or due or not self._known(rid)):
                 self.scored.add(rid)
                 if due:
                     self.idle[rid] = 0
             elif due and (budget is None or len(states) + sum(ks) < budget):
                 ks[i], self.idle[rid] = 1, 0
 
+    def _known(self, rid) -> bool:
+        """Whether a request has been measured enough to be drafted for (always, but for a shadow drafter's)."""
+        return self.measured.get(rid, 0) >= self.evidence
+
     def observe(self, states, drafted: list[int], accepted: list[int]) -> None:
         for s, d, a in zip(states, drafted, accepted):
             if d:
                 self.idle[s.rid] = 0
+                self.measured[s.rid] = self.measured.get(s.rid, 0) + 1
                 self.per.setdefault(s.rid, Ewma(self.request_decay)).add(d, a)
                 self.glob.add(d, a)
 
     def observe_scores(self, states, scores: list[float]) -> None:
         """First drafts scored, not verified (`scored`): each accepted with probability ``scores[i]``."""
         for s, p in zip(states, scores):
+            self.measured[s.rid] = self.measured.get(s.rid, 0) + 1
             self.per.setdefault(s.rid, Ewma(self.request_decay)).score(p)
             self.glob.score(p)
 
@@ -253,6 +265,7 @@ class Router:
 
     def release(self, state) -> None:
         self.per.pop(state.rid, None)
+        self.measured.pop(state.rid, None)
         self.offered.pop(state.rid, None)
         self.idle.pop(state.rid, None)
 

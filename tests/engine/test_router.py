@@ -150,7 +150,8 @@ def test_a_drafter_that_rarely_offers_is_not_asked_but_probed():
     costs = CostModel({1: 1.0, 2: 1.02, 9: 1.1, 64: 4.0})
     sampled, greedy = _S("t", temperature=0.7), _S("g")
     r = Router(costs, max_k=8, probe_every=4, shadow=True)
-    assert r.choose([sampled])[0] >= 4   # nothing measured: offers assumed
+    assert r.choose([sampled])[0] == 0 and r.scored == {"t"}   # a shadow drafter's request: scored before drafted
+    assert Router(costs, max_k=8, probe_every=4).choose([sampled])[0] >= 4   # another's: the prior, offers assumed
     for step in range(40):
         offered = int(step % 10 == 0)
         r.observe_offers([sampled, greedy], [8, 8], [offered * 8, offered * 8])
@@ -172,6 +173,28 @@ def test_a_drafter_that_rarely_offers_is_not_asked_but_probed():
         always.observe_offers([sampled], [8], [8])
         always.observe([sampled], [8], [7])
     assert always.choose([sampled])[0] >= 4
+
+
+def test_a_shadow_drafters_request_is_measured_before_the_prior_buys_a_verify():
+    """A new request of a shadow (free, scored) drafter starts at k = 0 with its first drafts
+    scored, whatever the prior promises, until ``evidence`` of its own are measured; then the
+    router drafts where they were good and not where they were poor. A drafter that cannot be
+    scored keeps the prior (its probes would cost verifies). On sampled open-ended chat the
+    prior (0.6) had bought verifies of k = 3 at the start of requests whose drafts were then
+    accepted at about a third: slower tokens than plain decoding at low load."""
+    costs = CostModel({1: 1.0, 2: 1.3, 9: 3.0, 64: 20.0})   # each fed token costs: poor drafts do not pay
+    for p, drafts in ((0.95, True), (0.05, False)):
+        r = Router(costs, max_k=8, prior=0.6, shadow=True, evidence=2)
+        s = _S(f"s{p}", temperature=0.7)
+        for step in range(2):
+            assert r.choose([s]) == [0] and r.scored == {s.rid}, step
+            r.observe_scores([s], [p])
+        assert (r.choose([s])[0] > 0) == drafts, p
+    assert Router(costs, max_k=8, prior=0.6, evidence=2).choose([_S("v", temperature=0.7)])[0] > 0
+    r = Router(costs, max_k=8, prior=0.6, shadow=True, evidence=0)   # evidence 0: the prior drafts at once
+    assert r.choose([_S("z", temperature=0.7)])[0] > 0
+    with pytest.raises(hal.HalError, match="evidence"):
+        Router(costs, evidence=-1)
 
 
 def test_a_scored_first_draft_counts_as_its_acceptance_probability():
