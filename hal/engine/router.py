@@ -221,8 +221,8 @@ class Router:
     def _keep_learning(self, states, ks: list[int], caps: list[int], budget: int | None) -> None:
         """Requests at k = 0 keep being measured. A ``shadow`` drafter's first draft is scored by
         the decoder without verifying it (`scored`): a greedy request's on every step, a sampled
-        one's when a probe is due or while it is not yet `_known`. Other drafters' idle requests are probed with one verified
-        draft every ``probe_every`` plain steps."""
+        one's when a probe is due or while it is not yet `_known`. Other drafters' idle requests
+        are probed with one verified draft every ``probe_every`` plain steps."""
         self.scored = set()
         for i, state in enumerate(states):
             rid = state.rid
