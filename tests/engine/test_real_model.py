@@ -146,12 +146,14 @@ def test_sampling_is_seeded_and_respects_limits(model):
 
 
 def test_routed_greedy_equals_plain(model, plain):
-    """Adaptive k on the real model (a profiled cost table): still token-for-token plain greedy."""
-    from hal.engine.router import Router
+    """Adaptive k on the real model: still token-for-token plain greedy. The cost table is a
+    memory-bound one (a verify of 9 costs 1.1 decodes), not profiled: a profile taken while the
+    machine is busy can make drafting look dear, and then nothing would be drafted."""
+    from hal.engine.router import CostModel, Router
     target, tok = model
     reqs = [Request(tok.encode(chatml(p)).ids, max_new_tokens=20, k=8, stop_ids=(2,)) for p in PROMPTS]
     dec = SpeculativeDecoder(target, NgramDrafter(target.be), num_blocks=128)
-    dec.router = Router(dec.profile_costs(max_tokens=18, context=64, reps=1), max_k=8)
+    dec.router = Router(CostModel({1: 0.02, 9: 0.022, 64: 0.08}), max_k=8)
     assert dec.generate(reqs) == plain
     assert dec.metrics.total.num_draft_tokens > 0 and dec.steps < 40
 
