@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from hal.errors import HalError
-from hal.models.llama import Batch, Llama, Rope, plain_linear, _rms_norm, lm_head
+from hal.models.llama import Batch, Llama, Rope, _rms_norm
 
 
 @dataclass(frozen=True)
@@ -101,6 +101,7 @@ class BlockModel:
         for name in ("fc", "head"):
             self.w[name] = self.w[name].to(target.dtype)
         self.rope = Rope(cfg.head_dim, cfg.rope_base, False).to(self.device)
+        self.linear, self.head_mm, self.linears = target.draft_linears(self.device)
 
     @property
     def proposals(self) -> int:
@@ -117,10 +118,10 @@ class BlockModel:
         features, ``anchors`` [R] the blocks' first tokens). ``block_batch``: the attention
         metadata of the R blocks' queries alone (B each, a tree mask of ones). With R = 0 only
         the context is written (a request routed to k = 0 keeps its cache for later)."""
-        cfg, w = self.cfg, self.w
+        cfg, w, lin = self.cfg, self.w, self.linear
         nq, nk, D = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.head_dim
         R, B = anchors.shape[0], cfg.block
-        ctx = _rms_norm(plain_linear(feats, w["fc"]), w["hidden_norm"], cfg.eps) if len(ctx_rows) else None
+        ctx = _rms_norm(lin(feats, w["fc"]), w["hidden_norm"], cfg.eps) if len(ctx_rows) else None
         if R == 0:
             return self._write_context(batch, k_caches, v_caches, ctx)
         h = torch.cat([self.embed[anchors][:, None], w["mask"].expand(R, B - 1, cfg.hidden)], 1).reshape(R * B, -1)
@@ -129,13 +130,13 @@ class BlockModel:
         T = batch.positions.shape[0]
         ones = torch.ones(R * B, B, dtype=torch.bool, device=self.device)
         for i in range(cfg.layers):
-            qkv = plain_linear(_rms_norm(h, w[f"{i}.attn_norm"], cfg.eps), w[f"{i}.wqkv"])
+            qkv = lin(_rms_norm(h, w[f"{i}.attn_norm"], cfg.eps), w[f"{i}.wqkv"])
             k = qkv.new_empty(T, cfg.kv_heads, D)
             v = qkv.new_empty(T, cfg.kv_heads, D)
             k[block_rows] = self.rope.apply(qkv[:, nq:nq + nk].view(-1, cfg.kv_heads, D), rot_blk)
             v[block_rows] = qkv[:, nq + nk:].view(-1, cfg.kv_heads, D)
             if ctx is not None:
-                kv = plain_linear(ctx, w[f"{i}.wqkv"][nq:])
+                kv = lin(ctx, w[f"{i}.wqkv"][nq:])
                 k[ctx_rows] = self.rope.apply(kv[:, :nk].view(-1, cfg.kv_heads, D), rot[ctx_rows])
                 v[ctx_rows] = kv[:, nk:].view(-1, cfg.kv_heads, D)
             self.be.write_kv(k.to(k_caches[i].dtype), v.to(v_caches[i].dtype), k_caches[i], v_caches[i],
@@ -143,20 +144,20 @@ class BlockModel:
             q = self.rope.apply(qkv[:, :nq].view(-1, cfg.heads, D), rot_blk).to(k_caches[i].dtype)
             o = self.be.paged_attention(q, k_caches[i], v_caches[i], block_batch.block_tables, block_batch.seq_lens,
                                         block_batch.query_start_loc, D ** -0.5, ones)
-            h = h + plain_linear(o.reshape(R * B, nq), w[f"{i}.wo"])
-            gate, up = plain_linear(_rms_norm(h, w[f"{i}.ffn_norm"], cfg.eps), w[f"{i}.wgu"]).split(cfg.ffn, -1)
-            h = h + plain_linear(F.silu(gate) * up, w[f"{i}.wdown"])
+            h = h + lin(o.reshape(R * B, nq), w[f"{i}.wo"])
+            gate, up = lin(_rms_norm(h, w[f"{i}.ffn_norm"], cfg.eps), w[f"{i}.wgu"]).split(cfg.ffn, -1)
+            h = h + lin(F.silu(gate) * up, w[f"{i}.wdown"])
         out = _rms_norm(h.view(R, B, -1)[:, 1:], w["norm"], cfg.eps)
-        return lm_head(out.reshape(R * (B - 1), -1), w["head"]).view(R, B - 1, -1), out
+        return self.head_mm(out.reshape(R * (B - 1), -1), w["head"]).view(R, B - 1, -1), out
 
     def _write_context(self, batch: Batch, k_caches, v_caches, ctx: Tensor | None) -> tuple[Tensor, Tensor]:
         """Every fed row is a context row: each layer's K/V of the fused features, written; no block."""
-        cfg, w = self.cfg, self.w
+        cfg, w, lin = self.cfg, self.w, self.linear
         nq, nk, D = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.head_dim
         if ctx is not None:
             rot = self.rope(batch.positions, batch.max_position)
             for i in range(cfg.layers):
-                kv = plain_linear(ctx, w[f"{i}.wqkv"][nq:])
+                kv = lin(ctx, w[f"{i}.wqkv"][nq:])
                 k = self.rope.apply(kv[:, :nk].view(-1, cfg.kv_heads, D), rot)
                 self.be.write_kv(k.to(k_caches[i].dtype), kv[:, nk:].reshape(-1, cfg.kv_heads, D).to(v_caches[i].dtype),
                                  k_caches[i], v_caches[i], batch.slot_mapping)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from hal.errors import HalError
-from hal.models.llama import Batch, Llama, Rope, plain_linear, _rms_norm, lm_head
+from hal.models.llama import Batch, Llama, Rope, _rms_norm
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,7 @@ class EagleModel:
             raise HalError(f"head d2t: expected draft ids mapping into [0, {tc.vocab}), got "
                            f"[{int(self.draft_ids.min())}, {int(self.draft_ids.max())}]")
         self.rope = Rope(cfg.head_dim, cfg.rope_base, False, cfg.rope_scaling).to(self.device)
+        self.linear, self.head_mm, self.linears = target.draft_linears(self.device)
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
@@ -87,15 +88,15 @@ class EagleModel:
         head's own previous output."""
         cfg, w = self.cfg, self.w
         T = tokens.shape[0]
-        e = self.embed[tokens]
+        e, lin = self.embed[tokens], self.linear
         if cfg.version == 1:
-            h = plain_linear(torch.cat([e, x], -1), w["fc"]) + (w["fc_bias"] if "fc_bias" in w else 0)
+            h = lin(torch.cat([e, x], -1), w["fc"]) + (w["fc_bias"] if "fc_bias" in w else 0)
             inp = h if "attn_norm" not in w else _rms_norm(h, w["attn_norm"], cfg.eps)
         else:
-            h = plain_linear(x, w["fc"]) if from_target else x
+            h = lin(x, w["fc"]) if from_target else x
             inp = torch.cat([_rms_norm(e, w["attn_norm"], cfg.eps), _rms_norm(h, w["hidden_norm"], cfg.eps)], -1)
         nq, nk = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-        qkv = plain_linear(inp, w["wqkv"])
+        qkv = lin(inp, w["wqkv"])
         rot = self.rope(batch.positions, batch.max_position)
         q = self.rope.apply(qkv[:, :nq].view(T, cfg.heads, cfg.head_dim), rot)
         k = self.rope.apply(qkv[:, nq:nq + nk].view(T, cfg.kv_heads, cfg.head_dim), rot)
@@ -103,13 +104,13 @@ class EagleModel:
         self.be.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         o = self.be.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
                                     cfg.head_dim ** -0.5, tree_mask)
-        h = h + plain_linear(o.reshape(T, nq), w["wo"])
-        gate, up = plain_linear(_rms_norm(h, w["ffn_norm"], cfg.eps), w["wgu"]).split(cfg.ffn, -1)
-        h = h + plain_linear(F.silu(gate) * up, w["wdown"])
+        h = h + lin(o.reshape(T, nq), w["wo"])
+        gate, up = lin(_rms_norm(h, w["ffn_norm"], cfg.eps), w["wgu"]).split(cfg.ffn, -1)
+        h = h + lin(F.silu(gate) * up, w["wdown"])
         out = h[batch.logits_rows]
         if cfg.version == 3:
             out = _rms_norm(out, w["norm"], cfg.eps)
-        return lm_head(out, self.head), h
+        return self.head_mm(out, self.head), h
 
     def full_logits(self, draft_logits: Tensor) -> Tensor:
         """Draft-vocabulary logits spread over the target's vocabulary (-inf elsewhere)."""

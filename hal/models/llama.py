@@ -9,6 +9,7 @@ verify share one forward.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -127,6 +128,20 @@ class Llama:
         if self.w.get("head_lin") is None or self.w["head_lin"].dtype != dtype:
             self.w["head_lin"] = self.head if dtype == self.head.dtype else self.head.to(dtype)
         self.head_lin = self.w["head_lin"]
+
+    def draft_linears(self, device: torch.device) -> tuple[Callable[[Tensor, Tensor], Tensor],
+                                                           Callable[[Tensor, Tensor], Tensor], str]:
+        """How a drafter of this target (an EAGLE head, a block drafter) on ``device`` runs its
+        linear layers and its lm_head rows (``x @ w.T`` in ``w``'s dtype, returned as float32),
+        and a line that says which. A batch-invariant target on the same device lends its plan:
+        the layout, dtype and chunk widths measured fastest for this machine. Otherwise plain
+        ``F.linear`` and `lm_head`: a plan is measured for its own device, and a plain target
+        has none. Either way a draft's bits are not claimed independent of its batch-mates (the
+        drafters' attention is the backend's op), and verification does not need them to be."""
+        if self.batch_invariant and torch.device(device) == self.device:
+            return self.plan.linear, self.plan.linear, f"the target's plan: {self.plan.describe()}"
+        why = "the target runs plain" if not self.batch_invariant else f"the plan is for {self.device}"
+        return plain_linear, lm_head, f"plain F.linear ({why})"
 
     def layer_view(self, num_layers: int) -> "Llama":
         view = Llama(self.cfg, self.w, self.be, num_layers, self.batch_invariant, plan=self.plan)

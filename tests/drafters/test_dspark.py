@@ -337,3 +337,30 @@ def test_bad_taps_are_refused_by_the_cli(bad):
     with pytest.raises(argparse.ArgumentTypeError, match="expected"):
         taps_flag(bad)
     assert taps_flag("1,16,29") == (1, 16, 29)
+
+
+def test_the_block_drafter_runs_its_linears_through_the_targets_plan(target):
+    """As the EAGLE head: a batch-invariant target's plan runs every linear of the block
+    drafter (fc, each layer's, the lm_head rows) in chunks of its widths, and its greedy
+    drafts stay those of the training module."""
+    from hal.models.linear_plan import LinearPlan
+    from hal.models.llama import Llama
+    calls = []
+
+    def layout(x, w):
+        calls.append((x.shape[0], tuple(w.shape)))
+        return torch.mm(w, x.T).T
+
+    plan = LinearPlan("mm", torch.float32, (1, 8), fn=layout)
+    planned = Llama(target.cfg, dict(target.w), target.be, plan=plan)
+    train = trained(target)
+    drafter = BlockDrafter(BlockModel(train.cfg, train.weights(), planned))
+    assert drafter.model.linears == f"the target's plan: {plan.describe()}"
+    ids = [(7 * i + 3) % V for i in range(30)]
+    f = target_features(target, ids, TAPS)
+    p = drafter.propose(view(ids, 12, f[:11], k=3))
+    rows, _ = train_rows(train, f, ids, 11, [ids[11]] + p.draft_token_ids.tolist()[:-1])
+    assert p.draft_token_ids.tolist() == DRAFT[rows.argmax(-1)].tolist()
+    shapes = {s for _, s in calls}
+    assert (len(DRAFT), H) in shapes and (H, len(TAPS) * H) in shapes and len(shapes) >= 5
+    assert {m for m, _ in calls} <= {1, 8}

@@ -355,3 +355,34 @@ def test_eagle_drafts_name_what_is_missing(target, tmp_path):
         lengths=(2,), k=(1,), offsets=(0,), num_features=(1,))
     with pytest.raises(HalError, match="DraftBatch.features"):
         d.propose(b)
+
+
+def test_the_head_runs_its_linears_through_the_targets_plan(target, tmp_path):
+    """A batch-invariant target lends the head its linear plan (layout, dtype, chunk widths):
+    every linear of the head and its lm_head rows run through the plan's layout, in chunks of
+    its widths only, with the training module's logits (fp32, 1e-4: another summation order).
+    A plain target lends none, and the head says which it runs."""
+    from hal.models.linear_plan import LinearPlan
+    from hal.models.llama import Llama
+    calls = []
+
+    def layout(x, w):   # the mm layout, recording what it multiplied
+        calls.append((x.shape[0], tuple(w.shape)))
+        return torch.mm(w, x.T).T
+
+    plan = LinearPlan("mm", torch.float32, (1, 2, 4), fn=layout)
+    planned = Llama(target.cfg, dict(target.w), target.be, plan=plan)
+    train, path = eagle1(tmp_path)
+    head = load_eagle(path, planned)
+    assert head.linears == f"the target's plan: {plan.describe()}"
+    ids = [(5 * i + 1) % V for i in range(12)]
+    f = target_features(target, ids, ())
+    got = head_logits(head, ids, f)              # 11 rows: chunks of 4, 4, 4 (the last one padded)
+    assert {s for _, s in calls} == {(H, 2 * H), ((HEADS + 2 * KV) * D, H), (H, HEADS * D), (2 * FFN, H),
+                                     (H, FFN), (len(DRAFT), H)}
+    assert {m for m, _ in calls} == {4}
+    with torch.no_grad():
+        want = train(target.embed[torch.tensor(ids[1:])][None], f[None, :-1])[0] @ target.head[DRAFT].T
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    plain = Llama(target.cfg, dict(target.w), target.be, batch_invariant=False, dtype="float32")
+    assert load_eagle(path, plain).linears == "plain F.linear (the target runs plain)"
