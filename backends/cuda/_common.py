@@ -14,9 +14,11 @@ import triton
 import triton.language as tl
 from triton.language.random import uint_to_uniform_float
 
-# Random streams, one per use, as in verify_ops: draws never collide across ops.
-SAMPLE, ACCEPT, RECOVER, TYPICAL_BONUS, TREE_ACCEPT, TREE_FINAL = 1, 2, 3, 4, 5, 6
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Random streams, one per use, as in verify_ops: draws never collide across ops. A compiled kernel
+# reads a module global only as tl.constexpr (a plain int fails to compile on a GPU); the
+# interpreter runs kernels as Python and wants the plain int (its constexpr lacks tensor arithmetic).
+SAMPLE, ACCEPT, RECOVER, TYPICAL_BONUS, TREE_ACCEPT, TREE_FINAL = (i if INTERPRET else tl.constexpr(i) for i in range(1, 7))
 
 
 def num_programs(work_items: int, device: torch.device) -> int:
@@ -34,6 +36,8 @@ def row_tiles(R: int, V: int) -> tuple[int, int]:
     """(BLOCK_R, BLOCK_V): a [rows, vocab] tile; wide rows on a GPU, many rows when V is small."""
     budget = 65536 if INTERPRET else 4096
     block_v = min(triton.next_power_of_2(max(V, 1)), 1024 if not INTERPRET else 4096)
+    if not INTERPRET:  # Triton 3.6 fails to compile the tree kernel at [8, 1..4] tiles (layout pass)
+        block_v = max(block_v, 16)
     block_r = max(1, min(triton.next_power_of_2(max(R, 1)), budget // block_v))
     return block_r, block_v
 
