@@ -8,6 +8,7 @@
 # Results land in benchmarks/results/ (or $OUT when set): gpu-conformance.txt, ops-gpu.md, gpu-env.txt,
 # gpu-scheduler.txt, trees-gpu.md.
 # Needs torch, triton, pytest, pluggy, numpy (the H200 image has them); installs spec-hal itself.
+# First, off the device: scripts/compile_check.py under the image's Triton (3.6 on the H200 image).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RES=${OUT:-benchmarks/results}
