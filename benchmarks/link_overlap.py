@@ -9,7 +9,7 @@ Per run: the target's step time (seconds / steps), its wait per round W (send, t
 drafting, receive), and the share of rounds whose drafting was hidden (the worker's overlap
 guess held: it drafted them while the target verified).
 
-    python benchmarks/link_overlap.py [--drafts eagle,ngram] [--rtts 0,1,5] [--k 3] [--max-tokens 64]
+    python benchmarks/link_overlap.py [--drafts eagle,ngram] [--rtts 0,1,5] [--k 3] [--max-tokens 64] [--no-route]
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ PROMPTS = ["What are some fun things to do on a rainy weekend?", "Explain glacie
 
 def launcher(args, draft: str, out: Path) -> list[str]:
     return [sys.executable, "-m", "hal.launch", "--draft", draft, "--k", str(args.k), "--max-tokens",
-            str(args.max_tokens), "--out", str(out)] + [a for p in PROMPTS for a in ("--prompt", p)]
+            str(args.max_tokens), "--out", str(out)] + ([] if args.route else ["--no-route"]) + \
+        [a for p in PROMPTS for a in ("--prompt", p)]
 
 
 def local(args, draft: str, out: Path) -> dict:
@@ -70,6 +71,9 @@ def main() -> None:
     ap.add_argument("--drafts", default="eagle,ngram")
     ap.add_argument("--rtts", default="0,1,5", help="round trips to emulate, ms")
     ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--route", action=argparse.BooleanOptionalAction, default=True,
+                    help="--no-route: a fixed k every round (the router otherwise sends k = 0 where drafts do not pay, "
+                         "and then nothing is drafted ahead)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=__import__("torch").get_num_threads())
@@ -97,7 +101,7 @@ def main() -> None:
     lines = [f"# The link hidden or not: the draft on another namespace at 0, 1 and 5 ms RTT (SmolLM2-135M, greedy, "
              f"k={args.k})", "",
              f"Command: `python benchmarks/link_overlap.py --drafts {args.drafts} --rtts {args.rtts} --k {args.k} "
-             f"--max-tokens {args.max_tokens} --reps {args.reps}`; {time.strftime('%Y-%m-%d')}; {len(PROMPTS)} prompts "
+             f"--max-tokens {args.max_tokens} --reps {args.reps}{'' if args.route else ' --no-route'}`; {time.strftime('%Y-%m-%d')}; {len(PROMPTS)} prompts "
              f"as one batch; both ranks and the baseline at {args.threads} threads on one host (network namespaces "
              f"joined by `tests.distributed.delayline`; its own round trip at no delay {base * 1e3:.3f} ms); {machine_line()}.",
              "", "| RTT asked / measured (ms) | draft | step in-process (ms) | step remote (ms) | remote / in-process "
