@@ -17,6 +17,11 @@ Glossary:
   fan-out: the branches drafted for one request in one round, in descending P(a) P(b | a),
       at most ``budget`` of them, one wave (one branch per request, one drafter call) at a
       time while no COMMIT has arrived and the next wave fits the measured verify window.
+  own features: a drafter that reads the target's features (an EAGLE head) has none yet for a
+      branch's uncommitted tail; it is fed the drafter's own instead, the states it drew round
+      r's slots from (`Drafted.own`: slot j's state stands for the target's feature at the
+      position before slot j), one per tail token. They change which drafts a branch holds, never
+      how they verify.
 
 Exactness: a branch's drafts depend only on its history and the drafter's own draws, and
 round r+1's drafts draw at the same Philox offsets on every path (cache hit or fresh): round
@@ -32,6 +37,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor
 
 from hal.distributed.protocol import history_hash
@@ -47,6 +53,7 @@ class Drafted:
     q: Tensor | None = None                    # [n, V] the rows the drafts were drawn from
     alts: list[list[tuple[int, float]]] | None = None   # per slot: (token, probability), likeliest first
     parents: list[int] | None = None           # a draft tree (never fanned out)
+    own: Tensor | None = None                  # [n, F] a feature drafter's own features per slot (`Proposal.own_features`)
 
 
 @dataclass(order=True)
@@ -57,6 +64,7 @@ class Branch:
     base: list[int] = field(compare=False)     # the history the outcome makes
     extend: bool = field(compare=False, default=False)   # the extension (see the glossary)
     a: int = field(compare=False, default=0)
+    own: Tensor | None = field(compare=False, default=None)  # a feature drafter's features for base's uncommitted tail
 
 
 @dataclass
@@ -82,8 +90,9 @@ class FanOut:
     per request and round (0: none). ``bounded`` False: every branch within the budget is
     drafted before the next message is read (deterministic hits, for tests)."""
 
-    def __init__(self, budget: int, bounded: bool = True):
+    def __init__(self, budget: int, bounded: bool = True, own_features: bool = False):
         self.budget, self.bounded, self.specs, self._order = budget, bounded, {}, itertools.count()
+        self.own_features = own_features   # the drafter reads features: a branch's tail is fed its own (`Drafted.own`)
         self.window = 0.0     # measured: seconds from a reply to the next COMMIT (verification and link)
         self.wave_s = 0.0     # measured: seconds per wave
         self.replied = time.perf_counter()
@@ -123,19 +132,21 @@ class FanOut:
         the outcomes to draft ahead."""
         s = self.specs.setdefault(rid, _Spec())
         s.sent, s.todo, s.cache, s.drafted = list(got.drafts), [], {}, 0
-        if not self.budget or not got.drafts or got.parents is not None:
+        if not self.budget or not got.drafts or got.parents is not None or (self.own_features and got.own is None):
             return
         d, alpha = got.drafts, s.alpha
+        own = (lambda n: got.own[:n]) if self.own_features else (lambda n: None)  # noqa: E731  (the tail's features)
         for a in range(len(d)):
             alts = got.alts[a] if got.alts else self._bigram(s, (base + d[:a])[-1])
             other = [(b, p) for b, p in alts if b != d[a]]
             rest = sum(p for _, p in other) or 1.0
             for b, p in other[:TOP]:
-                self._push(s, rid, alpha ** a * (1 - alpha) * p / rest, base + d[:a] + [b], a=a)
-        self._push(s, rid, alpha ** len(d), base + d, extend=True, a=len(d))
+                self._push(s, rid, alpha ** a * (1 - alpha) * p / rest, base + d[:a] + [b], a=a, own=own(a + 1))
+        self._push(s, rid, alpha ** len(d), base + d, extend=True, a=len(d), own=own(len(d)))
 
-    def _push(self, s: _Spec, rid: int, score: float, base: list[int], extend: bool = False, a: int = 0) -> None:
-        heapq.heappush(s.todo, Branch(-score, next(self._order), rid, base, extend, a))
+    def _push(self, s: _Spec, rid: int, score: float, base: list[int], extend: bool = False, a: int = 0,
+              own: Tensor | None = None) -> None:
+        heapq.heappush(s.todo, Branch(-score, next(self._order), rid, base, extend, a, own))
 
     @staticmethod
     def _bigram(s: _Spec, prev: int) -> list[tuple[int, float]]:
@@ -177,10 +188,11 @@ class FanOut:
             self.branches += 1
             if br.extend:   # its first slot is the guess; its alternatives are the other a = n branches
                 first = g.alts[0] if g.alts else self._bigram(s, br.base[-1])
+                own = None if br.own is None or g.own is None else torch.cat([br.own, g.own[:1]])
                 guess, g = g.drafts[0], cut(g, len(g.drafts), start=1)
                 for b, p in first[:TOP + 1]:
                     if b != guess:
-                        self._push(s, br.rid, -br.neg_score * p, br.base + [b], a=br.a)
+                        self._push(s, br.rid, -br.neg_score * p, br.base + [b], a=br.a, own=own)
                 hist = br.base + [guess]
             else:
                 hist = br.base
@@ -206,4 +218,4 @@ def _ema(old: float, new: float) -> float:
 def cut(g: Drafted, k: int, start: int = 0) -> Drafted:
     """Slots ``start`` .. ``k - 1`` of ``g``."""
     return Drafted(g.drafts[start:k], None if g.q is None else g.q[start:k],
-                   None if g.alts is None else g.alts[start:k], None)
+                   None if g.alts is None else g.alts[start:k], None, None if g.own is None else g.own[start:k])

@@ -62,12 +62,13 @@ def draft_worker(link: Link, drafter, fault: str = "", idle: float | None = None
     the longest wait for the next COMMIT, in seconds (None: the link's default). ``lock`` is
     held while the drafter works; once ``epoch`` is no longer current this returns untouched.
     ``fanout``: branches drafted ahead per request and round (`hal.distributed.speculate`; 0:
-    none; a drafter that reads the target's features never drafts ahead); ``bounded`` False:
+    none; a drafter that reads the target's features drafts ahead only with ``own_features``); ``bounded`` False:
     the whole fan-out before the next message (tests: hits that do not depend on timing)."""
     ep = epoch or Epoch()
     reqs, lock = ep.reqs, lock or contextlib.nullcontext()
     hist = HistoryBuffer("cpu")   # the committed tokens the drafter reads (drafters move them to their device)
-    fan = FanOut(fanout if capabilities(drafter).features is None else 0, bounded)
+    caps = capabilities(drafter)
+    fan = FanOut(fanout if caps.features is None or caps.own_features else 0, bounded, caps.own_features)
     inbox: queue.Queue = queue.Queue()
     threading.Thread(target=_receive, args=(link, inbox, idle), daemon=True, name=f"hal-recv-{ep.number}").start()
     replies = 0
@@ -144,7 +145,8 @@ def _ahead(fan: FanOut, reqs: dict[int, _Req], hist: HistoryBuffer, drafter, loc
             if group:
                 rids = [b.rid for b in group]
                 res = _propose(drafter, reqs, hist, rids, [reqs[r].k + extra for r in rids], [b.base for b in group],
-                               [reqs[r].offset - extra for r in rids], TOP + 1)
+                               [reqs[r].offset - extra for r in rids], TOP + 1,
+                               [b.own for b in group] if fan.own_features else None)
                 got.update(zip(map(id, group), res))
         fan.store(wave, [got[id(b)] for b in wave], time.perf_counter() - t0)
         return True
@@ -254,10 +256,12 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def _propose(drafter, reqs: dict[int, _Req], hist: HistoryBuffer, rids: list[int], ks: list[int],
-             bases: list[list[int]], offsets: list[int], alternatives: int = 0) -> list[Drafted]:
+             bases: list[list[int]], offsets: list[int], alternatives: int = 0,
+             own: list[Tensor] | None = None) -> list[Drafted]:
     """Run the drafter on ``bases`` (each the committed history, or a branch of it whose
-    uncommitted tail is written after it as scratch), drawing from ``offsets``. The drafter
-    is first told how much of what it last drafted each base keeps (`Drafter.commit`)."""
+    uncommitted tail is written after it as scratch; ``own``: a feature drafter's own features
+    for each tail, one row per tail token), drawing from ``offsets``. The drafter is first told
+    how much of what it last drafted each base keeps (`Drafter.commit`)."""
     for rid, base in zip(rids, bases):
         tail = base[len(reqs[rid].tokens):]
         if tail:
@@ -267,9 +271,15 @@ def _propose(drafter, reqs: dict[int, _Req], hist: HistoryBuffer, rids: list[int
         drafter.commit([rid for rid, _ in kept], [n for _, n in kept])
     lens = [len(b) for b in bases]
     features, num_features = pack_features([reqs[r].features for r in rids])
+    tails = [len(b) - len(reqs[r].tokens) for r, b in zip(rids, bases)]
+    if own is not None and any(t and (g is None or len(g) != t) for g, t in zip(own, tails)):
+        raise HalError(f"hal.launch worker: expected own features for each branch's {tails} tail tokens, got "
+                       f"{[None if g is None else len(g) for g in own]}")
+    guesses = None if own is None or not any(tails) else torch.cat([g for g, t in zip(own, tails) if t])
     batch = DraftBatch(rids=tuple(rids), params=tuple(reqs[r].params for r in rids), history=hist.view(rids, max(lens)),
                        num_tokens=torch.tensor(lens), lengths=tuple(lens), k=tuple(ks), offsets=tuple(offsets),
-                       features=features, num_features=num_features, alternatives=alternatives)
+                       features=features, num_features=num_features, alternatives=alternatives,
+                       own_features=guesses, num_own=tuple(tails) if guesses is not None else ())
     prop = drafter.propose(batch)
     for r in rids:
         reqs[r].features = []   # passed once
@@ -283,10 +293,12 @@ def _split(prop, ks: list[int]) -> list[Drafted]:
     valid = ks if prop.num_valid is None else [int(v) for v in prop.num_valid.cpu().tolist()]
     q = None if prop.draft_probs is None else prop.draft_probs.cpu()
     top = None if prop.top_ids is None else list(zip(prop.top_ids.cpu().tolist(), prop.top_probs.cpu().tolist()))
+    own = None if prop.own_features is None else prop.own_features.cpu()
     out, c = [], 0
     for k, n in zip(ks, valid):
         alts = None if top is None else [list(zip(*top[j])) for j in range(c, c + n)]
-        out.append(Drafted(ids[c:c + n], None if q is None else q[c:c + n], alts, None if par is None else par[c:c + n]))
+        out.append(Drafted(ids[c:c + n], None if q is None else q[c:c + n], alts, None if par is None else par[c:c + n],
+                           None if own is None else own[c:c + n]))
         c += k
     return out
 

@@ -16,18 +16,23 @@ from hal.engine.drafting import DraftBatch, Proposal
 
 
 def slots(drafts: Tensor, k: tuple[int, ...], probs: Tensor | None = None, num_valid=None,
-          top: tuple[Tensor, Tensor] | None = None) -> Proposal:
-    """A `Proposal` from padded drafts ``[R, K]`` (and q ``[R, K, V]``, and each slot's likeliest
-    tokens and their probabilities ``[R, K, F]`` twice): the first ``k[i]`` of row i."""
-    R, K = drafts.shape[0], drafts.shape[1] if drafts.dim() == 2 else 0
-    dev = drafts.device
-    idx = torch.tensor([i * K + j for i, n in enumerate(k) for j in range(n)], dtype=torch.long).to(dev)
-    cu = torch.tensor([0, *k], dtype=torch.long).cumsum(0).to(dev)
-    ids = drafts.reshape(-1)[idx].long()
-    q = None if probs is None else probs.reshape(R * K, -1)[idx]
-    top_ids, top_p = (None, None) if top is None else (t.reshape(R * K, -1)[idx] for t in top)
+          top: tuple[Tensor, Tensor] | None = None, own: Tensor | None = None) -> Proposal:
+    """A `Proposal` from padded drafts ``[R, K]`` (and q ``[R, K, V]``, each slot's likeliest
+    tokens and their probabilities ``[R, K, F]`` twice, and the drafter's own features ``[R, K,
+    H]``): the first ``k[i]`` of row i."""
+    cu = torch.tensor([0, *k], dtype=torch.long).cumsum(0).to(drafts.device)
+    ids = slot_rows(drafts, k).long()
+    q = None if probs is None else slot_rows(probs, k)
+    top_ids, top_p = (None, None) if top is None else (slot_rows(t, k) for t in top)
     return Proposal(draft_token_ids=ids, cu_num_draft_tokens=cu, draft_probs=q, num_valid=num_valid,
-                    top_ids=top_ids, top_probs=top_p)
+                    top_ids=top_ids, top_probs=top_p, own_features=None if own is None else slot_rows(own, k))
+
+
+def slot_rows(padded: Tensor, k: tuple[int, ...]) -> Tensor:
+    """Rows ``[sum(k), ...]`` of a padded ``[R, K, ...]``: the first ``k[i]`` of row i."""
+    R, K = padded.shape[0], padded.shape[1] if padded.dim() >= 2 else 0
+    idx = torch.tensor([i * K + j for i, n in enumerate(k) for j in range(n)], dtype=torch.long).to(padded.device)
+    return padded.reshape(R * K, *padded.shape[2:])[idx]
 
 
 def empty(R: int, device) -> Proposal:
@@ -37,18 +42,23 @@ def empty(R: int, device) -> Proposal:
 def subset(batch: DraftBatch, keep: list[int]) -> DraftBatch:
     """The rows ``keep`` of a `DraftBatch` (its features and prefix-cache names too)."""
     pick = lambda t: t[torch.tensor(keep, dtype=torch.long).to(t.device)]  # noqa: E731
-    feats, counts = batch.features, batch.num_features
-    if feats is not None:
-        cu = cumulative(counts)
-        feats = pick_rows(feats, [j for i in keep for j in range(cu[i], cu[i + 1])])
-        counts = tuple(counts[i] for i in keep)
+    feats, counts = _pick_blocks(batch.features, batch.num_features, keep)
+    own, num_own = _pick_blocks(batch.own_features, batch.num_own, keep)
     rows = lambda xs: tuple(xs[i] for i in keep)  # noqa: E731
     return DraftBatch(rids=rows(batch.rids), params=rows(batch.params), history=pick(batch.history),
                       num_tokens=pick(batch.num_tokens), lengths=None if batch.lengths is None else rows(batch.lengths),
                       k=rows(batch.k), offsets=rows(batch.offsets),
                       hidden=None if batch.hidden is None else pick(batch.hidden), features=feats, num_features=counts,
                       names=rows(batch.names) if batch.names else (), names_block_size=batch.names_block_size,
-                      costs=batch.costs, alternatives=batch.alternatives)
+                      costs=batch.costs, alternatives=batch.alternatives, own_features=own, num_own=num_own)
+
+
+def _pick_blocks(rows: Tensor | None, counts: tuple[int, ...], keep: list[int]):
+    """The blocks ``keep`` of rows stored request after request (``counts[i]`` rows each)."""
+    if rows is None:
+        return None, tuple(counts[i] for i in keep) if counts else ()
+    cu = cumulative(counts)
+    return pick_rows(rows, [j for i in keep for j in range(cu[i], cu[i + 1])]), tuple(counts[i] for i in keep)
 
 
 def pick_rows(t: Tensor, rows: list[int]) -> Tensor:
@@ -61,16 +71,24 @@ def widen(batch: DraftBatch, keep: list[int], part: Proposal | None, dev) -> Pro
     cu = cumulative(batch.k)
     at = torch.tensor([cu[i] + j for i in keep for j in range(batch.k[i])], dtype=torch.long).to(dev)
     ids = torch.zeros(cu[-1], dtype=torch.long, device=dev)
-    probs = None
+    probs = own = top = None
     if part is not None and len(at):
         ids[at] = part.draft_token_ids
         if part.draft_probs is not None:
             probs = torch.zeros(cu[-1], part.draft_probs.shape[1], device=dev)
             probs[:, 0] = 1   # filler slots: valid rows, never verified
             probs[at] = part.draft_probs
+        if part.own_features is not None:
+            own = part.own_features.new_zeros(cu[-1], part.own_features.shape[1])
+            own[at] = part.own_features
+        if part.top_ids is not None:   # filler slots: token 0 at probability 0
+            top = [t.new_zeros(cu[-1], t.shape[1]) for t in (part.top_ids, part.top_probs)]
+            top[0][at], top[1][at] = part.top_ids, part.top_probs
     kept = set(keep)
     return Proposal(draft_token_ids=ids, cu_num_draft_tokens=torch.tensor(cu).to(dev), draft_probs=probs,
-                    num_valid=torch.tensor([k if i in kept else 0 for i, k in enumerate(batch.k)]))
+                    num_valid=torch.tensor([k if i in kept else 0 for i, k in enumerate(batch.k)]),
+                    top_ids=None if top is None else top[0], top_probs=None if top is None else top[1],
+                    own_features=own)
 
 
 def sample_chain(batch: DraftBatch, backend, dev, step: Callable[[Tensor, int], Tensor]) -> Proposal:

@@ -13,7 +13,7 @@ from hal import kv
 from hal.engine import trees
 from hal.ops import cumulative
 from hal.drafters.draft_kv import DraftKV
-from hal.drafters.batching import empty, sample_chain, slots, subset, widen
+from hal.drafters.batching import empty, sample_chain, slot_rows, slots, subset, widen
 from hal.models.eagle import EagleModel
 from hal.engine.forward import make_batch, readback
 from hal.errors import HalError
@@ -36,9 +36,15 @@ class HeadDrafter:
     ``shadow``: a greedy first draft costs no head step (it comes from the feed of the new
     features, which runs anyway), so a router may score it for requests it routed to k = 0 and
     keep learning their acceptance (without it, a request routed off early stayed off: open chat
-    routed 1.05x in one of three runs, 1.24-1.44x with it; measured in the session notes)."""
+    routed 1.05x in one of three runs, 1.24-1.44x with it; measured in the session notes).
+
+    ``own_features``: a chain's `Proposal.own_features` are the head's outputs it drew each
+    slot from (its guesses of the target's features), and a `DraftBatch` may end a history with
+    an uncommitted tail fed with such guesses (`DraftBatch.own_features`): those pairs go into
+    the scratch KV only, so the draft worker drafts the next round ahead of verification."""
 
     shadow = True
+    own_features = True
 
     def __init__(self, head: EagleModel, num_blocks: int = 512, block_size: int = 16,
                  tree: tuple[int, int] | None = None):
@@ -66,21 +72,28 @@ class HeadDrafter:
             raise HalError("HeadDrafter.propose: expected host lengths (it is not a lookahead drafter), got None")
         if batch.features is None and sum(batch.num_features):
             raise HalError("HeadDrafter.propose: expected DraftBatch.features, got None")
+        if batch.own_features is not None and self.tree is not None:
+            raise HalError("HeadDrafter.propose: expected no DraftBatch.own_features for a tree head (it drafts "
+                           "chains ahead only), got some")
         dev = self.head.device
         cu = cumulative(batch.num_features or (0,) * len(batch.rids))
+        own = batch.num_own or (0,) * len(batch.rids)
         keep, plan, K = [], [], max(batch.k, default=0)
         if self.tree is not None and K:   # the re-fed expanded nodes of the deepest level
             K = self.tree[0] * (self.tree[1] - 1)
         need = 0
         for i, (rid, length) in enumerate(zip(batch.rids, batch.lengths)):
-            n = cu[i + 1] - cu[i]
-            start, v = length - 1 - n, self.draft_kv.valid_len(rid)
-            need += self.draft_kv.blocks_needed(rid, length - 1 + K)
-            if start > v or (n == 0 and rid not in self.last) or rid in self.lost_rids or need > self.draft_kv.num_free:
+            n, m = cu[i + 1] - cu[i], own[i]
+            start, v = length - 1 - n - m, self.draft_kv.valid_len(rid)
+            grow = self.draft_kv.blocks_needed(rid, length - 1 + K)
+            if m and (start > v or need + grow > self.draft_kv.num_free):
+                continue                      # a tail drafted ahead that does not fit: no drafts, nothing lost
+            need += grow
+            if start > v or (n + m == 0 and rid not in self.last) or rid in self.lost_rids or need > self.draft_kv.num_free:
                 self._lose(rid)
                 continue
             keep.append(i)
-            plan.append((rid, length, max(0, v - start)))   # skip features it already has
+            plan.append((rid, length, max(0, v - start), m))   # skip features it already has
         if not keep:
             return empty(len(batch.rids), dev) if not any(batch.k) else widen(batch, [], None, dev)
         sub = batch if len(keep) == len(batch.rids) else subset(batch, keep)
@@ -90,27 +103,32 @@ class HeadDrafter:
     def _propose(self, b: DraftBatch, plan) -> Proposal:
         dev, head = self.head.device, self.head
         feats = None if b.features is None else b.features.to(dev, torch.float32)
+        guesses = None if b.own_features is None else b.own_features.to(dev, torch.float32)
         inputs, toks, seqs, lens = [], [], [], []
         hist = b.history.to(dev)
-        end = 0
-        for i, ((rid, length, skip), n) in enumerate(zip(plan, b.num_features or (0,) * len(plan))):
+        end = end_own = 0
+        for i, ((rid, length, skip, m), n) in enumerate(zip(plan, b.num_features or (0,) * len(plan))):
             a, z, end = end + skip, end + n, end + n    # this request's rows of b.features, minus those it has
             seq = self.draft_kv.sequence(rid)
-            if z > a:                     # new target features: positions L-1-(z-a) .. L-2
+            x = None                      # m > 0 with nothing new: the tail's pairs alone
+            if z > a:                     # new target features: positions L-1-(z-a) .. L-2 (L: committed)
                 x = feats[a:z]
                 self.last[rid] = x[-1]
-            else:                         # nothing new: feed the newest pair again
+            elif not m:                   # nothing new: feed the newest pair again
                 x = self.last[rid][None]
-            p0 = length - 1 - x.shape[0]
+            mine = guesses[end_own:end_own + m] if m else None   # the uncommitted tail's pairs: own features
+            end_own += m
+            n_fed = (0 if x is None else x.shape[0]) + m
+            p0 = length - 1 - n_fed
             seq.truncate(p0)
-            inputs.append(x)
+            inputs.append((x, mine))
             toks.append(hist[i, p0 + 1:length])
             seqs.append(seq)
-            lens.append(x.shape[0])
-            self.draft_kv.mark_valid(rid, length - 1)
-        tokens, x = torch.cat(toks), torch.cat(inputs)
+            lens.append(n_fed)
+            self.draft_kv.mark_valid(rid, length - 1 - m)
+        tokens, x, from_target = torch.cat(toks), *self._inputs(inputs, guesses is not None)
         batch = make_batch(self.be, dev, self.pool, seqs, lens, tokens)
-        logits0, h = head.forward(batch, self.pool.k[0], self.pool.v[0], tokens, x, True)
+        logits0, h = head.forward(batch, self.pool.k[0], self.pool.v[0], tokens, x, from_target)
         for seq, n in zip(seqs, lens):
             seq.commit(n)
         state = {"h": h[batch.logits_rows]}
@@ -118,13 +136,24 @@ class HeadDrafter:
             return self._tree(b, seqs, logits0, state["h"])
         if all(p.temperature == 0 for p in b.params):   # greedy: argmax over the draft vocabulary, no sampler
             return self._greedy_chain(b, seqs, logits0, state["h"])
+        own = []
 
         def step(prev, j):
-            if j == 0:
-                return head.full_logits(logits0)
-            logits, state["h"] = self._feed(seqs, prev, state["h"])
-            return head.full_logits(logits)
-        return sample_chain(b, self.be, dev, step)
+            if j:
+                logits, state["h"] = self._feed(seqs, prev, state["h"])
+            own.append(state["h"])
+            return head.full_logits(logits0 if j == 0 else logits)
+        prop = sample_chain(b, self.be, dev, step)
+        return replace(prop, own_features=slot_rows(torch.stack(own, 1).float(), b.k)) if own else prop
+
+    def _inputs(self, inputs: list[tuple[Tensor, Tensor | None]], own: bool) -> tuple[Tensor, bool]:
+        """The feed's feature rows, request after request, and whether they are the target's:
+        with any own features in the batch the target's are fused first (row by row, so each
+        row's bits are the ones the head's own fusion gives), then each request's own follow."""
+        if not own:
+            return torch.cat([x for x, _ in inputs]), True
+        rows = [t for x, mine in inputs for t in (None if x is None else self.head.fuse(x), mine) if t is not None]
+        return torch.cat(rows), False
 
     def _feed(self, seqs, tokens: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
         """One draft step: each request's previous draft with the head's own output (scratch KV)."""
@@ -135,13 +164,22 @@ class HeadDrafter:
         return logits, h
 
     def _greedy_chain(self, b: DraftBatch, seqs, logits: Tensor, h: Tensor) -> Proposal:
-        head, dev, toks = self.head, self.head.device, []
+        """The argmax chain; with ``b.alternatives`` = F each slot's F likeliest tokens under
+        softmax(logits) too, and each slot's state as its own feature."""
+        head, dev, toks, own, top = self.head, self.head.device, [], [], []
+        to_target = (lambda t: t) if head.draft_ids is None else (lambda t: head.draft_ids[t])  # noqa: E731
         for j in range(max(b.k, default=0)):
             if j:
                 logits, h = self._feed(seqs, toks[-1], h)
-            best = logits.argmax(-1)
-            toks.append(best if head.draft_ids is None else head.draft_ids[best])
-        return slots(torch.stack(toks, 1) if toks else torch.zeros(len(seqs), 0, dtype=torch.long, device=dev), b.k)
+            own.append(h)
+            toks.append(to_target(logits.argmax(-1)))
+            if b.alternatives:
+                p, i = torch.softmax(logits.float(), -1).topk(min(b.alternatives, logits.shape[-1]), -1)
+                top.append((to_target(i), p))
+        if not toks:
+            return slots(torch.zeros(len(seqs), 0, dtype=torch.long, device=dev), b.k)
+        alts = (torch.stack([i for i, _ in top], 1), torch.stack([p for _, p in top], 1)) if top else None
+        return slots(torch.stack(toks, 1), b.k, top=alts, own=torch.stack(own, 1).float())
 
     def _tree(self, batch: DraftBatch, seqs, logits: Tensor, h: Tensor) -> Proposal:
         """EAGLE-2's dynamic tree, on the device. The root's ``topk`` likeliest tokens are the

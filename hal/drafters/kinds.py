@@ -32,6 +32,8 @@ class DraftKind:
     weights: bool = False    # loads draft-model weights of its own (planned by `draft_memory`)
     cli: bool = True         # offered by ``spec-hal generate / demo / bench``
     remote: bool = True      # can run on a separate draft rank
+    ahead: bool = True       # there, drafts the next round ahead of verification (`hal.distributed.speculate`;
+    #                          never a tree; a head only from its own features: the chain head)
 
     def form(self) -> str:
         return self.name + self.argument
@@ -40,17 +42,21 @@ class DraftKind:
 DRAFT_KINDS = (
     DraftKind("none", "", "plain decoding", remote=False),
     DraftKind("ngram", "", "n-gram prompt lookup (vLLM's proposer)"),
-    DraftKind("ngram-tree", "", "prompt lookup's candidates as branches of one draft tree", tree=True),
+    DraftKind("ngram-tree", "", "prompt lookup's candidates as branches of one draft tree", tree=True, ahead=False),
     DraftKind("self", "[:L]", "the target's first L layers (half of them by default)", weights=True),
     DraftKind("model", ":<path>", "a separate draft model (.gguf or HF folder)", weights=True, cli=False),
     DraftKind("eagle", "[:<path>]", "an EAGLE head: the one shipped for the model, or a folder in the "
               "EAGLE-1 / EAGLE-3 layout", head=True),
-    DraftKind("ngram+eagle", "[:<path>]", "n-gram lookup where it matches, the EAGLE head elsewhere", head=True),
-    DraftKind("eagle-tree", "[:<path>]", "EAGLE-2 dynamic draft trees from the head", head=True, tree=True),
-    DraftKind("ngram+eagle-tree", "[:<path>]", "n-gram lookup, else the head's EAGLE-2 trees", head=True, tree=True),
+    DraftKind("ngram+eagle", "[:<path>]", "n-gram lookup where it matches, the EAGLE head elsewhere", head=True,
+              ahead=False),
+    DraftKind("eagle-tree", "[:<path>]", "EAGLE-2 dynamic draft trees from the head", head=True, tree=True,
+              ahead=False),
+    DraftKind("ngram+eagle-tree", "[:<path>]", "n-gram lookup, else the head's EAGLE-2 trees", head=True, tree=True,
+              ahead=False),
     DraftKind("dspark", "[:<path>]", "a DSpark block drafter (one forward per block, confidence-scheduled "
-              "verification): the one shipped for the model, or a folder", head=True),
-    DraftKind("ngram+dspark", "[:<path>]", "n-gram lookup where it matches, the block drafter elsewhere", head=True),
+              "verification): the one shipped for the model, or a folder", head=True, ahead=False),
+    DraftKind("ngram+dspark", "[:<path>]", "n-gram lookup where it matches, the block drafter elsewhere", head=True,
+              ahead=False),
 )
 KINDS = {kind.name: kind for kind in DRAFT_KINDS}
 HEADS = tuple(kind.name for kind in DRAFT_KINDS if kind.head)   # the kinds that read the target's features

@@ -37,6 +37,11 @@ class DraftBatch:
     #                        schedules its own verification length reads it); None otherwise
     alternatives: int = 0  # F > 0: also return each slot's F likeliest tokens (`Proposal.top_ids`), if the
     #                        drafter has a distribution there; the draft worker ranks its fan-out by them
+    own_features: Tensor | None = None  # [sum(num_own), F] for a drafter with ``own_features``: features for each
+    #                        history's uncommitted tail (positions lengths[i] - 1 - num_own[i] .. lengths[i] - 2,
+    #                        after the target's), the drafter's own guesses of the target's (`Proposal.own_features`
+    #                        of an earlier call); for this call only, never kept (the draft worker's fan-out)
+    num_own: tuple[int, ...] = ()
 
 
 def pack_features(per_request: list[list[Tensor]]) -> tuple[Tensor | None, tuple[int, ...]]:
@@ -70,6 +75,9 @@ class Proposal:
     top_ids: Tensor | None = None      # [N, F] int64: each slot's F likeliest tokens under the drafter
     #                                    (`DraftBatch.alternatives`), likeliest first; None: not asked or unknown
     top_probs: Tensor | None = None    # [N, F] float32: their probabilities (q where sampled, else softmax)
+    own_features: Tensor | None = None  # [N, F] float32 from a drafter with ``own_features``: at slot j, its own
+    #                                    guess of the target's feature at the position before slot j (the state
+    #                                    slot j was drawn from); a later call's `DraftBatch.own_features`
 
 
 @dataclass(frozen=True)
@@ -89,6 +97,11 @@ class DrafterCapabilities:
     the residual streams entering those layers, concatenated, or for ``()`` the final normed
     hidden state. Each position's feature is passed once, in order, to the first `propose`
     after it was computed. None: no features."""
+    own_features: bool = False
+    """With ``features``: it also drafts on histories whose last positions have no target
+    features yet, from its own guesses of them (`DraftBatch.own_features`, from its earlier
+    `Proposal.own_features`), so the draft worker can draft the next round ahead of the
+    target's verification (EAGLE-3 / DFlash "training-time test" style)."""
     be: object = None
     """The backend it runs its ops on (read from ``be``, else its ``model``'s), synchronised
     around timings; None: it runs nothing here (a remote drafter)."""
@@ -103,7 +116,9 @@ def capabilities(drafter) -> DrafterCapabilities:
     features = getattr(drafter, "features", None)
     be = getattr(drafter, "be", None) or getattr(getattr(drafter, "model", None), "be", None)
     return DrafterCapabilities(bool(getattr(drafter, "lookahead", False)), bool(getattr(drafter, "shadow", False)),
-                               None if features is None else tuple(features), be, getattr(drafter, "pool", None))
+                               None if features is None else tuple(features),
+                               features is not None and bool(getattr(drafter, "own_features", False)), be,
+                               getattr(drafter, "pool", None))
 
 
 class Drafter(Protocol):

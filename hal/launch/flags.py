@@ -94,8 +94,9 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--placement-hit-rate", type=bounded(float, 0, 1), default=0.0,
                     help="HAL_PLACEMENT=auto: the share of rounds a draft on another rank answers from its "
                          "speculation cache (spec_cache_hits / (hits + misses) in /metrics); 0, the default, "
-                         "scores another rank as paying its link and its drafting every round. A drafter that "
-                         "reads the target's features never drafts ahead: it is scored at 0 whatever this says")
+                         "scores another rank as paying its link and its drafting every round. Trees and the heads "
+                         "other than eagle (ngram+eagle, eagle-tree, dspark) never draft ahead: they are scored at 0 "
+                         "whatever this says")
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                     help="reuse the target KV of prompt blocks seen before (default: on, unless the drafter "
                          "reads the target's features: an EAGLE head; --enable-prefix-caching then refuses)")

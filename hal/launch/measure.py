@@ -189,10 +189,10 @@ def auto_target(args, spec, path: str, max_seqs: int, rv=None):
 
 def ahead_hit_rate(args, spec) -> float:
     """The speculation-cache hit rate another rank is scored at: ``--placement-hit-rate``, or
-    0 where the worker never drafts ahead (a drafter that reads the target's features, or
-    ``--fanout 0``)."""
-    from hal.drafters.kinds import HEADS
-    return 0.0 if spec.kind in HEADS or not args.fanout else args.placement_hit_rate
+    0 where the worker never drafts ahead (`DraftKind.ahead` False: trees, and heads other than
+    the chain head; or ``--fanout 0``)."""
+    from hal.drafters.kinds import KINDS
+    return 0.0 if not KINDS[spec.kind].ahead or not args.fanout else args.placement_hit_rate
 
 
 def auto_worker(args, spec, path: str, rv) -> str | None:

@@ -80,6 +80,11 @@ class EagleModel:
     def feature_layers(self) -> tuple[int, ...]:
         return self.cfg.feature_layers if self.cfg.version == 3 else ()
 
+    def fuse(self, x: Tensor) -> Tensor:
+        """Target features [T, F] as the head's own features [T, H] (what ``forward`` makes of
+        them with ``from_target``: EAGLE-3's fc; EAGLE-1 reads them as they are)."""
+        return self.linear(x, self.w["fc"]) if self.cfg.version == 3 else x
+
     def forward(self, batch: Batch, k_cache: Tensor, v_cache: Tensor, tokens: Tensor, x: Tensor,
                 from_target: bool, tree_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Draft-vocabulary logits [len(logits_rows), Vd] and the layer's output [T, H] (the
@@ -93,7 +98,7 @@ class EagleModel:
             h = lin(torch.cat([e, x], -1), w["fc"]) + (w["fc_bias"] if "fc_bias" in w else 0)
             inp = h if "attn_norm" not in w else _rms_norm(h, w["attn_norm"], cfg.eps)
         else:
-            h = lin(x, w["fc"]) if from_target else x
+            h = self.fuse(x) if from_target else x
             inp = torch.cat([_rms_norm(e, w["attn_norm"], cfg.eps), _rms_norm(h, w["hidden_norm"], cfg.eps)], -1)
         nq, nk = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
         qkv = lin(inp, w["wqkv"])

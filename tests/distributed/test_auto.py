@@ -76,7 +76,7 @@ def test_another_rank_pays_off_only_as_far_as_its_drafts_are_ready_ahead():
     assert remote.tokens_per_s < cold.best.tokens_per_s
 
 
-def test_the_hit_rate_is_a_share_and_heads_never_draft_ahead():
+def test_the_hit_rate_is_a_share_and_only_the_chain_head_drafts_ahead_among_heads():
     from argparse import Namespace
     from hal.drafters.kinds import parse_draft
     from hal.launch.measure import ahead_hit_rate
@@ -85,7 +85,9 @@ def test_the_hit_rate_is_a_share_and_heads_never_draft_ahead():
     args = Namespace(placement_hit_rate=0.7, fanout=8)
     assert ahead_hit_rate(args, parse_draft("ngram")) == 0.7
     assert ahead_hit_rate(Namespace(placement_hit_rate=0.7, fanout=0), parse_draft("ngram")) == 0.0
-    assert ahead_hit_rate(args, parse_draft("eagle")) == 0.0
+    assert ahead_hit_rate(args, parse_draft("eagle")) == 0.7          # from its own features
+    for kind in ("ngram+eagle", "eagle-tree", "dspark", "ngram-tree"):
+        assert ahead_hit_rate(args, parse_draft(kind)) == 0.0
 
 
 def test_a_slow_link_keeps_the_draft_in_process():

@@ -292,7 +292,8 @@ def test_a_head_on_the_draft_rank_gets_the_features_over_the_link(target, tmp_pa
         def send(self, words, rows=None, idx=None):
             sent.append(0 if rows is None else rows.numel() * rows.element_size())
             super().send(words, rows, idx)
-    worker = threading.Thread(target=draft_worker, daemon=True, args=(QueueLink(a, b), HeadDrafter(head, tree=tree)))
+    worker = threading.Thread(target=draft_worker, daemon=True, args=(QueueLink(a, b), HeadDrafter(head, tree=tree)),
+                              kwargs=dict(fanout=0))   # no drafting ahead: every draft from the target's features
     worker.start()
     metrics = SpecDecodeMetrics()
     remote = RemoteDrafter(Counting(b, a), V, torch.device("cpu"), metrics, timeout=30, features=head.feature_layers)
@@ -386,3 +387,66 @@ def test_the_head_runs_its_linears_through_the_targets_plan(target, tmp_path):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     plain = Llama(target.cfg, dict(target.w), target.be, batch_invariant=False, dtype="float32")
     assert load_eagle(path, plain).linears == "plain F.linear (the target runs plain)"
+
+
+def head_batch(ids: list[int], k: int, feats=None, own=None, temperature=0.0, F=0):
+    """A one-request `DraftBatch` on history ``ids``: ``feats`` the target's new features,
+    ``own`` the head's own for an uncommitted tail of ``len(own)`` tokens."""
+    from hal.engine.drafting import DraftBatch
+    from hal.engine.requests import SamplingParams
+    return DraftBatch(rids=(0,), params=(SamplingParams(temperature=temperature, seed=3),), history=torch.tensor([ids]),
+                      num_tokens=torch.tensor([len(ids)]), lengths=(len(ids),), k=(k,), offsets=(0,), features=feats,
+                      num_features=(0 if feats is None else len(feats),), own_features=own,
+                      num_own=() if own is None else (len(own),), alternatives=F)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_tail_fed_with_own_features_drafts_as_if_they_were_the_targets_and_is_never_kept(target, tmp_path,
+                                                                                           temperature):
+    """Issue 36 item 3: a history ending in an uncommitted tail, fed with features passed as the
+    head's own (`DraftBatch.own_features`, here the target's fused by the head's fc), drafts
+    exactly what the head drafts when the same rows come as the target's; afterwards the head holds only the target's (its next drafts
+    from the real features equal a head that never saw the tail). A chain returns one own
+    feature per slot and, asked, each slot's alternatives."""
+    head = load_eagle(eagle3(tmp_path), target)
+    full = list(range(1, 40, 3)) + [20, 21]
+    C, f = len(full) - 2, target_features(target, full, head.feature_layers)
+    spec, ref = HeadDrafter(head), HeadDrafter(head)
+    first = spec.propose(head_batch(full[:C], 3, f[:C - 1], temperature=temperature, F=4))
+    ref.propose(head_batch(full[:C], 3, f[:C - 1], temperature=temperature, F=4))
+    assert first.own_features.shape == (3, H) and first.top_ids.shape == (3, 4)   # the head's space: fc's output
+    assert int(first.draft_token_ids[0]) in first.top_ids[0].tolist()
+    ahead = spec.propose(head_batch(full, 3, own=head.fuse(f[C - 1:C + 1]), temperature=temperature))
+    real = ref.propose(head_batch(full, 3, f[C - 1:C + 1], temperature=temperature))
+    assert torch.equal(ahead.draft_token_ids, real.draft_token_ids)
+    assert spec.draft_kv.valid_len(0) == C - 1                      # the tail's pairs are scratch
+    again = spec.propose(head_batch(full, 3, f[C - 1:C + 1], temperature=temperature))
+    assert torch.equal(again.draft_token_ids, real.draft_token_ids)
+    wrong = HeadDrafter(head)   # PLANTED: the tail's features dropped (the head drafts on the committed prefix alone)
+    wrong.propose(head_batch(full[:C], 3, f[:C - 1]))
+    assert not torch.equal(wrong.propose(head_batch(full[:C], 3)).draft_token_ids, real.draft_token_ids)
+
+
+def test_a_head_on_the_draft_rank_drafts_the_next_round_ahead_with_its_own_features(target, tmp_path):
+    """The worker's fan-out for an EAGLE head (`hal.distributed.speculate`): each branch's tail
+    is fed the head's own features, some COMMITs are answered from the speculation cache, and
+    greedy output still equals plain greedy."""
+    import queue
+    import threading
+
+    from hal.metrics import SpecDecodeMetrics
+    from hal.distributed.remote import RemoteDrafter
+    from hal.distributed.worker import draft_worker
+    from tests.launch.test_generate import QueueLink
+    head = load_eagle(eagle3(tmp_path), target)
+    a, b = queue.Queue(), queue.Queue()
+    worker = threading.Thread(target=draft_worker, daemon=True, args=(QueueLink(a, b), HeadDrafter(head)),
+                              kwargs=dict(fanout=16, bounded=False))   # the whole fan-out: hits whatever the timing
+    worker.start()
+    metrics = SpecDecodeMetrics()
+    remote = RemoteDrafter(QueueLink(b, a), V, torch.device("cpu"), metrics, timeout=30, features=head.feature_layers)
+    lossless(target, remote, PROMPTS, k=3, metrics=metrics)
+    remote.close()
+    worker.join(timeout=30)
+    assert metrics.draft_failures == 0 and metrics.stale_drafts == 0
+    assert metrics.fanout_branches > 0 and remote.cache_hits > 0
