@@ -10,6 +10,7 @@ drafting, receive), and the share of rounds whose drafting was hidden (the worke
 guess held: it drafted them while the target verified).
 
     python benchmarks/link_overlap.py [--drafts eagle,ngram] [--rtts 0,1,5] [--k 3] [--max-tokens 64] [--no-route]
+        [--fanouts 0,8] [--pin --threads 1 --worker-threads 1]
 """
 
 from __future__ import annotations
@@ -31,31 +32,38 @@ from tests.distributed.delayline import tcp_rtt, wired  # noqa: E402
 PROMPTS = ["What are some fun things to do on a rainy weekend?", "Explain glaciers to a beginner in a short paragraph."]
 
 
-def launcher(args, draft: str, out: Path) -> list[str]:
+def launcher(args, draft: str, out: Path, fanout: int | None = None) -> list[str]:
     return [sys.executable, "-m", "hal.launch", "--draft", draft, "--k", str(args.k), "--max-tokens",
             str(args.max_tokens), "--out", str(out)] + ([] if args.route else ["--no-route"]) + \
-        [a for p in PROMPTS for a in ("--prompt", p)]
+        ([] if fanout is None else ["--fanout", str(fanout)]) + [a for p in PROMPTS for a in ("--prompt", p)]
+
+
+def pinned(args, cpu: int) -> list[str]:
+    """``--pin``: the target and the in-process baseline on CPU 0, the draft worker on CPU 1."""
+    return ["taskset", "-c", str(cpu)] if args.pin else []
 
 
 def local(args, draft: str, out: Path) -> dict:
-    r = subprocess.run(launcher(args, draft, out), capture_output=True, text=True, timeout=1200,
+    r = subprocess.run(pinned(args, 0) + launcher(args, draft, out), capture_output=True, text=True, timeout=1200,
                        env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
     if r.returncode != 0:
         raise SystemExit(r.stderr[-3000:])
     return json.loads(out.read_text())
 
 
-def remote(args, draft: str, hosts, out: Path) -> dict:
+def remote(args, draft: str, hosts, out: Path, fanout: int | None) -> dict:
     t_ns, d_ns, t_ip, _, t_if, d_if = hosts
     env = {**os.environ, "MASTER_ADDR": t_ip, "MASTER_PORT": "29533", "WORLD_SIZE": "2",
            "HAL_PLACEMENT": "draft=cpu,target=cpu", "OMP_NUM_THREADS": str(args.threads)}
-    cmd = launcher(args, draft, out)
-    worker = subprocess.Popen(["ip", "netns", "exec", d_ns, *cmd], env={**env, "RANK": "1", "GLOO_SOCKET_IFNAME": d_if,
-                                                                      "OMP_NUM_THREADS": str(args.worker_threads)},
+    cmd = launcher(args, draft, out, fanout)
+    worker = subprocess.Popen(["ip", "netns", "exec", d_ns, *pinned(args, 1), *cmd],
+                              env={**env, "RANK": "1", "GLOO_SOCKET_IFNAME": d_if,
+                                   "OMP_NUM_THREADS": str(args.worker_threads)},
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        r = subprocess.run(["ip", "netns", "exec", t_ns, *cmd], env={**env, "RANK": "0", "GLOO_SOCKET_IFNAME": t_if},
-                           capture_output=True, text=True, timeout=1200)
+        r = subprocess.run(["ip", "netns", "exec", t_ns, *pinned(args, 0), *cmd],
+                           env={**env, "RANK": "0", "GLOO_SOCKET_IFNAME": t_if}, capture_output=True, text=True,
+                           timeout=1200)
     finally:
         try:
             worker.wait(60)
@@ -78,52 +86,64 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=__import__("torch").get_num_threads())
     ap.add_argument("--worker-threads", type=int, default=None, help="the draft rank's threads (default: --threads)")
+    ap.add_argument("--fanouts", default="", help="the worker's --fanout values to run remote, e.g. 0,8 (default: "
+                    "its default)")
+    ap.add_argument("--pin", action="store_true", help="the target and the in-process baseline on CPU 0, the worker "
+                    "on CPU 1 (taskset): a second device of one core")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     args.worker_threads = args.worker_threads or args.threads
     from hal.models.machine import machine_line
     with wired("bo", 0.0) as h:
         base = tcp_rtt(h[0], h[1], h[3])   # the wire's own round trip at no delay
-    rows = []
+    rows, fanouts = [], [int(f) for f in args.fanouts.split(",")] if args.fanouts else [None]
     with tempfile.TemporaryDirectory() as tmp:
         for rtt_ms in (float(x) for x in args.rtts.split(",")):
             one_way = max(0.0, (rtt_ms / 1e3 - base) / 2) * 1e3
             with wired("bo", one_way) as hosts:
                 measured = tcp_rtt(hosts[0], hosts[1], hosts[3])
                 for draft in args.drafts.split(","):
-                    pairs = []
+                    runs: dict = {f: [] for f in fanouts}
                     for rep in range(args.reps):
                         a = local(args, draft, Path(tmp) / f"l{rep}.json")
-                        b = remote(args, draft, hosts, Path(tmp) / f"r{rep}.json")
-                        pairs.append((a, b))
-                    rows.append((rtt_ms, measured, draft, pairs))
-                    print(rows[-1][:3], [(a["seconds"], b["seconds"]) for a, b in pairs], flush=True)
+                        for f in fanouts:
+                            runs[f].append((a, remote(args, draft, hosts, Path(tmp) / f"r{rep}.json", f)))
+                    for f, pairs in runs.items():
+                        rows.append((rtt_ms, measured, draft, f, pairs))
+                        print(rows[-1][:4], [(a["seconds"], b["seconds"]) for a, b in pairs], flush=True)
     lines = [f"# The link hidden or not: the draft on another namespace at 0, 1 and 5 ms RTT (SmolLM2-135M, greedy, "
              f"k={args.k})", "",
              f"Command: `python benchmarks/link_overlap.py --drafts {args.drafts} --rtts {args.rtts} --k {args.k} "
-             f"--max-tokens {args.max_tokens} --reps {args.reps}{'' if args.route else ' --no-route'}`; {time.strftime('%Y-%m-%d')}; {len(PROMPTS)} prompts "
-             f"as one batch; both ranks and the baseline at {args.threads} threads on one host (network namespaces "
+             f"--max-tokens {args.max_tokens} --reps {args.reps}{'' if args.route else ' --no-route'}"
+             f"{f' --fanouts {args.fanouts}' if args.fanouts else ''}{' --pin' if args.pin else ''}"
+             f"{f' --threads {args.threads} --worker-threads {args.worker_threads}' if args.pin else ''}`; "
+             f"{time.strftime('%Y-%m-%d')}; {len(PROMPTS)} prompts "
+             f"as one batch; the target and the baseline at {args.threads} threads, the worker at "
+             f"{args.worker_threads}, on one host{' (target and baseline pinned to CPU 0, the worker to CPU 1)' if args.pin else ''} (network namespaces "
              f"joined by `tests.distributed.delayline`; its own round trip at no delay {base * 1e3:.3f} ms); {machine_line()}.",
-             "", "| RTT asked / measured (ms) | draft | step in-process (ms) | step remote (ms) | remote / in-process "
-             "| wait per round W (ms) | W - RTT (ms) | speculation cache hits / (hits + misses) | branches per round "
-             "| link hidden | outputs |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for rtt_ms, measured, draft, pairs in rows:
+             "", "| RTT asked / measured (ms) | draft | worker fan-out | step in-process (ms) | step remote (ms) | "
+             "remote / in-process | tok/s remote / in-process | wait per round W (ms) | W - RTT (ms) | "
+             "speculation cache hits / (hits + misses) | branches per round | outputs |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    tps = lambda r: sum(len(o) for o in r["outputs"]) / r["seconds"]  # noqa: E731
+    for rtt_ms, measured, draft, fanout, pairs in rows:
         s_in = statistics.median(a["seconds"] / a["steps"] for a, _ in pairs)
         s_rem = statistics.median(b["seconds"] / b["steps"] for _, b in pairs)
         wait = statistics.median(b["round_trip_seconds"] / max(1, b["rounds"]) for _, b in pairs)
+        speed = statistics.median(tps(b) / tps(a) for a, b in pairs)
         b = pairs[-1][1]
         same = all(a["outputs"] == b["outputs"] for a, b in pairs)
-        lines.append(f"| {rtt_ms:g} / {measured * 1e3:.2f} | {draft} | {s_in * 1e3:.1f} | {s_rem * 1e3:.1f} | "
-                     f"{s_rem / s_in:.3f}x | {wait * 1e3:.2f} | {(wait - measured) * 1e3:.2f} | "
+        lines.append(f"| {rtt_ms:g} / {measured * 1e3:.2f} | {draft} | {'default' if fanout is None else fanout} | "
+                     f"{s_in * 1e3:.1f} | {s_rem * 1e3:.1f} | {s_rem / s_in:.3f}x | {speed:.3f}x | "
+                     f"{wait * 1e3:.2f} | {(wait - measured) * 1e3:.2f} | "
                      f"{100 * b['cache_hits'] / max(1, b['cache_hits'] + b['cache_misses']):.0f}% "
                      f"({b['cache_hits']} / {b['cache_hits'] + b['cache_misses']}) | "
-                     f"{b['fanout_branches'] / max(1, b['rounds']):.1f} | 0% | {'identical' if same else 'DIFFERENT'} |")
+                     f"{b['fanout_branches'] / max(1, b['rounds']):.1f} | {'identical' if same else 'DIFFERENT'} |")
     lines += ["", "Step times are medians over the reps of seconds / steps; each remote run follows its in-process "
               "run. W is what the target waited per round (`round_trip_seconds / rounds`: send, the worker's "
               "drafting, receive). The worker's drafting is hidden for the requests answered from its speculation "
-              "cache (`hal.distributed.speculate`: it drafted the likeliest outcomes while the target verified); an "
-              "EAGLE head drafts from the round's own features, so it never drafts ahead. The link's round trip is "
+              "cache (`hal.distributed.speculate`: it drafted the likeliest outcomes while the target verified; an "
+              "EAGLE head from its own features). The link's round trip is "
               "never hidden: the target asks for the next drafts (the COMMIT is answered from the cache) only once "
               "it has verified. W - RTT is the rest of a round: the worker's drafting where not hidden, and on this "
               "2-core host both ranks and the wire sharing two cores (the target's OpenMP threads spin after each "

@@ -57,17 +57,20 @@ class Epoch:
 
 
 def draft_worker(link: Link, drafter, fault: str = "", idle: float | None = None, epoch: Epoch | None = None,
-                 lock: threading.Lock | None = None, fanout: int = FANOUT, bounded: bool = True) -> None:
+                 lock: threading.Lock | None = None, fanout: int | None = None, bounded: bool = True) -> None:
     """Serve DRAFTS for each COMMIT of ``epoch`` until STOP (see the module docstring); ``idle``:
     the longest wait for the next COMMIT, in seconds (None: the link's default). ``lock`` is
     held while the drafter works; once ``epoch`` is no longer current this returns untouched.
     ``fanout``: branches drafted ahead per request and round (`hal.distributed.speculate`; 0:
-    none; a drafter that reads the target's features drafts ahead only with ``own_features``); ``bounded`` False:
+    none; None: `FANOUT`, or 0 for a drafter that reads the target's features; such a drafter
+    drafts ahead only with ``own_features``); ``bounded`` False:
     the whole fan-out before the next message (tests: hits that do not depend on timing)."""
     ep = epoch or Epoch()
     reqs, lock = ep.reqs, lock or contextlib.nullcontext()
     hist = HistoryBuffer("cpu")   # the committed tokens the drafter reads (drafters move them to their device)
     caps = capabilities(drafter)
+    if fanout is None:   # a feature drafter drafts ahead (from its own features) only when asked
+        fanout = FANOUT if caps.features is None else 0
     fan = FanOut(fanout if caps.features is None or caps.own_features else 0, bounded, caps.own_features)
     inbox: queue.Queue = queue.Queue()
     threading.Thread(target=_receive, args=(link, inbox, idle), daemon=True, name=f"hal-recv-{ep.number}").start()
@@ -153,7 +156,7 @@ def _ahead(fan: FanOut, reqs: dict[int, _Req], hist: HistoryBuffer, drafter, loc
 
 
 def serve_epochs(rv, drafter, device: torch.device, fault: str = "", idle: float = 600.0,
-                 join_timeout: float = 10.0, fanout: int = FANOUT) -> None:
+                 join_timeout: float = 10.0, fanout: int | None = None) -> None:
     """The worker's life (`hal.distributed.rendezvous`): join the newest epoch and serve it
     (`draft_worker`, in a thread); when the target announces a newer epoch (it lost this
     worker), drop every request of the old one and join the new. The first meeting waits for
@@ -346,7 +349,7 @@ def _reply(link: Link, order: list[int], reqs: dict[int, _Req], out: dict[int, D
 
 
 def serve_draft_rank(rv, drafter, device: torch.device, *, hidden: int, k: int, draft_timeout: float,
-                     join_timeout: float, fanout: int = FANOUT) -> None:
+                     join_timeout: float, fanout: int | None = None) -> None:
     """The draft rank under torchrun, its drafter loaded (`hal.launch.start`): warm the drafter
     up, then serve drafts epoch by epoch (`serve_epochs`) until the target stops. SIGTERM
     (torchrun forwards its own) ends it with exit 0."""

@@ -77,9 +77,11 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--draft-startup-timeout", type=bounded(float, 0, lo_open=True), default=60.0,
                     help="seconds the target waits for the draft worker to join and send its first drafts; "
                          "then it serves alone by plain decoding")
-    ap.add_argument("--fanout", type=bounded(int, 0, 64), default=8,
+    ap.add_argument("--fanout", type=bounded(int, 0, 64), default=None,
                     help="a draft on another rank: branches it drafts ahead per request while the target "
-                         "verifies (the likeliest verification outcomes; 0: none)")
+                         "verifies (the likeliest verification outcomes; 0: none). Default 8, except for the "
+                         "EAGLE head (--draft eagle), which drafts ahead from its own features only when this "
+                         "asks; trees and the other heads never do")
     ap.add_argument("--draft-timeout", type=bounded(float, 0, lo_open=True), default=30.0,
                     help="seconds to wait for drafts before falling back to plain decoding")
     ap.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,

@@ -187,12 +187,23 @@ def auto_target(args, spec, path: str, max_seqs: int, rv=None):
     return placement, choice
 
 
+def worker_fanout(args, spec) -> int:
+    """Branches the draft worker drafts ahead per request and round: ``--fanout`` where given,
+    else `hal.distributed.worker.FANOUT`, except for a head (the chain head drafts ahead from
+    its own features only when ``--fanout`` asks: measured, it does not pay yet; see
+    docs/benchmarks.md); 0 for a kind that cannot (`DraftKind.ahead`)."""
+    from hal.distributed.worker import FANOUT
+    from hal.drafters.kinds import KINDS
+    kind = KINDS[spec.kind]
+    if not kind.ahead:
+        return 0
+    return args.fanout if args.fanout is not None else 0 if kind.head else FANOUT
+
+
 def ahead_hit_rate(args, spec) -> float:
     """The speculation-cache hit rate another rank is scored at: ``--placement-hit-rate``, or
-    0 where the worker never drafts ahead (`DraftKind.ahead` False: trees, and heads other than
-    the chain head; or ``--fanout 0``)."""
-    from hal.drafters.kinds import KINDS
-    return 0.0 if not KINDS[spec.kind].ahead or not args.fanout else args.placement_hit_rate
+    0 where the worker does not draft ahead (`worker_fanout` 0)."""
+    return args.placement_hit_rate if worker_fanout(args, spec) else 0.0
 
 
 def auto_worker(args, spec, path: str, rv) -> str | None:

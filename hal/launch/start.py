@@ -160,6 +160,7 @@ def _engine(args, model, drafter, pool, metrics, grammar, profile_draft: bool, e
 def _draft_rank(args, me: Rank, max_seqs: int) -> None:
     """The draft rank: plan and load its drafter, then serve drafts until the target stops."""
     from hal.distributed.worker import serve_draft_rank
+    from hal.launch.measure import worker_fanout
     head = me.spec.kind in HEADS   # an EAGLE head: it reads the target's features
     draft_side = resolve_side(me.placement.draft, "draft")
     mem, dpath = draft_memory(me.spec, me.path, shares_target=False)
@@ -170,7 +171,7 @@ def _draft_rank(args, me: Rank, max_seqs: int) -> None:
                            device=draft_side.device)
     serve_draft_rank(me.rv, drafter, draft_side.device, hidden=tw.cfg.hidden if head else 1, k=args.k,
                      draft_timeout=args.draft_timeout, join_timeout=args.draft_startup_timeout,
-                     fanout=args.fanout)
+                     fanout=worker_fanout(args, me.spec))
 
 
 def _auto(args, me: Rank, max_seqs: int, phases: Phases) -> Rank | None:

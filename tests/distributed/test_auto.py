@@ -85,7 +85,9 @@ def test_the_hit_rate_is_a_share_and_only_the_chain_head_drafts_ahead_among_head
     args = Namespace(placement_hit_rate=0.7, fanout=8)
     assert ahead_hit_rate(args, parse_draft("ngram")) == 0.7
     assert ahead_hit_rate(Namespace(placement_hit_rate=0.7, fanout=0), parse_draft("ngram")) == 0.0
-    assert ahead_hit_rate(args, parse_draft("eagle")) == 0.7          # from its own features
+    assert ahead_hit_rate(args, parse_draft("eagle")) == 0.7          # asked: from its own features
+    assert ahead_hit_rate(Namespace(placement_hit_rate=0.7, fanout=None), parse_draft("eagle")) == 0.0   # not asked
+    assert ahead_hit_rate(Namespace(placement_hit_rate=0.7, fanout=None), parse_draft("ngram")) == 0.7   # default 8
     for kind in ("ngram+eagle", "eagle-tree", "dspark", "ngram-tree"):
         assert ahead_hit_rate(args, parse_draft(kind)) == 0.0
 
