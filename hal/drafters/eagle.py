@@ -72,9 +72,8 @@ class HeadDrafter:
             raise HalError("HeadDrafter.propose: expected host lengths (it is not a lookahead drafter), got None")
         if batch.features is None and sum(batch.num_features):
             raise HalError("HeadDrafter.propose: expected DraftBatch.features, got None")
-        if batch.own_features is not None and self.tree is not None:
-            raise HalError("HeadDrafter.propose: expected no DraftBatch.own_features for a tree head (it drafts "
-                           "chains ahead only), got some")
+        if batch.own_features is not None:
+            self._check_own(batch)
         dev = self.head.device
         cu = cumulative(batch.num_features or (0,) * len(batch.rids))
         own = batch.num_own or (0,) * len(batch.rids)
@@ -99,6 +98,22 @@ class HeadDrafter:
         sub = batch if len(keep) == len(batch.rids) else subset(batch, keep)
         part = self._propose(sub, plan)
         return part if sub is batch else widen(batch, keep, part, dev)
+
+    def _check_own(self, batch: DraftBatch) -> None:
+        """`DraftBatch.own_features`: a chain head's, one row of the head's width per tail token,
+        each tail shorter than its history."""
+        own, H = batch.own_features, self.head.cfg.hidden
+        if self.tree is not None:
+            raise HalError("HeadDrafter.propose: expected no DraftBatch.own_features for a tree head (it drafts "
+                           "chains ahead only), got some", arg="DraftBatch.own_features")
+        if len(batch.num_own) != len(batch.rids) or any(not 0 <= m < n for m, n in zip(batch.num_own, batch.lengths)):
+            raise HalError(f"HeadDrafter.propose: expected DraftBatch.num_own, one tail length in 0..length-1 per "
+                           f"request ({len(batch.rids)}), got {batch.num_own} for lengths {batch.lengths}",
+                           arg="DraftBatch.num_own")
+        if tuple(own.shape) != (sum(batch.num_own), H) or not own.is_floating_point():
+            raise HalError(f"HeadDrafter.propose: expected DraftBatch.own_features [{sum(batch.num_own)}, {H}] "
+                           f"floating point (the head's own features), got {own.dtype} {list(own.shape)}",
+                           arg="DraftBatch.own_features")
 
     def _propose(self, b: DraftBatch, plan) -> Proposal:
         dev, head = self.head.device, self.head

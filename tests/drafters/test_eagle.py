@@ -450,3 +450,30 @@ def test_a_head_on_the_draft_rank_drafts_the_next_round_ahead_with_its_own_featu
     worker.join(timeout=30)
     assert metrics.draft_failures == 0 and metrics.stale_drafts == 0
     assert metrics.fanout_branches > 0 and remote.cache_hits > 0
+
+
+def test_own_features_that_do_not_fit_the_head_or_the_tails_are_refused_by_name(target, tmp_path):
+    """Misuse of `DraftBatch.own_features` is a `HalError` naming the field, and changes nothing:
+    the head's next drafts are those of a head that never saw the bad call."""
+    from dataclasses import replace
+    head = load_eagle(eagle3(tmp_path), target)
+    ids = list(range(1, 30, 2))
+    f = target_features(target, ids, head.feature_layers)
+    d, ref = HeadDrafter(head), HeadDrafter(head)
+    for x in (d, ref):
+        x.propose(head_batch(ids[:-2], 3, f[:-3]))
+    good = head.fuse(f[-3:-1])
+    bad = [(dict(own=good[:1]), "DraftBatch.own_features"),                 # 1 row for a tail of 2 (num_own below)
+           (dict(own=f[-3:-1]), "DraftBatch.own_features"),                 # the target's width, not the head's
+           (dict(own=good.long()), "DraftBatch.own_features")]
+    for kw, field in bad:
+        b = head_batch(ids, 3, **kw)
+        with pytest.raises(HalError, match=field) as e:
+            d.propose(replace(b, num_own=(2,)))
+        assert e.value.arg == field
+    with pytest.raises(HalError, match="DraftBatch.num_own"):
+        d.propose(replace(head_batch(ids, 3, own=good), num_own=(2, 1)))
+    with pytest.raises(HalError, match="tree head"):
+        HeadDrafter(head, tree=(2, 2)).propose(head_batch(ids, 3, own=good))
+    assert torch.equal(d.propose(head_batch(ids, 3, own=good)).draft_token_ids,
+                       ref.propose(head_batch(ids, 3, own=good)).draft_token_ids)
