@@ -126,28 +126,49 @@ class _GeneralPlan(invariant.Plan):
         self.decode_only = False
 
 
-def decode_path_side_by_side(model, reps: int) -> dict[tuple[int, str], float]:
-    """Median forward ms of one-token decodes (1 and 4 requests), interleaved: the attention's
-    decode-only path (the default) against the general path it replaces; their logits must be
-    bit-identical."""
+class _MaskedPlan(invariant.Plan):
+    """The attention metadata without the host lengths: values past each end zeroed by the
+    broadcast mask (what every forward did before)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.ends = None
+
+
+def plans_side_by_side(fns: dict, plans: dict[str, type], reps: int) -> dict[tuple[int, str], float]:
+    """Median forward ms of each of ``fns`` under each attention ``plans`` class, interleaved;
+    their logits must be bit-identical."""
     real = invariant.Plan
-    fns = {1: decode_fn(model, 1), 4: batch_decode(model, 4)}
-    times = {(r, mode): [] for r in fns for mode in ("general", "decode-only")}
+    times = {(r, mode): [] for r in fns for mode in plans}
     try:
         for rep in range(reps + 1):
+            want = {}
             for r, mode in times:
-                invariant.Plan = real if mode == "decode-only" else _GeneralPlan
+                invariant.Plan = plans[mode]
                 t = time.perf_counter()
                 logits = fns[r]()[0]
                 if rep:
                     times[r, mode].append(time.perf_counter() - t)
-                elif mode == "general":
-                    want = logits
-                elif not torch.equal(logits, want):
-                    raise SystemExit(f"the decode-only path's logits differ from the general path's ({r} requests)")
+                elif not torch.equal(logits, want.setdefault(r, logits)):
+                    raise SystemExit(f"the logits under {mode} differ from those under {next(iter(plans))} ({r})")
     finally:
         invariant.Plan = real
     return {key: statistics.median(v) * 1e3 for key, v in times.items()}
+
+
+def decode_path_side_by_side(model, reps: int) -> dict[tuple[int, str], float]:
+    """One-token decodes (1 and 4 requests): the attention's decode-only path (the default)
+    against the general path it replaces."""
+    return plans_side_by_side({1: decode_fn(model, 1), 4: batch_decode(model, 4)},
+                              {"general": _GeneralPlan, "decode-only": invariant.Plan}, reps)
+
+
+def value_fill_side_by_side(model, reps: int) -> dict[tuple[str, str], float]:
+    """Decodes of 1 and 4 requests and a 5-row verify: the values past each end zeroed by one
+    fill per request from the host lengths (the default) against the broadcast mask."""
+    fns = {"decode, 1 request": decode_fn(model, 1), "decode, 4 requests": batch_decode(model, 4),
+           "verify, M=5": decode_fn(model, 5)}
+    return plans_side_by_side(fns, {"mask": _MaskedPlan, "fill": invariant.Plan}, reps)
 
 
 def main() -> None:
@@ -164,6 +185,7 @@ def main() -> None:
         step = engine_step(model, tok, args.reps)   # before the profiler has run in this process
         ab = kv_writes_side_by_side(model, 2 * args.reps)
         paths = decode_path_side_by_side(model, 2 * args.reps)
+        fills = value_fill_side_by_side(model, 2 * args.reps)
         for m in (1, 5):
             rows[m] = breakdown(decode_fn(model, m), args.reps)
     names = [n for n, _ in PARTS] + ["batch metadata (hal.engine.forward)"]
@@ -192,6 +214,12 @@ def main() -> None:
               "| requests | general path ms | decode-only path ms | ratio |", "|---:|---:|---:|---:|"]
     lines += [f"| {r} | {paths[r, 'general']:.2f} | {paths[r, 'decode-only']:.2f} | "
               f"{paths[r, 'decode-only'] / paths[r, 'general']:.3f} |" for r in (1, 4)]
+    lines += ["", "Values past each sequence's end zeroed side by side (interleaved, medians of {} forwards each; "
+              "the logits bit-identical): the broadcast mask against one fill per request from the host "
+              "lengths:".format(2 * args.reps), "",
+              "| forward | mask ms | fill ms | ratio |", "|---|---:|---:|---:|"]
+    lines += [f"| {f} | {fills[f, 'mask']:.2f} | {fills[f, 'fill']:.2f} | {fills[f, 'fill'] / fills[f, 'mask']:.3f} |"
+              for f in dict.fromkeys(f for f, _ in fills)]
     publish(lines, args.out)
 
 

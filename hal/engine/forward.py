@@ -57,9 +57,9 @@ def make_batch(backend, dev, pool: kv.KVPool, seqs: list[kv.Sequence], lens: lis
     pos = up(positions)
     if depth is not None:
         pos = torch.tensor([seq.length for seq, n in zip(seqs, lens) for _ in range(n)]).to(dev) + depth.to(dev)
+    ends = tuple(seq.length + n for seq, n in zip(seqs, lens))
     return Batch(tokens=tokens, positions=pos, slot_mapping=up(slots),
-                 block_tables=kv.block_tables(seqs).to(dev), seq_lens=up([seq.length + n for seq, n in zip(seqs,
-                                                                                                           lens)]),
+                 block_tables=kv.block_tables(seqs).to(dev), seq_lens=up(list(ends)), seq_ends=ends,
                  query_start_loc=qsl.to(dev), logits_rows=rows.to(dev), max_position=max(positions, default=-1),
                  max_query=max(lens, default=0), min_context=min((seq.length for seq in seqs), default=0))
 

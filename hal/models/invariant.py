@@ -53,7 +53,7 @@ class Plan:
 
     def __init__(self, block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor, T: int, bs: int,
                  max_query: int, tree_mask: Tensor | None = None, min_context: int = 0,
-                 slot_mapping: Tensor | None = None):
+                 slot_mapping: Tensor | None = None, seq_ends: tuple[int, ...] | None = None):
         dev = block_tables.device
         self.slots = self.keep = None   # host slots: `write_kv` writes each layer's new keys in one native call
         if slot_mapping is not None and slot_mapping.device.type == "cpu":   # the mask costs no device sync
@@ -76,6 +76,10 @@ class Plan:
         j = torch.arange(self.Lp, device=dev)
         self.flat_bt = self.bt.flatten()
         self.dead = (j[None] >= seq[:, None])[..., None, None]               # [R, Lp, 1, 1]: past each sequence's end
+        # with the lengths on the host (``seq_ends``) and host tensors, each request's values past its
+        # end are one contiguous run of the gathered buffer: zeroed by one fill each (the broadcast
+        # masked_fill cost 23 us a layer at one request, 155 us at eight)
+        self.ends = seq_ends if seq_ends is not None and dev.type == "cpu" and len(seq_ends) == R else None
         self.buffers: dict[str, Tensor] = {}   # scratch reused by every layer of this forward
         self.chunks = []
         self.context_blocks = min_context // KEY_BLOCK    # key blocks before every request's new tokens
@@ -95,6 +99,16 @@ class Plan:
             see = (j[None, None] < (ctx[:, None] + seen)[..., None]) | ~valid[..., None]   # [R, n, Lp]
             self.chunks.append((n, rows, valid[..., None, None], see[:, None, :, None],
                                 torch.where(valid, rows, T).flatten(), order))
+
+
+def _dead_zeroed(vals: Tensor, plan: Plan) -> Tensor:
+    """The gathered values ``[R, Lp, Hkv, D]`` with every position past its sequence's end zeroed."""
+    if plan.ends is None:
+        return vals.masked_fill_(plan.dead, 0.0)
+    for r, end in enumerate(plan.ends):
+        if end < plan.Lp:
+            vals[r, max(end, 0):].zero_()
+    return vals
 
 
 def write_kv(plan: Plan, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor) -> bool:
@@ -147,8 +161,7 @@ def attention(query: Tensor, k_cache: Tensor, v_cache: Tensor, plan: Plan, scale
     kt = _scratch(plan, "kt", (R, Hkv, D, Lp), torch.float32, dev)          # [R, Hkv, D, Lp]
     kt.copy_(_gathered(plan, k_cache, "k").permute(0, 2, 3, 1))
     vb = _scratch(plan, "vb", (nblk, R, Hkv, KEY_BLOCK, D), torch.float32, dev)   # [R, Hkv, 256, D] per key block
-    vb.copy_(_gathered(plan, v_cache, "v").masked_fill_(plan.dead, 0.0)
-             .reshape(R, nblk, KEY_BLOCK, Hkv, D).permute(1, 0, 3, 2, 4))
+    vb.copy_(_dead_zeroed(_gathered(plan, v_cache, "v"), plan).reshape(R, nblk, KEY_BLOCK, Hkv, D).permute(1, 0, 3, 2, 4))
     blocks = list(vb.unbind(0))
     if plan.decode_only:
         return _decode(query, kt.view(R * Hkv, D, Lp), blocks, plan, scale)

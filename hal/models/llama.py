@@ -57,6 +57,7 @@ class Batch:
     max_position: int | None = None  # max(positions) when the host knows it (no readback for the rope cache)
     max_query: int | None = None     # the longest request's fed tokens, when the host knows it
     min_context: int = 0             # a lower bound on every request's cached tokens before its fed ones
+    seq_ends: tuple[int, ...] | None = None   # seq_lens on the host, when it knows them (no readback)
     hidden_rows: Tensor | None = None  # rows whose hidden states are returned (None: logits_rows)
     feature_layers: tuple[int, ...] = ()  # return the residual stream entering these layers, concatenated
     #                                       (EAGLE-3's features), instead of the final normed hidden state
@@ -177,7 +178,8 @@ class Llama:
             if max_query is None:
                 max_query = int((batch.query_start_loc[1:] - batch.query_start_loc[:-1]).max()) if T else 0
             plan = invariant.Plan(batch.block_tables, batch.seq_lens, batch.query_start_loc, T,
-                                  k_caches[0].shape[1], max_query, tree_mask, batch.min_context, batch.slot_mapping)
+                                  k_caches[0].shape[1], max_query, tree_mask, batch.min_context, batch.slot_mapping,
+                                  batch.seq_ends)
         taps = []
         for i in range(self.num_layers):
             if i in batch.feature_layers:

@@ -225,8 +225,8 @@ def test_tree_attention_needs_chain_order(model, monkeypatch):
         pytest.skip("attention is float32 at every dtype; its tooth is shown on the float32 model")
     real = invariant.Plan.__init__
 
-    def in_place(self, bt, seq, qsl, T, bs, max_query, tree_mask=None, min_context=0, slot_mapping=None):
-        real(self, bt, seq, qsl, T, bs, max_query, tree_mask, min_context, slot_mapping)
+    def in_place(self, bt, seq, qsl, T, bs, max_query, tree_mask=None, min_context=0, slot_mapping=None, seq_ends=None):
+        real(self, bt, seq, qsl, T, bs, max_query, tree_mask, min_context, slot_mapping, seq_ends)
         if tree_mask is None:
             return
         ctx = seq.long() - (qsl[1:] - qsl[:-1]).long()
@@ -262,3 +262,24 @@ def test_host_kv_writes_equal_the_backend_op_and_skip_padding():
     before = strided.clone()
     assert not invariant.write_kv(plan, key, value, strided, strided.clone())
     assert torch.equal(strided, before)
+
+
+@pytest.mark.parametrize("lens", [[1, 1, 1], [3, 1, 4]])   # decode-only, and ragged verifies
+def test_values_past_each_end_are_zeroed_by_host_lengths_as_by_the_mask(lens):
+    """With the lengths on the host (``seq_ends``) the values past each sequence's end are
+    zeroed by one fill per request instead of the broadcast mask: the same bits, and no NaN of
+    a reused block reaches the output. PLANTED: ends one past the truth let a NaN through."""
+    g = torch.Generator().manual_seed(5)
+    kc, vc = _cache(g)
+    seq = torch.tensor([40, 17, 70])
+    bt = torch.tensor([[0, 1, 2, 0, 0], [3, 4, 0, 0, 0], [5, 6, 7, 8, 9]])
+    for c in (kc, vc):   # NaN past each end (40, 17, 70: in blocks 2, 4, 9) and in the unused blocks
+        c[2, 8:], c[4, 1:], c[9, 6:], c[10:] = float("nan"), float("nan"), float("nan"), float("nan")
+    qsl = torch.tensor([0, *lens]).cumsum(0)
+    q = torch.randn(int(qsl[-1]), 9, 64, generator=g)
+    args = (bt, seq, qsl, q.shape[0], kc.shape[1], max(lens))
+    masked = invariant.attention(q, kc, vc, invariant.Plan(*args), 0.125)
+    filled = invariant.attention(q, kc, vc, invariant.Plan(*args, seq_ends=tuple(seq.tolist())), 0.125)
+    assert torch.isfinite(masked).all() and torch.equal(masked, filled)
+    late = invariant.Plan(*args, seq_ends=tuple(n + 1 for n in seq.tolist()))   # PLANTED: one position too many
+    assert not torch.isfinite(invariant.attention(q, kc, vc, late, 0.125)).all()
