@@ -38,6 +38,9 @@ def launcher(args, draft: str, out: Path, fanout: int | None = None) -> list[str
         ([] if fanout is None else ["--fanout", str(fanout)]) + [a for p in PROMPTS for a in ("--prompt", p)]
 
 
+PINNED = " (target and baseline pinned to CPU 0, the worker to CPU 1)"
+
+
 def pinned(args, cpu: int) -> list[str]:
     """``--pin``: the target and the in-process baseline on CPU 0, the draft worker on CPU 1."""
     return ["taskset", "-c", str(cpu)] if args.pin else []
@@ -119,8 +122,8 @@ def main() -> None:
              f"{f' --threads {args.threads} --worker-threads {args.worker_threads}' if args.pin else ''}`; "
              f"{time.strftime('%Y-%m-%d')}; {len(PROMPTS)} prompts "
              f"as one batch; the target and the baseline at {args.threads} threads, the worker at "
-             f"{args.worker_threads}, on one host{' (target and baseline pinned to CPU 0, the worker to CPU 1)' if args.pin else ''} (network namespaces "
-             f"joined by `tests.distributed.delayline`; its own round trip at no delay {base * 1e3:.3f} ms); {machine_line()}.",
+             f"{args.worker_threads}, on one host{PINNED if args.pin else ''} (network namespaces joined by "
+             f"`tests.distributed.delayline`; its own round trip at no delay {base * 1e3:.3f} ms); {machine_line()}.",
              "", "| RTT asked / measured (ms) | draft | worker fan-out | step in-process (ms) | step remote (ms) | "
              "remote / in-process | tok/s remote / in-process | wait per round W (ms) | W - RTT (ms) | "
              "speculation cache hits / (hits + misses) | branches per round | outputs |",

@@ -53,7 +53,7 @@ class Drafted:
     q: Tensor | None = None                    # [n, V] the rows the drafts were drawn from
     alts: list[list[tuple[int, float]]] | None = None   # per slot: (token, probability), likeliest first
     parents: list[int] | None = None           # a draft tree (never fanned out)
-    own: Tensor | None = None                  # [n, F] a feature drafter's own features per slot (`Proposal.own_features`)
+    own: Tensor | None = None                  # [n, F] a feature drafter's own features (`Proposal.own_features`)
 
 
 @dataclass(order=True)

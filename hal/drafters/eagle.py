@@ -88,7 +88,8 @@ class HeadDrafter:
             if m and (start > v or need + grow > self.draft_kv.num_free):
                 continue                      # a tail drafted ahead that does not fit: no drafts, nothing lost
             need += grow
-            if start > v or (n + m == 0 and rid not in self.last) or rid in self.lost_rids or need > self.draft_kv.num_free:
+            if (start > v or (n + m == 0 and rid not in self.last) or rid in self.lost_rids
+                    or need > self.draft_kv.num_free):
                 self._lose(rid)
                 continue
             keep.append(i)

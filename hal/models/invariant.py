@@ -75,11 +75,11 @@ class Plan:
         self.bt = torch.where(used, bt, 0)                                   # [R, nbp]: unused entries read block 0
         j = torch.arange(self.Lp, device=dev)
         self.flat_bt = self.bt.flatten()
-        self.dead = (j[None] >= seq[:, None])[..., None, None]               # [R, Lp, 1, 1]: past each sequence's end
         # with the lengths on the host (``seq_ends``) and host tensors, each request's values past its
         # end are one contiguous run of the gathered buffer: zeroed by one fill each (the broadcast
-        # masked_fill cost 23 us a layer at one request, 155 us at eight)
+        # masked_fill cost 23 us a layer at one request, 155 us at eight); else by the mask ``dead``
         self.ends = seq_ends if seq_ends is not None and dev.type == "cpu" and len(seq_ends) == R else None
+        self.dead = None if self.ends is not None else (j[None] >= seq[:, None])[..., None, None]   # [R, Lp, 1, 1]
         self.buffers: dict[str, Tensor] = {}   # scratch reused by every layer of this forward
         self.chunks = []
         self.context_blocks = min_context // KEY_BLOCK    # key blocks before every request's new tokens
@@ -161,7 +161,8 @@ def attention(query: Tensor, k_cache: Tensor, v_cache: Tensor, plan: Plan, scale
     kt = _scratch(plan, "kt", (R, Hkv, D, Lp), torch.float32, dev)          # [R, Hkv, D, Lp]
     kt.copy_(_gathered(plan, k_cache, "k").permute(0, 2, 3, 1))
     vb = _scratch(plan, "vb", (nblk, R, Hkv, KEY_BLOCK, D), torch.float32, dev)   # [R, Hkv, 256, D] per key block
-    vb.copy_(_dead_zeroed(_gathered(plan, v_cache, "v"), plan).reshape(R, nblk, KEY_BLOCK, Hkv, D).permute(1, 0, 3, 2, 4))
+    vals = _dead_zeroed(_gathered(plan, v_cache, "v"), plan)
+    vb.copy_(vals.reshape(R, nblk, KEY_BLOCK, Hkv, D).permute(1, 0, 3, 2, 4))
     blocks = list(vb.unbind(0))
     if plan.decode_only:
         return _decode(query, kt.view(R * Hkv, D, Lp), blocks, plan, scale)
