@@ -8,7 +8,7 @@ one of those widths (zero-padded), so its bits never depend on how many rows cam
 
 Weights the file stores as Q4_0/Q4_1 blocks can also run **as stored** (``weights="int4"``):
 PyTorch's int4pack kernel multiplies the codes with a scale and a zero per 32 weights
-(`hal.models.int4`), rows in bfloat16 where the CPU has a bf16 unit (float32 elsewhere);
+(`hal.models.int4`), rows in bfloat16 or float32 (both measured, on every CPU);
 the other weights (the head) then run in the plan's float layout and dtype. ``--dtype
 auto`` measures these candidates with the float ones; ``stored`` measures only them.
 
@@ -161,10 +161,13 @@ def candidate_dtypes(dtype: str, flags: list[str]) -> list[torch.dtype]:
     return [torch.float32] + ([torch.bfloat16] if any(f in flags for f in BF16_FLAGS) else [])
 
 
-def int4_activation(flags: list[str]) -> torch.dtype:
-    """The rows an int4 candidate multiplies: bfloat16 where the CPU has a bf16 unit (the
-    kernel's fast path), float32 elsewhere (the only one there)."""
-    return torch.bfloat16 if any(f in flags for f in BF16_FLAGS) else torch.float32
+# The rows int4 candidates multiply, on every CPU: bfloat16 first, float32 only where bfloat16 rows
+# give no usable group. The kernel's bf16 path is its vectorized one with or without a bf16 unit
+# (AVX2 alone: 15.7 ms for SmolLM2-135M's linears at M = 1, against 137 with float32 rows;
+# AVX512-BF16: 8.1 against 166; docs/model-path.md), so no CPU flag decides it, and timing the
+# float32 family where bf16 is usable would only add ~30 s to a cold plan.
+INT4_ROWS = (torch.bfloat16, torch.float32)
+FALLBACK_ONLY = "int4 with bfloat16 rows is usable; float32 rows are the kernel's scalar path, measured 9-20x slower"
 
 
 def offered_dtypes() -> list[str]:
@@ -261,7 +264,10 @@ def choose_plan(shapes: list[tuple[int, int]], dtype: str = "auto", *, weights: 
     if dtype == "stored" and not int4_shapes:
         raise HalError(f"dtype: expected a model with weights stored as Q4_0/Q4_1 blocks for 'stored' on a CPU, "
                        f"got {'none' if dev.type == 'cpu' else 'device ' + dev.type}", arg="dtype")
-    path = plan_cache.path(signature, shapes, dtype, layouts, int4_shapes) if cache and layouts is LAYOUTS else None
+    families = [f"{str(dt).removeprefix('torch.')} {kind}" for dt, kind in _kinds(dtype, _flags(signature, dev),
+                                                                                   int4_shapes)]
+    path = plan_cache.path(signature, shapes, dtype, layouts, int4_shapes, families) \
+        if cache and layouts is LAYOUTS else None
     cached = None if path is None or refresh else _cached(path, signature, dtype)
     if cached is not None:
         return cached
@@ -299,10 +305,16 @@ def _measure_and_cache(path, shapes, dtype, weights, signature, layouts, reps, d
     return choice
 
 
+def _flags(signature: dict, dev: torch.device) -> list[str]:
+    """The CPU flags that decide the float families (accelerators: measure bf16 too)."""
+    return signature["flags"] if dev.type == "cpu" else list(BF16_FLAGS)
+
+
 def _kinds(dtype: str, flags: list[str], int4_shapes) -> list[tuple[torch.dtype, str]]:
     """(row dtype, weights) of every candidate family ``dtype`` allows."""
     kinds = [(dt, "float") for dt in candidate_dtypes(dtype, flags)]
-    return kinds + ([(int4_activation(flags), "int4")] if int4_shapes and dtype in ("auto", "stored") else [])
+    quantized = int4_shapes and dtype in ("auto", "stored")
+    return kinds + ([(dt, "int4") for dt in INT4_ROWS] if quantized else [])
 
 
 def _timing_weights(weights: list[Tensor], shapes, dt: torch.dtype, kind: str, int4_shapes, dev) -> list:
@@ -347,10 +359,13 @@ def _candidates(shapes, dtype: str, weights: list[Tensor], signature: dict, layo
     """(plan, predicted score) per usable width group of every layout and dtype family, with
     its fastest subset; why other widths were dropped; the weights cast per family."""
     found, rejected, casts = [], [], {}
-    flags = signature["flags"] if dev.type == "cpu" else list(BF16_FLAGS)   # accelerators: measure bf16 too
-    kinds = _kinds(dtype, flags, int4_shapes)
+    kinds = _kinds(dtype, _flags(signature, dev), int4_shapes)
     bar = progress_bar(progress, len(kinds) * len(layouts), "linear plan", "layout")
     for dt, kind in kinds:
+        if kind == "int4" and dt != INT4_ROWS[0] and any(p.weights == "int4" for p, _ in found):
+            rejected.append(f"{str(dt).removeprefix('torch.')} int4: not measured ({FALLBACK_ONLY})")
+            bar.update(len(layouts))
+            continue
         casts[dt, kind] = cast = _timing_weights(weights, shapes, dt, kind, int4_shapes, dev)
         checked = int4_shapes if kind == "int4" else frozenset()
         for name, fn in layouts.items():

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-BF16_FLAGS = ("avx512_bf16", "amx_bf16")   # a bfloat16 unit: bf16 candidates, and int4 with bf16 rows
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")   # a bfloat16 unit: bfloat16 float candidates under auto
 
 
 def cpu_flags() -> list[str]:

@@ -1,5 +1,5 @@
 """Where measured linear plans are kept (`hal.models.linear_plan`): one JSON record per CPU
-signature, weight shapes, dtype, layouts and int4 storage under ``$HAL_CACHE/plans``, written
+signature, weight shapes, dtype, layouts, int4 storage and candidate families under ``$HAL_CACHE/plans``, written
 atomically, and a lock beside each so one process measures a plan at a time."""
 
 from __future__ import annotations
@@ -14,9 +14,11 @@ from pathlib import Path
 from hal.models.cache_dir import cache_dir
 
 
-def path(signature: dict, shapes, dtype: str, layouts, int4_shapes) -> Path:
-    """The record's file for this key."""
-    key = json.dumps([signature, sorted(set(shapes)), dtype, sorted(layouts), sorted(int4_shapes)], sort_keys=True)
+def path(signature: dict, shapes, dtype: str, layouts, int4_shapes, families=()) -> Path:
+    """The record's file for this key (``families``: the candidate families measured, so a
+    version that measures others never reads this one's choice)."""
+    key = json.dumps([signature, sorted(set(shapes)), dtype, sorted(layouts), sorted(int4_shapes), sorted(families)],
+                     sort_keys=True)
     return cache_dir() / "plans" / f"linear-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 

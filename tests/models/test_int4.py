@@ -17,7 +17,6 @@ from hal.models import int4
 from hal.models import linear_plan as lp
 from hal.models import plan_check
 from hal.models.linear_plan import LAYOUTS, LinearPlan, choose_plan
-from hal.models.machine import cpu_flags
 
 KINDS = {"Q4_0": gguf.GGMLQuantizationType.Q4_0, "Q4_1": gguf.GGMLQuantizationType.Q4_1}
 
@@ -75,7 +74,9 @@ def test_stored_runs_the_int4_shapes_as_stored_and_the_rest_as_float():
     choice = choose_plan(SHAPES, "stored", stored_int4=INT4, cache=False)
     plan = choice.plan
     assert plan.weights == "int4" and all(c["plan"]["weights"] == "int4" for c in choice.candidates)
-    assert plan.dtype == lp.int4_activation(cpu_flags())
+    # bf16 rows on every CPU (no flag decides it); float32 rows only where bf16 gives no usable group
+    assert plan.dtype == torch.bfloat16
+    assert f"float32 int4: not measured ({lp.FALLBACK_ONLY})" in choice.rejected
     g = torch.Generator().manual_seed(3)
     w4, wf = int4.random(96, 64, g), torch.randn(500, 64, generator=g)
     x = torch.randn(7, 64, generator=g)
@@ -95,6 +96,20 @@ def test_an_int4_kernel_that_mixes_rows_is_never_chosen(monkeypatch):
     choice = choose_plan(SHAPES, "auto", stored_int4=INT4, cache=False, layouts={"mm": LAYOUTS["mm"]})
     assert any("on int4 [" in why for why in choice.rejected), choice.rejected
     assert all(c["plan"]["weights"] == "float" or c["plan"]["widths"] == [1] for c in choice.candidates)
+
+
+def test_float32_rows_are_measured_only_where_bf16_rows_give_no_usable_int4_plan(monkeypatch):
+    """The int4 family falls back to float32 rows, and only then: a planted kernel whose bf16
+    rows change from one call to the next (no width usable) leaves float32 rows to be measured."""
+    real = plan_check.int4_mm
+    def noisy_bf16(x, w):   # PLANTED: bf16 rows get a fresh random term each call
+        out = real(x, w)
+        return out + torch.rand_like(out) * 1e-2 if x.dtype == torch.bfloat16 else out
+    monkeypatch.setattr(plan_check, "int4_mm", noisy_bf16)
+    choice = choose_plan(SHAPES, "stored", stored_int4=INT4, cache=False)
+    assert choice.plan.weights == "int4" and choice.plan.dtype == torch.float32, choice.plan
+    assert any(why.startswith("bfloat16 int4 mm: ") for why in choice.rejected), choice.rejected
+    assert not any("not measured" in why for why in choice.rejected)
 
 
 def test_stored_without_int4_weights_is_refused():
