@@ -63,6 +63,10 @@ def print_plan(model: str, dtype: str, refresh: bool) -> None:
         print(f"    {plan['dtype']:9s} {plan.get('weights', 'float'):5s} {plan['layout']:6s} widths "
               f"{'/'.join(map(str, plan['widths'])):11s}"
               f" score {c['score']:7.1f} ms  ({ms})")
+    for why in choice.rejected[:8]:   # widths the self-check dropped, families not measured, and why
+        print(f"    not used: {why}")
+    if len(choice.rejected) > 8:
+        print(f"    not used: {len(choice.rejected) - 8} more")
 
 
 def cmd_conformance(args, extra: list[str]) -> int:

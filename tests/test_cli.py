@@ -104,3 +104,20 @@ def test_serve_on_port_0_prints_the_port_it_took(tmp_path):
             HAL_BACKEND="cpu")
     port = re.search(r"listening on 127\.0\.0\.1:(\d+)", r.stderr + r.stdout)
     assert r.returncode == 2 and port and int(port.group(1)) > 0 and "--model" in r.stderr, r.stderr[-2000:]
+
+
+def test_info_says_what_the_plan_did_not_use_and_why(monkeypatch, capsys):
+    """`hal info`'s plan lists the self-check's drops and the families not measured (at most
+    8 lines, then a count), so a user sees why e.g. float32 int4 rows were never timed."""
+    import torch
+    from hal import cli
+    from hal.models import linear_plan as lp
+    plan = lp.LinearPlan("mm", torch.bfloat16, (1, 2), weights="int4")
+    why = [f"float32 int4: not measured ({lp.FALLBACK_ONLY})"] + [f"bfloat16 float mm: width {n} dropped"
+                                                                   for n in range(9)]
+    choice = lp.Choice(plan, {"cpu": "x", "threads": 2}, [], why)
+    monkeypatch.setattr(lp, "choose_plan", lambda *a, **kw: choice)
+    cli.print_plan("smollm2-135m", "auto", False)
+    out = capsys.readouterr().out
+    assert f"not used: float32 int4: not measured ({lp.FALLBACK_ONLY})" in out
+    assert out.count("not used: bfloat16 float mm") == 7 and "not used: 2 more" in out
