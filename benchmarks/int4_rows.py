@@ -5,6 +5,12 @@ rows, beside float32 and bfloat16 ``F.linear`` of float weights; interleaved, me
 linear plan (`hal.models.linear_plan`) measures bfloat16 rows on every CPU and float32 rows
 only where bfloat16 rows give no usable group; this is the evidence for that rule, per CPU.
 
+A second table times the lm_head alone (SmolLM2's head is the Q8_0 embedding) as the plan runs
+it now (bfloat16 ``mm``) against the Q8_0 codes run exactly as int4pack: ``q = 16·hi + lo``
+(``hi`` in -8..7, ``lo`` in 0..15) makes two int4 halves, stacked along K into one kernel
+call on ``[x, x]`` (scale 16d / zero 0, then scale d / zero 8d), with each one's largest
+|error| against the float64 product. Not a plan candidate yet: the evidence for making it one.
+
     python benchmarks/int4_rows.py [--reps 5] [--threads 2] [--out benchmarks/results/int4-rows.md]
 """
 
@@ -49,6 +55,45 @@ def forward(ws: list, xs: dict[int, torch.Tensor]) -> None:
         w.mm(x) if isinstance(w, int4.Int4Weight) else F.linear(x, w)
 
 
+def q8_head_as_int4(V: int, K: int, g: torch.Generator):
+    """Random Q8_0 codes and block scales for a [V, K] head: (float weights, one int4pack weight
+    of [V, 2K] whose product with ``[x, x]`` is exactly ``x @ (d·q).T`` before the rows' rounding)."""
+    q = torch.randint(-127, 128, (V, K), generator=g)
+    d = torch.rand(V, K // int4.GROUP, generator=g) * 0.01 + 1e-3
+    w = (q.view(V, K // int4.GROUP, int4.GROUP).float() * d[..., None]).view(V, K)
+    lo = q & 15
+    hi = (q - lo) // 16
+    blocks = int4.Int4Blocks(torch.cat([hi + 8, lo], 1).to(torch.uint8), torch.cat([16 * d, d], 1),
+                             torch.cat([torch.zeros_like(d), 8 * d], 1))
+    return w, blocks.pack(torch.bfloat16)
+
+
+def head_table(reps: int) -> list[str]:
+    g = torch.Generator().manual_seed(2)
+    w, halves = q8_head_as_int4(V, H, g)
+    wb = w.to(torch.bfloat16)
+    x = torch.randn(max(MS), H, generator=g)
+    ref = x.double() @ w.double().T
+    fns = {"bfloat16 mm (the plan's head now)": lambda r: torch.mm(wb, r.T).T,
+           "Q8_0 as int4pack halves, one call": lambda r: halves.mm(torch.cat([r, r], 1))}
+    ms, err = {}, {}
+    with torch.inference_mode():
+        for m in MS:
+            r = x[:m].to(torch.bfloat16)
+            for name, fn in fns.items():
+                err[name] = max(err.get(name, 0.0), float((fn(r).double() - ref[:m]).abs().max()))
+                times = []
+                for _ in range(reps):
+                    t = time.perf_counter()
+                    fn(r)
+                    times.append(time.perf_counter() - t)
+                ms[name, m] = statistics.median(times) * 1e3
+    return ["", f"The lm_head alone ([{V}, {H}], Q8_0 codes and block scales, bfloat16 rows), ms; max |error| "
+                "against the float64 product over every M:", "",
+            "| head | " + " | ".join(f"M={m}" for m in MS) + " | max abs error |", "|---|" + "---:|" * (len(MS) + 1)] + \
+        [f"| {name} | " + " | ".join(f"{ms[name, m]:.2f}" for m in MS) + f" | {err[name]:.3f} |" for name in fns]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=5)
@@ -79,7 +124,7 @@ def main() -> None:
     best = min(KINDS, key=lambda name: ms[name, 1])
     lines += ["", f"Fastest at M=1: {best}; int4 float32 rows / bfloat16 rows at M=1: "
                   f"{ms['int4, float32 rows', 1] / ms['int4, bfloat16 rows', 1]:.1f}x."]
-    publish(lines, args.out)
+    publish(lines + head_table(args.reps), args.out)
 
 
 if __name__ == "__main__":

@@ -163,7 +163,7 @@ def candidate_dtypes(dtype: str, flags: list[str]) -> list[torch.dtype]:
 
 # The rows int4 candidates multiply, on every CPU: bfloat16 first, float32 only where bfloat16 rows
 # give no usable group. The kernel's bf16 path is its vectorized one with or without a bf16 unit
-# (SmolLM2-135M's linears at M = 1: AVX2 alone 11.6 ms against 141.5 with float32 rows,
+# (SmolLM2-135M's linears at M = 1: AVX2 alone 11.1 ms against 137.3 with float32 rows,
 # benchmarks/results/int4-rows-avx2.md; AVX512-BF16 8.1 against 166), so no CPU flag decides it,
 # and timing the float32 family where bf16 is usable would only add ~30 s to a cold plan.
 INT4_ROWS = (torch.bfloat16, torch.float32)
