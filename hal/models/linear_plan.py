@@ -8,7 +8,8 @@ one of those widths (zero-padded), so its bits never depend on how many rows cam
 
 Weights the file stores as Q4_0/Q4_1 blocks can also run **as stored** (``weights="int4"``):
 PyTorch's int4pack kernel multiplies the codes with a scale and a zero per 32 weights
-(`hal.models.int4`), rows in bfloat16 or float32 (both measured, on every CPU);
+(`hal.models.int4`), rows in bfloat16 on every CPU (float32 rows, the kernel's scalar path, are
+measured only where bfloat16 rows give no usable group);
 the other weights (the head) then run in the plan's float layout and dtype. ``--dtype
 auto`` measures these candidates with the float ones; ``stored`` measures only them.
 

@@ -1,6 +1,7 @@
 """Where measured linear plans are kept (`hal.models.linear_plan`): one JSON record per CPU
-signature, weight shapes, dtype, layouts, int4 storage and candidate families under ``$HAL_CACHE/plans``, written
-atomically, and a lock beside each so one process measures a plan at a time."""
+signature, weight shapes, dtype, layouts, int4 storage and candidate families under
+``$HAL_CACHE/plans``, written atomically, and a lock beside each so one process measures a
+plan at a time."""
 
 from __future__ import annotations
 
