@@ -133,7 +133,7 @@ class _MaskedPlan(invariant.Plan):
     def __init__(self, block_tables, seq_lens, *a, **kw):
         super().__init__(block_tables, seq_lens, *a, **kw)
         self.ends = None   # the plan's own mask, which it builds only without host lengths
-        self.dead = (torch.arange(self.Lp)[None] >= seq_lens.long()[:, None])[..., None, None]
+        self.dead = invariant.dead_mask(self.Lp, seq_lens)
 
 
 def plans_side_by_side(fns: dict, plans: dict[str, type], reps: int) -> dict[tuple[int, str], float]:
