@@ -2,9 +2,11 @@
 per dtype with the linear plan this machine measured for it (`hal.models.linear_plan`),
 batch-invariant (the default) beside the plain path (``F.linear`` and the backend's
 attention), batched one-token decodes in both modes, and HF transformers' one-token decode
-on the same GGUF (fp32), all interleaved in one run (medians). Writes benchmarks/results/forward.md.
+on the same GGUF (fp32), all interleaved in one run (medians). ``--head-forms``: ``stored`` is
+loaded twice more, with its lm_head as the plan chose it and in the other form (the Q8_0 codes
+as stored, or a float copy), side by side. Writes benchmarks/results/forward.md.
 
-    python benchmarks/forward.py [--reps 9] [--threads 2]
+    python benchmarks/forward.py [--reps 9] [--threads 2] [--dtypes stored --head-forms]
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 
@@ -71,6 +74,8 @@ def main() -> None:
     ap.add_argument("--dtypes", default="float32,bfloat16,stored",
                     help="the dtypes to load (each with its measured plan; bfloat16 only where this CPU offers it; "
                          "stored: the int4 weights as stored)")
+    ap.add_argument("--head-forms", action="store_true",
+                    help="with stored: also the lm_head's other form (Q8_0 as stored, or float), side by side")
     ap.add_argument("--out", default="benchmarks/results/forward.md")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -80,6 +85,11 @@ def main() -> None:
     models = {}
     for dt in dtypes:   # one load per dtype: the weights are cast in place
         models[dt] = load_gguf(path, hal.get_backend("cpu"), dt)[0]
+    if args.head_forms and "stored" in models:
+        chosen = models["stored"].plan
+        for head in ("float", "q8_0"):   # both forms under the same plan otherwise
+            models[f"stored, head {head}"] = load_gguf(path, hal.get_backend("cpu"), plan=replace(chosen, head=head))[0]
+        del models["stored"]
     fns = {}
     with torch.inference_mode():
         for dt, inv in models.items():
@@ -104,7 +114,8 @@ def main() -> None:
     t = {key: statistics.median(v) for key, v in times.items()}
     sig = cpu_signature(args.threads)
     lines = ["# Runner forward cost at M fed tokens (SmolLM2-135M, 200 cached tokens), per dtype and plan", "",
-             f"Command: `python benchmarks/forward.py --reps {args.reps} --threads {args.threads}`; torch "
+             f"Command: `python benchmarks/forward.py --reps {args.reps} --threads {args.threads} --dtypes "
+             f"{args.dtypes}{' --head-forms' * args.head_forms}`; torch "
              f"{torch.__version__}, {args.threads} threads, medians of {args.reps} interleaved runs, "
              f"{time.strftime('%Y-%m-%d')}.", "",
              f"CPU: {sig['cpu']}, {sig['cores']} cores; flags {' '.join(sig['flags']) or 'none'}.", ""]

@@ -41,7 +41,7 @@ def cmd_info(_args) -> int:
 
 def print_plan(model: str, dtype: str, refresh: bool) -> None:
     """The linear plan the runner uses for ``model``'s shapes on this machine (measured once, then cached)."""
-    from hal.models.fetch import MODEL_SHAPES, MODEL_INT4
+    from hal.models.fetch import MODEL_SHAPES, MODEL_INT4, MODEL_Q8_HEAD
     from hal.models.linear_plan import choose_plan
     from hal.models.machine import cpu_signature
     from hal.models.llama import LINEAR_KEYS, LlamaConfig, linear_shapes
@@ -54,7 +54,7 @@ def print_plan(model: str, dtype: str, refresh: bool) -> None:
           flush=True)
     cfg = LlamaConfig(**MODEL_SHAPES[model], rope_base=1e4, eps=1e-5, rope_interleaved=True)
     int4 = [name in MODEL_INT4[model] for _ in range(cfg.layers) for name in LINEAR_KEYS] + [False]
-    choice = choose_plan(linear_shapes(cfg), dtype, refresh=refresh, stored_int4=int4)
+    choice = choose_plan(linear_shapes(cfg), dtype, refresh=refresh, stored_int4=int4, q8_head=model in MODEL_Q8_HEAD)
     print(f"  {choice.plan.describe()} ({'cached' if choice.from_cache else 'measured now'}; {choice.conditions()})")
     for c in sorted(choice.candidates, key=lambda c: c["score"]):
         ms = ", ".join(f"M={m}: {t:.1f}" for m, t in c["ms"].items())
@@ -63,6 +63,10 @@ def print_plan(model: str, dtype: str, refresh: bool) -> None:
         print(f"    {plan['dtype']:9s} {plan.get('weights', 'float'):5s} {plan['layout']:6s} widths "
               f"{'/'.join(map(str, plan['widths'])):11s}"
               f" score {c['score']:7.1f} ms  ({ms})")
+    for h in choice.heads:   # the lm_head's forms, timed alone at the winner's widths
+        ms = ", ".join(f"M={m}: {t:.1f}" for m, t in h["ms"].items())
+        print(f"    lm_head {h['head']:5s} {'(chosen)' if h['head'] == choice.plan.head else '':8s}"
+              f"                score {h['score']:7.1f} ms  ({ms} ms)")
     for why in choice.rejected[:8]:   # widths the self-check dropped, families not measured, and why
         print(f"    not used: {why}")
     if len(choice.rejected) > 8:

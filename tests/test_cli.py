@@ -1,4 +1,5 @@
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -68,7 +69,6 @@ def test_bad_serve_flags_exit_2_naming_the_flag_before_loading(capsys):
 
 def flags_without_help(text: str) -> list[str]:
     """The options of an argparse ``--help`` text that have no help line."""
-    import re
     entries = re.split(r"\n  (?=-)", "\n" + text.split("options:", 1)[1])[1:]
     return [e.split()[0] for e in entries if len(e.strip().splitlines()) == 1 and "  " not in e.strip()]
 
@@ -92,7 +92,6 @@ def test_serve_on_port_0_prints_the_port_it_took(tmp_path):
     """``--port 0`` printed port 0; now the port the system chose. (A model without a tokenizer
     then ends start-up with exit 2 naming --model, after the port was taken and printed.)"""
     import json
-    import re
     import torch
     from safetensors.torch import save_file
     from tests.launch.test_generate import FFN, H, HEADS, KV, LAYERS, V, hf_weights
@@ -112,12 +111,18 @@ def test_info_says_what_the_plan_did_not_use_and_why(monkeypatch, capsys):
     import torch
     from hal import cli
     from hal.models import linear_plan as lp
-    plan = lp.LinearPlan("mm", torch.bfloat16, (1, 2), weights="int4")
+    plan = lp.LinearPlan("mm", torch.bfloat16, (1, 2), weights="int4", head="q8_0")
     why = [f"float32 int4: not measured ({lp.FALLBACK_ONLY})"] + [f"bfloat16 float mm: width {n} dropped"
                                                                    for n in range(9)]
-    choice = lp.Choice(plan, {"cpu": "x", "threads": 2}, [], why)
-    monkeypatch.setattr(lp, "choose_plan", lambda *a, **kw: choice)
+    heads = [{"head": "float", "ms": {1: 3.3, 5: 14.9, 9: 26.6}, "score": 12.0},
+             {"head": "q8_0", "ms": {1: 4.2, 5: 10.0, 9: 15.9}, "score": 8.6}]
+    choice = lp.Choice(plan, {"cpu": "x", "threads": 2}, [], why, heads=heads)
+    asked = {}
+    monkeypatch.setattr(lp, "choose_plan", lambda *a, **kw: asked.update(kw) or choice)
     cli.print_plan("smollm2-135m", "auto", False)
     out = capsys.readouterr().out
+    assert asked["q8_head"], "the bundled model's Q8_0 head must be offered to the plan, as the loader offers it"
     assert f"not used: float32 int4: not measured ({lp.FALLBACK_ONLY})" in out
     assert out.count("not used: bfloat16 float mm") == 7 and "not used: 2 more" in out
+    assert "lm_head Q8_0 as stored" in out
+    assert re.search(r"lm_head q8_0  \(chosen\) +score +8\.6 ms", out) and re.search(r"lm_head float +score +12\.0", out)

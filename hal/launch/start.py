@@ -109,7 +109,7 @@ def _target_rank(args, me: Rank, max_seqs: int, engine_kw: dict, phases: Phases)
     from hal.metrics import SpecDecodeMetrics
     from hal.models.linear_plan import choose_plan
     from hal.models.llama import linear_shapes
-    from hal.models.loaders import linear_int4, read_config
+    from hal.models.loaders import head_q8, linear_int4, read_config
     spec, world = me.spec, me.world
     target_side = resolve_side(me.placement.target, "target")
     draft_side = resolve_side(me.placement.draft, "draft") if world == 1 else None
@@ -118,7 +118,7 @@ def _target_rank(args, me: Rank, max_seqs: int, engine_kw: dict, phases: Phases)
     cfg = read_config(me.path)
     with phases("linear plan (measured once per machine, then cached)"):
         choice = choose_plan(linear_shapes(cfg), args.dtype, refresh=args.plan_refresh, device=target_side.device,
-                             progress=phases.bars, stored_int4=linear_int4(me.path, cfg))
+                             progress=phases.bars, stored_int4=linear_int4(me.path, cfg), q8_head=head_q8(me.path))
     phases.say(f"linear plan: {choice.plan.describe()} ({'cached' if choice.from_cache else 'now'}; "
                f"{choice.conditions()})")
     with phases("memory plan"):

@@ -10,6 +10,12 @@ Glossary:
   row; the kernel computes ``w = (q - 8)·scale + zero``. So a Q4_1 block is exactly
   ``scale = d``, ``zero = m + 8d``, and a Q4_0 block ``scale = d``, ``zero = 0``: the
   codes are used as stored.
+- **Q8_0 block** (the tied embedding and lm_head of SmolLM2's file): 34 bytes, fp16 ``d`` then
+  32 int8 codes ``q``; ``w = d·q``. It runs on the same kernel as **two int4 halves** along K:
+  ``q = 16·hi + lo`` with ``lo = q & 15`` (0..15) and ``hi`` in -8..7, so the weight
+  ``[N, 2K]`` of codes ``[hi + 8 | lo]``, scales ``[16d | d]`` and zeros ``[0 | 8d]``
+  multiplied by the row ``[x | x]`` is ``x @ W.T`` exactly (``16d`` and ``8d`` are ``d``
+  times a power of two: in bfloat16 they round as ``d`` does).
 - **Activation dtype**: the kernel multiplies rows of that dtype and takes its scales and
   zeros in it. With bfloat16 the fp16 ``d`` and ``m`` round to bfloat16 (about as much as
   a bfloat16 copy of the dequantized weights would); with float32 they are exact, but the
@@ -29,6 +35,7 @@ from hal.errors import HalError
 
 GROUP = 32
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}   # bytes per 32 weights, by GGUF block type
+Q8_BYTES = 34                              # a Q8_0 block: fp16 d, 32 int8 codes
 
 
 def fits(N: int, K: int) -> bool:
@@ -59,11 +66,17 @@ class Int4Blocks:
         q = self.codes.view(N, K // GROUP, GROUP).float() - 8
         return (q * self.scales[..., None] + self.zeros[..., None]).reshape(N, K)
 
-    def pack(self, dtype: torch.dtype) -> "Int4Weight":
-        """The kernel's form, scales and zeros in the activation ``dtype``."""
+    def pack(self, dtype: torch.dtype, repeat: int = 1) -> "Int4Weight":
+        """The kernel's form, scales and zeros in the activation ``dtype``. ``repeat``: the
+        codes are that many stacked parts along K of one logical weight ``[N, K / repeat]``
+        (Q8_0's two halves), each multiplied by the same row."""
+        N, K = self.codes.shape
+        if repeat < 1 or K % (repeat * GROUP):
+            raise HalError(f"repeat: expected a count of parts of {GROUP}-multiples dividing K={K}, got {repeat}",
+                           arg="repeat")
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(self.codes.to(torch.int32).contiguous(), 1)
         sz = torch.stack([self.scales.T, self.zeros.T], -1).to(dtype).contiguous()
-        return Int4Weight(packed, sz, tuple(self.codes.shape))
+        return Int4Weight(packed, sz, (N, K // repeat), repeat)
 
 
 @dataclass(eq=False)
@@ -72,7 +85,8 @@ class Int4Weight:
 
     packed: Tensor        # the kernel's packing of the codes (``_convert_weight_to_int4pack_for_cpu``)
     scales_zeros: Tensor  # [G, N, 2] in the activation dtype: (scale, zero) per group and output
-    shape: tuple[int, int]
+    shape: tuple[int, int]   # the logical [N, K]: what ``mm`` multiplies a row [K] by
+    repeat: int = 1          # the packed codes are [N, K * repeat]: parts along K, each times the same row
 
     @property
     def dtype(self) -> torch.dtype:
@@ -89,6 +103,8 @@ class Int4Weight:
 
     def mm(self, x: Tensor) -> Tensor:
         """``x @ W.T`` for ``x`` [M, K] in `dtype`; [M, N] in `dtype`."""
+        if self.repeat > 1:
+            x = x.repeat(1, self.repeat)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
 
     def to(self, device) -> "Int4Weight":
@@ -116,6 +132,33 @@ def from_blocks(raw: np.ndarray, kind: str, shape: tuple[int, int]) -> Int4Block
         m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
         return Int4Blocks(codes, d, m + 8 * d)
     return Int4Blocks(codes, d, torch.zeros_like(d))   # Q4_0: w = d·(q - 8)
+
+
+def from_q8_0(raw: np.ndarray, shape: tuple[int, int]) -> Int4Blocks:
+    """Q8_0 bytes ``raw`` of a logical ``[N, K]`` weight as its two int4 halves ``[N, 2K]``
+    (see the glossary; `Int4Blocks.pack` with ``repeat=2`` multiplies them by ``[x | x]``)."""
+    N, K = shape
+    if K % GROUP or raw.size != N * K // GROUP * Q8_BYTES:
+        raise HalError(f"raw: expected {N * K // GROUP * Q8_BYTES} bytes for Q8_0 [{N}, {K}], got {raw.size}",
+                       arg="raw")
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(N, K // GROUP, Q8_BYTES)
+    d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
+    q = torch.from_numpy(blocks[..., 2:].copy().view(np.int8).reshape(N, K)).to(torch.int16)
+    return q8_halves(q, d)
+
+
+def q8_halves(q: Tensor, d: Tensor) -> Int4Blocks:
+    """int8 codes ``q`` [N, K] with a scale ``d`` [N, K/32] per block as two int4 halves ``[N, 2K]``."""
+    lo = q & 15
+    hi = (q - lo) // 16                                   # -8..7: q = 16·hi + lo exactly
+    codes = torch.cat([hi + 8, lo], 1).to(torch.uint8)
+    return Int4Blocks(codes, torch.cat([16 * d, d], 1), torch.cat([torch.zeros_like(d), 8 * d], 1))
+
+
+def random_q8(N: int, K: int, generator: torch.Generator) -> Int4Blocks:
+    """Random Q8_0 codes with small scales, as two int4 halves (a plan's self-check and timing)."""
+    q = torch.randint(-128, 128, (N, K), generator=generator).to(torch.int16)
+    return q8_halves(q, torch.rand(N, K // GROUP, generator=generator) * 1e-3 + 1e-4)
 
 
 def cat(parts: list[Int4Blocks]) -> Int4Blocks:

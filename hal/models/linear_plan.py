@@ -10,8 +10,13 @@ Weights the file stores as Q4_0/Q4_1 blocks can also run **as stored** (``weight
 PyTorch's int4pack kernel multiplies the codes with a scale and a zero per 32 weights
 (`hal.models.int4`), rows in bfloat16 on every CPU (float32 rows, the kernel's scalar path, are
 measured only where bfloat16 rows give no usable group);
-the other weights (the head) then run in the plan's float layout and dtype. ``--dtype
-auto`` measures these candidates with the float ones; ``stored`` measures only them.
+the other weights run in the plan's float layout and dtype. ``--dtype auto`` measures these
+candidates with the float ones; ``stored`` measures only them. An lm_head the file stores as
+Q8_0 blocks (SmolLM2's tied embedding) can run as stored too, on the same kernel
+(``head="q8_0"``, `hal.models.int4`'s two halves): once an int4 plan has won, the head's two
+forms are self-checked at its widths and timed at the `MIX` rows, and the faster one is kept
+(`_choose_head`; it is per machine: the halves were 2.3x faster from 4 rows on an AVX2-only
+EPYC, and slower on an AVX512-BF16 one).
 
 `choose_plan` picks one at model load:
 
@@ -41,7 +46,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -61,6 +66,7 @@ LAYOUTS: dict[str, plan_check.Layout] = {
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 CHOICES = ("auto", "stored", *DTYPES)   # what ``--dtype`` may ask for
 WEIGHTS = ("float", "int4")              # how the weights stored as int4 blocks run (`LinearPlan.weights`)
+HEADS = ("float", "q8_0")                # how an lm_head stored as Q8_0 runs (`LinearPlan.head`)
 MIX = {1: 0.5, 5: 0.25, 9: 0.25}       # rows per forward -> weight in the score (decode, verify k=4, tree of 8)
 SCORE_ROWS = tuple(MIX)                 # the rows a candidate is timed at
 REPORT_ROWS = (1, 5, 9, 16)
@@ -78,6 +84,7 @@ class LinearPlan:
     widths: tuple[int, ...]
     fn: plan_check.Layout | None = field(default=None, compare=False, repr=False)   # a layout not in LAYOUTS (tests)
     weights: str = "float"   # int4: weights stored as int4 blocks run as stored (`hal.models.int4`), rows in dtype
+    head: str = "float"      # q8_0: the lm_head's Q8_0 codes run as stored (two int4 halves), rows in dtype
 
     def linear(self, x: Tensor, w: Tensor | int4.Int4Weight) -> Tensor:
         """``x @ w.T`` for ``x`` [T, K] (any float dtype), computed in ``w``'s dtype (the model
@@ -106,19 +113,23 @@ class LinearPlan:
         name = "mm(W, X.T)" if self.layout == "mm" else "F.linear"
         dt, widths = str(self.dtype).removeprefix("torch."), "/".join(map(str, self.widths))
         if self.weights == "int4":
-            return f"int4 weights as stored ({dt} rows; other weights {dt} {name}) in chunks of {widths}"
+            head = f"; lm_head Q8_0 as stored" if self.head == "q8_0" else ""
+            return f"int4 weights as stored ({dt} rows{head}; other weights {dt} {name}) in chunks of {widths}"
         return f"{dt} {name} in chunks of {widths}"
 
     def to_json(self) -> dict:
         return {"layout": self.layout, "dtype": str(self.dtype).removeprefix("torch."), "widths": list(self.widths),
-                "weights": self.weights}
+                "weights": self.weights, "head": self.head}
 
     @classmethod
     def from_json(cls, d: dict) -> "LinearPlan":
-        if d.get("layout") not in LAYOUTS or d.get("dtype") not in DTYPES or d.get("weights", "float") not in WEIGHTS:
-            raise HalError(f"linear plan: expected a layout in {sorted(LAYOUTS)}, a dtype in {sorted(DTYPES)} and "
-                           f"weights in {list(WEIGHTS)}, got {d!r:.120}")
-        return cls(d["layout"], DTYPES[d["dtype"]], tuple(int(n) for n in d["widths"]), weights=d.get("weights", "float"))
+        weights, head = d.get("weights", "float"), d.get("head", "float")
+        if d.get("layout") not in LAYOUTS or d.get("dtype") not in DTYPES or weights not in WEIGHTS \
+                or head not in HEADS or (head != "float" and weights != "int4"):
+            raise HalError(f"linear plan: expected a layout in {sorted(LAYOUTS)}, a dtype in {sorted(DTYPES)}, "
+                           f"weights in {list(WEIGHTS)} and a head in {list(HEADS)} (q8_0 only with int4), "
+                           f"got {d!r:.160}")
+        return cls(d["layout"], DTYPES[d["dtype"]], tuple(int(n) for n in d["widths"]), weights=weights, head=head)
 
 
 @dataclass
@@ -131,6 +142,7 @@ class Choice:
     rejected: list[str] = field(default_factory=list)       # layouts/widths dropped by the self-check, and why
     from_cache: bool = False
     measured: dict = field(default_factory=dict)   # {"at": UTC time, "load": 1-min load average, "spread": ...}
+    heads: list[dict] = field(default_factory=list)   # {"head", "ms" by rows, "score"} per lm_head form timed
 
     @property
     def noisy(self) -> bool:
@@ -246,14 +258,16 @@ def score(ms: dict[int, float]) -> float:
 def choose_plan(shapes: list[tuple[int, int]], dtype: str = "auto", *, weights: list[Tensor] | None = None,
                 refresh: bool = False, threads: int | None = None, layouts: dict[str, plan_check.Layout] | None = None,
                 reps: int = 3, cache: bool = True, device: torch.device | str | None = None,
-                progress: bool = False, stored_int4: list[bool] | None = None) -> Choice:
+                progress: bool = False, stored_int4: list[bool] | None = None, q8_head: bool = False) -> Choice:
     """The fastest usable `LinearPlan` for a model whose linear weights have ``shapes`` ([N, K]
     each, in forward order) on this machine; see the module docstring. ``weights``: those
     weights to time with (default: random ones of the shapes, made only when measuring).
     ``layouts``: the candidates (default `LAYOUTS`; tests plant others). ``stored_int4``: which of
     ``shapes`` the file stores as int4 blocks (Q4_0/Q4_1): ``auto`` then also measures them
     run as stored, and ``stored`` measures only that. `HalError` when no candidate of the
-    requested dtype is usable. ``progress``: a bar (tqdm, stderr) while measuring."""
+    requested dtype is usable. ``progress``: a bar (tqdm, stderr) while measuring.
+    ``q8_head``: the last of ``shapes`` is an lm_head the file stores as Q8_0 blocks; an int4
+    plan then also chooses its form (`LinearPlan.head`, `_choose_head`)."""
     layouts = LAYOUTS if layouts is None else layouts
     dev = torch.device(device) if device is not None else torch.device("cpu")
     signature = cpu_signature(threads, dev)
@@ -265,8 +279,10 @@ def choose_plan(shapes: list[tuple[int, int]], dtype: str = "auto", *, weights: 
     if dtype == "stored" and not int4_shapes:
         raise HalError(f"dtype: expected a model with weights stored as Q4_0/Q4_1 blocks for 'stored' on a CPU, "
                        f"got {'none' if dev.type == 'cpu' else 'device ' + dev.type}", arg="dtype")
+    head_q8 = bool(int4_shapes) and q8_head and int4.fits(*shapes[-1])
     families = [f"{str(dt).removeprefix('torch.')} {kind}" for dt, kind in _kinds(dtype, _flags(signature, dev),
                                                                                    int4_shapes)]
+    families += ["q8_0 head"] * head_q8
     path = plan_cache.path(signature, shapes, dtype, layouts, int4_shapes, families) \
         if cache and layouts is LAYOUTS else None
     cached = None if path is None or refresh else _cached(path, signature, dtype)
@@ -275,7 +291,7 @@ def choose_plan(shapes: list[tuple[int, int]], dtype: str = "auto", *, weights: 
     with plan_cache.measuring(path):   # one process measures a plan at a time; the others then read its cache
         cached = None if path is None or refresh else _cached(path, signature, dtype)
         return cached or _measure_and_cache(path, shapes, dtype, weights, signature, layouts, reps, dev, progress,
-                                            int4_shapes)
+                                            int4_shapes, head_q8)
 
 
 def _cached(path: Path, signature: dict, dtype: str) -> Choice | None:
@@ -285,24 +301,26 @@ def _cached(path: Path, signature: dict, dtype: str) -> Choice | None:
         return None
     try:
         return Choice(LinearPlan.from_json(saved["plan"]), signature, saved.get("candidates", []),
-                      saved.get("rejected", []), from_cache=True, measured=saved.get("measured") or {})
+                      saved.get("rejected", []), from_cache=True, measured=saved.get("measured") or {},
+                      heads=saved.get("heads", []))
     except (ValueError, KeyError, TypeError, HalError):
         return None   # a damaged record: measure again
 
 
-def _measure_and_cache(path, shapes, dtype, weights, signature, layouts, reps, dev, progress, int4_shapes) -> Choice:
+def _measure_and_cache(path, shapes, dtype, weights, signature, layouts, reps, dev, progress, int4_shapes,
+                       head_q8=False) -> Choice:
     """Measure (`_measure`; once more if noisy) and cache at ``path`` unless still noisy."""
     if weights is None:
         gen = torch.Generator().manual_seed(0)
         weights = [torch.randn(n, k, generator=gen) * 0.02 for n, k in shapes]
     for _ in range(2):   # a noisy measurement is repeated once; still noisy, it is not cached
-        choice = _measure(shapes, dtype, weights, signature, layouts, reps, dev, progress, int4_shapes)
+        choice = _measure(shapes, dtype, weights, signature, layouts, reps, dev, progress, int4_shapes, head_q8)
         if not choice.noisy:
             break
     if path is not None and not choice.noisy:
         plan_cache.store(path, {"signature": signature, "dtype": dtype, "plan": choice.plan.to_json(),
                                 "candidates": choice.candidates, "rejected": choice.rejected,
-                                "measured": choice.measured})
+                                "measured": choice.measured, "heads": choice.heads})
     return choice
 
 
@@ -326,11 +344,11 @@ def _timing_weights(weights: list[Tensor], shapes, dt: torch.dtype, kind: str, i
 
 
 def _measure(shapes, dtype: str, weights: list[Tensor], signature: dict, layouts, reps: int, dev,
-             progress: bool, int4_shapes=frozenset()) -> Choice:
+             progress: bool, int4_shapes=frozenset(), head_q8: bool = False) -> Choice:
     """Every usable candidate (`_candidates`), its score predicted from single chunks; those
     within `PRUNE` of the best prediction timed at the `MIX` rows, then the winner once more:
     the spread of its two scores (relative to the lower) says whether the machine was quiet
-    enough to trust the choice."""
+    enough to trust the choice. An int4 winner with ``head_q8`` then chooses its head's form."""
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     found, rejected, casts = _candidates(shapes, dtype, weights, signature, layouts, reps, dev, progress,
                                          int4_shapes)
@@ -352,7 +370,36 @@ def _measure(shapes, dtype: str, weights: list[Tensor], signature: dict, layouts
     measured = {"at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load": round(load, 2),
                 "spread": round(spread, 3)}
     table = [{**c, "plan": c["plan"].to_json()} for c in candidates]
-    return Choice(best["plan"], signature, table, rejected, measured=measured)
+    plan, heads = best["plan"], []
+    if head_q8 and plan.weights == "int4":
+        plan, heads = _choose_head(plan, casts[plan.dtype, plan.weights][-1], shapes[-1], reps, dev, rejected)
+    return Choice(plan, signature, table, rejected, measured=measured, heads=heads)
+
+
+def _choose_head(plan: LinearPlan, head: Tensor, shape: tuple[int, int], reps: int, dev,
+                 rejected: list[str]) -> tuple[LinearPlan, list[dict]]:
+    """``plan`` with its lm_head's form: the Q8_0 codes as two int4 halves where the kernel
+    gives their rows the same bits at every one of the plan's widths (on the halves' shape
+    ``[N, 2K]``) and they score lower at the `MIX` rows than ``head``, the float head in the
+    plan's dtype; else the float head. The two are timed interleaved, the lower of two runs
+    each; the table of both is returned."""
+    N, K = shape
+    halves = (N, 2 * K)
+    groups, why = plan_check.usable_groups(plan_check.int4_mm, plan.dtype, [halves], widths=plan.widths,
+                                           device=dev, int4_shapes=frozenset({halves}))
+    if not any(set(plan.widths) <= set(g) for g in groups):
+        dt = str(plan.dtype).removeprefix("torch.")
+        rejected.append(f"{dt} q8_0 head: not invariant across widths {'/'.join(map(str, plan.widths))} "
+                        f"({'; '.join(why) or 'the widths give a row different bits'})")
+        return plan, []
+    forms = {"float": head, "q8_0": int4.random_q8(N, K, torch.Generator().manual_seed(0)).pack(plan.dtype, 2)}
+    ms: dict[str, dict[int, float]] = {}
+    for _ in range(2):
+        for form, w in forms.items():
+            got = time_plan(plan, [w], rows=SCORE_ROWS, reps=reps)
+            ms[form] = {m: min(t, ms.get(form, got)[m]) for m, t in got.items()}
+    heads = [{"head": form, "ms": t, "score": round(score(t), 3)} for form, t in ms.items()]
+    return replace(plan, head=min(heads, key=lambda h: h["score"])["head"]), heads
 
 
 def _candidates(shapes, dtype: str, weights: list[Tensor], signature: dict, layouts, reps: int, dev,

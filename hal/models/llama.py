@@ -104,8 +104,10 @@ class Llama:
             if not batch_invariant and dtype not in ("auto", "stored"):   # plain F.linear: nothing to measure
                 plan = LinearPlan("linear", DTYPES[dtype], (1,))
             else:
+                q8_head = isinstance(w.get("head_lin"), int4.Int4Weight)   # a loader packed the Q8_0 head
                 self.plan_choice = choose_plan([tuple(t.shape) for t in weights], dtype, weights=weights,
-                                               refresh=plan_refresh, device=self.device, stored_int4=packed)
+                                               refresh=plan_refresh, device=self.device, stored_int4=packed,
+                                               q8_head=q8_head)
                 plan = self.plan_choice.plan
         self.plan = plan
         self._cast(plan.dtype)
@@ -126,7 +128,14 @@ class Llama:
                                        arg="weights")
                 elif self.w[key].dtype != dtype:
                     self.w[key] = self.w[key].to(dtype)
-        if self.w.get("head_lin") is None or self.w["head_lin"].dtype != dtype:
+        head_lin = self.w.get("head_lin")
+        stored = isinstance(head_lin, int4.Int4Weight)
+        if self.plan.head == "q8_0":   # the loader packed the file's Q8_0 head (`hal.models.loaders.load_gguf`)
+            if not stored or head_lin.dtype != dtype:
+                raise HalError(f"weights['head_lin']: expected the lm_head's Q8_0 codes packed for {dtype} rows "
+                               f"under {self.plan.describe()}, got {getattr(head_lin, 'dtype', head_lin)}",
+                               arg="weights")
+        elif head_lin is None or stored or head_lin.dtype != dtype:
             self.w["head_lin"] = self.head if dtype == self.head.dtype else self.head.to(dtype)
         self.head_lin = self.w["head_lin"]
 

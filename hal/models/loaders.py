@@ -1,7 +1,8 @@
 """Loading a Llama: from a GGUF file (weights stored as Q4_0/Q4_1 blocks kept as int4 where
-the plan runs them so, the rest dequantized with ``gguf``) or an HF folder (config.json +
-safetensors); the config alone (`read_config`), and which linears a file stores as int4
-(`linear_int4`)."""
+the plan runs them so, an lm_head stored as Q8_0 kept so where the plan runs it so, the rest
+dequantized with ``gguf``) or an HF folder (config.json + safetensors); the config alone
+(`read_config`), which linears a file stores as int4 (`linear_int4`), and whether its lm_head
+is Q8_0 (`head_q8`)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,18 @@ def linear_int4(path: str | Path, cfg: LlamaConfig) -> list[bool]:
     return [f"blk.{i}.{FUSED_PARTS[k][0]}.weight" in stored for i in range(cfg.layers) for k in LINEAR_KEYS] + [False]
 
 
+def _head(tensors):
+    """The file's lm_head tensor: ``output.weight``, else the tied embedding."""
+    by_name = {t.name: t for t in tensors}
+    return by_name.get("output.weight", by_name.get("token_embd.weight"))
+
+
+def head_q8(path: str | Path) -> bool:
+    """Whether ``path`` stores its lm_head as Q8_0 blocks (an HF folder: no)."""
+    path = Path(path)
+    return not path.is_dir() and getattr(_head(open_gguf(path).tensors), "kind", None) == "Q8_0"
+
+
 def _gguf_config(r: GGUFFile) -> LlamaConfig:
     f = r.field
     if f("general.architecture") != "llama":
@@ -83,8 +96,9 @@ def load_gguf(path: str | Path, backend, dtype: str = "float32", plan_refresh: b
     """(Llama, tokenizer) from a llama-architecture GGUF file. ``plan`` (None: measured for
     ``dtype`` on this machine, `hal.models.linear_plan.choose_plan`) says how the linear
     layers run: weights stored as Q4_0/Q4_1 blocks stay int4 as stored when it runs them so
-    (no float copy is kept); every other weight is dequantized to fp32, then cast to the
-    plan's dtype (`Llama`)."""
+    (no float copy is kept), and a Q8_0 lm_head is packed as two int4 halves when the plan's
+    ``head`` is ``q8_0`` (the float rows stay for the embedding lookup and the drafters);
+    every other weight is dequantized to fp32, then cast to the plan's dtype (`Llama`)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -93,11 +107,12 @@ def load_gguf(path: str | Path, backend, dtype: str = "float32", plan_refresh: b
     f = r.field
     cfg = _gguf_config(r)
     stored = _int4_tensors(r.tensors, cfg.layers)
+    head = _head(r.tensors)
     choice = None
     if plan is None:
         mask = [f"blk.{i}.{FUSED_PARTS[k][0]}.weight" in stored for i in range(cfg.layers) for k in LINEAR_KEYS]
         choice = choose_plan(linear_shapes(cfg), dtype, refresh=plan_refresh, stored_int4=mask + [False],
-                             device=torch.device(backend.device_type))
+                             device=torch.device(backend.device_type), q8_head=head.kind == "Q8_0")
         plan = choice.plan
     w = {}
     for t in r.tensors:
@@ -113,7 +128,13 @@ def load_gguf(path: str | Path, backend, dtype: str = "float32", plan_refresh: b
             w[{"token_embd": "embed", "output_norm": "norm", "output": "head"}[parts[0]]] = arr
     tok = from_gguf_fields({k: f(k) for k in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges",
                                               "tokenizer.ggml.token_type")})
-    model = Llama(cfg, _fuse(w, cfg.layers, plan.dtype), backend, plan=plan)
+    fused = _fuse(w, cfg.layers, plan.dtype)
+    if plan.head == "q8_0":
+        if head.kind != "Q8_0":
+            raise HalError(f"plan: expected a file whose lm_head is Q8_0 for {plan.describe()}, got {head.kind}",
+                           arg="plan")
+        fused["head_lin"] = int4.from_q8_0(r.data(head), tuple(head.shape)).pack(plan.dtype, repeat=2)
+    model = Llama(cfg, fused, backend, plan=plan)
     model.plan_choice = choice
     return model, tok
 

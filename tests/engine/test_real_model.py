@@ -126,6 +126,35 @@ def test_int4_as_stored_greedy_speculative_equals_plain(model_int4, kind):
     assert dec.metrics.acceptance_rate > (0.99 if kind == "draft-model" else 0.15), dec.metrics.acceptance_rate
 
 
+@pytest.fixture(scope="module")
+def model_int4_q8_head(model_int4):
+    """The int4 plan with the lm_head's Q8_0 codes as stored, on every machine (the plan keeps
+    that form only where it times faster: here it is forced, so the path is tested everywhere)."""
+    from dataclasses import replace
+    from hal.models.fetch import fetch
+    from hal.models.loaders import load_gguf
+    return load_gguf(fetch("smollm2-135m"), hal.get_backend("cpu"), plan=replace(model_int4[0].plan, head="q8_0"))
+
+
+def test_a_q8_0_head_as_stored_keeps_greedy_speculative_equal_to_plain(model_int4_q8_head):
+    """The head's Q8_0 codes as two int4 halves: no float head copy, logits within bfloat16
+    rounding of the float head's (2e-2 of the largest logit), and speculative greedy equals
+    plain greedy under that plan."""
+    from hal.models import int4
+    target, tok = model_int4_q8_head
+    assert isinstance(target.head_lin, int4.Int4Weight) and target.head_lin.repeat == 2
+    x = torch.randn(3, target.cfg.hidden, generator=torch.Generator().manual_seed(0))
+    ref = x @ target.head.T                                 # the float32 rows of the same Q8_0 codes
+    got = target.plan.linear(x, target.head_lin)
+    assert (got - ref).abs().max() <= 2e-2 * ref.abs().max()
+    plain = run(target, None, PROMPTS, tok, k=0)[0]
+    assert "the cat sat on the mat" in tok.decode(plain[0]).lower()
+    out, dec = run(target, make_drafter(parse_draft("ngram+eagle-tree"), target.be, target, "smollm2-135m"),
+                   PROMPTS, tok)
+    assert out == plain, "speculative greedy output differs from plain greedy with the Q8_0 head as stored"
+    assert dec.metrics.acceptance_rate > 0.15, dec.metrics.acceptance_rate
+
+
 def test_draft_on_another_backend(model):
     """Draft on the cuda backend (Triton interpreter), target on cpu: still lossless."""
     if os.environ.get("TRITON_INTERPRET") != "1":

@@ -6,6 +6,8 @@ Tolerances: float32 rows against float32 ``x @ W.T`` of the dequantized weights,
 relative to the largest output (accumulation order only); bfloat16 rows, 2e-2 (bfloat16
 rows, scales and zeros: 8 bits of mantissa)."""
 
+import time
+
 import gguf
 import numpy as np
 import pytest
@@ -17,6 +19,7 @@ from hal.models import int4
 from hal.models import linear_plan as lp
 from hal.models import plan_check
 from hal.models.linear_plan import LAYOUTS, LinearPlan, choose_plan
+from hal.models.llama import Llama, random_llama
 
 KINDS = {"Q4_0": gguf.GGMLQuantizationType.Q4_0, "Q4_1": gguf.GGMLQuantizationType.Q4_1}
 
@@ -66,8 +69,78 @@ def test_bad_blocks_are_refused_naming_the_argument():
         int4.from_blocks(raw, "Q4_1", (16, 64)).pack(torch.float32).to("meta")
 
 
+def test_q8_0_blocks_run_as_two_int4_halves_exactly():
+    """A Q8_0 head as stored: the halves dequantize to exactly what gguf reads, and the
+    kernel multiplies ``[x | x]`` by them as ``x @ W.T`` (float32 rows 1e-5, bfloat16 2e-2)."""
+    x = np.random.default_rng(2).standard_normal((64, 128)).astype(np.float32) * 0.05
+    raw = quants.quantize(x, gguf.GGMLQuantizationType.Q8_0)
+    ref_w = torch.from_numpy(quants.dequantize(raw, gguf.GGMLQuantizationType.Q8_0).reshape(64, 128).copy())
+    halves = int4.from_q8_0(raw, (64, 128))
+    deq = halves.dequantize()
+    assert torch.equal(deq[:, :128] + deq[:, 128:], ref_w)   # 16·hi·d + lo·d: each exact in float32
+    rows = torch.randn(5, 128, generator=torch.Generator().manual_seed(2))
+    ref = rows @ ref_w.T
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        w = halves.pack(dtype, repeat=2)
+        assert w.shape == (64, 128) and w.repeat == 2
+        assert (w.mm(rows.to(dtype)).float() - ref).abs().max() <= tol * ref.abs().max(), dtype
+    with pytest.raises(HalError, match=r"raw: expected 8704 bytes for Q8_0 \[64, 128\], got 8640"):
+        int4.from_q8_0(raw[:, :-1], (64, 128))
+    with pytest.raises(HalError, match="repeat"):
+        halves.pack(torch.float32, repeat=3)
+
+
 SHAPES = [(96, 64), (64, 64), (500, 64)]
 INT4 = [True, True, False]
+HALVES = (SHAPES[-1][0] - 4, 2 * SHAPES[-1][1])   # a Q8_0 head's halves (N a multiple of 16)
+HEAD_SHAPES = SHAPES[:-1] + [(HALVES[0], SHAPES[-1][1])]
+
+
+def test_a_q8_0_head_runs_as_stored_where_it_times_faster():
+    """An int4 plan with ``q8_head`` times the head's two forms interleaved at the plan's
+    widths and keeps the lower score; both are in the choice for ``hal info``."""
+    choice = choose_plan(HEAD_SHAPES, "stored", stored_int4=INT4, cache=False, q8_head=True)
+    forms = {h["head"]: h["score"] for h in choice.heads}
+    assert set(forms) == {"float", "q8_0"}, choice.heads
+    assert choice.plan.head == min(forms, key=forms.get)
+    assert choice.plan.describe().count("lm_head Q8_0") == (choice.plan.head == "q8_0")
+    assert LinearPlan.from_json(choice.plan.to_json()) == choice.plan
+    assert choose_plan(HEAD_SHAPES, "stored", stored_int4=INT4, cache=False).heads == []   # not asked: not timed
+
+
+def test_a_q8_0_head_whose_rows_mix_is_never_chosen(monkeypatch):
+    """The head's own self-check: a planted kernel whose rows depend on their batch-mates on
+    the halves' shape only leaves the float head, and says why."""
+    real = plan_check.int4_mm
+    def mixing(x, w):     # PLANTED: the halves' product plus a term from every row
+        out = real(x, w)
+        return out + x.float().sum(0, keepdim=True)[:, :1] * 1e-2 if tuple(w.shape) == HALVES else out
+    monkeypatch.setattr(plan_check, "int4_mm", mixing)
+    choice = choose_plan(HEAD_SHAPES, "stored", stored_int4=INT4, cache=False, q8_head=True)
+    assert choice.plan.weights == "int4" and choice.plan.head == "float" and choice.heads == []
+    assert any(why.startswith("bfloat16 q8_0 head: not invariant") for why in choice.rejected), choice.rejected
+
+
+def test_a_slower_q8_0_head_is_not_chosen(monkeypatch):
+    """The choice follows the timing: halves planted 50 ms slower per call keep the float head."""
+    real = int4.Int4Weight.mm
+    def slow(self, x):    # PLANTED: the halves cost 50 ms more per call
+        if self.repeat > 1:
+            time.sleep(0.05)
+        return real(self, x)
+    monkeypatch.setattr(int4.Int4Weight, "mm", slow)
+    choice = choose_plan(HEAD_SHAPES, "stored", stored_int4=INT4, cache=False, q8_head=True, reps=1)
+    assert choice.plan.head == "float", choice.heads
+    assert {h["head"]: h["score"] for h in choice.heads}["q8_0"] >= 50
+
+
+def test_a_q8_0_head_needs_an_int4_plan_and_its_packed_head():
+    with pytest.raises(HalError, match="q8_0 only with int4"):
+        LinearPlan.from_json({"layout": "mm", "dtype": "float32", "widths": [1], "weights": "float", "head": "q8_0"})
+    model = random_llama(64, 1, 4, 2, 16, 64, 96, seed=0, scale=0.05)
+    plan = LinearPlan("mm", torch.bfloat16, (1,), weights="int4", head="q8_0")
+    with pytest.raises(HalError, match=r"weights\['head_lin'\]: expected the lm_head's Q8_0 codes"):
+        Llama(model.cfg, dict(model.w), model.be, plan=plan)
 
 
 def test_stored_runs_the_int4_shapes_as_stored_and_the_rest_as_float():
