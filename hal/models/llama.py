@@ -104,7 +104,7 @@ class Llama:
             if not batch_invariant and dtype not in ("auto", "stored"):   # plain F.linear: nothing to measure
                 plan = LinearPlan("linear", DTYPES[dtype], (1,))
             else:
-                q8_head = isinstance(w.get("head_lin"), int4.Int4Weight)   # a loader packed the Q8_0 head
+                q8_head = "head_q8" in w   # a loader packed the file's Q8_0 head: it may run so
                 self.plan_choice = choose_plan([tuple(t.shape) for t in weights], dtype, weights=weights,
                                                refresh=plan_refresh, device=self.device, stored_int4=packed,
                                                q8_head=q8_head)
@@ -128,14 +128,14 @@ class Llama:
                                        arg="weights")
                 elif self.w[key].dtype != dtype:
                     self.w[key] = self.w[key].to(dtype)
-        head_lin = self.w.get("head_lin")
-        stored = isinstance(head_lin, int4.Int4Weight)
         if self.plan.head == "q8_0":   # the loader packed the file's Q8_0 head (`hal.models.loaders.load_gguf`)
-            if not stored or head_lin.dtype != dtype:
-                raise HalError(f"weights['head_lin']: expected the lm_head's Q8_0 codes packed for {dtype} rows "
-                               f"under {self.plan.describe()}, got {getattr(head_lin, 'dtype', head_lin)}",
-                               arg="weights")
-        elif head_lin is None or stored or head_lin.dtype != dtype:
+            packed = self.w.get("head_q8")
+            if not isinstance(packed, int4.Int4Weight) or packed.dtype != dtype:
+                raise HalError(f"weights['head_q8']: expected the lm_head's Q8_0 codes packed for {dtype} rows "
+                               f"under {self.plan.describe()}, got {getattr(packed, 'dtype', packed)}", arg="weights")
+            self.head_lin = packed
+            return
+        if self.w.get("head_lin") is None or self.w["head_lin"].dtype != dtype:
             self.w["head_lin"] = self.head if dtype == self.head.dtype else self.head.to(dtype)
         self.head_lin = self.w["head_lin"]
 
@@ -164,7 +164,7 @@ class Llama:
         for name, t in self.w.items():
             self.w[name] = t.to(self.device)
         self.embed, self.head, self.head_t = self.w["embed"], self.w.get("head", self.w["embed"]), self.w["head_t"]
-        self.head_lin = self.w["head_lin"]
+        self.head_lin = self.w["head_q8" if self.plan.head == "q8_0" else "head_lin"]
         self.rope.to(self.device)
         return self
 

@@ -133,7 +133,7 @@ def load_gguf(path: str | Path, backend, dtype: str = "float32", plan_refresh: b
         if head.kind != "Q8_0":
             raise HalError(f"plan: expected a file whose lm_head is Q8_0 for {plan.describe()}, got {head.kind}",
                            arg="plan")
-        fused["head_lin"] = int4.from_q8_0(r.data(head), tuple(head.shape)).pack(plan.dtype, repeat=2)
+        fused["head_q8"] = int4.from_q8_0(r.data(head), tuple(head.shape)).pack(plan.dtype, repeat=2)
     model = Llama(cfg, fused, backend, plan=plan)
     model.plan_choice = choice
     return model, tok
