@@ -9,6 +9,7 @@ length and hash per request), or the target gets STOP at the end. See `hal.launc
 from __future__ import annotations
 
 import datetime
+import queue
 import struct
 from dataclasses import dataclass, field
 
@@ -118,6 +119,47 @@ class Link:
 
 
 CHUNK = 8 << 10   # bytes of a framed message's first tensor (`Link`): a round's COMMIT and DRAFTS fit
+
+
+class LocalLink:
+    """`Link`'s interface between two threads of one process (`hal.distributed.local`): a
+    message is copied at send (the sender may reuse its tensors) and its header checked at
+    receive, as a process link checks it. A receive that times out, or whose peer thread
+    failed (an exception put in its inbox), raises RuntimeError, as a lost process link does."""
+
+    def __init__(self, inbox: queue.Queue, outbox: queue.Queue):
+        self.inbox, self.outbox = inbox, outbox
+        self.bytes_sent = self.bytes_received = 0
+
+    @staticmethod
+    def pair() -> tuple["LocalLink", "LocalLink"]:
+        """Two ends joined to each other."""
+        a, b = queue.Queue(), queue.Queue()
+        return LocalLink(a, b), LocalLink(b, a)
+
+    def flush(self) -> None:
+        pass
+
+    def send(self, words: list[int], rows: Tensor | None = None, idx: Tensor | None = None) -> None:
+        rows = None if rows is None else rows.float().clone()
+        idx = None if idx is None else idx.to(torch.int32).clone()
+        self.bytes_sent += 32 + 8 * len(words) + sum(t.numel() * 4 for t in (rows, idx) if t is not None)
+        self.outbox.put((list(words), rows, idx))
+
+    def recv(self, timeout: float | None) -> tuple[list[int], Tensor | None, Tensor | None]:
+        try:
+            got = self.inbox.get(timeout=timeout)
+        except queue.Empty:
+            raise RuntimeError(f"no message from the other thread within {timeout} s") from None
+        if isinstance(got, BaseException):
+            raise RuntimeError(f"the other thread failed: {type(got).__name__}: {got}") from got
+        words, rows, idx = got
+        r = rows.shape if rows is not None else (0, 0)
+        _checked([len(words), r[0], r[1], int(idx is not None)])
+        if idx is not None and idx.shape != rows.shape:
+            raise HalError(f"hal.launch: expected sparse indices shaped as the rows {list(r)}, got {list(idx.shape)}")
+        self.bytes_received += 32 + 8 * len(words) + sum(t.numel() * 4 for t in (rows, idx) if t is not None)
+        return words, rows, idx
 
 
 def _checked(head: list[int]) -> list[int]:

@@ -82,6 +82,11 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
                          "verifies (the likeliest verification outcomes; 0: none). Default 8, except for the "
                          "EAGLE head (--draft eagle), which drafts ahead from its own features only when this "
                          "asks; trees and the other heads never do")
+    ap.add_argument("--draft-thread", choices=("auto", "on", "off"), default="auto",
+                    help="a draft in the target's process: run it on its own thread, one round ahead (the draft "
+                         "worker's speculation cache and --fanout; hal.distributed.local). auto, the default: where "
+                         "the draft is on another device than the target; on: also on the same device (it then "
+                         "shares its cores); off: drafting inline, every round")
     ap.add_argument("--draft-timeout", type=bounded(float, 0, lo_open=True), default=30.0,
                     help="seconds to wait for drafts before falling back to plain decoding")
     ap.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,

@@ -138,9 +138,25 @@ def _target_rank(args, me: Rank, max_seqs: int, engine_kw: dict, phases: Phases)
             drafter = make_drafter(spec, draft_side.backend, target=model if shares or head else None,
                                    path=args.model if head else dpath,
                                    pool=mplan.allocate("draft") if dmem else None, device=draft_side.device)
-    dec = _engine(args, model, drafter, pool, metrics, grammar_compiler(tok, model.cfg, phases.say), world == 1,
+            drafter = _threaded(args, spec, drafter, model.cfg.vocab, target_side, draft_side, metrics, phases)
+    inline = world == 1 and not isinstance(drafter, RemoteDrafter)   # a draft thread is profiled as a worker is
+    dec = _engine(args, model, drafter, pool, metrics, grammar_compiler(tok, model.cfg, phases.say), inline,
                   engine_kw, phases)
     return Target(dec, tok, world, me.rv.backend if world == 2 else None, target_side)
+
+
+def _threaded(args, spec, drafter, vocab: int, target_side, draft_side, metrics, phases: Phases):
+    """``drafter`` on its own thread, one round ahead (`hal.distributed.local.ThreadDrafter`),
+    where ``--draft-thread`` asks for it: ``on``, or ``auto`` with the draft on another device
+    than the target; else ``drafter`` itself."""
+    mode = getattr(args, "draft_thread", "auto")
+    if drafter is None or mode == "off" or (mode == "auto" and draft_side.device == target_side.device):
+        return drafter
+    from hal.distributed.local import ThreadDrafter
+    from hal.launch.measure import worker_fanout
+    fanout = worker_fanout(args, spec)
+    phases.say(f"draft on its own thread ({draft_side.device}), one round ahead: fan-out {fanout}")
+    return ThreadDrafter(drafter, vocab, target_side.device, metrics, timeout=args.draft_timeout, fanout=fanout)
 
 
 def _engine(args, model, drafter, pool, metrics, grammar, profile_draft: bool, engine_kw: dict,

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import hal
-from hal.distributed.protocol import DRAFTS_HEAD
+from hal.distributed.protocol import DRAFTS_HEAD, LocalLink
 from hal.engine import Request, SpeculativeDecoder
 from hal.engine.requests import SamplingParams
 from hal.models.loaders import load_safetensors
@@ -137,13 +137,15 @@ def test_hung_draft_worker_times_out_under_torchrun(tiny, tmp_path):
 def test_single_process_routed_and_planner_refusal(tiny, tmp_path):
     out = tmp_path / "o.json"
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
-    r = subprocess.run([sys.executable, "-m", "hal.launch", *serve_args(tiny, out, "--draft", "self:2", "--route")],
+    r = subprocess.run([sys.executable, "-m", "hal.launch", *serve_args(tiny, out, "--draft", "self:2", "--route",
+                                                                       "--draft-thread", "on")],
                        env={**env, "HAL_PLACEMENT": "draft=cpu,target=cpu"}, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "max concurrent sequences x context" in r.stderr   # the plan is printed before anything is allocated
     got = json.loads(out.read_text())
     assert got["world_size"] == 1 and got["outputs"] == plain(tiny, "cpu")
+    assert got["cache_hits"] + got["cache_misses"] > 0, got   # its rounds went through the worker loop
     bad = subprocess.run([sys.executable, "-m", "hal.launch", *serve_args(tiny, out, "--cpu-budget-gib", "1e-6")],
                          env=env, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "memory plan on cpu" in bad.stderr and "raise the budget" in bad.stderr
@@ -152,25 +154,16 @@ def test_single_process_routed_and_planner_refusal(tiny, tmp_path):
     assert short.returncode == 2 and "--max-context: expected at least" in short.stderr
 
 
-class QueueLink:
-    """The transport between two threads (the protocol, worker and target code are the real ones)."""
+class QueueLink(LocalLink):
+    """The library's link between two threads, with a hook that rewrites sent words (planted faults)."""
 
     def __init__(self, inbox, outbox, tamper=None):
-        self.inbox, self.outbox, self.tamper, self.n = inbox, outbox, tamper, 0
-
-    def flush(self):
-        pass
+        super().__init__(inbox, outbox)
+        self.tamper, self.n = tamper, 0
 
     def send(self, words, rows=None, idx=None):
         self.n += 1
-        self.outbox.put((self.tamper(list(words), self.n) if self.tamper else list(words), rows, idx))
-
-    def recv(self, timeout):
-        import queue
-        try:
-            return self.inbox.get(timeout=timeout or 60)
-        except queue.Empty:
-            raise RuntimeError("Timed out waiting for the draft worker") from None
+        super().send(self.tamper(list(words), self.n) if self.tamper else words, rows, idx)
 
 
 def in_process_two_sides(tiny, tamper=None, k=3, remote_cls=None):
@@ -245,25 +238,20 @@ class ConstantDrafter:
 
 
 def remote_sampled(drafter_cls, requests=12, tokens=160, p=None):
-    import queue
-    import threading
-
+    """The drafter one round ahead on its own thread (`hal.distributed.local.ThreadDrafter`:
+    the worker protocol over the in-process link), sampling against a two-token toy target."""
+    from hal.distributed.local import ThreadDrafter
     from hal.metrics import SpecDecodeMetrics
-    from hal.distributed.remote import RemoteDrafter
-    from hal.distributed.worker import draft_worker
     from tests.engine.test_router import P2, Q2, ToyTarget
     be = hal.get_backend("cpu")
-    a, b = queue.Queue(), queue.Queue()
-    worker = threading.Thread(target=draft_worker, args=(QueueLink(a, b), drafter_cls(be, Q2)),
-                              kwargs=dict(bounded=False), daemon=True)   # the whole fan-out: hits whatever the timing
-    worker.start()
     metrics = SpecDecodeMetrics()
-    remote = RemoteDrafter(QueueLink(b, a), 2, torch.device("cpu"), metrics)
+    remote = ThreadDrafter(drafter_cls(be, Q2), 2, torch.device("cpu"), metrics,
+                           bounded=False)   # the whole fan-out: hits whatever the timing
     dec = SpeculativeDecoder(ToyTarget(be, P2 if p is None else p), remote, num_blocks=requests * tokens // 10,
                              metrics=metrics)
     out = dec.generate([Request([0], max_new_tokens=tokens, temperature=1.0, seed=i, k=3) for i in range(requests)])
     remote.close()
-    worker.join(timeout=30)
+    assert not remote.thread.is_alive(), "the draft thread outlived its STOP"
     return out, metrics, remote
 
 

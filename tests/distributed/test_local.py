@@ -1,0 +1,84 @@
+"""A draft in the target's process on its own thread, one round ahead
+(`hal.distributed.local.ThreadDrafter`): the draft worker's loop and the target's
+`RemoteDrafter` joined by `hal.distributed.protocol.LocalLink`. Greedy output equals plain
+greedy, rounds are answered from the speculation cache, a failure on the thread leaves plain
+decoding at once, and the link checks what it receives as a process link does. (The sampled
+law across this path, with its planted mutants: tests/launch/test_generate.py.)"""
+
+import pytest
+import torch
+
+from hal.distributed.local import ThreadDrafter
+from hal.distributed.protocol import LocalLink
+from hal.drafters import ModelDrafter
+from hal.engine import Request, SpeculativeDecoder
+from hal.errors import HalError
+from hal.metrics import SpecDecodeMetrics
+from hal.models.llama import random_llama
+
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [10, 11, 12, 13, 10, 11, 12]]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return random_llama(32, 2, 4, 2, 8, 64, 48, seed=3, scale=0.2, embed_scale=1.0)
+
+
+def generate(target, drafter, metrics=None):
+    dec = SpeculativeDecoder(target, drafter, num_blocks=64, metrics=metrics or SpecDecodeMetrics())
+    return dec.generate([Request(list(p), max_new_tokens=24, k=0 if drafter is None else 3) for p in PROMPTS])
+
+
+def test_a_draft_thread_keeps_greedy_output_and_answers_from_its_cache(target):
+    metrics = SpecDecodeMetrics()
+    drafter = ThreadDrafter(ModelDrafter(target.layer_view(1)), target.cfg.vocab, target.device, metrics,
+                            bounded=False)   # the whole fan-out before each COMMIT: hits whatever the timing
+    out = generate(target, drafter, metrics)
+    drafter.close()
+    assert out == generate(target, None)
+    assert metrics.total.num_draft_tokens > 0 and metrics.draft_failures == 0
+    assert drafter.cache_hits > 0 and metrics.fanout_branches > drafter.cache_hits
+    assert not drafter.thread.is_alive(), "the draft thread outlived its STOP"
+
+
+class Failing(ModelDrafter):
+    """PLANTED: the third drafter call raises."""
+
+    calls = 0
+
+    def propose(self, batch):
+        Failing.calls += 1
+        if Failing.calls == 3:
+            raise ValueError("planted drafter failure")
+        return super().propose(batch)
+
+
+def test_a_failure_on_the_draft_thread_leaves_plain_decoding_at_once(target, capsys):
+    """The thread's exception reaches the target at its next receive (not after the timeout):
+    the rest decodes plainly, output unchanged, the failure counted and named."""
+    metrics = SpecDecodeMetrics()
+    drafter = ThreadDrafter(Failing(target.layer_view(1)), target.cfg.vocab, target.device, metrics, timeout=20,
+                            fanout=0)
+    out = generate(target, drafter, metrics)
+    drafter.close()
+    assert out == generate(target, None)
+    assert metrics.draft_failures == 1 and not drafter.alive
+    err = capsys.readouterr().err
+    assert "the other thread failed: ValueError: planted drafter failure" in err, err[-2000:]
+
+
+def test_the_local_link_checks_what_it_receives():
+    a, b = LocalLink.pair()
+    rows = torch.rand(2, 5)
+    a.send([2, 0, 7], rows)
+    rows.zero_()                                   # the sender reuses its tensor: the message was copied
+    words, got, idx = b.recv(1.0)
+    assert words == [2, 0, 7] and got.sum() > 0 and idx is None
+    a.send([], None)                               # no words: not a message
+    with pytest.raises(HalError, match="message header within bounds"):
+        b.recv(1.0)
+    b.outbox.put(([3], torch.rand(2, 4), torch.zeros(3, 4, dtype=torch.int32)))
+    with pytest.raises(HalError, match="sparse indices shaped as the rows"):
+        a.recv(1.0)
+    with pytest.raises(RuntimeError, match="no message from the other thread within 0.01 s"):
+        a.recv(0.01)
