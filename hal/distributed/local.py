@@ -45,7 +45,8 @@ class ThreadDrafter(RemoteDrafter):
 
     def _serve(self, link: LocalLink, fanout: int | None, bounded: bool) -> None:
         try:
-            draft_worker(link, self.drafter, fanout=fanout, bounded=bounded)
+            with torch.inference_mode():   # thread-local: drafting never records autograd (as the worker rank's)
+                draft_worker(link, self.drafter, fanout=fanout, bounded=bounded)
         except BaseException as e:   # the target's next receive raises it (a lost worker: plain decoding)
             link.outbox.put(e)
 

@@ -30,10 +30,13 @@ def generate(target, drafter, metrics=None):
 
 
 def test_a_draft_thread_keeps_greedy_output_and_answers_from_its_cache(target):
+    """Built and run under inference mode, as the benchmarks and servers run (the mode is
+    thread-local: the thread must enter it too, or the drafter's KV writes fail there)."""
     metrics = SpecDecodeMetrics()
-    drafter = ThreadDrafter(ModelDrafter(target.layer_view(1)), target.cfg.vocab, target.device, metrics,
-                            bounded=False)   # the whole fan-out before each COMMIT: hits whatever the timing
-    out = generate(target, drafter, metrics)
+    with torch.inference_mode():
+        drafter = ThreadDrafter(ModelDrafter(target.layer_view(1)), target.cfg.vocab, target.device, metrics,
+                                bounded=False)   # the whole fan-out before each COMMIT: hits whatever the timing
+        out = generate(target, drafter, metrics)
     drafter.close()
     assert out == generate(target, None)
     assert metrics.total.num_draft_tokens > 0 and metrics.draft_failures == 0
