@@ -108,12 +108,16 @@ def load_gguf(path: str | Path, backend, dtype: str = "float32", plan_refresh: b
     cfg = _gguf_config(r)
     stored = _int4_tensors(r.tensors, cfg.layers)
     head = _head(r.tensors)
+    head_kind = getattr(head, "kind", None)
     choice = None
     if plan is None:
         mask = [f"blk.{i}.{FUSED_PARTS[k][0]}.weight" in stored for i in range(cfg.layers) for k in LINEAR_KEYS]
         choice = choose_plan(linear_shapes(cfg), dtype, refresh=plan_refresh, stored_int4=mask + [False],
-                             device=torch.device(backend.device_type), q8_head=head.kind == "Q8_0")
+                             device=torch.device(backend.device_type), q8_head=head_kind == "Q8_0")
         plan = choice.plan
+    if plan.head == "q8_0" and head_kind != "Q8_0":   # refused before anything is read
+        raise HalError(f"plan: expected a file whose lm_head is Q8_0 for {plan.describe()}, got {head_kind}",
+                       arg="plan")
     w = {}
     for t in r.tensors:
         shape, data = t.shape, r.data(t)
@@ -130,9 +134,6 @@ def load_gguf(path: str | Path, backend, dtype: str = "float32", plan_refresh: b
                                               "tokenizer.ggml.token_type")})
     fused = _fuse(w, cfg.layers, plan.dtype)
     if plan.head == "q8_0":
-        if head.kind != "Q8_0":
-            raise HalError(f"plan: expected a file whose lm_head is Q8_0 for {plan.describe()}, got {head.kind}",
-                           arg="plan")
         fused["head_q8"] = int4.from_q8_0(r.data(head), tuple(head.shape)).pack(plan.dtype, repeat=2)
     model = Llama(cfg, fused, backend, plan=plan)
     model.plan_choice = choice
