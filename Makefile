@@ -42,6 +42,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/ops.py
 	$(BIN)/python benchmarks/forward.py
 	$(BIN)/python benchmarks/int4_rows.py
+	$(BIN)/python benchmarks/head_forms.py
 	$(BIN)/python benchmarks/dtype_drift.py
 	$(BIN)/python benchmarks/processors.py
 	$(BIN)/python benchmarks/e2e.py --k 3 --eagle-k 4 --tree-k 7
