@@ -23,7 +23,8 @@ from report import publish
 from hal.engine.forward import forward
 from hal.kv import KVPool
 from hal.models.fetch import fetch
-from hal.models.linear_plan import LinearPlan, offered_dtypes
+from hal.models.linear_layout import LinearPlan
+from hal.models.linear_plan import offered_dtypes
 from hal.models.machine import cpu_signature
 from hal.models.llama import Llama
 from hal.models.loaders import load_gguf

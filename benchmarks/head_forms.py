@@ -1,4 +1,4 @@
-"""The lm_head's two forms under one int4 plan, end to end (`hal.models.linear_plan.LinearPlan.head`):
+"""The lm_head's two forms under one int4 plan, end to end (`hal.models.linear_layout.LinearPlan.head`):
 the Q8_0 codes as stored (two int4 halves) against the float head in the plan's dtype, on the
 end-to-end benchmark's prompts, plain decoding and routed speculation (``--draft``, default
 ``ngram+eagle``: the CLI's default), greedy. The plan chooses the head by a fixed decode/verify
@@ -30,7 +30,7 @@ from hal.engine import Request  # noqa: E402
 from hal.engine.router import profile_costs  # noqa: E402
 from hal.launch.build import build_engine, target_pool  # noqa: E402
 from hal.models.fetch import fetch  # noqa: E402
-from hal.models.linear_plan import HEADS  # noqa: E402
+from hal.models.linear_layout import HEADS  # noqa: E402
 from hal.models.loaders import load_gguf  # noqa: E402
 from hal.models.machine import machine_line  # noqa: E402
 from hal.models.tokenizer import chatml  # noqa: E402

@@ -6,7 +6,7 @@ differently from a 1-token decode). vLLM's batch-invariant mode fixes the reduct
 output element; here the same comes from fixed shapes, checked bit for bit in
 ``tests/models/test_invariant.py``:
 
-* linear layers: a `hal.models.linear_plan.LinearPlan` measured on this machine: a layout and
+* linear layers: a `hal.models.linear_layout.LinearPlan` measured on this machine: a layout and
   dtype, each row computed in a chunk of exactly one of the widths whose rows were checked
   bit for bit against each other and independent of their batch-mates (zero-padded). Rows
   are only comparable at one thread count (the plan's signature names it).

@@ -1,5 +1,5 @@
 """Linear layouts measured on the machine that runs them: how the batch-invariant runner
-computes ``x @ W.T``.
+computes ``x @ W.T``, chosen here (the plan itself, as data: `hal.models.linear_layout`).
 
 A `LinearPlan` is a layout (``mm``: ``mm(W, X.T).T``; ``linear``: ``F.linear(X, W)``), a
 dtype for the weights and the multiplied rows (float32, or bfloat16 where the CPU has
@@ -50,7 +50,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from hal.models import int4
@@ -58,78 +57,14 @@ from hal.models import plan_cache, plan_check
 from hal.models.machine import BF16_FLAGS, cpu_flags, cpu_signature
 from hal.errors import HalError
 from hal.models.progress import bar as progress_bar
+from hal.models.linear_layout import DTYPES, LAYOUTS, LinearPlan, chunks
 
-LAYOUTS: dict[str, plan_check.Layout] = {
-    "mm": lambda x, w: torch.mm(w, x.T).T,
-    "linear": lambda x, w: F.linear(x, w),
-}
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 CHOICES = ("auto", "stored", *DTYPES)   # what ``--dtype`` may ask for
-WEIGHTS = ("float", "int4")              # how the weights stored as int4 blocks run (`LinearPlan.weights`)
-HEADS = ("float", "q8_0")                # how an lm_head stored as Q8_0 runs (`LinearPlan.head`)
 MIX = {1: 0.5, 5: 0.25, 9: 0.25}       # rows per forward -> weight in the score (decode, verify k=4, tree of 8)
 SCORE_ROWS = tuple(MIX)                 # the rows a candidate is timed at
 REPORT_ROWS = (1, 5, 9, 16)
 PRUNE = 1.5    # a candidate predicted over this times the best prediction is not timed (its score stays predicted)
 NOISE = 0.25   # the winner timed twice: scores further apart than this (relative) make the measurement noisy
-
-
-@dataclass(frozen=True)
-class LinearPlan:
-    """How ``x @ W.T`` is computed: ``LAYOUTS[layout]`` on ``dtype`` operands, each row in a
-    chunk of exactly one of ``widths`` (ascending)."""
-
-    layout: str
-    dtype: torch.dtype
-    widths: tuple[int, ...]
-    fn: plan_check.Layout | None = field(default=None, compare=False, repr=False)   # a layout not in LAYOUTS (tests)
-    weights: str = "float"   # int4: weights stored as int4 blocks run as stored (`hal.models.int4`), rows in dtype
-    head: str = "float"      # q8_0: the lm_head's Q8_0 codes run as stored (two int4 halves), rows in dtype
-
-    def linear(self, x: Tensor, w: Tensor | int4.Int4Weight) -> Tensor:
-        """``x @ w.T`` for ``x`` [T, K] (any float dtype), computed in ``w``'s dtype (the model
-        casts its weights to ``self.dtype`` once; an `hal.models.int4.Int4Weight` multiplies
-        rows of its activation dtype), returned as float32."""
-        fn = plan_check.int4_mm if isinstance(w, int4.Int4Weight) else self.fn or LAYOUTS[self.layout]
-        T = x.shape[0]
-        x = x.to(w.dtype)
-        if T in self.widths:   # one chunk, no padding: the same product, without the output buffer's copy
-            got = fn(x.contiguous(), w)
-            if got.is_contiguous():
-                return got.float()
-            return torch.empty(T, w.shape[0], dtype=torch.float32, device=x.device).copy_(got)
-        out = torch.empty(T, w.shape[0], dtype=torch.float32, device=x.device)
-        start = 0
-        for width in chunks(self.widths, T):
-            end = min(start + width, T)
-            chunk = x[start:end]
-            if end - start < width:
-                chunk = torch.cat([chunk, chunk.new_zeros(width - (end - start), x.shape[1])])
-            out[start:end] = fn(chunk.contiguous(), w)[:end - start]
-            start = end
-        return out
-
-    def describe(self) -> str:
-        name = "mm(W, X.T)" if self.layout == "mm" else "F.linear"
-        dt, widths = str(self.dtype).removeprefix("torch."), "/".join(map(str, self.widths))
-        if self.weights == "int4":
-            head = f"; lm_head Q8_0 as stored" if self.head == "q8_0" else ""
-            return f"int4 weights as stored ({dt} rows{head}; other weights {dt} {name}) in chunks of {widths}"
-        return f"{dt} {name} in chunks of {widths}"
-
-    def to_json(self) -> dict:
-        return {"layout": self.layout, "dtype": str(self.dtype).removeprefix("torch."), "widths": list(self.widths),
-                "weights": self.weights, "head": self.head}
-
-    @classmethod
-    def from_json(cls, d: dict) -> "LinearPlan":
-        weights, head = d.get("weights", "float"), d.get("head", "float")
-        if d.get("layout") not in LAYOUTS or d.get("dtype") not in DTYPES or weights not in WEIGHTS \
-                or head not in HEADS or (head != "float" and weights != "int4"):
-            raise HalError(f"linear plan: expected a layout in {sorted(LAYOUTS)}, a dtype in {sorted(DTYPES)}, "
-                           f"weights in {list(WEIGHTS)} and a head in {list(HEADS)} (q8_0 only with int4), "
-                           f"got {d!r:.160}")
-        return cls(d["layout"], DTYPES[d["dtype"]], tuple(int(n) for n in d["widths"]), weights=weights, head=head)
 
 
 @dataclass
@@ -207,17 +142,6 @@ def time_plan(plan: LinearPlan, weights: list[Tensor], rows=REPORT_ROWS, reps: i
             once()
             times.append(time.perf_counter() - t0)
         out[m] = round(statistics.median(times) * 1e3, 3)
-    return out
-
-
-def chunks(widths: tuple[int, ...], rows: int) -> list[int]:
-    """The chunk widths ``rows`` rows are computed in (`LinearPlan.linear`): the narrowest that
-    holds what is left, else the widest."""
-    out = []
-    while rows > 0:
-        width = next((n for n in widths if n >= rows), widths[-1])
-        out.append(width)
-        rows -= width
     return out
 
 

@@ -18,7 +18,8 @@ from torch import Tensor
 from hal.errors import HalError
 from hal.models import invariant
 from hal.models import int4
-from hal.models.linear_plan import DTYPES, LinearPlan, choose_plan
+from hal.models.linear_layout import DTYPES, LinearPlan
+from hal.models.linear_plan import choose_plan
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,8 @@ import torch
 from hal.errors import HalError
 from hal.models import int4
 from hal.models.gguf_file import GGUFFile, open_gguf
-from hal.models.linear_plan import LinearPlan, choose_plan
+from hal.models.linear_layout import LinearPlan
+from hal.models.linear_plan import choose_plan
 from hal.models.llama import LINEAR_KEYS, Llama, LlamaConfig, _fuse, linear_shapes
 
 

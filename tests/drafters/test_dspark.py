@@ -343,7 +343,7 @@ def test_the_block_drafter_runs_its_linears_through_the_targets_plan(target):
     """As the EAGLE head: a batch-invariant target's plan runs every linear of the block
     drafter (fc, each layer's, the lm_head rows) in chunks of its widths, and its greedy
     drafts stay those of the training module."""
-    from hal.models.linear_plan import LinearPlan
+    from hal.models.linear_layout import LinearPlan
     from hal.models.llama import Llama
     calls = []
 

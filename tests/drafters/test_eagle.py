@@ -363,7 +363,7 @@ def test_the_head_runs_its_linears_through_the_targets_plan(target, tmp_path):
     every linear of the head and its lm_head rows run through the plan's layout, in chunks of
     its widths only, with the training module's logits (fp32, 1e-4: another summation order).
     A plain target lends none, and the head says which it runs."""
-    from hal.models.linear_plan import LinearPlan
+    from hal.models.linear_layout import LinearPlan
     from hal.models.llama import Llama
     calls = []
 

@@ -18,7 +18,8 @@ from hal.errors import HalError
 from hal.models import int4
 from hal.models import linear_plan as lp
 from hal.models import plan_check
-from hal.models.linear_plan import LAYOUTS, LinearPlan, choose_plan
+from hal.models.linear_layout import LAYOUTS, LinearPlan
+from hal.models.linear_plan import choose_plan
 from hal.models.llama import Llama, random_llama
 
 KINDS = {"Q4_0": gguf.GGMLQuantizationType.Q4_0, "Q4_1": gguf.GGMLQuantizationType.Q4_1}

@@ -147,7 +147,7 @@ def test_plain_forward_is_not_batch_invariant(model):
 def test_a_planted_leak_between_rows_breaks_the_forward_test(model):
     """PLANTED: a linear layout whose rows see their chunk-mates (5% of their mean) fails
     the forward comparison at this dtype (so passing it means something)."""
-    from hal.models.linear_plan import LAYOUTS, LinearPlan
+    from hal.models.linear_layout import LAYOUTS, LinearPlan
 
     def leak(x, w):
         return LAYOUTS["mm"](x, w) + (0.05 * x.float().mean()).to(x.dtype)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import hal
-from hal.models.linear_plan import LAYOUTS, LinearPlan, choose_plan
+from hal.models.linear_layout import LAYOUTS, LinearPlan
+from hal.models.linear_plan import choose_plan
 from hal.models.plan_check import usable_groups
 from hal.models.machine import cpu_signature
 
@@ -92,6 +93,7 @@ def test_a_noisy_measurement_is_repeated_then_not_cached(tmp_path, monkeypatch):
     timed twice; when its two scores differ by more than NOISE the whole measurement runs
     again, and if it is still noisy the plan is used but not cached, and says so. A quiet
     measurement is cached with when, at what load and with what spread it was measured."""
+    import hal.models.linear_layout as linear_layout
     import hal.models.linear_plan as lp
     monkeypatch.setenv("HAL_CACHE", str(tmp_path))
     calls = []
@@ -108,7 +110,9 @@ def test_a_noisy_measurement_is_repeated_then_not_cached(tmp_path, monkeypatch):
     assert not (tmp_path / "plans").exists() or not list((tmp_path / "plans").glob("*.json"))
 
     monkeypatch.setattr(lp, "time_plan", lambda plan, weights, rows=lp.REPORT_ROWS, reps=3: {m: 1.0 for m in rows})
-    monkeypatch.setattr(lp, "LAYOUTS", {"planted": rowwise})   # the cache is for the default layouts only
+    planted = {"planted": rowwise}   # the cache is for the default layouts only: plant them where plans read them
+    monkeypatch.setattr(lp, "LAYOUTS", planted)
+    monkeypatch.setattr(linear_layout, "LAYOUTS", planted)
     quiet = choose_plan(SHAPES, "float32")
     assert not quiet.noisy and quiet.measured["spread"] == 0.0 and quiet.measured["load"] >= 0
     cached = choose_plan(SHAPES, "float32")

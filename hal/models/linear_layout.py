@@ -1,0 +1,95 @@
+"""A linear plan as data: the layout, dtype, chunk widths and weight forms a
+`hal.models.linear_plan` measurement chose, and how it multiplies (`LinearPlan.linear`: each
+row in a chunk of exactly one of the widths, zero-padded, so its bits never depend on how many
+rows came with it). Its JSON form is what the plan cache holds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from hal.errors import HalError
+from hal.models import int4, plan_check
+
+
+LAYOUTS: dict[str, plan_check.Layout] = {
+    "mm": lambda x, w: torch.mm(w, x.T).T,
+    "linear": lambda x, w: F.linear(x, w),
+}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+WEIGHTS = ("float", "int4")              # how the weights stored as int4 blocks run (`LinearPlan.weights`)
+HEADS = ("float", "q8_0")                # how an lm_head stored as Q8_0 runs (`LinearPlan.head`)
+
+
+@dataclass(frozen=True)
+class LinearPlan:
+    """How ``x @ W.T`` is computed: ``LAYOUTS[layout]`` on ``dtype`` operands, each row in a
+    chunk of exactly one of ``widths`` (ascending)."""
+
+    layout: str
+    dtype: torch.dtype
+    widths: tuple[int, ...]
+    fn: plan_check.Layout | None = field(default=None, compare=False, repr=False)   # a layout not in LAYOUTS (tests)
+    weights: str = "float"   # int4: weights stored as int4 blocks run as stored (`hal.models.int4`), rows in dtype
+    head: str = "float"      # q8_0: the lm_head's Q8_0 codes run as stored (two int4 halves), rows in dtype
+
+    def linear(self, x: Tensor, w: Tensor | int4.Int4Weight) -> Tensor:
+        """``x @ w.T`` for ``x`` [T, K] (any float dtype), computed in ``w``'s dtype (the model
+        casts its weights to ``self.dtype`` once; an `hal.models.int4.Int4Weight` multiplies
+        rows of its activation dtype), returned as float32."""
+        fn = plan_check.int4_mm if isinstance(w, int4.Int4Weight) else self.fn or LAYOUTS[self.layout]
+        T = x.shape[0]
+        x = x.to(w.dtype)
+        if T in self.widths:   # one chunk, no padding: the same product, without the output buffer's copy
+            got = fn(x.contiguous(), w)
+            if got.is_contiguous():
+                return got.float()
+            return torch.empty(T, w.shape[0], dtype=torch.float32, device=x.device).copy_(got)
+        out = torch.empty(T, w.shape[0], dtype=torch.float32, device=x.device)
+        start = 0
+        for width in chunks(self.widths, T):
+            end = min(start + width, T)
+            chunk = x[start:end]
+            if end - start < width:
+                chunk = torch.cat([chunk, chunk.new_zeros(width - (end - start), x.shape[1])])
+            out[start:end] = fn(chunk.contiguous(), w)[:end - start]
+            start = end
+        return out
+
+    def describe(self) -> str:
+        name = "mm(W, X.T)" if self.layout == "mm" else "F.linear"
+        dt, widths = str(self.dtype).removeprefix("torch."), "/".join(map(str, self.widths))
+        if self.weights == "int4":
+            head = "; lm_head Q8_0 as stored" if self.head == "q8_0" else ""
+            return f"int4 weights as stored ({dt} rows{head}; other weights {dt} {name}) in chunks of {widths}"
+        return f"{dt} {name} in chunks of {widths}"
+
+    def to_json(self) -> dict:
+        return {"layout": self.layout, "dtype": str(self.dtype).removeprefix("torch."), "widths": list(self.widths),
+                "weights": self.weights, "head": self.head}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "LinearPlan":
+        weights, head = d.get("weights", "float"), d.get("head", "float")
+        if d.get("layout") not in LAYOUTS or d.get("dtype") not in DTYPES or weights not in WEIGHTS \
+                or head not in HEADS or (head != "float" and weights != "int4"):
+            raise HalError(f"linear plan: expected a layout in {sorted(LAYOUTS)}, a dtype in {sorted(DTYPES)}, "
+                           f"weights in {list(WEIGHTS)} and a head in {list(HEADS)} (q8_0 only with int4), "
+                           f"got {d!r:.160}")
+        return cls(d["layout"], DTYPES[d["dtype"]], tuple(int(n) for n in d["widths"]), weights=weights, head=head)
+
+
+
+def chunks(widths: tuple[int, ...], rows: int) -> list[int]:
+    """The chunk widths ``rows`` rows are computed in (`LinearPlan.linear`): the narrowest that
+    holds what is left, else the widest."""
+    out = []
+    while rows > 0:
+        width = next((n for n in widths if n >= rows), widths[-1])
+        out.append(width)
+        rows -= width
+    return out
+
