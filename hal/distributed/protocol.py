@@ -121,6 +121,11 @@ class Link:
 CHUNK = 8 << 10   # bytes of a framed message's first tensor (`Link`): a round's COMMIT and DRAFTS fit
 
 
+def _size(words: list[int], rows: Tensor | None, idx: Tensor | None) -> int:
+    """A message's bytes as a process link counts them: header, int64 words, 4-byte rows and indices."""
+    return 32 + 8 * len(words) + sum(t.numel() * 4 for t in (rows, idx) if t is not None)
+
+
 class LocalLink:
     """`Link`'s interface between two threads of one process (`hal.distributed.local`): a
     message is copied at send (the sender may reuse its tensors) and its header checked at
@@ -143,7 +148,7 @@ class LocalLink:
     def send(self, words: list[int], rows: Tensor | None = None, idx: Tensor | None = None) -> None:
         rows = None if rows is None else rows.float().clone()
         idx = None if idx is None else idx.to(torch.int32).clone()
-        self.bytes_sent += 32 + 8 * len(words) + sum(t.numel() * 4 for t in (rows, idx) if t is not None)
+        self.bytes_sent += _size(words, rows, idx)
         self.outbox.put((list(words), rows, idx))
 
     def recv(self, timeout: float | None) -> tuple[list[int], Tensor | None, Tensor | None]:
@@ -158,7 +163,7 @@ class LocalLink:
         _checked([len(words), r[0], r[1], int(idx is not None)])
         if idx is not None and idx.shape != rows.shape:
             raise HalError(f"hal.launch: expected sparse indices shaped as the rows {list(r)}, got {list(idx.shape)}")
-        self.bytes_received += 32 + 8 * len(words) + sum(t.numel() * 4 for t in (rows, idx) if t is not None)
+        self.bytes_received += _size(words, rows, idx)
         return words, rows, idx
 
 

@@ -125,13 +125,18 @@ def from_blocks(raw: np.ndarray, kind: str, shape: tuple[int, int]) -> Int4Block
         raise HalError(f"raw: expected {N * K // GROUP * size} bytes for {kind} [{N}, {K}], "
                        f"got {raw.size}", arg="raw")
     blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(N, K // GROUP, size)
-    d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
+    d = _half(blocks, 0)
     qs = blocks[..., size - 16:]
     codes = torch.from_numpy(np.concatenate([qs & 0xF, qs >> 4], axis=-1).reshape(N, K))
     if kind == "Q4_1":   # w = d·q + m = d·(q - 8) + (m + 8d)
-        m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
+        m = _half(blocks, 2)
         return Int4Blocks(codes, d, m + 8 * d)
     return Int4Blocks(codes, d, torch.zeros_like(d))   # Q4_0: w = d·(q - 8)
+
+
+def _half(blocks: np.ndarray, at: int) -> Tensor:
+    """The fp16 field at byte ``at`` of every block (``[..., bytes]``), as float32 (exact)."""
+    return torch.from_numpy(blocks[..., at:at + 2].copy().view(np.float16)[..., 0].astype(np.float32))
 
 
 def from_q8_0(raw: np.ndarray, shape: tuple[int, int]) -> Int4Blocks:
@@ -142,7 +147,7 @@ def from_q8_0(raw: np.ndarray, shape: tuple[int, int]) -> Int4Blocks:
         raise HalError(f"raw: expected {N * K // GROUP * Q8_BYTES} bytes for Q8_0 [{N}, {K}], got {raw.size}",
                        arg="raw")
     blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(N, K // GROUP, Q8_BYTES)
-    d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
+    d = _half(blocks, 0)
     q = torch.from_numpy(blocks[..., 2:].copy().view(np.int8).reshape(N, K)).to(torch.int16)
     return q8_halves(q, d)
 
