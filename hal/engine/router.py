@@ -321,18 +321,25 @@ def profile_costs(target, drafter, pool, max_tokens: int = 72, context: int = 51
     return CostModel(verify, draft, per_context)
 
 
+PROFILE_TOKENS = tuple(range(1, 17))   # a drafter profile's request: 16 distinct ids, no n-gram repeats
+
+
 def profile_drafter(drafter, device, hidden: int, reps: int = 5, sync=lambda: None, bar=NoBar(),
                     points=(1, 2, 4, 8)) -> dict[int, float]:
     """Seconds of one draft chain of k tokens (k in ``points``) for a request of 16 tokens on
-    ``device`` (``hidden``: the target's width, for a drafter that reads its features)."""
+    ``device`` (``hidden``: the target's width, for a drafter that reads its features).
+    The request's tokens are `PROFILE_TOKENS`, which no n-gram lookup matches: a drafter that
+    looks up first and falls back to a model (``ngram+eagle``) is timed on its model, the
+    dearer path (a history of one repeated token had the lookup match, so the head's chain was
+    costed as the lookup's)."""
     from hal.engine.drafting import DraftBatch, capabilities
     from hal.engine.requests import Request
-    req = Request([1] * 16)
+    req = Request(list(PROFILE_TOKENS))
     h = torch.zeros(1, hidden, device=device)
     layers = capabilities(drafter).features
     feats = None if layers is None else torch.zeros(15, hidden * max(1, len(layers)), device=device)
-    view = lambda k: DraftBatch(rids=(-1,), params=(req,), history=torch.ones(1, 16, dtype=torch.long,  # noqa: E731
-                                                                                device=device),
+    history = torch.tensor([PROFILE_TOKENS], dtype=torch.long, device=device)
+    view = lambda k: DraftBatch(rids=(-1,), params=(req,), history=history,  # noqa: E731
                                 num_tokens=torch.tensor([16], device=device), lengths=(16,), k=(k,), offsets=(0,),
                                 hidden=h, features=feats, num_features=(0,) if feats is None else (15,))
     try:

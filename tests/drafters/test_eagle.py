@@ -342,6 +342,25 @@ def test_ngram_or_head_is_lossless_and_uses_both(target, tmp_path):
     assert runs[0] == runs[1] and all(len(o) == 12 for o in runs[0])
 
 
+def test_a_lookup_or_head_drafter_is_profiled_on_its_head(target, tmp_path):
+    """The routing profile times a draft chain on a request no lookup matches, so lookup-then-head
+    is costed at its dearer path: the head drafts every k profiled (a history of one repeated
+    token had the lookup match, and the head's chain was costed as the lookup's)."""
+    from hal.drafters import NgramDrafter
+    from hal.drafters.eagle import NgramOrHead
+    from hal.engine.router import profile_drafter
+    head = load_eagle(eagle1(tmp_path)[1], target)
+    asked = []
+
+    class Counting(HeadDrafter):
+        def propose(self, b):
+            asked.append(b.k)
+            return super().propose(b)
+    costs = profile_drafter(NgramOrHead(NgramDrafter(target.be, min_n=1), Counting(head)), target.device, H, reps=1)
+    assert sorted(costs) == [1, 2, 4, 8] and all(t > 0 for t in costs.values())
+    assert sorted({k for ks in asked for k in ks}) == [1, 2, 4, 8]
+
+
 def test_eagle_drafts_name_what_is_missing(target, tmp_path):
     from hal.models.eagle import shipped_head
     from hal.drafters.kinds import make_drafter, parse_draft
