@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import replace
 
 from hal.drafters.kinds import draft_help, draft_kinds
 from hal.errors import HalError
@@ -35,14 +36,16 @@ def cmd_info(_args) -> int:
         except HalError as e:
             where = f"unresolvable here: {e}"
         print(f"HAL_PLACEMENT={os.environ['HAL_PLACEMENT']}: {where}; link {link_backend(p)}")
-    print_plan("smollm2-135m", getattr(_args, "dtype", "auto"), getattr(_args, "plan_refresh", False))
+    print_plan("smollm2-135m", getattr(_args, "dtype", "auto"), getattr(_args, "plan_refresh", False),
+               getattr(_args, "lm_head", "auto"))
     return 0
 
 
-def print_plan(model: str, dtype: str, refresh: bool) -> None:
-    """The linear plan the runner uses for ``model``'s shapes on this machine (measured once, then cached)."""
+def print_plan(model: str, dtype: str, refresh: bool, lm_head: str = "auto") -> None:
+    """The linear plan the runner uses for ``model``'s shapes on this machine (measured once, then
+    cached), its lm_head's form as ``lm_head`` (``--lm-head``) pins it."""
     from hal.models.fetch import MODEL_SHAPES, MODEL_INT4, MODEL_Q8_HEAD
-    from hal.models.linear_plan import choose_plan
+    from hal.models.linear_plan import choose_plan, pin_head
     from hal.models.machine import cpu_signature
     from hal.models.llama import LINEAR_KEYS, LlamaConfig, linear_shapes
     if model not in MODEL_SHAPES:
@@ -56,6 +59,13 @@ def print_plan(model: str, dtype: str, refresh: bool) -> None:
     int4 = [name in MODEL_INT4[model] for _ in range(cfg.layers) for name in LINEAR_KEYS] + [False]
     choice = choose_plan(linear_shapes(cfg), dtype, refresh=refresh, stored_int4=int4, q8_head=model in MODEL_Q8_HEAD)
     print(f"  {choice.plan.describe()} ({'cached' if choice.from_cache else 'measured now'}; {choice.conditions()})")
+    try:
+        head = pin_head(choice, lm_head).head
+        if lm_head != "auto":
+            print(f"  --lm-head {lm_head}: {replace(choice.plan, head=head).describe()}")
+    except HalError as e:
+        head = choice.plan.head
+        print(f"  {e}")
     for c in sorted(choice.candidates, key=lambda c: c["score"]):
         ms = ", ".join(f"M={m}: {t:.1f}" for m, t in c["ms"].items())
         ms = f"{ms} ms" if ms else "predicted from single chunks; not timed"
@@ -65,7 +75,7 @@ def print_plan(model: str, dtype: str, refresh: bool) -> None:
               f" score {c['score']:7.1f} ms  ({ms})")
     for h in choice.heads:   # the lm_head's forms, timed alone at the winner's widths
         ms = ", ".join(f"M={m}: {t:.1f}" for m, t in h["ms"].items())
-        print(f"    lm_head {h['head']:5s} {'(chosen)' if h['head'] == choice.plan.head else '':8s}"
+        print(f"    lm_head {h['head']:5s} {'(chosen)' if h['head'] == head else '':8s}"
               f"                score {h['score']:7.1f} ms  ({ms} ms)")
     for why in choice.rejected[:8]:   # widths the self-check dropped, families not measured, and why
         print(f"    not used: {why}")
@@ -115,7 +125,7 @@ def cmd_demo(args) -> int:
         return demo_ops()
     be = hal.get_backend()
     try:
-        model, tok = load_model("smollm2-135m", be, args.dtype, plan_refresh=args.plan_refresh)
+        model, tok = load_model("smollm2-135m", be, args.dtype, plan_refresh=args.plan_refresh, lm_head=args.lm_head)
     except HalError as e:
         print(f"demo: the model could not be fetched ({e}); showing one verify round instead", file=sys.stderr)
         return demo_ops()
@@ -263,7 +273,7 @@ def cmd_bench(args) -> int:
     from hal.models.tokenizer import chatml
     require_prometheus()  # fail before loading anything
     be = hal.get_backend()
-    model, tok = load_model(args.model, be, args.dtype, plan_refresh=args.plan_refresh)
+    model, tok = load_model(args.model, be, args.dtype, plan_refresh=args.plan_refresh, lm_head=args.lm_head)
     reqs = [Request(tok.encode(chatml(p)).ids, max_new_tokens=args.max_tokens, k=args.k, stop_ids=model.cfg.stop_ids)
             for _ in range(args.batch) for _, p in DEMO_PROMPTS]
     pool = local_pool(model, len(reqs), max(len(r.prompt_ids) for r in reqs) + args.max_tokens, args.k)
@@ -285,7 +295,7 @@ def cmd_bench(args) -> int:
 def cmd_generate(args) -> int:
     import hal
     be = hal.get_backend()
-    model, tok = load_model(args.model, be, args.dtype, plan_refresh=args.plan_refresh)
+    model, tok = load_model(args.model, be, args.dtype, plan_refresh=args.plan_refresh, lm_head=args.lm_head)
     runs = [(args.draft, args.k)] + ([("none", 0)] if args.compare and args.draft != "none" else [])
     costs = None
     if args.route and args.draft != "none":   # the router's cost table, measured before anything is timed

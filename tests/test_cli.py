@@ -126,3 +126,10 @@ def test_info_says_what_the_plan_did_not_use_and_why(monkeypatch, capsys):
     assert out.count("not used: bfloat16 float mm") == 7 and "not used: 2 more" in out
     assert "lm_head Q8_0 as stored" in out
     assert re.search(r"lm_head q8_0  \(chosen\) +score +8\.6 ms", out) and re.search(r"lm_head float +score +12\.0", out)
+    cli.print_plan("smollm2-135m", "auto", False, "float")   # pinned: the line says so, and marks it chosen
+    out = capsys.readouterr().out
+    assert "--lm-head float: int4 weights as stored (bfloat16 rows; other weights" in out
+    assert re.search(r"lm_head float \(chosen\) +score +12\.0", out)
+    choice.heads = []
+    cli.print_plan("smollm2-135m", "auto", False, "stored")   # refused: said, not raised
+    assert "--lm-head: expected an lm_head stored as Q8_0" in capsys.readouterr().out

@@ -12,13 +12,17 @@ from hal.errors import HalError
 
 
 def add_dtype_args(ap: argparse.ArgumentParser) -> None:
-    """``--dtype`` and ``--plan-refresh``: the runner's linear plan (`hal.models.linear_plan`)."""
-    from hal.models.linear_plan import CHOICES
+    """``--dtype``, ``--lm-head`` and ``--plan-refresh``: the runner's linear plan (`hal.models.linear_plan`)."""
+    from hal.models.linear_plan import CHOICES, LM_HEADS
     ap.add_argument("--dtype", default="auto", choices=CHOICES,
                     help="how the linear layers run (auto: the fastest batch-invariant choice measured on this CPU "
                          "among float32, bfloat16 where the CPU has a bf16 unit, and the file's Q4_0/Q4_1 weights "
                          "as stored; stored: the int4 weights as stored, other weights and the KV cache in the "
                          "rows' dtype; float32, bfloat16: every weight dequantized to that dtype)")
+    ap.add_argument("--lm-head", default="auto", choices=LM_HEADS,
+                    help="the lm_head's form under an int4 plan (auto: the faster of the two measured on this CPU; "
+                         "stored: the file's Q8_0 codes as stored, refused where the plan is not int4 or the head "
+                         "is not Q8_0 or not batch-invariant here; float: the float head in the plan's dtype)")
     ap.add_argument("--plan-refresh", action="store_true", help="measure the linear plan again (it is cached "
                                                                  "per CPU signature under $HAL_CACHE/plans)")
 

@@ -107,7 +107,7 @@ def _target_rank(args, me: Rank, max_seqs: int, engine_kw: dict, phases: Phases)
     """Plan, load, draft, build: the target's start-up, one phase at a time."""
     from hal.engine.memory import ModelMemory
     from hal.metrics import SpecDecodeMetrics
-    from hal.models.linear_plan import choose_plan
+    from hal.models.linear_plan import choose_plan, pin_head
     from hal.models.llama import linear_shapes
     from hal.models.loaders import head_q8, linear_int4, read_config
     spec, world = me.spec, me.world
@@ -119,14 +119,15 @@ def _target_rank(args, me: Rank, max_seqs: int, engine_kw: dict, phases: Phases)
     with phases("linear plan (measured once per machine, then cached)"):
         choice = choose_plan(linear_shapes(cfg), args.dtype, refresh=args.plan_refresh, device=target_side.device,
                              progress=phases.bars, stored_int4=linear_int4(me.path, cfg), q8_head=head_q8(me.path))
-    phases.say(f"linear plan: {choice.plan.describe()} ({'cached' if choice.from_cache else 'now'}; "
+        plan = pin_head(choice, args.lm_head)
+    phases.say(f"linear plan: {plan.describe()} ({'cached' if choice.from_cache else 'now'}; "
                f"{choice.conditions()})")
     with phases("memory plan"):
-        mplan = memory_plan(args, ModelMemory.from_config(cfg, "target", kv_dtype=choice.plan.dtype), target_side,
+        mplan = memory_plan(args, ModelMemory.from_config(cfg, "target", kv_dtype=plan.dtype), target_side,
                             dmem, draft_side, max_seqs)
         pool = mplan.allocate("target")  # nothing was allocated before the plan passed
     with phases(f"load {args.model}"):
-        model, tok = load_model(me.path, target_side.backend, plan=choice.plan)
+        model, tok = load_model(me.path, target_side.backend, plan=plan)
         model.batch_invariant = getattr(args, "batch_invariant", True)
         model.to(target_side.device)
     metrics = SpecDecodeMetrics()
@@ -182,7 +183,7 @@ def _draft_rank(args, me: Rank, max_seqs: int) -> None:
     mem, dpath = draft_memory(me.spec, me.path, shares_target=False)
     pool = memory_plan(args, None, None, mem, draft_side, max_seqs).allocate("draft") if mem is not None else None
     # a head shares the target's embeddings and lm_head: this rank loads the weights for them
-    tw = load_model(me.path, draft_side.backend, args.dtype)[0].to(draft_side.device) if head else None
+    tw = load_model(me.path, draft_side.backend, args.dtype, lm_head=args.lm_head)[0].to(draft_side.device) if head else None
     drafter = make_drafter(me.spec, draft_side.backend, target=tw, path=args.model if head else dpath, pool=pool,
                            device=draft_side.device)
     serve_draft_rank(me.rv, drafter, draft_side.device, hidden=tw.cfg.hidden if head else 1, k=args.k,

@@ -60,6 +60,7 @@ from hal.models.progress import bar as progress_bar
 from hal.models.linear_layout import DTYPES, LAYOUTS, LinearPlan, chunks
 
 CHOICES = ("auto", "stored", *DTYPES)   # what ``--dtype`` may ask for
+LM_HEADS = ("auto", "stored", "float")  # what ``--lm-head`` may ask for (`pin_head`)
 MIX = {1: 0.5, 5: 0.25, 9: 0.25}       # rows per forward -> weight in the score (decode, verify k=4, tree of 8)
 SCORE_ROWS = tuple(MIX)                 # the rows a candidate is timed at
 REPORT_ROWS = (1, 5, 9, 16)
@@ -298,6 +299,30 @@ def _measure(shapes, dtype: str, weights: list[Tensor], signature: dict, layouts
     if head_q8 and plan.weights == "int4":
         plan, heads = _choose_head(plan, casts[plan.dtype, plan.weights][-1], shapes[-1], reps, dev, rejected)
     return Choice(plan, signature, table, rejected, measured=measured, heads=heads)
+
+
+def pin_head(choice: Choice, lm_head: str = "auto") -> LinearPlan:
+    """``choice``'s plan with the lm_head form a user pinned (``--lm-head``): ``auto`` keeps the
+    measured choice, ``float`` the float head in the plan's dtype (always possible), ``stored``
+    the Q8_0 codes as stored. ``stored`` needs an int4 plan and an lm_head the file stores as
+    Q8_0 that passed the self-check at the plan's widths on this machine (`_choose_head` then
+    timed it); otherwise `HalError` naming ``--lm-head`` says which of these is missing. A pin
+    skips only the timing, never the self-check."""
+    if lm_head not in LM_HEADS:
+        raise HalError(f"--lm-head: expected one of {', '.join(LM_HEADS)}, got {lm_head!r}", arg="--lm-head")
+    plan = choice.plan
+    if lm_head == "auto":
+        return plan
+    if lm_head == "float":
+        return replace(plan, head="float")
+    if plan.weights != "int4":
+        raise HalError(f"--lm-head: expected an int4 plan for stored (the Q8_0 head runs on the int4 kernel; "
+                       f"try --dtype stored), got {plan.describe()}", arg="--lm-head")
+    if not any(h["head"] == "q8_0" for h in choice.heads):
+        why = [r for r in choice.rejected if "q8_0 head" in r] or ["the file's lm_head is not stored as Q8_0"]
+        raise HalError(f"--lm-head: expected an lm_head stored as Q8_0 that is batch-invariant here for stored, "
+                       f"got {why[0]}", arg="--lm-head")
+    return replace(plan, head="q8_0")
 
 
 def _choose_head(plan: LinearPlan, head: Tensor, shape: tuple[int, int], reps: int, dev,

@@ -15,7 +15,7 @@ from hal.errors import HalError
 from hal.models import int4
 from hal.models.gguf_file import GGUFFile, open_gguf
 from hal.models.linear_layout import LinearPlan
-from hal.models.linear_plan import choose_plan
+from hal.models.linear_plan import choose_plan, pin_head
 from hal.models.llama import LINEAR_KEYS, Llama, LlamaConfig, _fuse, linear_shapes
 
 
@@ -93,9 +93,10 @@ def read_config(path: str | Path) -> LlamaConfig:
 
 
 def load_gguf(path: str | Path, backend, dtype: str = "float32", plan_refresh: bool = False,
-              plan: LinearPlan | None = None):
+              plan: LinearPlan | None = None, lm_head: str = "auto"):
     """(Llama, tokenizer) from a llama-architecture GGUF file. ``plan`` (None: measured for
-    ``dtype`` on this machine, `hal.models.linear_plan.choose_plan`) says how the linear
+    ``dtype`` on this machine, `hal.models.linear_plan.choose_plan`, its lm_head's form as
+    ``lm_head`` pins it, `hal.models.linear_plan.pin_head`) says how the linear
     layers run: weights stored as Q4_0/Q4_1 blocks stay int4 as stored when it runs them so
     (no float copy is kept), and a Q8_0 lm_head is packed as two int4 halves when the plan's
     ``head`` is ``q8_0`` (the float rows stay for the embedding lookup and the drafters);
@@ -115,7 +116,7 @@ def load_gguf(path: str | Path, backend, dtype: str = "float32", plan_refresh: b
         mask = [f"blk.{i}.{FUSED_PARTS[k][0]}.weight" in stored for i in range(cfg.layers) for k in LINEAR_KEYS]
         choice = choose_plan(linear_shapes(cfg), dtype, refresh=plan_refresh, stored_int4=mask + [False],
                              device=torch.device(backend.device_type), q8_head=head_kind == "Q8_0")
-        plan = choice.plan
+        plan = pin_head(choice, lm_head)
     if plan.head == "q8_0" and head_kind != "Q8_0":   # refused before anything is read
         raise HalError(f"plan: expected a file whose lm_head is Q8_0 for {plan.describe()}, got {head_kind}",
                        arg="plan")

@@ -135,6 +135,32 @@ def test_a_slower_q8_0_head_is_not_chosen(monkeypatch):
     assert {h["head"]: h["score"] for h in choice.heads}["q8_0"] >= 50
 
 
+def test_a_pinned_head_form_is_kept_or_refused_naming_the_flag(monkeypatch, tmp_path):
+    """``--lm-head``: ``float`` always applies; ``stored`` only over an int4 plan whose Q8_0 head
+    passed the self-check (a pin skips the timing, never the check), else a `HalError` naming
+    the flag and what is missing."""
+    from hal.models.fetch import load_model
+    choice = choose_plan(HEAD_SHAPES, "stored", stored_int4=INT4, cache=False, q8_head=True)
+    assert lp.pin_head(choice, "auto") == choice.plan
+    assert lp.pin_head(choice, "float").head == "float" and lp.pin_head(choice, "stored").head == "q8_0"
+    assert lp.pin_head(choice, "stored").widths == choice.plan.widths
+    floats = choose_plan(HEAD_SHAPES, "float32", stored_int4=INT4, cache=False, q8_head=True)
+    unasked = choose_plan(HEAD_SHAPES, "stored", stored_int4=INT4, cache=False)   # the file's head is not Q8_0
+    real = plan_check.int4_mm
+    monkeypatch.setattr(plan_check, "int4_mm", lambda x, w: (   # PLANTED: the halves' rows mix
+        real(x, w) + x.float().sum(0, keepdim=True)[:, :1] * 1e-2 if tuple(w.shape) == HALVES else real(x, w)))
+    mixing = choose_plan(HEAD_SHAPES, "stored", stored_int4=INT4, cache=False, q8_head=True)
+    for bad, why in ((floats, "expected an int4 plan"), (unasked, "not stored as Q8_0"), (mixing, "not invariant")):
+        with pytest.raises(HalError, match=why) as e:
+            lp.pin_head(bad, "stored")
+        assert e.value.arg == "--lm-head"
+        assert lp.pin_head(bad, "float").head == "float"
+    with pytest.raises(HalError, match="expected one of auto, stored, float, got 'q8'"):
+        lp.pin_head(choice, "q8")
+    with pytest.raises(HalError, match="expected auto or float for an HF folder"):   # refused before loading
+        load_model(str(tmp_path), None, lm_head="stored")
+
+
 def test_a_q8_0_head_needs_an_int4_plan_and_its_packed_head():
     with pytest.raises(HalError, match="q8_0 only with int4"):
         LinearPlan.from_json({"layout": "mm", "dtype": "float32", "widths": [1], "weights": "float", "head": "q8_0"})
