@@ -218,7 +218,7 @@ def cmd_train_head(args) -> int:
         out = Path(args.out or f"{Path(args.model).stem}-dspark")
         s = run(args.model, out, args.minutes, block=args.block, layers=args.layers, taps=args.taps, rank=args.rank,
                 draft_size=args.draft_vocab, seed=args.seed, max_new_tokens=args.max_new_tokens, limit=args.limit,
-                batch=args.batch, lr=args.lr, init=args.init)
+                batch=args.batch, lr=args.lr)
         print(f"block drafter written to {out}/ (model.safetensors, config.json, loss.png, train.json): "
               f"{s['steps']} steps, validation tau {s['val']['tau']:.3f}, top-1 {s['val']['top1']:.3f}")
         return 0
@@ -371,9 +371,6 @@ def main(argv: list[str] | None = None) -> int:
                     help="dspark: comma-separated target layers whose inputs are the context features (a subset of "
                          "hal.training.block_data.CANDIDATE_TAPS)")
     th.add_argument("--rank", type=bounded(int, 1, 512), default=32, help="dspark: the Markov head's rank")
-    th.add_argument("--init", choices=("random", "target"), default="random",
-                    help="dspark: the draft layers' initial weights (target: the target's last layers, the context "
-                         "path as the first of them reads its input)")
     th.add_argument("--model", default="smollm2-135m", help="a fetchable name or a .gguf path")
     th.add_argument("--minutes", type=float, default=40.0, help="training time (data generation comes first, "
                                                                  "cached under $HAL_CACHE/eagle or dspark)")

@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from hal.errors import HalError
 from hal.models.dspark import LINEAR, BlockConfig
 
 DECAY = 4.0   # position j's loss weight exp(-(j - 1) / DECAY)
@@ -30,10 +29,7 @@ DECAY = 4.0   # position j's loss weight exp(-(j - 1) / DECAY)
 class BlockTrain(torch.nn.Module):
     """A block drafter's parameters (internal names, `BlockConfig.shapes`) and its training forward."""
 
-    def __init__(self, cfg: BlockConfig, embed: Tensor, head: Tensor, draft_ids: Tensor, seed: int = 0,
-                 init: dict[str, Tensor] | None = None):
-        """``init``: initial values for some weights by internal name (`from_target`); the
-        others are drawn here."""
+    def __init__(self, cfg: BlockConfig, embed: Tensor, head: Tensor, draft_ids: Tensor, seed: int = 0):
         super().__init__()
         g = torch.Generator().manual_seed(seed)
         self.cfg = cfg
@@ -47,11 +43,6 @@ class BlockTrain(torch.nn.Module):
                 t = torch.randn(shape, generator=g) * float(embed.std())
             else:
                 t = torch.randn(shape, generator=g) * 0.02
-            if init is not None and name in init:
-                if tuple(init[name].shape) != tuple(shape):
-                    raise HalError(f"init[{name!r}]: expected shape {tuple(shape)}, got {tuple(init[name].shape)}",
-                                   arg="init")
-                t = init[name].float().clone()
             self.p[name.replace(".", "_")] = torch.nn.Parameter(t)
         self.register_buffer("embed", embed.float(), persistent=False)
         self.register_buffer("head", head.float()[draft_ids].contiguous(), persistent=False)
@@ -106,41 +97,6 @@ class BlockTrain(torch.nn.Module):
         """Logits of the confidence (the model applies the sigmoid)."""
         top = torch.log_softmax(row, -1).max(-1).values
         return h @ self.w("conf")[:-1] + top * self.w("conf")[-1] + self.w("conf_bias")
-
-
-def rotate_half_rows(w: Tensor, heads: int, head_dim: int) -> Tensor:
-    """A GGUF q or k projection's rows ([heads * D, H], RoPE on adjacent pairs (2j, 2j + 1) per
-    head) in the rotate-half order the block drafter's RoPE uses (pairs (j, j + D / 2)): the same
-    projection, its outputs reordered per head, so RoPE then rotates the same pairs by the same
-    angles (`tests/models/test_dspark.py` checks the two RoPEs agree on reordered rows)."""
-    return w.reshape(heads, head_dim // 2, 2, -1).transpose(1, 2).reshape(heads * head_dim, -1)
-
-
-def from_target(cfg: BlockConfig, tw: dict[str, Tensor], target_layers: int, interleaved: bool) -> dict[str, Tensor]:
-    """Initial draft weights from a target's float weights ``tw`` (`hal.models.llama.Llama.w`
-    names): draft layer i starts as target layer ``target_layers - cfg.layers + i`` (its norms
-    and projections; q and k rows reordered by `rotate_half_rows` where the target's RoPE is
-    ``interleaved``), the final norm as the target's. The context path starts as that first
-    layer's own input: ``fc`` selects the tap nearest below it (identity on that tap's block,
-    zero elsewhere) and ``hidden_norm`` is its attention norm, so the context keys and values
-    are what the target layer computes from its input there. The rest (the mask embedding,
-    the Markov and confidence heads) keeps `BlockTrain`'s initialisation."""
-    H, D, first = cfg.hidden, cfg.head_dim, target_layers - cfg.layers
-    nq, nk = cfg.heads * D, cfg.kv_heads * D
-    out = {"norm": tw["norm"].float().clone()}
-    for i in range(cfg.layers):
-        j = first + i
-        qkv = tw[f"{j}.wqkv"].float()
-        if interleaved:
-            qkv = torch.cat([rotate_half_rows(qkv[:nq], cfg.heads, D), rotate_half_rows(qkv[nq:nq + nk], cfg.kv_heads, D),
-                             qkv[nq + nk:]])
-        out |= {f"{i}.wqkv": qkv.clone(), **{f"{i}.{n}": tw[f"{j}.{n}"].float().clone()
-                                              for n in ("attn_norm", "wo", "ffn_norm", "wgu", "wdown")}}
-    tap = max((t for t in cfg.taps if t <= first), default=min(cfg.taps))
-    fc = torch.zeros(H, len(cfg.taps) * H)
-    at = cfg.taps.index(tap) * H
-    fc[:, at:at + H] = torch.eye(H)
-    return out | {"fc": fc, "hidden_norm": tw[f"{first}.attn_norm"].float().clone()}
 
 
 def block_targets(ids: Tensor, anchors: Tensor, lengths: Tensor, B: int, to_draft: Tensor):
@@ -218,17 +174,15 @@ class BlockData:
 
 
 def train_block(cfg: BlockConfig, blob: dict, feats: list[Tensor], target, minutes: float, *, batch: int = 8,
-                anchors: int = 16, lr: float = 1e-3, seed: int = 0, max_steps: int | None = None, say=print,
-                init: dict[str, Tensor] | None = None) -> dict:
-    """Train for ``minutes`` (or ``max_steps``) from ``init`` (some weights' initial values,
-    `from_target`; None: all drawn at random); returns {"weights": best by validation tau, "summary"}."""
+                anchors: int = 16, lr: float = 1e-3, seed: int = 0, max_steps: int | None = None, say=print) -> dict:
+    """Train for ``minutes`` (or ``max_steps``); returns {"weights": best by validation tau, "summary"}."""
     from hal.training.block_data import CANDIDATE_TAPS
     torch.manual_seed(seed)
     d = BlockData(blob, feats, [CANDIDATE_TAPS.index(t) for t in cfg.taps], cfg.draft_vocab, target.cfg.stop_ids,
                   seed)
     to_draft = torch.full((target.cfg.vocab,), -1, dtype=torch.long)
     to_draft[d.draft_ids] = torch.arange(len(d.draft_ids))
-    model = BlockTrain(cfg, target.embed, target.head, d.draft_ids, seed, init)
+    model = BlockTrain(cfg, target.embed, target.head, d.draft_ids, seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
     g = torch.Generator().manual_seed(seed)
     t0, step, est, best, curve = now(), 0, max_steps, (-1.0, None), []
@@ -258,8 +212,7 @@ def train_block(cfg: BlockConfig, blob: dict, feats: list[Tensor], target, minut
             best = (v["tau"], model.weights(), v)
     summary = {"steps": step, "minutes": minutes, "seconds": now() - t0, "val": best[2],
                "sequences": len(d.tr), "val_sequences": len(d.val), "lr": lr, "batch": batch, "anchors": anchors,
-               "seed": seed, "data_made": blob.get("made"), "init": "random" if init is None else "target",
-               "curve": curve}
+               "seed": seed, "data_made": blob.get("made"), "curve": curve}
     return {"weights": {n: t.clone() for n, t in best[1].items()}, "summary": summary}
 
 
@@ -278,11 +231,9 @@ def validate(model: BlockTrain, d: BlockData, to_draft: Tensor, batch: int, anch
 
 def run(model: str, out, minutes: float, *, block: int = 8, layers: int = 2, taps: tuple[int, ...] = (1, 8, 16, 24, 29),
         rank: int = 32, draft_size: int = 8192, seed: int = 0, max_new_tokens: int = 128, limit: int | None = None,
-        init: str = "random", **kw) -> dict:
+        **kw) -> dict:
     """``spec-hal train-head --kind dspark``: data (cached), training, and the folder
-    ``out``/{config.json, model.safetensors, train.json, loss.png}. Returns the summary.
-    ``init``: ``random``, or ``target`` (the draft layers start as the target's last layers,
-    `from_target`)."""
+    ``out``/{config.json, model.safetensors, train.json, loss.png}. Returns the summary."""
     import json
     from pathlib import Path
 
@@ -295,7 +246,7 @@ def run(model: str, out, minutes: float, *, block: int = 8, layers: int = 2, tap
     c = target.cfg
     cfg = BlockConfig(hidden=c.hidden, heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim, ffn=c.ffn,
                       layers=layers, taps=tuple(taps), block=block, rank=rank, draft_vocab=draft_size, eps=c.eps)
-    got = train_block(cfg, blob, feats, target, minutes, seed=seed, init=initial(model, cfg, init), **kw)
+    got = train_block(cfg, blob, feats, target, minutes, seed=seed, **kw)
     out = Path(out)
     summary = {"model": model, **got["summary"]}
     curve = summary.pop("curve")
@@ -306,19 +257,6 @@ def run(model: str, out, minutes: float, *, block: int = 8, layers: int = 2, tap
     plot(curve, out / "loss.png", ("weighted cross-entropy vs target", "confidence BCE",
                                     "train tau (accepted length)", "validation tau"))
     return summary
-
-
-def initial(model: str, cfg: BlockConfig, init: str) -> dict[str, Tensor] | None:
-    """The weights ``init`` starts from: None for ``random``; for ``target``, `from_target` over
-    the target's float32 weights (dequantized from the file, loaded for this only)."""
-    if init == "random":
-        return None
-    if init != "target":
-        raise HalError(f"--init: expected random or target, got {init!r}", arg="--init")
-    from hal.models.fetch import load_model
-    from hal.registry import get_backend
-    tm = load_model(model, get_backend("cpu"), "float32")[0]
-    return from_target(cfg, tm.w, tm.cfg.layers, tm.cfg.rope_interleaved)
 
 
 def readme(model: str, cfg: BlockConfig, s: dict, out) -> str:
@@ -336,8 +274,7 @@ def readme(model: str, cfg: BlockConfig, s: dict, out) -> str:
             f"- `model.safetensors` sha256 `{sha}`.\n"
             f"- Made by: `python -m hal train-head --kind dspark --model {model} --minutes {s['minutes']:g} "
             f"--block {cfg.block} --layers {cfg.layers} --taps {','.join(map(str, cfg.taps))} --rank {cfg.rank} "
-            f"--batch {s['batch']} --lr {s['lr']:g} --seed {s['seed']} --init {s.get('init', 'random')}` "
-            f"({time.strftime('%Y-%m-%d')}, torch "
+            f"--batch {s['batch']} --lr {s['lr']:g} --seed {s['seed']}` ({time.strftime('%Y-%m-%d')}, torch "
             f"{torch.__version__}).\n"
             f"  - Data (`hal/training/block_data.py`): the target's greedy answers to the project's prompt set "
             f"(`hal/training/data.py`; held-out topics and benchmark-like prompts excluded), {s['tokens']:,} "

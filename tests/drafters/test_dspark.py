@@ -58,38 +58,6 @@ def train_rows(train, f, ids, anchor, prev):
         return base[0, 0] + train.markov(torch.tensor(prev)), h[0, 0]
 
 
-def test_a_drafter_started_from_the_target_reads_its_context_as_the_target_layer_does(target):
-    """``--init target``: the draft layers are the target's last layers, their q and k rows
-    reordered for the drafter's rotate-half RoPE, and the context path is the first of them
-    reading its input (the tap feeding it): the context keys after RoPE are the target layer's,
-    reordered per head, and the values are the target layer's."""
-    import torch.nn.functional as F
-    from hal.models.llama import Rope
-    from hal.training.block_train import from_target
-    cfg, eps = config(layers=2), target.cfg.eps
-    m = BlockTrain(cfg, target.embed, target.head, DRAFT, 0, from_target(cfg, target.w, LAYERS, True))
-    for i, j in ((0, LAYERS - 2), (1, LAYERS - 1)):
-        for name in ("attn_norm", "wo", "ffn_norm", "wgu", "wdown"):
-            assert torch.equal(m.w(f"{i}.{name}"), target.w[f"{j}.{name}"].float())
-    assert torch.equal(m.w("norm"), target.w["norm"].float())
-    g = torch.Generator().manual_seed(0)
-    h = torch.randn(5, H, generator=g)                      # the residual stream entering target layer LAYERS - 2
-    feats = torch.cat([torch.randn(5, H, generator=g), torch.randn(5, H, generator=g), h], -1)   # taps 1, 4, 6
-    ctx = F.rms_norm(feats @ m.w("fc").T, (H,), m.w("hidden_norm"), eps)
-    x = F.rms_norm(h, (H,), target.w[f"{LAYERS - 2}.attn_norm"], eps)
-    nq, nk = HEADS * D, KV * D
-    theirs, ours = x @ target.w[f"{LAYERS - 2}.wqkv"].float().T, ctx @ m.w("0.wqkv").T
-    torch.testing.assert_close(ours[:, nq + nk:], theirs[:, nq + nk:], rtol=0, atol=1e-6)   # values
-    rot = Rope(D, 10000.0, False)(torch.arange(5))
-    k_ours = Rope(D, 10000.0, False).apply(ours[:, nq:nq + nk].view(5, KV, D), rot)
-    k_theirs = Rope(D, 10000.0, True).apply(theirs[:, nq:nq + nk].view(5, KV, D), rot)
-    torch.testing.assert_close(k_ours, k_theirs.view(5, KV, D // 2, 2).transpose(-1, -2).reshape(5, KV, D),
-                               rtol=0, atol=1e-5)   # fp32 rounding of reordered dot products
-    with pytest.raises(HalError, match=r"init\['fc'\]: expected shape") as e:
-        BlockTrain(cfg, target.embed, target.head, DRAFT, 0, {"fc": torch.zeros(H, H)})
-    assert e.value.arg == "init"
-
-
 def test_the_drafter_equals_the_training_module_from_scratch_and_incrementally(target):
     train = trained(target)
     model = BlockModel(train.cfg, train.weights(), target)
