@@ -49,20 +49,21 @@ QUESTIONS = ["Why is the sky blue?", "Name three rivers.", "What is 17 times 3?"
              "Repeat: a b c a b c a b c", "Explain a hash table.", "What is the capital of Peru?"]
 
 
-def launch(port: int):
-    """{rank: process}, and a function that starts a fresh draft rank (it joins the next epoch)."""
+def launch(port: int, world: int = 2, log_path: str = "/tmp/hal-soak.log"):
+    """{rank: process}, and a function that starts a fresh draft rank (it joins the next epoch).
+    ``world`` 1: the target alone, its drafter in its own process (no draft rank)."""
     import subprocess
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world),
            "HAL_BACKEND": "cpu"}
     flags = ["--model", MODEL, "--draft", "ngram", "--k", "4", "--port", str(port), "--max-num-seqs", "16",
              "--max-model-len", "1024", "--max-num-batched-tokens", "512", "--cpu-budget-gib", "3",
              "--draft-timeout", "5"]
-    log = open("/tmp/hal-soak.log", "w")
+    log = open(log_path, "w")
 
     def rank(r: int):
         return subprocess.Popen([sys.executable, "-m", "hal.server.app", *flags], env={**env, "RANK": str(r)},
                                 stdout=log, stderr=log)
-    return {r: rank(r) for r in (1, 0)}, lambda: rank(1)
+    return {r: rank(r) for r in ((1, 0) if world == 2 else (0,))}, lambda: rank(1)
 
 
 def proc_stats(pid: int) -> tuple[int, int]:
@@ -86,6 +87,8 @@ def body(rng: random.Random, i: int) -> tuple[str, dict, bool]:
     chat = rng.random() < 0.7
     b = {"model": MODEL, "max_tokens": rng.choice([8, 16, 32, 48]), "temperature": rng.choice([0, 0.7]),
          "seed": i, "stream": rng.random() < 0.5}
+    if b["stream"]:   # the last chunk then counts the tokens (`soak_tpot.py`'s TPOT)
+        b["stream_options"] = {"include_usage": True}
     if rng.random() < 0.15:
         b["n"] = 2
     if chat:
@@ -100,14 +103,17 @@ def body(rng: random.Random, i: int) -> tuple[str, dict, bool]:
     return ("/v1/chat/completions" if chat else "/v1/completions"), b, rng.random() < 0.2
 
 
-async def one(client, base, path, b, leave, counts: Counter, rng: random.Random) -> None:
+async def one(client, base, path, b, leave, counts: Counter, rng: random.Random, tpots: list | None = None) -> None:
+    """One request; ``tpots``: where a streamed single-choice answer of two or more tokens adds
+    its seconds per output token after the first (first to last chunk with text, over the
+    tokens its usage counts, less one)."""
     try:
         if b["stream"]:
             async with client.stream("POST", base + path, json=b) as r:
                 if r.status_code != 200:
                     counts[f"http {r.status_code}"] += 1
                     return
-                finished, n = set(), 0
+                finished, n, times, tokens = set(), 0, [], 0
                 async for line in r.aiter_lines():
                     if leave and n >= 2:
                         counts["disconnected (ours)"] += 1
@@ -118,8 +124,14 @@ async def one(client, base, path, b, leave, counts: Counter, rng: random.Random)
                             counts["stream error"] += 1
                             return
                         n += 1
+                        if any((c.get("delta") or {}).get("content") or c.get("text") for c in ch["choices"]):
+                            times.append(time.monotonic())   # a chunk with text (not the role chunk)
+                        tokens = (ch.get("usage") or {}).get("completion_tokens", tokens)
                         finished |= {c["index"] for c in ch["choices"] if c.get("finish_reason")}
-                counts["ok" if len(finished) == b.get("n", 1) else "stream incomplete"] += 1
+                ok = len(finished) == b.get("n", 1)
+                counts["ok" if ok else "stream incomplete"] += 1
+                if tpots is not None and ok and b.get("n", 1) == 1 and tokens >= 2 and len(times) >= 2:
+                    tpots.append((times[-1] - times[0]) / (tokens - 1))
         else:
             timeout = 0.3 + rng.random() if leave else 600
             try:
@@ -141,16 +153,18 @@ async def one(client, base, path, b, leave, counts: Counter, rng: random.Random)
         counts[f"client error {type(e).__name__}"] += 1
 
 
-async def traffic(base, minutes, rate, seed, procs, kill_at, samples, restart=None, rejoin_after=30.0) -> Counter:
-    """Poisson traffic; at ``kill_at`` the draft rank dies, and ``rejoin_after`` s later
-    ``restart()`` (if given) starts a fresh one, which rejoins by the next epoch."""
+async def traffic(base, minutes, rate, seed, procs, kill_at, samples, restart=None, rejoin_after=30.0,
+                  tpots: list | None = None) -> Counter:
+    """Poisson traffic; at ``kill_at`` the draft rank dies (never at ``kill_at`` > 1), and
+    ``rejoin_after`` s later ``restart()`` (if given) starts a fresh one, which rejoins by the
+    next epoch. ``tpots``: see `one`."""
     rng, counts, tasks = random.Random(seed), Counter(), []
     t0, end, killed, i, next_sample = time.monotonic(), time.monotonic() + 60 * minutes, False, 0, 0.0
     restarted = restart is None
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=512)) as client:
         while time.monotonic() < end:
             now = time.monotonic() - t0
-            if not killed and now >= kill_at * 60 * minutes:
+            if not killed and kill_at <= 1 and now >= kill_at * 60 * minutes:
                 procs[1].send_signal(signal.SIGKILL)
                 killed = True
                 samples.append(("worker killed", now, *proc_stats(procs[0].pid)))
@@ -162,7 +176,7 @@ async def traffic(base, minutes, rate, seed, procs, kill_at, samples, restart=No
                 samples.append(("sample", now, *proc_stats(procs[0].pid)))
                 next_sample += 60
             path, b, leave = body(rng, i)
-            tasks.append(asyncio.ensure_future(one(client, base, path, b, leave, counts, rng)))
+            tasks.append(asyncio.ensure_future(one(client, base, path, b, leave, counts, rng, tpots)))
             i += 1
             await asyncio.sleep(rng.expovariate(rate))
         await asyncio.gather(*tasks)
