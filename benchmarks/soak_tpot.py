@@ -64,7 +64,8 @@ def main() -> None:
              f"Command: `python benchmarks/soak_tpot.py --minutes {args.minutes:g} --rate {args.rate:g} --rounds "
              f"{args.rounds} --seed {args.seed}`; {time.strftime('%Y-%m-%d')}; {machine_line()}; both ranks on this "
              "host. n-gram drafts, k = 4 routed; TPOT from the client (streamed single-choice answers).", "",
-             "| run | placement | answers timed | TPOT P50 (ms) | TPOT P99 (ms) | answers |", "|---:|---|---:|---:|---:|---|"]
+             "| run | placement | answers timed | TPOT P50 (ms) | TPOT P99 (ms) | answers |",
+             "|---:|---|---:|---:|---:|---|"]
     for i, name, tpots, counts in rows:
         p50, p99 = (percentile(tpots, 50) * 1e3, percentile(tpots, 99) * 1e3) if tpots else (float("nan"),) * 2
         lines.append(f"| {i} | {name} | {len(tpots)} | {p50:.1f} | {p99:.1f} | {counts} |")

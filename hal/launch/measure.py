@@ -68,7 +68,9 @@ def profile_sides(sides: list[Side], path: str, spec, args, reps: int = 3, with_
     out = []
     for s in sides:
         t0 = time.perf_counter()
-        model = load_model(path, s.backend, args.dtype, lm_head=args.lm_head)[0].to(s.device) if with_target or spec.kind in HEADS else None
+        model = None
+        if with_target or spec.kind in HEADS:
+            model = load_model(path, s.backend, args.dtype, lm_head=args.lm_head)[0].to(s.device)
         _, dpath = draft_memory(spec, path, shares_target=with_target)
         drafter = make_drafter(spec, s.backend, target=model, path=args.model if spec.kind in HEADS else dpath,
                                device=s.device)

@@ -183,7 +183,9 @@ def _draft_rank(args, me: Rank, max_seqs: int) -> None:
     mem, dpath = draft_memory(me.spec, me.path, shares_target=False)
     pool = memory_plan(args, None, None, mem, draft_side, max_seqs).allocate("draft") if mem is not None else None
     # a head shares the target's embeddings and lm_head: this rank loads the weights for them
-    tw = load_model(me.path, draft_side.backend, args.dtype, lm_head=args.lm_head)[0].to(draft_side.device) if head else None
+    tw = None
+    if head:
+        tw = load_model(me.path, draft_side.backend, args.dtype, lm_head=args.lm_head)[0].to(draft_side.device)
     drafter = make_drafter(me.spec, draft_side.backend, target=tw, path=args.model if head else dpath, pool=pool,
                            device=draft_side.device)
     serve_draft_rank(me.rv, drafter, draft_side.device, hidden=tw.cfg.hidden if head else 1, k=args.k,
