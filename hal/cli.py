@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from dataclasses import replace
 
 from hal.drafters.kinds import draft_help, draft_kinds
 from hal.errors import HalError
@@ -60,11 +59,11 @@ def print_plan(model: str, dtype: str, refresh: bool, lm_head: str = "auto") -> 
     choice = choose_plan(linear_shapes(cfg), dtype, refresh=refresh, stored_int4=int4, q8_head=model in MODEL_Q8_HEAD)
     print(f"  {choice.plan.describe()} ({'cached' if choice.from_cache else 'measured now'}; {choice.conditions()})")
     try:
-        head = pin_head(choice, lm_head).head
+        head = pin_head(choice, lm_head)
         if lm_head != "auto":
-            print(f"  --lm-head {lm_head}: {replace(choice.plan, head=head).describe()}")
+            print(f"  --lm-head {lm_head}: {head.describe()}")
     except HalError as e:
-        head = choice.plan.head
+        head = choice.plan
         print(f"  {e}")
     for c in sorted(choice.candidates, key=lambda c: c["score"]):
         ms = ", ".join(f"M={m}: {t:.1f}" for m, t in c["ms"].items())
@@ -75,7 +74,7 @@ def print_plan(model: str, dtype: str, refresh: bool, lm_head: str = "auto") -> 
               f" score {c['score']:7.1f} ms  ({ms})")
     for h in choice.heads:   # the lm_head's forms, timed alone at the winner's widths
         ms = ", ".join(f"M={m}: {t:.1f}" for m, t in h["ms"].items())
-        print(f"    lm_head {h['head']:5s} {'(chosen)' if h['head'] == head else '':8s}"
+        print(f"    lm_head {h['head']:5s} {'(chosen)' if h['head'] == head.head else '':8s}"
               f"                score {h['score']:7.1f} ms  ({ms} ms)")
     for why in choice.rejected[:8]:   # widths the self-check dropped, families not measured, and why
         print(f"    not used: {why}")

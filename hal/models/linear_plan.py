@@ -319,11 +319,10 @@ def pin_head(choice: Choice, lm_head: str = "auto") -> LinearPlan:
         raise HalError(f"--lm-head: expected an int4 plan for stored (the Q8_0 head runs on the int4 kernel; "
                        f"try --dtype stored), got {plan.describe()}", arg="--lm-head")
     if not any(h["head"] == "q8_0" for h in choice.heads):
-        none = ("no Q8_0 head in this plan (the file's lm_head is not stored as Q8_0, or its shape does not fit "
-                "the kernel)")
-        why = [r for r in choice.rejected if "q8_0 head" in r] or [none]
+        why = next((r for r in choice.rejected if "q8_0 head" in r), "no Q8_0 head in this plan (the file's "
+                   "lm_head is not stored as Q8_0, or its shape does not fit the kernel)")
         raise HalError(f"--lm-head: expected an lm_head stored as Q8_0 that is batch-invariant here for stored, "
-                       f"got {why[0]}", arg="--lm-head")
+                       f"got {why}", arg="--lm-head")
     return replace(plan, head="q8_0")
 
 
