@@ -62,6 +62,7 @@ class SpecDecodeMetrics:
         self.spec_cache_hits = 0      # a remote draft's requests answered from its speculation cache
         self.spec_cache_misses = 0    # ... drafted ahead, but their outcome was not among the branches
         self.fanout_branches = 0      # branches the draft worker drafted ahead (`hal.distributed.speculate`)
+        self.pushed_rounds = 0        # rounds whose every draft the worker had offered (push: no wait for a reply)
         self.draft_ahead_seconds = 0.0   # the worker's drafting while the target verified (hidden)
         self.draft_inline_seconds = 0.0  # from a COMMIT's arrival to the reply (what the target waits, less the link)
         self.preemptions = 0          # running requests preempted when KV blocks ran out (recomputed later)
@@ -157,6 +158,8 @@ def prometheus_text(m: SpecDecodeMetrics, prefix: str = "spec_hal") -> str:
                          ("spec_cache_misses", "requests drafted ahead whose outcome was not among the branches",
                           m.spec_cache_misses),
                          ("fanout_branches", "branches the draft worker drafted ahead", m.fanout_branches),
+                         ("pushed_rounds", "rounds whose drafts the draft worker had all offered (no reply waited "
+                          "for)", m.pushed_rounds),
                          ("draft_ahead_seconds", "the worker's drafting while the target verified (hidden)",
                           m.draft_ahead_seconds),
                          ("draft_inline_seconds", "the worker's time from a COMMIT to its reply (not hidden)",

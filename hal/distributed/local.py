@@ -31,22 +31,24 @@ class ThreadDrafter(RemoteDrafter):
     branches drafted ahead per request and round (None: the worker's default for this
     drafter; 0: none, the thread then only drafts on demand). ``timeout``: the longest wait
     for a round's drafts before the target decodes plainly (the thread failed or hung). A
-    failure on the thread reaches the target at its next receive, as a lost worker."""
+    failure on the thread reaches the target at its next receive, as a lost worker. ``push``,
+    ``wait_offers``: as `hal.distributed.remote.RemoteDrafter`'s (the branches offered while the
+    target verifies)."""
 
     def __init__(self, drafter, vocab: int, device: torch.device, metrics, *, timeout: float = 30.0,
-                 fanout: int | None = None, bounded: bool = True):
+                 fanout: int | None = None, bounded: bool = True, push: bool = False, wait_offers: bool = False):
         mine, theirs = LocalLink.pair()
         super().__init__(mine, vocab, device, metrics, timeout, first_timeout=timeout,
-                         features=capabilities(drafter).features)
+                         features=capabilities(drafter).features, push=push, wait_offers=wait_offers)
         self.drafter = drafter
-        self.thread = threading.Thread(target=self._serve, args=(theirs, fanout, bounded), daemon=True,
+        self.thread = threading.Thread(target=self._serve, args=(theirs, fanout, bounded, push), daemon=True,
                                        name="hal-draft-ahead")
         self.thread.start()
 
-    def _serve(self, link: LocalLink, fanout: int | None, bounded: bool) -> None:
+    def _serve(self, link: LocalLink, fanout: int | None, bounded: bool, push: bool) -> None:
         try:
             with torch.inference_mode():   # thread-local: drafting never records autograd (as the worker rank's)
-                draft_worker(link, self.drafter, fanout=fanout, bounded=bounded)
+                draft_worker(link, self.drafter, fanout=fanout, bounded=bounded, push=push)
         except BaseException as e:   # the target's next receive raises it (a lost worker: plain decoding)
             link.outbox.put(e)
 

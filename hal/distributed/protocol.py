@@ -4,7 +4,10 @@ float32 rows, optional int32 sparse indices, over torch.distributed point-to-poi
 
 One round: the target sends COMMIT (the tokens committed since the last round and each
 request's k); the worker answers DRAFTS built on exactly that committed prefix (base
-length and hash per request), or the target gets STOP at the end. See `hal.launch.start`."""
+length and hash per request), or the target gets STOP at the end. See `hal.launch.start`.
+With push (`hal.distributed.remote.RemoteDrafter`'s ``push``), the worker also sends OFFER
+while the target verifies: the branches it drafted ahead, so that a COMMIT whose every
+request was offered asks for no reply."""
 
 from __future__ import annotations
 
@@ -20,8 +23,8 @@ from torch import Tensor
 from hal.errors import HalError
 from hal.devices import transfer
 
-COMMIT, DRAFTS, STOP = 1, 2, 3
-DRAFTS_HEAD = 7   # words before a DRAFTS message's first entry
+COMMIT, DRAFTS, STOP, OFFER = 1, 2, 3, 4
+DRAFTS_HEAD = 7   # words before a DRAFTS (or OFFER) message's first entry
 MAX_WORDS, MAX_ROWS, MAX_COLS = 1 << 24, 1 << 20, 1 << 20  # what a peer's message header may announce
 MAX_EPOCH = 1 << 40
 TARGET, DRAFT = 0, 1
@@ -176,14 +179,17 @@ def _checked(head: list[int]) -> list[int]:
 
 # -- the messages: one typed class per kind, one encoder and one decoder each ----------------------
 # Wire form: int64 words (kind first), optional float32 rows, optional int32 indices (sparse q).
-#   COMMIT: [COMMIT, epoch, n, n_finished, *finished, n x (rid, k, length, new, [top_k, seed, max_new,
+#   COMMIT: [COMMIT, epoch, reply, n, n_finished, *finished, n x (rid, k, length, new, [top_k, seed, max_new,
 #            temperature, top_p (IEEE-754 float64 bits)] if new, n_delta, *delta, n_features)],
 #           rows: the target's features, n_features rows per request in order (an EAGLE head's input)
 #   DRAFTS: [DRAFTS, epoch, hits, misses, branches, ahead_us, inline_us,
 #            n x (rid, base_len, base_hash, n_drafts, *drafts, n_parents, *parents)],
 #           n_parents 0 (a chain) or n_drafts (a draft tree: each draft's local parent, -1 the root)
 #           rows: q rows of the drafts (dense [N, V], or sparse values with ``idx``)
+#   OFFER:  [OFFER, epoch, seq, final, branches, ahead_us, 0, entries as DRAFTS'], rows as DRAFTS'
+#           (branches drafted ahead after the worker's seq-th COMMIT of the epoch; final: its last offer then)
 #   STOP:   [STOP]
+#   reply: 0 when every request's drafts were offered (the worker answers nothing), else 1
 #   epoch: the rendezvous the link belongs to (`hal.distributed.rendezvous`); the worker echoes it
 
 
@@ -219,6 +225,7 @@ class Commit:
     entries: list[CommitEntry]
     finished: list[int] = field(default_factory=list)
     epoch: int = 0
+    reply: bool = True       # False: the target took every request's drafts from the worker's offers
 
 
 @dataclass
@@ -251,11 +258,26 @@ class Drafts:
 
 
 @dataclass
+class Offer:
+    """Branches the worker drafted ahead (`hal.distributed.speculate`), pushed while the target
+    verifies: each entry is one branch's drafts under its history's key (length, hash), a
+    request's several branches in several entries."""
+
+    seq: int                 # the worker's COMMITs of this epoch before it drafted them
+    final: bool              # the worker's last offer after that COMMIT
+    entries: list[DraftEntry]
+    q: Tensor | None = None  # as `Drafts.q`
+    idx: Tensor | None = None
+    epoch: int = 0
+    timing: Timing = field(default_factory=Timing)   # final: the round's branches and time drafting ahead
+
+
+@dataclass
 class Stop:
     pass
 
 
-Message = Commit | Drafts | Stop
+Message = Commit | Drafts | Offer | Stop
 
 
 def encode(msg: Message) -> tuple[list[int], Tensor | None, Tensor | None]:
@@ -263,7 +285,7 @@ def encode(msg: Message) -> tuple[list[int], Tensor | None, Tensor | None]:
     if isinstance(msg, Stop):
         return [STOP], None, None
     if isinstance(msg, Commit):
-        words, feats = [COMMIT, msg.epoch, len(msg.entries), len(msg.finished), *msg.finished], []
+        words, feats = [COMMIT, msg.epoch, int(msg.reply), len(msg.entries), len(msg.finished), *msg.finished], []
         for e in msg.entries:
             words += [e.rid, e.k, e.length, int(e.new is not None)]
             if e.new is not None:
@@ -275,7 +297,10 @@ def encode(msg: Message) -> tuple[list[int], Tensor | None, Tensor | None]:
                 feats.append(e.features)
         return words, torch.cat(feats) if feats else None, None
     t = msg.timing
-    words = [DRAFTS, msg.epoch, msg.hits, msg.stale, t.branches, t.ahead_us, t.inline_us]
+    if isinstance(msg, Offer):
+        words = [OFFER, msg.epoch, msg.seq, int(msg.final), t.branches, t.ahead_us, t.inline_us]
+    else:
+        words = [DRAFTS, msg.epoch, msg.hits, msg.stale, t.branches, t.ahead_us, t.inline_us]
     for e in msg.entries:
         words += [e.rid, e.base_len, e.base_hash, len(e.tokens), *e.tokens]
         words += [0] if e.parents is None else [len(e.parents), *e.parents]
@@ -324,13 +349,14 @@ def decode(words: list[int], rows: Tensor | None, idx: Tensor | None, vocab: int
     token id (in ``[0, vocab)`` when ``vocab`` is known) is checked; a malformed message raises
     `HalError` naming what was expected. Values of q are checked by the receiver (a sum needs V)."""
     r = _Reader(list(words), "protocol message")
-    kind = r.one("the message kind", COMMIT, STOP + 1)
+    kind = r.one("the message kind", COMMIT, OFFER + 1)
     if kind == STOP:
         r.done()
         return Stop()
     hi_tok = vocab if vocab is not None else 1 << 62
     epoch = r.one("the epoch", 0, MAX_EPOCH)
     if kind == COMMIT:
+        reply = bool(r.one("the reply flag", 0, 2))
         n, n_done = r.one("the request count", 0, MAX_ROWS), r.one("the finished count", 0, MAX_ROWS)
         finished = r.take(n_done, "finished request ids", 0, 1 << 62)
         entries, counts = [], []
@@ -355,8 +381,11 @@ def decode(words: list[int], rows: Tensor | None, idx: Tensor | None, vocab: int
         at = 0
         for e, c in zip(entries, counts):
             e.features, at = (rows[at:at + c] if c else None), at + c
-        return Commit(entries, finished, epoch)
-    hits, stale = r.one("the cache hits", 0, MAX_ROWS), r.one("the cache misses", 0, MAX_ROWS)
+        return Commit(entries, finished, epoch, reply)
+    if kind == OFFER:
+        hits, stale = r.one("the offer's COMMIT count", 0, 1 << 40), r.one("the final flag", 0, 2)
+    else:
+        hits, stale = r.one("the cache hits", 0, MAX_ROWS), r.one("the cache misses", 0, MAX_ROWS)
     timing = Timing(r.one("the branch count", 0, MAX_WORDS), r.one("the time ahead", 0, 1 << 40),
                     r.one("the time inline", 0, 1 << 40))
     entries = []
@@ -375,6 +404,8 @@ def decode(words: list[int], rows: Tensor | None, idx: Tensor | None, vocab: int
     if idx is not None and (rows is None or idx.shape != rows.shape
                             or bool(((idx < 0) | (idx >= hi_tok)).any())):
         raise r.bad(f"sparse q indices in [0, {hi_tok}) shaped like its values", None if idx is None else list(idx.shape))
+    if kind == OFFER:
+        return Offer(hits, bool(stale), entries, rows, idx, epoch, timing)
     return Drafts(hits, stale, entries, rows, idx, epoch, timing)
 
 

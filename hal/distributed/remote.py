@@ -6,7 +6,9 @@ then every live request is sent afresh and drafting resumes."""
 
 from __future__ import annotations
 
+import queue
 import sys
+import threading
 import time
 
 import torch
@@ -17,15 +19,21 @@ from hal.checks import MAX_K, prob_values
 from hal.engine.drafting import DraftBatch, Proposal
 from hal.errors import HalError
 from hal.devices import dense_q, transfer
-from hal.distributed.protocol import (DRAFT, HASH_SEED, Commit, CommitEntry, Drafts, Link, NewRequest, Stop, decode,
-                                     encode, history_hash)
+from hal.distributed.protocol import (DRAFT, HASH_SEED, STOP, Commit, CommitEntry, Drafts, Link, NewRequest, Offer, Stop,
+                                     decode, encode, history_hash)
+
+MAX_OFFERED = 4096   # branches the target keeps from one round's offers (the worker is untrusted)
 
 class RemoteDrafter:
-    """The target's view of the draft worker (a `hal.engine.decoder.Drafter`)."""
+    """The target's view of the draft worker (a `hal.engine.decoder.Drafter`). ``push``: the
+    worker also offers the branches it drafts ahead while the target verifies (OFFER, read by a
+    thread of this link); a round whose every request's history was offered takes its drafts
+    from them and asks for no reply, so it waits for neither the link nor the worker.
+    ``wait_offers`` (tests): wait for the worker's last offer of the round before choosing."""
 
     def __init__(self, link: Link | None, vocab: int, device: torch.device, metrics, timeout: float = 30.0,
                  first_timeout: float = 60.0, features: tuple[int, ...] | None = None, rendezvous=None,
-                 epoch: int = 0):
+                 epoch: int = 0, push: bool = False, wait_offers: bool = False):
         self.link, self.vocab, self.device, self.metrics = link, vocab, device, metrics
         self.rendezvous, self.epoch, self._asked = rendezvous, epoch, 0.0   # rejoin (None: never)
         if features is not None:   # the worker runs an EAGLE head: send it the target's features
@@ -37,6 +45,11 @@ class RemoteDrafter:
         self.alive, self.lost, self.rounds, self.cache_hits, self.cache_misses = link is not None, False, 0, 0, 0
         self.wait_s = 0.0   # seconds the target spent in a round (send, the worker's drafting, receive)
         self._bytes = [0, 0]   # sent, received over the links of earlier epochs
+        self.push, self.wait_offers, self.pushed_rounds = push, wait_offers, 0
+        self.commits = 0       # COMMITs sent on this link: an offer names the one it followed
+        self._inbox: queue.Queue | None = None
+        if link is not None:
+            self._listen()
         if link is None and rendezvous is not None:   # nobody joined ``epoch``: open the next for a late worker
             self.lost, self.epoch = True, epoch + 1
             rendezvous.announce(self.epoch)
@@ -53,6 +66,38 @@ class RemoteDrafter:
         R = len(b.rids)
         if not self.alive and not self._rejoin():
             return self._proposal(b, [[] for _ in range(R)], None)
+        try:
+            offered = self._offers() if self.push else {}
+        except (RuntimeError, HalError) as e:   # the link failed, or an offer was malformed
+            self._fail(e, lost=isinstance(e, RuntimeError))
+            return self._proposal(b, [[] for _ in range(R)], None)
+        msg = self._commit(b)
+        picked = self._pick(b, offered) if offered else None
+        msg.reply = picked is None
+        try:
+            t0 = time.perf_counter()
+            self.link.send(*encode(msg)[:2])
+            self.commits += 1
+            reply = self._reply() if msg.reply else None
+            self.wait_s += time.perf_counter() - t0
+        except RuntimeError as e:  # gloo: connection reset (the worker died) or a timeout
+            self._fail(e, lost=True)
+            return self._proposal(b, [[] for _ in range(R)], None)
+        except HalError as e:      # a header out of bounds, or a message that is no reply
+            self._fail(e)
+            return self._proposal(b, [[] for _ in range(R)], None)
+        self.rounds += 1
+        try:
+            if picked is not None:
+                return self._proposal(b, *self._offered(b, picked))
+            return self._proposal(b, *self._accept(b, reply))
+        except HalError as e:      # the reply is not a valid DRAFTS message: plain decoding from here
+            self._fail(e)
+            return self._proposal(b, [[] for _ in range(R)], None)
+
+    def _commit(self, b: DraftBatch) -> Commit:
+        """This round's COMMIT: finished requests, then per request its newly committed tokens
+        (and features, and parameters when new); the committed history's hash is kept."""
         live = set(b.rids)
         self.finished += [rid for rid in self.sent if rid not in live]
         for rid in self.finished:
@@ -70,23 +115,113 @@ class RemoteDrafter:
             at += n
             self.sent[rid] = L
             self.hashes[rid] = history_hash(delta, self.hashes.get(rid, HASH_SEED))
+        return msg
+
+    def _recv(self, timeout: float):
+        """The link's next message (``push``: from its reader thread's queue)."""
+        if self._inbox is None:
+            return self.link.recv(timeout)
         try:
-            t0 = time.perf_counter()
-            self.link.send(*encode(msg)[:2])
-            reply = self.link.recv(self.timeout if self.rounds else self.first_timeout)
-            self.wait_s += time.perf_counter() - t0
-        except RuntimeError as e:  # gloo: connection reset (the worker died) or a timeout
-            self._fail(e, lost=True)
-            return self._proposal(b, [[] for _ in range(R)], None)
-        except HalError as e:      # a header out of bounds
-            self._fail(e)
-            return self._proposal(b, [[] for _ in range(R)], None)
-        self.rounds += 1
-        try:
-            return self._proposal(b, *self._accept(b, decode(*reply, vocab=self.vocab, max_k=MAX_K)))
-        except HalError as e:      # the reply is not a valid DRAFTS message: plain decoding from here
-            self._fail(e)
-            return self._proposal(b, [[] for _ in range(R)], None)
+            got = self._inbox.get(timeout=timeout)
+        except queue.Empty:
+            raise RuntimeError(f"no message from the draft worker within {timeout} s") from None
+        if isinstance(got, BaseException):
+            raise got
+        return got
+
+    def _reply(self) -> Drafts:
+        """The worker's DRAFTS for the COMMIT just sent; offers still on their way are passed."""
+        while True:
+            msg = decode(*self._recv(self.timeout if self.rounds else self.first_timeout),
+                         vocab=self.vocab, max_k=MAX_K)
+            if not isinstance(msg, Offer):
+                return msg
+            self._offer_timing(msg)
+
+    def _listen(self) -> None:
+        """``push``: a thread reads this link into a queue of its own (offers arrive unasked)."""
+        if not self.push:
+            return
+        inbox, link = queue.Queue(), self.link
+        self._inbox = inbox
+
+        def read():   # until the worker's STOP (its answer to ours) or the link's failure
+            while True:
+                try:
+                    got = link.recv(None)
+                except BaseException as e:   # the link failed: the next receive raises it
+                    inbox.put(e)
+                    return
+                inbox.put(got)
+                if got[0][:1] == [STOP]:
+                    return
+        self._reader = threading.Thread(target=read, daemon=True, name=f"hal-offers-{self.epoch}")
+        self._reader.start()
+
+    def _offers(self) -> dict[tuple[int, int, int], tuple[list[int], Tensor | None, Tensor | None]]:
+        """The branches the worker offered after the last COMMIT, by (request, length, hash):
+        their drafts and q rows (sparse: with indices). Every message waiting is read; none may
+        be a reply (none is due). ``wait_offers``: first the round's final offer."""
+        out, waited = {}, not (self.wait_offers and self.rounds)
+        while True:
+            try:
+                got = self._inbox.get_nowait() if waited else self._inbox.get(timeout=self.timeout)
+            except queue.Empty:
+                if waited:
+                    return out
+                raise RuntimeError(f"no final offer from the draft worker within {self.timeout} s") from None
+            if isinstance(got, BaseException):
+                raise got
+            msg = decode(*got, vocab=self.vocab, max_k=MAX_K)
+            if not isinstance(msg, Offer):
+                raise HalError(f"draft worker message between rounds: expected OFFER, got {type(msg).__name__}")
+            self._offer_timing(msg)
+            if msg.epoch != self.epoch or msg.seq != self.commits:   # another round's: stale
+                continue
+            waited = waited or msg.final
+            r = 0
+            for e in msg.entries:
+                n = len(e.tokens)
+                if len(out) < MAX_OFFERED:
+                    rows = None if msg.q is None else msg.q[r:r + n]
+                    out[(e.rid, e.base_len, e.base_hash)] = (e.tokens, rows, None if msg.idx is None else msg.idx[r:r + n])
+                r += n
+
+    def _offer_timing(self, msg: Offer) -> None:
+        if msg.final and msg.epoch == self.epoch:   # the round's drafting ahead, as a reply tells it otherwise
+            self.metrics.fanout_branches += msg.timing.branches
+            self.metrics.draft_ahead_seconds += msg.timing.ahead_us / 1e6
+
+    def _pick(self, b: DraftBatch, offered) -> list | None:
+        """Each request's offered branch for its committed history (None: it drafts nothing
+        this round), or None unless every request that drafts has one. The key is the
+        committed outcome alone, as the worker's own lookup."""
+        picked = []
+        for rid, L, k in zip(b.rids, b.lengths, b.k):
+            got = offered.get((rid, L, self.hashes[rid])) if k > 0 else None
+            if k > 0 and (got is None or len(got[0]) < k):
+                return None
+            picked.append(got)
+        rows = {g[1] is None for g in picked if g is not None}
+        return picked if len(rows) < 2 else None   # q rows for every draft or none, as a reply has them
+
+    def _offered(self, b: DraftBatch, picked: list) -> tuple[list[list[int]], Tensor | None, None]:
+        """The picked branches' drafts, cut to each request's k, with their q rows (checked)."""
+        self.pushed_rounds += 1
+        self.metrics.pushed_rounds += 1
+        drafts = [[] if g is None else g[0][:k] for g, k in zip(picked, b.k)]
+        hits = sum(1 for d in drafts if d)
+        self.cache_hits += hits
+        self.metrics.spec_cache_hits += hits
+        used = [(g[1][:k], None if g[2] is None else g[2][:k]) for g, k in zip(picked, b.k)
+                if g is not None and g[1] is not None]
+        if not used:
+            return drafts, None, None
+        rows = transfer(torch.cat([q for q, _ in used]), self.device)
+        if used[0][1] is not None:
+            rows = dense_q(transfer(torch.cat([i for _, i in used]), self.device), rows, self.vocab)
+        prob_values("draft_probs (offered by the draft worker)", rows)
+        return drafts, rows, None
 
     def _accept(self, b: DraftBatch, reply) -> tuple[list[list[int]], Tensor | None, list | None]:
         """The drafts of a decoded reply (`hal.distributed.protocol.decode` checked its structure): one
@@ -177,7 +312,7 @@ class RemoteDrafter:
     def _drop_link(self) -> None:
         """Forget the link: its process group closes, so a worker still waiting on it wakes."""
         self._bytes = [self.bytes_sent, self.bytes_received]
-        self.link = None
+        self.link, self._inbox = None, None
 
     def take_back(self) -> bool:
         """Between steps (an idle server): take back a worker waiting to rejoin (`_rejoin`)."""
@@ -200,7 +335,8 @@ class RemoteDrafter:
             rv.announce(self.epoch)
             return False
         self.link = Link(DRAFT, torch.device("cpu"), group, framed=True)   # later epochs are gloo
-        self.sent, self.hashes, self.finished = {}, {}, []
+        self.sent, self.hashes, self.finished, self.commits = {}, {}, [], 0
+        self._listen()
         self.alive, self.lost, self.rounds = True, False, 1   # no start-up wait: the worker is loaded
         self.metrics.workers_rejoined += 1
         print(f"hal.launch: draft worker rejoined (epoch {self.epoch}); speculating again",
@@ -222,10 +358,12 @@ class RemoteDrafter:
                 self.link.flush()
             except RuntimeError:
                 pass
+            if self._inbox is not None:   # push: the worker answers STOP, which ends the reader (bounded)
+                self._reader.join(timeout=self.timeout)
 
 
 def connect(rv, vocab: int, device: torch.device, metrics, *, draft_timeout: float, startup_timeout: float,
-            features: tuple[int, ...] | None = None) -> RemoteDrafter:
+            features: tuple[int, ...] | None = None, push: bool = False) -> RemoteDrafter:
     """The target's view of the draft rank: epoch 0's link, or (the worker did not join within
     ``startup_timeout``) none yet, with epoch 1 open for it to join late (counted in
     ``metrics.draft_failures``). ``features``: the target layers an EAGLE head reads."""
@@ -239,4 +377,4 @@ def connect(rv, vocab: int, device: torch.device, metrics, *, draft_timeout: flo
         link = None
         metrics.draft_failures += 1
     return RemoteDrafter(link, vocab, device, metrics, draft_timeout, first_timeout=startup_timeout,
-                         features=features, rendezvous=rv)
+                         features=features, rendezvous=rv, push=push)

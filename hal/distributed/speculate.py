@@ -175,9 +175,11 @@ class FanOut:
             return True
         return not waiting and time.perf_counter() - self.replied + self.wave_s <= self.window
 
-    def store(self, branches: list[Branch], got: list[Drafted], seconds: float) -> None:
+    def store(self, branches: list[Branch], got: list[Drafted], seconds: float) -> list[tuple[int, int, int, Drafted]]:
         """A wave's results: each branch's drafts under its key (an extension's guess becomes
-        its key's last token, and its first slot's alternatives new branches)."""
+        its key's last token, and its first slot's alternatives new branches). Returns what
+        was stored: (request, length, hash, drafts) per branch (what the worker may offer)."""
+        stored = []
         self.wave_s = _ema(self.wave_s, seconds)
         self.waves += 1
         self.ahead_s += seconds
@@ -197,7 +199,10 @@ class FanOut:
             else:
                 hist = br.base
             if g.drafts:
-                s.cache[(len(hist), history_hash(hist))] = g
+                key = (len(hist), history_hash(hist))
+                s.cache[key] = g
+                stored.append((br.rid, *key, g))
+        return stored
 
     def replied_now(self, committed_at: float | None) -> None:
         """A reply was sent: the window from the last reply to this COMMIT is measured."""

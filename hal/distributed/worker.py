@@ -22,8 +22,8 @@ from torch import Tensor
 from hal.errors import HalError
 from hal.engine.history import HistoryBuffer
 from hal.devices import sparse_q
-from hal.distributed.protocol import (DRAFT_SEED, HASH_SEED, STOP, TARGET, Commit, DraftEntry, Drafts, Link, Stop,
-                                     Timing, corrupted, decode, encode, history_hash)
+from hal.distributed.protocol import (DRAFT_SEED, HASH_SEED, STOP, TARGET, Commit, DraftEntry, Drafts, Link, Offer,
+                                     Stop, Timing, corrupted, decode, encode, history_hash)
 from hal.distributed.speculate import TOP, Drafted, FanOut
 from hal.engine.drafting import DraftBatch, capabilities, pack_features
 from hal.engine.requests import SamplingParams
@@ -57,14 +57,18 @@ class Epoch:
 
 
 def draft_worker(link: Link, drafter, fault: str = "", idle: float | None = None, epoch: Epoch | None = None,
-                 lock: threading.Lock | None = None, fanout: int | None = None, bounded: bool = True) -> None:
+                 lock: threading.Lock | None = None, fanout: int | None = None, bounded: bool = True,
+                 push: bool = False) -> None:
     """Serve DRAFTS for each COMMIT of ``epoch`` until STOP (see the module docstring); ``idle``:
     the longest wait for the next COMMIT, in seconds (None: the link's default). ``lock`` is
     held while the drafter works; once ``epoch`` is no longer current this returns untouched.
     ``fanout``: branches drafted ahead per request and round (`hal.distributed.speculate`; 0:
     none; None: `FANOUT`, or 0 for a drafter that reads the target's features; such a drafter
     drafts ahead only with ``own_features``); ``bounded`` False:
-    the whole fan-out before the next message (tests: hits that do not depend on timing)."""
+    the whole fan-out before the next message (tests: hits that do not depend on timing).
+    ``push``: each wave's branches are also sent as OFFER while the target verifies (`_Offers`),
+    and a COMMIT that asks for no reply (the target took every request's drafts from them) gets
+    none; the round is otherwise served exactly as one that does."""
     ep = epoch or Epoch()
     reqs, lock = ep.reqs, lock or contextlib.nullcontext()
     hist = HistoryBuffer("cpu")   # the committed tokens the drafter reads (drafters move them to their device)
@@ -74,20 +78,25 @@ def draft_worker(link: Link, drafter, fault: str = "", idle: float | None = None
     fan = FanOut(fanout if caps.features is None or caps.own_features else 0, bounded, caps.own_features)
     inbox: queue.Queue = queue.Queue()
     threading.Thread(target=_receive, args=(link, inbox, idle), daemon=True, name=f"hal-recv-{ep.number}").start()
-    replies = 0
+    replies, offers = 0, _Offers(link, push, ep.number)
     while True:
-        arrived, msg = _await(inbox, lambda: _ahead(fan, reqs, hist, drafter, lock, ep, inbox))
+        arrived, msg = _await(inbox, lambda: _ahead(fan, reqs, hist, drafter, lock, ep, inbox, offers),
+                              lambda: offers.close(fan, ep, reqs))
         with lock:
             if not ep.current:
                 return
             msg = decode(*msg)   # the target is another process too: checked
             if isinstance(msg, Stop):
                 ep.stopped = True
+                if push:   # the target's reader thread waits on the link: STOP ends it too
+                    link.send(*encode(Stop()))
+                    link.flush()
                 return
             if not isinstance(msg, Commit) or msg.epoch != ep.number:
                 raise HalError(f"hal.launch worker: expected COMMIT of epoch {ep.number} or STOP, got "
                                f"{type(msg).__name__}" + (f" of epoch {msg.epoch}" if isinstance(msg, Commit) else ""))
             order = _apply_commit(msg, reqs, hist, fan, drafter)
+            offers.committed()
             out, hits, misses = _drafts_for(order, reqs, hist, fan, drafter)
             if fault and replies == int(fault.split(":")[1]):  # fault injection for tests: HAL_SERVE_FAULT=
                 if fault.startswith("kill"):                   # kill:N (SIGKILL after N replies),
@@ -95,10 +104,12 @@ def draft_worker(link: Link, drafter, fault: str = "", idle: float | None = None
                 if fault.startswith("hang"):                   # bad:N:KIND (reply N+1 malformed: KIND is
                     time.sleep(float(fault.split(":")[2]))     # kind, truncated, oov, negative or count)
                     os._exit(0)
-            timing = Timing(fan.branches, int(1e6 * fan.ahead_s), int(1e6 * (time.perf_counter() - arrived)))
-            _reply(link, order, reqs, out, hits, misses, timing,
-                   fault.split(":")[2] if fault.startswith("bad") and replies == int(fault.split(":")[1]) else "",
-                   ep.number)
+            ahead = (0, 0) if push else (fan.branches, int(1e6 * fan.ahead_s))   # pushed: the final OFFER told
+            timing = Timing(*ahead, int(1e6 * (time.perf_counter() - arrived)))
+            if msg.reply:
+                _reply(link, order, reqs, out, hits, misses, timing,
+                       fault.split(":")[2] if fault.startswith("bad") and replies == int(fault.split(":")[1]) else "",
+                       ep.number)
             replies += 1
             fan.replied_now(arrived)
             for rid in order:   # round r+1 draws after round r's drafts and the extension's guess
@@ -122,11 +133,12 @@ def _receive(link: Link, inbox: queue.Queue, idle: float | None) -> None:
             return
 
 
-def _await(inbox: queue.Queue, ahead) -> tuple[float, tuple]:
+def _await(inbox: queue.Queue, ahead, done) -> tuple[float, tuple]:
     """The next message and its arrival time; first ``ahead()`` drafts waves until it returns
-    False (nothing more worth drafting, or a message has arrived)."""
+    False (nothing more worth drafting, or a message has arrived), then ``done()``."""
     while ahead():
         pass
+    done()
     arrived, got = inbox.get()
     if isinstance(got, BaseException):
         raise got
@@ -134,7 +146,7 @@ def _await(inbox: queue.Queue, ahead) -> tuple[float, tuple]:
 
 
 def _ahead(fan: FanOut, reqs: dict[int, _Req], hist: HistoryBuffer, drafter, lock, ep: Epoch,
-           inbox: queue.Queue) -> bool:
+           inbox: queue.Queue, offers: "_Offers") -> bool:
     """One wave of the fan-out (`hal.distributed.speculate`): one branch per request, regular
     branches in one drafter call and extensions (one slot more, from the guess's offset) in
     another. False when nothing is left, the window is spent, or the epoch is over."""
@@ -151,12 +163,52 @@ def _ahead(fan: FanOut, reqs: dict[int, _Req], hist: HistoryBuffer, drafter, loc
                                [reqs[r].offset - extra for r in rids], TOP + 1,
                                [b.own for b in group] if fan.own_features else None)
                 got.update(zip(map(id, group), res))
-        fan.store(wave, [got[id(b)] for b in wave], time.perf_counter() - t0)
+        offers.wave(fan.store(wave, [got[id(b)] for b in wave], time.perf_counter() - t0), reqs)
         return True
 
 
+class _Offers:
+    """The worker's pushed branches (``push``), at most two OFFERs a round, each stamped with
+    the COMMITs of the epoch it followed (``seq``): the first wave's branches (every request's
+    likeliest) at once, then the rest with the round's last, marked final (it carries the
+    round's branch count and time drafting ahead). A message costs both sides CPU while the
+    target verifies (measured: one per wave slowed the target's step at 5 ms RTT)."""
+
+    def __init__(self, link: Link, on: bool, epoch: int):
+        self.link, self.on, self.epoch, self.seq, self.closed = link, on, epoch, 0, False
+        self.held: list[tuple[int, int, int, Drafted]] = []   # stored since the last offer
+        self.sent = 0                                          # offers this round
+
+    def committed(self) -> None:
+        self.seq, self.closed, self.held, self.sent = self.seq + 1, False, [], 0
+
+    def wave(self, stored: list[tuple[int, int, int, Drafted]], reqs: dict[int, _Req]) -> None:
+        if not self.on:
+            return
+        self.held += stored
+        if not self.sent and self.held:
+            self._send(False, Timing(), reqs)
+
+    def close(self, fan: FanOut, ep: Epoch, reqs: dict[int, _Req]) -> None:
+        """The round's fan-out is over: the final OFFER (once per round)."""
+        if self.on and not self.closed and ep.current:
+            self.closed = True
+            self._send(True, Timing(fan.branches, int(1e6 * fan.ahead_s)), reqs)
+
+    def _send(self, final: bool, timing: Timing, reqs: dict[int, _Req]) -> None:
+        stored, self.held, self.sent = [x for x in self.held if x[0] in reqs], [], self.sent + 1
+        rows = [g.q for *_, g in stored if g.q is not None]
+        if rows and len(rows) < len(stored):   # one message holds rows for every draft or none
+            stored, rows = [x for x in stored if x[3].q is None], []
+        q = torch.cat(rows) if rows else None
+        sparse = q is not None and any(reqs[r].params.top_k > 0 or reqs[r].params.top_p < 1 for r, *_ in stored)
+        idx, q = sparse_q(q) if sparse else (None, q)
+        entries = [DraftEntry(rid, n, h, g.drafts) for rid, n, h, g in stored]
+        self.link.send(*encode(Offer(self.seq, final, entries, q, idx, self.epoch, timing)))
+
+
 def serve_epochs(rv, drafter, device: torch.device, fault: str = "", idle: float = 600.0,
-                 join_timeout: float = 10.0, fanout: int | None = None) -> None:
+                 join_timeout: float = 10.0, fanout: int | None = None, push: bool = False) -> None:
     """The worker's life (`hal.distributed.rendezvous`): join the newest epoch and serve it
     (`draft_worker`, in a thread); when the target announces a newer epoch (it lost this
     worker), drop every request of the old one and join the new. The first meeting waits for
@@ -202,14 +254,14 @@ def serve_epochs(rv, drafter, device: torch.device, fault: str = "", idle: float
         print(f"hal.launch worker: joined epoch {e}", file=sys.stderr, flush=True)
         gloo = rv.backend_of(e) == "gloo"
         link = Link(TARGET, torch.device("cpu") if gloo else device, group, framed=gloo)
-        thread = threading.Thread(target=_serve, args=(link, drafter, fault if e == 0 else "", idle, ep, lock, failed, fanout),
+        thread = threading.Thread(target=_serve, args=(link, drafter, fault if e == 0 else "", idle, ep, lock, failed, fanout, push),
                                   daemon=True, name=f"hal-draft-epoch-{e}")
         thread.start()
 
 
-def _serve(link, drafter, fault, idle, ep: Epoch, lock, failed: list, fanout: int) -> None:
+def _serve(link, drafter, fault, idle, ep: Epoch, lock, failed: list, fanout: int, push: bool) -> None:
     try:
-        draft_worker(link, drafter, fault, idle, ep, lock, fanout)
+        draft_worker(link, drafter, fault, idle, ep, lock, fanout, push=push)
     except RuntimeError as e:   # the link: reset or timed out; the target announces the next epoch
         if ep.current:
             print(f"hal.launch worker: epoch {ep.number} lost ({str(e).splitlines()[0][:120]}); "
@@ -349,7 +401,7 @@ def _reply(link: Link, order: list[int], reqs: dict[int, _Req], out: dict[int, D
 
 
 def serve_draft_rank(rv, drafter, device: torch.device, *, hidden: int, k: int, draft_timeout: float,
-                     join_timeout: float, fanout: int | None = None) -> None:
+                     join_timeout: float, fanout: int | None = None, push: bool = False) -> None:
     """The draft rank under torchrun, its drafter loaded (`hal.launch.start`): warm the drafter
     up, then serve drafts epoch by epoch (`serve_epochs`) until the target stops. SIGTERM
     (torchrun forwards its own) ends it with exit 0."""
@@ -360,7 +412,7 @@ def serve_draft_rank(rv, drafter, device: torch.device, *, hidden: int, k: int, 
         profile_drafter(drafter, device, hidden, reps=1, points=(1, max(1, k)))
     try:
         serve_epochs(rv, drafter, device, os.environ.get("HAL_SERVE_FAULT", ""),
-                     idle=max(600.0, draft_timeout), join_timeout=join_timeout, fanout=fanout)
+                     idle=max(600.0, draft_timeout), join_timeout=join_timeout, fanout=fanout, push=push)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -86,6 +86,10 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
                          "verifies (the likeliest verification outcomes; 0: none). Default 8, except for the "
                          "EAGLE head (--draft eagle), which drafts ahead from its own features only when this "
                          "asks; trees and the other heads never do")
+    ap.add_argument("--push", action=argparse.BooleanOptionalAction, default=False,
+                    help="a draft on another rank or thread: it also sends the branches it drafts ahead while the "
+                         "target verifies, and a round whose every request was among them waits for no reply "
+                         "(hal.distributed.remote; off by default: measured, see docs/benchmarks.md)")
     ap.add_argument("--draft-thread", choices=("auto", "on", "off"), default="auto",
                     help="a draft in the target's process: run it on its own thread, one round ahead (the draft "
                          "worker's speculation cache and --fanout; hal.distributed.local). auto, the default: where "

@@ -86,7 +86,7 @@ def _run(args) -> int:
                "draft_failures": m.draft_failures, "stale_drafts": m.stale_drafts,
                "cache_hits": drafter.cache_hits if remote else 0, "cache_misses": drafter.cache_misses if remote else 0,
                "fanout_branches": m.fanout_branches, "draft_ahead_seconds": m.draft_ahead_seconds,
-               "draft_inline_seconds": m.draft_inline_seconds,
+               "draft_inline_seconds": m.draft_inline_seconds, "pushed_rounds": m.pushed_rounds,
                "steps": dec.steps}
     if world == 2 and drafter is not None:   # what crossed the link, and the share of time spent in rounds
         summary.update(rounds=drafter.rounds, round_trip_seconds=drafter.wait_s, epoch=drafter.epoch,

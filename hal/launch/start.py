@@ -157,7 +157,8 @@ def _threaded(args, spec, drafter, vocab: int, target_side, draft_side, metrics,
     from hal.launch.measure import worker_fanout
     fanout = worker_fanout(args, spec)
     phases.say(f"draft on its own thread ({draft_side.device}), one round ahead: fan-out {fanout}")
-    return ThreadDrafter(drafter, vocab, target_side.device, metrics, timeout=args.draft_timeout, fanout=fanout)
+    return ThreadDrafter(drafter, vocab, target_side.device, metrics, timeout=args.draft_timeout, fanout=fanout,
+                         push=getattr(args, "push", False))
 
 
 def _engine(args, model, drafter, pool, metrics, grammar, profile_draft: bool, engine_kw: dict,
@@ -190,7 +191,7 @@ def _draft_rank(args, me: Rank, max_seqs: int) -> None:
                            device=draft_side.device)
     serve_draft_rank(me.rv, drafter, draft_side.device, hidden=tw.cfg.hidden if head else 1, k=args.k,
                      draft_timeout=args.draft_timeout, join_timeout=args.draft_startup_timeout,
-                     fanout=worker_fanout(args, me.spec))
+                     fanout=worker_fanout(args, me.spec), push=args.push)
 
 
 def _auto(args, me: Rank, max_seqs: int, phases: Phases) -> Rank | None:
@@ -218,4 +219,4 @@ def _remote(args, rv: Rendezvous, spec, model, target_side, metrics, head: bool)
     from hal.drafters.kinds import feature_layers
     layers = feature_layers(spec, args.model, model.cfg.layers) if head else None
     return connect(rv, model.cfg.vocab, target_side.device, metrics, draft_timeout=args.draft_timeout,
-                   startup_timeout=args.draft_startup_timeout, features=layers)
+                   startup_timeout=args.draft_startup_timeout, features=layers, push=args.push)

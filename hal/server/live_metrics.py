@@ -49,6 +49,8 @@ class LiveMetrics:
         self.spec_misses = Counter(p + "spec_cache_misses", "requests drafted ahead whose outcome was not among the "
                                    "branches", registry=registry)
         self.fanout = Counter(p + "fanout_branches", "branches the draft worker drafted ahead", registry=registry)
+        self.pushed = Counter(p + "pushed_rounds", "rounds whose drafts the draft worker had all offered (no reply "
+                              "waited for)", registry=registry)
         self.ahead = Counter(p + "draft_ahead_seconds", "the worker's drafting while the target verified (hidden)",
                              registry=registry)
         self.inline = Counter(p + "draft_inline_seconds", "the worker's time from a COMMIT to its reply (not hidden)",
@@ -66,7 +68,7 @@ class LiveMetrics:
         self.requests = Counter(p + "request_success", "requests finished", ["finished_reason"], registry=registry)
         self._last = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "pos": [], "pre": 0, "fail": 0, "stale": 0,
                       "queries": 0, "hits": 0, "lost": 0, "rejoined": 0,
-                      "spec_hits": 0, "spec_misses": 0, "fanout": 0, "ahead": 0.0, "inline": 0.0}
+                      "spec_hits": 0, "spec_misses": 0, "fanout": 0, "pushed": 0, "ahead": 0.0, "inline": 0.0}
 
     def step(self, dec, out) -> None:
         """After ``out = dec.step()``: counters by delta, gauges set, router k observed."""
@@ -83,6 +85,7 @@ class LiveMetrics:
                                    ("spec_hits", self.spec_hits, m.spec_cache_hits),
                                    ("spec_misses", self.spec_misses, m.spec_cache_misses),
                                    ("fanout", self.fanout, m.fanout_branches),
+                                   ("pushed", self.pushed, m.pushed_rounds),
                                    ("ahead", self.ahead, m.draft_ahead_seconds),
                                    ("inline", self.inline, m.draft_inline_seconds),
                                    ("queries", self.prefix_queries, dec.prefix_cache_stats[0]),

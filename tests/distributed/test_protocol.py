@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hal
-from hal.distributed.protocol import (DRAFTS_HEAD, Commit, CommitEntry, DraftEntry, Drafts, NewRequest, Stop, decode, encode,
-                          history_hash)
+from hal.distributed.protocol import (DRAFTS_HEAD, OFFER, Commit, CommitEntry, DraftEntry, Drafts, NewRequest, Offer, Stop,
+                                     Timing, decode, encode, history_hash)
 
 V = 50
 ids = st.integers(0, V - 1)
@@ -25,7 +25,7 @@ def commits(draw):
                                          st.sampled_from([0.25, 0.5, 1.0])))
         delta = draw(st.lists(ids, max_size=6))
         entries.append(CommitEntry(rid, draw(st.integers(0, 8)), draw(st.integers(0, 99)), delta, new))
-    return Commit(entries, draw(st.lists(st.integers(0, 1000), max_size=3)))
+    return Commit(entries, draw(st.lists(st.integers(0, 1000), max_size=3)), reply=draw(st.booleans()))
 
 
 @st.composite
@@ -45,17 +45,40 @@ def drafts(draw):
     return Drafts(len(entries), 0, entries, rows, idx)
 
 
+@st.composite
+def offers(draw):
+    """OFFER: a DRAFTS' entries as branches (chains), stamped with a COMMIT count and a final flag."""
+    d = draw(drafts())
+    for e in d.entries:
+        e.parents = None
+    return Offer(draw(st.integers(0, 10 ** 6)), draw(st.booleans()), d.entries, d.q, d.idx,
+                 timing=Timing(draw(st.integers(0, 64)), draw(st.integers(0, 10 ** 6))))
+
+
 def same(a, b) -> bool:
     if type(a) is not type(b):
         return False
+    eq = lambda x, y: (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))  # noqa
     if isinstance(a, Drafts):
-        eq = lambda x, y: (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))  # noqa
         return (a.hits, a.stale, a.entries) == (b.hits, b.stale, b.entries) and eq(a.q, b.q) and eq(a.idx, b.idx)
+    if isinstance(a, Offer):
+        return ((a.seq, a.final, a.entries, a.timing) == (b.seq, b.final, b.entries, b.timing)
+                and eq(a.q, b.q) and eq(a.idx, b.idx))
     return a == b
 
 
+def test_an_offer_is_checked_as_drafts_are():
+    words = encode(Offer(3, True, [DraftEntry(3, 4, 5, [1, 2])]))[0]
+    assert words[0] == OFFER and decode(words, None, None, vocab=V).final
+    refused([OFFER, 0, 3, 2] + words[4:], None, "final flag")
+    refused(words[:-2] + [V, 0], None, "draft token ids")
+    commit = encode(Commit([CommitEntry(1, 2, 3, [4])], reply=False))[0]
+    assert decode(commit, None, None, vocab=V).reply is False
+    refused(commit[:2] + [2] + commit[3:], None, "reply flag")
+
+
 @SETTINGS
-@given(msg=st.one_of(commits(), drafts(), st.just(Stop())))
+@given(msg=st.one_of(commits(), drafts(), offers(), st.just(Stop())))
 def test_every_message_round_trips(msg):
     assert same(decode(*encode(msg), vocab=V), msg)
 

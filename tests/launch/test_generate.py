@@ -79,14 +79,17 @@ def test_two_ranks_draft_cpu_target_cuda_interpreter(tiny, tmp_path):
     assert got["cache_hits"] + got["cache_misses"] > 0
 
 
-def test_two_ranks_cpu_sampled_with_sparse_q(tiny, tmp_path):
+@pytest.mark.parametrize("push", [False, True])
+def test_two_ranks_cpu_sampled_with_sparse_q(tiny, tmp_path, push):
     out = tmp_path / "o.json"
-    torchrun(serve_args(tiny, out, "--draft", "self:2", "--k", "4", "--temperature", "1.0", "--top-k", "5"),
-             {"HAL_PLACEMENT": "draft=cpu,target=cpu"})
+    torchrun(serve_args(tiny, out, "--draft", "self:2", "--k", "4", "--temperature", "1.0", "--top-k", "5",
+                        *(["--push"] if push else [])),
+             {"HAL_PLACEMENT": "draft=cpu,target=cpu"})   # push: offers over gloo, and both ranks exit 0
     got = json.loads(out.read_text())
     assert [len(o) for o in got["outputs"]] == [N, N] and all(0 <= t < V for o in got["outputs"] for t in o)
-    # the draft is the target itself: with q crossing sparsely and exactly, every draft is accepted
-    assert got["acceptance_rate"] == 1.0 and got["cache_hits"] > 0
+    # the draft is the target itself: with q crossing sparsely and exactly (in replies or offers), every
+    # draft is accepted
+    assert got["acceptance_rate"] == 1.0 and got["cache_hits"] > 0 and got["draft_failures"] == 0
 
 
 def test_two_ranks_real_model(tmp_path):
@@ -166,7 +169,7 @@ class QueueLink(LocalLink):
         super().send(self.tamper(list(words), self.n) if self.tamper else words, rows, idx)
 
 
-def in_process_two_sides(tiny, tamper=None, k=3, remote_cls=None):
+def in_process_two_sides(tiny, tamper=None, k=3, remote_cls=None, push=False, wait_offers=None):
     import queue
     import threading
 
@@ -176,11 +179,12 @@ def in_process_two_sides(tiny, tamper=None, k=3, remote_cls=None):
     from hal.distributed.worker import draft_worker
     be = hal.get_backend("cpu")
     a, b = queue.Queue(), queue.Queue()
-    worker = threading.Thread(target=draft_worker, daemon=True, kwargs=dict(bounded=False),   # hits whatever the timing
-                              args=(QueueLink(a, b, tamper), ModelDrafter(load_safetensors(tiny, be))))
+    worker = threading.Thread(target=draft_worker, daemon=True, kwargs=dict(bounded=False, push=push),   # hits
+                              args=(QueueLink(a, b, tamper), ModelDrafter(load_safetensors(tiny, be))))  # whatever the timing
     worker.start()
     metrics = SpecDecodeMetrics()
-    remote = (remote_cls or RemoteDrafter)(QueueLink(b, a), V, torch.device("cpu"), metrics, timeout=30)
+    remote = (remote_cls or RemoteDrafter)(QueueLink(b, a), V, torch.device("cpu"), metrics, timeout=30, push=push,
+                                           wait_offers=push if wait_offers is None else wait_offers)
     dec = SpeculativeDecoder(load_safetensors(tiny, be), remote, num_blocks=64, metrics=metrics)
     out = dec.generate([Request([int(t) for t in p.split(",")], max_new_tokens=N, k=k) for p in PROMPTS])
     remote.close()
@@ -200,6 +204,43 @@ def test_protocol_in_process_overlap_and_stale_drafts_dropped(tiny):
     out, m, remote = in_process_two_sides(tiny, stale)
     assert out == plain(tiny, "cpu"), "a stale draft reached verification"
     assert m.stale_drafts > 0  # the target dropped the planted ones itself
+
+
+def test_pushed_branches_answer_rounds_without_a_reply(tiny):
+    """With push the worker offers its branches while the target verifies; a round whose
+    every request was offered sends a COMMIT that asks for no reply. Greedy output is plain
+    greedy's. PLANTED: a malformed offer is a draft failure (plain decoding from there,
+    output unchanged); an offer of another round, or of another history, is never used."""
+    from hal.distributed.protocol import OFFER
+    out, m, remote = in_process_two_sides(tiny, push=True)
+    assert out == plain(tiny, "cpu") and m.draft_failures == 0
+    assert remote.pushed_rounds > 0 and m.pushed_rounds == remote.pushed_rounds and m.fanout_branches > 0
+
+    def oov(words, n):   # PLANTED: the first offer with branches names a token outside the vocabulary
+        if words[0] == OFFER and len(words) > DRAFTS_HEAD + 4 and not oov.done:
+            oov.done = True
+            words[DRAFTS_HEAD + 4] = 1 << 20
+        return words
+    oov.done = False
+    out, m, remote = in_process_two_sides(tiny, oov, push=True)
+    assert out == plain(tiny, "cpu") and m.draft_failures == 1 and not remote.alive
+
+    def later(words, n):   # PLANTED: every offer claims the round after its own (the target takes what has come)
+        if words[0] == OFFER:
+            words[2] += 1
+        return words
+    out, m, remote = in_process_two_sides(tiny, later, push=True, wait_offers=False)
+    assert out == plain(tiny, "cpu") and m.draft_failures == 0 and remote.pushed_rounds == 0
+
+    def elsewhere(words, n):   # PLANTED: every offered branch names a history the target never committed
+        if words[0] == OFFER:
+            at = DRAFTS_HEAD
+            while at < len(words):
+                words[at + 2] ^= 1   # its base hash
+                at += 4 + words[at + 3] + 1 + words[at + 4 + words[at + 3]]
+        return words
+    out, m, remote = in_process_two_sides(tiny, elsewhere, push=True)
+    assert out == plain(tiny, "cpu") and m.draft_failures == 0 and remote.pushed_rounds == 0
 
 
 def test_drafts_of_another_epoch_are_refused(tiny):
@@ -237,7 +278,7 @@ class ConstantDrafter:
         pass
 
 
-def remote_sampled(drafter_cls, requests=12, tokens=160, p=None):
+def remote_sampled(drafter_cls, requests=12, tokens=160, p=None, push=False, remote_cls=None):
     """The drafter one round ahead on its own thread (`hal.distributed.local.ThreadDrafter`:
     the worker protocol over the in-process link), sampling against a two-token toy target."""
     from hal.distributed.local import ThreadDrafter
@@ -245,8 +286,11 @@ def remote_sampled(drafter_cls, requests=12, tokens=160, p=None):
     from tests.engine.test_router import P2, Q2, ToyTarget
     be = hal.get_backend("cpu")
     metrics = SpecDecodeMetrics()
-    remote = ThreadDrafter(drafter_cls(be, Q2), 2, torch.device("cpu"), metrics,
-                           bounded=False)   # the whole fan-out: hits whatever the timing
+    if remote_cls is not None:   # a planted target (a mutated RemoteDrafter): the thread drafter with its methods
+        planted = {name: f for name, f in vars(remote_cls).items() if callable(f) and name not in vars(ThreadDrafter)}
+        ThreadDrafter = type("PlantedThreadDrafter", (ThreadDrafter,), planted)
+    remote = ThreadDrafter(drafter_cls(be, Q2), 2, torch.device("cpu"), metrics,   # the whole fan-out (and with
+                           bounded=False, push=push, wait_offers=push)            # push, its offers): timing-free
     dec = SpeculativeDecoder(ToyTarget(be, P2 if p is None else p), remote, num_blocks=requests * tokens // 10,
                              metrics=metrics)
     out = dec.generate([Request([0], max_new_tokens=tokens, temperature=1.0, seed=i, k=3) for i in range(requests)])
@@ -307,6 +351,31 @@ def test_remote_fanout_of_a_context_drafter_keeps_the_target_distribution(monkey
     out, _, _ = run()
     with pytest.raises(AssertionError, match="chi-square"):
         assert_distribution(torch.tensor([t for o in out for t in o]), p, "branch chosen by the target's logits")
+
+
+def test_pushed_fanout_keeps_the_target_distribution():
+    """With push the target itself takes the offered branch of the committed outcome, with
+    the q rows it was drawn from: the emitted tokens and pairs still follow p = (0.5, 0.5).
+    PLANTED: a target that pairs each offered draft with another slot's q row fails the
+    pairs' test. (A branch chosen by the target's liking rather than the committed outcome is
+    the worker's mutant above: a target that did so here would fall out of step with the
+    worker, whose next branches then miss, and is counted by ``pushed_rounds``.)"""
+    from hal.conformance._helpers import assert_distribution
+    from tests.mutants import mutate
+    p = torch.tensor([0.5, 0.5])
+
+    def run(remote_cls=None):
+        return remote_sampled(MarkovDrafter, requests=12, tokens=320, p=p, push=True, remote_cls=remote_cls)
+    out, metrics, remote = run()
+    assert remote.pushed_rounds > 0.8 * remote.rounds and remote.rounds > 100
+    assert_distribution(torch.tensor([t for o in out for t in o]), p, "pushed fan-out, Markov drafts")
+    pairs = torch.tensor([x * 2 + y for o in out for x, y in zip(o, o[1:])])
+    assert_distribution(pairs, torch.outer(p, p).flatten(), "consecutive pairs, pushed fan-out")
+    out, _, remote = run(mutate("offered-rows-shifted"))   # measured: pairs 0.32 / 0.19 / 0.19 / 0.30
+    assert remote.pushed_rounds > 0.8 * remote.rounds
+    pairs = torch.tensor([x * 2 + y for o in out for x, y in zip(o, o[1:])])
+    with pytest.raises(AssertionError, match="chi-square"):
+        assert_distribution(pairs, torch.outer(p, p).flatten(), "offered drafts with another slot's rows")
 
 
 class PeekingConstantDrafter(ConstantDrafter):
