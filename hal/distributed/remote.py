@@ -23,6 +23,7 @@ from hal.distributed.protocol import (DRAFT, HASH_SEED, STOP, Commit, CommitEntr
                                      decode, encode, history_hash)
 
 MAX_OFFERED = 4096   # branches the target keeps from one round's offers (the worker is untrusted)
+MAX_WAITING = 256    # messages the offers' reader holds before it stops reading (the worker then waits)
 
 class RemoteDrafter:
     """The target's view of the draft worker (a `hal.engine.decoder.Drafter`). ``push``: the
@@ -124,7 +125,7 @@ class RemoteDrafter:
         try:
             got = self._inbox.get(timeout=timeout)
         except queue.Empty:
-            raise RuntimeError(f"no message from the draft worker within {timeout} s") from None
+            raise RuntimeError(f"Timed out: no message from the draft worker within {timeout} s") from None
         if isinstance(got, BaseException):
             raise got
         return got
@@ -142,7 +143,7 @@ class RemoteDrafter:
         """``push``: a thread reads this link into a queue of its own (offers arrive unasked)."""
         if not self.push:
             return
-        inbox, link = queue.Queue(), self.link
+        inbox, link = queue.Queue(MAX_WAITING), self.link
         self._inbox = inbox
 
         def read():   # until the worker's STOP (its answer to ours) or the link's failure
@@ -160,10 +161,11 @@ class RemoteDrafter:
 
     def _offers(self) -> dict[tuple[int, int, int], tuple[list[int], Tensor | None, Tensor | None]]:
         """The branches the worker offered after the last COMMIT, by (request, length, hash):
-        their drafts and q rows (sparse: with indices). Every message waiting is read; none may
-        be a reply (none is due). ``wait_offers``: first the round's final offer."""
+        their drafts and q rows (sparse: with indices). The messages waiting are read (at most
+        `MAX_WAITING`: any later are stale by the next round); none may be a reply (none is due).
+        ``wait_offers``: first the round's final offer."""
         out, waited = {}, not (self.wait_offers and self.rounds)
-        while True:
+        for _ in range(MAX_WAITING):
             try:
                 got = self._inbox.get_nowait() if waited else self._inbox.get(timeout=self.timeout)
             except queue.Empty:
@@ -186,6 +188,7 @@ class RemoteDrafter:
                     rows = None if msg.q is None else msg.q[r:r + n]
                     out[(e.rid, e.base_len, e.base_hash)] = (e.tokens, rows, None if msg.idx is None else msg.idx[r:r + n])
                 r += n
+        return out
 
     def _offer_timing(self, msg: Offer) -> None:
         if msg.final and msg.epoch == self.epoch:   # the round's drafting ahead, as a reply tells it otherwise

@@ -111,11 +111,13 @@ def test_two_ranks_real_model(tmp_path):
     assert got["acceptance_rate"] > 0  # drafts crossed the link and were used
 
 
-def test_killed_draft_worker_target_finishes_by_plain_decoding(tiny, tmp_path):
+@pytest.mark.parametrize("push", [False, True])
+def test_killed_draft_worker_target_finishes_by_plain_decoding(tiny, tmp_path, push):
     out, port = tmp_path / "o.json", str(free_port())
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2",
            "HAL_PLACEMENT": "draft=cpu,target=cpu"}
-    cmd = [sys.executable, "-m", "hal.launch", *serve_args(tiny, out, "--draft", "self:2", "--k", "2")]
+    cmd = [sys.executable, "-m", "hal.launch", *serve_args(tiny, out, "--draft", "self:2", "--k", "2",
+                                                           *(["--push"] if push else []))]
     draft = subprocess.Popen(cmd, env={**env, "RANK": "1", "HAL_SERVE_FAULT": "kill:2"},
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     target = subprocess.run(cmd, env={**env, "RANK": "0"}, capture_output=True, text=True, timeout=300)
@@ -128,9 +130,11 @@ def test_killed_draft_worker_target_finishes_by_plain_decoding(tiny, tmp_path):
     assert got["mean_acceptance_length"] > 1  # it did speculate before the kill
 
 
-def test_hung_draft_worker_times_out_under_torchrun(tiny, tmp_path):
+@pytest.mark.parametrize("push", [False, True])
+def test_hung_draft_worker_times_out_under_torchrun(tiny, tmp_path, push):
     out = tmp_path / "o.json"
-    r = torchrun(serve_args(tiny, out, "--draft", "self:2", "--k", "2", "--draft-timeout", "2"),
+    r = torchrun(serve_args(tiny, out, "--draft", "self:2", "--k", "2", "--draft-timeout", "2",
+                            *(["--push"] if push else [])),
                  {"HAL_PLACEMENT": "draft=cpu,target=cpu", "HAL_SERVE_FAULT": "hang:3:6"})
     got = json.loads(out.read_text())
     assert "Timed out" in r.stderr
