@@ -6,7 +6,10 @@ one intra-op thread, and the draft thread at one more (on a 2-core CPU, each has
 Every mode's output must equal plain greedy (checked); tokens/s are medians of interleaved
 runs. Writes benchmarks/results/draft-thread.md.
 
-    python benchmarks/draft_thread.py [--drafts ngram,self:8,eagle] [--reps 3] [--max-new-tokens 64]
+    python benchmarks/draft_thread.py [--drafts ngram,self:8,eagle] [--reps 3] [--max-new-tokens 64] [--push]
+
+``--push``: each drafter also on its own thread with ``push`` (`hal.distributed.remote.RemoteDrafter`: the
+thread offers its branches while the target verifies; a round whose outcome was offered waits for no reply).
 """
 
 from __future__ import annotations
@@ -41,12 +44,14 @@ def run(target, drafter, ids, n: int, k: int, metrics) -> tuple[list[int], float
     return out, time.perf_counter() - t
 
 
-def once(target, kind: str | None, threaded: bool, ids, args) -> tuple[list[int], float, SpecDecodeMetrics]:
-    """One generation with a fresh drafter (inline, or on its own thread); its output, seconds, metrics."""
+def once(target, kind: str | None, threaded: bool, ids, args, push: bool = False
+         ) -> tuple[list[int], float, SpecDecodeMetrics]:
+    """One generation with a fresh drafter (inline, or on its own thread, with push or not); its
+    output, seconds, metrics."""
     metrics = SpecDecodeMetrics()
     drafter = None if kind is None else make_drafter(parse_draft(kind), target.be, target, "smollm2-135m")
     if threaded:
-        drafter = ThreadDrafter(drafter, target.cfg.vocab, target.device, metrics, fanout=args.fanout)
+        drafter = ThreadDrafter(drafter, target.cfg.vocab, target.device, metrics, fanout=args.fanout, push=push)
     try:
         out, dt = run(target, drafter, ids, args.max_new_tokens, args.k, metrics)
     finally:
@@ -62,13 +67,15 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--fanout", type=int, default=8, help="branches drafted ahead per round on the thread")
+    ap.add_argument("--push", action="store_true", help="also each drafter on its own thread with push")
     ap.add_argument("--out", default="benchmarks/results/draft-thread.md")
     args = ap.parse_args()
     torch.set_num_threads(1)   # the target's core; the draft thread's ops run at one thread on the other
     be = hal.get_backend("cpu")
     target, tok = load_gguf(fetch("smollm2-135m"), be, "auto")
     kinds = args.drafts.split(",")
-    modes = [(None, False)] + [(kind, t) for kind in kinds for t in (False, True)]
+    modes = [(None, False, False)] + [(kind, t, p) for kind in kinds for t, p in
+                                      ((False, False), (True, False)) + (((True, True),) if args.push else ())]
     rows = []
     with torch.inference_mode():
         for label, _, text in PROMPTS:
@@ -78,7 +85,7 @@ def main() -> None:
             seen = {}
             for rep in range(args.reps + 1):   # the first round warms up, untimed
                 for mode in modes:
-                    out, dt, metrics = once(target, *mode, ids, args)
+                    out, dt, metrics = once(target, mode[0], mode[1], ids, args, mode[2])
                     if out != plain:
                         raise SystemExit(f"{label}: {mode} differs from plain greedy output")
                     if rep:
@@ -91,19 +98,24 @@ def main() -> None:
 def table(rows, kinds: list[str], args) -> list[str]:
     lines = ["# A draft in the target's process: inline against its own thread, one round ahead", "",
              f"Command: `python benchmarks/draft_thread.py --drafts {','.join(kinds)} --reps {args.reps} "
-             f"--max-new-tokens {args.max_new_tokens} --k {args.k} --fanout {args.fanout}`; "
+             f"--max-new-tokens {args.max_new_tokens} --k {args.k} --fanout {args.fanout}"
+             f"{' --push' if args.push else ''}`; "
              f"{time.strftime('%Y-%m-%d')}; {machine_line()}; one intra-op thread for the target (and one "
              f"for the draft thread); greedy, fixed k; outputs equal plain greedy in every mode (checked). "
              f"tok/s, medians of {args.reps} interleaved runs; hits: rounds answered from the speculation cache.", "",
              "| prompt | plain | " + " | ".join(f"{k} inline | {k} thread | thread / inline | {k} hits"
-                                               for k in kinds) + " |",
-             "|---|---:|" + "---:|---:|---:|---:|" * len(kinds)]
+                                               + (f" | {k} thread push | push / inline | {k} rounds pushed"
+                                                  if args.push else "") for k in kinds) + " |",
+             "|---|---:|" + ("---:|---:|---:|---:|" + "---:|---:|---:|" * args.push) * len(kinds)]
     for label, t, seen in rows:
-        cells = [f"{t[(None, False)]:.1f}"]
+        cells = [f"{t[(None, False, False)]:.1f}"]
         for k in kinds:
-            a, b, m = t[(k, False)], t[(k, True)], seen[(k, True)]
+            a, b, m = t[(k, False, False)], t[(k, True, False)], seen[(k, True, False)]
             rate = m.spec_cache_hits / max(1, m.spec_cache_hits + m.spec_cache_misses)
             cells += [f"{a:.1f}", f"{b:.1f}", f"{b / a:.2f}", f"{rate:.0%}"]
+            if args.push:
+                c, m = t[(k, True, True)], seen[(k, True, True)]
+                cells += [f"{c:.1f}", f"{c / a:.2f}", f"{m.pushed_rounds}"]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return lines
 

@@ -206,7 +206,7 @@ class RemoteDrafter:
                 return None
             picked.append(got)
         rows = {g[1] is None for g in picked if g is not None}
-        return picked if len(rows) < 2 else None   # q rows for every draft or none, as a reply has them
+        return picked if len(rows) < 2 else None   # q rows for every draft or for none, as in a reply
 
     def _offered(self, b: DraftBatch, picked: list) -> tuple[list[list[int]], Tensor | None, None]:
         """The picked branches' drafts, cut to each request's k, with their q rows (checked)."""
@@ -216,13 +216,11 @@ class RemoteDrafter:
         hits = sum(1 for d in drafts if d)
         self.cache_hits += hits
         self.metrics.spec_cache_hits += hits
-        used = [(g[1][:k], None if g[2] is None else g[2][:k]) for g, k in zip(picked, b.k)
-                if g is not None and g[1] is not None]
+        used = [g[1][:k] if g[2] is None else dense_q(g[2][:k], g[1][:k], self.vocab)   # offers differ in width
+                for g, k in zip(picked, b.k) if g is not None and g[1] is not None]
         if not used:
             return drafts, None, None
-        rows = transfer(torch.cat([q for q, _ in used]), self.device)
-        if used[0][1] is not None:
-            rows = dense_q(transfer(torch.cat([i for _, i in used]), self.device), rows, self.vocab)
+        rows = transfer(torch.cat(used), self.device)
         prob_values("draft_probs (offered by the draft worker)", rows)
         return drafts, rows, None
 

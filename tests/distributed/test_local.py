@@ -85,3 +85,32 @@ def test_the_local_link_checks_what_it_receives():
         a.recv(1.0)
     with pytest.raises(RuntimeError, match="no message from the other thread within 0.01 s"):
         a.recv(0.01)
+
+
+def test_offered_rows_of_two_widths_are_taken_whole_and_checked():
+    """The two offers of a round are made sparse apart (each its own width): the target's rows
+    for the drafts it takes are each branch's own, made dense. PLANTED: an offered q row that
+    is no probability vector is refused (a draft failure's `HalError` naming the rows)."""
+    from types import SimpleNamespace
+
+    from hal.devices import sparse_q
+    from hal.distributed.protocol import DraftEntry, Offer, encode
+    from hal.distributed.remote import RemoteDrafter
+    V = 6
+    mine, theirs = LocalLink.pair()
+    remote = RemoteDrafter(mine, V, torch.device("cpu"), SpecDecodeMetrics(), timeout=5, push=True)
+    a = torch.tensor([[0.5, 0.5, 0, 0, 0, 0], [0.25, 0.25, 0.5, 0, 0, 0]])
+    b = torch.tensor([[0.2, 0.2, 0.2, 0.2, 0.2, 0], [1.0, 0, 0, 0, 0, 0]])
+    for rid, q in ((1, a), (2, b)):
+        idx, vals = sparse_q(q)
+        theirs.send(*encode(Offer(0, rid == 2, [DraftEntry(rid, 4, 40 + rid, [0, 2])], vals, idx)))
+    offered = remote._offers()
+    remote.hashes = {1: 41, 2: 42}
+    batch = SimpleNamespace(rids=(1, 2), lengths=(4, 4), k=(2, 1))
+    picked = remote._pick(batch, offered)
+    drafts, rows, _ = remote._offered(batch, picked)
+    assert drafts == [[0, 2], [0]] and torch.equal(rows, torch.cat([a, b[:1]]))
+    bad = dict(offered)
+    bad[(2, 4, 42)] = (bad[(2, 4, 42)][0], bad[(2, 4, 42)][1] * 2, bad[(2, 4, 42)][2])
+    with pytest.raises(HalError, match="draft_probs"):
+        remote._offered(batch, remote._pick(batch, bad))
