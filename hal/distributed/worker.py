@@ -172,7 +172,8 @@ class _Offers:
     the COMMITs of the epoch it followed (``seq``): the first wave's branches (every request's
     likeliest) at once, then the rest with the round's last, marked final (it carries the
     round's branch count and time drafting ahead). A message costs both sides CPU while the
-    target verifies (measured: one per wave slowed the target's step at 5 ms RTT)."""
+    target verifies (one per wave slowed the target's step at 5 ms RTT on shared cores:
+    benchmarks/results/link-overlap-push-per-wave-avx2.md)."""
 
     def __init__(self, link: Link, on: bool, epoch: int):
         self.link, self.on, self.epoch, self.seq, self.closed = link, on, epoch, 0, False
