@@ -155,7 +155,8 @@ def main() -> None:
         b = pairs[-1][1]
         same = all(a["outputs"] == b["outputs"] for a, b in pairs)
         lines.append(f"| {rtt_ms:g} / {measured * 1e3:.2f} | {draft} | {'default' if fanout is None else fanout} | "
-                     f"{'on' if push else 'off'} | {s_in * 1e3:.1f} | {s_rem * 1e3:.1f} | {s_rem / s_in:.3f}x | {speed:.3f}x | "
+                     f"{'on' if push else 'off'} | {s_in * 1e3:.1f} | {s_rem * 1e3:.1f} | {s_rem / s_in:.3f}x | "
+                     f"{speed:.3f}x | "
                      f"{wait * 1e3:.2f} | {(wait - measured) * 1e3:.2f} | "
                      f"{100 * b['cache_hits'] / max(1, b['cache_hits'] + b['cache_misses']):.0f}% "
                      f"({b['cache_hits']} / {b['cache_hits'] + b['cache_misses']}) | "
@@ -168,7 +169,8 @@ def main() -> None:
               "EAGLE head from its own features). Without push the link's round trip is "
               "never hidden: the target asks for the next drafts (the COMMIT is answered from the cache) only once "
               "it has verified; with push a round whose every request's outcome the worker had offered waits for "
-              "no reply (rounds pushed). W - RTT is the rest of a round: the worker's drafting where not hidden, and on this "
+              "no reply (rounds pushed). W - RTT is the rest of a round: the worker's drafting where not hidden, "
+              "and on this "
               "2-core host both ranks and the wire sharing two cores (the target's OpenMP threads spin after each "
               "parallel region while the other processes wait for a core)."]
     publish(lines, Path(args.out) / "link-overlap.md")

@@ -144,6 +144,12 @@ def test_hung_draft_worker_times_out_under_torchrun(tiny, tmp_path, push):
 def test_single_process_routed_and_planner_refusal(tiny, tmp_path):
     out = tmp_path / "o.json"
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
+    pushed = subprocess.run([sys.executable, "-m", "hal.launch", *serve_args(tiny, out, "--draft", "self:2",
+                                                                            "--draft-thread", "on", "--push")],
+                            env={**env, "HAL_PLACEMENT": "draft=cpu,target=cpu"}, capture_output=True, text=True,
+                            timeout=300)   # the draft thread with push: same output, and it exits 0
+    assert pushed.returncode == 0, pushed.stderr[-3000:]
+    assert json.loads(out.read_text())["outputs"] == plain(tiny, "cpu")
     r = subprocess.run([sys.executable, "-m", "hal.launch", *serve_args(tiny, out, "--draft", "self:2", "--route",
                                                                        "--draft-thread", "on")],
                        env={**env, "HAL_PLACEMENT": "draft=cpu,target=cpu"}, capture_output=True, text=True,
