@@ -19,8 +19,8 @@ from hal.checks import MAX_K, prob_values
 from hal.engine.drafting import DraftBatch, Proposal
 from hal.errors import HalError
 from hal.devices import dense_q, transfer
-from hal.distributed.protocol import (DRAFT, HASH_SEED, STOP, Commit, CommitEntry, Drafts, Link, NewRequest, Offer, Stop,
-                                     decode, encode, history_hash)
+from hal.distributed.protocol import (DRAFT, HASH_SEED, STOP, Commit, CommitEntry, Drafts, Link, NewRequest, Offer,
+                                     Stop, decode, encode, history_hash)
 
 MAX_OFFERED = 4096   # branches the target keeps from one round's offers (the worker is untrusted)
 MAX_WAITING = 256    # messages the offers' reader holds before it stops reading (the worker then waits)
@@ -185,8 +185,8 @@ class RemoteDrafter:
             for e in msg.entries:
                 n = len(e.tokens)
                 if len(out) < MAX_OFFERED:
-                    rows = None if msg.q is None else msg.q[r:r + n]
-                    out[(e.rid, e.base_len, e.base_hash)] = (e.tokens, rows, None if msg.idx is None else msg.idx[r:r + n])
+                    rows, idx = (None if t is None else t[r:r + n] for t in (msg.q, msg.idx))
+                    out[(e.rid, e.base_len, e.base_hash)] = (e.tokens, rows, idx)
                 r += n
         return out
 

@@ -255,7 +255,8 @@ def serve_epochs(rv, drafter, device: torch.device, fault: str = "", idle: float
         print(f"hal.launch worker: joined epoch {e}", file=sys.stderr, flush=True)
         gloo = rv.backend_of(e) == "gloo"
         link = Link(TARGET, torch.device("cpu") if gloo else device, group, framed=gloo)
-        thread = threading.Thread(target=_serve, args=(link, drafter, fault if e == 0 else "", idle, ep, lock, failed, fanout, push),
+        thread = threading.Thread(target=_serve, args=(link, drafter, fault if e == 0 else "", idle, ep, lock, failed,
+                                                       fanout, push),
                                   daemon=True, name=f"hal-draft-epoch-{e}")
         thread.start()
 

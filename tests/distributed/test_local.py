@@ -98,7 +98,9 @@ def test_offered_rows_of_two_widths_are_taken_whole_and_checked():
     from hal.distributed.remote import RemoteDrafter
     V = 6
     mine, theirs = LocalLink.pair()
-    remote = RemoteDrafter(mine, V, torch.device("cpu"), SpecDecodeMetrics(), timeout=5, push=True)
+    remote = RemoteDrafter(mine, V, torch.device("cpu"), SpecDecodeMetrics(), timeout=5, push=True,
+                           wait_offers=True)
+    remote.rounds = 1   # past the first round: `_offers` waits for the final offer (a reader thread moves them)
     a = torch.tensor([[0.5, 0.5, 0, 0, 0, 0], [0.25, 0.25, 0.5, 0, 0, 0]])
     b = torch.tensor([[0.2, 0.2, 0.2, 0.2, 0.2, 0], [1.0, 0, 0, 0, 0, 0]])
     for rid, q in ((1, a), (2, b)):

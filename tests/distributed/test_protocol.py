@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hal
-from hal.distributed.protocol import (DRAFTS_HEAD, OFFER, Commit, CommitEntry, DraftEntry, Drafts, NewRequest, Offer, Stop,
-                                     Timing, decode, encode, history_hash)
+from hal.distributed.protocol import (DRAFTS_HEAD, OFFER, Commit, CommitEntry, DraftEntry, Drafts, NewRequest, Offer,
+                                     Stop, Timing, decode, encode, history_hash)
 
 V = 50
 ids = st.integers(0, V - 1)

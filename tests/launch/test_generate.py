@@ -147,9 +147,13 @@ def test_single_process_routed_and_planner_refusal(tiny, tmp_path):
     pushed = subprocess.run([sys.executable, "-m", "hal.launch", *serve_args(tiny, out, "--draft", "self:2",
                                                                             "--draft-thread", "on", "--push")],
                             env={**env, "HAL_PLACEMENT": "draft=cpu,target=cpu"}, capture_output=True, text=True,
-                            timeout=300)   # the draft thread with push: same output, and it exits 0
+                            timeout=300)   # the draft thread with push, a fixed k: same output, and it exits 0
     assert pushed.returncode == 0, pushed.stderr[-3000:]
-    assert json.loads(out.read_text())["outputs"] == plain(tiny, "cpu")
+    got = json.loads(out.read_text())
+    assert got["outputs"] == plain(tiny, "cpu")
+    # its rounds went through the worker loop (a fixed k: every round drafts, and a round's first wave of
+    # branches is always drafted, so each later round is a hit or a miss whatever the timing)
+    assert got["cache_hits"] + got["cache_misses"] > 0, got
     r = subprocess.run([sys.executable, "-m", "hal.launch", *serve_args(tiny, out, "--draft", "self:2", "--route",
                                                                        "--draft-thread", "on")],
                        env={**env, "HAL_PLACEMENT": "draft=cpu,target=cpu"}, capture_output=True, text=True,
@@ -157,8 +161,7 @@ def test_single_process_routed_and_planner_refusal(tiny, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "max concurrent sequences x context" in r.stderr   # the plan is printed before anything is allocated
     got = json.loads(out.read_text())
-    assert got["world_size"] == 1 and got["outputs"] == plain(tiny, "cpu")
-    assert got["cache_hits"] + got["cache_misses"] > 0, got   # its rounds went through the worker loop
+    assert got["world_size"] == 1 and got["outputs"] == plain(tiny, "cpu")   # routed: k may be 0 on a busy machine
     bad = subprocess.run([sys.executable, "-m", "hal.launch", *serve_args(tiny, out, "--cpu-budget-gib", "1e-6")],
                          env=env, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "memory plan on cpu" in bad.stderr and "raise the budget" in bad.stderr
@@ -189,8 +192,9 @@ def in_process_two_sides(tiny, tamper=None, k=3, remote_cls=None, push=False, wa
     from hal.distributed.worker import draft_worker
     be = hal.get_backend("cpu")
     a, b = queue.Queue(), queue.Queue()
-    worker = threading.Thread(target=draft_worker, daemon=True, kwargs=dict(bounded=False, push=push),   # hits
-                              args=(QueueLink(a, b, tamper), ModelDrafter(load_safetensors(tiny, be))))  # whatever the timing
+    worker = threading.Thread(target=draft_worker, daemon=True,   # bounded=False: hits whatever the timing
+                              kwargs=dict(bounded=False, push=push),
+                              args=(QueueLink(a, b, tamper), ModelDrafter(load_safetensors(tiny, be))))
     worker.start()
     metrics = SpecDecodeMetrics()
     remote = (remote_cls or RemoteDrafter)(QueueLink(b, a), V, torch.device("cpu"), metrics, timeout=30, push=push,
@@ -500,8 +504,13 @@ def test_worker_that_stops_before_its_first_reply(tiny, tmp_path):
     torchrun(serve_args(tiny, out, "--draft", "self:2", "--k", "2", "--draft-startup-timeout", "3"),
              {"HAL_PLACEMENT": "draft=cpu,target=cpu", "HAL_SERVE_FAULT": "hang:0:6"})
     got = json.loads(out.read_text())
-    assert got["outputs"] == plain(tiny, "cpu") and got["draft_failures"] == 1
-    assert got["mean_acceptance_length"] == 1.0 or got["mean_acceptance_length"] == 0   # never speculated
+    assert got["outputs"] == plain(tiny, "cpu") and got["draft_failures"] >= 1
+    # it never speculated, unless the worker rejoined by the next epoch before its hang ended (it joins the
+    # epoch the target announces on giving up, 3 s in, and exits at 6 s: on a busy machine the run lasts that
+    # long); then that worker's loss may count once more
+    if got["workers_rejoined"] == 0:
+        assert got["mean_acceptance_length"] in (0, 1.0) and got["draft_failures"] == 1, got
+    assert got["draft_failures"] <= 2, got
 
 
 def _wait(cond, what: str, timeout: float = 60.0) -> float:

@@ -108,8 +108,10 @@ HOST_MUTANTS = {
                                         "test_structured.py"),
     "accepts-other-epochs": ("hal.distributed.remote", "RemoteDrafter", "        if reply.epoch != self.epoch:",
                              "        if False:", "test_serve.py"),
-    "offered-rows-shifted": ("hal.distributed.remote", "RemoteDrafter", "rows = None if msg.q is None else msg.q[r:r + n]",
-                             "rows = None if msg.q is None else msg.q.roll(1, 0)[r:r + n]", "test_generate.py"),
+    "offered-rows-shifted": ("hal.distributed.remote", "RemoteDrafter",
+                             "rows, idx = (None if t is None else t[r:r + n] for t in (msg.q, msg.idx))",
+                             "rows, idx = (None if t is None else t.roll(1, 0)[r:r + n] for t in (msg.q, msg.idx))",
+                             "test_generate.py"),
     "writes-a-cached-block": ("hal.kv", None, "                a.uncache(self.blocks[bi])\n", "                pass\n",
                               "test_kv_state.py"),
 }
