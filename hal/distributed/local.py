@@ -4,7 +4,7 @@ The draft worker's loop (`hal.distributed.worker.draft_worker`: its speculation 
 fan-out over the likeliest outcomes of the round being verified, the typed messages) runs on
 a thread of its own against the drafter on its device. The engine's drafter is the same
 `hal.distributed.remote.RemoteDrafter` a target uses across ranks, joined to that thread by a
-`hal.distributed.protocol.LocalLink` (two in-process queues) instead of a process group. While
+`hal.distributed.link.LocalLink` (two in-process queues) instead of a process group. While
 the target verifies round r the thread drafts round r+1; a COMMIT whose outcome was drafted is
 answered at once. ATen releases the GIL inside its ops, so a drafter on another device (or on
 other cores) runs beside the target's forward. The engine's code is unchanged and
@@ -20,7 +20,7 @@ import threading
 
 import torch
 
-from hal.distributed.protocol import LocalLink
+from hal.distributed.link import LocalLink
 from hal.distributed.remote import RemoteDrafter
 from hal.distributed.worker import draft_worker
 from hal.engine.drafting import capabilities

@@ -1,5 +1,5 @@
 """The target's side of the two-rank protocol: `RemoteDrafter`, a `hal.engine.decoder.Drafter`
-whose drafts come from the draft worker over a `hal.distributed.protocol.Link`. It trusts nothing the
+whose drafts come from the draft worker over a `hal.distributed.link.Link`. It trusts nothing the
 worker sends; a dead, silent or malformed worker leaves plain decoding (counted). A worker
 lost to the link (a reset or a timeout) may rejoin by the next epoch (`hal.distributed.rendezvous`):
 then every live request is sent afresh and drafting resumes."""
@@ -19,8 +19,9 @@ from hal.checks import MAX_K, prob_values
 from hal.engine.drafting import DraftBatch, Proposal
 from hal.errors import HalError
 from hal.devices import dense_q, transfer
-from hal.distributed.protocol import (DRAFT, HASH_SEED, STOP, Commit, CommitEntry, Drafts, Link, NewRequest, Offer,
-                                     Stop, decode, encode, history_hash)
+from hal.distributed.link import Link
+from hal.distributed.protocol import (DRAFT, HASH_SEED, STOP, Commit, CommitEntry, Drafts, NewRequest, Offer, Stop,
+                                     decode, encode, history_hash)
 
 MAX_OFFERED = 4096   # branches the target keeps from one round's offers (the worker is untrusted)
 MAX_WAITING = 256    # messages the offers' reader holds before it stops reading (the worker then waits)

@@ -21,9 +21,10 @@ from torch import Tensor
 
 from hal.errors import HalError
 from hal.engine.history import HistoryBuffer
-from hal.devices import sparse_q
-from hal.distributed.protocol import (DRAFT_SEED, HASH_SEED, STOP, TARGET, Commit, DraftEntry, Drafts, Link, Offer,
-                                     Stop, Timing, corrupted, decode, encode, history_hash)
+from hal.distributed.link import Link
+from hal.distributed.protocol import (DRAFT_SEED, HASH_SEED, STOP, TARGET, Commit, DraftEntry, Drafts, Stop,
+                                     Timing, corrupted, decode, encode, history_hash)
+from hal.distributed.offers import Offers, wire_q
 from hal.distributed.speculate import TOP, Drafted, FanOut
 from hal.engine.drafting import DraftBatch, capabilities, pack_features
 from hal.engine.requests import SamplingParams
@@ -66,7 +67,7 @@ def draft_worker(link: Link, drafter, fault: str = "", idle: float | None = None
     none; None: `FANOUT`, or 0 for a drafter that reads the target's features; such a drafter
     drafts ahead only with ``own_features``); ``bounded`` False:
     the whole fan-out before the next message (tests: hits that do not depend on timing).
-    ``push``: each wave's branches are also sent as OFFER while the target verifies (`_Offers`),
+    ``push``: each wave's branches are also sent as OFFER while the target verifies (`hal.distributed.offers.Offers`),
     and a COMMIT that asks for no reply (the target took every request's drafts from them) gets
     none; the round is otherwise served exactly as one that does."""
     ep = epoch or Epoch()
@@ -78,10 +79,10 @@ def draft_worker(link: Link, drafter, fault: str = "", idle: float | None = None
     fan = FanOut(fanout if caps.features is None or caps.own_features else 0, bounded, caps.own_features)
     inbox: queue.Queue = queue.Queue()
     threading.Thread(target=_receive, args=(link, inbox, idle), daemon=True, name=f"hal-recv-{ep.number}").start()
-    replies, offers = 0, _Offers(link, push, ep.number)
+    replies, offers = 0, Offers(link, push, ep.number)
     while True:
         arrived, msg = _await(inbox, lambda: _ahead(fan, reqs, hist, drafter, lock, ep, inbox, offers),
-                              lambda: offers.close(fan, ep, reqs))
+                              lambda: offers.close(fan, ep.current, reqs))
         with lock:
             if not ep.current:
                 return
@@ -146,7 +147,7 @@ def _await(inbox: queue.Queue, ahead, done) -> tuple[float, tuple]:
 
 
 def _ahead(fan: FanOut, reqs: dict[int, _Req], hist: HistoryBuffer, drafter, lock, ep: Epoch,
-           inbox: queue.Queue, offers: "_Offers") -> bool:
+           inbox: queue.Queue, offers: Offers) -> bool:
     """One wave of the fan-out (`hal.distributed.speculate`): one branch per request, regular
     branches in one drafter call and extensions (one slot more, from the guess's offset) in
     another. False when nothing is left, the window is spent, or the epoch is over."""
@@ -165,47 +166,6 @@ def _ahead(fan: FanOut, reqs: dict[int, _Req], hist: HistoryBuffer, drafter, loc
                 got.update(zip(map(id, group), res))
         offers.wave(fan.store(wave, [got[id(b)] for b in wave], time.perf_counter() - t0), reqs)
         return True
-
-
-class _Offers:
-    """The worker's pushed branches (``push``), at most two OFFERs a round, each stamped with
-    the COMMITs of the epoch it followed (``seq``): the first wave's branches (every request's
-    likeliest) at once, then the rest with the round's last, marked final (it carries the
-    round's branch count and time drafting ahead). A message costs both sides CPU while the
-    target verifies (one per wave slowed the target's step at 5 ms RTT on shared cores:
-    benchmarks/results/link-overlap-push-per-wave-avx2.md)."""
-
-    def __init__(self, link: Link, on: bool, epoch: int):
-        self.link, self.on, self.epoch, self.seq, self.closed = link, on, epoch, 0, False
-        self.held: list[tuple[int, int, int, Drafted]] = []   # stored since the last offer
-        self.sent = 0                                          # offers this round
-
-    def committed(self) -> None:
-        self.seq, self.closed, self.held, self.sent = self.seq + 1, False, [], 0
-
-    def wave(self, stored: list[tuple[int, int, int, Drafted]], reqs: dict[int, _Req]) -> None:
-        if not self.on:
-            return
-        self.held += stored
-        if not self.sent and self.held:
-            self._send(False, Timing(), reqs)
-
-    def close(self, fan: FanOut, ep: Epoch, reqs: dict[int, _Req]) -> None:
-        """The round's fan-out is over: the final OFFER (once per round)."""
-        if self.on and not self.closed and ep.current:
-            self.closed = True
-            self._send(True, Timing(fan.branches, int(1e6 * fan.ahead_s)), reqs)
-
-    def _send(self, final: bool, timing: Timing, reqs: dict[int, _Req]) -> None:
-        stored, self.held, self.sent = [x for x in self.held if x[0] in reqs], [], self.sent + 1
-        rows = [g.q for *_, g in stored if g.q is not None]
-        if rows and len(rows) < len(stored):   # one message holds rows for every draft or none
-            stored, rows = [x for x in stored if x[3].q is None], []
-        q = torch.cat(rows) if rows else None
-        sparse = q is not None and any(reqs[r].params.top_k > 0 or reqs[r].params.top_p < 1 for r, *_ in stored)
-        idx, q = sparse_q(q) if sparse else (None, q)
-        entries = [DraftEntry(rid, n, h, g.drafts) for rid, n, h, g in stored]
-        self.link.send(*encode(Offer(self.seq, final, entries, q, idx, self.epoch, timing)))
 
 
 def serve_epochs(rv, drafter, device: torch.device, fault: str = "", idle: float = 600.0,
@@ -392,10 +352,8 @@ def _reply(link: Link, order: list[int], reqs: dict[int, _Req], out: dict[int, D
            timing: Timing, corrupt: str = "", epoch: int = 0) -> None:
     """DRAFTS: per request its base (length, hash) and drafts; q rows sparse when sampled
     with top-k/top-p. ``corrupt`` plants a malformed reply (fault injection for tests)."""
-    rows = [out[rid].q for rid in order if out[rid].q is not None and out[rid].drafts]
-    q = torch.cat(rows) if rows else None
-    sparse = q is not None and any(reqs[r].params.top_k > 0 or reqs[r].params.top_p < 1 for r in order)
-    idx, q = sparse_q(q) if sparse else (None, q)
+    idx, q = wire_q([out[rid].q for rid in order if out[rid].q is not None and out[rid].drafts],
+                    [reqs[r].params for r in order])
     entries = [DraftEntry(rid, len(reqs[rid].tokens), reqs[rid].hash, out[rid].drafts, out[rid].parents)
                for rid in order]
     words, q, idx = encode(Drafts(hits, misses, entries, q, idx, epoch, timing))

@@ -1,6 +1,6 @@
 """A draft in the target's process on its own thread, one round ahead
 (`hal.distributed.local.ThreadDrafter`): the draft worker's loop and the target's
-`RemoteDrafter` joined by `hal.distributed.protocol.LocalLink`. Greedy output equals plain
+`RemoteDrafter` joined by `hal.distributed.link.LocalLink`. Greedy output equals plain
 greedy, rounds are answered from the speculation cache, a failure on the thread leaves plain
 decoding at once, and the link checks what it receives as a process link does. (The sampled
 law across this path, with its planted mutants: tests/launch/test_generate.py.)"""
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hal.distributed.local import ThreadDrafter
-from hal.distributed.protocol import LocalLink
+from hal.distributed.link import LocalLink
 from hal.drafters import ModelDrafter
 from hal.engine import Request, SpeculativeDecoder
 from hal.errors import HalError

@@ -161,8 +161,8 @@ def test_a_framed_link_carries_each_message_as_one_tensor():
     import torch
     import torch.distributed as dist
 
-    from hal.distributed import protocol
-    from hal.distributed.protocol import Link
+    from hal.distributed import link as protocol_link
+    from hal.distributed.link import Link
     store = dist.HashStore()
     groups = [None, None]
 
@@ -172,7 +172,7 @@ def test_a_framed_link_carries_each_message_as_one_tensor():
     [t.start() for t in ts]
     [t.join(60) for t in ts]
     a, b = Link(1, torch.device("cpu"), groups[0], framed=True), Link(0, torch.device("cpu"), groups[1], framed=True)
-    big = torch.rand(protocol.CHUNK // 4 // 64 + 3, 64)        # past one chunk: a second tensor
+    big = torch.rand(protocol_link.CHUNK // 4 // 64 + 3, 64)        # past one chunk: a second tensor
     msgs = [([7, 1, 2], None, None), ([5] * 1000, big, None), ([9, 9], big[:3], torch.arange(192).reshape(3, 64)),
             ([1], None, None)]
     got = []

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import hal
-from hal.distributed.protocol import DRAFTS_HEAD, LocalLink
+from hal.distributed.link import LocalLink
+from hal.distributed.protocol import DRAFTS_HEAD
 from hal.engine import Request, SpeculativeDecoder
 from hal.engine.requests import SamplingParams
 from hal.models.loaders import load_safetensors
@@ -533,7 +534,8 @@ def test_a_worker_waits_for_a_target_that_loads_past_the_old_bound(tiny):
     import time
 
     from hal.drafters import NgramDrafter
-    from hal.distributed.protocol import DRAFT, Link
+    from hal.distributed.link import Link
+    from hal.distributed.protocol import DRAFT
     from hal.distributed.rendezvous import Rendezvous
     from hal.distributed.remote import RemoteDrafter
     from hal.distributed.worker import serve_epochs
