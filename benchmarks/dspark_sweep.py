@@ -8,6 +8,9 @@ then scored two ways:
   the engine's mean acceptance length (tokens per verify step) and its acceptance by position.
 
     python benchmarks/dspark_sweep.py [--minutes 5] [--prompts 8] [--only NAME ...]
+
+A config's ``distill`` is the share of the cross-entropy taken against the target's soft labels
+(`hal.training.block_train.losses`; 0 when absent).
 """
 
 from __future__ import annotations
@@ -27,6 +30,12 @@ CONFIGS = {   # name -> train-head --kind dspark options
     "B16 L2 taps5": dict(block=16, layers=2, taps=(1, 8, 16, 24, 29)),
     "B8 L1 taps5": dict(block=8, layers=1, taps=(1, 8, 16, 24, 29)),
     "B8 L2 taps3": dict(block=8, layers=2, taps=(1, 16, 29)),
+    # the last layer's output as a tap (30 = SmolLM2-135M's layer count), and soft labels (stop 58)
+    "B8 L1 taps3": dict(block=8, layers=1, taps=(1, 16, 29)),
+    "B8 L1 taps 1/16/30": dict(block=8, layers=1, taps=(1, 16, 30)),
+    "B8 L1 taps 1/16/29/30": dict(block=8, layers=1, taps=(1, 16, 29, 30)),
+    "B8 L1 taps 1/16/30 distill": dict(block=8, layers=1, taps=(1, 16, 30), distill=1.0),
+    "B8 L1 taps 1/16/30 distill 0.5": dict(block=8, layers=1, taps=(1, 16, 30), distill=0.5),
 }
 
 
@@ -52,6 +61,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--only", nargs="*")
+    ap.add_argument("--name", help="the result file's name under --out (default from --only)")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--keep", default="/tmp/dspark-sweep", help="where each trained drafter is written")
     args = ap.parse_args()
@@ -68,9 +78,11 @@ def main() -> None:
     for name, opts in CONFIGS.items():
         if args.only and name not in args.only:
             continue
+        shape = {k: v for k, v in opts.items() if k != "distill"}
         cfg = BlockConfig(hidden=c.hidden, heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim, ffn=c.ffn,
-                          rank=32, draft_vocab=8192, eps=c.eps, **opts)
-        got = train_block(cfg, blob, feats, target, args.minutes, say=lambda line, n=name: print(n, line, flush=True))
+                          rank=32, draft_vocab=8192, eps=c.eps, **shape)
+        got = train_block(cfg, blob, feats, target, args.minutes, distill=opts.get("distill", 0.0),
+                          say=lambda line, n=name: print(n, line, flush=True))
         from hal.models.dspark import save_block
         save_block(Path(args.keep) / name.replace(" ", "-"), cfg, got["weights"])
         with torch.inference_mode():
@@ -78,7 +90,8 @@ def main() -> None:
         rows.append({"name": name, **opts, "steps": got["summary"]["steps"], "val": got["summary"]["val"], **held})
         print(json.dumps(rows[-1]), flush=True)
     lines = [f"# Block drafter shapes, {args.minutes:g} training minutes each", "",
-             f"`python benchmarks/dspark_sweep.py --minutes {args.minutes:g} --prompts {args.prompts}`; "
+             f"`python benchmarks/dspark_sweep.py --minutes {args.minutes:g} --prompts {args.prompts}"
+             + (" --only " + " ".join(f"'{n}'" for n in args.only) if args.only else "") + "`; "
              f"{machine_line()}; {time.strftime('%Y-%m-%d')}.", "",
              "| shape | steps | val tau | val top-1 | held-out tokens/step | held-out acceptance | by position |",
              "|---|---:|---:|---:|---:|---:|---|"]
@@ -87,7 +100,8 @@ def main() -> None:
                      f"{r['tokens_per_step']:.2f} | {r['acceptance']:.3f} | {r['by_position']} |")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = "dspark-sweep.md" if not args.only else f"dspark-sweep-{'-'.join(n.replace(' ', '') for n in args.only)}.md"
+    name = args.name or ("dspark-sweep.md" if not args.only else
+                         f"dspark-sweep-{'-'.join(n.replace(' ', '') for n in args.only)}.md")
     (out / name).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -203,8 +203,8 @@ def taps_flag(value: str) -> tuple[int, ...]:
         taps = tuple(int(v) for v in value.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {value!r}") from None
-    if not taps or len(set(taps)) != len(taps) or any(t not in CANDIDATE_TAPS for t in taps):
-        raise argparse.ArgumentTypeError(f"expected distinct layers of {list(CANDIDATE_TAPS)}, got {value!r}")
+    if not taps or list(taps) != sorted(set(taps)) or any(t not in CANDIDATE_TAPS for t in taps):
+        raise argparse.ArgumentTypeError(f"expected increasing layers of {list(CANDIDATE_TAPS)}, got {value!r}")
     return taps
 
 

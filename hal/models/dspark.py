@@ -7,10 +7,11 @@ Glossary:
   block is ``[anchor, mask x (B - 1)]`` at positions ``L - 1 .. L + B - 2``, and row j >= 1 of
   its output proposes the token at position ``L - 1 + j``.
 - context features: the residual streams entering the target layers ``taps`` at positions
-  ``0 .. L - 2`` (the rows the target has verified), fused by ``fc`` and ``hidden_norm``; each
-  draft layer projects them with its own k/v weights into its KV (positions as in the target).
-  Only these are kept per request (the drafter's context cache); the block's own K/V are
-  scratch, dropped at the next call, so a rejection needs no rollback.
+  ``0 .. L - 2`` (the rows the target has verified; tap ``layers``, the target's layer count, is
+  the last layer's output), fused by ``fc`` and ``hidden_norm``; each draft layer projects them
+  with its own k/v weights into its KV (positions as in the target). Only these are kept per
+  request (the drafter's context cache); the block's own K/V are scratch, dropped at the next
+  call, so a rejection needs no rollback.
 - base logits: ``lm_head(norm(h_j))`` over the draft vocabulary (the target's lm_head rows
   ``draft_ids``), from one forward for every position at once.
 - Markov bias: ``markov_out @ (markov_in @ embed[x_{j-1}])``, rank r, added to position j's base
@@ -46,6 +47,7 @@ class BlockConfig:
     ffn: int
     layers: int                # draft layers
     taps: tuple[int, ...]      # target layers whose input residual streams are the context features
+    #                            (the target's layer count: the last layer's output)
     block: int                 # B: the anchor plus B - 1 proposed tokens
     rank: int                  # the Markov head's rank r
     draft_vocab: int
@@ -78,8 +80,8 @@ class BlockModel:
         tc = target.cfg
         if cfg.hidden != tc.hidden:
             raise HalError(f"block drafter hidden: expected the target's {tc.hidden}, got {cfg.hidden}")
-        if any(not 0 <= t < tc.layers for t in cfg.taps) or len(set(cfg.taps)) != len(cfg.taps):
-            raise HalError(f"block drafter taps: expected distinct layers in [0, {tc.layers}), got {cfg.taps}")
+        if any(not 0 <= t <= tc.layers for t in cfg.taps) or list(cfg.taps) != sorted(set(cfg.taps)):
+            raise HalError(f"block drafter taps: expected increasing layers in [0, {tc.layers}], got {cfg.taps}")
         if cfg.block < 2:
             raise HalError(f"block drafter block: expected >= 2 (the anchor and a proposal), got {cfg.block}")
         for name, shape in cfg.shapes().items():

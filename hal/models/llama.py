@@ -61,7 +61,8 @@ class Batch:
     seq_ends: tuple[int, ...] | None = None   # seq_lens on the host, when it knows them (no readback)
     hidden_rows: Tensor | None = None  # rows whose hidden states are returned (None: logits_rows)
     feature_layers: tuple[int, ...] = ()  # return the residual stream entering these layers, concatenated
-    #                                       (EAGLE-3's features), instead of the final normed hidden state
+    #                                       (EAGLE-3's features), instead of the final normed hidden state;
+    #                                       increasing; the layer count taps the last layer's output
 
 
 class Llama:
@@ -213,6 +214,8 @@ class Llama:
             x = _rms_norm(h, self.w[f"{i}.ffn_norm"], cfg.eps)
             gate, up = lin(x, self.w[f"{i}.wgu"]).split(cfg.ffn, -1)
             h = h + lin(F.silu(gate) * up, self.w[f"{i}.wdown"])
+        if self.num_layers in batch.feature_layers:   # the final norm's input: the last layer's output
+            taps.append(h)
         out = _rms_norm(h[batch.logits_rows], self.w["norm"], cfg.eps)
         if inv:
             logits = self.plan.linear(out, self.head_lin)
@@ -222,8 +225,8 @@ class Llama:
             logits = plain_linear(out, self.head_lin)
         rows = batch.logits_rows if batch.hidden_rows is None else batch.hidden_rows
         if batch.feature_layers:
-            if len(taps) != len(batch.feature_layers):
-                raise HalError(f"feature_layers: expected distinct layer indices in [0, {self.num_layers}), "
+            if len(taps) != len(batch.feature_layers) or list(batch.feature_layers) != sorted(set(batch.feature_layers)):
+                raise HalError(f"feature_layers: expected distinct layer indices in [0, {self.num_layers}] in order, "
                                f"got {batch.feature_layers}")
             out = torch.cat([t[rows] for t in taps], -1)
         elif batch.hidden_rows is not None:

@@ -4,7 +4,8 @@ residual streams entering a set of candidate target layers at every position.
 
 Two caches under ``$HAL_CACHE/dspark/``: the responses (``<model>-ids.pt``, shared by every
 layer choice) and the features at ``CANDIDATE_TAPS`` (``<model>-taps.pt``), so the tapped
-layers can be chosen by measurement without running the target again."""
+layers can be chosen by measurement without running the target again (a cache of other
+candidates is made anew)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import torch
 
 from hal.errors import HalError
 
-CANDIDATE_TAPS = (1, 4, 8, 12, 16, 20, 24, 27, 29)   # layer inputs recorded; a drafter taps a subset
+CANDIDATE_TAPS = (1, 4, 8, 12, 16, 20, 24, 27, 29, 30)   # layer inputs recorded (30: SmolLM2-135M's last
+#                                                          layer's output); a drafter taps a subset
 
 
 def cache_paths(model: str) -> tuple[Path, Path]:
@@ -69,9 +71,9 @@ def tapped(model: str, blob: dict, target=None, batch: int = 8) -> list[torch.Te
     path = cache_paths(model)[1]
     seqs = blob["ids"]
     if path.exists():
-        feats = torch.load(str(path), weights_only=False)
-        if len(feats) >= len(seqs):
-            return feats
+        cached = torch.load(str(path), weights_only=False)
+        if isinstance(cached, dict) and cached["taps"] == CANDIDATE_TAPS and len(cached["feats"]) >= len(seqs):
+            return cached["feats"]
     target, _ = load_target(model, target, None)
     inv, target.batch_invariant = target.batch_invariant, False
     out = []
@@ -91,7 +93,7 @@ def tapped(model: str, blob: dict, target=None, batch: int = 8) -> list[torch.Te
                 bar.update(len(part))
     finally:
         target.batch_invariant = inv
-    _save(out, path)
+    _save({"taps": CANDIDATE_TAPS, "feats": out}, path)
     return out
 
 

@@ -6,6 +6,9 @@ Each step takes a few sequences and, in each, random anchors in the response: bl
 block (the DFlash training mask). Losses, per proposed position j = 1 .. B - 1:
 - cross-entropy of ``base + Markov(previous true token)`` against the target's token, weighted
   ``exp(-(j - 1) / DECAY)`` (later positions count less: they are verified only after the earlier);
+  with ``distill`` > 0, that share of it is against the target's whole next-token distribution
+  instead (its softmax over the draft vocabulary, from the recorded last-layer output through the
+  target's final norm and lm_head rows: the soft labels EAGLE's head trains on);
 - the confidence head's binary cross-entropy against "this row's argmax is the target's token"
   (inputs detached, so it never pulls the drafter toward easy positions).
 
@@ -21,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from hal.errors import HalError
 from hal.models.dspark import LINEAR, BlockConfig
 
 DECAY = 4.0   # position j's loss weight exp(-(j - 1) / DECAY)
@@ -29,7 +33,8 @@ DECAY = 4.0   # position j's loss weight exp(-(j - 1) / DECAY)
 class BlockTrain(torch.nn.Module):
     """A block drafter's parameters (internal names, `BlockConfig.shapes`) and its training forward."""
 
-    def __init__(self, cfg: BlockConfig, embed: Tensor, head: Tensor, draft_ids: Tensor, seed: int = 0):
+    def __init__(self, cfg: BlockConfig, embed: Tensor, head: Tensor, draft_ids: Tensor, seed: int = 0,
+                 final_norm: Tensor | None = None):
         super().__init__()
         g = torch.Generator().manual_seed(seed)
         self.cfg = cfg
@@ -47,6 +52,7 @@ class BlockTrain(torch.nn.Module):
         self.register_buffer("embed", embed.float(), persistent=False)
         self.register_buffer("head", head.float()[draft_ids].contiguous(), persistent=False)
         self.register_buffer("draft_ids", draft_ids.long(), persistent=False)
+        self.final_norm = None if final_norm is None else final_norm.float()
         from hal.models.llama import Rope
         self.rope = Rope(cfg.head_dim, cfg.rope_base, False)
 
@@ -93,6 +99,12 @@ class BlockTrain(torch.nn.Module):
     def markov(self, prev: Tensor) -> Tensor:
         return (self.embed[prev] @ self.w("markov_in").T) @ self.w("markov_out").T
 
+    def teacher(self, last: Tensor) -> Tensor:
+        """The target's next-token distribution over the draft vocabulary from its last layer's
+        outputs ``last`` [..., H]."""
+        x = F.rms_norm(last, (self.cfg.hidden,), self.final_norm, self.cfg.eps)
+        return torch.softmax(x @ self.head.T, -1)
+
     def confidence(self, h: Tensor, row: Tensor) -> Tensor:
         """Logits of the confidence (the model applies the sigmoid)."""
         top = torch.log_softmax(row, -1).max(-1).values
@@ -111,17 +123,32 @@ def block_targets(ids: Tensor, anchors: Tensor, lengths: Tensor, B: int, to_draf
     return flat(safe - 1), to_draft[flat(safe)], valid
 
 
-def losses(model: BlockTrain, feats: Tensor, ids: Tensor, anchors: Tensor, lengths: Tensor, to_draft: Tensor):
+def soft_labels(model: BlockTrain, last: Tensor, anchors: Tensor) -> Tensor:
+    """The target's distributions [S, N, B - 1, Vd] over each block's proposed positions, from its
+    last-layer outputs ``last`` [S, T, H] at the positions before them (``anchors`` [S, N])."""
+    S, N = anchors.shape
+    B = model.cfg.block
+    at = (anchors[:, :, None] + torch.arange(B - 1)).clamp(max=last.shape[1] - 1)   # row a + j - 1 predicts a + j
+    return model.teacher(last.gather(1, at.reshape(S, -1, 1).expand(-1, -1, last.shape[-1])).view(S, N, B - 1, -1))
+
+
+def losses(model: BlockTrain, feats: Tensor, ids: Tensor, anchors: Tensor, lengths: Tensor, to_draft: Tensor,
+           last: Tensor | None = None, distill: float = 0.0):
     """(weighted cross-entropy, confidence BCE, accepted-length tau, top-1) on a batch; tau is
-    the mean count of leading positions whose Markov-chained greedy draft equals the target's."""
+    the mean count of leading positions whose Markov-chained greedy draft equals the target's.
+    ``last`` [S, T, H]: the target's last-layer outputs, for the ``distill`` share of soft labels."""
     B = model.cfg.block
     base, h = model(feats, ids, anchors)
     prev, label, valid = block_targets(ids, anchors, lengths, B, to_draft)
     rows = base + model.markov(prev)
-    weight = torch.exp(-torch.arange(B - 1) / DECAY)
+    weight = torch.exp(-torch.arange(B - 1) / DECAY).expand_as(label)
     hit = valid & (label >= 0)
     ce = F.cross_entropy(rows[hit], label[hit], reduction="none")
-    ce = (ce * weight.expand_as(label)[hit]).sum() / weight.expand_as(label)[hit].sum().clamp(min=1e-6)
+    ce = (ce * weight[hit]).sum() / weight[hit].sum().clamp(min=1e-6)
+    if distill > 0:
+        p = soft_labels(model, last, anchors)
+        soft = -(p[valid] * torch.log_softmax(rows[valid], -1)).sum(-1)
+        ce = (1 - distill) * ce + distill * (soft * weight[valid]).sum() / weight[valid].sum().clamp(min=1e-6)
     right = (rows.argmax(-1) == label) & hit
     conf = model.confidence(h.detach(), rows.detach())
     bce = F.binary_cross_entropy_with_logits(conf[valid], right[valid].float())
@@ -150,13 +177,15 @@ def now() -> float:
 class BlockData:
     """Sequences (ids, tapped features) split into training and validation, the draft vocabulary."""
 
-    def __init__(self, blob: dict, feats: list[Tensor], tap_index: list[int], draft_size: int, stop_ids, seed: int):
+    def __init__(self, blob: dict, feats: list[Tensor], tap_index: list[int], draft_size: int, stop_ids, seed: int,
+                 last_index: int | None = None):
         from hal.training import data as prompt_data
         from hal.training.train import draft_vocab
         texts = blob["texts"]
         keep = [i for i in range(len(blob["ids"])) if not any(w in texts[i].lower() for w in prompt_data.EXCLUDE)]
         self.ids = [torch.tensor(blob["ids"][i]) for i in keep]
         self.feats = [feats[i][:, tap_index].flatten(1) for i in keep]
+        self.last = None if last_index is None else [feats[i][:, last_index] for i in keep]   # soft labels' source
         self.starts = torch.tensor([blob["prompt_lens"][i] - 1 for i in keep])
         self.draft_ids = draft_vocab([blob["ids"][i] for i in keep], draft_size, tuple(stop_ids))
         order = torch.randperm(len(keep), generator=torch.Generator().manual_seed(seed)).tolist()
@@ -164,25 +193,36 @@ class BlockData:
         self.val, self.tr = order[:n_val], order[n_val:]
 
     def batch(self, idx: list[int]):
+        """(features [S, T, taps * H], ids [S, T], starts [S], lengths [S], last-layer outputs [S, T, H] or None)."""
         T = max(len(self.ids[i]) for i in idx)
         ids = torch.zeros(len(idx), T, dtype=torch.long)
         feats = torch.zeros(len(idx), T, self.feats[idx[0]].shape[1])
+        last = None if self.last is None else torch.zeros(len(idx), T, self.last[idx[0]].shape[1])
         for j, i in enumerate(idx):
             ids[j, :len(self.ids[i])] = self.ids[i]
             feats[j, :len(self.ids[i])] = self.feats[i].float()
-        return feats, ids, self.starts[idx], torch.tensor([len(self.ids[i]) for i in idx])
+            if last is not None:
+                last[j, :len(self.ids[i])] = self.last[i].float()
+        return feats, ids, self.starts[idx], torch.tensor([len(self.ids[i]) for i in idx]), last
 
 
 def train_block(cfg: BlockConfig, blob: dict, feats: list[Tensor], target, minutes: float, *, batch: int = 8,
-                anchors: int = 16, lr: float = 1e-3, seed: int = 0, max_steps: int | None = None, say=print) -> dict:
-    """Train for ``minutes`` (or ``max_steps``); returns {"weights": best by validation tau, "summary"}."""
+                anchors: int = 16, lr: float = 1e-3, seed: int = 0, max_steps: int | None = None, distill: float = 0.0,
+                say=print) -> dict:
+    """Train for ``minutes`` (or ``max_steps``); returns {"weights": best by validation tau, "summary"}.
+    ``distill``: the share of the cross-entropy against the target's soft labels (0 to 1)."""
     from hal.training.block_data import CANDIDATE_TAPS
+    if not 0 <= distill <= 1:
+        raise HalError(f"distill: expected a share in [0, 1], got {distill}")
+    if distill > 0 and target.cfg.layers not in CANDIDATE_TAPS:
+        raise HalError(f"distill: expected data that records the last layer's output (tap {target.cfg.layers}), "
+                       f"got taps {list(CANDIDATE_TAPS)}")
     torch.manual_seed(seed)
     d = BlockData(blob, feats, [CANDIDATE_TAPS.index(t) for t in cfg.taps], cfg.draft_vocab, target.cfg.stop_ids,
-                  seed)
+                  seed, CANDIDATE_TAPS.index(target.cfg.layers) if distill > 0 else None)
     to_draft = torch.full((target.cfg.vocab,), -1, dtype=torch.long)
     to_draft[d.draft_ids] = torch.arange(len(d.draft_ids))
-    model = BlockTrain(cfg, target.embed, target.head, d.draft_ids, seed)
+    model = BlockTrain(cfg, target.embed, target.head, d.draft_ids, seed, target.w["norm"])
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
     g = torch.Generator().manual_seed(seed)
     t0, step, est, best, curve = now(), 0, max_steps, (-1.0, None), []
@@ -196,8 +236,9 @@ def train_block(cfg: BlockConfig, blob: dict, feats: list[Tensor], target, minut
                 est = int(budget / ((now() - t0) / 5))
             for group in opt.param_groups:
                 group["lr"] = schedule(lr, step, est or 1000)
-            f, ids, starts, lens = d.batch(perm[b0:b0 + batch])
-            ce, bce, tau, _ = losses(model, f, ids, sample_anchors(starts, lens, anchors, g), lens, to_draft)
+            f, ids, starts, lens, last = d.batch(perm[b0:b0 + batch])
+            ce, bce, tau, _ = losses(model, f, ids, sample_anchors(starts, lens, anchors, g), lens, to_draft, last,
+                                     distill)
             opt.zero_grad()
             (ce + 0.1 * bce).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -212,6 +253,7 @@ def train_block(cfg: BlockConfig, blob: dict, feats: list[Tensor], target, minut
             best = (v["tau"], model.weights(), v)
     summary = {"steps": step, "minutes": minutes, "seconds": now() - t0, "val": best[2],
                "sequences": len(d.tr), "val_sequences": len(d.val), "lr": lr, "batch": batch, "anchors": anchors,
+               "distill": distill,
                "seed": seed, "data_made": blob.get("made"), "curve": curve}
     return {"weights": {n: t.clone() for n, t in best[1].items()}, "summary": summary}
 
@@ -222,7 +264,7 @@ def validate(model: BlockTrain, d: BlockData, to_draft: Tensor, batch: int, anch
     out = []
     with torch.no_grad():
         for b0 in range(0, len(d.val), batch):
-            f, ids, starts, lens = d.batch(d.val[b0:b0 + batch])
+            f, ids, starts, lens, _ = d.batch(d.val[b0:b0 + batch])
             ce, bce, tau, top1 = losses(model, f, ids, sample_anchors(starts, lens, anchors, g), lens, to_draft)
             out.append((tau.item(), top1.item(), bce.item()))
     mean = lambda k: sum(o[k] for o in out) / len(out)  # noqa: E731

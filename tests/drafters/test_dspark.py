@@ -134,8 +134,10 @@ def test_a_saved_block_drafter_loads_and_bad_ones_are_refused(target, tmp_path):
     w = train.weights()
     with pytest.raises(HalError, match="weight 0.wqkv: expected shape"):
         BlockModel(train.cfg, {**w, "0.wqkv": w["0.wqkv"][:-1]}, target)
-    with pytest.raises(HalError, match="taps: expected distinct layers"):
-        BlockModel(BlockConfig(**{**train.cfg.__dict__, "taps": (1, 1, 99)}), w, target)
+    for bad in ((1, 1, 6), (1, 6, 4), (1, 4, LAYERS + 1)):
+        with pytest.raises(HalError, match="taps: expected increasing layers"):
+            BlockModel(BlockConfig(**{**train.cfg.__dict__, "taps": bad}), w, target)
+    BlockModel(BlockConfig(**{**train.cfg.__dict__, "taps": (1, 4, LAYERS)}), w, target)   # the last layer's output
     with pytest.raises(HalError, match="draft_ids: expected"):
         BlockModel(train.cfg, {**w, "draft_ids": w["draft_ids"] + V}, target)
     with pytest.raises(HalError, match="expected a folder with config.json"):
@@ -329,14 +331,14 @@ def test_the_shipped_block_drafter_is_checked_and_named():
         shipped_block("other-model")
 
 
-@pytest.mark.parametrize("bad", ["1,1", "3", "x", ""])
+@pytest.mark.parametrize("bad", ["1,1", "16,1", "3", "x", ""])
 def test_bad_taps_are_refused_by_the_cli(bad):
     import argparse
 
     from hal.cli import taps_flag
     with pytest.raises(argparse.ArgumentTypeError, match="expected"):
         taps_flag(bad)
-    assert taps_flag("1,16,29") == (1, 16, 29)
+    assert taps_flag("1,16,29") == (1, 16, 29) and taps_flag("1,16,30") == (1, 16, 30)
 
 
 def test_the_block_drafter_runs_its_linears_through_the_targets_plan(target):
@@ -364,3 +366,65 @@ def test_the_block_drafter_runs_its_linears_through_the_targets_plan(target):
     shapes = {s for _, s in calls}
     assert (len(DRAFT), H) in shapes and (H, len(TAPS) * H) in shapes and len(shapes) >= 5
     assert {m for m, _ in calls} <= {1, 8}
+
+
+def test_the_last_layers_output_is_a_tap_and_its_soft_labels_are_the_targets_greedy_choice(target):
+    """Tap ``LAYERS`` is the last layer's output: through the target's final norm and lm_head
+    rows it gives the target's own next-token distribution over the draft vocabulary (1e-5), and
+    on the target's greedy continuation the soft labels of each block position peak at the
+    token that follows (row a + j - 1 predicts position a + j: an off-by-one fails)."""
+    from hal.training.block_train import soft_labels
+    ids = [2, 9, 5]
+    while len(ids) < 26:   # the target's greedy continuation, one full forward a token
+        ids.append(int(target_logits(target, ids)[-1].argmax()))
+    logits = target_logits(target, ids)
+    last = target_features(target, ids, (LAYERS,))
+    both = target_features(target, ids, (4, LAYERS))
+    assert torch.equal(both[:, H:], last) and torch.equal(both[:, :H], target_features(target, ids, (4,)))
+    with pytest.raises(HalError, match="feature_layers: expected distinct layer indices"):
+        target_features(target, ids, (LAYERS, 4))
+    model = BlockTrain(config(), target.embed, target.head, DRAFT, 0, target.w["norm"])
+    torch.testing.assert_close(model.teacher(last), torch.softmax(logits[:, DRAFT], -1), atol=1e-5, rtol=1e-5)
+    anchors = torch.tensor([[3, 10, 20]])
+    p = soft_labels(model, last[None], anchors)                        # [1, 3, B - 1, Vd]
+    at = anchors[0, :, None] + torch.arange(1, model.cfg.block)
+    want = torch.tensor(ids)[at]
+    inside = torch.isin(want, DRAFT)
+    assert inside.sum() >= 4
+    assert torch.equal(DRAFT[p[0].argmax(-1)][inside], want[inside])
+
+
+def target_logits(target, ids: list[int]) -> torch.Tensor:
+    from hal import kv
+    from hal.engine.forward import forward_tokens
+    pool = kv.KVPool(target.be, 8, 16, KV, D, num_layers=LAYERS)
+    return forward_tokens(target, pool, [pool.sequence()], [len(ids)], torch.tensor(ids),
+                          rows=torch.arange(len(ids)))[0]
+
+
+def test_the_distilled_loss_mixes_hard_and_soft_labels_over_every_valid_position(target):
+    """``distill`` = 1 is the weighted soft cross-entropy over every valid position (a label
+    outside the draft vocabulary included); 0.5 is the mean of it and the hard one."""
+    from hal.training.block_train import DECAY, losses, soft_labels
+    ids = torch.tensor([[(7 * i + 3) % V for i in range(24)]])
+    f = target_features(target, ids[0].tolist(), TAPS)[None]
+    last = target_features(target, ids[0].tolist(), (LAYERS,))[None]
+    model = trained(target)
+    model.final_norm = target.w["norm"]
+    to_draft = torch.full((V,), -1, dtype=torch.long)
+    to_draft[DRAFT] = torch.arange(len(DRAFT))
+    anchors, lens = torch.tensor([[2, 9, 19]]), torch.tensor([24])
+    hard = losses(model, f, ids, anchors, lens, to_draft)[0]
+    soft = losses(model, f, ids, anchors, lens, to_draft, last, 1.0)[0]
+    half = losses(model, f, ids, anchors, lens, to_draft, last, 0.5)[0]
+    with torch.no_grad():
+        base, _ = model(f, ids, anchors)
+        at = anchors[0, :, None] + torch.arange(1, 4)
+        rows = base[0] + model.markov(ids[0][at - 1])
+        valid = at < 24
+        p = soft_labels(model, last, anchors)[0]
+        w = torch.exp(-torch.arange(3) / DECAY).expand_as(at)
+        want = ((-(p * torch.log_softmax(rows, -1)).sum(-1) * w)[valid].sum() / w[valid].sum())
+    torch.testing.assert_close(soft, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(half, (hard + soft) / 2, atol=1e-5, rtol=1e-5)
+    assert abs(float((soft - hard).detach())) > 1e-3
