@@ -36,6 +36,7 @@ CONFIGS = {   # name -> train-head --kind dspark options
     "B8 L1 taps 1/16/29/30": dict(block=8, layers=1, taps=(1, 16, 29, 30)),
     "B8 L1 taps 1/16/30 distill": dict(block=8, layers=1, taps=(1, 16, 30), distill=1.0),
     "B8 L1 taps 1/16/30 distill 0.5": dict(block=8, layers=1, taps=(1, 16, 30), distill=0.5),
+    "B8 L1 taps3 direct": dict(block=8, layers=1, taps=(1, 16, 29), direct=True),
 }
 
 

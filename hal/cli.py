@@ -217,7 +217,7 @@ def cmd_train_head(args) -> int:
         out = Path(args.out or f"{Path(args.model).stem}-dspark")
         s = run(args.model, out, args.minutes, block=args.block, layers=args.layers, taps=args.taps, rank=args.rank,
                 draft_size=args.draft_vocab, seed=args.seed, max_new_tokens=args.max_new_tokens, limit=args.limit,
-                batch=args.batch, lr=args.lr)
+                batch=args.batch, lr=args.lr, distill=args.distill, direct=args.direct)
         print(f"block drafter written to {out}/ (model.safetensors, config.json, loss.png, train.json): "
               f"{s['steps']} steps, validation tau {s['val']['tau']:.3f}, top-1 {s['val']['top1']:.3f}")
         return 0
@@ -367,9 +367,15 @@ def main(argv: list[str] | None = None) -> int:
     th.add_argument("--block", type=bounded(int, 2, 64), default=8, help="dspark: the block size B (B - 1 proposals)")
     th.add_argument("--layers", type=bounded(int, 1, 8), default=2, help="dspark: draft layers")
     th.add_argument("--taps", type=taps_flag, default=(1, 8, 16, 24, 29),
-                    help="dspark: comma-separated target layers whose inputs are the context features (a subset of "
-                         "hal.training.block_data.CANDIDATE_TAPS)")
+                    help="dspark: increasing target layers whose inputs are the context features (a subset of "
+                         "hal.training.block_data.CANDIDATE_TAPS; the layer count: the last layer's output)")
     th.add_argument("--rank", type=bounded(int, 1, 512), default=32, help="dspark: the Markov head's rank")
+    th.add_argument("--direct", action="store_true",
+                    help="dspark: the mask rows also read the anchor and the last context position's features "
+                         "(the pair an EAGLE head reads)")
+    th.add_argument("--distill", type=bounded(float, 0.0, 1.0), default=0.0,
+                    help="dspark: the share of the cross-entropy against the target's whole next-token distribution "
+                         "(soft labels, from its last layer's output) rather than its greedy token")
     th.add_argument("--model", default="smollm2-135m", help="a fetchable name or a .gguf path")
     th.add_argument("--minutes", type=float, default=40.0, help="training time (data generation comes first, "
                                                                  "cached under $HAL_CACHE/eagle or dspark)")

@@ -44,6 +44,7 @@ class BlockDrafter:
         self.lost_rids: set[int] = set()
         self.lost = 0
         self.confidences: dict[int, list[float]] = {}
+        self.last: dict[int, tuple[int, Tensor]] = {}   # rid -> (position, features) passed last (cfg.direct)
 
     @property
     def features(self) -> tuple[int, ...]:
@@ -64,7 +65,7 @@ class BlockDrafter:
         for i, (rid, length) in enumerate(zip(batch.rids, batch.lengths)):
             start, v = length - 1 - (cu[i + 1] - cu[i]), self.draft_kv.valid_len(rid)
             need += self.draft_kv.blocks_needed(rid, length - 1 + B)
-            if start > v or rid in self.lost_rids or need > self.draft_kv.num_free:
+            if start > v or rid in self.lost_rids or need > self.draft_kv.num_free or self._no_prev(batch, i, cu):
                 self._lose(rid)   # features it missed: no drafts for this request again
                 continue
             keep.append(i)        # k = 0 too: its features go into the context cache now or never
@@ -81,6 +82,7 @@ class BlockDrafter:
         m, dev, B = self.model, self.model.device, self.model.cfg.block
         feats = None if b.features is None else b.features.to(dev)
         seqs, ctx_rows, blk_rows, parts, drafting, at, end, row = [], [], [], [], [], [], 0, 0
+        prev = []
         for i, ((rid, length, skip), n) in enumerate(zip(plan, b.num_features or (0,) * len(plan))):
             a, end = end + skip, end + n
             seq = self.draft_kv.sequence(rid)
@@ -92,9 +94,12 @@ class BlockDrafter:
             ctx_rows += range(row, row + end - a)
             blk_rows += range(row + end - a, row + end - a + block)
             row += end - a + block
+            if m.cfg.direct and n:           # the last passed row is position length - 2
+                self.last[rid] = (length - 2, feats[end - 1])
             if block:
                 drafting.append(i)
                 at.append(len(seqs))         # its row of the batch's block tables
+                prev.append(self._prev(rid, length) if m.cfg.direct else None)
             if end - a + block:
                 seqs.append((rid, length, seq, end - a + block))
         if not seqs:
@@ -106,7 +111,8 @@ class BlockDrafter:
         blocks = replace(batch, block_tables=batch.block_tables[up(at)], seq_lens=batch.seq_lens[up(at)],
                          query_start_loc=up([B * i for i in range(len(drafting) + 1)]))   # the block queries
         ctx = torch.cat(parts).float() if parts else torch.zeros(0, m.w["fc"].shape[1], device=dev)
-        base, h = m.forward(batch, self.pool.k, self.pool.v, ctx, up(ctx_rows), up(blk_rows), anchors, blocks)
+        prev = torch.stack(prev).float() if m.cfg.direct and drafting else None
+        base, h = m.forward(batch, self.pool.k, self.pool.v, ctx, up(ctx_rows), up(blk_rows), anchors, blocks, prev)
         for rid, length, seq, n in seqs:
             seq.commit(n)
             self.draft_kv.mark_valid(rid, length - 1)
@@ -145,6 +151,23 @@ class BlockDrafter:
         valid = confidence_cut(c, capped.k, b.lengths, b.costs) if b.costs is not None else list(capped.k)
         return pad(part, capped.k, b.k, valid, dev)
 
+    def _no_prev(self, b: DraftBatch, i: int, cu) -> bool:
+        """Whether request i drafts with the direct path but its features of position L - 2
+        were neither passed now nor kept from its last call."""
+        length, rid = b.lengths[i], b.rids[i]
+        return (self.model.cfg.direct and b.k[i] > 0 and length >= 2 and cu[i + 1] == cu[i]
+                and self.last.get(rid, (None,))[0] != length - 2)
+
+    def _prev(self, rid: int, length: int) -> Tensor:
+        """The features of position ``length - 2`` (zeros when there is none), for the direct path."""
+        if length < 2:
+            return torch.zeros(self.model.w["fc"].shape[1], device=self.model.device)
+        pos, f = self.last.get(rid, (None, None))
+        if pos != length - 2:
+            raise HalError(f"BlockDrafter: expected the features of position {length - 2} for request {rid}, "
+                           f"got {'none' if pos is None else f'position {pos}'}")
+        return f
+
     def _lose(self, rid: int) -> None:
         if rid not in self.lost_rids:
             self.release(rid)
@@ -158,6 +181,7 @@ class BlockDrafter:
         self.draft_kv.release(rid)
         self.lost_rids.discard(rid)
         self.confidences.pop(rid, None)
+        self.last.pop(rid, None)
 
 
 LOOK = 32   # the cut looks this many positions ahead at a position's own P (a plan's chunk widths are <= 32)

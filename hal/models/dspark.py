@@ -12,6 +12,9 @@ Glossary:
   with its own k/v weights into its KV (positions as in the target). Only these are kept per
   request (the drafter's context cache); the block's own K/V are scratch, dropped at the next
   call, so a rejection needs no rollback.
+- direct path (``cfg.direct``): every mask row also starts with ``direct @ [embed(anchor),
+  fused features of position L - 2]``, the pair an EAGLE head reads, so the first proposal does
+  not depend on one attention read to find them (measured: *Benchmarks*, DSpark).
 - base logits: ``lm_head(norm(h_j))`` over the draft vocabulary (the target's lm_head rows
   ``draft_ids``), from one forward for every position at once.
 - Markov bias: ``markov_out @ (markov_in @ embed[x_{j-1}])``, rank r, added to position j's base
@@ -53,6 +56,7 @@ class BlockConfig:
     draft_vocab: int
     rope_base: float = 10000.0
     eps: float = 1e-5
+    direct: bool = False       # the mask rows also read the anchor and the last context feature
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """Every weight's shape under its internal name (``draft_ids`` aside)."""
@@ -60,6 +64,8 @@ class BlockConfig:
         out = {"fc": (H, len(self.taps) * H), "hidden_norm": (H,), "mask": (H,), "norm": (H,),
                "markov_in": (self.rank, H), "markov_out": (self.draft_vocab, self.rank), "conf": (H + 1,),
                "conf_bias": (1,)}
+        if self.direct:
+            out["direct"] = (H, 2 * H)
         for i in range(self.layers):
             out.update({f"{i}.attn_norm": (H,), f"{i}.wqkv": (nq + 2 * nk, H), f"{i}.wo": (H, nq),
                         f"{i}.ffn_norm": (H,), f"{i}.wgu": (2 * self.ffn, H), f"{i}.wdown": (H, self.ffn)})
@@ -100,7 +106,7 @@ class BlockModel:
         for i in range(cfg.layers):
             for name in LINEAR:
                 self.w[f"{i}.{name}"] = self.w[f"{i}.{name}"].to(target.dtype)
-        for name in ("fc", "head"):
+        for name in ("fc", "head") + (("direct",) if cfg.direct else ()):
             self.w[name] = self.w[name].to(target.dtype)
         self.rope = Rope(cfg.head_dim, cfg.rope_base, False).to(self.device)
         self.linear, self.head_mm, self.linears = target.draft_linears(self.device)
@@ -111,7 +117,8 @@ class BlockModel:
         return self.cfg.block - 1
 
     def forward(self, batch: Batch, k_caches: list[Tensor], v_caches: list[Tensor], feats: Tensor,
-                ctx_rows: Tensor, block_rows: Tensor, anchors: Tensor, block_batch: Batch) -> tuple[Tensor, Tensor]:
+                ctx_rows: Tensor, block_rows: Tensor, anchors: Tensor, block_batch: Batch,
+                prev: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Base logits [R, B - 1, Vd] and hidden states [R, B - 1, H] of each drafting request's block.
 
         ``batch``: every fed row (each request's new context rows, then, for the R requests that
@@ -119,14 +126,23 @@ class BlockModel:
         ``block_rows`` index them (``feats`` [len(ctx_rows), len(taps) * H] are the context rows'
         features, ``anchors`` [R] the blocks' first tokens). ``block_batch``: the attention
         metadata of the R blocks' queries alone (B each, a tree mask of ones). With R = 0 only
-        the context is written (a request routed to k = 0 keeps its cache for later)."""
+        the context is written (a request routed to k = 0 keeps its cache for later).
+        ``prev`` [R, len(taps) * H]: each block's last context position's features (zeros where
+        it has none), read when ``cfg.direct``."""
         cfg, w, lin = self.cfg, self.w, self.linear
         nq, nk, D = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.head_dim
         R, B = anchors.shape[0], cfg.block
         ctx = _rms_norm(lin(feats, w["fc"]), w["hidden_norm"], cfg.eps) if len(ctx_rows) else None
         if R == 0:
             return self._write_context(batch, k_caches, v_caches, ctx)
-        h = torch.cat([self.embed[anchors][:, None], w["mask"].expand(R, B - 1, cfg.hidden)], 1).reshape(R * B, -1)
+        first = self.embed[anchors]
+        masks = w["mask"].expand(R, B - 1, cfg.hidden)
+        if cfg.direct:
+            if prev is None or tuple(prev.shape) != (R, w["fc"].shape[1]):
+                raise HalError(f"block drafter prev: expected [{R}, {w['fc'].shape[1]}] features, got "
+                               f"{None if prev is None else list(prev.shape)}")
+            masks = masks + self.direct(first, prev)[:, None]
+        h = torch.cat([first[:, None], masks], 1).reshape(R * B, -1)
         rot = self.rope(batch.positions, batch.max_position)
         rot_blk = rot[block_rows]
         T = batch.positions.shape[0]
@@ -166,6 +182,13 @@ class BlockModel:
         none = torch.zeros(0, cfg.block - 1, device=self.device)
         return none[..., None].expand(0, cfg.block - 1, cfg.draft_vocab), none[..., None].expand(0, cfg.block - 1,
                                                                                                   cfg.hidden)
+
+    def direct(self, first: Tensor, prev: Tensor) -> Tensor:
+        """The mask rows' direct input [R, H]: ``direct @ [anchor embedding, fused prev]`` (zero
+        features, a block with no context, fuse to zero)."""
+        cfg, w, lin = self.cfg, self.w, self.linear
+        fused = _rms_norm(lin(prev, w["fc"]), w["hidden_norm"], cfg.eps)
+        return lin(torch.cat([first, fused.to(first.dtype)], -1), w["direct"]).to(first.dtype)
 
     def markov(self, prev: Tensor) -> Tensor:
         """The Markov head's logit bias [R, Vd] for the positions after tokens ``prev`` [R] (target ids)."""

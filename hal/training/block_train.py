@@ -71,7 +71,12 @@ class BlockTrain(torch.nn.Module):
         nq, nk = c.heads * D, c.kv_heads * D
         ctx = F.rms_norm(feats @ self.w("fc").T, (c.hidden,), self.w("hidden_norm"), c.eps)
         first = self.embed[ids.gather(1, anchors)]                                       # [S, N, H]
-        h = torch.cat([first[:, :, None], self.w("mask").expand(S, N, B - 1, c.hidden)], 2).reshape(S, N * B, -1)
+        masks = self.w("mask").expand(S, N, B - 1, c.hidden)
+        if c.direct:   # [anchor, features of the position before it] (zero when there is none)
+            prev = ctx.gather(1, (anchors - 1).clamp(min=0)[..., None].expand(-1, -1, c.hidden))
+            prev = prev * (anchors > 0)[..., None]
+            masks = masks + (torch.cat([first, prev], -1) @ self.w("direct").T)[:, :, None]
+        h = torch.cat([first[:, :, None], masks], 2).reshape(S, N * B, -1)
         pos_blk = (anchors[:, :, None] + torch.arange(B)).reshape(S, N * B)
         rot_blk = self.rope(pos_blk.reshape(-1))
         rot_ctx = self.rope(torch.arange(T).repeat(S))
@@ -273,7 +278,7 @@ def validate(model: BlockTrain, d: BlockData, to_draft: Tensor, batch: int, anch
 
 def run(model: str, out, minutes: float, *, block: int = 8, layers: int = 2, taps: tuple[int, ...] = (1, 8, 16, 24, 29),
         rank: int = 32, draft_size: int = 8192, seed: int = 0, max_new_tokens: int = 128, limit: int | None = None,
-        **kw) -> dict:
+        direct: bool = False, **kw) -> dict:
     """``spec-hal train-head --kind dspark``: data (cached), training, and the folder
     ``out``/{config.json, model.safetensors, train.json, loss.png}. Returns the summary."""
     import json
@@ -287,7 +292,8 @@ def run(model: str, out, minutes: float, *, block: int = 8, layers: int = 2, tap
     target, _ = block_data.load_target(model, None, None)
     c = target.cfg
     cfg = BlockConfig(hidden=c.hidden, heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim, ffn=c.ffn,
-                      layers=layers, taps=tuple(taps), block=block, rank=rank, draft_vocab=draft_size, eps=c.eps)
+                      layers=layers, taps=tuple(taps), block=block, rank=rank, draft_vocab=draft_size, eps=c.eps,
+                      direct=direct)
     got = train_block(cfg, blob, feats, target, minutes, seed=seed, **kw)
     out = Path(out)
     summary = {"model": model, **got["summary"]}
@@ -309,14 +315,15 @@ def readme(model: str, cfg: BlockConfig, s: dict, out) -> str:
     v = s["val"]
     return (f"# DSpark block drafter for {model}\n\n"
             f"- Shape: {cfg.layers} draft layer{'s' if cfg.layers > 1 else ''} (hidden {cfg.hidden}, {cfg.heads} heads, {cfg.kv_heads} KV heads, "
-            f"ffn {cfg.ffn}), block {cfg.block} ({cfg.block - 1} proposals per forward), context features from the "
+            f"ffn {cfg.ffn}){', direct path' if cfg.direct else ''}, block {cfg.block} ({cfg.block - 1} proposals per forward), context features from the "
             f"inputs of target layers {list(cfg.taps)}, Markov head rank {cfg.rank}, confidence head; the "
             f"target's lm_head restricted to a {cfg.draft_vocab}-token draft vocabulary (`draft_ids`). "
             f"fp16, {n / 1e6:.1f} M parameters.\n"
             f"- `model.safetensors` sha256 `{sha}`.\n"
             f"- Made by: `python -m hal train-head --kind dspark --model {model} --minutes {s['minutes']:g} "
             f"--block {cfg.block} --layers {cfg.layers} --taps {','.join(map(str, cfg.taps))} --rank {cfg.rank} "
-            f"--batch {s['batch']} --lr {s['lr']:g} --seed {s['seed']}` ({time.strftime('%Y-%m-%d')}, torch "
+            f"--batch {s['batch']} --lr {s['lr']:g} --seed {s['seed']}" + (" --direct" if cfg.direct else "")
+            + (f" --distill {s['distill']:g}" if s.get("distill") else "") + f"` ({time.strftime('%Y-%m-%d')}, torch "
             f"{torch.__version__}).\n"
             f"  - Data (`hal/training/block_data.py`): the target's greedy answers to the project's prompt set "
             f"(`hal/training/data.py`; held-out topics and benchmark-like prompts excluded), {s['tokens']:,} "

@@ -31,16 +31,16 @@ def target():
     return random_llama(H, LAYERS, HEADS, KV, D, FFN, V, seed=7, scale=0.15)
 
 
-def config(block=4, layers=2) -> BlockConfig:
+def config(block=4, layers=2, direct=False) -> BlockConfig:
     return BlockConfig(hidden=H, heads=HEADS, kv_heads=KV, head_dim=D, ffn=FFN, layers=layers, taps=TAPS, block=block,
-                       rank=4, draft_vocab=len(DRAFT))
+                       rank=4, draft_vocab=len(DRAFT), direct=direct)
 
 
 def trained(target, seed=0, **kw) -> BlockTrain:
     m = BlockTrain(config(**kw), target.embed, target.head, DRAFT, seed)
     with torch.no_grad():   # non-trivial norms, Markov and confidence weights
         for name, p in m.p.items():
-            if name.endswith("norm") or name in ("markov_in", "markov_out", "conf", "conf_bias"):
+            if name.endswith("norm") or name in ("markov_in", "markov_out", "conf", "conf_bias", "direct"):
                 p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.3)
     return m
 
@@ -58,8 +58,10 @@ def train_rows(train, f, ids, anchor, prev):
         return base[0, 0] + train.markov(torch.tensor(prev)), h[0, 0]
 
 
-def test_the_drafter_equals_the_training_module_from_scratch_and_incrementally(target):
-    train = trained(target)
+@pytest.mark.parametrize("direct", [False, True])
+def test_the_drafter_equals_the_training_module_from_scratch_and_incrementally(target, direct):
+    """With the direct path too: a call that passes no new features drafts from the kept ones."""
+    train = trained(target, direct=direct)
     model = BlockModel(train.cfg, train.weights(), target)
     drafter = BlockDrafter(model)
     ids = [(7 * i + 3) % V for i in range(30)]
@@ -428,3 +430,15 @@ def test_the_distilled_loss_mixes_hard_and_soft_labels_over_every_valid_position
     torch.testing.assert_close(soft, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(half, (hard + soft) / 2, atol=1e-5, rtol=1e-5)
     assert abs(float((soft - hard).detach())) > 1e-3
+
+
+def test_the_direct_path_loses_a_request_whose_last_features_it_lacks(target):
+    """A call whose features of position L - 2 were neither passed nor kept (the request shrank)
+    drafts nothing for that request and counts it lost, never guessing them."""
+    train = trained(target, direct=True)
+    ids = [(5 * i + 2) % V for i in range(30)]
+    f = target_features(target, ids, TAPS)
+    drafter = BlockDrafter(BlockModel(train.cfg, train.weights(), target))
+    assert drafter.propose(view(ids, 17, f[:16], k=3)).num_valid.tolist() == [3]
+    p = drafter.propose(view(ids, 16, f[:0], k=3))
+    assert p.num_valid.tolist() == [0] and drafter.lost == 1
