@@ -245,7 +245,7 @@ def load_block(folder: str | Path, target: Llama, backend=None, device=None) -> 
 
 
 SHIPPED = {   # model name -> (folder under hal/models/heads, sha256 of its model.safetensors)
-    "smollm2-135m": ("smollm2-135m-dspark", "7e72655ce06762f5bbdf740634470d15d5f622967a9ff699e7eb78dc04b973f6"),
+    "smollm2-135m": ("smollm2-135m-dspark", "c08140f90a100c0d1296aaa1619bf97d9cb7763162a448fbf3bea066e38ccc2e"),
 }
 
 
