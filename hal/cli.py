@@ -370,12 +370,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="dspark: increasing target layers whose inputs are the context features (a subset of "
                          "hal.training.block_data.CANDIDATE_TAPS; the layer count: the last layer's output)")
     th.add_argument("--rank", type=bounded(int, 1, 512), default=32, help="dspark: the Markov head's rank")
-    th.add_argument("--direct", action="store_true",
-                    help="dspark: the mask rows also read the anchor and the last context position's features "
-                         "(the pair an EAGLE head reads)")
+    th.add_argument("--direct", action="store_true", help="dspark: mask rows also read [anchor, last context feature]")
     th.add_argument("--distill", type=bounded(float, 0.0, 1.0), default=0.0,
-                    help="dspark: the share of the cross-entropy against the target's whole next-token distribution "
-                         "(soft labels, from its last layer's output) rather than its greedy token")
+                    help="dspark: the cross-entropy's share against the target's soft labels, not its greedy token")
     th.add_argument("--model", default="smollm2-135m", help="a fetchable name or a .gguf path")
     th.add_argument("--minutes", type=float, default=40.0, help="training time (data generation comes first, "
                                                                  "cached under $HAL_CACHE/eagle or dspark)")

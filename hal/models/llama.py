@@ -176,6 +176,10 @@ class Llama:
         rows, or of ``batch.hidden_rows`` when given (an EAGLE head's features: every fed row,
         without paying the lm_head for them)."""
         cfg = self.cfg
+        layers = list(batch.feature_layers)
+        if layers != sorted(set(layers)) or any(not 0 <= i <= self.num_layers for i in layers):
+            raise HalError(f"feature_layers: expected distinct layer indices in [0, {self.num_layers}] in order, "
+                           f"got {batch.feature_layers}")   # before any KV write: a refused forward changes nothing
         T = batch.tokens.shape[0]
         h = self.embed[batch.tokens]
         rot = self.rope(batch.positions, batch.max_position)
@@ -225,9 +229,6 @@ class Llama:
             logits = plain_linear(out, self.head_lin)
         rows = batch.logits_rows if batch.hidden_rows is None else batch.hidden_rows
         if batch.feature_layers:
-            if len(taps) != len(batch.feature_layers) or list(batch.feature_layers) != sorted(set(batch.feature_layers)):
-                raise HalError(f"feature_layers: expected distinct layer indices in [0, {self.num_layers}] in order, "
-                               f"got {batch.feature_layers}")
             out = torch.cat([t[rows] for t in taps], -1)
         elif batch.hidden_rows is not None:
             out = _rms_norm(h[rows], self.w["norm"], cfg.eps)

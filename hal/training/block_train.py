@@ -315,7 +315,8 @@ def readme(model: str, cfg: BlockConfig, s: dict, out) -> str:
     v = s["val"]
     return (f"# DSpark block drafter for {model}\n\n"
             f"- Shape: {cfg.layers} draft layer{'s' if cfg.layers > 1 else ''} (hidden {cfg.hidden}, {cfg.heads} heads, {cfg.kv_heads} KV heads, "
-            f"ffn {cfg.ffn}){', direct path' if cfg.direct else ''}, block {cfg.block} ({cfg.block - 1} proposals per forward), context features from the "
+            f"ffn {cfg.ffn}){', direct path' if cfg.direct else ''}, block {cfg.block} "
+            f"({cfg.block - 1} proposals per forward), context features from the "
             f"inputs of target layers {list(cfg.taps)}, Markov head rank {cfg.rank}, confidence head; the "
             f"target's lm_head restricted to a {cfg.draft_vocab}-token draft vocabulary (`draft_ids`). "
             f"fp16, {n / 1e6:.1f} M parameters.\n"
