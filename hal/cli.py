@@ -315,6 +315,31 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def add_train_head(sub) -> None:
+    """The ``train-head`` subcommand's flags."""
+    th = sub.add_parser("train-head", help="train an EAGLE head or a DSpark block drafter by self-distillation "
+                                           "(CPU; needs tqdm and matplotlib: pip install 'spec-hal[train]')")
+    th.add_argument("--kind", choices=("eagle", "dspark"), default="eagle",
+                    help="eagle: a one-layer EAGLE head; dspark: a block drafter (data cached under $HAL_CACHE/dspark)")
+    th.add_argument("--block", type=bounded(int, 2, 64), default=8, help="dspark: the block size B (B - 1 proposals)")
+    th.add_argument("--layers", type=bounded(int, 1, 8), default=2, help="dspark: draft layers")
+    th.add_argument("--taps", type=taps_flag, default=(1, 8, 16, 24, 29),  # the layer count: the last layer's output
+                    help="dspark: increasing target layers (of block_data.CANDIDATE_TAPS) whose inputs are features")
+    th.add_argument("--rank", type=bounded(int, 1, 512), default=32, help="dspark: the Markov head's rank")
+    th.add_argument("--direct", action="store_true", help="dspark: mask rows also read [anchor, last context feature]")
+    th.add_argument("--distill", type=bounded(float, 0.0, 1.0), default=0.0,
+                    help="dspark: the cross-entropy's share against the target's soft labels, not its greedy token")
+    th.add_argument("--model", default="smollm2-135m", help="a fetchable name or a .gguf path")
+    th.add_argument("--minutes", type=float, default=40.0, help="training time (data made first, cached in $HAL_CACHE)")
+    th.add_argument("--out", help="output folder (default: <model>-eagle or <model>-dspark)")
+    th.add_argument("--draft-vocab", type=int, default=8192, help="the head's vocabulary: the N most frequent ids")
+    th.add_argument("--max-new-tokens", type=int, default=128, help="response length when generating the data")
+    th.add_argument("--limit", type=int, help="only the first N prompts (a quick run)")
+    th.add_argument("--batch", type=int, default=8, help="sequences per step")
+    th.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW; warm-up, then cosine)")
+    th.add_argument("--seed", type=int, default=0)
+
+
 def main(argv: list[str] | None = None) -> int:
     from hal.checks import MAX_K
     ap = argparse.ArgumentParser(prog="spec-hal", description="spec-hal: speculative decoding HAL")
@@ -359,30 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--fixed-k", action="store_true", help="no router: always k drafts")
     b.add_argument("--batch", type=int, default=1, help="copies of each demo prompt in the batch")
     b.add_argument("--max-tokens", type=int, default=48)
-    th = sub.add_parser("train-head", help="train an EAGLE head or a DSpark block drafter for a model by "
-                                           "self-distillation (CPU; needs tqdm and matplotlib: "
-                                           "pip install 'spec-hal[train]')")
-    th.add_argument("--kind", choices=("eagle", "dspark"), default="eagle",
-                    help="eagle: a one-layer EAGLE head; dspark: a block drafter (data cached under $HAL_CACHE/dspark)")
-    th.add_argument("--block", type=bounded(int, 2, 64), default=8, help="dspark: the block size B (B - 1 proposals)")
-    th.add_argument("--layers", type=bounded(int, 1, 8), default=2, help="dspark: draft layers")
-    th.add_argument("--taps", type=taps_flag, default=(1, 8, 16, 24, 29),
-                    help="dspark: increasing target layers whose inputs are the context features (a subset of "
-                         "hal.training.block_data.CANDIDATE_TAPS; the layer count: the last layer's output)")
-    th.add_argument("--rank", type=bounded(int, 1, 512), default=32, help="dspark: the Markov head's rank")
-    th.add_argument("--direct", action="store_true", help="dspark: mask rows also read [anchor, last context feature]")
-    th.add_argument("--distill", type=bounded(float, 0.0, 1.0), default=0.0,
-                    help="dspark: the cross-entropy's share against the target's soft labels, not its greedy token")
-    th.add_argument("--model", default="smollm2-135m", help="a fetchable name or a .gguf path")
-    th.add_argument("--minutes", type=float, default=40.0, help="training time (data generation comes first, "
-                                                                 "cached under $HAL_CACHE/eagle or dspark)")
-    th.add_argument("--out", help="output folder (default: <model>-eagle or <model>-dspark)")
-    th.add_argument("--draft-vocab", type=int, default=8192, help="the head's vocabulary: the N most frequent ids")
-    th.add_argument("--max-new-tokens", type=int, default=128, help="response length when generating the data")
-    th.add_argument("--limit", type=int, help="only the first N prompts (a quick run)")
-    th.add_argument("--batch", type=int, default=8, help="sequences per step")
-    th.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW; warm-up, then cosine)")
-    th.add_argument("--seed", type=int, default=0)
+    add_train_head(sub)
     sub.add_parser("serve", help="an OpenAI-compatible HTTP server (spec-hal serve --help)", add_help=False)
     args, extra = ap.parse_known_args(argv)
     if args.cmd == "conformance":

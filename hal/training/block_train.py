@@ -219,6 +219,8 @@ def train_block(cfg: BlockConfig, blob: dict, feats: list[Tensor], target, minut
     from hal.training.block_data import CANDIDATE_TAPS
     if not 0 <= distill <= 1:
         raise HalError(f"distill: expected a share in [0, 1], got {distill}")
+    if any(t not in CANDIDATE_TAPS for t in cfg.taps):
+        raise HalError(f"taps: expected layers the data records ({list(CANDIDATE_TAPS)}), got {list(cfg.taps)}")
     if distill > 0 and target.cfg.layers not in CANDIDATE_TAPS:
         raise HalError(f"distill: expected data that records the last layer's output (tap {target.cfg.layers}), "
                        f"got taps {list(CANDIDATE_TAPS)}")

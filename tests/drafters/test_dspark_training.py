@@ -112,3 +112,17 @@ def test_the_distilled_loss_mixes_hard_and_soft_labels_over_every_valid_position
     torch.testing.assert_close(soft, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(half, (hard + soft) / 2, atol=1e-5, rtol=1e-5)
     assert abs(float((soft - hard).detach())) > 1e-3
+
+
+@pytest.mark.parametrize("taps, distill, match", [
+    ((1, 4), 1.5, r"distill: expected a share in \[0, 1\], got 1.5"),
+    ((1, 4), -0.1, r"distill: expected a share in \[0, 1\]"),
+    ((1, 4, 6), 0.0, r"taps: expected layers the data records")])
+def test_bad_training_options_are_refused_before_training(target, taps, distill, match):
+    """A share of soft labels outside [0, 1], or a tap the data does not record, is a HalError
+    naming the option before any step."""
+    from hal.training.block_train import train_block
+    blob = {"ids": [[2, 9, 5, 7]] * 4, "prompt_lens": [2] * 4, "texts": ["x"] * 4}
+    cfg = BlockConfig(**{**config().__dict__, "taps": taps})
+    with pytest.raises(HalError, match=match):
+        train_block(cfg, blob, [torch.zeros(4, 10, H).half()] * 4, target, 1.0, distill=distill, max_steps=1)
