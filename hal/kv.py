@@ -262,11 +262,13 @@ class Sequence:
         return child
 
     def free(self) -> None:
-        """Return every block; the sequence is dead afterwards (freeing twice raises)."""
+        """Return every block, the last first (vLLM's order: of its cached blocks the first is
+        evicted last, and a later request can only use a prefix); the sequence is dead afterwards
+        (freeing twice raises)."""
         self._alive("free")
         for b in self.blocks:
             self.allocator._live(b)
-        for b in self.blocks:
+        for b in reversed(self.blocks):
             self.allocator.decref(b)
         self.blocks, self.hashes, self.length, self.reserved, self.freed = [], [], 0, 0, True
 

@@ -25,6 +25,21 @@ def test_reserve_commit_rollback_reuses_slots():
         s.truncate(3)
 
 
+def test_a_freed_sequences_cached_blocks_are_evicted_last_first():
+    """A prefix cache hit needs a request's leading blocks: freed, they are evicted after the rest."""
+    from hal.kv import block_hashes
+    a = BlockAllocator(4, 2, caching=True)
+    s = Sequence(a)
+    s.reserve(6)
+    s.commit(6)
+    names = block_hashes(list(range(6)), 2)
+    s.cache_full_blocks(list(range(6)))
+    s.free()
+    a.allocate()                                  # one eviction (one block was never used)
+    a.allocate()
+    assert a.evictions == 1 and len(a.match(names)) == 2
+
+
 def test_fork_is_copy_on_write():
     a = BlockAllocator(6, 4)
     s = Sequence(a)

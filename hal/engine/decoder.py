@@ -28,7 +28,7 @@ from __future__ import annotations
 import time
 
 from hal import kv
-from hal.engine import grammar, proposals
+from hal.engine import feature_cache, grammar, prefix, proposals
 from hal.engine.grammar import GrammarCompiler
 from hal.engine.execution import Offsets, execute
 from hal.engine.forward import logprob_entry
@@ -43,7 +43,7 @@ from hal.errors import HalError
 from hal.metrics import SpecDecodeMetrics
 from hal.models.llama import Llama
 
-__all__ = ["SpeculativeDecoder", "prefix_caching"]
+__all__ = ["SpeculativeDecoder"]
 
 
 class SpeculativeDecoder:
@@ -53,15 +53,16 @@ class SpeculativeDecoder:
     before anything is drafted, inside the token budget; ``Request.k`` is then the cap.
     ``pool`` takes a KV pool from a `hal.engine.memory.Plan`. ``max_num_batched_tokens`` bounds
     the tokens one step feeds the target (None: unbounded); ``max_num_seqs`` the requests
-    running at once. ``enable_prefix_caching``: None turns it on unless the drafter reads
-    the target's features of every position (an EAGLE head, which a skipped prefix would
-    leave without them); True requires it (`HalError` where it cannot be); False turns it off.
+    running at once. ``enable_prefix_caching``: None or True turns it on, False off; with a drafter
+    that reads the target's features (an EAGLE head, the block drafter) the cached blocks' feature
+    rows are kept too (`hal.engine.feature_cache`, at most ``feature_cache_bytes``).
     ``grammar`` compiles requests' `StructuredOutputs` (`hal.engine.grammar`; the tokenizer's)."""
 
     def __init__(self, target: Llama, drafter: Drafter | None = None, num_blocks: int = 512, block_size: int = 16,
                  metrics: SpecDecodeMetrics | None = None, on_tokens=None, router=None, pool: kv.KVPool | None = None,
                  max_num_batched_tokens: int | None = None, max_num_seqs: int = 256,
-                 enable_prefix_caching: bool | None = None, grammar: GrammarCompiler | None = None):
+                 enable_prefix_caching: bool | None = None, grammar: GrammarCompiler | None = None,
+                 feature_cache_bytes: int = feature_cache.CACHE_BYTES):
         self.target, self.drafter, self.on_tokens, self.router = target, drafter, on_tokens, router
         self.grammar = grammar
         self.pool = pool or target_pool(target, num_blocks, block_size)
@@ -73,8 +74,13 @@ class SpeculativeDecoder:
             raise HalError(f"max_num_batched_tokens: expected None or an int >= max_num_seqs ({max_num_seqs}) "
                            f"(every running request feeds at least one token), got {max_num_batched_tokens!r}")
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
-        self.pool.allocator.caching = self.prefix_caching = prefix_caching(enable_prefix_caching, drafter)
-        self.scheduler = Scheduler(self.pool.allocator, max_num_seqs, max_num_batched_tokens, self._preempt)
+        self.pool.allocator.caching = self.prefix_caching = prefix.enabled(enable_prefix_caching)
+        a = self.pool.allocator
+        self.cached_features = feature_cache.FeatureCache(a.block_size, a.num_blocks, feature_cache_bytes,
+                                                          lambda name: bool(a.match([name]))) \
+            if self.prefix_caching and capabilities(drafter).features is not None else None
+        self.scheduler = Scheduler(a, max_num_seqs, max_num_batched_tokens, self._preempt,
+                                   None if self.cached_features is None else self.cached_features.leading)
         self.steps = 0
         self._next_id, self._aborted, self._out = 0, [], StepOutput()
         self.history = HistoryBuffer(target.device)
@@ -86,17 +92,9 @@ class SpeculativeDecoder:
         """Requests preempted so far (counted once, in ``metrics.preemptions``)."""
         return self.metrics.preemptions
 
-    @property
-    def waiting(self):
-        return self.scheduler.waiting
-
-    @property
-    def prefilling(self) -> list[State]:
-        return self.scheduler.prefilling
-
-    @property
-    def running(self) -> list[State]:
-        return self.scheduler.running
+    waiting = property(lambda self: self.scheduler.waiting, doc="Requests not yet admitted (the scheduler's queue).")
+    prefilling = property(lambda self: self.scheduler.prefilling, doc="Admitted requests, prompt partly in the KV.")
+    running = property(lambda self: self.scheduler.running, doc="Decoding requests, in arrival order.")
 
     # -- the request-level API ------------------------------------------------------------------
 
@@ -192,17 +190,22 @@ class SpeculativeDecoder:
         self.scheduler.remove(state)
         state.seq.free()
         state.seq, state.prefilled, state.features = self.pool.sequence(), 0, []
-        if self.drafter is not None:
-            self.drafter.release(state.rid)
+        self._forget(state)
         self.scheduler.requeue(state)
         self.metrics.preemptions += 1
         self._out.preempted.append(state.rid)
 
+    def _forget(self, state: State) -> None:
+        """The drafter's and the feature cache's per-request state goes (preempted or finished)."""
+        if self.drafter is not None:
+            self.drafter.release(state.rid)
+        if self.cached_features is not None:
+            self.cached_features.release(state.rid)
+
     def _release(self, state: State) -> None:
         state.seq.free()
         self.history.release(state.rid)
-        if self.drafter is not None:
-            self.drafter.release(state.rid)
+        self._forget(state)
         if self.router is not None:
             self.router.release(state)
 
@@ -229,10 +232,15 @@ class SpeculativeDecoder:
         return execute(self.target, self.pool, self.history, self.drafter, plan, drafts, offsets)
 
     def _admit(self, admitted: list[State]) -> None:
-        """Start newly admitted requests on their cached blocks (prefix caching)."""
+        """Start newly admitted requests on their cached blocks (prefix caching), and a feature
+        drafter's on those blocks' cached feature rows (passed as if prefilled)."""
         if self.prefix_caching:
+            cache = self.cached_features
             for state in admitted:
-                state.prefilled = state.seq.adopt(state.block_names(self.pool.allocator.block_size))
+                names = state.block_names(self.pool.allocator.block_size)
+                state.prefilled = state.seq.adopt(names if cache is None else names[:cache.leading(names)])
+                if cache is not None:
+                    state.features = cache.resume(state.rid, names[:len(state.seq.blocks)])
 
     def _finish_prefill(self, chunks: list[PrefillChunk]) -> None:
         """Commit the chunks' tokens to the KV; a request whose prompt is in starts decoding."""
@@ -277,16 +285,17 @@ class SpeculativeDecoder:
         self.steps += 1
         return out
 
-    @staticmethod
-    def _keep_prefill_hidden(plan: StepPlan, result: StepResult, completed: list[State]) -> None:
+    def _keep_prefill_hidden(self, plan: StepPlan, result: StepResult, completed: list[State]) -> None:
         """A prefill chunk's features (a feature drafter), or a completed prefill's last hidden state."""
         at, done = result.fed, set(map(id, completed))
-        for j, chunk in enumerate(plan.prefill):
-            at += chunk.num_tokens
+        for j, (s, n) in enumerate((chunk.state, chunk.num_tokens) for chunk in plan.prefill):
+            at += n
             if result.features:
-                chunk.state.features.append(result.hidden[at - chunk.num_tokens:at])
-            elif id(chunk.state) in done:
-                chunk.state.last_hidden = result.hidden[result.fed + j]
+                s.features.append(result.hidden[at - n:at])
+                if self.cached_features is not None:
+                    self.cached_features.add(s.rid, s.prefilled - n, s.features[-1], s.seq.hashes)
+            elif id(s) in done:
+                s.last_hidden = result.hidden[result.fed + j]
 
     def _commit(self, live: list[State], result: StepResult) -> None:
         """Host bookkeeping of the verify result: KV lengths, metrics, router, drafter, emission."""
@@ -315,6 +324,7 @@ class SpeculativeDecoder:
                 [row] + [row + 1 + int(n) for n in reads.nodes[i * max_k:i * max_k + accepted[i]]]
             if result.features:   # the rows that produced the accepted drafts and the bonus token
                 state.features.append(result.hidden[list(path)])
+                at = len(state.tokens) - 1
             else:
                 state.last_hidden = result.hidden[path[-1]]
             logprobs = None
@@ -328,6 +338,8 @@ class SpeculativeDecoder:
             if keep <= accepted[i]:   # a row on its path had no token left: the tokens from there are not valid
                 self._fail(state)
             state.seq.cache_full_blocks(state.tokens)
+            if self.cached_features is not None:
+                self.cached_features.add(state.rid, at, state.features[-1], state.seq.hashes)
 
     def _emit(self, state: State, new: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
         n0 = len(state.generated)
@@ -381,15 +393,3 @@ class SpeculativeDecoder:
             if t in s.req.stop_ids or len(s.generated) >= s.req.max_new_tokens:
                 s.done = True
                 return
-
-
-def prefix_caching(enable: bool | None, drafter) -> bool:
-    """Whether the target pool caches prefixes (see `SpeculativeDecoder`)."""
-    if enable is not None and not isinstance(enable, bool):
-        raise HalError(f"enable_prefix_caching: expected None, True or False, got {enable!r}")
-    reads_features = capabilities(drafter).features is not None
-    if enable and reads_features:
-        raise HalError("enable_prefix_caching: expected a drafter that does not read the target's features, got "
-                       f"{type(drafter).__name__} (it needs the features of every prompt position, which a cached "
-                       "prefix skips); pass False or None")
-    return (enable is not False) and not reads_features

@@ -34,11 +34,12 @@ def blocks_for(state: State, num_tokens: int) -> int:
 
 class Scheduler:
     """The request queues and the step policy. ``preempt`` is the engine's: it frees a
-    request's blocks, resets it and hands it back through `requeue`."""
+    request's blocks, resets it and hands it back through `requeue`. ``usable``: how many
+    leading cached blocks a request may start on (`hal.engine.prefix.Usable`; None: all)."""
 
     def __init__(self, allocator: kv.BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int | None,
-                 preempt: Callable[[State], None]):
-        self.allocator, self.max_num_seqs = allocator, max_num_seqs
+                 preempt: Callable[[State], None], usable: prefix.Usable | None = None):
+        self.allocator, self.max_num_seqs, self.usable = allocator, max_num_seqs, usable
         self.max_num_batched_tokens, self._preempt = max_num_batched_tokens, preempt
         self.waiting: deque[State] = deque()    # new and preempted requests, in priority order
         self.prefilling: list[State] = []       # admitted, prompt partly in the KV
@@ -101,7 +102,7 @@ class Scheduler:
         in_flight = prefix.pending(self.prefilling) if caching else set()
         while at < len(self.waiting) and len(self.running) + len(self.prefilling) < self.max_num_seqs:
             state = self.waiting[at]
-            hit, wait = prefix.lookup(state, self.allocator, in_flight) if caching else ([], False)
+            hit, wait = prefix.lookup(state, self.allocator, in_flight, self.usable) if caching else ([], False)
             if wait:      # a request in prefill is computing its next block: take it from the cache next step
                 at += 1
                 continue

@@ -113,6 +113,6 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
                          "other than eagle (ngram+eagle, eagle-tree, dspark) never draft ahead: they are scored at 0 "
                          "whatever this says")
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                    help="reuse the target KV of prompt blocks seen before (default: on, unless the drafter "
-                         "reads the target's features: an EAGLE head; --enable-prefix-caching then refuses)")
+                    help="reuse the target KV of prompt blocks seen before, and their target features for a "
+                         "drafter that reads them (default: on)")
 

@@ -170,7 +170,7 @@ def _engine(args, model, drafter, pool, metrics, grammar, profile_draft: bool, e
                            enable_prefix_caching=asked,
                            profile={"profile_draft": profile_draft, "progress": phases.bars}, **engine_kw)
     phases.say(f"prefix caching {'on' if dec.prefix_caching else 'off'}" + (
-        " (the drafter reads the target's features of every position)" if asked is None and not dec.prefix_caching
+        " (with the cached blocks' target features, which the drafter reads)" if dec.cached_features is not None
         else ""))
     return dec
 

@@ -102,17 +102,6 @@ def test_abort_mid_prefill_and_mid_decode_then_reuse(model):
     assert on.pool.allocator.num_free == on.pool.allocator.num_blocks
 
 
-def test_a_feature_drafter_turns_it_off_and_refuses_it_when_asked():
-    class Features:   # only its declared capability is read
-        features = ()
-    from hal.engine.decoder import prefix_caching
-    assert prefix_caching(None, None) and not prefix_caching(None, Features()) and not prefix_caching(False, None)
-    with pytest.raises(hal.HalError, match="enable_prefix_caching"):
-        prefix_caching(True, Features())
-    with pytest.raises(hal.HalError, match="enable_prefix_caching: expected None, True or False"):
-        prefix_caching("yes", None)
-
-
 def test_a_draft_models_pool_caches_the_prompt_too(model):
     """A draft model (the target's first layer) starts later requests on the blocks its own
     pool cached for the shared system turn (the target's names): the drafts, hence the
