@@ -143,7 +143,7 @@ class SpeculativeDecoder:
         if self.router is not None and result is not None:   # what a step with (or without) drafts really costs
             counts = result.drafts.counts
             self.router.observe_step(out.num_batched_tokens, sum(counts), max(counts, default=0),
-                                     time.perf_counter() - t0)
+                                     time.perf_counter() - t0, len(result.drafts.shadow))
         return out
 
     def generate(self, requests: list[Request]) -> list[list[int]]:

@@ -13,6 +13,11 @@ first draft against the step's own target row, as the emitted token (greedy) or 
 acceptance probability p(draft) (sampled), so measuring a request at k = 0 costs no verify.
 So a shadow drafter's request is drafted for only once its own first drafts have been
 measured (``evidence`` of them, scored or verified): the prior is never spent on a verify.
+Scoring is free for n-gram lookup but not for an EAGLE head (its feed and first draft: see
+docs/benchmarks.md, "Scoring a head's first drafts"), so its cost is measured (steps with scores only
+against steps with neither scores nor drafts) and a greedy request's first draft is scored
+every `Router.score_every` steps, all at once (the head then feeds the steps between in one
+ragged forward), as often as keeps that cost within ``SCORE_SHARE`` of the time.
 
 Non-anticipating: `Router.choose` runs before anything is drafted and reads only
 finished steps (EWMA acceptance), prompt and context lengths and the batch size, so
@@ -23,6 +28,7 @@ unchanged (tests/engine/test_router.py, with the DSpark counterexample).
 from __future__ import annotations
 
 import heapq
+import math
 import time
 from bisect import bisect_left
 from dataclasses import dataclass, field
@@ -33,6 +39,10 @@ from hal.engine.drafting import capabilities
 from hal.engine.requests import draft_room
 from hal.errors import arg_error
 from hal.models.progress import NoBar, bar as progress_bar
+
+
+SCORE_SHARE = 0.03   # scoring first drafts at k = 0 may cost this share of the steps' time (measured)
+QUIET = 8            # while scoring every step, every QUIET-th step scores nothing: a plain step to compare
 
 
 @dataclass
@@ -142,18 +152,21 @@ class Router:
         self.evidence = evidence if shadow else 0   # a shadow drafter's request drafts after this many measured
         self.measured: dict[object, int] = {}       # ... first drafts of its own (scored or verified)
         self.idle: dict[object, int] = {}
-        # measured step time over the cost model's, for steps without drafts [0] and with [1]
-        self.ratio, self.ratio_steps = [0.0, 0.0], [0, 0]
+        # measured step time over the cost model's: steps without drafts or scores [0], with drafts [1],
+        # with scored first drafts only [2]
+        self.ratio, self.ratio_steps = [0.0, 0.0, 0.0], [0, 0, 0]
+        self.steps = 0   # `choose` calls: the phase of `score_every`
 
-    def observe_step(self, fed: int, drafted: int, chain: int, seconds: float) -> None:
+    def observe_step(self, fed: int, drafted: int, chain: int, seconds: float, scored: int = 0) -> None:
         """A finished step's wall time: ``fed`` tokens in all (prefill too), ``drafted`` of
-        them drafts, the longest chain ``chain``. What drafting costs beyond the profiled
-        forward (verifying more rows, the drafter, its host work) shows as steps with drafts
-        running slower than the model says, relative to steps without (a busy machine slows
-        both alike); `draft_penalty` is that ratio."""
+        them drafts, the longest chain ``chain``, ``scored`` first drafts scored unverified.
+        What drafting costs beyond the profiled forward (verifying more rows, the drafter, its
+        host work) shows as steps with drafts running slower than the model says, relative to
+        steps without (a busy machine slows both alike); `draft_penalty` is that ratio, and
+        `score_every` follows from the same for steps that only scored."""
         predicted = self.costs.cost(max(fed, 1), 0, chain)
         if predicted > 0 and seconds > 0:
-            i = int(drafted > 0)
+            i = 1 if drafted > 0 else 2 if scored > 0 else 0
             a = 0.9 if self.ratio_steps[i] >= 8 else 1.0 - 1.0 / (self.ratio_steps[i] + 1)   # a mean, then an EWMA
             self.ratio[i] = a * self.ratio[i] + (1 - a) * seconds / predicted
             self.ratio_steps[i] += 1
@@ -165,6 +178,16 @@ class Router:
         if min(self.ratio_steps) < 4 or self.ratio[0] <= 0:
             return 1.0
         return max(1.0, self.ratio[1] / self.ratio[0])
+
+    @property
+    def score_every(self) -> int:
+        """Steps between scorings of a greedy request's first draft at k = 0: 1 while scoring is
+        unmeasured or as cheap as a plain step (n-gram lookup), else the fewest that keep its
+        measured extra cost within ``SCORE_SHARE`` of the time, at most ``probe_every``."""
+        if min(self.ratio_steps[0], self.ratio_steps[2]) < 4 or self.ratio[0] <= 0:
+            return 1
+        extra = self.ratio[2] / self.ratio[0] - 1
+        return max(1, min(self.probe_every or 1, math.ceil(extra / SCORE_SHARE - 1e-9)))
 
     def acceptance(self, rid) -> float:
         return self._blend(self.glob, self.per, rid, self.prior)
@@ -220,17 +243,22 @@ class Router:
 
     def _keep_learning(self, states, ks: list[int], caps: list[int], budget: int | None) -> None:
         """Requests at k = 0 keep being measured. A ``shadow`` drafter's first draft is scored by
-        the decoder without verifying it (`scored`): a greedy request's on every step, a sampled
-        one's when a probe is due or while it is not yet `_known`. Other drafters' idle requests
-        are probed with one verified draft every ``probe_every`` plain steps."""
-        self.scored = set()
+        the decoder without verifying it (`scored`): a greedy request's every `score_every` steps
+        (all at once; when that is every step, all but every ``QUIET``-th, a plain step that keeps
+        the comparison measured) and on any step that drafts for another request (the drafter
+        runs then anyway), a sampled one's when a probe is due, and any while not yet `_known`.
+        Other drafters' idle requests are probed with one verified draft every ``probe_every``
+        plain steps."""
+        self.scored, self.steps = set(), self.steps + 1
+        every = self.score_every
+        greedy = any(ks) or (self.steps % every == 0 if every > 1 else self.steps % QUIET != 0)
         for i, state in enumerate(states):
             rid = state.rid
             self.idle[rid] = 0 if ks[i] else self.idle.get(rid, 0) + 1
             if ks[i] or not caps[i]:
                 continue
             due = bool(self.probe_every) and self.idle[rid] >= self.probe_every
-            if self.shadow and (state.req.temperature == 0 or due or not self._known(rid)):
+            if self.shadow and ((state.req.temperature == 0 and greedy) or due or not self._known(rid)):
                 self.scored.add(rid)
                 if due:
                     self.idle[rid] = 0

@@ -21,7 +21,8 @@ PROBE_EVERY = 16   # a request at k = 0 is measured every this many plain steps 
 def make_router(costs: CostModel, drafter, max_k: int) -> Router:
     """The router over ``costs`` for ``drafter``, k capped at ``max_k``; a shadow-scored
     drafter (n-gram lookup) is never probed with a verified draft: its first draft is scored
-    for free, on every step of a greedy request and every ``PROBE_EVERY`` of a sampled one."""
+    unverified, on a greedy request's steps as often as its measured cost allows
+    (`Router.score_every`) and every ``PROBE_EVERY`` of a sampled one."""
     return Router(costs, max_k=max_k, probe_every=PROBE_EVERY, shadow=capabilities(drafter).shadow)
 
 

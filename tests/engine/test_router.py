@@ -145,7 +145,7 @@ def test_a_drafter_that_rarely_offers_is_not_asked_but_probed():
     Drafts it does offer are accepted at 0.9, but at an offer rate of 1 in 10 the expected gain
     (0.1 x 0.9 tokens for the first draft) is within the margin, so k goes to 0. A shadow-scored
     drafter's requests are then never verified at k > 0: the decoder scores a greedy one's first
-    draft on every step and a sampled one's every `probe_every` plain steps (`Router.scored`); a
+    draft on (nearly) every step and a sampled one's every `probe_every` plain steps (`Router.scored`); a
     drafter that cannot be scored has its sampled request probed with one verified draft."""
     costs = CostModel({1: 1.0, 2: 1.02, 9: 1.1, 64: 4.0})
     sampled, greedy = _S("t", temperature=0.7), _S("g")
@@ -164,7 +164,8 @@ def test_a_drafter_that_rarely_offers_is_not_asked_but_probed():
         ks.append(r.choose([sampled, greedy]))
         scored.append(sorted(r.scored))
     assert all(k == [0, 0] for k in ks), ks
-    assert scored == [["g"], ["g"], ["g"], ["g", "t"]] * 2, scored
+    # "g" every step but the QUIET-th (the router's 8th call: a plain step to compare); "t" when due
+    assert scored == [["g"], ["g"], ["g"], ["g", "t"], ["g"], ["g"], [], ["g", "t"]], scored
     assert [plain.choose([sampled, greedy])[0] for _ in range(8)] == [0, 0, 0, 1, 0, 0, 0, 1] and not plain.scored
     r.release(sampled)
     assert "t" not in r.offered
@@ -173,6 +174,36 @@ def test_a_drafter_that_rarely_offers_is_not_asked_but_probed():
         always.observe_offers([sampled], [8], [8])
         always.observe([sampled], [8], [7])
     assert always.choose([sampled])[0] >= 4
+
+
+def test_scoring_that_costs_is_spread_over_steps_and_free_scoring_is_not():
+    """Scoring measured at 15% over a plain step (an EAGLE head's feed and first draft): greedy
+    requests at k = 0 are scored together every 5th step (15% / SCORE_SHARE); at 1% (n-gram
+    lookup) on every step but every QUIET-th; unmeasured, like the latter. A probe that falls due
+    is scored whatever the phase, and a step that drafts for one request scores the others."""
+    from hal.engine.router import QUIET
+    costs = CostModel({1: 1.0, 2: 2.0, 9: 9.0})   # drafts never pay: k = 0 throughout
+    plain = costs.cost(2, 0, 0)
+    for extra, every, want in ((0.15, 5, [0, 0, 0, 0, 2, 0, 0, 0, 0, 2, 0, 0, 0, 0, 2, 2]),
+                               (0.01, 1, [2] * 7 + [0] + [2] * 8)):
+        r = Router(costs, max_k=4, shadow=True, evidence=0, probe_every=2 * QUIET)
+        assert r.score_every == 1
+        for _ in range(4):
+            r.observe_step(2, 0, 0, plain)
+            r.observe_step(2, 0, 0, (1 + extra) * plain, scored=2)
+        assert r.score_every == every
+        seen = []
+        for _ in range(2 * QUIET):
+            assert r.choose([_S("a"), _S("b")]) == [0, 0]
+            seen.append(len(r.scored))
+        assert seen == want, (extra, seen)
+    r = Router(CostModel({1: 1.0, 2: 1.5, 9: 5.0, 64: 40.0}), max_k=4, shadow=True, evidence=0)   # pays at a > 0.5
+    r.steps, r.ratio, r.ratio_steps = 1, [1.0, 0.0, 1.5], [8, 0, 8]   # scoring measured dear: every 16th step
+    good, poor = _S("good"), _S("poor")
+    for _ in range(20):
+        r.observe([good], [4], [4])
+        r.observe_scores([poor], [0.0])
+    assert r.choose([good, poor])[0] > 0 and r.scored == {"poor"}
 
 
 def test_a_shadow_drafters_request_is_measured_before_the_prior_buys_a_verify():
