@@ -1,8 +1,9 @@
-"""Ad hoc: the EAGLE head routed, its greedy first drafts at k = 0 scored on every step (the rule
-before stop 59) against every `Router.score_every` steps (measured), with plain decoding, on the
-open prompts of benchmarks/defaults.py at batch 1 and 4, modes interleaved batch by batch.
+"""Ad hoc: a drafter routed under the rules before stop 59 ("before": a shadow drafter's greedy
+first drafts at k = 0 scored on every step, other drafters' idle requests probed every 16 steps)
+against the measured ones (`Router.score_every`, `Router._probe_interval`), with plain decoding,
+on the open prompts of benchmarks/defaults.py, modes interleaved batch by batch.
 
-    python benchmarks/probes/route_score_measured.py [--rounds 3] [--batches 1,4]
+    python benchmarks/probes/route_score_measured.py [--rounds 3] [--batches 1,4] [--draft eagle]
 """
 import argparse
 import sys
@@ -25,9 +26,13 @@ from hal.models.machine import machine_line  # noqa: E402
 from hal.models.tokenizer import chatml  # noqa: E402
 
 
-class EveryStep(routing.Router):
-    """The rule before stop 59: a greedy request at k = 0 scored on every step."""
+class Before(routing.Router):
+    """The rules before stop 59: a greedy request at k = 0 scored on every step (with QUIET set out
+    of reach), an idle one probed every ``probe_every`` steps."""
     score_every = property(lambda self: 1)
+
+    def _probe_interval(self, states, ks, caps):
+        return self.probe_every
 
 
 def main() -> None:
@@ -44,10 +49,10 @@ def main() -> None:
     decs["measured"] = build_engine(target, make_drafter(parse_draft(args.draft), target.be, target, "smollm2-135m"),
                                     k=7, route=True)
     costs = decs["measured"].router.costs
-    decs["every step"] = build_engine(target, make_drafter(parse_draft(args.draft), target.be, target,
+    decs["before"] = build_engine(target, make_drafter(parse_draft(args.draft), target.be, target,
                                                            "smollm2-135m"), k=7, route=True, costs=costs)
-    old = decs["every step"].router
-    decs["every step"].router = EveryStep(costs, max_k=old.max_k, probe_every=old.probe_every, shadow=old.shadow)
+    old = decs["before"].router
+    decs["before"].router = Before(costs, max_k=old.max_k, probe_every=old.probe_every, shadow=old.shadow)
     print(machine_line(target.plan))
     for b in map(int, args.batches.split(",")):
         tot = {n: [0, 0.0] for n in decs}
@@ -55,7 +60,7 @@ def main() -> None:
         for r in range(args.rounds):
             for i in range(0, len(ids), b):
                 for name, dec in decs.items():
-                    routing.QUIET = 10 ** 9 if name == "every step" else 8
+                    routing.QUIET = 10 ** 9 if name == "before" else 8
                     t = time.perf_counter()
                     got = dec.generate([Request(p, max_new_tokens=64, k=0 if name == "plain" else 7, stop_ids=stop)
                                         for p in ids[i:i + b]])

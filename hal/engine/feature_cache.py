@@ -80,7 +80,7 @@ class FeatureCache:
                 self._put(names[b], whole[b * bs - at:(b + 1) * bs - at].clone())
             self._used.setdefault(rid, []).extend(names[first:last])
             self._refresh(names[:last])
-            at, tail = last * bs, [whole[last * bs - at:]]
+            at, tail = last * bs, [whole[last * bs - at:].clone()]   # not a view that keeps the chunk alive
         self._tails[rid] = (at, tail)
 
     def release(self, rid: int) -> None:

@@ -17,7 +17,7 @@ Scoring is free for n-gram lookup but not for an EAGLE head (its feed and first 
 docs/benchmarks.md, "Scoring a head's first drafts"), so its cost is measured (steps with scores only
 against steps with neither scores nor drafts) and a greedy request's first draft is scored
 every `Router.score_every` steps, all at once (the head then feeds the steps between in one
-ragged forward), as often as keeps that cost within ``SCORE_SHARE`` of the time.
+ragged forward), as often as keeps that cost within ``LEARN_SHARE`` of the time.
 
 Non-anticipating: `Router.choose` runs before anything is drafted and reads only
 finished steps (EWMA acceptance), prompt and context lengths and the batch size, so
@@ -41,7 +41,7 @@ from hal.errors import arg_error
 from hal.models.progress import NoBar, bar as progress_bar
 
 
-SCORE_SHARE = 0.03   # scoring first drafts at k = 0 may cost this share of the steps' time (measured)
+LEARN_SHARE = 0.03   # keeping requests at k = 0 measured (scores, probes) may cost this share of the time
 QUIET = 8            # while scoring every step, every QUIET-th step scores nothing: a plain step to compare
 
 
@@ -183,11 +183,11 @@ class Router:
     def score_every(self) -> int:
         """Steps between scorings of a greedy request's first draft at k = 0: 1 while scoring is
         unmeasured or as cheap as a plain step (n-gram lookup), else the fewest that keep its
-        measured extra cost within ``SCORE_SHARE`` of the time, at most ``probe_every``."""
+        measured extra cost within ``LEARN_SHARE`` of the time, at most ``probe_every``."""
         if min(self.ratio_steps[0], self.ratio_steps[2]) < 4 or self.ratio[0] <= 0:
             return 1
         extra = self.ratio[2] / self.ratio[0] - 1
-        return max(1, min(self.probe_every or 1, math.ceil(extra / SCORE_SHARE - 1e-9)))
+        return max(1, min(self.probe_every or 1, math.ceil(extra / LEARN_SHARE - 1e-9)))
 
     def acceptance(self, rid) -> float:
         return self._blend(self.glob, self.per, rid, self.prior)
@@ -247,9 +247,10 @@ class Router:
         (all at once; when that is every step, all but every ``QUIET``-th, a plain step that keeps
         the comparison measured) and on any step that drafts for another request (the drafter
         runs then anyway), a sampled one's when a probe is due, and any while not yet `_known`.
-        Other drafters' idle requests are probed with one verified draft every ``probe_every``
+        Other drafters' idle requests are probed with one verified draft every `_probe_interval`
         plain steps."""
         self.scored, self.steps = set(), self.steps + 1
+        interval = self.probe_every if self.shadow else self._probe_interval(states, ks, caps)
         every = self.score_every
         greedy = any(ks) or (self.steps % every == 0 if every > 1 else self.steps % QUIET != 0)
         for i, state in enumerate(states):
@@ -257,13 +258,26 @@ class Router:
             self.idle[rid] = 0 if ks[i] else self.idle.get(rid, 0) + 1
             if ks[i] or not caps[i]:
                 continue
-            due = bool(self.probe_every) and self.idle[rid] >= self.probe_every
+            due = bool(self.probe_every) and self.idle[rid] >= interval
             if self.shadow and ((state.req.temperature == 0 and greedy) or due or not self._known(rid)):
                 self.scored.add(rid)
                 if due:
                     self.idle[rid] = 0
             elif due and (budget is None or len(states) + sum(ks) < budget):
                 ks[i], self.idle[rid] = 1, 0
+
+    def _probe_interval(self, states, ks: list[int], caps: list[int]) -> int:
+        """Plain steps between verified probes of an idle request: ``probe_every``, or up to four
+        times that where the cost model says the idle requests' probes (one more fed token and a
+        draft each, once per interval) would cost more than ``LEARN_SHARE`` of the time: on an
+        AVX2-only CPU a verified draft at batch 4 costs a third of a step."""
+        idle = sum(1 for k, cap in zip(ks, caps) if cap and not k)
+        fed, top = len(states) + sum(ks), max(ks, default=0)
+        base = self.costs.cost(fed, 0, top)
+        if not self.probe_every or not idle or base <= 0:
+            return self.probe_every
+        extra = self.costs.cost(fed + 1, 0, max(top, 1)) - base
+        return max(self.probe_every, min(4 * self.probe_every, math.ceil(idle * extra / (LEARN_SHARE * base))))
 
     def _known(self, rid) -> bool:
         """Whether a request has been measured enough to be drafted for (always, but for a shadow drafter's)."""

@@ -131,13 +131,24 @@ def test_router_follows_acceptance_and_respects_caps():
     assert Router(costs, max_k=0).choose([hi]) == [0]
 
 
-def test_idle_requests_are_probed():
-    r = Router(CostModel({1: 1.0, 2: 1.5}), max_k=4, probe_every=4)
+def test_idle_requests_are_probed_as_often_as_the_probes_cost_allows():
+    """A cheap probe (one more fed token costs 0.1% of a step): every ``probe_every`` plain steps.
+    Dear ones (4 idle requests, each probe a quarter of a step, as a verified draft at batch 4 on
+    an AVX2-only CPU costs): every ceil(4 x 1 / (LEARN_SHARE x 4)) = 34 steps, at most 4 x probe_every."""
+    r = Router(CostModel({1: 1.0, 2: 1.001}), max_k=4, probe_every=4)
     s = _S("x")
     for _ in range(10):
         r.observe([s], [4], [0])
     ks = [r.choose([s])[0] for _ in range(8)]
     assert ks == [0, 0, 0, 1, 0, 0, 0, 1]
+    dear = CostModel({1: 1.0, 4: 4.0, 5: 5.0, 9: 9.0})
+    for every, want in ((16, 34), (4, 16)):
+        r = Router(dear, max_k=4, probe_every=every)
+        batch = [_S(f"r{i}") for i in range(4)]
+        for _ in range(10):
+            r.observe(batch, [4] * 4, [0] * 4)
+        probes = [i for i in range(1, 81) if any(r.choose(batch))]
+        assert probes[:2] == [want, 2 * want], (every, probes)
 
 
 def test_a_drafter_that_rarely_offers_is_not_asked_but_probed():
