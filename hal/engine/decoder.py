@@ -75,6 +75,7 @@ class SpeculativeDecoder:
                            f"(every running request feeds at least one token), got {max_num_batched_tokens!r}")
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.pool.allocator.caching = self.prefix_caching = prefix.enabled(enable_prefix_caching)
+        feature_cache.bound(feature_cache_bytes)
         a = self.pool.allocator
         self.cached_features = feature_cache.FeatureCache(a.block_size, a.num_blocks, feature_cache_bytes,
                                                           lambda name: bool(a.match([name]))) \

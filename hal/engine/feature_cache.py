@@ -25,7 +25,16 @@ from typing import Callable, Sequence as Seq
 import torch
 from torch import Tensor
 
+from hal.errors import arg_error
+
 CACHE_BYTES = 256 << 20   # the default bound on cached feature rows (256 MiB)
+
+
+def bound(max_bytes) -> int:
+    """``max_bytes`` checked: an int >= 0 (`HalError` naming ``feature_cache_bytes`` otherwise)."""
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+        raise arg_error("feature_cache_bytes", "an int >= 0 (bytes of cached feature rows)", max_bytes)
+    return max_bytes
 
 
 class FeatureCache:

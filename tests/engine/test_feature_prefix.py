@@ -147,7 +147,10 @@ def test_the_feature_cache_keeps_whole_named_blocks():
     assert c.leading([b"z"]) == 0 and c.leading([b"a", b"b"]) == 2 and len(c) == 3
 
 
-def test_enabled():
+def test_bad_switches_and_bounds_are_refused(model):
     assert prefix.enabled(None) and prefix.enabled(True) and not prefix.enabled(False)
     with pytest.raises(hal.HalError, match="enable_prefix_caching: expected None, True or False"):
         prefix.enabled("yes")
+    for bad in (-1, 1.5, True, "1"):
+        with pytest.raises(hal.HalError, match="feature_cache_bytes: expected an int >= 0"):
+            SpeculativeDecoder(model, None, num_blocks=8, block_size=BS, feature_cache_bytes=bad)
