@@ -32,6 +32,7 @@ class ModelMemory:
     ffn: int
     vocab: int
     kv_dtype: torch.dtype = torch.float32
+    feature_bytes: int = 0   # per position: the target features a prefix-cached block keeps (`hal.engine.feature_cache`)
 
     @classmethod
     def of(cls, model, name: str, share_weights_with=None) -> "ModelMemory":
@@ -53,6 +54,10 @@ class ModelMemory:
 
     def kv_bytes_per_token(self) -> int:
         return 2 * self.layers * self.kv_heads * self.head_dim * torch.empty(0, dtype=self.kv_dtype).element_size()
+
+    def token_bytes(self) -> int:
+        """What a pool position costs: its KV, plus the feature rows kept with it."""
+        return self.kv_bytes_per_token() + self.feature_bytes
 
 
 @dataclass
@@ -92,7 +97,8 @@ class Plan:
             lines.append(f"{d.device}: budget {d.budget / GiB:.2f} GiB = weights {d.weights / GiB:.3f} + KV "
                          f"{d.kv / GiB:.3f} + headroom {d.headroom / GiB:.3f} + free {(d.budget - d.total) / GiB:.3f}")
         for name, p in self.pools.items():
-            lines.append(f"{name} KV: {p.num_blocks} blocks x {p.block_size} tokens on {p.side.device} "
+            feats = " (with their cached target features)" if p.mem.feature_bytes else ""
+            lines.append(f"{name} KV: {p.num_blocks} blocks x {p.block_size} tokens{feats} on {p.side.device} "
                          f"({p.side.backend.name}); holds {self.capacity[name]} sequences x {self.max_context} tokens")
         lines.append(f"max concurrent sequences x context: {min(self.capacity.values())} x {self.max_context}")
         return "\n".join(lines)
@@ -162,7 +168,7 @@ def plan_memory(target: ModelMemory | None, target_side, draft: ModelMemory | No
             raise arg_error(f"block_size[{name!r}]", f"{be.spec.block_sizes} for backend {be.name}", bs)
         d.weights += mem.weight_bytes
         d.headroom = max(d.headroom, headroom_bytes(mem, tokens, tokens if name == "target" else max_seqs))
-        pools[name] = PoolPlan(name, side, bs, 0, bs * mem.kv_bytes_per_token(), mem)
+        pools[name] = PoolPlan(name, side, bs, 0, bs * mem.token_bytes(), mem)
     for d in devices.values():
         d.headroom += extra_headroom
         if d.weights + d.headroom > d.budget:
@@ -184,7 +190,7 @@ def plan_memory(target: ModelMemory | None, target_side, draft: ModelMemory | No
     if fits < max_seqs:
         worst = min(capacity, key=capacity.get)
         d = devices[str(pools[worst].side.device)]
-        per_token = sum(p.mem.kv_bytes_per_token() for p in pools.values() if str(p.side.device) == d.device)
+        per_token = sum(p.mem.token_bytes() for p in pools.values() if str(p.side.device) == d.device)
         ctx_fit = max(0, (d.budget - d.weights - d.headroom) // (max_seqs * per_token) - max_k - 1)
         raise HalError(f"memory plan on {d.device}: expected room for max_seqs={max_seqs} x max_context={max_context} "
                        f"({need_blocks[worst]} KV blocks of {pools[worst].block_size} tokens per {worst} sequence), "

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch.distributed as dist
 
@@ -123,8 +123,9 @@ def _target_rank(args, me: Rank, max_seqs: int, engine_kw: dict, phases: Phases)
     phases.say(f"linear plan: {plan.describe()} ({'cached' if choice.from_cache else 'now'}; "
                f"{choice.conditions()})")
     with phases("memory plan"):
-        mplan = memory_plan(args, ModelMemory.from_config(cfg, "target", kv_dtype=plan.dtype), target_side,
-                            dmem, draft_side, max_seqs)
+        tmem = replace(ModelMemory.from_config(cfg, "target", kv_dtype=plan.dtype),
+                       feature_bytes=_feature_bytes(args, spec, cfg))
+        mplan = memory_plan(args, tmem, target_side, dmem, draft_side, max_seqs)
         pool = mplan.allocate("target")  # nothing was allocated before the plan passed
     with phases(f"load {args.model}"):
         model, tok = load_model(me.path, target_side.backend, plan=plan)
@@ -144,6 +145,16 @@ def _target_rank(args, me: Rank, max_seqs: int, engine_kw: dict, phases: Phases)
     dec = _engine(args, model, drafter, pool, metrics, grammar_compiler(tok, model.cfg, phases.say), inline,
                   engine_kw, phases)
     return Target(dec, tok, world, me.rv.backend if world == 2 else None, target_side)
+
+
+def _feature_bytes(args, spec, cfg) -> int:
+    """Bytes per target position that the feature cache keeps (`hal.engine.feature_cache`): one float32
+    row per tap of a drafter that reads the target's features, with prefix caching on; else 0."""
+    from hal.drafters.kinds import feature_layers
+    taps = feature_layers(spec, args.model, cfg.layers)
+    if taps is None or getattr(args, "enable_prefix_caching", None) is False:
+        return 0
+    return max(1, len(taps)) * cfg.hidden * 4
 
 
 def _threaded(args, spec, drafter, vocab: int, target_side, draft_side, metrics, phases: Phases):

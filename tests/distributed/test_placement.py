@@ -80,6 +80,33 @@ def test_plan_accounts_for_weights_kv_and_headroom():
     assert pool.k[0].shape == (plan.pools["target"].num_blocks, 16, 3, 64) and len(pool.k) == 30
 
 
+def test_a_feature_drafters_cached_rows_are_planned_with_the_target_kv():
+    """With a drafter that reads the target's features and prefix caching on, each target position
+    also keeps its feature rows (`hal.engine.feature_cache`): the plan counts them, so the same
+    budget holds fewer blocks, and the report says so; the start-up computes the bytes from the
+    drafter's taps without loading it."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+    from hal.drafters.kinds import parse_draft
+    from hal.launch.start import _feature_bytes
+    from hal.models.loaders import read_config
+    from hal.models.fetch import fetch
+    cpu = resolve_side("cpu")
+    feats = replace(SMOL, feature_bytes=3 * 576 * 4)
+    a, b = (plan_memory(m, cpu, max_seqs=4, max_context=1024, budget_bytes={"cpu": 2 * GiB}, fill=True)
+            for m in (SMOL, feats))
+    kv = 2 * 30 * 3 * 64 * 4
+    assert b.pools["target"].block_bytes == 16 * (kv + 3 * 576 * 4) and b.devices["cpu"].total <= 2 * GiB
+    assert b.pools["target"].num_blocks < a.pools["target"].num_blocks
+    assert "with their cached target features" in b.report() and "features" not in a.report()
+    cfg = read_config(fetch("smollm2-135m"))
+    args = lambda caching: SimpleNamespace(model="smollm2-135m", enable_prefix_caching=caching)  # noqa: E731
+    assert _feature_bytes(args(None), parse_draft("dspark"), cfg) == 3 * 576 * 4   # taps 1/16/29
+    assert _feature_bytes(args(None), parse_draft("eagle"), cfg) == 576 * 4        # the last hidden state
+    assert _feature_bytes(args(False), parse_draft("eagle"), cfg) == 0
+    assert _feature_bytes(args(None), parse_draft("ngram"), cfg) == 0
+
+
 def test_plan_refusals_say_what_to_change():
     cpu = resolve_side("cpu")
     with pytest.raises(hal.HalError, match=r"expected a budget in bytes \(budget_bytes=\{'cpu': \.\.\.\}\)"):
