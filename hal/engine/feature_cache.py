@@ -20,6 +20,7 @@ Glossary:
 from __future__ import annotations
 
 from collections import OrderedDict
+from itertools import islice
 from typing import Callable, Sequence as Seq
 
 import torch
@@ -28,6 +29,7 @@ from torch import Tensor
 from hal.errors import arg_error
 
 CACHE_BYTES = 256 << 20   # the default bound on cached feature rows (256 MiB)
+STALE_SCAN = 64           # a full cache looks this far into the least recently used for rows of evicted KV blocks
 
 
 def bound(max_bytes) -> int:
@@ -108,9 +110,9 @@ class FeatureCache:
             return
         self._rows[name] = rows
         self.bytes += rows.nbytes
-        if len(self._rows) > self.max_blocks or self.bytes > self.max_bytes:   # rows of evicted KV blocks first
-            for old in [n for n in self._rows if n != name and not self.cached(n)]:
-                self._drop(old)
+        if len(self._rows) > self.max_blocks or self.bytes > self.max_bytes:   # rows of evicted KV blocks first,
+            for old in [n for n in islice(self._rows, STALE_SCAN) if n != name and not self.cached(n)]:
+                self._drop(old)                                                  # among the least recently used
         while len(self._rows) > self.max_blocks or self.bytes > self.max_bytes:
             self._drop(next(iter(self._rows)))
 

@@ -306,7 +306,7 @@ def test_the_shipped_block_drafter_is_checked_and_named():
 def test_bad_taps_are_refused_by_the_cli(bad):
     import argparse
 
-    from hal.cli import taps_flag
+    from hal.training.command import taps_flag
     with pytest.raises(argparse.ArgumentTypeError, match="expected"):
         taps_flag(bad)
     assert taps_flag("1,16,29") == (1, 16, 29) and taps_flag("1,16,30") == (1, 16, 30)

@@ -1,0 +1,67 @@
+"""``spec-hal train-head``: its flags and the command (an EAGLE head, or a DSpark block drafter,
+trained by self-distillation); `hal.cli` adds the subcommand."""
+
+from __future__ import annotations
+
+import argparse
+
+from hal.launch.flags import bounded
+
+
+def taps_flag(value: str) -> tuple[int, ...]:
+    """``--taps``: comma-separated target layers, each one of the layers the block drafter's data records."""
+    from hal.training.block_data import CANDIDATE_TAPS
+    try:
+        taps = tuple(int(v) for v in value.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {value!r}") from None
+    if not taps or list(taps) != sorted(set(taps)) or any(t not in CANDIDATE_TAPS for t in taps):
+        raise argparse.ArgumentTypeError(f"expected increasing layers of {list(CANDIDATE_TAPS)}, got {value!r}")
+    return taps
+
+
+def cmd_train_head(args) -> int:
+    from pathlib import Path
+
+    from hal.training.train import build_data, train
+    if args.kind == "dspark":
+        from hal.training.block_train import run
+        out = Path(args.out or f"{Path(args.model).stem}-dspark")
+        s = run(args.model, out, args.minutes, block=args.block, layers=args.layers, taps=args.taps, rank=args.rank,
+                draft_size=args.draft_vocab, seed=args.seed, max_new_tokens=args.max_new_tokens, limit=args.limit,
+                batch=args.batch, lr=args.lr, distill=args.distill, direct=args.direct)
+        print(f"block drafter written to {out}/ (model.safetensors, config.json, loss.png, train.json): "
+              f"{s['steps']} steps, validation tau {s['val']['tau']:.3f}, top-1 {s['val']['top1']:.3f}")
+        return 0
+    data = build_data(args.model, args.max_new_tokens, args.limit)
+    out = Path(args.out or f"{Path(args.model).stem}-eagle")
+    summary = train(args.model, out, args.minutes, args.draft_vocab, batch=args.batch, lr=args.lr, seed=args.seed,
+                    data=data)
+    print(f"head written to {out}/ (model.safetensors, config.json, loss.png, train.json): "
+          f"{summary['steps']} steps, {summary['epochs']} epochs, validation top-1 {summary['val_top1']:.3f}")
+    return 0
+
+
+def add_train_head(sub) -> None:
+    """The ``train-head`` subcommand's flags."""
+    th = sub.add_parser("train-head", help="train an EAGLE head or a DSpark block drafter by self-distillation "
+                                           "(CPU; needs tqdm and matplotlib: pip install 'spec-hal[train]')")
+    th.add_argument("--kind", choices=("eagle", "dspark"), default="eagle",
+                    help="eagle: a one-layer EAGLE head; dspark: a block drafter (data cached under $HAL_CACHE/dspark)")
+    th.add_argument("--block", type=bounded(int, 2, 64), default=8, help="dspark: the block size B (B - 1 proposals)")
+    th.add_argument("--layers", type=bounded(int, 1, 8), default=2, help="dspark: draft layers")
+    th.add_argument("--taps", type=taps_flag, default=(1, 8, 16, 24, 29),  # the layer count: the last layer's output
+                    help="dspark: increasing target layers (of block_data.CANDIDATE_TAPS) whose inputs are features")
+    th.add_argument("--rank", type=bounded(int, 1, 512), default=32, help="dspark: the Markov head's rank")
+    th.add_argument("--direct", action="store_true", help="dspark: mask rows also read [anchor, last context feature]")
+    th.add_argument("--distill", type=bounded(float, 0.0, 1.0), default=0.0,
+                    help="dspark: the cross-entropy's share against the target's soft labels, not its greedy token")
+    th.add_argument("--model", default="smollm2-135m", help="a fetchable name or a .gguf path")
+    th.add_argument("--minutes", type=float, default=40.0, help="training time (data made first, cached in $HAL_CACHE)")
+    th.add_argument("--out", help="output folder (default: <model>-eagle or <model>-dspark)")
+    th.add_argument("--draft-vocab", type=int, default=8192, help="the head's vocabulary: the N most frequent ids")
+    th.add_argument("--max-new-tokens", type=int, default=128, help="response length when generating the data")
+    th.add_argument("--limit", type=int, help="only the first N prompts (a quick run)")
+    th.add_argument("--batch", type=int, default=8, help="sequences per step")
+    th.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW; warm-up, then cosine)")
+    th.add_argument("--seed", type=int, default=0)
