@@ -9,6 +9,7 @@ then the confidence cut over the profiled costs). Batch 1 runs the prompts one a
 batch 4 runs four at once (the cut must not verify more than pays when the batch grows).
 
     python benchmarks/dspark.py [--rounds 2] [--max-tokens 64] [--batches 1,4] [--block FOLDER]
+                                [--compare FOLDER ...] [--quick]
 """
 
 from __future__ import annotations
@@ -35,17 +36,23 @@ from hal.models.tokenizer import chatml  # noqa: E402
 COPY = [p for _, kind, p in PROMPTS if kind == "copy"]
 
 
-def engines(target, block: str | None):
-    """name -> engine; a routed engine profiles its costs (its drafter's included) in its own pool."""
+def engines(target, block: str | None, compare: list[str], quick: bool):
+    """name -> engine; a routed engine profiles its costs (its drafter's included) in its own pool.
+    ``compare``: more block drafter folders, each routed; ``quick``: no EAGLE head, no fixed block."""
     be = target.be
     dspark = parse_draft(f"dspark:{block}" if block else "dspark")
     out = {"plain": build_engine(target, None)}
-    out["eagle routed"] = build_engine(target, make_drafter(parse_draft("eagle"), be, target, "smollm2-135m"), k=7,
-                                       route=True)
     fixed = make_drafter(dspark, be, target, "smollm2-135m")
-    out[f"dspark fixed k={fixed.model.proposals}"] = build_engine(target, fixed, k=fixed.model.proposals)
+    if not quick:
+        out["eagle routed"] = build_engine(target, make_drafter(parse_draft("eagle"), be, target, "smollm2-135m"),
+                                           k=7, route=True)
+        out[f"dspark fixed k={fixed.model.proposals}"] = build_engine(target, fixed, k=fixed.model.proposals)
     out["dspark routed"] = build_engine(target, make_drafter(dspark, be, target, "smollm2-135m"),
                                         k=fixed.model.proposals, route=True)
+    for folder in compare:
+        other = make_drafter(parse_draft(f"dspark:{folder}"), be, target, "smollm2-135m")
+        out[f"dspark routed ({Path(folder).name})"] = build_engine(target, other, k=other.model.proposals,
+                                                                  route=True)
     return out
 
 
@@ -61,11 +68,14 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--block", help="a block drafter folder (default: the shipped one)")
+    ap.add_argument("--compare", action="append", default=[], metavar="FOLDER",
+                    help="another block drafter folder, routed beside the first (repeatable)")
+    ap.add_argument("--quick", action="store_true", help="plain and routed block drafters only")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     torch.set_num_threads(2)
     target, tok = load_model("smollm2-135m", hal.get_backend("cpu"), "auto")
-    decs = engines(target, args.block)
+    decs = engines(target, args.block, args.compare, args.quick)
     stop = target.cfg.stop_ids
     traffic = {"open": [tok.encode(chatml(p)).ids for p in OPEN], "copy": [tok.encode(chatml(p)).ids for p in COPY]}
     batches = [int(b) for b in args.batches.split(",")]
@@ -80,7 +90,8 @@ def main() -> None:
                         cell[0], cell[1] = cell[0] + n, cell[1] + s
     lines = ["# DSpark block drafting: open-ended and copy-heavy prompts, greedy", "",
              f"`python benchmarks/dspark.py --rounds {args.rounds} --max-tokens {args.max_tokens} "
-             f"--batches {args.batches}`; {machine_line(target.plan)}; {time.strftime('%Y-%m-%d')}.", "",
+             f"--batches {args.batches}" + "".join(f" --compare {c}" for c in args.compare)
+             + (" --quick" if args.quick else "") + f"`; {machine_line(target.plan)}; {time.strftime('%Y-%m-%d')}.", "",
              "| traffic | batch | engine | tokens | tok/s | vs plain | tokens/step | acceptance |",
              "|---|---:|---|---:|---:|---:|---:|---:|"]
     for (kind, b, name), (n, s) in totals.items():

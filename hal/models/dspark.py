@@ -245,7 +245,7 @@ def load_block(folder: str | Path, target: Llama, backend=None, device=None) -> 
 
 
 SHIPPED = {   # model name -> (folder under hal/models/heads, sha256 of its model.safetensors)
-    "smollm2-135m": ("smollm2-135m-dspark", "c08140f90a100c0d1296aaa1619bf97d9cb7763162a448fbf3bea066e38ccc2e"),
+    "smollm2-135m": ("smollm2-135m-dspark", "49317aa035b19f0a722350179b45c4fe449412cd537209faa4e6fcbfe5e79bee"),
 }
 
 

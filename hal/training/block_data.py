@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 from hal.errors import HalError
 
@@ -64,10 +65,6 @@ def tapped(model: str, blob: dict, target=None, batch: int = 8) -> list[torch.Te
     the plain one (batched attention, not the batch-invariant path: a prefill of hundreds of rows
     through the invariant attention costs seconds per sequence); a drafter trains on features
     that differ from the engine's by rounding only."""
-    from tqdm import tqdm
-
-    from hal import kv
-    from hal.engine.forward import forward_tokens
     path = cache_paths(model)[1]
     seqs = blob["ids"]
     if path.exists():
@@ -75,6 +72,17 @@ def tapped(model: str, blob: dict, target=None, batch: int = 8) -> list[torch.Te
         if isinstance(cached, dict) and cached["taps"] == CANDIDATE_TAPS and len(cached["feats"]) >= len(seqs):
             return cached["feats"]
     target, _ = load_target(model, target, None)
+    out = record(target, seqs, batch)
+    _save({"taps": CANDIDATE_TAPS, "feats": out}, path)
+    return out
+
+
+def record(target, seqs: list[list[int]], batch: int = 8) -> list[torch.Tensor]:
+    """`tapped`'s features of ``seqs`` by ``target``, not cached."""
+    from tqdm import tqdm
+
+    from hal import kv
+    from hal.engine.forward import forward_tokens
     inv, target.batch_invariant = target.batch_invariant, False
     out = []
     try:
@@ -93,8 +101,19 @@ def tapped(model: str, blob: dict, target=None, batch: int = 8) -> list[torch.Te
                 bar.update(len(part))
     finally:
         target.batch_invariant = inv
-    _save({"taps": CANDIDATE_TAPS, "feats": out}, path)
     return out
+
+
+def block_targets(ids: Tensor, anchors: Tensor, lengths: Tensor, B: int, to_draft: Tensor):
+    """(previous tokens [S, N, B-1], draft-vocabulary labels [S, N, B-1] (-1: outside it), valid
+    positions [S, N, B-1]) of each block."""
+    j = torch.arange(1, B)
+    at = anchors[:, :, None] + j                                     # positions proposed
+    valid = at < lengths[:, None, None]
+    safe = at.clamp(max=ids.shape[1] - 1)
+    S = ids.shape[0]
+    flat = lambda t: ids.gather(1, t.reshape(S, -1)).view_as(t)  # noqa: E731
+    return flat(safe - 1), to_draft[flat(safe)], valid
 
 
 def load_target(model: str, target, tok):

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from hal.errors import HalError
-from hal.models.dspark import LINEAR, BlockConfig
+from hal.models.dspark import BlockConfig
+from hal.training.block_data import block_targets
 
 DECAY = 4.0   # position j's loss weight exp(-(j - 1) / DECAY)
 
@@ -116,18 +117,6 @@ class BlockTrain(torch.nn.Module):
         return h @ self.w("conf")[:-1] + top * self.w("conf")[-1] + self.w("conf_bias")
 
 
-def block_targets(ids: Tensor, anchors: Tensor, lengths: Tensor, B: int, to_draft: Tensor):
-    """(previous tokens [S, N, B-1], draft-vocabulary labels [S, N, B-1] (-1: outside it), valid
-    positions [S, N, B-1]) of each block."""
-    j = torch.arange(1, B)
-    at = anchors[:, :, None] + j                                     # positions proposed
-    valid = at < lengths[:, None, None]
-    safe = at.clamp(max=ids.shape[1] - 1)
-    S = ids.shape[0]
-    flat = lambda t: ids.gather(1, t.reshape(S, -1)).view_as(t)  # noqa: E731
-    return flat(safe - 1), to_draft[flat(safe)], valid
-
-
 def soft_labels(model: BlockTrain, last: Tensor, anchors: Tensor) -> Tensor:
     """The target's distributions [S, N, B - 1, Vd] over each block's proposed positions, from its
     last-layer outputs ``last`` [S, T, H] at the positions before them (``anchors`` [S, N])."""
@@ -213,9 +202,10 @@ class BlockData:
 
 def train_block(cfg: BlockConfig, blob: dict, feats: list[Tensor], target, minutes: float, *, batch: int = 8,
                 anchors: int = 16, lr: float = 1e-3, seed: int = 0, max_steps: int | None = None, distill: float = 0.0,
-                say=print) -> dict:
+                refit_confidence: bool = True, say=print) -> dict:
     """Train for ``minutes`` (or ``max_steps``); returns {"weights": best by validation tau, "summary"}.
-    ``distill``: the share of the cross-entropy against the target's soft labels (0 to 1)."""
+    ``distill``: the share of the cross-entropy against the target's soft labels (0 to 1).
+    ``refit_confidence``: fit the confidence head again on the validation split at the end."""
     from hal.training.block_data import CANDIDATE_TAPS
     if not 0 <= distill <= 1:
         raise HalError(f"distill: expected a share in [0, 1], got {distill}")
@@ -258,11 +248,38 @@ def train_block(cfg: BlockConfig, blob: dict, feats: list[Tensor], target, minut
             f"top-1 {v['top1']:.3f}, conf bce {v['bce']:.3f}")
         if v["tau"] > best[0]:
             best = (v["tau"], model.weights(), v)
+    weights = {n: t.clone() for n, t in best[1].items()}
+    report = None
+    if refit_confidence:   # on the validation split, which no step trained on (hal.training.confidence)
+        try:
+            weights["conf"], weights["conf_bias"], report = refit_on(cfg, weights, d, to_draft, target)
+            say(f"confidence head refitted: BCE {report['bce_out_of_fold']:.3f} out of fold, "
+                f"{report['bce_joint_head']:.3f} trained with the drafter ({report['inputs']})")
+        except HalError as e:
+            report = {"skipped": str(e)}
+            say(f"confidence head kept as trained: {e}")
     summary = {"steps": step, "minutes": minutes, "seconds": now() - t0, "val": best[2],
                "sequences": len(d.tr), "val_sequences": len(d.val), "lr": lr, "batch": batch, "anchors": anchors,
                "distill": distill,
                "seed": seed, "data_made": blob.get("made"), "curve": curve}
-    return {"weights": {n: t.clone() for n, t in best[1].items()}, "summary": summary}
+    if report is not None:
+        summary["confidence"] = report
+    return {"weights": weights, "summary": summary}
+
+
+def refit_on(cfg: BlockConfig, weights: dict, d: BlockData, to_draft: Tensor, target):
+    """`hal.training.confidence.refit` of the drafter ``weights``: (conf, conf_bias, report)."""
+    from hal.training.confidence import refit
+    return refit(from_weights(cfg, weights, target), d, to_draft)
+
+
+def from_weights(cfg: BlockConfig, weights: dict, target) -> BlockTrain:
+    """The training module of a drafter's ``weights`` (internal names and ``draft_ids``) for ``target``."""
+    m = BlockTrain(cfg, target.embed, target.head, weights["draft_ids"], 0, target.w["norm"])
+    with torch.no_grad():
+        for name in cfg.shapes():
+            m.w(name).copy_(weights[name])
+    return m
 
 
 def validate(model: BlockTrain, d: BlockData, to_draft: Tensor, batch: int, anchors: int) -> dict:
@@ -312,6 +329,8 @@ def run(model: str, out, minutes: float, *, block: int = 8, layers: int = 2, tap
 def readme(model: str, cfg: BlockConfig, s: dict, out) -> str:
     """The folder's README: what it is, how it was made, what it scored (from the run itself)."""
     import hashlib
+
+    from hal.training.confidence import readme_line
     sha = hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
     n = sum(math.prod(shape) for shape in cfg.shapes().values())
     v = s["val"]
@@ -335,4 +354,5 @@ def readme(model: str, cfg: BlockConfig, s: dict, out) -> str:
             f"({s['anchors']} random anchors each per step), {s['seconds'] / 60:.1f} min; the checkpoint with the "
             f"best validation tau over {s['val_sequences']} held-back sequences is kept.\n"
             f"- Validation: tau (mean accepted length of the greedy block, teacher-forced) **{v['tau']:.3f}**, "
-            f"top-1 {v['top1']:.3f}, confidence BCE {v['bce']:.3f}. `loss.png` is the curve.\n")
+            f"top-1 {v['top1']:.3f}, confidence BCE {v['bce']:.3f}. `loss.png` is the curve.\n"
+            + (readme_line(s["confidence"]) if "bce_out_of_fold" in s.get("confidence", {}) else ""))

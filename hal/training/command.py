@@ -24,6 +24,13 @@ def cmd_train_head(args) -> int:
     from pathlib import Path
 
     from hal.training.train import build_data, train
+    if args.refit_confidence:   # no training: the confidence head of a trained drafter
+        out = Path(args.out or f"{Path(args.refit_confidence).name}-refit")
+        r = refit_folder(args.refit_confidence, out, args.model)
+        print(f"block drafter written to {out}/ with its confidence head refitted on {r['sequences']} held-back "
+              f"sequences ({r['inputs']}): BCE {r['bce_out_of_fold']:.3f} out of fold, {r['bce_joint_head']:.3f} "
+              f"before, {r['bce_constant']:.3f} for a constant")
+        return 0
     if args.kind == "dspark":
         from hal.training.block_train import run
         out = Path(args.out or f"{Path(args.model).stem}-dspark")
@@ -56,6 +63,8 @@ def add_train_head(sub) -> None:
     th.add_argument("--direct", action="store_true", help="dspark: mask rows also read [anchor, last context feature]")
     th.add_argument("--distill", type=bounded(float, 0.0, 1.0), default=0.0,
                     help="dspark: the cross-entropy's share against the target's soft labels, not its greedy token")
+    th.add_argument("--refit-confidence", metavar="FOLDER",
+                    help="dspark: no training; refit FOLDER's confidence head on its held-back sequences, to --out")
     th.add_argument("--model", default="smollm2-135m", help="a fetchable name or a .gguf path")
     th.add_argument("--minutes", type=float, default=40.0, help="training time (data made first, cached in $HAL_CACHE)")
     th.add_argument("--out", help="output folder (default: <model>-eagle or <model>-dspark)")
@@ -65,3 +74,54 @@ def add_train_head(sub) -> None:
     th.add_argument("--batch", type=int, default=8, help="sequences per step")
     th.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW; warm-up, then cosine)")
     th.add_argument("--seed", type=int, default=0)
+
+
+def refit_folder(folder, out, model: str = "smollm2-135m") -> dict:
+    """``spec-hal train-head --kind dspark --refit-confidence FOLDER``: the drafter of ``folder``
+    with its confidence head refitted on its own validation split (the data cache of
+    `hal.training.block_data` and the seed in its train.json, so the same sequences its
+    training held back), written to ``out`` (config.json, model.safetensors, train.json with
+    the report under "confidence"; README.md and loss.png copied). Returns the report."""
+    import hashlib
+    import json
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from hal.models.dspark import read_config, save_block
+    from hal.training import block_data
+    from hal.errors import HalError
+    from hal.training.block_data import CANDIDATE_TAPS
+    from hal.training.block_train import BlockData, refit_on
+    from hal.training.confidence import readme_line, to_draft_of
+    folder, out = Path(folder), Path(out)
+    cfg = read_config(folder)
+    if any(t not in CANDIDATE_TAPS for t in cfg.taps):
+        raise HalError(f"--refit-confidence: expected taps the data records ({list(CANDIDATE_TAPS)}), got "
+                       f"{list(cfg.taps)}", arg="--refit-confidence")
+    meta = folder / "train.json"
+    if not meta.is_file():
+        raise HalError(f"--refit-confidence: expected a trained drafter's folder with train.json (its seed), got "
+                       f"{str(folder)!r}", arg="--refit-confidence")
+    summary = json.loads(meta.read_text())
+    w = load_file(str(folder / "model.safetensors"))
+    blob = block_data.responses(model, 128, None)
+    feats = block_data.tapped(model, blob)
+    target, _ = block_data.load_target(model, None, None)
+    d = BlockData(blob, feats, [CANDIDATE_TAPS.index(t) for t in cfg.taps], cfg.draft_vocab, target.cfg.stop_ids,
+                  int(summary.get("seed", 0)))
+    conf, bias, report = refit_on(cfg, w, d, to_draft_of(w["draft_ids"], target.cfg.vocab), target)
+    report["data_made"] = blob.get("made")
+    sha = hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()
+    readme = (folder / "README.md").read_text() if (folder / "README.md").is_file() else None
+    save_block(out, cfg, {n: t.float() if n != "draft_ids" else t for n, t in w.items()}
+               | {"conf": conf, "conf_bias": bias})
+    (out / "train.json").write_text(json.dumps({**summary, "confidence": report}, indent=1) + "\n")
+    if (folder / "loss.png").is_file() and folder.resolve() != out.resolve():
+        shutil.copy(folder / "loss.png", out / "loss.png")
+    if readme is not None:
+        new = hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
+        kept = [line for line in readme.replace(sha, new).splitlines() if not line.startswith("- Confidence head:")]
+        (out / "README.md").write_text("\n".join(kept) + "\n" + readme_line(report, refitted=str(folder)))
+    return report

@@ -46,6 +46,9 @@ def test_training_learns_a_predictable_continuation_and_writes_a_loadable_drafte
     got = train_block(cfg, blob, feats, target, 10.0, batch=8, anchors=8, lr=3e-3, max_steps=200, say=lambda _: None)
     first, last = got["summary"]["curve"][0], got["summary"]["val"]
     assert first[4] < 0.5 and last["tau"] > 2.5 and last["top1"] > 0.9, (first, last)
+    refit = got["summary"]["confidence"]   # on the 2 held-back sequences: the head saved is the refitted one
+    assert refit["positions"] > 0 and refit["bce_out_of_fold"] == min(refit["bce_by_choice"].values())
+    assert bool(got["weights"]["conf"][:-1].any()) == (refit["inputs"] != "row")   # "row": hidden weights zero
     save_block(tmp_path / "b", cfg, got["weights"])
     drafter = BlockDrafter(load_block(tmp_path / "b", target))
     dec = lossless(target, drafter, [s[:12] for s in seqs[-3:]])

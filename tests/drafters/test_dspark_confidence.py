@@ -1,0 +1,125 @@
+"""Refitting a block drafter's confidence head on held-back sequences
+(`hal.training.confidence`, `hal.training.command.refit_folder`): the fit is the regularised logistic regression's minimum, the
+refit reads the validation split only and every proposed position of it, it mends an
+overconfident head, and a folder it cannot refit is refused before any work."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hal.errors import HalError
+from hal.models.dspark import BlockConfig, save_block
+from hal.models.llama import random_llama
+from hal.training.block_data import CANDIDATE_TAPS
+from hal.training.block_train import BlockData, BlockTrain
+from hal.training.command import refit_folder
+from hal.training.confidence import bce, fit, refit, samples, to_draft_of
+from tests.drafters.test_eagle import D, FFN, H, HEADS, KV, LAYERS, V, target_features
+
+B = 4
+
+
+@pytest.fixture(scope="module")
+def target():
+    return random_llama(H, LAYERS, HEADS, KV, D, FFN, V, seed=7, scale=0.15)
+
+
+@pytest.fixture(scope="module")
+def data(target):
+    """40 sequences in the data cache's layout (the target fills the first two candidate taps)
+    and a block drafter of random weights for them."""
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(1, V, (14 + i % 5,), generator=g).tolist() for i in range(40)]
+    feats = []
+    for s in seqs:
+        f = torch.zeros(len(s), len(CANDIDATE_TAPS), H)
+        f[:, :2] = target_features(target, s, CANDIDATE_TAPS[:2]).view(len(s), 2, H)
+        feats.append(f.half())
+    blob = {"ids": seqs, "prompt_lens": [6] * len(seqs), "texts": ["x"] * len(seqs)}
+    cfg = BlockConfig(hidden=H, heads=HEADS, kv_heads=KV, head_dim=D, ffn=FFN, layers=1, taps=CANDIDATE_TAPS[:2],
+                      block=B, rank=4, draft_vocab=V - 8)
+    d = BlockData(blob, feats, [0, 1], cfg.draft_vocab, target.cfg.stop_ids, seed=0)
+    return blob, feats, cfg, d
+
+
+def model_for(target, cfg, d, conf_bias=0.0):
+    m = BlockTrain(cfg, target.embed, target.head, d.draft_ids, seed=1)
+    with torch.no_grad():
+        m.w("conf_bias").fill_(conf_bias)
+    return m
+
+
+def test_the_fit_is_the_minimum_of_the_regularised_logistic_loss():
+    """On data drawn from a known logistic law (fixed seed) the fit recovers its weights (0.15)
+    and its gradient is zero (1e-6); a larger L2 shrinks the weights, never the bias."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(20000, 3, generator=g, dtype=torch.float64)
+    truth = torch.tensor([1.5, -2.0, 0.5, -0.7], dtype=torch.float64)
+    y = torch.bernoulli(torch.sigmoid(x @ truth[:-1] + truth[-1]), generator=g)
+    w = fit(x, y, 1e-6)
+    assert (w - truth).abs().max() < 0.15, w
+    w.requires_grad_(True)
+    loss = F.binary_cross_entropy_with_logits(x @ w[:-1] + w[-1], y) + 1e-6 * (w[:-1] ** 2).sum()
+    loss.backward()
+    assert w.grad.abs().max() < 1e-6
+    strong = fit(x, y, 1.0)
+    assert strong[:-1].norm() < 0.5 * truth[:-1].norm()
+    assert bce(x, y, w.detach()) < bce(x, y, strong)
+
+
+def test_refit_reads_every_proposed_position_of_the_held_back_sequences_only(target, data):
+    """The samples are the proposals of a block at every response position of each validation
+    sequence that lands inside it (counted here independently); changing every training
+    sequence changes no bit of the refitted head."""
+    blob, feats, cfg, d = data
+    m = model_for(target, cfg, d)
+    to_draft = to_draft_of(d.draft_ids, V)
+    want = 0
+    for i in d.val:
+        n, start = len(d.ids[i]), int(d.starts[i])
+        want += sum(1 for a in range(start, n - 1) for j in range(1, B) if a + j < n)
+    x, y = samples(m, d, d.val, to_draft)
+    assert x.shape == (want, H + 1) and y.shape == (want,)
+    conf, bias, report = refit(m, d, to_draft)
+    assert report["positions"] == want and report["sequences"] == len(d.val)
+    assert report["bce_out_of_fold"] == min(report["bce_by_choice"].values())
+    other = BlockData({**blob, "ids": [list(s) for s in blob["ids"]]}, feats, [0, 1], cfg.draft_vocab,
+                      target.cfg.stop_ids, seed=0)
+    g = torch.Generator().manual_seed(9)
+    for i in other.tr:
+        other.ids[i] = torch.randint(1, V, other.ids[i].shape, generator=g)
+    conf2, bias2, _ = refit(m, other, to_draft)
+    assert torch.equal(conf, conf2) and torch.equal(bias, bias2)
+
+
+def test_refit_mends_an_overconfident_head(target, data):
+    """A head that says 'accepted' nearly always (bias +6) scores far worse than a constant on
+    held-back positions; the refitted head scores at most the constant's BCE out of fold."""
+    _, _, cfg, d = data
+    m = model_for(target, cfg, d, conf_bias=6.0)
+    to_draft = to_draft_of(d.draft_ids, V)
+    conf, bias, report = refit(m, d, to_draft)
+    assert report["bce_joint_head"] > 2 * report["bce_constant"]
+    assert report["bce_out_of_fold"] <= report["bce_constant"] + 0.02
+    x, y = samples(m, d, d.val, to_draft)
+    assert bce(x, y, torch.cat([conf, bias]).double()) < report["bce_joint_head"] / 2
+
+
+def test_too_few_held_back_sequences_are_refused(target, data):
+    blob, feats, cfg, _ = data
+    few = BlockData({k: v[:3] for k, v in blob.items()}, feats[:3], [0, 1], cfg.draft_vocab, target.cfg.stop_ids, 0)
+    with pytest.raises(HalError, match="confidence refit: expected held-back sequences"):
+        refit(model_for(target, cfg, few), few, to_draft_of(few.draft_ids, V))
+
+
+def test_a_folder_that_cannot_be_refitted_is_refused_before_any_work(target, data, tmp_path):
+    _, _, cfg, d = data
+    with pytest.raises(HalError, match="expected a folder with config.json"):
+        refit_folder(tmp_path / "none", tmp_path / "out")
+    m = model_for(target, cfg, d)
+    save_block(tmp_path / "b", cfg, m.weights())
+    with pytest.raises(HalError, match="--refit-confidence: expected a trained drafter's folder with train.json"):
+        refit_folder(tmp_path / "b", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
