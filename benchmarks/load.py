@@ -4,16 +4,17 @@ Poisson arrivals at each of ``--rates`` requests per second, a mixed prompt set 
 copy-heavy prompts and one open-ended, from benchmarks/e2e.py) and fixed output lengths
 (``ignore_eos``), for each mode, interleaved rate by rate in one run:
 
-* plain: per-request ``"speculative": {"k": 0}`` on the fixed-k server;
-* fixed: n-gram drafts, k = ``--k`` every step (``--no-route``);
-* routed: n-gram drafts, the router's k per request and step (``--route``, cap ``--k``);
+* plain: a server with no drafter (``--draft none``; requests also say ``"speculative": {"k": 0}``);
+* fixed: ``--draft`` drafts (n-gram unless told), k = ``--k`` every step (``--no-route``);
+* routed: the router's k per request and step (``--route``, cap ``--k``; a block drafter's
+  confidence cut after it);
 * remote: routed, the drafter on a second torch.distributed rank (gloo on 127.0.0.1).
 
 Reported per mode and rate: throughput (generated tokens / seconds from the first arrival
 to the last token), TTFT / TPOT / end-to-end P50 and P99; a table and a PNG of P99 TPOT
 against request rate, one line per mode.
 
-    python benchmarks/load.py [--rates 1,2,4,8] [--requests 16] [--max-tokens 32] [--k 6]
+    python benchmarks/load.py [--rates 1,2,4,8] [--requests 16] [--max-tokens 32] [--k 6] [--draft dspark]
 
 ``--case prefix``: chat requests sharing a system turn of about 650 tokens, each with its
 own question, at ``--rates`` (default 1 req/s) against two servers, prefix caching on and
@@ -52,8 +53,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(mode: str, k: int, port: int, extra: tuple[str, ...] = ()) -> list[subprocess.Popen]:
-    flags = ["--model", MODEL, "--draft", "ngram", "--k", str(k), "--port", str(port), "--max-num-seqs", "32",
+def launch(mode: str, k: int, port: int, extra: tuple[str, ...] = (), draft: str = "ngram") -> list[subprocess.Popen]:
+    flags = ["--model", MODEL, "--draft", "none" if mode == "plain" else draft, "--k", str(k), "--port", str(port), "--max-num-seqs", "32",
              "--max-model-len", "512", "--cpu-budget-gib", "2", *extra]
     flags += ["--route"] if mode in ("routed", "remote") else ["--no-route"]
     log = open(Path("/tmp") / f"hal-load-{mode}.log", "w")
@@ -136,6 +137,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=16, help="requests per rate and mode")
     ap.add_argument("--max-tokens", type=int, default=32, help="fixed output length (ignore_eos)")
     ap.add_argument("--k", type=int, default=6)
+    ap.add_argument("--draft", default="ngram", help="the speculative modes' drafter (serve's --draft)")
     ap.add_argument("--modes", default="plain,fixed,routed,remote")
     ap.add_argument("--case", choices=["modes", "prefix"], default="modes")
     ap.add_argument("--out", help="default: benchmarks/results/load.md (load_prefix.md for --case prefix)")
@@ -146,12 +148,12 @@ def main() -> None:
         return prefix_case(args)
     rates = [float(r) for r in args.rates.split(",")]
     modes = args.modes.split(",")
-    servers = {"fixed": "fixed", "plain": "fixed", "routed": "routed", "remote": "remote"}
+    servers = {"fixed": "fixed", "plain": "plain", "routed": "routed", "remote": "remote"}
     procs, bases = [], {}
     try:
         for srv in dict.fromkeys(servers[m] for m in modes):
             port = free_port()
-            ps = launch(srv, args.k, port)
+            ps = launch(srv, args.k, port, draft=args.draft)
             procs += ps
             bases[srv] = f"http://127.0.0.1:{port}"
             wait_up(bases[srv], ps)
@@ -243,7 +245,7 @@ def report(args, rates, modes, results) -> None:
     import torch
     cmd = "python benchmarks/load.py " + " ".join(a for a in sys.argv[1:])
     lines = [f"# Load: open-loop Poisson arrivals against `spec-hal serve` (SmolLM2-135M-Instruct, cpu, "
-             f"n-gram drafts, k cap {args.k})", "",
+             f"{args.draft} drafts, k cap {args.k})", "",
              f"Command: `{cmd.strip()}`; {args.requests} chat requests per mode and rate, prompts cycling three "
              f"copy-heavy and one open-ended, {args.max_tokens} tokens each (ignore_eos), greedy; modes interleaved "
              f"rate by rate in one run; torch {torch.__version__}, {os.cpu_count()} cores, "
