@@ -48,6 +48,35 @@ def draft_flag(value: str) -> str:
     return value
 
 
+class _Explicit(argparse.Action):
+    """Stores a flag that ``--speculative-config`` also sets, and remembers it was given."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, "speculative_config", None) is not None:
+            parser.error(f"argument {option_string}: not allowed with --speculative-config, which sets it")
+        setattr(namespace, self.dest, values)
+        namespace._explicit = getattr(namespace, "_explicit", set()) | {self.dest}
+
+
+class _Speculative(argparse.Action):
+    """``--speculative-config``: sets ``draft`` and ``k`` (`hal.launch.spec_config`)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from hal.checks import MAX_K
+        from hal.launch.spec_config import parse_speculative_config
+        given = sorted(getattr(namespace, "_explicit", set()) & {"draft", "k"})
+        if given:
+            parser.error(f"argument {option_string}: not allowed with --{given[0]}, which it sets")
+        try:
+            cfg = parse_speculative_config(values, MAX_K)
+            namespace.draft = draft_flag(cfg.draft)
+        except (HalError, argparse.ArgumentTypeError) as e:
+            parser.error(f"argument {option_string}: {str(e).removeprefix('--speculative-config ')}")
+        if cfg.k is not None:
+            namespace.k = cfg.k
+        namespace.speculative_config = values
+
+
 def bounded(kind, lo=None, hi=None, lo_open: bool = False):
     """An argparse type: ``kind`` within ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``)."""
     def parse(text: str):
@@ -70,11 +99,15 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     value or a missing path is refused by argparse (exit 2, naming the flag) before loading."""
     from hal.checks import MAX_K
     add_dtype_args(ap)
-    ap.add_argument("--draft", default="ngram", type=draft_flag, help=draft_help())
+    ap.add_argument("--draft", default="ngram", type=draft_flag, action=_Explicit, help=draft_help())
     ap.add_argument("--model", default="smollm2-135m", type=model_flag,
                     help="a fetchable name, a .gguf path or an HF folder")
-    ap.add_argument("--k", type=bounded(int, 0, MAX_K), default=8, help=f"the cap on k per request and step "
-                                                                        f"(0..{MAX_K}); k itself with --no-route")
+    ap.add_argument("--k", type=bounded(int, 0, MAX_K), default=8, action=_Explicit,
+                    help=f"the cap on k per request and step (0..{MAX_K}); k itself with --no-route")
+    ap.add_argument("--speculative-config", metavar="JSON", action=_Speculative,
+                    help="vLLM's form of --draft and --k, e.g. '{\"method\": \"dspark\", "
+                         "\"num_speculative_tokens\": 7}' (hal.launch.spec_config: method, "
+                         "num_speculative_tokens, model; not with --draft or --k)")
     ap.add_argument("--route", action=argparse.BooleanOptionalAction, default=True,
                     help="the router chooses k (0 included) per request and step from the costs profiled at "
                          "start-up and the measured acceptance (the default); --no-route: a fixed k every step")
