@@ -33,30 +33,44 @@ def _save(obj, path: Path) -> None:
     Path(str(path) + ".part").rename(path)
 
 
-def responses(model: str, max_new_tokens: int = 128, limit: int | None = None, target=None, tok=None) -> dict:
-    """{"ids": prompt + greedy response per prompt, "prompt_lens", "texts"}, cached."""
-    from tqdm import tqdm
-
+def responses(model: str, max_new_tokens: int = 128, limit: int | None = None, target=None, tok=None,
+              sets: int = 2) -> dict:
+    """{"ids": prompt + greedy response per prompt, "prompt_lens", "texts"} for the first ``limit``
+    prompts of `hal.training.data.prompts` (its first ``sets`` sets), cached: a cache of a prefix of
+    them is extended, a longer one is cut, one of other prompts is made anew."""
     from hal.training import data
     from hal.models.tokenizer import chatml
     path = cache_paths(model)[0]
-    texts = data.prompts()[:limit]
+    texts = data.prompts(sets=sets)[:limit]
+    blob = {"ids": [], "prompt_lens": [], "texts": [], "made": None}
     if path.exists():
-        blob = torch.load(str(path), weights_only=False)
-        if len(blob["ids"]) >= len(texts):
-            return blob
-    target, tok = load_target(model, target, tok)
+        cached = torch.load(str(path), weights_only=False)
+        n = min(len(cached["texts"]), len(texts))
+        if cached["texts"][:n] == texts[:n]:
+            blob = cached
+    if len(blob["ids"]) < len(texts):
+        new = texts[len(blob["ids"]):]
+        target, tok = load_target(model, target, tok)
+        blob = {"ids": blob["ids"] + _generate(target, tok, new, max_new_tokens),
+                "prompt_lens": blob["prompt_lens"] + [len(tok.encode(chatml(t)).ids) for t in new],
+                "texts": blob["texts"] + new,
+                "made": " + ".join(filter(None, [blob["made"], time.strftime("%Y-%m-%d %H:%M:%S")]))}
+        _save(blob, path)
+    return {key: (v[:len(texts)] if isinstance(v, list) else v) for key, v in blob.items()}
+
+
+def _generate(target, tok, texts: list[str], max_new_tokens: int) -> list[list[int]]:
+    """Greedy responses on the fast batched path (not the batch-invariant one: generation only)."""
+    from tqdm import tqdm
+
+    from hal.training import data
     inv = target.batch_invariant
-    target.batch_invariant = False            # generation only: the fast batched path
+    target.batch_invariant = False
     try:
         with tqdm(total=len(texts), desc="generate", unit="prompt") as bar:
-            ids = data.generate(target, tok, texts, max_new_tokens, progress=bar.update)
+            return data.generate(target, tok, texts, max_new_tokens, progress=bar.update)
     finally:
         target.batch_invariant = inv
-    blob = {"ids": ids, "prompt_lens": [len(tok.encode(chatml(t)).ids) for t in texts], "texts": texts,
-            "made": time.strftime("%Y-%m-%d %H:%M:%S")}
-    _save(blob, path)
-    return blob
 
 
 def tapped(model: str, blob: dict, target=None, batch: int = 8) -> list[torch.Tensor]:
@@ -67,14 +81,18 @@ def tapped(model: str, blob: dict, target=None, batch: int = 8) -> list[torch.Te
     that differ from the engine's by rounding only."""
     path = cache_paths(model)[1]
     seqs = blob["ids"]
+    out: list[torch.Tensor] = []
     if path.exists():
         cached = torch.load(str(path), weights_only=False)
-        if isinstance(cached, dict) and cached["taps"] == CANDIDATE_TAPS and len(cached["feats"]) >= len(seqs):
-            return cached["feats"]
-    target, _ = load_target(model, target, None)
-    out = record(target, seqs, batch)
-    _save({"taps": CANDIDATE_TAPS, "feats": out}, path)
-    return out
+        if isinstance(cached, dict) and cached["taps"] == CANDIDATE_TAPS:
+            out = [f for f, s in zip(cached["feats"], seqs) if f.shape[0] == len(s)]
+            if len(out) < min(len(cached["feats"]), len(seqs)):   # another cache's sequences: made anew
+                out = []
+    if len(out) < len(seqs):
+        target, _ = load_target(model, target, None)
+        out = out + record(target, seqs[len(out):], batch)
+        _save({"taps": CANDIDATE_TAPS, "feats": out}, path)
+    return out[:len(seqs)]
 
 
 def record(target, seqs: list[list[int]], batch: int = 8) -> list[torch.Tensor]:

@@ -297,7 +297,7 @@ def validate(model: BlockTrain, d: BlockData, to_draft: Tensor, batch: int, anch
 
 def run(model: str, out, minutes: float, *, block: int = 8, layers: int = 2, taps: tuple[int, ...] = (1, 8, 16, 24, 29),
         rank: int = 32, draft_size: int = 8192, seed: int = 0, max_new_tokens: int = 128, limit: int | None = None,
-        direct: bool = False, **kw) -> dict:
+        direct: bool = False, sets: int = 2, **kw) -> dict:
     """``spec-hal train-head --kind dspark``: data (cached), training, and the folder
     ``out``/{config.json, model.safetensors, train.json, loss.png}. Returns the summary."""
     import json
@@ -306,7 +306,7 @@ def run(model: str, out, minutes: float, *, block: int = 8, layers: int = 2, tap
     from hal.models.dspark import save_block
     from hal.training import block_data
     from hal.training.train import plot
-    blob = block_data.responses(model, max_new_tokens, limit)
+    blob = block_data.responses(model, max_new_tokens, limit, sets=sets)
     feats = block_data.tapped(model, blob)
     target, _ = block_data.load_target(model, None, None)
     c = target.cfg
@@ -315,7 +315,7 @@ def run(model: str, out, minutes: float, *, block: int = 8, layers: int = 2, tap
                       direct=direct)
     got = train_block(cfg, blob, feats, target, minutes, seed=seed, **kw)
     out = Path(out)
-    summary = {"model": model, **got["summary"]}
+    summary = {"model": model, **got["summary"], "prompt_sets": sets}
     curve = summary.pop("curve")
     save_block(out, cfg, got["weights"])
     summary["tokens"] = sum(len(s) for s in blob["ids"])
@@ -345,7 +345,9 @@ def readme(model: str, cfg: BlockConfig, s: dict, out) -> str:
             f"- Made by: `python -m hal train-head --kind dspark --model {model} --minutes {s['minutes']:g} "
             f"--block {cfg.block} --layers {cfg.layers} --taps {','.join(map(str, cfg.taps))} --rank {cfg.rank} "
             f"--batch {s['batch']} --lr {s['lr']:g} --seed {s['seed']}" + (" --direct" if cfg.direct else "")
-            + (f" --distill {s['distill']:g}" if s.get("distill") else "") + f"` ({time.strftime('%Y-%m-%d')}, torch "
+            + (f" --distill {s['distill']:g}" if s.get("distill") else "")
+            + (f" --prompt-sets {s['prompt_sets']}" if s.get("prompt_sets", 2) != 2 else "")
+            + f"` ({time.strftime('%Y-%m-%d')}, torch "
             f"{torch.__version__}).\n"
             f"  - Data (`hal/training/block_data.py`): the target's greedy answers to the project's prompt set "
             f"(`hal/training/data.py`; held-out topics and benchmark-like prompts excluded), {s['tokens']:,} "

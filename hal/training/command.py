@@ -36,6 +36,7 @@ def cmd_train_head(args) -> int:
         out = Path(args.out or f"{Path(args.model).stem}-dspark")
         s = run(args.model, out, args.minutes, block=args.block, layers=args.layers, taps=args.taps, rank=args.rank,
                 draft_size=args.draft_vocab, seed=args.seed, max_new_tokens=args.max_new_tokens, limit=args.limit,
+                sets=args.prompt_sets,
                 batch=args.batch, lr=args.lr, distill=args.distill, direct=args.direct)
         print(f"block drafter written to {out}/ (model.safetensors, config.json, loss.png, train.json): "
               f"{s['steps']} steps, validation tau {s['val']['tau']:.3f}, top-1 {s['val']['top1']:.3f}")
@@ -71,6 +72,8 @@ def add_train_head(sub) -> None:
     th.add_argument("--draft-vocab", type=int, default=8192, help="the head's vocabulary: the N most frequent ids")
     th.add_argument("--max-new-tokens", type=int, default=128, help="response length when generating the data")
     th.add_argument("--limit", type=int, help="only the first N prompts (a quick run)")
+    th.add_argument("--prompt-sets", type=int, choices=(1, 2, 3), default=2,
+                    help="dspark: how many of hal.training.data's prompt sets (the cache is extended)")
     th.add_argument("--batch", type=int, default=8, help="sequences per step")
     th.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW; warm-up, then cosine)")
     th.add_argument("--seed", type=int, default=0)
@@ -106,7 +109,7 @@ def refit_folder(folder, out, model: str = "smollm2-135m") -> dict:
                        f"{str(folder)!r}", arg="--refit-confidence")
     summary = json.loads(meta.read_text())
     w = load_file(str(folder / "model.safetensors"))
-    blob = block_data.responses(model, 128, None)
+    blob = block_data.responses(model, 128, None, sets=int(summary.get("prompt_sets", 2)))
     feats = block_data.tapped(model, blob)
     target, _ = block_data.load_target(model, None, None)
     d = BlockData(blob, feats, [CANDIDATE_TAPS.index(t) for t in cfg.taps], cfg.draft_vocab, target.cfg.stop_ids,

@@ -95,14 +95,26 @@ CHAT2 = [
     "What should I pack for a week at the beach?", "How do I make a good first impression?",
     "Tell me something surprising about octopuses.",
 ]
+TOPICS3 = [   # the third set (`prompts(sets=3)`): none near a held-out topic or a benchmark prompt
+    "lightning", "the Sahara", "kangaroos", "telescopes", "ice cream", "the Vikings", "volleyball", "cheese making",
+    "the Industrial Revolution", "hurricanes", "photography", "the Pacific Ocean", "bridges", "skyscrapers", "frogs",
+    "radio", "sailing", "caves", "butterflies", "maps", "calendars", "salt", "rice farming", "comets",
+    "marble sculpture", "ballet", "surfing", "skateboarding", "a haunted house", "a pirate ship", "a magic library",
+    "a snowy village", "a robot chef", "a desert island", "a train journey", "a lost letter", "a friendly ghost",
+    "a mountain village", "compilers", "operating systems", "computer networks", "encryption", "binary numbers",
+    "hash tables", "REST APIs", "linked lists", "regular expressions", "debugging", "cooking pasta", "houseplants",
+    "first aid", "budgeting", "public speaking", "time management", "journaling", "volunteering", "fossils",
+    "the Nile delta", "tigers", "street art",
+]
 # prompts close to a benchmark or demo prompt are never trained on (e2e's "rainy weekend" chat, the
 # demo's "good night's sleep" tips)
 EXCLUDE = ("sleep", "rainy")
 
 
-def prompts(heldout: bool = False) -> list[str]:
+def prompts(heldout: bool = False, sets: int = 2) -> list[str]:
     """The training prompts (or the held-out ones), in a fixed order: the first set, then the
-    second (so a cache of the first set is extended, not rebuilt). Training skips ``EXCLUDE``."""
+    second, then the third (``sets``: how many; so a cache of fewer sets is extended, not
+    rebuilt). Training skips ``EXCLUDE``."""
     if heldout:
         out = [task.format(t=t) for t, task in itertools.product(HELDOUT_TOPICS, TASKS)]
         random.Random(0).shuffle(out)
@@ -113,7 +125,12 @@ def prompts(heldout: bool = False) -> list[str]:
     rng = random.Random(1)
     more = [task.format(t=t) for t in TOPICS2 for task in rng.sample(TASKS2, 10)] + CHAT2
     rng.shuffle(more)
-    return out + more
+    if sets < 3:
+        return (out + more) if sets == 2 else out
+    rng = random.Random(2)
+    third = [task.format(t=t) for t in TOPICS3 for task in rng.sample(TASKS2, 10)]
+    rng.shuffle(third)
+    return out + more + third
 
 
 def generate(target, tok, texts: list[str], max_new_tokens: int = 160, batch: int = 16, progress=None

@@ -123,3 +123,34 @@ def test_a_folder_that_cannot_be_refitted_is_refused_before_any_work(target, dat
     with pytest.raises(HalError, match="--refit-confidence: expected a trained drafter's folder with train.json"):
         refit_folder(tmp_path / "b", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+class Chars:
+    """A tokenizer for the tiny target: a character a token (ids 3 .. V - 1)."""
+
+    class Enc:
+        def __init__(self, ids):
+            self.ids = ids
+
+    def encode(self, text: str):
+        return self.Enc([3 + ord(c) % (V - 3) for c in text[-24:]])
+
+
+def test_the_response_cache_is_extended_cut_or_made_anew(target, tmp_path, monkeypatch):
+    """``block_data.responses``: asking for more prompts than the cache holds generates only the
+    new ones (the old sequences kept bit for bit), asking for fewer cuts it, and a cache of
+    other prompts is made anew."""
+    from hal.training import block_data
+    monkeypatch.setenv("HAL_CACHE", str(tmp_path))
+    get = lambda n: block_data.responses("tiny", 3, n, target=target, tok=Chars())  # noqa: E731
+    three = get(3)
+    assert len(three["ids"]) == 3 and " + " not in three["made"]
+    five = get(5)
+    assert five["ids"][:3] == three["ids"] and len(five["ids"]) == 5 and five["made"].startswith(three["made"] + " + ")
+    two = get(2)
+    assert two["ids"] == three["ids"][:2] and two["texts"] == three["texts"][:2] and two["made"] == five["made"]
+    path = block_data.cache_paths("tiny")[0]
+    blob = torch.load(str(path), weights_only=False)
+    torch.save({**blob, "texts": ["another prompt"] + blob["texts"][1:]}, str(path))
+    again = get(2)
+    assert again["texts"] == three["texts"][:2] and " + " not in again["made"]
