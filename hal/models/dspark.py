@@ -245,7 +245,7 @@ def load_block(folder: str | Path, target: Llama, backend=None, device=None) -> 
 
 
 SHIPPED = {   # model name -> (folder under hal/models/heads, sha256 of its model.safetensors)
-    "smollm2-135m": ("smollm2-135m-dspark", "49317aa035b19f0a722350179b45c4fe449412cd537209faa4e6fcbfe5e79bee"),
+    "smollm2-135m": ("smollm2-135m-dspark", "372e8bbab5ac40b2ac74619a6b32d18f8bb98eead8cd69131cbe6b9624a971dd"),
 }
 
 
