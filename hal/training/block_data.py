@@ -75,7 +75,8 @@ def _generate(target, tok, texts: list[str], max_new_tokens: int) -> list[list[i
 
 def tapped(model: str, blob: dict, target=None, batch: int = 8) -> list[torch.Tensor]:
     """The residual streams entering `CANDIDATE_TAPS` at every position of each sequence
-    ([len, len(CANDIDATE_TAPS), H] fp16), ``batch`` sequences per forward, cached. The forward is
+    ([len, len(CANDIDATE_TAPS), H] fp16), ``batch`` sequences per forward, cached with the
+    sequences' ids: a cache of a prefix of them is extended, one of others made anew. The forward is
     the plain one (batched attention, not the batch-invariant path: a prefill of hundreds of rows
     through the invariant attention costs seconds per sequence); a drafter trains on features
     that differ from the engine's by rounding only."""
@@ -85,13 +86,14 @@ def tapped(model: str, blob: dict, target=None, batch: int = 8) -> list[torch.Te
     if path.exists():
         cached = torch.load(str(path), weights_only=False)
         if isinstance(cached, dict) and cached["taps"] == CANDIDATE_TAPS:
-            out = [f for f, s in zip(cached["feats"], seqs) if f.shape[0] == len(s)]
-            if len(out) < min(len(cached["feats"]), len(seqs)):   # another cache's sequences: made anew
-                out = []
+            n = min(len(cached["feats"]), len(seqs))
+            same = (cached["ids"][:n] == [list(s) for s in seqs[:n]] if "ids" in cached    # older caches: lengths
+                    else all(f.shape[0] == len(s) for f, s in zip(cached["feats"], seqs)))
+            out = cached["feats"] if same else []                 # another cache's sequences: made anew
     if len(out) < len(seqs):
         target, _ = load_target(model, target, None)
-        out = out + record(target, seqs[len(out):], batch)
-        _save({"taps": CANDIDATE_TAPS, "feats": out}, path)
+        out = out[:len(seqs)] + record(target, seqs[len(out):], batch)
+        _save({"taps": CANDIDATE_TAPS, "feats": out, "ids": [list(s) for s in seqs]}, path)
     return out[:len(seqs)]
 
 

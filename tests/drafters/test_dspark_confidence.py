@@ -154,3 +154,24 @@ def test_the_response_cache_is_extended_cut_or_made_anew(target, tmp_path, monke
     torch.save({**blob, "texts": ["another prompt"] + blob["texts"][1:]}, str(path))
     again = get(2)
     assert again["texts"] == three["texts"][:2] and " + " not in again["made"]
+
+
+def test_the_feature_cache_is_extended_or_made_anew_by_the_sequences_ids(target, tmp_path, monkeypatch):
+    """``block_data.tapped`` (this target's taps standing in for the candidate layers): more
+    sequences extend the cache, the old features kept bit for bit and only the new ones recorded;
+    a cache whose sequences differ in one token (same lengths) is made anew. (Features are
+    compared with records of the same batches: the recording forward is not batch-invariant.)"""
+    from hal.training import block_data
+    monkeypatch.setenv("HAL_CACHE", str(tmp_path))
+    monkeypatch.setattr(block_data, "CANDIDATE_TAPS", (1, 4))
+    g = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(3, V, (9 + i,), generator=g).tolist() for i in range(5)]
+    three = block_data.tapped("tiny", {"ids": seqs[:3]}, target)
+    five = block_data.tapped("tiny", {"ids": seqs}, target)
+    assert len(five) == 5 and all(torch.equal(a, b) for a, b in zip(three, five))
+    assert all(torch.equal(a, b) for a, b in zip(five[3:], block_data.record(target, seqs[3:])))
+    other = [list(s) for s in seqs]
+    other[1][4] = 3 if other[1][4] != 3 else 4
+    again = block_data.tapped("tiny", {"ids": other}, target)
+    assert all(torch.equal(a, b) for a, b in zip(again, block_data.record(target, other)))
+    assert not torch.equal(again[1], five[1])
