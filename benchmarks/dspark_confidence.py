@@ -22,20 +22,17 @@ from hal.models.dspark import read_config, shipped_block
 from hal.models.fetch import load_model
 from hal.models.machine import machine_line
 from hal.training import block_data, data
-from hal.training.block_data import CANDIDATE_TAPS
+from hal.training.block_data import CANDIDATE_TAPS, to_draft_of
 from hal.training.block_train import BlockData, from_weights
-from hal.training.confidence import samples, to_draft_of
+from hal.training.confidence import samples
 
 BINS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
 
 
 def auc(p: torch.Tensor, y: torch.Tensor) -> float:
     """Chance that a right position is ranked above a wrong one (ties count half)."""
-    order = torch.argsort(p)
-    ranks = torch.empty_like(p)
-    ranks[order] = torch.arange(1, len(p) + 1, dtype=p.dtype)
-    for v in torch.unique(p[torch.cat([p[order][1:] == p[order][:-1], torch.tensor([False])])]):
-        ranks[p == v] = ranks[p == v].mean()
+    _, at, counts = torch.unique(p, return_inverse=True, return_counts=True)
+    ranks = (counts.cumsum(0) - (counts - 1) / 2).to(p.dtype)[at]      # 1-based, ties averaged
     n1 = y.sum()
     return float((ranks[y == 1].sum() - n1 * (n1 + 1) / 2) / (n1 * (len(y) - n1)))
 

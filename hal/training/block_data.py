@@ -136,6 +136,13 @@ def block_targets(ids: Tensor, anchors: Tensor, lengths: Tensor, B: int, to_draf
     return flat(safe - 1), to_draft[flat(safe)], valid
 
 
+def to_draft_of(draft_ids: Tensor, vocab: int) -> Tensor:
+    """Target id -> draft-vocabulary index (-1 outside it) [vocab]."""
+    out = torch.full((vocab,), -1, dtype=torch.long)
+    out[draft_ids.long()] = torch.arange(len(draft_ids))
+    return out
+
+
 def load_target(model: str, target, tok):
     """The target (``auto`` plan: what serves by default) and its tokenizer, unless given."""
     if target is not None:

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from hal.errors import HalError
 from hal.models.dspark import BlockConfig
-from hal.training.block_data import block_targets
+from hal.training.block_data import block_targets, to_draft_of
 
 DECAY = 4.0   # position j's loss weight exp(-(j - 1) / DECAY)
 
@@ -113,8 +113,12 @@ class BlockTrain(torch.nn.Module):
 
     def confidence(self, h: Tensor, row: Tensor) -> Tensor:
         """Logits of the confidence (the model applies the sigmoid)."""
-        top = torch.log_softmax(row, -1).max(-1).values
-        return h @ self.w("conf")[:-1] + top * self.w("conf")[-1] + self.w("conf_bias")
+        return h @ self.w("conf")[:-1] + self.row_statistic(row) * self.w("conf")[-1] + self.w("conf_bias")
+
+    @staticmethod
+    def row_statistic(row: Tensor) -> Tensor:
+        """The confidence head's input from a final row: its log max softmax."""
+        return torch.log_softmax(row, -1).max(-1).values
 
 
 def soft_labels(model: BlockTrain, last: Tensor, anchors: Tensor) -> Tensor:
@@ -217,8 +221,7 @@ def train_block(cfg: BlockConfig, blob: dict, feats: list[Tensor], target, minut
     torch.manual_seed(seed)
     d = BlockData(blob, feats, [CANDIDATE_TAPS.index(t) for t in cfg.taps], cfg.draft_vocab, target.cfg.stop_ids,
                   seed, CANDIDATE_TAPS.index(target.cfg.layers) if distill > 0 else None)
-    to_draft = torch.full((target.cfg.vocab,), -1, dtype=torch.long)
-    to_draft[d.draft_ids] = torch.arange(len(d.draft_ids))
+    to_draft = to_draft_of(d.draft_ids, target.cfg.vocab)
     model = BlockTrain(cfg, target.embed, target.head, d.draft_ids, seed, target.w["norm"])
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
     g = torch.Generator().manual_seed(seed)

@@ -95,9 +95,9 @@ def refit_folder(folder, out, model: str = "smollm2-135m") -> dict:
     from hal.models.dspark import read_config, save_block
     from hal.training import block_data
     from hal.errors import HalError
-    from hal.training.block_data import CANDIDATE_TAPS
+    from hal.training.block_data import CANDIDATE_TAPS, to_draft_of
     from hal.training.block_train import BlockData, refit_on
-    from hal.training.confidence import readme_line, to_draft_of
+    from hal.training.confidence import readme_line
     folder, out = Path(folder), Path(out)
     cfg = read_config(folder)
     if any(t not in CANDIDATE_TAPS for t in cfg.taps):

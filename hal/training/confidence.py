@@ -46,7 +46,7 @@ def samples(model, d, idx: list[int], to_draft: Tensor) -> tuple[Tensor, Tensor]
             base, h = model(feats, ids, anchors)
             prev, label, valid = block_targets(ids, anchors, lens, model.cfg.block, to_draft)
             rows = base + model.markov(prev)
-            top = torch.log_softmax(rows, -1).max(-1).values
+            top = model.row_statistic(rows)
             right = (rows.argmax(-1) == label) & (label >= 0)
             xs.append(torch.cat([h, top[..., None]], -1)[valid].double())
             ys.append(right[valid].double())
@@ -126,10 +126,3 @@ def readme_line(report: dict, refitted: str | None = None) -> str:
             f"{report['inputs']}, L2 {report['l2']:g}: BCE out of fold **{report['bce_out_of_fold']:.3f}**, against "
             f"{report['bce_joint_head']:.3f} for the head trained with the drafter and "
             f"{report['bce_constant']:.3f} for a constant (`hal/training/confidence.py`).\n")
-
-
-def to_draft_of(draft_ids: Tensor, vocab: int) -> Tensor:
-    """Target id -> draft-vocabulary index (-1 outside it) [vocab]."""
-    out = torch.full((vocab,), -1, dtype=torch.long)
-    out[draft_ids.long()] = torch.arange(len(draft_ids))
-    return out

@@ -12,10 +12,10 @@ import torch.nn.functional as F
 from hal.errors import HalError
 from hal.models.dspark import BlockConfig, save_block
 from hal.models.llama import random_llama
-from hal.training.block_data import CANDIDATE_TAPS
+from hal.training.block_data import CANDIDATE_TAPS, to_draft_of
 from hal.training.block_train import BlockData, BlockTrain
 from hal.training.command import refit_folder
-from hal.training.confidence import bce, fit, refit, samples, to_draft_of
+from hal.training.confidence import bce, fit, refit, samples
 from tests.drafters.test_eagle import D, FFN, H, HEADS, KV, LAYERS, V, target_features
 
 B = 4
