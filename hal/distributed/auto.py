@@ -72,13 +72,17 @@ class AutoChoice:
         second = "none" if self.runner_up is None else self.runner_up.describe()
         assumed = "" if self.hit_rate is None else \
             f" (another rank scored at a {self.hit_rate:.0%} speculation-cache hit rate)"
-        return f"placement auto: {self.best.describe()}; runner-up: {second}{assumed}"
+        remote = next((c for c in self.table if c.where == "other rank"), None)
+        shown = remote is None or remote in (self.best, self.runner_up)
+        lower = "" if shown else f"; best on the other rank: {remote.describe()}"
+        return f"placement auto: {self.best.describe()}; runner-up: {second}{lower}{assumed}"
 
 
 def choose(devices: list[DeviceProfile], *, target_bytes: int, draft_bytes: int, batch: int, acceptance: float,
            max_k: int, context: int = 256, link: LinkProfile | None = None,
            draft_token_bytes: int = 8, hit_rate: float = 0.0) -> AutoChoice:
-    """The placement with the most expected tokens/s (see the module docstring).
+    """The placement with the most expected tokens/s (see the module docstring); its
+    description names the best on another rank too when that ranks below the runner-up.
     ``target_bytes``/``draft_bytes``: each model's weights plus its KV pool at ``batch``;
     ``draft_token_bytes``: what one draft token costs on the link (ids; more with q);
     ``hit_rate``: the share of rounds a draft on another rank answers from its speculation

@@ -74,6 +74,12 @@ def test_another_rank_pays_off_only_as_far_as_its_drafts_are_ready_ahead():
     assert cold.best.where == "same device" and cold.hit_rate == 0.0
     remote = next(c for c in cold.table if c.where == "other rank")
     assert remote.tokens_per_s < cold.best.tokens_per_s
+    shown = remote in (cold.best, cold.runner_up)
+    assert (f"best on the other rank: {remote.describe()}" in cold.describe()) == (not shown)
+    assert cold.describe().count("(other rank)") == 1   # named once, wherever it ranks
+    slow = choose([gpu], **kw(), link=LinkProfile(0.2, 10e9, (peer,)))   # a 200 ms link: third of three
+    assert [c.where for c in slow.table] == ["same device", "plain", "other rank"]
+    assert f"; best on the other rank: {slow.table[2].describe()}" in slow.describe()
 
 
 def test_the_hit_rate_is_a_share_and_only_the_chain_head_drafts_ahead_among_heads():
@@ -182,4 +188,4 @@ def test_placement_auto_across_two_ranks(tiny, tmp_path):  # noqa: F811
         assert got["world_size"] == 2 and got["rounds"] > 0
     else:
         assert got["world_size"] == 1 and "this rank exits" in r.stderr
-    assert "(other rank)" in line   # the other rank was a candidate: its profile crossed
+    assert "(other rank)" in line   # the other rank was a candidate (its profile crossed), wherever it ranked
