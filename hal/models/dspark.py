@@ -245,7 +245,7 @@ def load_block(folder: str | Path, target: Llama, backend=None, device=None) -> 
 
 
 SHIPPED = {   # model name -> (folder under hal/models/heads, sha256 of its model.safetensors)
-    "smollm2-135m": ("smollm2-135m-dspark", "372e8bbab5ac40b2ac74619a6b32d18f8bb98eead8cd69131cbe6b9624a971dd"),
+    "smollm2-135m": ("smollm2-135m-dspark", "a5fec3a8817765f8c761a28b3eef68e4e0ee06e1ed08bb0196553451f124e01a"),
 }
 
 

@@ -297,7 +297,7 @@ def test_the_shipped_block_drafter_is_checked_and_named():
     from hal.models.dspark import read_config, shipped_block
     path = shipped_block("smollm2-135m")
     cfg = read_config(path)
-    assert (cfg.hidden, cfg.taps, cfg.block, cfg.layers, cfg.direct) == (576, (1, 16, 29), 8, 1, False)
+    assert (cfg.hidden, cfg.taps, cfg.block, cfg.layers, cfg.direct) == (576, (1, 16, 29), 8, 1, True)
     with pytest.raises(HalError, match="shipped block drafter"):
         shipped_block("other-model")
 
