@@ -13,6 +13,8 @@ import random
 import torch
 from torch import Tensor
 
+from hal.errors import HalError
+
 TOPICS = [
     "volcanoes", "the water cycle", "bicycles", "coffee", "the moon landing", "honeybees", "solar panels",
     "the Roman empire", "chess", "bread baking", "electric cars", "the human heart", "rainforests", "jazz music",
@@ -115,6 +117,8 @@ def prompts(heldout: bool = False, sets: int = 2) -> list[str]:
     """The training prompts (or the held-out ones), in a fixed order: the first set, then the
     second, then the third (``sets``: how many; so a cache of fewer sets is extended, not
     rebuilt). Training skips ``EXCLUDE``."""
+    if type(sets) is not int or sets not in (1, 2, 3):
+        raise HalError(f"sets: expected 1, 2 or 3 prompt sets, got {sets!r}", arg="sets")
     if heldout:
         out = [task.format(t=t) for t, task in itertools.product(HELDOUT_TOPICS, TASKS)]
         random.Random(0).shuffle(out)

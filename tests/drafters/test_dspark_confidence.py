@@ -182,3 +182,13 @@ def test_the_feature_cache_is_extended_or_made_anew_by_the_sequences_ids(target,
     again = block_data.tapped("tiny", {"ids": other}, target)
     assert all(torch.equal(a, b) for a, b in zip(again, block_data.record(target, other)))
     assert not torch.equal(again[1], five[1])
+
+
+def test_the_prompt_sets_extend_each_other_and_a_bad_count_is_refused():
+    from hal.training import data
+    one, two, three = (data.prompts(sets=n) for n in (1, 2, 3))
+    assert len(one) < len(two) < len(three) and two[:len(one)] == one and three[:len(two)] == two
+    assert not set(three) & set(data.prompts(heldout=True))
+    for bad in (0, 4, "3", 2.0, True):
+        with pytest.raises(HalError, match=r"sets: expected 1, 2 or 3 prompt sets, got"):
+            data.prompts(sets=bad)
