@@ -223,7 +223,8 @@ def serve_epochs(rv, drafter, device: torch.device, fault: str = "", idle: float
 
 def _serve(link, drafter, fault, idle, ep: Epoch, lock, failed: list, fanout: int, push: bool) -> None:
     try:
-        draft_worker(link, drafter, fault, idle, ep, lock, fanout, push=push)
+        with torch.inference_mode():   # thread-local: drafting never records autograd (as the target's step)
+            draft_worker(link, drafter, fault, idle, ep, lock, fanout, push=push)
     except RuntimeError as e:   # the link: reset or timed out; the target announces the next epoch
         if ep.current:
             print(f"hal.launch worker: epoch {ep.number} lost ({str(e).splitlines()[0][:120]}); "

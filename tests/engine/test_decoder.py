@@ -278,3 +278,28 @@ def test_an_exact_tie_is_listed_in_the_greedy_order():
     for e in lps:
         assert [i for i, _ in e.top] == [0, 1, 2, 3], e.top
         assert all(abs(v - math.log(0.125)) < 1e-6 for _, v in e.top)
+
+
+def test_a_step_runs_in_inference_mode_and_its_tokens_equal_the_steps_without_it(model, singles):
+    """`SpeculativeDecoder.step` runs the forward, the drafter and sampling in inference mode
+    (per-op dispatch without autograd's bookkeeping); the same step body without the mode
+    (``step.__wrapped__``) emits the same tokens, and tensors the mode made are still read
+    after it (the next step, the caller)."""
+    seen = []
+
+    class Watching(NgramDrafter):
+        def propose(self, batch):
+            seen.append(torch.is_inference_mode_enabled())
+            return super().propose(batch)
+
+    for mode in (True, False):
+        seen.clear()
+        dec = engine(model, Watching(model.be))
+        rid = dec.add_request(PROMPTS[0], SamplingParams(max_new_tokens=N, k=3))
+        got = []
+        while dec.has_unfinished():
+            out = dec.step() if mode else SpeculativeDecoder.step.__wrapped__(dec)
+            got += out.tokens.get(rid, [])
+        assert got == singles[0]
+        assert seen and set(seen) == {mode}, f"inference mode {mode}: the drafter saw {set(seen)}"
+    assert not torch.is_inference_mode_enabled()
