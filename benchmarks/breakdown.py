@@ -225,4 +225,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with torch.inference_mode():   # as the engine's steps run (`SpeculativeDecoder.step`)
+        main()
