@@ -153,7 +153,6 @@ def main() -> None:
         med = {key: statistics.median(s[key] for s, _, _ in rs) for key in rs[0][0]}
         med["ratio"] = statistics.median(s["tok_s"] / b for (s, _, _), b in zip(rs, base))
         rows.append((name, med, all(same for _, same, _ in rs), max(pre for _, _, pre in rs)))
-    static = rows[0][1]
     argv = __import__("sys").argv[1:]
     cmd = "python benchmarks/engine.py " + " ".join(a for i, a in enumerate(argv)
                                                     if a != "--out" and (i == 0 or argv[i - 1] != "--out"))

@@ -120,11 +120,11 @@ def complete(port: int, ids: list[int], n: int) -> tuple[list[int], float]:
 
 
 def ours(target, drafter, ids, n, k, costs=None):
-    from hal.engine import Request, SpeculativeDecoder
-    dec = SpeculativeDecoder(target, drafter, num_blocks=256)
-    if costs is not None:
-        from hal.engine.router import Router
-        dec.router = Router(costs, max_k=k)
+    """Our output and its time: the engine as every entry point builds it (routed over
+    ``costs`` when given: the product's router, n-gram's first drafts shadow-scored)."""
+    from hal.engine import Request
+    from hal.launch.build import build_engine
+    dec = build_engine(target, drafter, k=k, route=costs is not None, costs=costs, num_blocks=256)
     t = time.perf_counter()
     out = dec.generate([Request(ids, max_new_tokens=n, k=k, stop_ids=target.cfg.stop_ids)])[0]
     return out, time.perf_counter() - t

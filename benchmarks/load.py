@@ -69,7 +69,7 @@ def wait_up(base: str, procs, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if any(p.poll() is not None for p in procs):
-            raise SystemExit(f"a server exited early; see /tmp/hal-load-*.log")
+            raise SystemExit("a server exited early; see /tmp/hal-load-*.log")
         try:
             if httpx.get(base + "/health", timeout=1).status_code == 200:
                 return

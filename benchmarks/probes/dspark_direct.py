@@ -7,7 +7,7 @@ model's validation accuracy at block position 1.
 
 It patches `BlockTrain.forward` with its own copy (the variant measured); the same path is now
 in the tree as `BlockConfig.direct` (`train-head --direct`)."""
-import sys, time, torch
+import sys, torch
 import torch.nn.functional as F
 from hal.models.dspark import BlockConfig
 from hal.training import block_train as bt, block_data

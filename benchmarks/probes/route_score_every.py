@@ -1,6 +1,5 @@
 """Ad hoc: greedy requests at k = 0 shadow-scored every step vs every Nth step (head drafters)."""
 import sys, time, statistics, torch
-from dataclasses import replace
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2]))
 import hal
 from benchmarks.e2e import PROMPTS

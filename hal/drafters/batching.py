@@ -124,7 +124,7 @@ def pad(part: Proposal, have: tuple[int, ...], want: tuple[int, ...], valid: lis
     nv = torch.tensor(valid, dtype=torch.long)
     if have == want:
         return replace(part, num_valid=nv)
-    cu_h, cu_w = cumulative(have), cumulative(want)
+    cu_w = cumulative(want)
     at = torch.tensor([cu_w[i] + j for i, n in enumerate(have) for j in range(n)], dtype=torch.long).to(dev)
     ids = torch.zeros(cu_w[-1], dtype=torch.long, device=dev)
     ids[at] = part.draft_token_ids

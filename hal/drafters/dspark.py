@@ -119,7 +119,7 @@ class BlockDrafter:
         return base, h, anchors, drafting
 
     def _propose(self, b: DraftBatch, plan) -> Proposal:
-        m, dev = self.model, self.model.device
+        dev = self.model.device
         base, h, anchors, drafting = self._forward(b, plan)
         if not drafting:
             return empty(len(b.rids), dev) if not any(b.k) else widen(b, [], None, dev)
