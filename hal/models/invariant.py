@@ -133,7 +133,8 @@ def write_kv(plan: Plan, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: T
 def _decode(query: Tensor, kt: Tensor, blocks: list[Tensor], plan: Plan, scale: float) -> Tensor:
     """`attention` when every request feeds one token (`Plan.decode_only`): the same products
     in the same shapes, without the per-query gathers, stacks and scatter (bit for bit the
-    general path's rows). ``kt`` [R * Hkv, D, Lp]; ``blocks`` [R, Hkv, 256, D] per key block."""
+    general path's rows). ``kt`` [R * Hkv, D, Lp] (a transposed view); ``blocks`` [R, Hkv, 256, D]
+    per key block."""
     T, Hq, D = query.shape
     G = Hq // (kt.shape[0] // T)
     s = torch.bmm(query.float().reshape(-1, G, D), kt).view(T, -1, 1, G, plan.Lp) * scale
@@ -163,17 +164,19 @@ def attention(query: Tensor, k_cache: Tensor, v_cache: Tensor, plan: Plan, scale
     # keys past a sequence's end are masked out of the scores; values there are zeroed, so that
     # p = 0 never meets a NaN left in a reused block
     dev, nblk = query.device, Lp // KEY_BLOCK
-    kt = _scratch(plan, "kt", (R, Hkv, D, Lp), torch.float32, dev)          # [R, Hkv, D, Lp]
-    kt.copy_(_gathered(plan, k_cache, "k").permute(0, 2, 3, 1))
+    # keys as [R, Hkv, Lp, D] rows, multiplied through a transposed view: the copy moves whole
+    # 64-float rows, cheaper than transposing them into [D, Lp]; decode and verify multiply alike
+    kr = _scratch(plan, "kr", (R, Hkv, Lp, D), torch.float32, dev)
+    kr.copy_(_gathered(plan, k_cache, "k").permute(0, 2, 1, 3))
+    kt_flat = kr.view(R * Hkv, Lp, D).transpose(1, 2)                          # [R * Hkv, D, Lp]
     vb = _scratch(plan, "vb", (nblk, R, Hkv, KEY_BLOCK, D), torch.float32, dev)   # [R, Hkv, 256, D] per key block
     vals = _dead_zeroed(_gathered(plan, v_cache, "v"), plan)
     vb.copy_(vals.reshape(R, nblk, KEY_BLOCK, Hkv, D).permute(1, 0, 3, 2, 4))
     blocks = list(vb.unbind(0))
     if plan.decode_only:
-        return _decode(query, kt.view(R * Hkv, D, Lp), blocks, plan, scale)
+        return _decode(query, kt_flat, blocks, plan, scale)
     vals = vb.permute(1, 0, 3, 2, 4)                                         # [R, blocks, 256, Hkv, D] (a view)
     ar = torch.arange(R, device=dev)[:, None, None] if any(c[5] is not None for c in plan.chunks) else None
-    kt_flat = kt.view(R * Hkv, D, Lp)
     out = query.new_empty(T + 1, Hq, D)       # row T takes the padding queries' outputs: no boolean indexing
     for n, rows, valid, see, dest, order in plan.chunks:
         q = torch.where(valid, query[rows].float(), 0.0).view(R, n, Hkv, G, D)    # [R, n, Hkv, G, D]
