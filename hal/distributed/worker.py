@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from hal.errors import HalError
+from hal.host_threads import in_a_thread_that_ends
 from hal.engine.history import HistoryBuffer
 from hal.distributed.link import Link
 from hal.distributed.protocol import (DRAFT_SEED, HASH_SEED, STOP, TARGET, Commit, DraftEntry, Drafts, Stop,
@@ -370,7 +371,8 @@ def serve_draft_rank(rv, drafter, device: torch.device, *, hidden: int, k: int, 
     signal.signal(signal.SIGTERM, _quiet_exit)
     if drafter is not None:   # its first call pays for the kernels' set-up (~1 s): not in the first round
         from hal.engine.router import profile_drafter
-        profile_drafter(drafter, device, hidden, reps=1, points=(1, max(1, k)))
+        # in a thread that ends: the epochs' threads draft, and no OpenMP team stays on this one
+        in_a_thread_that_ends(lambda: profile_drafter(drafter, device, hidden, reps=1, points=(1, max(1, k))))
     try:
         serve_epochs(rv, drafter, device, os.environ.get("HAL_SERVE_FAULT", ""),
                      idle=max(600.0, draft_timeout), join_timeout=join_timeout, fanout=fanout, push=push)

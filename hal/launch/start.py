@@ -21,6 +21,7 @@ from hal.distributed.rendezvous import Rendezvous
 from hal.drafters.kinds import HEADS, draft_kinds, draft_memory, make_drafter, parse_draft
 from hal.engine import SpeculativeDecoder
 from hal.errors import HalError
+from hal.host_threads import in_a_thread_that_ends
 from hal.launch.build import build_engine, grammar_compiler, memory_plan
 from hal.launch.phases import QUIET, Phases
 from hal.models.fetch import load_model
@@ -193,13 +194,15 @@ def _draft_rank(args, me: Rank, max_seqs: int) -> None:
     head = me.spec.kind in HEADS   # an EAGLE head: it reads the target's features
     draft_side = resolve_side(me.placement.draft, "draft")
     mem, dpath = draft_memory(me.spec, me.path, shares_target=False)
-    pool = memory_plan(args, None, None, mem, draft_side, max_seqs).allocate("draft") if mem is not None else None
-    # a head shares the target's embeddings and lm_head: this rank loads the weights for them
-    tw = None
-    if head:
-        tw = load_model(me.path, draft_side.backend, args.dtype, lm_head=args.lm_head)[0].to(draft_side.device)
-    drafter = make_drafter(me.spec, draft_side.backend, target=tw, path=args.model if head else dpath, pool=pool,
-                           device=draft_side.device)
+    plan = memory_plan(args, None, None, mem, draft_side, max_seqs) if mem is not None else None
+
+    def load():   # a head shares the target's embeddings and lm_head: this rank loads the weights for them
+        pool = plan.allocate("draft") if plan is not None else None
+        tw = load_model(me.path, draft_side.backend, args.dtype, lm_head=args.lm_head)[0].to(draft_side.device) \
+            if head else None
+        return tw, make_drafter(me.spec, draft_side.backend, target=tw, path=args.model if head else dpath,
+                                pool=pool, device=draft_side.device)
+    tw, drafter = in_a_thread_that_ends(load)   # the epochs' threads draft: no OpenMP team left here
     serve_draft_rank(me.rv, drafter, draft_side.device, hidden=tw.cfg.hidden if head else 1, k=args.k,
                      draft_timeout=args.draft_timeout, join_timeout=args.draft_startup_timeout,
                      fanout=worker_fanout(args, me.spec), push=args.push)

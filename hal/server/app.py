@@ -23,6 +23,7 @@ import sys
 from contextlib import asynccontextmanager
 
 from hal.errors import HalError
+from hal.host_threads import in_a_thread_that_ends
 from hal.server.engine_loop import EngineLoop
 from hal.server.loading import LoadingResponder
 from hal.server.request_bodies import WireModels, wire_models
@@ -118,8 +119,11 @@ def main(argv: list[str] | None = None) -> int:
             args.port = sock.getsockname()[1]   # --port 0: the one the system chose
             loading = LoadingResponder(sock)
             phases.say(f"listening on {args.host}:{args.port} (503 until ready)")
-        target = start(args, args.max_num_seqs, {"max_num_batched_tokens": args.max_num_batched_tokens,
-                                                 "max_num_seqs": args.max_num_seqs}, phases=phases)
+        engine_kw = {"max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs}
+        # the target loads in a thread that ends, so that the engine loop's thread is the only one
+        # with an OpenMP team (`hal.host_threads`); a draft rank loads in its own (see `start`)
+        load = (lambda fn: fn()) if sock is None else in_a_thread_that_ends
+        target = load(lambda: start(args, args.max_num_seqs, engine_kw, phases=phases))
         if target is None:   # the draft rank served until the target stopped
             return 0
         if target.tok is None:
