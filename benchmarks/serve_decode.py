@@ -17,7 +17,6 @@ arrangement behind the difference, in one run (`hal.host_threads`).
 from __future__ import annotations
 
 import argparse
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hal  # noqa: E402
+from benchmarks.load import free_port, wait_up  # noqa: E402
 from benchmarks.report import publish  # noqa: E402
 from hal.engine import Request  # noqa: E402
 from hal.host_threads import in_a_thread_that_ends  # noqa: E402
@@ -43,24 +43,13 @@ PROMPT = "What are some fun things to do on a rainy weekend?"
 
 def served(reps: int, tokens: int) -> tuple[float, float]:
     """Median tokens/s of ``spec-hal serve``: non-streamed, then streamed."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "hal", "serve", "--draft", "none", "--port", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base, body = f"http://127.0.0.1:{port}", {"model": "smollm2-135m", "prompt": PROMPT, "max_tokens": tokens,
                                                "temperature": 0, "ignore_eos": True}
     try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        else:
-            raise SystemExit("spec-hal serve did not become ready in 300 s")
+        wait_up(base, [proc])
         httpx.post(base + "/v1/completions", json={**body, "max_tokens": 8}, timeout=300)
         plain, stream = [], []
         for _ in range(reps):
