@@ -140,8 +140,8 @@ class SpeculativeDecoder:
         """One scheduling round: decode the running requests (drafts within the budget),
         then prefill waiting ones with the budget left. Returns what it produced.
 
-        It runs in inference mode (no autograd bookkeeping per op: 0.86-0.92x the forward's
-        time, benchmarks/inference_mode.py): the tensors it makes are inference tensors, read
+        It runs in inference mode (no autograd bookkeeping per op: 0.88-0.91x the time per
+        token, benchmarks/inference_mode.py): the tensors it makes are inference tensors, read
         anywhere, updated in place only inside a step."""
         self._out = StepOutput(finished=self._aborted)
         self._aborted, t0 = [], time.perf_counter()
