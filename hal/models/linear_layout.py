@@ -6,6 +6,7 @@ rows came with it). Its JSON form is what the plan cache holds."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +36,8 @@ class LinearPlan:
     fn: plan_check.Layout | None = field(default=None, compare=False, repr=False)   # a layout not in LAYOUTS (tests)
     weights: str = "float"   # int4: weights stored as int4 blocks run as stored (`hal.models.int4`), rows in dtype
     head: str = "float"      # q8_0: the lm_head's Q8_0 codes run as stored (two int4 halves), rows in dtype
+    costs: tuple[float, ...] = field(default=(), compare=False)   # ms of one chunk of each width (measured):
+    #                                                               rows then go in the cheapest chunks (`chunks`)
 
     def linear(self, x: Tensor, w: Tensor | int4.Int4Weight) -> Tensor:
         """``x @ w.T`` for ``x`` [T, K] (any float dtype), computed in ``w``'s dtype (the model
@@ -43,14 +46,15 @@ class LinearPlan:
         fn = plan_check.int4_mm if isinstance(w, int4.Int4Weight) else self.fn or LAYOUTS[self.layout]
         T = x.shape[0]
         x = x.to(w.dtype)
-        if T in self.widths:   # one chunk, no padding: the same product, without the output buffer's copy
+        parts = chunks(self.widths, T, self.costs)
+        if parts == [T]:   # one chunk, no padding: the same product, without the output buffer's copy
             got = fn(x.contiguous(), w)
             if got.is_contiguous():
                 return got.float()
             return torch.empty(T, w.shape[0], dtype=torch.float32, device=x.device).copy_(got)
         out = torch.empty(T, w.shape[0], dtype=torch.float32, device=x.device)
         start = 0
-        for width in chunks(self.widths, T):
+        for width in parts:
             end = min(start + width, T)
             chunk = x[start:end]
             if end - start < width:
@@ -69,23 +73,28 @@ class LinearPlan:
 
     def to_json(self) -> dict:
         return {"layout": self.layout, "dtype": str(self.dtype).removeprefix("torch."), "widths": list(self.widths),
-                "weights": self.weights, "head": self.head}
+                "weights": self.weights, "head": self.head, "costs": list(self.costs)}
 
     @classmethod
     def from_json(cls, d: dict) -> "LinearPlan":
-        weights, head = d.get("weights", "float"), d.get("head", "float")
+        weights, head, costs = d.get("weights", "float"), d.get("head", "float"), d.get("costs", [])
         if d.get("layout") not in LAYOUTS or d.get("dtype") not in DTYPES or weights not in WEIGHTS \
-                or head not in HEADS or (head != "float" and weights != "int4"):
+                or head not in HEADS or (head != "float" and weights != "int4") or not _costs_fit(costs, d):
             raise HalError(f"linear plan: expected a layout in {sorted(LAYOUTS)}, a dtype in {sorted(DTYPES)}, "
-                           f"weights in {list(WEIGHTS)} and a head in {list(HEADS)} (q8_0 only with int4), "
-                           f"got {d!r:.160}")
-        return cls(d["layout"], DTYPES[d["dtype"]], tuple(int(n) for n in d["widths"]), weights=weights, head=head)
+                           f"weights in {list(WEIGHTS)}, a head in {list(HEADS)} (q8_0 only with int4) and "
+                           f"costs none or one positive number per width, got {d!r:.160}")
+        return cls(d["layout"], DTYPES[d["dtype"]], tuple(int(n) for n in d["widths"]), weights=weights, head=head,
+                   costs=tuple(float(c) for c in costs))
 
 
 
-def chunks(widths: tuple[int, ...], rows: int) -> list[int]:
-    """The chunk widths ``rows`` rows are computed in (`LinearPlan.linear`): the narrowest that
-    holds what is left, else the widest."""
+def chunks(widths: tuple[int, ...], rows: int, costs: tuple[float, ...] = ()) -> list[int]:
+    """The chunk widths ``rows`` rows are computed in (`LinearPlan.linear`). With ``costs`` (ms
+    of one chunk of each width, measured): the cheapest set of chunks that holds them (widths of
+    one plan give a row the same bits, so any set is as exact); else the narrowest width that
+    holds what is left, then again, the widest while none does."""
+    if costs:
+        return list(_cheapest(tuple(widths), tuple(costs), rows))
     out = []
     while rows > 0:
         width = next((n for n in widths if n >= rows), widths[-1])
@@ -93,3 +102,25 @@ def chunks(widths: tuple[int, ...], rows: int) -> list[int]:
         rows -= width
     return out
 
+
+@lru_cache(maxsize=4096)
+def _cheapest(widths: tuple[int, ...], costs: tuple[float, ...], rows: int) -> tuple[int, ...]:
+    """The least total cost of chunks holding ``rows`` rows (padding allowed), widest first; on
+    a tie, the fewer chunks (so one chunk of exactly ``rows`` when it costs no more)."""
+    best, last = [(0.0, 0)], [0]   # per row count: (cost, chunks) of its cheapest set, and that set's last width
+    for r in range(1, rows + 1):
+        key, width = min(((best[max(r - n, 0)][0] + c, best[max(r - n, 0)][1] + 1), n) for n, c in zip(widths, costs))
+        best.append(key)
+        last.append(width)
+    out, r = [], rows
+    while r > 0:
+        out.append(last[r])
+        r = max(r - last[r], 0)
+    return tuple(sorted(out, reverse=True))
+
+
+def _costs_fit(costs, d: dict) -> bool:
+    """``costs`` from a cached plan: none, or one positive number per width."""
+    return isinstance(costs, list) and (not costs or (
+        len(costs) == len(d.get("widths", [])) and all(isinstance(c, (int, float)) and not isinstance(c, bool)
+                                                      and 0 < c < float("inf") for c in costs)))

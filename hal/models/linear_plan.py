@@ -153,27 +153,30 @@ def single_chunks(plan: LinearPlan, weights: list, reps: int = 3) -> dict[int, f
 
 
 def predicted_score(widths: tuple[int, ...], one: dict[int, float]) -> float:
-    """The `MIX` score of ``widths`` predicted from one chunk's time per width (`single_chunks`)."""
-    return sum(weight * sum(one[n] for n in chunks(widths, m)) for m, weight in MIX.items())
+    """The `MIX` score of ``widths`` predicted from one chunk's time per width (`single_chunks`),
+    each row count in its cheapest chunks."""
+    costs = tuple(one[n] for n in widths)
+    return sum(weight * sum(one[n] for n in chunks(widths, m, costs)) for m, weight in MIX.items())
 
 
 def fastest_subset(plan: LinearPlan, weights: list, reps: int = 3,
                    one: dict[int, float] | None = None) -> LinearPlan:
-    """``plan`` with the subset of its widths that scores best (`MIX`). Widths of one group
-    give a row the same bits, so any subset of them is as invariant as the whole; which is
-    fastest depends on the kernel (int4pack at 4 rows can cost more than 4 single rows).
-    Each width is timed once as a single chunk (or ``one`` gives those times); a subset's
-    score is predicted from those."""
-    if len(plan.widths) == 1:
-        return plan
+    """``plan`` with the subset of its widths that scores best (`MIX`), and their costs (one
+    chunk's time each), by which rows then go in the cheapest chunks. Widths of one group give
+    a row the same bits, so any subset of them is as invariant as the whole; which is fastest
+    depends on the kernel (int4pack at 8 rows costs what two chunks of 4 cost). Each width is
+    timed once as a single chunk (or ``one`` gives those times); a subset's score is predicted
+    from those."""
     one = one or single_chunks(plan, weights, reps)
+    if len(plan.widths) == 1:
+        return replace(plan, costs=(one[plan.widths[0]],))
     best, best_score = plan.widths, None
     for mask in range((1 << len(plan.widths)) - 1, 0, -1):    # the whole group first: it wins ties
         subset = tuple(n for j, n in enumerate(plan.widths) if mask >> j & 1)
         predicted = predicted_score(subset, one)
         if best_score is None or predicted < best_score * (1 - 1e-9):
             best, best_score = subset, predicted
-    return LinearPlan(plan.layout, plan.dtype, best, plan.fn, plan.weights)
+    return LinearPlan(plan.layout, plan.dtype, best, plan.fn, plan.weights, costs=tuple(one[n] for n in best))
 
 
 def score(ms: dict[int, float]) -> float:
@@ -220,11 +223,14 @@ def choose_plan(shapes: list[tuple[int, int]], dtype: str = "auto", *, weights: 
 
 
 def _cached(path: Path, signature: dict, dtype: str) -> Choice | None:
-    """The plan cached at ``path`` for this signature and dtype, or None (absent, damaged, foreign)."""
+    """The plan cached at ``path`` for this signature and dtype, or None (absent, damaged, foreign,
+    or without its chunks' costs: measured again once)."""
     saved = plan_cache.load(path, signature, dtype)
     if saved is None:
         return None
     try:
+        if not LinearPlan.from_json(saved["plan"]).costs:   # cached before plans kept their chunks' costs
+            return None
         return Choice(LinearPlan.from_json(saved["plan"]), signature, saved.get("candidates", []),
                       saved.get("rejected", []), from_cache=True, measured=saved.get("measured") or {},
                       heads=saved.get("heads", []))

@@ -226,7 +226,8 @@ def test_a_subset_of_a_width_group_is_chosen_by_its_predicted_time(monkeypatch):
         m: sum(cost[n] for n in lp.chunks(plan.widths, m)) for m in rows})
     plan = lp.fastest_subset(LinearPlan("mm", torch.float32, (1, 2, 4, 8, 16)), [])
     # 1 row: one chunk of 1; 5 rows: one of 8 (8 ms) beats 4 + 1 (22) and five of 1 (10); 9 rows: 8 + 1
-    assert [lp.chunks(plan.widths, m) for m in (1, 5, 9)] == [[1], [8], [8, 1]], plan
+    assert [lp.chunks(plan.widths, m, plan.costs) for m in (1, 5, 9)] == [[1], [8], [8, 1]], plan
+    assert plan.costs == tuple(cost[n] for n in plan.widths)   # what the rows are chunked by at run time
     assert lp.fastest_subset(LinearPlan("mm", torch.float32, (1, 2, 4, 8, 16)), []).widths == plan.widths
 
 

@@ -75,6 +75,9 @@ def test_a_cached_plan_is_used_only_under_its_signature(tmp_path, monkeypatch):
     saved = json.loads(path.read_text())
     planted = {"layout": "mm", "dtype": "float32", "widths": [3]}
     path.write_text(json.dumps({**saved, "plan": planted}))
+    assert not choose_plan(SHAPES, "float32").from_cache               # cached without its chunks' costs: again
+    planted["costs"] = [3.0]
+    path.write_text(json.dumps({**saved, "plan": planted}))
     assert choose_plan(SHAPES, "float32").plan.widths == (3,)           # the same signature: trusted as cached
     path.write_text(json.dumps({**saved, "plan": planted, "signature": {**saved["signature"], "cpu": "another CPU"}}))
     again = choose_plan(SHAPES, "float32")
