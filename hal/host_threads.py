@@ -5,8 +5,8 @@ started a parallel region, until that thread ends. Once it manages more threads 
 CPUs it stops letting idle workers spin, so every parallel region then waits for a sleeping
 worker. A process whose main thread loaded a model (a team) and whose engine thread then runs
 the forwards (a second team) pays that on every op: the engine's thread decoded at 0.44x
-the loading thread's rate (`benchmarks/serve_decode.py`). Work that must leave no team behind (loading,
-warm-ups) runs in `in_a_thread_that_ends`."""
+the loading thread's rate (`benchmarks/serve_decode.py`). Work that must leave no team behind
+(loading, warm-ups) runs in `in_a_thread_that_ends`."""
 
 from __future__ import annotations
 

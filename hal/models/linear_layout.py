@@ -39,6 +39,10 @@ class LinearPlan:
     costs: tuple[float, ...] = field(default=(), compare=False)   # ms of one chunk of each width (measured):
     #                                                               rows then go in the cheapest chunks (`chunks`)
 
+    def __post_init__(self):
+        if self.costs and len(self.costs) != len(self.widths):
+            raise HalError(f"costs: expected none or one per width {self.widths}, got {self.costs}", arg="costs")
+
     def linear(self, x: Tensor, w: Tensor | int4.Int4Weight) -> Tensor:
         """``x @ w.T`` for ``x`` [T, K] (any float dtype), computed in ``w``'s dtype (the model
         casts its weights to ``self.dtype`` once; an `hal.models.int4.Int4Weight` multiplies

@@ -86,3 +86,5 @@ def test_costs_round_trip_through_the_cache_and_bad_ones_are_refused():
                 [1.0, 2.0, 3.0, float("inf")], "1,2,3,4"):
         with pytest.raises(HalError, match="costs"):
             LinearPlan.from_json({**plan.to_json(), "costs": bad})
+    with pytest.raises(HalError, match="costs"):
+        LinearPlan("mm", torch.float32, WIDTHS, costs=(1.0, 2.0))
