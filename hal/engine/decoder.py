@@ -138,11 +138,8 @@ class SpeculativeDecoder:
     @torch.inference_mode()
     def step(self) -> StepOutput:
         """One scheduling round: decode the running requests (drafts within the budget),
-        then prefill waiting ones with the budget left. Returns what it produced.
-
-        It runs in inference mode (no autograd bookkeeping per op: 0.88-0.91x the time per
-        token, benchmarks/inference_mode.py): the tensors it makes are inference tensors, read
-        anywhere, updated in place only inside a step."""
+        then prefill waiting ones with the budget left. Returns what it produced. In inference mode
+        (benchmarks/inference_mode.py): the tensors it makes are updated in place only inside a step."""
         self._out = StepOutput(finished=self._aborted)
         self._aborted, t0 = [], time.perf_counter()
         plan = self.scheduler.schedule(self._choose_k)
@@ -176,7 +173,6 @@ class SpeculativeDecoder:
             raise HalError(f"requests[{ids.index(min(errors))}]: {errors[min(errors)]}")
         return [got[rid] for rid in ids]
 
-    @torch.inference_mode()   # as `step` runs, so the costs are the step's
     def profile_costs(self, max_tokens: int = 72, context: int = 512, reps: int = 5,
                       profile_draft: bool = True, progress: bool = False):
         """A `hal.engine.router.CostModel` measured here and now in this engine's pool

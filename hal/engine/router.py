@@ -317,6 +317,7 @@ def expected_tokens(alpha: float, k: int) -> float:
     return float(k + 1) if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
+@torch.inference_mode()   # as `SpeculativeDecoder.step` runs, so the costs are the step's
 def profile_costs(target, drafter, pool, max_tokens: int = 72, context: int = 512, reps: int = 5,
                   profile_draft: bool = True, progress: bool = False):
     """A `hal.engine.router.CostModel` measured here and now in ``pool`` (a `hal.kv.KVPool` of

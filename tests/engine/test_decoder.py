@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import hal
+import hal.engine.router
 from hal.conformance._helpers import assert_distribution
 from hal.engine import Request, SamplingParams, SpeculativeDecoder
 from hal.drafters import ModelDrafter, NgramDrafter
@@ -302,4 +303,7 @@ def test_a_step_runs_in_inference_mode_and_its_tokens_equal_the_steps_without_it
             got += out.tokens.get(rid, [])
         assert got == singles[0]
         assert seen and set(seen) == {mode}, f"inference mode {mode}: the drafter saw {set(seen)}"
+    seen.clear()   # the routing profile times drafts as steps run them (every entry point calls it)
+    hal.engine.router.profile_costs(model, Watching(model.be), engine(model).pool, max_tokens=9, context=16, reps=1)
+    assert seen and set(seen) == {True}
     assert not torch.is_inference_mode_enabled()
