@@ -55,11 +55,7 @@ class Plan:
                  max_query: int, tree_mask: Tensor | None = None, min_context: int = 0,
                  slot_mapping: Tensor | None = None, seq_ends: tuple[int, ...] | None = None):
         dev = block_tables.device
-        self.slots = self.keep = None   # host slots: `write_kv` writes each layer's new keys in one native call
-        if slot_mapping is not None and slot_mapping.device.type == "cpu":   # the mask costs no device sync
-            rows = (slot_mapping >= 0).nonzero().squeeze(1)   # the tokens that are not padding (its shape: no read)
-            self.keep = None if rows.shape[0] == slot_mapping.shape[0] else rows
-            self.slots = (slot_mapping if self.keep is None else slot_mapping.index_select(0, rows)).long()
+        self.slots, self.keep = host_slots(slot_mapping)
         R, nb = block_tables.shape
         qsl, seq = query_start_loc.long(), seq_lens.long()
         q_len = qsl[1:] - qsl[:-1]
@@ -99,6 +95,48 @@ class Plan:
             see = (j[None, None] < (ctx[:, None] + seen)[..., None]) | ~valid[..., None]   # [R, n, Lp]
             self.chunks.append((n, rows, valid[..., None, None], see[:, None, :, None],
                                 torch.where(valid, rows, T).flatten(), order))
+
+
+def host_slots(slot_mapping: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+    """For `write_kv`: the slots of the tokens that are not padding (int64), and which tokens
+    those are (None: all); (None, None) off the host, where the backend's op writes."""
+    if slot_mapping is None or slot_mapping.device.type != "cpu":   # the mask costs no device sync
+        return None, None
+    rows = (slot_mapping >= 0).nonzero().squeeze(1)   # the tokens that are not padding (its shape: no read)
+    keep = None if rows.shape[0] == slot_mapping.shape[0] else rows
+    return (slot_mapping if keep is None else slot_mapping.index_select(0, rows)).long(), keep
+
+
+class KeyLists:
+    """The fused attention's metadata for one forward (`hal.models.row_kernels.FusedRows.attention`):
+    each query row reads the first ``n_cache`` keys of its request in cache order (through
+    ``block_tables``), then ``n_extra`` keys at the slots ``extra`` (a tree node's ancestors and
+    itself, in chain order), so a node's row is its chain decode's row. Built with no host
+    read; the kernel checks every index before it reads the cache.
+
+    Shapes: ``block_tables`` [R, nb] int64; ``req``, ``n_cache``, ``n_extra`` [T] int64;
+    ``extra`` [T, E] int64 (E >= 1). ``slots``/``keep``: as `Plan`'s, for `write_kv`."""
+
+    def __init__(self, block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor, T: int,
+                 max_query: int, tree_mask: Tensor | None = None, slot_mapping: Tensor | None = None):
+        R = block_tables.shape[0]
+        qsl, seq = query_start_loc.long(), seq_lens.long()
+        q_len = qsl[1:] - qsl[:-1]
+        ctx = seq - q_len
+        self.block_tables = block_tables.long().contiguous()
+        self.req = torch.repeat_interleave(torch.arange(R), q_len, output_size=T)
+        local = torch.arange(T) - qsl[:-1][self.req]                           # a row's index in its request
+        self.extra = torch.zeros(T, 1, dtype=torch.long)
+        if tree_mask is None:
+            self.n_cache, self.n_extra = ctx[self.req] + local + 1, torch.zeros(T, dtype=torch.long)
+        else:   # a node reads the context, then its visible step tokens in index (= chain) order
+            steps = torch.arange(max_query)
+            m = tree_mask[:, :max_query] & (steps[None] < q_len[self.req][:, None])
+            self.n_cache, self.n_extra = ctx[self.req], m.sum(1)
+            at = (qsl[:-1][self.req][:, None] + steps).clamp(max=max(T - 1, 0))
+            step_slots = slot_mapping.long()[at]                                 # [T, max_query]
+            self.extra = step_slots.gather(1, torch.argsort((~m).to(torch.uint8), dim=1, stable=True)).contiguous()
+        self.slots, self.keep = host_slots(slot_mapping)
 
 
 def dead_mask(Lp: int, seq: Tensor) -> Tensor:

@@ -43,10 +43,11 @@ class LinearPlan:
         if self.costs and len(self.costs) != len(self.widths):
             raise HalError(f"costs: expected none or one per width {self.widths}, got {self.costs}", arg="costs")
 
-    def linear(self, x: Tensor, w: Tensor | int4.Int4Weight) -> Tensor:
+    def linear(self, x: Tensor, w: Tensor | int4.Int4Weight, out_dtype: torch.dtype = torch.float32) -> Tensor:
         """``x @ w.T`` for ``x`` [T, K] (any float dtype), computed in ``w``'s dtype (the model
         casts its weights to ``self.dtype`` once; an `hal.models.int4.Int4Weight` multiplies
-        rows of its activation dtype), returned as float32."""
+        rows of its activation dtype), returned as ``out_dtype`` (``w.dtype``: the product as
+        computed, with no conversion)."""
         fn = plan_check.int4_mm if isinstance(w, int4.Int4Weight) else self.fn or LAYOUTS[self.layout]
         T = x.shape[0]
         x = x.to(w.dtype)
@@ -54,9 +55,9 @@ class LinearPlan:
         if parts == [T]:   # one chunk, no padding: the same product, without the output buffer's copy
             got = fn(x.contiguous(), w)
             if got.is_contiguous():
-                return got.float()
-            return torch.empty(T, w.shape[0], dtype=torch.float32, device=x.device).copy_(got)
-        out = torch.empty(T, w.shape[0], dtype=torch.float32, device=x.device)
+                return got.to(out_dtype)
+            return torch.empty(T, w.shape[0], dtype=out_dtype, device=x.device).copy_(got)
+        out = torch.empty(T, w.shape[0], dtype=out_dtype, device=x.device)
         start = 0
         for width in parts:
             end = min(start + width, T)

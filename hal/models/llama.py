@@ -18,6 +18,7 @@ from torch import Tensor
 from hal.errors import HalError
 from hal.models import invariant
 from hal.models import int4
+from hal.models import row_kernels
 from hal.models.linear_layout import DTYPES, LinearPlan
 from hal.models.linear_plan import choose_plan
 
@@ -80,13 +81,15 @@ class Llama:
     these weights on this machine (`hal.models.linear_plan.choose_plan`, cached) among the
     dtypes ``dtype`` allows (``auto``: float32, or bfloat16 where it is faster and invariant;
     None: the dtype the weights already have, so models sharing a weight dict agree).
+    ``fused_rows``: norms, SwiGLU and RoPE as `hal.models.row_kernels` (one compiled call a
+    step, on CPU) rather than eager ATen ops.
     The linear weights (and an lm_head copy) are cast to the plan's dtype once; embeddings,
     norms, the residual stream and the logits stay float32, and ``self.dtype`` is what the KV
     cache should hold."""
 
     def __init__(self, config: LlamaConfig, weights: dict[str, Tensor], backend, num_layers: int | None = None,
                  batch_invariant: bool = True, plan: LinearPlan | None = None, dtype: str | None = None,
-                 plan_refresh: bool = False):
+                 plan_refresh: bool = False, fused_rows: bool = True):
         self.cfg, self.be, self.batch_invariant = config, backend, batch_invariant
         self.device = torch.device(backend.device_type)
         self.num_layers = config.layers if num_layers is None else num_layers
@@ -113,6 +116,10 @@ class Llama:
                 plan = self.plan_choice.plan
         self.plan = plan
         self._cast(plan.dtype)
+        self.rows: row_kernels.Rows = row_kernels.rows_for(self.device) if fused_rows else row_kernels.EagerRows()
+
+    def _raw_linear(self, x: Tensor, w) -> Tensor:
+        return self.plan.linear(x, w, w.dtype)   # the product as computed: the row kernels take it as it is
 
     @property
     def dtype(self) -> torch.dtype:
@@ -157,7 +164,7 @@ class Llama:
 
     def layer_view(self, num_layers: int) -> "Llama":
         view = Llama(self.cfg, self.w, self.be, num_layers, self.batch_invariant, plan=self.plan)
-        view.device, view.rope, view.plan_choice = self.device, self.rope, self.plan_choice
+        view.device, view.rope, view.plan_choice, view.rows = self.device, self.rope, self.plan_choice, self.rows
         return view
 
     def to(self, device) -> "Llama":
@@ -168,7 +175,24 @@ class Llama:
         self.embed, self.head, self.head_t = self.w["embed"], self.w.get("head", self.w["embed"]), self.w["head_t"]
         self.head_lin = self.w["head_q8" if self.plan.head == "q8_0" else "head_lin"]
         self.rope.to(self.device)
+        if isinstance(self.rows, row_kernels.FusedRows) and self.device.type != "cpu":
+            self.rows = row_kernels.EagerRows()
         return self
+
+    def _attention_plan(self, batch: Batch, cache: Tensor, tree_mask: Tensor | None):
+        """The batch-invariant attention's metadata for this forward: the fused kernel's key
+        lists where the row kernels take this model's shapes and the caches are contiguous host
+        tensors (the same for every forward of a model), else `invariant.Plan`."""
+        cfg, T = self.cfg, batch.tokens.shape[0]
+        max_query = batch.max_query
+        if max_query is None:
+            max_query = int((batch.query_start_loc[1:] - batch.query_start_loc[:-1]).max()) if T else 0
+        if self.rows.attends(cfg.heads, cfg.kv_heads, cfg.head_dim) and cache.device.type == "cpu" \
+                and cache.is_contiguous():
+            return invariant.KeyLists(batch.block_tables, batch.seq_lens, batch.query_start_loc, T, max_query,
+                                      tree_mask, batch.slot_mapping)
+        return invariant.Plan(batch.block_tables, batch.seq_lens, batch.query_start_loc, T, cache.shape[1],
+                              max_query, tree_mask, batch.min_context, batch.slot_mapping, batch.seq_ends)
 
     def forward(self, batch: Batch, k_caches: list[Tensor], v_caches: list[Tensor],
                 tree_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -186,41 +210,37 @@ class Llama:
         nq, nk = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
         scale = cfg.head_dim ** -0.5
         inv = self.batch_invariant
-        lin = self.plan.linear if inv else plain_linear
-        plan = None
-        if inv:
-            max_query = batch.max_query
-            if max_query is None:
-                max_query = int((batch.query_start_loc[1:] - batch.query_start_loc[:-1]).max()) if T else 0
-            plan = invariant.Plan(batch.block_tables, batch.seq_lens, batch.query_start_loc, T,
-                                  k_caches[0].shape[1], max_query, tree_mask, batch.min_context, batch.slot_mapping,
-                                  batch.seq_ends)
-        taps = []
+        lin = self._raw_linear if inv else plain_linear
+        plan = self._attention_plan(batch, k_caches[0], tree_mask) if inv else None
+        fused = isinstance(plan, invariant.KeyLists)
+        taps, rk, d = [], self.rows, None
+        act = self.plan.dtype if inv else torch.float32    # the rows the linears take
         for i in range(self.num_layers):
+            h, x = rk.add_norm(h, d, self.w[f"{i}.attn_norm"], cfg.eps, act)   # h += the last layer's output
             if i in batch.feature_layers:
-                taps.append(h)
+                taps.append(h.clone())   # `FusedRows` adds into h in place
             # the first layer goes through the checked ops; the rest reuse the same, now valid, metadata
             # (host KV writes in one native call each: `invariant.write_kv`)
             ops = self.be if i == 0 else self.be.impl
-            x = _rms_norm(h, self.w[f"{i}.attn_norm"], cfg.eps)
             qkv = lin(x, self.w[f"{i}.wqkv"])
-            q = self.rope.apply(qkv[:, :nq].view(T, cfg.heads, cfg.head_dim), rot)
-            k = self.rope.apply(qkv[:, nq:nq + nk].view(T, cfg.kv_heads, cfg.head_dim), rot)
+            q = rk.rope(qkv[:, :nq], rot, cfg.heads, cfg.rope_interleaved)
+            k = rk.rope(qkv[:, nq:nq + nk], rot, cfg.kv_heads, cfg.rope_interleaved)
             v = qkv[:, nq + nk:].view(T, cfg.kv_heads, cfg.head_dim)
             if i == 0 or plan is None or not invariant.write_kv(plan, k, v, k_caches[i], v_caches[i]):
                 ops.write_kv(k, v, k_caches[i], v_caches[i], batch.slot_mapping)
-            if plan is not None:
+            if fused:
+                o = rk.attention(q, k_caches[i], v_caches[i], plan, scale)
+            elif plan is not None:
                 o = invariant.attention(q, k_caches[i], v_caches[i], plan, scale)
             else:
                 o = ops.paged_attention(q, k_caches[i], v_caches[i], batch.block_tables, batch.seq_lens,
                                         batch.query_start_loc, scale, tree_mask)
-            h = h + lin(o.reshape(T, nq), self.w[f"{i}.wo"])
-            x = _rms_norm(h, self.w[f"{i}.ffn_norm"], cfg.eps)
-            gate, up = lin(x, self.w[f"{i}.wgu"]).split(cfg.ffn, -1)
-            h = h + lin(F.silu(gate) * up, self.w[f"{i}.wdown"])
+            h, x = rk.add_norm(h, lin(o.reshape(T, nq), self.w[f"{i}.wo"]), self.w[f"{i}.ffn_norm"], cfg.eps, act)
+            d = lin(rk.silu_mul(lin(x, self.w[f"{i}.wgu"])), self.w[f"{i}.wdown"])
+        h, _ = rk.add_norm(h, d, None, cfg.eps)
         if self.num_layers in batch.feature_layers:   # the final norm's input: the last layer's output
             taps.append(h)
-        out = _rms_norm(h[batch.logits_rows], self.w["norm"], cfg.eps)
+        _, out = rk.add_norm(h[batch.logits_rows], None, self.w["norm"], cfg.eps)
         if inv:
             logits = self.plan.linear(out, self.head_lin)
         elif self.head_lin.dtype == torch.float32:
@@ -231,7 +251,7 @@ class Llama:
         if batch.feature_layers:
             out = torch.cat([t[rows] for t in taps], -1)
         elif batch.hidden_rows is not None:
-            out = _rms_norm(h[rows], self.w["norm"], cfg.eps)
+            _, out = self.rows.add_norm(h[rows], None, self.w["norm"], cfg.eps)
         return logits, out
 
 
@@ -341,7 +361,8 @@ def weight_bytes(cfg: LlamaConfig) -> int:
 
 
 def random_llama(H: int, layers: int, heads: int, kv_heads: int, D: int, ffn: int, V: int, seed: int,
-                 scale: float, embed_scale: float = 1.0, backend: str = "cpu", dtype: str = "float32") -> Llama:
+                 scale: float, embed_scale: float = 1.0, backend: str = "cpu", dtype: str = "float32",
+                 fused_rows: bool = True) -> Llama:
     """A GGUF-style (interleaved RoPE) Llama with N(0, scale) weights and norms near 1 (tests and
     benchmarks that need a model of given shapes without a download)."""
     g = torch.Generator().manual_seed(seed)
@@ -356,4 +377,4 @@ def random_llama(H: int, layers: int, heads: int, kv_heads: int, D: int, ffn: in
         w[f"{i}.wgu"] = torch.randn(2 * ffn, H, generator=g) * scale
         w[f"{i}.wdown"] = torch.randn(H, ffn, generator=g) * scale
     import hal
-    return Llama(cfg, w, hal.get_backend(backend), dtype=dtype)
+    return Llama(cfg, w, hal.get_backend(backend), dtype=dtype, fused_rows=fused_rows)

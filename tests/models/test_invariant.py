@@ -18,6 +18,7 @@ from hal.kv import KVPool
 from hal.models import invariant
 from hal.models.linear_plan import choose_plan, offered_dtypes
 from hal.models.llama import Llama
+from hal.models.row_kernels import FusedRows
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]   # qkv, o, gate-up, down, lm_head
 HERE = offered_dtypes()   # float32 (+ bfloat16)
@@ -95,9 +96,14 @@ def test_attention_matches_the_contract_on_ragged_batches():
                                _reference(q, kc, vc, bt, seq, qsl), atol=1e-5, rtol=0)
 
 
-@pytest.fixture(scope="module", params=HERE)
-def model(request):   # SmolLM2-135M's shapes, 2 layers, at each dtype this machine offers
-    return random_llama(576, 2, 9, 3, 64, 1536, 49152, seed=4, scale=0.05, embed_scale=0.5, dtype=request.param)
+@pytest.fixture(scope="module", params=[(d, f) for d in HERE for f in (True, False)],
+                ids=lambda p: f"{p[0]}-{'fused' if p[1] else 'eager'}")
+def model(request):   # SmolLM2-135M's shapes, 2 layers, at each dtype this machine offers, rows fused and eager
+    dtype, fused = request.param
+    m = random_llama(576, 2, 9, 3, 64, 1536, 49152, seed=4, scale=0.05, embed_scale=0.5, dtype=dtype,
+                     fused_rows=fused)
+    assert isinstance(m.rows, FusedRows) == fused, "the fused row kernels did not build here"
+    return m
 
 
 PROMPT = [(7 * i + 3) % 49152 for i in range(21)]
@@ -223,6 +229,18 @@ def test_tree_attention_needs_chain_order(model, monkeypatch):
     bits, so the tooth is shown at float32."""
     if model.dtype != torch.float32:
         pytest.skip("attention is float32 at every dtype; its tooth is shown on the float32 model")
+    if isinstance(model.rows, FusedRows):
+        real_lists = invariant.KeyLists.__init__
+
+        def reversed_steps(self, *args, **kw):   # a node's visible step keys last to first
+            real_lists(self, *args, **kw)
+            for t, n in enumerate(self.n_extra.tolist()):
+                self.extra[t, :n] = self.extra[t, :n].flip(0)
+        monkeypatch.setattr(invariant.KeyLists, "__init__", reversed_steps)
+        rows = _tree_rows(model, False)
+        assert not all(torch.equal(rows[1 + n], _path_decoded(model, n)) for n in range(len(PARENTS))), \
+            "step keys out of chain order gave the chain's bits: the tree test would prove nothing"
+        return
     real = invariant.Plan.__init__
 
     def in_place(self, bt, seq, qsl, T, bs, max_query, tree_mask=None, min_context=0, slot_mapping=None, seq_ends=None):

@@ -1,0 +1,273 @@
+/* The runner's per-row work between its matmuls, one call per step of a layer
+ * (`hal.models.row_kernels`): RMSNorm (with the residual add before it), SwiGLU, RoPE.
+ *
+ * Every row is computed by the same code whatever the row count, and nothing here sums
+ * across rows, so a row's bits never depend on its batch-mates: decode and verify agree bit
+ * for bit, as the batch-invariant runner needs. Sums run in LANES fixed partial sums combined
+ * in a fixed tree (a plain loop the compiler can vectorize without reassociating).
+ * Activations are float32 or bfloat16 (rounded to nearest even, as torch rounds); the
+ * residual stream, norm weights and RoPE tables are float32. Single-threaded by design: the
+ * rows are short, and a second OpenMP runtime would fight torch's.
+ *
+ * The caller (Python) checks every shape, dtype, stride and device before a call. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef uint16_t bf16;
+#define LANES 16
+
+static inline bf16 to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40u);   /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16)(u >> 16);
+}
+
+static inline float from_bf16(bf16 b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* one element of an activation row: float32 (is_bf16 == 0) or bfloat16 */
+static inline float load(const void *p, int64_t i, int is_bf16) {
+    return is_bf16 ? from_bf16(((const bf16 *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void store(void *p, int64_t i, float v, int is_bf16) {
+    if (is_bf16) ((bf16 *)p)[i] = to_bf16(v);
+    else ((float *)p)[i] = v;
+}
+
+static float sum_squares(const float *x, int64_t n) {
+    float acc[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int j = 0; j < LANES; j++) acc[j] += x[i + j] * x[i + j];
+    for (int j = 0; i < n; i++, j++) acc[j] += x[i] * x[i];
+    for (int s = LANES / 2; s > 0; s /= 2)
+        for (int j = 0; j < s; j++) acc[j] += acc[j + s];
+    return acc[0];
+}
+
+/* exp(x) for float32, a fixed polynomial (Cephes' expf): vectorizable, about 1 ulp;
+ * arguments are clamped to [-87.3, 88.7] (results stay finite). */
+static inline float exp_f32(float x) {
+    x = fminf(fmaxf(x, -87.3f), 88.7f);
+    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t e = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &e, 4);
+    return p * scale;
+}
+
+/* h [T, H] (float32, row stride hs) += d (activations, row stride ds; d NULL: no add); then,
+ * if out is not NULL, out [T, H] (row stride os) = h * rsqrt(mean(h^2) + eps) * w. */
+void add_norm(float *h, int64_t hs, const void *d, int64_t ds, int d_bf16, const float *w, float eps,
+              void *out, int64_t os, int out_bf16, int64_t T, int64_t H) {
+    for (int64_t t = 0; t < T; t++) {
+        float *x = h + t * hs;
+        if (d) {
+            const char *row = (const char *)d + t * ds * (d_bf16 ? 2 : 4);
+            for (int64_t i = 0; i < H; i++) x[i] += load(row, i, d_bf16);
+        }
+        if (!out) continue;
+        float r = 1.0f / sqrtf(sum_squares(x, H) / (float)H + eps);
+        char *o = (char *)out + t * os * (out_bf16 ? 2 : 4);
+        for (int64_t i = 0; i < H; i++) store(o, i, x[i] * r * w[i], out_bf16);
+    }
+}
+
+/* out [T, F] = silu(gu[:, :F]) * gu[:, F:] (gu row stride gs, out row stride os; one dtype) */
+void silu_mul(const void *gu, int64_t gs, int64_t F, void *out, int64_t os, int is_bf16, int64_t T) {
+    int64_t esz = is_bf16 ? 2 : 4;
+    for (int64_t t = 0; t < T; t++) {
+        const char *g = (const char *)gu + t * gs * esz;
+        const char *u = g + F * esz;
+        char *o = (char *)out + t * os * esz;
+        for (int64_t i = 0; i < F; i++) {
+            float a = load(g, i, is_bf16);
+            store(o, i, a / (1.0f + exp_f32(-a)) * load(u, i, is_bf16), is_bf16);
+        }
+    }
+}
+
+/* x [T, heads, D] (activations, row stride xs, head stride D) rotated by rot [T, D/2, 2]
+ * (cos, sin; row stride rs) into out [T, heads, D] (float32, contiguous). interleaved: pairs
+ * (2j, 2j+1) as GGUF stores them; else (j, j + D/2). */
+void rope(const void *x, int64_t xs, int x_bf16, const float *rot, int64_t rs, float *out,
+          int64_t T, int64_t heads, int64_t D, int interleaved) {
+    int64_t half = D / 2, a_step = interleaved ? 2 : 1, b_off = interleaved ? 1 : half;
+    for (int64_t t = 0; t < T; t++) {
+        const char *row = (const char *)x + t * xs * (x_bf16 ? 2 : 4);
+        const float *cs = rot + t * rs;
+        for (int64_t hd = 0; hd < heads; hd++) {
+            int64_t base = hd * D;
+            float *o = out + (t * heads + hd) * D;
+            for (int64_t j = 0; j < half; j++) {
+                int64_t ia = base + j * a_step, ib = ia + b_off;
+                float a = load(row, ia, x_bf16), b = load(row, ib, x_bf16), c = cs[2 * j], s = cs[2 * j + 1];
+                o[ia - base] = a * c - b * s;
+                o[ib - base] = a * s + b * c;
+            }
+        }
+    }
+}
+
+/* ---- attention ---------------------------------------------------------------------- */
+typedef float v16f __attribute__((vector_size(64)));
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v4f __attribute__((vector_size(16)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+#define MAXG 16   /* query heads per KV head handled by the vector path */
+
+/* 16 cached elements (float32 or bfloat16) as float32 */
+static inline v16f load16(const char *p, int is_bf16) {
+    v16f f;
+    if (is_bf16) {
+        v16h h;
+        memcpy(&h, p, sizeof h);
+        v16u u = __builtin_convertvector(h, v16u) << 16;
+        memcpy(&f, &u, sizeof f);
+    } else {
+        memcpy(&f, p, sizeof f);
+    }
+    return f;
+}
+
+/* the sum of 16 lanes in a fixed tree: halves added, then their halves, ... */
+static inline float hsum16(v16f a) {
+    v8f b = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+    v4f c = __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
+    float d0 = c[0] + c[2], d1 = c[1] + c[3];
+    return d0 + d1;
+}
+
+/* one query row t of one KV head group: its G heads' rows of q (qg [G, D]) against the key
+ * list (slots), D a multiple of 16. The dot products: 16 lanes (lane l sums the elements
+ * l, l+16, ...) then `hsum16`; the softmax: e_j = exp(s_j - max), o = sum_j e_j v_j in key
+ * order, over sum_j e_j (in LANES partial sums). */
+static inline __attribute__((always_inline)) void group_rows_n(
+        const float *qg, int64_t G, int64_t nc, const char *kc, const char *vc, int is_bf16, int64_t row_bytes,
+        const int64_t *slots, int64_t L, float scale, float *og, float *scores) {
+    int64_t D = nc * 16, esz = is_bf16 ? 2 : 4;
+    for (int64_t j = 0; j < L; j++) {
+        const char *k = kc + slots[j] * row_bytes;
+        v16f kv[8];
+        for (int64_t c = 0; c < nc; c++) kv[c] = load16(k + c * 16 * esz, is_bf16);
+        for (int64_t h = 0; h < G; h++) {
+            v16f acc, qv;
+            memcpy(&qv, qg + h * D, sizeof qv);
+            acc = qv * kv[0];
+            for (int64_t c = 1; c < nc; c++) {
+                memcpy(&qv, qg + h * D + c * 16, sizeof qv);
+                acc += qv * kv[c];
+            }
+            scores[h * L + j] = scale * hsum16(acc);
+        }
+    }
+    float inv[MAXG];
+    v16f o[MAXG][8];
+    for (int64_t h = 0; h < G; h++) {
+        float *e = scores + h * L, m = -INFINITY, lanes[LANES] = {0};
+        for (int64_t j = 0; j < L; j++) m = e[j] > m ? e[j] : m;
+        for (int64_t j = 0; j < L; j++) e[j] = exp_f32(e[j] - m);
+        int64_t j = 0;
+        for (; j + LANES <= L; j += LANES)
+            for (int l = 0; l < LANES; l++) lanes[l] += e[j + l];
+        for (int l = 0; j < L; j++, l++) lanes[l] += e[j];
+        for (int s = LANES / 2; s > 0; s /= 2)
+            for (int l = 0; l < s; l++) lanes[l] += lanes[l + s];
+        inv[h] = L ? 1.0f / lanes[0] : 0.0f;
+        for (int64_t c = 0; c < nc; c++) o[h][c] = (v16f){0};
+    }
+    for (int64_t j = 0; j < L; j++) {
+        const char *v = vc + slots[j] * row_bytes;
+        v16f vv[8];
+        for (int64_t c = 0; c < nc; c++) vv[c] = load16(v + c * 16 * esz, is_bf16);
+        for (int64_t h = 0; h < G; h++) {
+            float e = scores[h * L + j];
+            for (int64_t c = 0; c < nc; c++) o[h][c] += e * vv[c];
+        }
+    }
+    for (int64_t h = 0; h < G; h++)
+        for (int64_t c = 0; c < nc; c++) {
+            v16f r = o[h][c] * inv[h];
+            memcpy(og + h * D + c * 16, &r, sizeof r);
+        }
+}
+
+/* `group_rows_n` with the chunk count and the cache dtype as constants for the compiler */
+static void group_rows(const float *qg, int64_t G, int64_t D, const char *kc, const char *vc, int is_bf16,
+                       int64_t row_bytes, const int64_t *slots, int64_t L, float scale, float *og, float *scores) {
+#define CASE(NC)                                                                                         \
+    if (D == 16 * NC) {                                                                                  \
+        if (is_bf16) group_rows_n(qg, G, NC, kc, vc, 1, row_bytes, slots, L, scale, og, scores);         \
+        else group_rows_n(qg, G, NC, kc, vc, 0, row_bytes, slots, L, scale, og, scores);                 \
+        return;                                                                                          \
+    }
+    CASE(4) CASE(8) CASE(1) CASE(2) CASE(3) CASE(5) CASE(6) CASE(7)
+#undef CASE
+}
+
+/* Causal paged attention, one query row at a time: query t (request req[t]) sees the first
+ * n_cache[t] keys of its request in cache order (through its block table row), then the
+ * n_extra[t] keys at slots extra[t, :] (a tree's ancestors and itself, in chain order); its
+ * output depends only on those keys and their order (`group_rows`).
+ *
+ * q [T, Hq, D] float32 contiguous, D a multiple of 16 and at most 128, Hq / Hkv at most MAXG;
+ * caches [nblocks * bs, Hkv, D] contiguous (float32 or bfloat16, slot = block * bs + offset);
+ * block_tables [R, nb] int64 (row stride bts); extra [T, E] int64; out [T, Hq, D] float32.
+ * Every index is checked before anything is computed: returns 0, or 1 for a request index,
+ * 2 for a key count, 3 for a block id, 4 for a slot out of range, 5 when out of memory. */
+int64_t attention(const float *q, int64_t T, int64_t Hq, int64_t D, const void *k_cache, const void *v_cache,
+                  int cache_bf16, int64_t Hkv, int64_t bs, int64_t nblocks, const int64_t *block_tables, int64_t R,
+                  int64_t nb, int64_t bts, const int64_t *req, const int64_t *n_cache, const int64_t *extra, int64_t E,
+                  const int64_t *n_extra, float scale, float *out) {
+    int64_t G = Hq / Hkv, row_bytes = Hkv * D * (cache_bf16 ? 2 : 4), head_bytes = D * (cache_bf16 ? 2 : 4);
+    int64_t longest = 0;
+    for (int64_t t = 0; t < T; t++) {
+        if (req[t] < 0 || req[t] >= R) return 1;
+        int64_t n = n_cache[t], ne = n_extra[t];
+        if (n < 0 || n > nb * bs || ne < 0 || ne > E || n + ne < 1) return 2;   /* a query sees itself */
+        const int64_t *bt = block_tables + req[t] * bts;
+        for (int64_t b = 0; b * bs < n; b++)
+            if (bt[b] < 0 || bt[b] >= nblocks) return 3;
+        for (int64_t j = 0; j < ne; j++)
+            if (extra[t * E + j] < 0 || extra[t * E + j] >= nblocks * bs) return 4;
+        longest = n + ne > longest ? n + ne : longest;
+    }
+    float *scores = malloc(sizeof(float) * (size_t)(G * longest + 1));
+    int64_t *slots = malloc(sizeof(int64_t) * (size_t)(longest + 1));
+    if (!scores || !slots) {
+        free(scores);
+        free(slots);
+        return 5;
+    }
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t *bt = block_tables + req[t] * bts;
+        int64_t n = n_cache[t], L = n + n_extra[t];
+        for (int64_t j = 0; j < n; j++) slots[j] = bt[j / bs] * bs + j % bs;
+        for (int64_t j = n; j < L; j++) slots[j] = extra[t * E + (j - n)];
+        for (int64_t g = 0; g < Hkv; g++)
+            group_rows(q + (t * Hq + g * G) * D, G, D, (const char *)k_cache + g * head_bytes,
+                       (const char *)v_cache + g * head_bytes, cache_bf16, row_bytes, slots, L, scale,
+                       out + (t * Hq + g * G) * D, scores);
+    }
+    free(scores);
+    free(slots);
+    return 0;
+}

@@ -1,0 +1,245 @@
+"""The runner's per-row work between its matmuls: RMSNorm (after the residual add), SwiGLU
+and RoPE, in one of two implementations with one interface (`Rows`):
+
+- `FusedRows`: `row_kernels.c`, one call per step, compiled on first use for this CPU by
+  the system's C compiler (``-O3 -march=native -ffp-contract=off``) into ``$HAL_CACHE/kernels``
+  and called through ctypes. Eager PyTorch spends about ten ATen calls on one RMSNorm and its
+  casts; here it is one call. Each row is computed by the same code whatever the row count,
+  so a row's bits do not depend on its batch-mates (`tests/models/test_row_kernels.py`).
+- `EagerRows`: the same steps as ATen ops (the runner's arithmetic before these kernels, bit
+  for bit); used where the kernels do not apply (tensors off the CPU) or do not build, with a
+  warning that says why.
+
+Shapes: the residual stream ``h`` [T, H] float32; activations (a matmul's rows and outputs)
+[T, ·] float32 or bfloat16; norm weights [H] float32; RoPE rotations ``rot`` [T, D/2]
+complex64 (unit, from `hal.models.llama.Rope`)."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from hal.errors import HalError
+from hal.models import invariant
+from hal.models.cache_dir import cache_dir
+from hal.models.machine import cpu_signature
+
+SOURCE = Path(__file__).with_name("row_kernels.c")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC")
+ACTIVATIONS = (torch.float32, torch.bfloat16)
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+SIGNATURES = {   # each function's (argument types, return type)
+    "add_norm": ([_P, _I, _P, _I, ctypes.c_int, _P, _F, _P, _I, ctypes.c_int, _I, _I], None),
+    "silu_mul": ([_P, _I, _I, _P, _I, ctypes.c_int, _I], None),
+    "rope": ([_P, _I, ctypes.c_int, _P, _I, _P, _I, _I, _I, ctypes.c_int], None),
+    "attention": ([_P, _I, _I, _I, _P, _P, ctypes.c_int, _I, _I, _I, _P, _I, _I, _I, _P, _P, _P, _I, _P, _F, _P], _I),
+}
+ATTENTION_ERRORS = {1: "a query's request outside the block tables", 2: "a key count past its block table",
+                    3: "a block id outside the cache", 4: "a tree slot outside the cache", 5: "memory for the scores"}
+MAX_GROUP = 16    # query heads per KV head the fused attention takes (MAXG in row_kernels.c)
+
+
+class EagerRows:
+    """The per-row steps as ATen ops (functional: ``h`` is never written in place)."""
+
+    describe = "eager ATen ops"
+
+    def attends(self, heads: int, kv_heads: int, head_dim: int) -> bool:
+        """False: attention runs as `hal.models.invariant.attention`."""
+        return False
+
+    def add_norm(self, h: Tensor, d: Tensor | None, w: Tensor | None, eps: float,
+                 dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor | None]:
+        """``h + d`` (d None: ``h``) and its RMSNorm by ``w`` (w None: no norm), the norm
+        float32 here (the next matmul casts it to ``dtype``, the rows it multiplies)."""
+        if d is not None:
+            h = h + d.float()
+        return h, None if w is None else F.rms_norm(h, w.shape, w, eps)
+
+    def silu_mul(self, gu: Tensor) -> Tensor:
+        """``silu(gate) * up`` of ``gu`` = [gate | up] [T, 2F]."""
+        gate, up = gu.float().split(gu.shape[1] // 2, -1)
+        return F.silu(gate) * up
+
+    def rope(self, x: Tensor, rot: Tensor, heads: int, interleaved: bool) -> Tensor:
+        """``x`` [T, heads·D] rotated, as float32 [T, heads, D]."""
+        T, D = x.shape[0], x.shape[1] // heads
+        x = x.float().reshape(T, heads, D)
+        if interleaved:
+            return torch.view_as_real(torch.view_as_complex(x.reshape(T, heads, -1, 2)) * rot[:, None]).flatten(-2)
+        z = torch.complex(x[..., :D // 2], x[..., D // 2:]) * rot[:, None]
+        return torch.cat([z.real, z.imag], -1)
+
+
+class FusedRows:
+    """The per-row steps as `row_kernels.c` (``add_norm`` writes ``h`` in place)."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path):
+        self.lib, self.describe = lib, f"fused C row kernels ({path.name})"
+        for name, (args, result) in SIGNATURES.items():
+            getattr(lib, name).argtypes, getattr(lib, name).restype = args, result
+
+    def add_norm(self, h: Tensor, d: Tensor | None, w: Tensor | None, eps: float,
+                 dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor | None]:
+        T, H = h.shape
+        _check(h, "h", (T, H), (torch.float32,), row_major=True)
+        if d is not None:
+            d = _rows(_check(d, "d", (T, H)))
+        out = None
+        if w is not None:
+            _check(w, "w", (H,), (torch.float32,), row_major=True)
+            if dtype not in ACTIVATIONS:
+                raise HalError(f"dtype: expected one of {ACTIVATIONS}, got {dtype}", arg="dtype")
+            out = torch.empty(T, H, dtype=dtype)
+        self.lib.add_norm(h.data_ptr(), h.stride(0), None if d is None else d.data_ptr(), 0 if d is None else d.stride(0),
+                          _bf16(d), None if w is None else w.data_ptr(), eps, None if out is None else out.data_ptr(),
+                          H, _bf16(out), T, H)
+        return h, out
+
+    def silu_mul(self, gu: Tensor) -> Tensor:
+        T, F2 = gu.shape
+        if F2 % 2:
+            raise HalError(f"gu: expected [T, 2F] (gate | up), got {list(gu.shape)}", arg="gu")
+        gu = _rows(_check(gu, "gu", (T, F2)))
+        out = torch.empty(T, F2 // 2, dtype=gu.dtype)
+        self.lib.silu_mul(gu.data_ptr(), gu.stride(0), F2 // 2, out.data_ptr(), F2 // 2, _bf16(gu), T)
+        return out
+
+    def rope(self, x: Tensor, rot: Tensor, heads: int, interleaved: bool) -> Tensor:
+        T, n = x.shape
+        D = n // heads
+        if heads < 1 or n % heads or D % 2:
+            raise HalError(f"x: expected [T, heads·D] with D even for {heads} heads, got {list(x.shape)}", arg="x")
+        x = _rows(_check(x, "x", (T, n)))
+        if rot.dtype != torch.complex64 or tuple(rot.shape) != (T, D // 2) or rot.device.type != "cpu":
+            raise HalError(f"rot: expected complex64 [{T}, {D // 2}] on cpu, got {rot.dtype} {list(rot.shape)} "
+                           f"on {rot.device}", arg="rot")
+        cs = torch.view_as_real(rot if rot.stride(1) == 1 else rot.contiguous())
+        out = torch.empty(T, heads, D, dtype=torch.float32)
+        self.lib.rope(x.data_ptr(), x.stride(0), _bf16(x), cs.data_ptr(), cs.stride(0), out.data_ptr(), T, heads, D,
+                      int(interleaved))
+        return out
+
+
+    def attends(self, heads: int, kv_heads: int, head_dim: int) -> bool:
+        """Whether `attention` takes these shapes (a model's, fixed for its life: a model whose
+        shapes it does not take runs every forward's attention eager)."""
+        return heads % kv_heads == 0 and heads // kv_heads <= MAX_GROUP and head_dim % 16 == 0 and head_dim <= 128
+
+    def attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, keys: invariant.KeyLists,
+                  scale: float) -> Tensor:
+        """Causal paged attention of ``q`` [T, Hq, D] over contiguous host caches
+        [blocks, bs, Hkv, D] (float32 or bfloat16), each query row reading the keys ``keys``
+        lists for it (a tree node's in chain order); [T, Hq, D] float32."""
+        T, Hq, D = q.shape
+        nb, bs, Hkv, Dk = k_cache.shape
+        if not self.attends(Hq, Hkv, D) or Dk != D:
+            raise HalError(f"q: expected heads a multiple (<= {MAX_GROUP}x) of the cache's {Hkv} KV heads and a head "
+                           f"dim of 16·n <= 128 equal to its {Dk}, got {list(q.shape)}", arg="q")
+        for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if c.device.type != "cpu" or c.dtype not in ACTIVATIONS or not c.is_contiguous() or c.shape != k_cache.shape \
+                    or c.dtype != k_cache.dtype:
+                raise HalError(f"{name}: expected a contiguous host cache like k_cache {list(k_cache.shape)} "
+                               f"{k_cache.dtype}, got {list(c.shape)} {c.dtype} on {c.device}", arg=name)
+        q = _check(q, "q", (T, Hq, D), (torch.float32,)).contiguous()
+        if keys.req.shape != (T,) or keys.extra.shape[0] != T or not keys.extra.is_contiguous():
+            raise HalError(f"keys: expected key lists for {T} query rows, got {keys.req.shape[0]}", arg="keys")
+        out = torch.empty(T, Hq, D, dtype=torch.float32)
+        bt, extra = keys.block_tables, keys.extra
+        err = self.lib.attention(q.data_ptr(), T, Hq, D, k_cache.data_ptr(), v_cache.data_ptr(), _bf16(k_cache), Hkv,
+                                 bs, nb, bt.data_ptr(), bt.shape[0], bt.shape[1], bt.stride(0), keys.req.data_ptr(),
+                                 keys.n_cache.data_ptr(), extra.data_ptr(), extra.shape[1], keys.n_extra.data_ptr(),
+                                 scale, out.data_ptr())
+        if err:
+            raise HalError(f"batch: expected block tables, sequence lengths and tree slots within the cache's {nb} "
+                           f"blocks of {bs}, got {ATTENTION_ERRORS.get(err, f'error {err}')}", arg="batch")
+        return out
+
+
+Rows = EagerRows | FusedRows
+
+
+def _check(t: Tensor, name: str, shape: tuple, dtypes=ACTIVATIONS, row_major: bool = False) -> Tensor:
+    if t.device.type != "cpu" or t.dtype not in dtypes or tuple(t.shape) != shape:
+        raise HalError(f"{name}: expected {' or '.join(str(d) for d in dtypes)} {list(shape)} on cpu, "
+                       f"got {t.dtype} {list(t.shape)} on {t.device}", arg=name)
+    if row_major and not _is_rows(t):
+        raise HalError(f"{name}: expected rows of unit stride, got strides {t.stride()}", arg=name)
+    return t
+
+
+def _is_rows(t: Tensor) -> bool:
+    return t.dim() == 1 and t.stride(0) == 1 or t.dim() == 2 and t.stride(1) == 1 and t.stride(0) >= t.shape[1]
+
+
+def _rows(t: Tensor) -> Tensor:
+    """``t`` with unit-stride rows (any strides accepted: a copy when they are not)."""
+    return t if _is_rows(t) else t.contiguous()
+
+
+def _bf16(t: Tensor | None) -> int:
+    return int(t is not None and t.dtype == torch.bfloat16)
+
+
+_lock = threading.Lock()
+_loaded: dict[str, Rows] = {}
+
+
+def rows_for(device: torch.device) -> Rows:
+    """The fused kernels for CPU tensors, built once per process (loudly eager where they
+    do not build); eager ATen ops on any other device."""
+    if torch.device(device).type != "cpu":
+        return EagerRows()
+    with _lock:
+        if "cpu" not in _loaded:
+            try:
+                path = build()
+                _loaded["cpu"] = FusedRows(ctypes.CDLL(str(path)), path)
+            except (HalError, OSError) as e:
+                warnings.warn(f"spec-hal: the fused row kernels did not build, so the runner uses eager ATen ops "
+                              f"(slower, same contract): {e}", RuntimeWarning, stacklevel=2)
+                _loaded["cpu"] = EagerRows()
+        return _loaded["cpu"]
+
+
+def build(compiler: str | None = None) -> Path:
+    """The compiled kernels for this CPU: ``$HAL_CACHE/kernels/row_kernels-<key>.so``, the key
+    a hash of the source, the flags, the compiler's version and the CPU signature; compiled
+    (a few seconds) when not cached. HalError when there is no compiler or it fails."""
+    cc = compiler or os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if not cc:
+        raise HalError("row kernels: expected a C compiler (gcc or cc on PATH, or $CC), got none")
+    source = SOURCE.read_bytes()
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise HalError(f"row kernels: expected a working C compiler at {cc}, got {e}") from None
+    sig = cpu_signature()
+    key = hashlib.sha256(repr((source, FLAGS, version, sig["cpu"], sig["flags"])).encode()).hexdigest()[:16]
+    path = cache_dir() / "kernels" / f"row_kernels-{key}.so"
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        out = Path(tmp) / path.name
+        try:
+            r = subprocess.run([cc, *FLAGS, "-o", str(out), str(SOURCE), "-lm"], capture_output=True, text=True,
+                               timeout=300)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise HalError(f"row kernels: expected {cc} to compile {SOURCE.name}, got {e}") from None
+        if r.returncode != 0:
+            raise HalError(f"row kernels: expected {cc} to compile {SOURCE.name}, got exit {r.returncode}: "
+                           f"{(r.stderr or r.stdout).strip()[-400:]}")
+        os.replace(out, path)   # atomic: a process beside this one loads a whole file or builds its own
+    return path
