@@ -50,12 +50,13 @@ class LinearPlan:
         computed, with no conversion)."""
         fn = plan_check.int4_mm if isinstance(w, int4.Int4Weight) else self.fn or LAYOUTS[self.layout]
         T = x.shape[0]
-        x = x.to(w.dtype)
+        if x.dtype != w.dtype:
+            x = x.to(w.dtype)
         parts = chunks(self.widths, T, self.costs)
         if parts == [T]:   # one chunk, no padding: the same product, without the output buffer's copy
             got = fn(x.contiguous(), w)
             if got.is_contiguous():
-                return got.to(out_dtype)
+                return got if got.dtype == out_dtype else got.to(out_dtype)
             return torch.empty(T, w.shape[0], dtype=out_dtype, device=x.device).copy_(got)
         out = torch.empty(T, w.shape[0], dtype=out_dtype, device=x.device)
         start = 0

@@ -220,14 +220,18 @@ class Llama:
             if i in batch.feature_layers:
                 taps.append(h.clone())   # `FusedRows` adds into h in place
             # the first layer goes through the checked ops; the rest reuse the same, now valid, metadata
-            # (host KV writes in one native call each: `invariant.write_kv`)
+            # (host KV writes in one call each: the fused `rope_kv`, or `invariant.write_kv`)
             ops = self.be if i == 0 else self.be.impl
             qkv = lin(x, self.w[f"{i}.wqkv"])
-            q = rk.rope(qkv[:, :nq], rot, cfg.heads, cfg.rope_interleaved)
-            k = rk.rope(qkv[:, nq:nq + nk], rot, cfg.kv_heads, cfg.rope_interleaved)
-            v = qkv[:, nq + nk:].view(T, cfg.kv_heads, cfg.head_dim)
-            if i == 0 or plan is None or not invariant.write_kv(plan, k, v, k_caches[i], v_caches[i]):
-                ops.write_kv(k, v, k_caches[i], v_caches[i], batch.slot_mapping)
+            if fused and i > 0:   # q rotated; k rotated and v written to the cache, in one call
+                q = rk.rope_kv(qkv, rot, cfg.heads, cfg.kv_heads, cfg.rope_interleaved, k_caches[i], v_caches[i],
+                               plan.slot_of)
+            else:
+                q = rk.rope(qkv[:, :nq], rot, cfg.heads, cfg.rope_interleaved)
+                k = rk.rope(qkv[:, nq:nq + nk], rot, cfg.kv_heads, cfg.rope_interleaved)
+                v = qkv[:, nq + nk:].view(T, cfg.kv_heads, cfg.head_dim)
+                if i == 0 or plan is None or not invariant.write_kv(plan, k, v, k_caches[i], v_caches[i]):
+                    ops.write_kv(k, v, k_caches[i], v_caches[i], batch.slot_mapping)
             if fused:
                 o = rk.attention(q, k_caches[i], v_caches[i], plan, scale)
             elif plan is not None:

@@ -21,9 +21,8 @@ typedef uint16_t bf16;
 static inline bf16 to_bf16(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40u);   /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (bf16)(u >> 16);
+    uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (bf16)((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : rounded);   /* NaN stays NaN */
 }
 
 static inline float from_bf16(bf16 b) {
@@ -57,8 +56,9 @@ static float sum_squares(const float *x, int64_t n) {
 /* exp(x) for float32, a fixed polynomial (Cephes' expf): vectorizable, about 1 ulp;
  * arguments are clamped to [-87.3, 88.7] (results stay finite). */
 static inline float exp_f32(float x) {
-    x = fminf(fmaxf(x, -87.3f), 88.7f);
-    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    x = x < -87.3f ? -87.3f : x;
+    x = x > 88.7f ? 88.7f : x;
+    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;   /* round to nearest (|.| < 2^22) */
     float r = x - n * 0.693359375f + n * 2.12194440e-4f;
     float p = 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;
@@ -90,40 +90,70 @@ void add_norm(float *h, int64_t hs, const void *d, int64_t ds, int d_bf16, const
     }
 }
 
+static inline float silu(float a) {
+    return a / (1.0f + exp_f32(-a));
+}
+
 /* out [T, F] = silu(gu[:, :F]) * gu[:, F:] (gu row stride gs, out row stride os; one dtype) */
 void silu_mul(const void *gu, int64_t gs, int64_t F, void *out, int64_t os, int is_bf16, int64_t T) {
-    int64_t esz = is_bf16 ? 2 : 4;
     for (int64_t t = 0; t < T; t++) {
-        const char *g = (const char *)gu + t * gs * esz;
-        const char *u = g + F * esz;
-        char *o = (char *)out + t * os * esz;
-        for (int64_t i = 0; i < F; i++) {
-            float a = load(g, i, is_bf16);
-            store(o, i, a / (1.0f + exp_f32(-a)) * load(u, i, is_bf16), is_bf16);
+        if (is_bf16) {   /* one loop per dtype: each vectorizes */
+            const bf16 *g = (const bf16 *)gu + t * gs, *u = g + F;
+            bf16 *o = (bf16 *)out + t * os;
+            for (int64_t i = 0; i < F; i++) o[i] = to_bf16(silu(from_bf16(g[i])) * from_bf16(u[i]));
+        } else {
+            const float *g = (const float *)gu + t * gs, *u = g + F;
+            float *o = (float *)out + t * os;
+            for (int64_t i = 0; i < F; i++) o[i] = silu(g[i]) * u[i];
         }
     }
 }
 
+/* one row's heads [heads, D] (activations) rotated by cs [D/2, 2] (cos, sin) into out
+ * [heads, D] (float32 or bfloat16). interleaved: pairs (2j, 2j+1) as GGUF stores them; else
+ * (j, j + D/2). */
+static void rotate_row(const char *row, int x_bf16, const float *cs, int64_t heads, int64_t D, int interleaved,
+                       char *out, int out_bf16) {
+    int64_t half = D / 2, a_step = interleaved ? 2 : 1, b_off = interleaved ? 1 : half;
+    for (int64_t i = 0; i < heads * D; i += D)
+        for (int64_t j = 0; j < half; j++) {
+            int64_t ia = i + j * a_step, ib = ia + b_off;
+            float a = load(row, ia, x_bf16), b = load(row, ib, x_bf16), c = cs[2 * j], s = cs[2 * j + 1];
+            store(out, ia, a * c - b * s, out_bf16);
+            store(out, ib, a * s + b * c, out_bf16);
+        }
+}
+
 /* x [T, heads, D] (activations, row stride xs, head stride D) rotated by rot [T, D/2, 2]
- * (cos, sin; row stride rs) into out [T, heads, D] (float32, contiguous). interleaved: pairs
- * (2j, 2j+1) as GGUF stores them; else (j, j + D/2). */
+ * (cos, sin; row stride rs) into out [T, heads, D] (float32, contiguous). */
 void rope(const void *x, int64_t xs, int x_bf16, const float *rot, int64_t rs, float *out,
           int64_t T, int64_t heads, int64_t D, int interleaved) {
-    int64_t half = D / 2, a_step = interleaved ? 2 : 1, b_off = interleaved ? 1 : half;
+    for (int64_t t = 0; t < T; t++)
+        rotate_row((const char *)x + t * xs * (x_bf16 ? 2 : 4), x_bf16, rot + t * rs, heads, D, interleaved,
+                   (char *)(out + t * heads * D), 0);
+}
+
+/* A layer's q, k and v from its fused projection qkv [T, (Hq + 2 Hkv) D] (activations, row
+ * stride xs): q rotated into q_out [T, Hq, D] (float32); k rotated and v as they are written
+ * to cache slot slots[t] ([nslots, Hkv, D] caches, contiguous, float32 or bfloat16; -1 skips
+ * the row). Returns 0, or 1 (nothing written) when a slot is out of range. */
+int64_t rope_kv(const void *qkv, int64_t xs, int x_bf16, const float *rot, int64_t rs, float *q_out, int64_t T,
+                int64_t Hq, int64_t Hkv, int64_t D, int interleaved, void *k_cache, void *v_cache, int cache_bf16,
+                const int64_t *slots, int64_t nslots) {
+    for (int64_t t = 0; t < T; t++)
+        if (slots[t] < -1 || slots[t] >= nslots) return 1;
+    int64_t xsz = x_bf16 ? 2 : 4, csz = cache_bf16 ? 2 : 4, kv = Hkv * D;
     for (int64_t t = 0; t < T; t++) {
-        const char *row = (const char *)x + t * xs * (x_bf16 ? 2 : 4);
-        const float *cs = rot + t * rs;
-        for (int64_t hd = 0; hd < heads; hd++) {
-            int64_t base = hd * D;
-            float *o = out + (t * heads + hd) * D;
-            for (int64_t j = 0; j < half; j++) {
-                int64_t ia = base + j * a_step, ib = ia + b_off;
-                float a = load(row, ia, x_bf16), b = load(row, ib, x_bf16), c = cs[2 * j], s = cs[2 * j + 1];
-                o[ia - base] = a * c - b * s;
-                o[ib - base] = a * s + b * c;
-            }
-        }
+        const char *row = (const char *)qkv + t * xs * xsz;
+        rotate_row(row, x_bf16, rot + t * rs, Hq, D, interleaved, (char *)(q_out + t * Hq * D), 0);
+        if (slots[t] < 0) continue;
+        rotate_row(row + Hq * D * xsz, x_bf16, rot + t * rs, Hkv, D, interleaved,
+                   (char *)k_cache + slots[t] * kv * csz, cache_bf16);
+        const char *v = row + (Hq + Hkv) * D * xsz;
+        char *vo = (char *)v_cache + slots[t] * kv * csz;
+        for (int64_t i = 0; i < kv; i++) store(vo, i, load(v, i, x_bf16), cache_bf16);
     }
+    return 0;
 }
 
 /* ---- attention ---------------------------------------------------------------------- */

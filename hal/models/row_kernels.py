@@ -38,11 +38,13 @@ from hal.models.machine import cpu_signature
 SOURCE = Path(__file__).with_name("row_kernels.c")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC")
 ACTIVATIONS = (torch.float32, torch.bfloat16)
+_KIND = {torch.float32: 0, torch.bfloat16: 1}   # an activation dtype -> the kernels' bfloat16 flag
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {   # each function's (argument types, return type)
     "add_norm": ([_P, _I, _P, _I, ctypes.c_int, _P, _F, _P, _I, ctypes.c_int, _I, _I], None),
     "silu_mul": ([_P, _I, _I, _P, _I, ctypes.c_int, _I], None),
     "rope": ([_P, _I, ctypes.c_int, _P, _I, _P, _I, _I, _I, ctypes.c_int], None),
+    "rope_kv": ([_P, _I, ctypes.c_int, _P, _I, _P, _I, _I, _I, _I, ctypes.c_int, _P, _P, ctypes.c_int, _P, _I], _I),
     "attention": ([_P, _I, _I, _I, _P, _P, ctypes.c_int, _I, _I, _I, _P, _I, _I, _I, _P, _P, _P, _I, _P, _F, _P], _I),
 }
 ATTENTION_ERRORS = {1: "a query's request outside the block tables", 2: "a key count past its block table",
@@ -92,45 +94,74 @@ class FusedRows:
 
     def add_norm(self, h: Tensor, d: Tensor | None, w: Tensor | None, eps: float,
                  dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor | None]:
-        T, H = h.shape
-        _check(h, "h", (T, H), (torch.float32,), row_major=True)
-        if d is not None:
-            d = _rows(_check(d, "d", (T, H)))
+        if h.dtype != torch.float32 or not h.is_cpu or h.dim() != 2 or not h.is_contiguous():
+            raise HalError(f"h: expected a contiguous float32 [T, H] host tensor (written in place), got {h.dtype} "
+                           f"{list(h.shape)} strides {h.stride()} on {h.device}", arg="h")
+        T, H = shape = h.shape
+        d, d_bf16 = (None, 0) if d is None else _act(d, "d", shape)
         out = None
         if w is not None:
-            _check(w, "w", (H,), (torch.float32,), row_major=True)
-            if dtype not in ACTIVATIONS:
+            if w.dtype != torch.float32 or not w.is_cpu or w.shape != shape[1:] or not w.is_contiguous():
+                raise HalError(f"w: expected contiguous float32 [{H}] on cpu, got {w.dtype} {list(w.shape)}", arg="w")
+            if dtype not in _KIND:
                 raise HalError(f"dtype: expected one of {ACTIVATIONS}, got {dtype}", arg="dtype")
             out = torch.empty(T, H, dtype=dtype)
-        self.lib.add_norm(h.data_ptr(), h.stride(0), None if d is None else d.data_ptr(), 0 if d is None else d.stride(0),
-                          _bf16(d), None if w is None else w.data_ptr(), eps, None if out is None else out.data_ptr(),
-                          H, _bf16(out), T, H)
+        self.lib.add_norm(h.data_ptr(), H, None if d is None else d.data_ptr(), 0 if d is None else d.stride(0), d_bf16,
+                          None if w is None else w.data_ptr(), eps, None if out is None else out.data_ptr(), H,
+                          _KIND[dtype], T, H)
         return h, out
 
     def silu_mul(self, gu: Tensor) -> Tensor:
-        T, F2 = gu.shape
+        T, F2 = gu.shape if gu.dim() == 2 else (0, 1)
         if F2 % 2:
             raise HalError(f"gu: expected [T, 2F] (gate | up), got {list(gu.shape)}", arg="gu")
-        gu = _rows(_check(gu, "gu", (T, F2)))
+        gu, bf = _act(gu, "gu", gu.shape)
         out = torch.empty(T, F2 // 2, dtype=gu.dtype)
-        self.lib.silu_mul(gu.data_ptr(), gu.stride(0), F2 // 2, out.data_ptr(), F2 // 2, _bf16(gu), T)
+        self.lib.silu_mul(gu.data_ptr(), gu.stride(0), F2 // 2, out.data_ptr(), F2 // 2, bf, T)
         return out
 
     def rope(self, x: Tensor, rot: Tensor, heads: int, interleaved: bool) -> Tensor:
+        if x.dim() != 2:
+            raise HalError(f"x: expected [T, heads·D], got {list(x.shape)}", arg="x")
         T, n = x.shape
         D = n // heads
         if heads < 1 or n % heads or D % 2:
             raise HalError(f"x: expected [T, heads·D] with D even for {heads} heads, got {list(x.shape)}", arg="x")
-        x = _rows(_check(x, "x", (T, n)))
-        if rot.dtype != torch.complex64 or tuple(rot.shape) != (T, D // 2) or rot.device.type != "cpu":
-            raise HalError(f"rot: expected complex64 [{T}, {D // 2}] on cpu, got {rot.dtype} {list(rot.shape)} "
-                           f"on {rot.device}", arg="rot")
-        cs = torch.view_as_real(rot if rot.stride(1) == 1 else rot.contiguous())
+        x, bf, cs = self._rope_args(x, rot, T, D)
         out = torch.empty(T, heads, D, dtype=torch.float32)
-        self.lib.rope(x.data_ptr(), x.stride(0), _bf16(x), cs.data_ptr(), cs.stride(0), out.data_ptr(), T, heads, D,
+        self.lib.rope(x.data_ptr(), x.stride(0), bf, cs.data_ptr(), cs.stride(0), out.data_ptr(), T, heads, D,
                       int(interleaved))
         return out
 
+    def rope_kv(self, qkv: Tensor, rot: Tensor, heads: int, kv_heads: int, interleaved: bool, k_cache: Tensor,
+                v_cache: Tensor, slots: Tensor) -> Tensor:
+        """A layer's fused projection ``qkv`` [T, (heads + 2 kv_heads)·D]: its keys rotated and
+        its values written to the contiguous host caches at ``slots`` [T] int64 (-1: not
+        written), as the backend's ``write_kv`` would; the queries rotated, float32 [T, heads, D]."""
+        T, n = qkv.shape if qkv.dim() == 2 else (0, -1)
+        nb, bs, Hkv, D = k_cache.shape
+        if Hkv != kv_heads or n != (heads + 2 * kv_heads) * D:
+            raise HalError(f"qkv: expected [T, {(heads + 2 * kv_heads) * D}] for {heads} + 2 x {kv_heads} heads of "
+                           f"the cache's {D}, got {list(qkv.shape)}", arg="qkv")
+        _caches(k_cache, v_cache)
+        x, bf, cs = self._rope_args(qkv, rot, T, D)
+        if slots.dtype != torch.long or slots.shape != (T,) or not slots.is_contiguous():
+            raise HalError(f"slots: expected contiguous int64 [{T}], got {slots.dtype} {list(slots.shape)}", arg="slots")
+        out = torch.empty(T, heads, D, dtype=torch.float32)
+        if self.lib.rope_kv(x.data_ptr(), x.stride(0), bf, cs.data_ptr(), cs.stride(0), out.data_ptr(), T, heads,
+                            kv_heads, D, int(interleaved), k_cache.data_ptr(), v_cache.data_ptr(), _KIND[k_cache.dtype],
+                            slots.data_ptr(), nb * bs):
+            raise HalError(f"slots: expected -1 or slots below the cache's {nb * bs}, got {slots.tolist()}",
+                           arg="slots")
+        return out
+
+    @staticmethod
+    def _rope_args(x: Tensor, rot: Tensor, T: int, D: int) -> tuple[Tensor, int, Tensor]:
+        x, bf = _act(x, "x", x.shape)
+        if rot.dtype != torch.complex64 or rot.shape != (T, D // 2) or not rot.is_cpu:
+            raise HalError(f"rot: expected complex64 [{T}, {D // 2}] on cpu, got {rot.dtype} {list(rot.shape)} "
+                           f"on {rot.device}", arg="rot")
+        return x, bf, torch.view_as_real(rot if rot.stride(1) == 1 else rot.contiguous())
 
     def attends(self, heads: int, kv_heads: int, head_dim: int) -> bool:
         """Whether `attention` takes these shapes (a model's, fixed for its life: a model whose
@@ -147,17 +178,15 @@ class FusedRows:
         if not self.attends(Hq, Hkv, D) or Dk != D:
             raise HalError(f"q: expected heads a multiple (<= {MAX_GROUP}x) of the cache's {Hkv} KV heads and a head "
                            f"dim of 16·n <= 128 equal to its {Dk}, got {list(q.shape)}", arg="q")
-        for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-            if c.device.type != "cpu" or c.dtype not in ACTIVATIONS or not c.is_contiguous() or c.shape != k_cache.shape \
-                    or c.dtype != k_cache.dtype:
-                raise HalError(f"{name}: expected a contiguous host cache like k_cache {list(k_cache.shape)} "
-                               f"{k_cache.dtype}, got {list(c.shape)} {c.dtype} on {c.device}", arg=name)
-        q = _check(q, "q", (T, Hq, D), (torch.float32,)).contiguous()
+        _caches(k_cache, v_cache)
+        if q.dtype != torch.float32 or not q.is_cpu:
+            raise HalError(f"q: expected float32 [T, Hq, D] on cpu, got {q.dtype} on {q.device}", arg="q")
+        q = q.contiguous()
         if keys.req.shape != (T,) or keys.extra.shape[0] != T or not keys.extra.is_contiguous():
             raise HalError(f"keys: expected key lists for {T} query rows, got {keys.req.shape[0]}", arg="keys")
         out = torch.empty(T, Hq, D, dtype=torch.float32)
         bt, extra = keys.block_tables, keys.extra
-        err = self.lib.attention(q.data_ptr(), T, Hq, D, k_cache.data_ptr(), v_cache.data_ptr(), _bf16(k_cache), Hkv,
+        err = self.lib.attention(q.data_ptr(), T, Hq, D, k_cache.data_ptr(), v_cache.data_ptr(), _KIND[k_cache.dtype], Hkv,
                                  bs, nb, bt.data_ptr(), bt.shape[0], bt.shape[1], bt.stride(0), keys.req.data_ptr(),
                                  keys.n_cache.data_ptr(), extra.data_ptr(), extra.shape[1], keys.n_extra.data_ptr(),
                                  scale, out.data_ptr())
@@ -170,26 +199,23 @@ class FusedRows:
 Rows = EagerRows | FusedRows
 
 
-def _check(t: Tensor, name: str, shape: tuple, dtypes=ACTIVATIONS, row_major: bool = False) -> Tensor:
-    if t.device.type != "cpu" or t.dtype not in dtypes or tuple(t.shape) != shape:
-        raise HalError(f"{name}: expected {' or '.join(str(d) for d in dtypes)} {list(shape)} on cpu, "
-                       f"got {t.dtype} {list(t.shape)} on {t.device}", arg=name)
-    if row_major and not _is_rows(t):
-        raise HalError(f"{name}: expected rows of unit stride, got strides {t.stride()}", arg=name)
-    return t
+def _caches(k_cache: Tensor, v_cache: Tensor) -> None:
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.device.type != "cpu" or c.dtype not in ACTIVATIONS or not c.is_contiguous() or c.shape != k_cache.shape \
+                or c.dtype != k_cache.dtype:
+            raise HalError(f"{name}: expected a contiguous host cache like k_cache {list(k_cache.shape)} "
+                           f"{k_cache.dtype}, got {list(c.shape)} {c.dtype} on {c.device}", arg=name)
 
 
-def _is_rows(t: Tensor) -> bool:
-    return t.dim() == 1 and t.stride(0) == 1 or t.dim() == 2 and t.stride(1) == 1 and t.stride(0) >= t.shape[1]
-
-
-def _rows(t: Tensor) -> Tensor:
-    """``t`` with unit-stride rows (any strides accepted: a copy when they are not)."""
-    return t if _is_rows(t) else t.contiguous()
-
-
-def _bf16(t: Tensor | None) -> int:
-    return int(t is not None and t.dtype == torch.bfloat16)
+def _act(t: Tensor, name: str, shape: torch.Size) -> tuple[Tensor, int]:
+    """``t`` with unit-stride rows (any strides accepted: a copy when they are not) and the
+    kernels' bfloat16 flag; HalError unless a float32 or bfloat16 host tensor of ``shape``."""
+    kind = _KIND.get(t.dtype)
+    if kind is None or not t.is_cpu or t.shape != shape or len(shape) != 2:
+        raise HalError(f"{name}: expected float32 or bfloat16 {list(shape)} on cpu, got {t.dtype} {list(t.shape)} "
+                       f"on {t.device}", arg=name)
+    st = t.stride()
+    return (t if st[1] == 1 and st[0] >= shape[1] else t.contiguous()), kind
 
 
 _lock = threading.Lock()

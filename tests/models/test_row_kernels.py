@@ -200,3 +200,26 @@ def test_a_planted_row_dependence_fails_the_batch_test(monkeypatch, tmp_path):
     path = row_kernels.build()
     with pytest.raises(AssertionError):
         test_attention_query_does_not_depend_on_the_batch(FusedRows(ctypes.CDLL(str(path)), path))
+
+
+def test_rope_kv_writes_what_rope_and_the_backend_op_write(fused):
+    """The fused ``rope_kv`` (layers after the first): queries as `rope` rotates them, keys and
+    values in the cache as the backend's ``write_kv`` writes `rope`'s keys; padding slots (-1)
+    untouched; a slot past the cache refused with nothing written."""
+    g = torch.Generator().manual_seed(6)
+    kc, vc = _cache(g, torch.bfloat16)
+    qkv = torch.randn(4, 2000, generator=g)[:, 7:967].to(torch.bfloat16)          # strided rows
+    rot = torch.polar(torch.ones(4, 32), torch.rand(4, 32, generator=g) * 50)
+    slots = torch.tensor([3, -1, 40, 191])
+    want_k, want_v = kc.clone(), vc.clone()
+    k = fused.rope(qkv[:, 576:768], rot, 3, True)
+    hal.get_backend("cpu").write_kv(k, qkv[:, 768:].reshape(4, 3, 64), want_k, want_v, slots)
+    q = fused.rope_kv(qkv, rot, 9, 3, True, kc, vc, slots)
+    assert torch.equal(q, fused.rope(qkv[:, :576], rot, 9, True))
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+    before = kc.clone()
+    with pytest.raises(HalError, match="slots: expected -1 or slots below the cache's 192"):
+        fused.rope_kv(qkv, rot, 9, 3, True, kc, vc, torch.tensor([5, 6, 192, 7]))
+    assert torch.equal(kc, before), "a refused write changed the cache"
+    with pytest.raises(HalError, match="qkv: expected"):
+        fused.rope_kv(qkv[:, :900], rot, 9, 3, True, kc, vc, slots)
