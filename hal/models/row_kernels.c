@@ -157,20 +157,28 @@ int64_t rope_kv(const void *qkv, int64_t xs, int x_bf16, const float *rot, int64
 }
 
 /* ---- attention ---------------------------------------------------------------------- */
-typedef float v16f __attribute__((vector_size(64)));
+/* VL float lanes per vector: the CPU's widest (AVX-512: 16; else 8, two of which AVX2 and
+ * SSE both handle well). Bits differ between the two widths, never between rows. */
+#ifdef __AVX512F__
+#define VL 16
+#else
+#define VL 8
+#endif
+typedef float vf __attribute__((vector_size(VL * 4)));
+typedef uint16_t vh __attribute__((vector_size(VL * 2)));
+typedef uint32_t vu __attribute__((vector_size(VL * 4)));
 typedef float v8f __attribute__((vector_size(32)));
 typedef float v4f __attribute__((vector_size(16)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-#define MAXG 16   /* query heads per KV head handled by the vector path */
+#define MAXG 16        /* query heads per KV head the kernel takes */
+#define MAXC (128 / VL)   /* vectors per head row (head dim at most 128) */
 
-/* 16 cached elements (float32 or bfloat16) as float32 */
-static inline v16f load16(const char *p, int is_bf16) {
-    v16f f;
+/* VL cached elements (float32 or bfloat16) as float32 */
+static inline vf loadv(const char *p, int is_bf16) {
+    vf f;
     if (is_bf16) {
-        v16h h;
+        vh h;
         memcpy(&h, p, sizeof h);
-        v16u u = __builtin_convertvector(h, v16u) << 16;
+        vu u = __builtin_convertvector(h, vu) << 16;
         memcpy(&f, &u, sizeof f);
     } else {
         memcpy(&f, p, sizeof f);
@@ -178,39 +186,43 @@ static inline v16f load16(const char *p, int is_bf16) {
     return f;
 }
 
-/* the sum of 16 lanes in a fixed tree: halves added, then their halves, ... */
-static inline float hsum16(v16f a) {
+/* the sum of VL lanes in a fixed tree: halves added, then their halves, ... */
+static inline float hsum(vf a) {
+#if VL == 16
     v8f b = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    v8f b = a;
+#endif
     v4f c = __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
     float d0 = c[0] + c[2], d1 = c[1] + c[3];
     return d0 + d1;
 }
 
 /* one query row t of one KV head group: its G heads' rows of q (qg [G, D]) against the key
- * list (slots), D a multiple of 16. The dot products: 16 lanes (lane l sums the elements
- * l, l+16, ...) then `hsum16`; the softmax: e_j = exp(s_j - max), o = sum_j e_j v_j in key
- * order, over sum_j e_j (in LANES partial sums). */
+ * list (slots), D = nc * VL. The dot products: VL lanes (lane l sums the elements l, l+VL,
+ * ...) then `hsum`; the softmax: e_j = exp(s_j - max), o = sum_j e_j v_j in key order, over
+ * sum_j e_j (in LANES partial sums). */
 static inline __attribute__((always_inline)) void group_rows_n(
         const float *qg, int64_t G, int64_t nc, const char *kc, const char *vc, int is_bf16, int64_t row_bytes,
         const int64_t *slots, int64_t L, float scale, float *og, float *scores) {
-    int64_t D = nc * 16, esz = is_bf16 ? 2 : 4;
+    int64_t D = nc * VL, esz = is_bf16 ? 2 : 4;
     for (int64_t j = 0; j < L; j++) {
         const char *k = kc + slots[j] * row_bytes;
-        v16f kv[8];
-        for (int64_t c = 0; c < nc; c++) kv[c] = load16(k + c * 16 * esz, is_bf16);
+        vf kv[MAXC];
+        for (int64_t c = 0; c < nc; c++) kv[c] = loadv(k + c * VL * esz, is_bf16);
         for (int64_t h = 0; h < G; h++) {
-            v16f acc, qv;
+            vf acc, qv;
             memcpy(&qv, qg + h * D, sizeof qv);
             acc = qv * kv[0];
             for (int64_t c = 1; c < nc; c++) {
-                memcpy(&qv, qg + h * D + c * 16, sizeof qv);
+                memcpy(&qv, qg + h * D + c * VL, sizeof qv);
                 acc += qv * kv[c];
             }
-            scores[h * L + j] = scale * hsum16(acc);
+            scores[h * L + j] = scale * hsum(acc);
         }
     }
     float inv[MAXG];
-    v16f o[MAXG][8];
+    vf o[MAXG][MAXC];
     for (int64_t h = 0; h < G; h++) {
         float *e = scores + h * L, m = -INFINITY, lanes[LANES] = {0};
         for (int64_t j = 0; j < L; j++) m = e[j] > m ? e[j] : m;
@@ -222,12 +234,12 @@ static inline __attribute__((always_inline)) void group_rows_n(
         for (int s = LANES / 2; s > 0; s /= 2)
             for (int l = 0; l < s; l++) lanes[l] += lanes[l + s];
         inv[h] = L ? 1.0f / lanes[0] : 0.0f;
-        for (int64_t c = 0; c < nc; c++) o[h][c] = (v16f){0};
+        for (int64_t c = 0; c < nc; c++) o[h][c] = (vf){0};
     }
     for (int64_t j = 0; j < L; j++) {
         const char *v = vc + slots[j] * row_bytes;
-        v16f vv[8];
-        for (int64_t c = 0; c < nc; c++) vv[c] = load16(v + c * 16 * esz, is_bf16);
+        vf vv[MAXC];
+        for (int64_t c = 0; c < nc; c++) vv[c] = loadv(v + c * VL * esz, is_bf16);
         for (int64_t h = 0; h < G; h++) {
             float e = scores[h * L + j];
             for (int64_t c = 0; c < nc; c++) o[h][c] += e * vv[c];
@@ -235,21 +247,25 @@ static inline __attribute__((always_inline)) void group_rows_n(
     }
     for (int64_t h = 0; h < G; h++)
         for (int64_t c = 0; c < nc; c++) {
-            v16f r = o[h][c] * inv[h];
-            memcpy(og + h * D + c * 16, &r, sizeof r);
+            vf r = o[h][c] * inv[h];
+            memcpy(og + h * D + c * VL, &r, sizeof r);
         }
 }
 
-/* `group_rows_n` with the chunk count and the cache dtype as constants for the compiler */
+/* `group_rows_n` with the vector count and the cache dtype as constants for the compiler */
 static void group_rows(const float *qg, int64_t G, int64_t D, const char *kc, const char *vc, int is_bf16,
                        int64_t row_bytes, const int64_t *slots, int64_t L, float scale, float *og, float *scores) {
 #define CASE(NC)                                                                                         \
-    if (D == 16 * NC) {                                                                                  \
+    if (D == VL * NC) {                                                                                  \
         if (is_bf16) group_rows_n(qg, G, NC, kc, vc, 1, row_bytes, slots, L, scale, og, scores);         \
         else group_rows_n(qg, G, NC, kc, vc, 0, row_bytes, slots, L, scale, og, scores);                 \
         return;                                                                                          \
     }
+#if VL == 16
     CASE(4) CASE(8) CASE(1) CASE(2) CASE(3) CASE(5) CASE(6) CASE(7)
+#else
+    CASE(8) CASE(16) CASE(2) CASE(4) CASE(6) CASE(10) CASE(12) CASE(14)
+#endif
 #undef CASE
 }
 

@@ -223,3 +223,23 @@ def test_rope_kv_writes_what_rope_and_the_backend_op_write(fused):
     assert torch.equal(kc, before), "a refused write changed the cache"
     with pytest.raises(HalError, match="qkv: expected"):
         fused.rope_kv(qkv[:, :900], rot, 9, 3, True, kc, vc, slots)
+
+
+@pytest.mark.parametrize("march", ["x86-64-v3"])   # AVX2 + FMA, as on an AVX2-only machine
+def test_kernels_built_for_older_cpus_keep_rows_independent(monkeypatch, tmp_path, march):
+    """The kernels as an AVX2-only machine compiles them (-march=native there: 8-lane vectors).
+    Built so here (this CPU runs that code too), they still give every row the same bits alone
+    and among batch-mates, and agree with the eager steps and the reference attention."""
+    import platform
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86-64 microarchitecture levels only")
+    monkeypatch.setattr(row_kernels, "FLAGS", tuple(f"-march={march}" if f == "-march=native" else f
+                                                    for f in row_kernels.FLAGS))
+    monkeypatch.setenv("HAL_CACHE", str(tmp_path))
+    path = row_kernels.build()
+    older = FusedRows(ctypes.CDLL(str(path)), path)
+    test_rows_do_not_depend_on_batch_mates_or_strides(older)
+    test_attention_query_does_not_depend_on_the_batch(older)
+    for dtype in (torch.float32, torch.bfloat16):
+        test_silu_mul_and_rope_match_eager(older, dtype)
+        test_attention_matches_the_reference_on_ragged_batches(older, dtype)
