@@ -38,7 +38,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from hal.errors import HalError
-from hal.models.llama import Batch, Llama, Rope, _rms_norm
+from hal.models.llama import Batch, Llama, _rms_norm
+from hal.models.rope import Rope
 
 
 @dataclass(frozen=True)

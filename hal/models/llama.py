@@ -18,9 +18,10 @@ from torch import Tensor
 from hal.errors import HalError
 from hal.models import invariant
 from hal.models import int4
-from hal.models import row_kernels
-from hal.models.linear_layout import DTYPES, LinearPlan
+from hal.models import layer_loop, row_kernels
+from hal.models.linear_layout import DTYPES, LinearPlan, chunks
 from hal.models.linear_plan import choose_plan
+from hal.models.rope import Rope
 
 
 @dataclass(frozen=True)
@@ -81,15 +82,16 @@ class Llama:
     these weights on this machine (`hal.models.linear_plan.choose_plan`, cached) among the
     dtypes ``dtype`` allows (``auto``: float32, or bfloat16 where it is faster and invariant;
     None: the dtype the weights already have, so models sharing a weight dict agree).
-    ``fused_rows``: norms, SwiGLU and RoPE as `hal.models.row_kernels` (one compiled call a
-    step, on CPU) rather than eager ATen ops.
+    ``fused_rows``: norms, SwiGLU, RoPE and attention as `hal.models.row_kernels` (one compiled
+    call a step, on CPU) rather than eager ATen ops; ``native_loop``: with them, the layers
+    after the first in one native call where the weights run int4 (`hal.models.layer_loop`).
     The linear weights (and an lm_head copy) are cast to the plan's dtype once; embeddings,
     norms, the residual stream and the logits stay float32, and ``self.dtype`` is what the KV
     cache should hold."""
 
     def __init__(self, config: LlamaConfig, weights: dict[str, Tensor], backend, num_layers: int | None = None,
                  batch_invariant: bool = True, plan: LinearPlan | None = None, dtype: str | None = None,
-                 plan_refresh: bool = False, fused_rows: bool = True):
+                 plan_refresh: bool = False, fused_rows: bool = True, native_loop: bool = True):
         self.cfg, self.be, self.batch_invariant = config, backend, batch_invariant
         self.device = torch.device(backend.device_type)
         self.num_layers = config.layers if num_layers is None else num_layers
@@ -117,6 +119,7 @@ class Llama:
         self.plan = plan
         self._cast(plan.dtype)
         self.rows: row_kernels.Rows = row_kernels.rows_for(self.device) if fused_rows else row_kernels.EagerRows()
+        self.loop = layer_loop.loop_for(self) if fused_rows and native_loop else None   # layers 1.. natively
 
     def _raw_linear(self, x: Tensor, w) -> Tensor:
         return self.plan.linear(x, w, w.dtype)   # the product as computed: the row kernels take it as it is
@@ -163,7 +166,8 @@ class Llama:
         return plain_linear, lm_head, f"plain F.linear ({why})"
 
     def layer_view(self, num_layers: int) -> "Llama":
-        view = Llama(self.cfg, self.w, self.be, num_layers, self.batch_invariant, plan=self.plan)
+        view = Llama(self.cfg, self.w, self.be, num_layers, self.batch_invariant, plan=self.plan,
+                     fused_rows=isinstance(self.rows, row_kernels.FusedRows), native_loop=self.loop is not None)
         view.device, view.rope, view.plan_choice, view.rows = self.device, self.rope, self.plan_choice, self.rows
         return view
 
@@ -176,7 +180,7 @@ class Llama:
         self.head_lin = self.w["head_q8" if self.plan.head == "q8_0" else "head_lin"]
         self.rope.to(self.device)
         if isinstance(self.rows, row_kernels.FusedRows) and self.device.type != "cpu":
-            self.rows = row_kernels.EagerRows()
+            self.rows, self.loop = row_kernels.EagerRows(), None
         return self
 
     def _attention_plan(self, batch: Batch, cache: Tensor, tree_mask: Tensor | None):
@@ -194,6 +198,37 @@ class Llama:
         return invariant.Plan(batch.block_tables, batch.seq_lens, batch.query_start_loc, T, cache.shape[1],
                               max_query, tree_mask, batch.min_context, batch.slot_mapping, batch.seq_ends)
 
+    def _layer(self, i: int, h: Tensor, x: Tensor, rot: Tensor, k_cache: Tensor, v_cache: Tensor, batch: Batch,
+               plan, tree_mask: Tensor | None) -> tuple[Tensor, Tensor]:
+        """Layer ``i`` after its attention norm ``x``: h with the attention's output added, and
+        the MLP's output (added by the next layer's norm)."""
+        cfg, rk, T = self.cfg, self.rows, x.shape[0]
+        nq, nk, scale = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.head_dim ** -0.5
+        lin = self._raw_linear if self.batch_invariant else plain_linear
+        act = self.plan.dtype if self.batch_invariant else torch.float32
+        fused = isinstance(plan, invariant.KeyLists)
+        # the first layer goes through the checked ops; the rest reuse the same, now valid, metadata
+        # (host KV writes in one call each: the fused `rope_kv`, or `invariant.write_kv`)
+        ops = self.be if i == 0 else self.be.impl
+        qkv = lin(x, self.w[f"{i}.wqkv"])
+        if fused and i > 0:   # q rotated; k rotated and v written to the cache, in one call
+            q = rk.rope_kv(qkv, rot, cfg.heads, cfg.kv_heads, cfg.rope_interleaved, k_cache, v_cache, plan.slot_of)
+        else:
+            q = rk.rope(qkv[:, :nq], rot, cfg.heads, cfg.rope_interleaved)
+            k = rk.rope(qkv[:, nq:nq + nk], rot, cfg.kv_heads, cfg.rope_interleaved)
+            v = qkv[:, nq + nk:].view(T, cfg.kv_heads, cfg.head_dim)
+            if i == 0 or plan is None or not invariant.write_kv(plan, k, v, k_cache, v_cache):
+                ops.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        if fused:
+            o = rk.attention(q, k_cache, v_cache, plan, scale)
+        elif plan is not None:
+            o = invariant.attention(q, k_cache, v_cache, plan, scale)
+        else:
+            o = ops.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
+                                    scale, tree_mask)
+        h, x = rk.add_norm(h, lin(o.reshape(T, nq), self.w[f"{i}.wo"]), self.w[f"{i}.ffn_norm"], cfg.eps, act)
+        return h, lin(rk.silu_mul(lin(x, self.w[f"{i}.wgu"])), self.w[f"{i}.wdown"])
+
     def forward(self, batch: Batch, k_caches: list[Tensor], v_caches: list[Tensor],
                 tree_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Logits [len(logits_rows), V] (fp32) and the final (normed) hidden states of those
@@ -207,42 +242,24 @@ class Llama:
         T = batch.tokens.shape[0]
         h = self.embed[batch.tokens]
         rot = self.rope(batch.positions, batch.max_position)
-        nq, nk = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
         scale = cfg.head_dim ** -0.5
         inv = self.batch_invariant
-        lin = self._raw_linear if inv else plain_linear
         plan = self._attention_plan(batch, k_caches[0], tree_mask) if inv else None
         fused = isinstance(plan, invariant.KeyLists)
-        taps, rk, d = [], self.rows, None
+        taps, rk, d, looped = [], self.rows, None, False
         act = self.plan.dtype if inv else torch.float32    # the rows the linears take
         for i in range(self.num_layers):
             h, x = rk.add_norm(h, d, self.w[f"{i}.attn_norm"], cfg.eps, act)   # h += the last layer's output
             if i in batch.feature_layers:
                 taps.append(h.clone())   # `FusedRows` adds into h in place
-            # the first layer goes through the checked ops; the rest reuse the same, now valid, metadata
-            # (host KV writes in one call each: the fused `rope_kv`, or `invariant.write_kv`)
-            ops = self.be if i == 0 else self.be.impl
-            qkv = lin(x, self.w[f"{i}.wqkv"])
-            if fused and i > 0:   # q rotated; k rotated and v written to the cache, in one call
-                q = rk.rope_kv(qkv, rot, cfg.heads, cfg.kv_heads, cfg.rope_interleaved, k_caches[i], v_caches[i],
-                               plan.slot_of)
-            else:
-                q = rk.rope(qkv[:, :nq], rot, cfg.heads, cfg.rope_interleaved)
-                k = rk.rope(qkv[:, nq:nq + nk], rot, cfg.kv_heads, cfg.rope_interleaved)
-                v = qkv[:, nq + nk:].view(T, cfg.kv_heads, cfg.head_dim)
-                if i == 0 or plan is None or not invariant.write_kv(plan, k, v, k_caches[i], v_caches[i]):
-                    ops.write_kv(k, v, k_caches[i], v_caches[i], batch.slot_mapping)
-            if fused:
-                o = rk.attention(q, k_caches[i], v_caches[i], plan, scale)
-            elif plan is not None:
-                o = invariant.attention(q, k_caches[i], v_caches[i], plan, scale)
-            else:
-                o = ops.paged_attention(q, k_caches[i], v_caches[i], batch.block_tables, batch.seq_lens,
-                                        batch.query_start_loc, scale, tree_mask)
-            h, x = rk.add_norm(h, lin(o.reshape(T, nq), self.w[f"{i}.wo"]), self.w[f"{i}.ffn_norm"], cfg.eps, act)
-            d = lin(rk.silu_mul(lin(x, self.w[f"{i}.wgu"])), self.w[f"{i}.wdown"])
+            h, d = self._layer(i, h, x, rot, k_caches[i], v_caches[i], batch, plan, tree_mask)
+            if i == 0 and fused and self.loop is not None:   # the other layers in one native call
+                taps += self.loop.run(h, d, plan, rot, chunks(self.plan.widths, T, self.plan.costs), k_caches,
+                                      v_caches, batch.feature_layers, cfg.eps, scale)
+                d, looped = None, True
+                break
         h, _ = rk.add_norm(h, d, None, cfg.eps)
-        if self.num_layers in batch.feature_layers:   # the final norm's input: the last layer's output
+        if self.num_layers in batch.feature_layers and not looped:   # the final norm's input: the last layer's output
             taps.append(h)
         _, out = rk.add_norm(h[batch.logits_rows], None, self.w["norm"], cfg.eps)
         if inv:
@@ -257,49 +274,6 @@ class Llama:
         elif batch.hidden_rows is not None:
             _, out = self.rows.add_norm(h[rows], None, self.w["norm"], cfg.eps)
         return logits, out
-
-
-class Rope:
-    """Rotary embeddings: a cached table of unit rotations and their application to q / k."""
-
-    def __init__(self, head_dim: int, base: float, interleaved: bool, scaling: dict | None = None):
-        half = head_dim // 2
-        self.inv_freq = 1.0 / (base ** (torch.arange(half, dtype=torch.float64) / half))
-        kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-        if kind == "llama3":   # Llama 3.1: low frequencies slowed by `factor`, a smooth ramp between
-            f, lo, hi, ctx = (float(scaling[k]) for k in ("factor", "low_freq_factor", "high_freq_factor",
-                                                          "original_max_position_embeddings"))
-            wavelen = 2 * torch.pi / self.inv_freq
-            smooth = ((ctx / wavelen - lo) / (hi - lo)).clamp(0, 1)
-            self.inv_freq = (1 - smooth) * self.inv_freq / f + smooth * self.inv_freq
-        elif kind != "default":
-            raise HalError(f"rope_scaling: expected none or llama3, got {scaling!r}")
-        self.interleaved = interleaved    # GGUF: pairs (2j, 2j+1); HF: pairs (j, j + D/2) (rotate_half)
-        self.cache = torch.empty(0, half, dtype=torch.complex64)
-
-    def to(self, device) -> "Rope":
-        self.cache = self.cache.to(device)
-        return self
-
-    def __call__(self, positions: Tensor, max_position: int | None = None) -> Tensor:
-        """Unit complex rotations [T, D/2] for the positions."""
-        if max_position is not None:
-            n = max_position + 1
-        else:
-            n = int(positions.max()) + 1 if positions.numel() else 0
-        if self.cache.shape[0] < n:
-            ang = torch.arange(max(n, 2 * self.cache.shape[0], 256), dtype=torch.float64)[:, None] * self.inv_freq
-            self.cache = torch.polar(torch.ones_like(ang), ang).to(self.cache.device, torch.complex64)
-        return self.cache[positions]
-
-    def apply(self, x: Tensor, rot: Tensor) -> Tensor:
-        """x [T, H, D]: rotate pairs (x_a, x_b) as complex numbers x_a + i x_b by the position's angle."""
-        if self.interleaved:
-            return torch.view_as_real(torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
-                                      * rot[:, None]).flatten(-2)
-        half = x.shape[-1] // 2
-        z = torch.complex(x[..., :half].float(), x[..., half:].float()) * rot[:, None]
-        return torch.cat([z.real, z.imag], -1)
 
 
 def lm_head(x: Tensor, w: Tensor, w_t: Tensor | None = None) -> Tensor:

@@ -296,8 +296,8 @@ int64_t attention(const float *q, int64_t T, int64_t Hq, int64_t D, const void *
             if (extra[t * E + j] < 0 || extra[t * E + j] >= nblocks * bs) return 4;
         longest = n + ne > longest ? n + ne : longest;
     }
-    float *scores = malloc(sizeof(float) * (size_t)(G * longest + 1));
-    int64_t *slots = malloc(sizeof(int64_t) * (size_t)(longest + 1));
+    float *scores = (float *)malloc(sizeof(float) * (size_t)(G * longest + 1));
+    int64_t *slots = (int64_t *)malloc(sizeof(int64_t) * (size_t)(longest + 1));
     if (!scores || !slots) {
         free(scores);
         free(slots);

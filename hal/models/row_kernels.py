@@ -17,11 +17,8 @@ complex64 (unit, from `hal.models.llama.Rope`)."""
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 import shutil
-import subprocess
-import tempfile
 import threading
 import warnings
 from pathlib import Path
@@ -32,8 +29,7 @@ from torch import Tensor
 
 from hal.errors import HalError
 from hal.models import invariant
-from hal.models.cache_dir import cache_dir
-from hal.models.machine import cpu_signature
+from hal.models import native
 
 SOURCE = Path(__file__).with_name("row_kernels.c")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC")
@@ -240,32 +236,8 @@ def rows_for(device: torch.device) -> Rows:
 
 
 def build(compiler: str | None = None) -> Path:
-    """The compiled kernels for this CPU: ``$HAL_CACHE/kernels/row_kernels-<key>.so``, the key
-    a hash of the source, the flags, the compiler's version and the CPU signature; compiled
-    (a few seconds) when not cached. HalError when there is no compiler or it fails."""
+    """The compiled kernels for this CPU: ``$HAL_CACHE/kernels/row_kernels-<key>.so``
+    (`hal.models.native`), compiled (about a second) when not cached. HalError when there is no
+    C compiler or it fails."""
     cc = compiler or os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if not cc:
-        raise HalError("row kernels: expected a C compiler (gcc or cc on PATH, or $CC), got none")
-    source = SOURCE.read_bytes()
-    try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        raise HalError(f"row kernels: expected a working C compiler at {cc}, got {e}") from None
-    sig = cpu_signature()
-    key = hashlib.sha256(repr((source, FLAGS, version, sig["cpu"], sig["flags"])).encode()).hexdigest()[:16]
-    path = cache_dir() / "kernels" / f"row_kernels-{key}.so"
-    if path.exists():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        out = Path(tmp) / path.name
-        try:
-            r = subprocess.run([cc, *FLAGS, "-o", str(out), str(SOURCE), "-lm"], capture_output=True, text=True,
-                               timeout=300)
-        except (OSError, subprocess.SubprocessError) as e:
-            raise HalError(f"row kernels: expected {cc} to compile {SOURCE.name}, got {e}") from None
-        if r.returncode != 0:
-            raise HalError(f"row kernels: expected {cc} to compile {SOURCE.name}, got exit {r.returncode}: "
-                           f"{(r.stderr or r.stdout).strip()[-400:]}")
-        os.replace(out, path)   # atomic: a process beside this one loads a whole file or builds its own
-    return path
+    return native.compile_library("row kernels", [SOURCE], cc, FLAGS, ("-lm",))

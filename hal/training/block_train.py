@@ -54,7 +54,7 @@ class BlockTrain(torch.nn.Module):
         self.register_buffer("head", head.float()[draft_ids].contiguous(), persistent=False)
         self.register_buffer("draft_ids", draft_ids.long(), persistent=False)
         self.final_norm = None if final_norm is None else final_norm.float()
-        from hal.models.llama import Rope
+        from hal.models.rope import Rope
         self.rope = Rope(cfg.head_dim, cfg.rope_base, False)
 
     def w(self, name: str) -> Tensor:

@@ -78,7 +78,7 @@ class TrainHead(torch.nn.Module):
         self.ffn_norm = nn.Parameter(torch.ones(H))
         for m in (self.q, self.k, self.v, self.o, self.gate, self.up, self.down):
             nn.init.normal_(m.weight, std=0.02)
-        from hal.models.llama import Rope
+        from hal.models.rope import Rope
         self.rope = Rope(self.D, rope_base, False)
 
     def forward(self, emb, feat):

@@ -1,0 +1,125 @@
+// The runner's layer stack in one call (`hal.models.layer_loop`): for layers [first, last) of
+// a batch-invariant forward whose linear weights are int4 as stored, the same steps as the
+// Python loop of `hal.models.llama.Llama.forward` with the fused row kernels, in the same
+// order, on the same kernels (row_kernels.c, compiled into this library with the same flags;
+// ATen's int4pack matmul on rows chunked as the plan chunks them), so the bits are the
+// Python loop's; what it removes is the Python and dispatch between them.
+//
+// The caller (Python) checks every shape, dtype and pointer before a call; the kernels check
+// every cache index; an ATen error is caught and returned as text (nothing escapes to C).
+#include <ATen/ATen.h>
+
+#include <cstring>
+#include <exception>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+extern "C" {
+#include "row_kernels.c"
+}
+
+namespace {
+
+struct Step {   // one forward's shapes and metadata, shared by every layer
+    int64_t T, H, Hq, Hkv, D, F, nblocks, bs, R, nb, bts, E;
+    int act_bf16, cache_bf16, interleaved;
+    float eps, scale;
+    const float *rot;
+    int64_t rs;
+    const int64_t *slot_of, *bt, *req, *n_cache, *extra, *n_extra, *widths;
+    int64_t nwidths;
+};
+
+at::ScalarType act_type(const Step &s) { return s.act_bf16 ? at::kBFloat16 : at::kFloat; }
+
+// x [T, K] @ W.T for an int4 weight (packed [N, K/2] uint8, scales and zeros [K/32, N, 2]),
+// each row in a chunk of one of the plan's widths, zero-padded (`LinearPlan.linear`)
+at::Tensor int4_mm(const at::Tensor &x, void *packed, void *sz, int64_t N, const Step &s) {
+    int64_t K = x.size(1);
+    auto w = at::from_blob(packed, {N, K / 2}, at::TensorOptions().dtype(at::kByte));
+    auto scales = at::from_blob(sz, {K / 32, N, 2}, at::TensorOptions().dtype(act_type(s)));
+    if (s.nwidths == 1 && s.widths[0] == s.T)
+        return at::_weight_int4pack_mm_for_cpu(x, w, 32, scales);
+    auto out = at::empty({s.T, N}, x.options());
+    int64_t start = 0;
+    for (int64_t c = 0; c < s.nwidths; c++) {
+        int64_t width = s.widths[c], end = std::min(start + width, s.T);
+        at::Tensor chunk = x.slice(0, start, end);
+        if (end - start < width)
+            chunk = at::cat({chunk, at::zeros({width - (end - start), K}, x.options())});
+        out.slice(0, start, end).copy_(at::_weight_int4pack_mm_for_cpu(chunk.contiguous(), w, 32, scales)
+                                           .slice(0, 0, end - start));
+        start = end;
+    }
+    return out;
+}
+
+// one layer: h += d; attention block; h += its output; the MLP's output returned (not added)
+at::Tensor layer(float *h, const at::Tensor &d, int64_t i, const Step &s, void *const *norms, void *const *packed,
+                 void *const *sz, void *const *k_caches, void *const *v_caches, const int64_t *taps, int64_t ntaps,
+                 float *tap_out) {
+    auto opts = at::TensorOptions().dtype(act_type(s));
+    auto x = at::empty({s.T, s.H}, opts);
+    add_norm(h, s.H, d.data_ptr(), s.H, s.act_bf16, (const float *)norms[2 * i], s.eps, x.data_ptr(), s.H,
+             s.act_bf16, s.T, s.H);
+    for (int64_t j = 0; j < ntaps; j++)
+        if (taps[j] == i) memcpy(tap_out + j * s.T * s.H, h, sizeof(float) * s.T * s.H);
+    int64_t nq = s.Hq * s.D, nqkv = (s.Hq + 2 * s.Hkv) * s.D;
+    at::Tensor qkv = int4_mm(x, packed[4 * i], sz[4 * i], nqkv, s);
+    auto q = at::empty({s.T, s.Hq, s.D}, at::TensorOptions().dtype(at::kFloat));
+    if (rope_kv(qkv.data_ptr(), nqkv, s.act_bf16, s.rot, s.rs, q.data_ptr<float>(), s.T, s.Hq, s.Hkv, s.D,
+                s.interleaved, k_caches[i], v_caches[i], s.cache_bf16, s.slot_of, s.nblocks * s.bs))
+        throw std::runtime_error("slots: a slot outside the cache");
+    auto o = at::empty({s.T, s.Hq, s.D}, at::TensorOptions().dtype(at::kFloat));
+    int64_t err = attention(q.data_ptr<float>(), s.T, s.Hq, s.D, k_caches[i], v_caches[i], s.cache_bf16, s.Hkv,
+                            s.bs, s.nblocks, s.bt, s.R, s.nb, s.bts, s.req, s.n_cache, s.extra, s.E, s.n_extra,
+                            s.scale, o.data_ptr<float>());
+    if (err) throw std::runtime_error("batch: an index outside the cache (attention error " + std::to_string(err) + ")");
+    at::Tensor ho = int4_mm(o.view({s.T, nq}).to(act_type(s)), packed[4 * i + 1], sz[4 * i + 1], s.H, s);
+    add_norm(h, s.H, ho.data_ptr(), s.H, s.act_bf16, (const float *)norms[2 * i + 1], s.eps, x.data_ptr(), s.H,
+             s.act_bf16, s.T, s.H);
+    at::Tensor gu = int4_mm(x, packed[4 * i + 2], sz[4 * i + 2], 2 * s.F, s);
+    auto a = at::empty({s.T, s.F}, opts);
+    silu_mul(gu.data_ptr(), 2 * s.F, s.F, a.data_ptr(), s.F, s.act_bf16, s.T);
+    return int4_mm(a, packed[4 * i + 3], sz[4 * i + 3], s.H, s);
+}
+
+}  // namespace
+
+extern "C" {
+
+// Layers [first, last): h [T, H] float32 (in place) gets d [T, H] (activations: the output of
+// layer first - 1) added, then each layer; the last layer's output is added too. Per layer
+// i: norms[2i], norms[2i+1] (attention and MLP norm weights, float32 [H]); packed/sz[4i + j]
+// (j: qkv, o, gate-up, down) int4 weights; k_caches[i], v_caches[i] contiguous [nblocks, bs,
+// Hkv, D]. taps (increasing layer indices, ntaps of them): h entering those layers copied to
+// tap_out [ntaps, T, H] (the layer count: h after the last). ints: T H Hq Hkv D F nblocks bs
+// R nb bts E act_bf16 cache_bf16 interleaved; floats: eps scale. Returns 0, or 1 with a
+// message in err (errlen bytes).
+int64_t layer_loop(int64_t first, int64_t last, float *h, const void *d, const int64_t *ints, const float *floats,
+                   const float *rot, int64_t rs, const int64_t *slot_of, const int64_t *bt, const int64_t *req,
+                   const int64_t *n_cache, const int64_t *extra, const int64_t *n_extra, const int64_t *widths,
+                   int64_t nwidths, void *const *norms, void *const *packed, void *const *sz,
+                   void *const *k_caches, void *const *v_caches, const int64_t *taps, int64_t ntaps, float *tap_out,
+                   char *err, int64_t errlen) {
+    try {
+        Step s{ints[0], ints[1], ints[2], ints[3], ints[4], ints[5], ints[6], ints[7], ints[8], ints[9], ints[10],
+               ints[11], (int)ints[12], (int)ints[13], (int)ints[14], floats[0], floats[1], rot, rs, slot_of, bt,
+               req, n_cache, extra, n_extra, widths, nwidths};
+        auto opts = at::TensorOptions().dtype(act_type(s));
+        at::Tensor dd = at::from_blob(const_cast<void *>(d), {s.T, s.H}, opts);
+        for (int64_t i = first; i < last; i++)
+            dd = layer(h, dd, i, s, norms, packed, sz, k_caches, v_caches, taps, ntaps, tap_out);
+        add_norm(h, s.H, dd.data_ptr(), s.H, s.act_bf16, nullptr, s.eps, nullptr, s.H, s.act_bf16, s.T, s.H);
+        for (int64_t j = 0; j < ntaps; j++)
+            if (taps[j] == last) memcpy(tap_out + j * s.T * s.H, h, sizeof(float) * s.T * s.H);
+        return 0;
+    } catch (const std::exception &e) {
+        std::strncpy(err, e.what(), errlen - 1);
+        err[errlen - 1] = 0;
+        return 1;
+    }
+}
+
+}  // extern "C"

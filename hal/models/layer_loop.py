@@ -1,0 +1,141 @@
+"""The runner's layers after the first in one native call (`layer_loop.cpp`): for a
+batch-invariant CPU model whose linear weights all run int4 as stored, each layer's steps
+(the fused row kernels and ATen's int4pack matmul on the plan's chunks) in the order the
+Python loop of `hal.models.llama.Llama.forward` runs them, so the bits are the Python
+loop's (`tests/models/test_layer_loop.py`); what goes is the Python and dispatch between
+the steps, about a fifth of a decode forward. The first layer stays in Python: it runs the
+backend's checked ``write_kv``, and the attention kernel checks the batch's indices there
+before any layer runs here.
+
+Built on first use with the C++ compiler against the installed torch (headers and libraries
+of the wheel), cached like the row kernels (`hal.models.native`); where it does not build,
+the Python loop runs, with a warning."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from hal.errors import HalError
+from hal.models import int4, native, row_kernels
+from hal.models.invariant import KeyLists
+
+SOURCE = Path(__file__).with_name("layer_loop.cpp")
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+ARGS = [_I, _I, _P, _P, _P, _P, _P, _I, _P, _P, _P, _P, _P, _P, _P, _I, _P, _P, _P, _P, _P, _P, _I, _P,
+        ctypes.c_char_p, _I]
+
+
+def _flags() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    from torch.utils import cpp_extension
+    lib = str(Path(torch.__file__).parent / "lib")
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}"
+    flags = (*row_kernels.FLAGS, "-std=gnu++17", abi, f"-DHAL_TORCH={torch.__version__}", "-w", f"-I{SOURCE.parent}",
+             *(f"-I{p}" for p in cpp_extension.include_paths()))
+    return flags, (f"-L{lib}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{lib}")
+
+
+def build(compiler: str | None = None) -> Path:
+    """The compiled layer loop for this CPU and this torch (about 10 s when not cached)."""
+    cxx = compiler or os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    flags, libs = _flags()
+    return native.compile_library("layer loop", [SOURCE, row_kernels.SOURCE], cxx, flags, libs)
+
+
+_lock = threading.Lock()
+_loaded: dict[str, ctypes.CDLL | None] = {}
+
+
+def _library() -> ctypes.CDLL | None:
+    with _lock:
+        if "lib" not in _loaded:
+            try:
+                lib = ctypes.CDLL(str(build()))
+                lib.layer_loop.argtypes, lib.layer_loop.restype = ARGS, _I
+                _loaded["lib"] = lib
+            except (HalError, OSError) as e:
+                warnings.warn(f"spec-hal: the native layer loop did not build, so the runner's layers run from "
+                              f"Python (slower, same bits): {e}", RuntimeWarning, stacklevel=3)
+                _loaded["lib"] = None
+        return _loaded["lib"]
+
+
+def applies(model) -> bool:
+    """Whether a model's forwards can run here: batch-invariant on the CPU with the fused row
+    kernels, every layer's linear weight int4 as stored for the plan's rows, no custom layout."""
+    if not (model.batch_invariant and model.device.type == "cpu" and isinstance(model.rows, row_kernels.FusedRows)
+            and model.plan.weights == "int4" and model.plan.fn is None):
+        return False
+    return all(isinstance(w, int4.Int4Weight) and w.repeat == 1 and w.dtype == model.plan.dtype
+               and w.packed.dtype == torch.uint8 and w.packed.is_contiguous() and w.scales_zeros.is_contiguous()
+               for w in (model.w[f"{i}.{k}"] for i in range(model.num_layers) for k in ("wqkv", "wo", "wgu", "wdown")))
+
+
+class LayerLoop:
+    """One model's weights as the native loop reads them (pointer arrays, built once; the
+    model's weight dict keeps the tensors alive and is not changed after loading)."""
+
+    def __init__(self, model, lib: ctypes.CDLL):
+        self.lib, self.cfg, self.layers = lib, model.cfg, model.num_layers
+        norms = [model.w[f"{i}.{n}"].contiguous() for i in range(self.layers) for n in ("attn_norm", "ffn_norm")]
+        weights = [model.w[f"{i}.{k}"] for i in range(self.layers) for k in ("wqkv", "wo", "wgu", "wdown")]
+        self._keep = norms + weights
+        self.norms = _pointers(norms)
+        self.packed = _pointers([w.packed for w in weights])
+        self.sz = _pointers([w.scales_zeros for w in weights])
+        self.act = model.plan.dtype
+
+    def run(self, h: Tensor, d: Tensor, keys: KeyLists, rot: Tensor, widths: list[int], k_caches: list[Tensor],
+            v_caches: list[Tensor], taps: tuple[int, ...], eps: float, scale: float) -> list[Tensor]:
+        """Layers 1.. of a forward whose first layer ran in Python: ``h`` [T, H] float32 (in
+        place) gets ``d`` (layer 0's output, [T, H] in the plan's dtype) added, then every
+        layer, the last one's output added too. Returns h entering each layer of ``taps``
+        (those above 0, in order; the layer count: h at the end)."""
+        cfg, (T, H) = self.cfg, h.shape
+        d = d.contiguous()
+        if d.dtype != self.act or d.shape != h.shape or h.dtype != torch.float32 or not h.is_contiguous():
+            raise HalError(f"d: expected [{T}, {H}] {self.act} beside a contiguous float32 h, got {d.dtype} "
+                           f"{list(d.shape)}", arg="d")
+        kc = k_caches[0]
+        nblocks, bs = kc.shape[:2]
+        for c in (*k_caches[:self.layers], *v_caches[:self.layers]):
+            if c.shape != kc.shape or c.dtype != kc.dtype or not c.is_contiguous() or not c.is_cpu:
+                raise HalError(f"k_caches: expected contiguous host caches like {list(kc.shape)} {kc.dtype}",
+                               arg="k_caches")
+        ints = (ctypes.c_int64 * 15)(T, H, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.ffn, nblocks, bs,
+                                     keys.block_tables.shape[0], keys.block_tables.shape[1],
+                                     keys.block_tables.stride(0), keys.extra.shape[1], int(self.act == torch.bfloat16),
+                                     int(kc.dtype == torch.bfloat16), int(cfg.rope_interleaved))
+        floats = (ctypes.c_float * 2)(eps, scale)
+        cs = torch.view_as_real(rot.contiguous())
+        tap_layers = [t for t in taps if t > 0]
+        tap_out = torch.empty(len(tap_layers), T, H)
+        err = ctypes.create_string_buffer(512)
+        rc = self.lib.layer_loop(
+            1, self.layers, h.data_ptr(), d.data_ptr(), ints, floats, cs.data_ptr(), cs.stride(0),
+            keys.slot_of.data_ptr(), keys.block_tables.data_ptr(), keys.req.data_ptr(), keys.n_cache.data_ptr(),
+            keys.extra.data_ptr(), keys.n_extra.data_ptr(), (ctypes.c_int64 * len(widths))(*widths), len(widths),
+            self.norms, self.packed, self.sz, _pointers(k_caches[:self.layers]), _pointers(v_caches[:self.layers]),
+            (ctypes.c_int64 * max(len(tap_layers), 1))(*tap_layers), len(tap_layers), tap_out.data_ptr(), err, 512)
+        if rc:
+            raise HalError(f"batch: expected a forward the layer loop can run, got: {err.value.decode()}", arg="batch")
+        return list(tap_out.unbind(0))
+
+
+def _pointers(tensors: list[Tensor]):
+    return (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
+
+
+def loop_for(model) -> LayerLoop | None:
+    """The native loop for ``model`` when it applies and builds; None otherwise."""
+    if not applies(model):
+        return None
+    lib = _library()
+    return None if lib is None else LayerLoop(model, lib)

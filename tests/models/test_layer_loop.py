@@ -1,0 +1,124 @@
+"""The native layer loop (`hal.models.layer_loop`): a model whose layers run int4 as stored
+computes, with the loop, the same bits as without it (the Python loop over the same row
+kernels) for decodes, verifies, batches, trees and EAGLE feature taps, and writes the same
+KV cache; it refuses bad arguments; a C++ compiler that fails leaves the Python loop, with a
+warning. Shapes are SmolLM2-135M's (9 query / 3 KV heads of 64, hidden 576, ffn 1536), 3
+layers, random int4 weights, a small vocabulary."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hal
+from hal.engine import trees
+from hal.engine.forward import forward, forward_tokens
+from hal.errors import HalError
+from hal.kv import KVPool
+from hal.models import int4, layer_loop
+from hal.models.linear_layout import LinearPlan
+from hal.models.llama import Llama, LlamaConfig
+
+LAYERS, V = 3, 512
+
+
+def _weights(dtype: torch.dtype, seed: int = 0) -> tuple[LlamaConfig, dict]:
+    g = torch.Generator().manual_seed(seed)
+    cfg = LlamaConfig(hidden=576, layers=LAYERS, heads=9, kv_heads=3, head_dim=64, ffn=1536, vocab=V,
+                      rope_base=10000.0, eps=1e-5, rope_interleaved=True)
+    w = {"embed": torch.randn(V, 576, generator=g), "norm": 1 + 0.1 * torch.randn(576, generator=g)}
+    for i in range(LAYERS):
+        w[f"{i}.attn_norm"] = 1 + 0.1 * torch.randn(576, generator=g)
+        w[f"{i}.ffn_norm"] = 1 + 0.1 * torch.randn(576, generator=g)
+        for name, (n, k) in {"wqkv": (960, 576), "wo": (576, 576), "wgu": (3072, 576), "wdown": (576, 1536)}.items():
+            w[f"{i}.{name}"] = int4.random(n, k, g).pack(dtype)
+    return cfg, w
+
+
+@pytest.fixture(scope="module", params=[torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
+def twins(request):
+    """The same weights with the native loop and without it (widths 1/2/4/8: verifies pad)."""
+    cfg, w = _weights(request.param)
+    plan = LinearPlan("mm", request.param, (1, 2, 4, 8), weights="int4")
+    be = hal.get_backend("cpu")
+    native, python = Llama(cfg, w, be, plan=plan), Llama(cfg, w, be, plan=plan, native_loop=False)
+    assert native.loop is not None and python.loop is None, "the layer loop did not build or apply here"
+    return native, python
+
+
+PROMPT = [(7 * i + 3) % V for i in range(21)]
+
+
+def _run(model, feeds, tree=None, feature_layers=()):
+    """Prefill two requests, then one forward of ``feeds`` (a list per request): all rows'
+    logits, the returned features, and the caches."""
+    pool = KVPool(model.be, 32, 16, 3, 64, dtype=model.dtype, num_layers=LAYERS)
+    seqs = [pool.sequence(), pool.sequence()]
+    for s, prompt in zip(seqs, (PROMPT, (PROMPT * 2)[:40])):
+        forward(model, pool, [s], [prompt], False)
+        s.commit(len(prompt))
+    use = seqs[:len(feeds)]
+    if tree is None:
+        logits, out = forward(model, pool, use, feeds, True)
+    else:
+        parents = torch.tensor(tree)
+        depth, mask = trees.layout(parents, [len(tree)], [], torch.device("cpu"))
+        logits, out = forward_tokens(model, pool, use[:1], [len(tree) + 1], torch.tensor(feeds[0]), all_rows=True,
+                                     tree_mask=mask, depth=depth)   # the root (the last token), then the drafts
+    return logits, out, pool.k, pool.v
+
+
+@pytest.mark.parametrize("feeds", [[[5]], [[5, 6, 7, 8, 9]], [[5], [6]], [[5, 6, 7], [8, 9, 10, 11, 12, 13]]],
+                         ids=["decode", "verify-5", "batch-2", "ragged"])
+def test_the_loop_gives_the_python_loops_bits(twins, feeds):
+    native, python = twins
+    a, b = _run(native, feeds), _run(python, feeds)
+    assert torch.equal(a[0], b[0]), "logits differ"
+    assert all(torch.equal(x, y) for x, y in zip(a[2] + a[3], b[2] + b[3])), "the KV caches differ"
+
+
+def test_trees_and_feature_taps_give_the_python_loops_bits(twins):
+    native, python = twins
+    a, b = _run(native, [[4, 5, 6, 7, 8]], tree=[-1, 0, 0, 1]), _run(python, [[4, 5, 6, 7, 8]], tree=[-1, 0, 0, 1])
+    assert torch.equal(a[0], b[0])
+    taps = (0, 1, 2, 3)   # the embedding, each layer's input, the last layer's output
+    got = []
+    for model in (native, python):
+        pool = KVPool(model.be, 32, 16, 3, 64, dtype=model.dtype, num_layers=LAYERS)
+        got.append(forward_tokens(model, pool, [pool.sequence()], [6], torch.tensor(PROMPT[:6]), all_rows=True,
+                                  hidden_rows=torch.arange(6), feature_layers=taps)[1])
+    assert got[0].shape == (6, 4 * 576) and torch.equal(got[0], got[1])
+
+
+def test_a_changed_step_is_seen(twins, monkeypatch):
+    """PLANTED: the loop run with eps doubled: the comparison above would fail."""
+    native, python = twins
+    real = layer_loop.LayerLoop.run
+    monkeypatch.setattr(layer_loop.LayerLoop, "run", lambda self, *a, **kw: real(self, *a[:-2], a[-2] * 2, a[-1]))
+    assert not torch.equal(_run(native, [[5]])[0], _run(python, [[5]])[0])
+
+
+def test_bad_arguments_are_refused(twins):
+    native, _ = twins
+    loop = native.loop
+    h = torch.zeros(2, 576)
+    with pytest.raises(HalError, match="d: expected"):
+        loop.run(h, torch.zeros(2, 576, dtype=torch.float64), None, None, [2], [], [], (), 1e-5, 0.125)
+    caches = [torch.zeros(4, 16, 3, 64, dtype=native.dtype) for _ in range(LAYERS)]
+    odd = caches[:2] + [torch.zeros(4, 16, 3, 64, dtype=native.dtype).transpose(1, 2)]
+    with pytest.raises(HalError, match="k_caches: expected contiguous host caches"):
+        loop.run(h, torch.zeros(2, 576, dtype=native.dtype), None, None, [2], odd, caches, (), 1e-5, 0.125)
+
+
+def test_no_cxx_compiler_leaves_the_python_loop(monkeypatch, tmp_path):
+    fake = tmp_path / "cxx"
+    fake.write_text("#!/bin/sh\necho 'c++: planted failure' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("HAL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", str(fake))
+    monkeypatch.setattr(layer_loop, "_loaded", {})
+    cfg, w = _weights(torch.bfloat16, seed=1)
+    with pytest.warns(RuntimeWarning, match="layer loop did not build.*planted failure"):
+        model = Llama(cfg, w, hal.get_backend("cpu"), plan=LinearPlan("mm", torch.bfloat16, (1, 2, 4, 8), weights="int4"))
+    assert model.loop is None and model.forward is not None
+    assert _run(model, [[5]])[0].isfinite().all()
