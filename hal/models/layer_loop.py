@@ -103,6 +103,10 @@ class LayerLoop:
         if d.dtype != self.act or d.shape != h.shape or h.dtype != torch.float32 or not h.is_contiguous():
             raise HalError(f"d: expected [{T}, {H}] {self.act} beside a contiguous float32 h, got {d.dtype} "
                            f"{list(d.shape)}", arg="d")
+        _check_metadata(keys, rot, widths, T, cfg.head_dim)
+        if len(k_caches) < self.layers or len(v_caches) < self.layers:
+            raise HalError(f"k_caches: expected one per layer ({self.layers}), got {len(k_caches)} and "
+                           f"{len(v_caches)}", arg="k_caches")
         kc = k_caches[0]
         nblocks, bs = kc.shape[:2]
         for c in (*k_caches[:self.layers], *v_caches[:self.layers]):
@@ -127,6 +131,21 @@ class LayerLoop:
         if rc:
             raise HalError(f"batch: expected a forward the layer loop can run, got: {err.value.decode()}", arg="batch")
         return list(tap_out.unbind(0))
+
+
+def _check_metadata(keys: KeyLists, rot: Tensor, widths: list[int], T: int, D: int) -> None:
+    """What the native loop reads without bounds of its own: the key lists' arrays (int64,
+    contiguous, one entry or row per query row), the rotations, and chunks covering every row."""
+    for name, t, shape in (("slot_of", keys.slot_of, (T,)), ("req", keys.req, (T,)), ("n_cache", keys.n_cache, (T,)),
+                           ("n_extra", keys.n_extra, (T,)), ("extra", keys.extra, (T, keys.extra.shape[-1])),
+                           ("block_tables", keys.block_tables, tuple(keys.block_tables.shape[-2:]))):
+        if t is None or t.dtype != torch.long or tuple(t.shape) != shape or not t.is_contiguous():
+            raise HalError(f"keys.{name}: expected contiguous int64 {list(shape)}, got "
+                           f"{None if t is None else (t.dtype, list(t.shape))}", arg="keys")
+    if rot.dtype != torch.complex64 or rot.shape != (T, D // 2):
+        raise HalError(f"rot: expected complex64 [{T}, {D // 2}], got {rot.dtype} {list(rot.shape)}", arg="rot")
+    if not widths or min(widths) < 1 or sum(widths) < T:
+        raise HalError(f"widths: expected chunk widths covering {T} rows, got {widths}", arg="widths")
 
 
 def _pointers(tensors: list[Tensor]):

@@ -16,6 +16,7 @@ from hal.engine.forward import forward, forward_tokens
 from hal.errors import HalError
 from hal.kv import KVPool
 from hal.models import int4, layer_loop
+from hal.models.invariant import KeyLists
 from hal.models.linear_layout import LinearPlan
 from hal.models.llama import Llama, LlamaConfig
 
@@ -104,10 +105,24 @@ def test_bad_arguments_are_refused(twins):
     h = torch.zeros(2, 576)
     with pytest.raises(HalError, match="d: expected"):
         loop.run(h, torch.zeros(2, 576, dtype=torch.float64), None, None, [2], [], [], (), 1e-5, 0.125)
+    keys = KeyLists(torch.tensor([[0]]), torch.tensor([2]), torch.tensor([0, 2]), 2, 2, None, torch.tensor([0, 1]))
+    rot = torch.ones(2, 32, dtype=torch.complex64)
+    d = torch.zeros(2, 576, dtype=native.dtype)
     caches = [torch.zeros(4, 16, 3, 64, dtype=native.dtype) for _ in range(LAYERS)]
+    with pytest.raises(HalError, match="widths: expected chunk widths covering 2 rows"):
+        loop.run(h, d, keys, rot, [1], caches, caches, (), 1e-5, 0.125)
+    with pytest.raises(HalError, match="rot: expected complex64"):
+        loop.run(h, d, keys, rot[:1], [2], caches, caches, (), 1e-5, 0.125)
+    with pytest.raises(HalError, match=r"keys.slot_of: expected contiguous int64 \[2\]"):   # key lists of 1 row
+        loop.run(h, d, KeyLists(torch.tensor([[0]]), torch.tensor([2]), torch.tensor([0, 1]), 1, 1, None,
+                                torch.tensor([0])), rot, [2], caches, caches, (), 1e-5, 0.125)
+    with pytest.raises(HalError, match="k_caches: expected one per layer"):
+        loop.run(h, d, keys, rot, [2], caches[:2], caches, (), 1e-5, 0.125)
     odd = caches[:2] + [torch.zeros(4, 16, 3, 64, dtype=native.dtype).transpose(1, 2)]
     with pytest.raises(HalError, match="k_caches: expected contiguous host caches"):
-        loop.run(h, torch.zeros(2, 576, dtype=native.dtype), None, None, [2], odd, caches, (), 1e-5, 0.125)
+        loop.run(h, d, keys, rot, [2], odd, caches, (), 1e-5, 0.125)
+    ok = loop.run(h, d, keys, rot, [2], caches, caches, (), 1e-5, 0.125)   # the same call, well formed
+    assert ok == [] and torch.isfinite(h).all()
 
 
 def test_no_cxx_compiler_leaves_the_python_loop(monkeypatch, tmp_path):
