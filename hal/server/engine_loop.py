@@ -62,11 +62,36 @@ class Handle:
     cancelled: bool = False
     done: bool = False
 
+    held: list[int] = field(default_factory=list)   # tokens not yet pushed (`whole`)
+    held_logprobs: list | None = None
+
+    @property
+    def whole(self) -> bool:
+        """Its answer goes out in one body and no stop string needs its text as it grows: its
+        tokens are held and pushed once at its end, so the event loop (and its thread) is not
+        woken every step while the engine decodes."""
+        return not self.parsed.stream and not self.parsed.stop
+
     def push(self, event: Event) -> None:
         try:
             self.aio.call_soon_threadsafe(self.q.put_nowait, event)
         except RuntimeError:   # the event loop is gone (shutdown)
             pass
+
+    def tokens(self, ids: list[int], logprobs: list | None) -> None:
+        """A step's new tokens: pushed now, or held while `whole`."""
+        if not self.whole:
+            self.push(Tokens(ids, logprobs))
+            return
+        self.held += ids
+        if logprobs is not None:
+            self.held_logprobs = (self.held_logprobs or []) + list(logprobs)
+
+    def flush(self) -> None:
+        """Push the held tokens (before the request's last event)."""
+        if self.held:
+            self.push(Tokens(self.held, self.held_logprobs))
+            self.held, self.held_logprobs = [], None
 
 
 class Busy(Exception):
@@ -136,6 +161,7 @@ class EngineLoop:
     def _done(self, h: Handle, event: Event) -> None:
         if not h.done:
             h.done = True
+            h.flush()
             h.push(event)
             with self._lock:
                 self.in_flight -= 1
@@ -208,7 +234,7 @@ class EngineLoop:
                     self.metrics.first_token(handle.arrival, now)
             handle.generated += len(toks)
             handle.last = toks[-1]
-            handle.push(Tokens(toks, out.logprobs.get(rid)))
+            handle.tokens(toks, out.logprobs.get(rid))
         if self.metrics:
             self.metrics.step(self.dec, out)
         for rid in out.finished:
