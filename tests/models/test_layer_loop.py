@@ -22,6 +22,7 @@ from hal.models import int4, layer_loop
 from hal.models.invariant import KeyLists
 from hal.models.linear_layout import LinearPlan
 from hal.models.llama import Llama, LlamaConfig
+from tests.models.compilers import plant_failing_compiler
 
 LAYERS, V = 3, 512
 
@@ -131,12 +132,7 @@ def test_bad_arguments_are_refused(twins):
 
 
 def test_no_cxx_compiler_leaves_the_python_loop(monkeypatch, tmp_path):
-    fake = tmp_path / "cxx"
-    fake.write_text("#!/bin/sh\necho 'c++: planted failure' >&2\nexit 1\n")
-    fake.chmod(0o755)
-    monkeypatch.setenv("HAL_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setenv("CXX", str(fake))
-    monkeypatch.setattr(layer_loop, "_loaded", {})
+    plant_failing_compiler(monkeypatch, tmp_path, "CXX", layer_loop)
     cfg, w = _weights(torch.bfloat16, seed=1)
     with pytest.warns(RuntimeWarning, match="layer loop did not build.*planted failure"):
         model = Llama(cfg, w, hal.get_backend("cpu"), plan=LinearPlan("mm", torch.bfloat16, (1, 2, 4, 8), weights="int4"))

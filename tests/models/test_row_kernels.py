@@ -19,6 +19,7 @@ import hal
 from hal.errors import HalError
 from hal.models import invariant, row_kernels
 from hal.models.row_kernels import EagerRows, FusedRows
+from tests.models.compilers import plant_failing_compiler
 
 EAGER = EagerRows()
 BF16_STEP = dict(rtol=2 ** -7, atol=1e-6)
@@ -163,12 +164,7 @@ def test_bad_metadata_and_shapes_are_refused_before_the_kernel(fused):
 def test_a_compiler_that_fails_leaves_the_runner_eager_and_says_why(monkeypatch, tmp_path):
     with pytest.raises(HalError, match="row kernels: expected"):
         row_kernels.build(compiler=str(tmp_path / "no-such-cc"))
-    fake = tmp_path / "cc"
-    fake.write_text("#!/bin/sh\necho 'cc: planted failure' >&2\nexit 1\n")
-    fake.chmod(0o755)
-    monkeypatch.setenv("HAL_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setenv("CC", str(fake))
-    monkeypatch.setattr(row_kernels, "_loaded", {})
+    plant_failing_compiler(monkeypatch, tmp_path, "CC", row_kernels)
     with pytest.warns(RuntimeWarning, match="did not build.*planted failure"):
         rows = row_kernels.rows_for(torch.device("cpu"))
     assert isinstance(rows, EagerRows) and not rows.attends(9, 3, 64)
