@@ -1,18 +1,19 @@
-"""The runner's per-row work between its matmuls: RMSNorm (after the residual add), SwiGLU
-and RoPE, in one of two implementations with one interface (`Rows`):
+"""The runner's per-row work between its matmuls: RMSNorm (after the residual add), SwiGLU,
+RoPE (with the KV write, ``rope_kv``) and the batch-invariant paged attention, in one of two
+implementations with one interface (`Rows`):
 
 - `FusedRows`: `row_kernels.c`, one call per step, compiled on first use for this CPU by
   the system's C compiler (``-O3 -march=native -ffp-contract=off``) into ``$HAL_CACHE/kernels``
   and called through ctypes. Eager PyTorch spends about ten ATen calls on one RMSNorm and its
   casts; here it is one call. Each row is computed by the same code whatever the row count,
   so a row's bits do not depend on its batch-mates (`tests/models/test_row_kernels.py`).
-- `EagerRows`: the same steps as ATen ops (the runner's arithmetic before these kernels, bit
-  for bit); used where the kernels do not apply (tensors off the CPU) or do not build, with a
-  warning that says why.
+- `EagerRows`: the same steps as ATen ops, attention as `hal.models.invariant.attention`
+  (the runner's arithmetic before these kernels, bit for bit); used where the kernels do not
+  apply (tensors off the CPU) or do not build, with a warning that says why.
 
 Shapes: the residual stream ``h`` [T, H] float32; activations (a matmul's rows and outputs)
 [T, ·] float32 or bfloat16; norm weights [H] float32; RoPE rotations ``rot`` [T, D/2]
-complex64 (unit, from `hal.models.llama.Rope`)."""
+complex64 (unit, from `hal.models.rope.Rope`)."""
 
 from __future__ import annotations
 
