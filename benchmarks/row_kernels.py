@@ -9,11 +9,15 @@ orders), whether their greedy tokens agree, and whether the two fused loops' log
 bit-identical. Writes benchmarks/results/row-kernels.md.
 
     python benchmarks/row_kernels.py [--reps 15] [--threads 2] [--dtype auto]
+
+With ``HAL_MARCH=x86-64-v3 ATEN_CPU_CAPABILITY=avx2`` it measures the code an AVX2-only CPU
+runs (our kernels built for it, ATen's AVX2 kernels), on this CPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -52,9 +56,10 @@ def main() -> None:
             fns[key]()
             times[key].append(time.perf_counter() - t)
     med = {key: statistics.median(v) for key, v in times.items()}
+    env = "".join(f"{k}={os.environ[k]} " for k in ("HAL_MARCH", "ATEN_CPU_CAPABILITY") if os.environ.get(k))
     lines = ["# Fused row kernels and the native layer loop against eager ATen ops (SmolLM2-135M, 200 cached "
              "tokens)", "",
-             f"Command: `python benchmarks/row_kernels.py --reps {args.reps} --threads {args.threads} --dtype "
+             f"Command: `{env}python benchmarks/row_kernels.py --reps {args.reps} --threads {args.threads} --dtype "
              f"{args.dtype}`; medians of {args.reps} interleaved runs, {time.strftime('%Y-%m-%d')}.", "",
              f"{machine_line(fused.plan, args.threads)}; row kernels: {fused.rows.describe}; native layer loop: "
              f"{'yes' if fused.loop is not None else 'no (it does not apply or did not build)'}.", "",

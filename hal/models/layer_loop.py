@@ -37,7 +37,7 @@ def _flags() -> tuple[tuple[str, ...], tuple[str, ...]]:
     from torch.utils import cpp_extension
     lib = str(Path(torch.__file__).parent / "lib")
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}"
-    flags = (*row_kernels.FLAGS, "-std=gnu++17", abi, f"-DHAL_TORCH={torch.__version__}", "-w", f"-I{SOURCE.parent}",
+    flags = (*row_kernels.flags(), "-std=gnu++17", abi, f"-DHAL_TORCH={torch.__version__}", "-w", f"-I{SOURCE.parent}",
              *(f"-I{p}" for p in cpp_extension.include_paths()))
     return flags, (f"-L{lib}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{lib}")
 

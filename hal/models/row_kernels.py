@@ -34,6 +34,7 @@ from hal.models import native
 
 SOURCE = Path(__file__).with_name("row_kernels.c")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC")
+MARCH_ENV = "HAL_MARCH"   # another -march than native: code for an older CPU of a cluster (or to measure its paths)
 ACTIVATIONS = (torch.float32, torch.bfloat16)
 _KIND = {torch.float32: 0, torch.bfloat16: 1}   # an activation dtype -> the kernels' bfloat16 flag
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -241,4 +242,10 @@ def build(compiler: str | None = None) -> Path:
     (`hal.models.native`), compiled (about a second) when not cached. HalError when there is no
     C compiler or it fails."""
     cc = compiler or os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    return native.compile_library("row kernels", [SOURCE], cc, FLAGS, ("-lm",))
+    return native.compile_library("row kernels", [SOURCE], cc, flags(), ("-lm",))
+
+
+def flags() -> tuple[str, ...]:
+    """`FLAGS`, with ``-march=$HAL_MARCH`` where that is set."""
+    march = os.environ.get(MARCH_ENV)
+    return tuple(f"-march={march}" if f == "-march=native" and march else f for f in FLAGS)
