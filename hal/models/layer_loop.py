@@ -73,9 +73,18 @@ def applies(model) -> bool:
     if not (model.batch_invariant and model.device.type == "cpu" and isinstance(model.rows, row_kernels.FusedRows)
             and model.plan.weights == "int4" and model.plan.fn is None):
         return False
-    return all(isinstance(w, int4.Int4Weight) and w.repeat == 1 and w.dtype == model.plan.dtype
-               and w.packed.dtype == torch.uint8 and w.packed.is_contiguous() and w.scales_zeros.is_contiguous()
-               for w in (model.w[f"{i}.{k}"] for i in range(model.num_layers) for k in ("wqkv", "wo", "wgu", "wdown")))
+    cfg = model.cfg
+    nq, nkv = cfg.heads * cfg.head_dim, (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim
+    shapes = {"wqkv": (nkv, cfg.hidden), "wo": (cfg.hidden, nq), "wgu": (2 * cfg.ffn, cfg.hidden),
+              "wdown": (cfg.hidden, cfg.ffn)}   # what the native loop reads: [N, K], packed [N, K/2]
+    return all(_packed_as(model.w[f"{i}.{k}"], n, kk, model.plan.dtype)
+               for i in range(model.num_layers) for k, (n, kk) in shapes.items())
+
+
+def _packed_as(w, N: int, K: int, dtype: torch.dtype) -> bool:
+    return (isinstance(w, int4.Int4Weight) and w.repeat == 1 and w.dtype == dtype and tuple(w.shape) == (N, K)
+            and w.packed.dtype == torch.uint8 and tuple(w.packed.shape) == (N, K // 2) and w.packed.is_contiguous()
+            and tuple(w.scales_zeros.shape) == (K // int4.GROUP, N, 2) and w.scales_zeros.is_contiguous())
 
 
 class LayerLoop:

@@ -138,3 +138,17 @@ def test_no_cxx_compiler_leaves_the_python_loop(monkeypatch, tmp_path):
         model = Llama(cfg, w, hal.get_backend("cpu"), plan=LinearPlan("mm", torch.bfloat16, (1, 2, 4, 8), weights="int4"))
     assert model.loop is None and model.forward is not None
     assert _run(model, [[5]])[0].isfinite().all()
+
+
+def test_only_weights_packed_as_the_config_says_are_read_natively(twins):
+    """The loop reads raw memory in the config's shapes: a weight of another shape or dtype
+    keeps the model on the Python loop (`layer_loop.applies`)."""
+    native, _ = twins
+    w = native.w["0.wo"]
+    other = torch.float32 if native.dtype == torch.bfloat16 else torch.bfloat16
+    assert layer_loop._packed_as(w, 576, 576, native.dtype)
+    assert not layer_loop._packed_as(w, 592, 576, native.dtype) and not layer_loop._packed_as(w, 576, 576, other)
+    cfg, weights = _weights(native.dtype, seed=2)
+    weights["1.wdown"] = int4.random(576, 1504, torch.Generator().manual_seed(3)).pack(native.dtype)   # K != ffn
+    plan = LinearPlan("mm", native.dtype, (1, 2, 4, 8), weights="int4")
+    assert not layer_loop.applies(Llama(cfg, weights, native.be, plan=plan, native_loop=False))
