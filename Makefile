@@ -41,6 +41,7 @@ bench: $(STAMP)
 	$(BIN)/pip install -q -e ".[bench,serve]"
 	$(BIN)/python benchmarks/ops.py
 	$(BIN)/python benchmarks/forward.py
+	$(BIN)/python benchmarks/row_kernels.py
 	$(BIN)/python benchmarks/int4_rows.py
 	$(BIN)/python benchmarks/head_forms.py
 	$(BIN)/python benchmarks/dtype_drift.py
