@@ -12,6 +12,7 @@ import shutil
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import hal
 from hal.engine import trees
@@ -152,3 +153,26 @@ def test_only_weights_packed_as_the_config_says_are_read_natively(twins):
     weights["1.wdown"] = int4.random(576, 1504, torch.Generator().manual_seed(3)).pack(native.dtype)   # K != ffn
     plan = LinearPlan("mm", native.dtype, (1, 2, 4, 8), weights="int4")
     assert not layer_loop.applies(Llama(cfg, weights, native.be, plan=plan, native_loop=False))
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lens=st.lists(st.integers(1, 12), min_size=1, max_size=3), seed=st.integers(0, 2 ** 16))
+def test_drawn_ragged_batches_give_the_python_loops_bits(twins, lens, seed):
+    """Hypothesis-drawn batches (1-3 requests after their prompts, 1-12 fed tokens each, so
+    rows span several padded chunks): the native loop's logits and caches are the Python loop's."""
+    native, python = twins
+    g = torch.Generator().manual_seed(seed)
+    feeds = [torch.randint(0, V, (n,), generator=g).tolist() for n in lens]
+    results = []
+    for model in (native, python):
+        pool = KVPool(model.be, 48, 16, 3, 64, dtype=model.dtype, num_layers=LAYERS)
+        seqs = [pool.sequence() for _ in feeds]
+        for n, s in enumerate(seqs):
+            prompt = PROMPT[:5 + 7 * n]
+            forward(model, pool, [s], [prompt], False)
+            s.commit(len(prompt))
+        logits, _ = forward(model, pool, seqs, feeds, True)
+        results.append((logits, pool.k, pool.v))
+    (la, ka, va), (lb, kb, vb) = results
+    assert torch.equal(la, lb)
+    assert all(torch.equal(x, y) for x, y in zip(ka + va, kb + vb))
