@@ -115,8 +115,8 @@ class KeyLists:
     read; the kernel checks every index before it reads the cache.
 
     Shapes: ``block_tables`` [R, nb] int64; ``req``, ``n_cache``, ``n_extra`` [T] int64;
-    ``extra`` [T, E] int64 (E >= 1). ``slots``/``keep``: as `Plan`'s, for `write_kv`;
-    ``slot_of`` [T] int64: each row's KV slot (-1: padding), for the fused ``rope_kv``."""
+    ``extra`` [T, E] int64 (E >= 1); ``slot_of`` [T] int64: each row's KV slot (-1: padding),
+    for the fused ``rope_kv`` (the first layer writes through the backend's checked op)."""
 
     def __init__(self, block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor, T: int,
                  max_query: int, tree_mask: Tensor | None = None, slot_mapping: Tensor | None = None):
@@ -137,7 +137,6 @@ class KeyLists:
             at = (qsl[:-1][self.req][:, None] + steps).clamp(max=max(T - 1, 0))
             step_slots = slot_mapping.long()[at]                                 # [T, max_query]
             self.extra = step_slots.gather(1, torch.argsort((~m).to(torch.uint8), dim=1, stable=True)).contiguous()
-        self.slots, self.keep = host_slots(slot_mapping)
         self.slot_of = None if slot_mapping is None else slot_mapping.long().contiguous()   # [T], -1: padding
 
 

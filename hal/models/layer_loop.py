@@ -43,7 +43,7 @@ def _flags() -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 
 def build(compiler: str | None = None) -> Path:
-    """The compiled layer loop for this CPU and this torch (about 10 s when not cached)."""
+    """The compiled layer loop for this CPU and this torch (compiled when not cached)."""
     cxx = compiler or os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     flags, libs = _flags()
     return native.compile_library("layer loop", [SOURCE, row_kernels.SOURCE], cxx, flags, libs)

@@ -239,7 +239,7 @@ def rows_for(device: torch.device) -> Rows:
 
 def build(compiler: str | None = None) -> Path:
     """The compiled kernels for this CPU: ``$HAL_CACHE/kernels/row_kernels-<key>.so``
-    (`hal.models.native`), compiled (about a second) when not cached. HalError when there is no
+    (`hal.models.native`), compiled when not cached. HalError when there is no
     C compiler or it fails."""
     cc = compiler or os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     return native.compile_library("row kernels", [SOURCE], cc, flags(), ("-lm",))

@@ -159,6 +159,18 @@ def test_bad_metadata_and_shapes_are_refused_before_the_kernel(fused):
         fused.rope(torch.randn(2, 576), torch.randn(2, 32), 9, True)
     with pytest.raises(HalError, match="h: expected"):
         fused.add_norm(h.double(), None, None, 1e-5)
+    with pytest.raises(HalError, match="w: expected contiguous float32 \\[576\\]"):
+        fused.add_norm(h, None, torch.ones(575), 1e-5)
+    with pytest.raises(HalError, match="dtype: expected one of"):
+        fused.add_norm(h, None, torch.ones(576), 1e-5, torch.float16)
+    with pytest.raises(HalError, match="x: expected \\[T, heads·D\\] with D even for 7 heads"):
+        fused.rope(torch.randn(2, 576), torch.ones(2, 32, dtype=torch.complex64), 7, True)
+    with pytest.raises(HalError, match="gu: expected float32 or bfloat16 \\[2, 8\\]"):
+        fused.silu_mul(torch.randn(2, 8).half())
+    before = h.clone()
+    with pytest.raises(HalError, match="d: expected"):   # refused before anything is added
+        fused.add_norm(h, torch.randn(2, 576).half(), None, 1e-5)
+    assert torch.equal(h, before)
 
 
 def test_a_compiler_that_fails_leaves_the_runner_eager_and_says_why(monkeypatch, tmp_path):
@@ -219,6 +231,11 @@ def test_rope_kv_writes_what_rope_and_the_backend_op_write(fused):
     assert torch.equal(kc, before), "a refused write changed the cache"
     with pytest.raises(HalError, match="qkv: expected"):
         fused.rope_kv(qkv[:, :900], rot, 9, 3, True, kc, vc, slots)
+    with pytest.raises(HalError, match="slots: expected contiguous int64"):
+        fused.rope_kv(qkv, rot, 9, 3, True, kc, vc, slots.int())
+    with pytest.raises(HalError, match="v_cache: expected a contiguous host cache"):
+        fused.rope_kv(qkv, rot, 9, 3, True, kc, vc.float(), slots)
+    assert torch.equal(kc, before)
 
 
 @pytest.mark.parametrize("march", ["x86-64-v3"])   # AVX2 + FMA, as on an AVX2-only machine
