@@ -2,8 +2,9 @@
 // a batch-invariant forward whose linear weights are int4 as stored, the same steps as the
 // Python loop of `hal.models.llama.Llama.forward` with the fused row kernels, in the same
 // order, on the same kernels (row_kernels.c, compiled into this library with the same flags;
-// ATen's int4pack matmul on rows chunked as the plan chunks them), so the bits are the
-// Python loop's; what it removes is the Python and dispatch between them.
+// ATen's int4pack matmul on rows chunked as the plan chunks them, or q4_mm.cpp's kernel for a
+// q4q8 plan), so the bits are the Python loop's; what it removes is the Python and dispatch
+// between them.
 //
 // The caller (Python) checks every shape, dtype and pointer before a call; the kernels check
 // every cache index; an ATen error is caught and returned as text (nothing escapes to C).
@@ -18,12 +19,13 @@
 extern "C" {
 #include "row_kernels.c"
 }
+#include "q4_mm.cpp"
 
 namespace {
 
 struct Step {   // one forward's shapes and metadata, shared by every layer
     int64_t T, H, Hq, Hkv, D, F, nblocks, bs, R, nb, bts, E;
-    int act_bf16, cache_bf16, interleaved;
+    int act_bf16, cache_bf16, interleaved, q4;   // q4: the weights are q4q8 tiles (q4_rows.c)
     float eps, scale;
     const float *rot;
     int64_t rs;
@@ -55,6 +57,15 @@ at::Tensor int4_mm(const at::Tensor &x, void *packed, void *sz, int64_t N, const
     return out;
 }
 
+// x [T, K] (contiguous, the activation dtype) @ W.T for layer weight j of either form, in the
+// activation dtype (the q4q8 kernel's float32 product rounded as the Python path rounds it)
+at::Tensor stored_mm(const at::Tensor &x, void *packed, void *sz, int64_t N, const Step &s) {
+    if (!s.q4) return int4_mm(x, packed, sz, N, s);
+    auto y = at::empty({s.T, N}, at::TensorOptions().dtype(at::kFloat));
+    q4::linear((const uint8_t *)packed, 0, N, x.size(1), x.data_ptr(), s.act_bf16, s.T, x.size(1), y.data_ptr<float>());
+    return s.act_bf16 ? y.to(at::kBFloat16) : y;
+}
+
 // one layer: h += d; attention block; h += its output; the MLP's output returned (not added)
 at::Tensor layer(float *h, const at::Tensor &d, int64_t i, const Step &s, void *const *norms, void *const *packed,
                  void *const *sz, void *const *k_caches, void *const *v_caches, const int64_t *taps, int64_t ntaps,
@@ -66,7 +77,7 @@ at::Tensor layer(float *h, const at::Tensor &d, int64_t i, const Step &s, void *
     for (int64_t j = 0; j < ntaps; j++)
         if (taps[j] == i) memcpy(tap_out + j * s.T * s.H, h, sizeof(float) * s.T * s.H);
     int64_t nq = s.Hq * s.D, nqkv = (s.Hq + 2 * s.Hkv) * s.D;
-    at::Tensor qkv = int4_mm(x, packed[4 * i], sz[4 * i], nqkv, s);
+    at::Tensor qkv = stored_mm(x, packed[4 * i], sz[4 * i], nqkv, s);
     auto q = at::empty({s.T, s.Hq, s.D}, at::TensorOptions().dtype(at::kFloat));
     if (rope_kv(qkv.data_ptr(), nqkv, s.act_bf16, s.rot, s.rs, q.data_ptr<float>(), s.T, s.Hq, s.Hkv, s.D,
                 s.interleaved, k_caches[i], v_caches[i], s.cache_bf16, s.slot_of, s.nblocks * s.bs))
@@ -76,13 +87,13 @@ at::Tensor layer(float *h, const at::Tensor &d, int64_t i, const Step &s, void *
                             s.bs, s.nblocks, s.bt, s.R, s.nb, s.bts, s.req, s.n_cache, s.extra, s.E, s.n_extra,
                             s.scale, o.data_ptr<float>());
     if (err) throw std::runtime_error("batch: an index outside the cache (attention error " + std::to_string(err) + ")");
-    at::Tensor ho = int4_mm(o.view({s.T, nq}).to(act_type(s)), packed[4 * i + 1], sz[4 * i + 1], s.H, s);
+    at::Tensor ho = stored_mm(o.view({s.T, nq}).to(act_type(s)), packed[4 * i + 1], sz[4 * i + 1], s.H, s);
     add_norm(h, s.H, ho.data_ptr(), s.H, s.act_bf16, (const float *)norms[2 * i + 1], s.eps, x.data_ptr(), s.H,
              s.act_bf16, s.T, s.H);
-    at::Tensor gu = int4_mm(x, packed[4 * i + 2], sz[4 * i + 2], 2 * s.F, s);
+    at::Tensor gu = stored_mm(x, packed[4 * i + 2], sz[4 * i + 2], 2 * s.F, s);
     auto a = at::empty({s.T, s.F}, opts);
     silu_mul(gu.data_ptr(), 2 * s.F, s.F, a.data_ptr(), s.F, s.act_bf16, s.T);
-    return int4_mm(a, packed[4 * i + 3], sz[4 * i + 3], s.H, s);
+    return stored_mm(a, packed[4 * i + 3], sz[4 * i + 3], s.H, s);
 }
 
 }  // namespace
@@ -95,7 +106,7 @@ extern "C" {
 // (j: qkv, o, gate-up, down) int4 weights; k_caches[i], v_caches[i] contiguous [nblocks, bs,
 // Hkv, D]. taps (increasing layer indices, ntaps of them): h entering those layers copied to
 // tap_out [ntaps, T, H] (the layer count: h after the last). ints: T H Hq Hkv D F nblocks bs
-// R nb bts E act_bf16 cache_bf16 interleaved; floats: eps scale. Returns 0, or 1 with a
+// R nb bts E act_bf16 cache_bf16 interleaved q4; floats: eps scale. Returns 0, or 1 with a
 // message in err (errlen bytes).
 int64_t layer_loop(int64_t first, int64_t last, float *h, const void *d, const int64_t *ints, const float *floats,
                    const float *rot, int64_t rs, const int64_t *slot_of, const int64_t *bt, const int64_t *req,
@@ -105,7 +116,7 @@ int64_t layer_loop(int64_t first, int64_t last, float *h, const void *d, const i
                    char *err, int64_t errlen) {
     try {
         Step s{ints[0], ints[1], ints[2], ints[3], ints[4], ints[5], ints[6], ints[7], ints[8], ints[9], ints[10],
-               ints[11], (int)ints[12], (int)ints[13], (int)ints[14], floats[0], floats[1], rot, rs, slot_of, bt,
+               ints[11], (int)ints[12], (int)ints[13], (int)ints[14], (int)ints[15], floats[0], floats[1], rot, rs, slot_of, bt,
                req, n_cache, extra, n_extra, widths, nwidths};
         auto opts = at::TensorOptions().dtype(act_type(s));
         at::Tensor dd = at::from_blob(const_cast<void *>(d), {s.T, s.H}, opts);

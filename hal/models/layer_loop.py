@@ -1,6 +1,7 @@
 """The runner's layers after the first in one native call (`layer_loop.cpp`): for a
 batch-invariant CPU model whose linear weights all run int4 as stored, each layer's steps
-(the fused row kernels and ATen's int4pack matmul on the plan's chunks) in the order the
+(the fused row kernels and ATen's int4pack matmul on the plan's chunks, or the q4q8 kernel of
+`hal.models.q4_rows`) in the order the
 Python loop of `hal.models.llama.Llama.forward` runs them, so the bits are the Python
 loop's (`tests/models/test_layer_loop.py`); what goes is the Python and dispatch between
 the steps, about a fifth of a decode forward. The first layer stays in Python: it runs the
@@ -24,7 +25,7 @@ import torch
 from torch import Tensor
 
 from hal.errors import HalError
-from hal.models import int4, native, row_kernels
+from hal.models import int4, native, q4_rows, row_kernels
 from hal.models.invariant import KeyLists
 
 SOURCE = Path(__file__).with_name("layer_loop.cpp")
@@ -33,20 +34,12 @@ ARGS = [_I, _I, _P, _P, _P, _P, _P, _I, _P, _P, _P, _P, _P, _P, _P, _I, _P, _P, 
         ctypes.c_char_p, _I]
 
 
-def _flags() -> tuple[tuple[str, ...], tuple[str, ...]]:
-    from torch.utils import cpp_extension
-    lib = str(Path(torch.__file__).parent / "lib")
-    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}"
-    flags = (*row_kernels.flags(), "-std=gnu++17", abi, f"-DHAL_TORCH={torch.__version__}", "-w", f"-I{SOURCE.parent}",
-             *(f"-I{p}" for p in cpp_extension.include_paths()))
-    return flags, (f"-L{lib}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{lib}")
-
-
 def build(compiler: str | None = None) -> Path:
     """The compiled layer loop for this CPU and this torch (compiled when not cached)."""
     cxx = compiler or os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    flags, libs = _flags()
-    return native.compile_library("layer loop", [SOURCE, row_kernels.SOURCE], cxx, flags, libs)
+    flags, libs = native.torch_flags(row_kernels.flags())
+    return native.compile_library("layer loop", [SOURCE, row_kernels.SOURCE, q4_rows.SOURCE, q4_rows.KERNEL], cxx,
+                                  flags, libs)
 
 
 _lock = threading.Lock()
@@ -71,14 +64,19 @@ def applies(model) -> bool:
     """Whether a model's forwards can run here: batch-invariant on the CPU with the fused row
     kernels, every layer's linear weight int4 as stored for the plan's rows, no custom layout."""
     if not (model.batch_invariant and model.device.type == "cpu" and isinstance(model.rows, row_kernels.FusedRows)
-            and model.plan.weights == "int4" and model.plan.fn is None):
+            and model.plan.weights in ("int4", "q4q8") and model.plan.fn is None):
         return False
     cfg = model.cfg
     nq, nkv = cfg.heads * cfg.head_dim, (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim
     shapes = {"wqkv": (nkv, cfg.hidden), "wo": (cfg.hidden, nq), "wgu": (2 * cfg.ffn, cfg.hidden),
               "wdown": (cfg.hidden, cfg.ffn)}   # what the native loop reads: [N, K], packed [N, K/2]
-    return all(_packed_as(model.w[f"{i}.{k}"], n, kk, model.plan.dtype)
+    packed_as = _tiled_as if model.plan.weights == "q4q8" else _packed_as
+    return all(packed_as(model.w[f"{i}.{k}"], n, kk, model.plan.dtype)
                for i in range(model.num_layers) for k, (n, kk) in shapes.items())
+
+
+def _tiled_as(w, N: int, K: int, dtype: torch.dtype) -> bool:
+    return isinstance(w, q4_rows.Q4Weight) and not w.q8 and w.dtype == dtype and tuple(w.shape) == (N, K)
 
 
 def _packed_as(w, N: int, K: int, dtype: torch.dtype) -> bool:
@@ -97,8 +95,9 @@ class LayerLoop:
         weights = [model.w[f"{i}.{k}"] for i in range(self.layers) for k in ("wqkv", "wo", "wgu", "wdown")]
         self._keep = norms + weights
         self.norms = _pointers(norms)
+        self.q4 = model.plan.weights == "q4q8"
         self.packed = _pointers([w.packed for w in weights])
-        self.sz = _pointers([w.scales_zeros for w in weights])
+        self.sz = _pointers([w.packed if self.q4 else w.scales_zeros for w in weights])   # q4q8: unused
         self.act = model.plan.dtype
 
     def run(self, h: Tensor, d: Tensor, keys: KeyLists, rot: Tensor, widths: list[int], k_caches: list[Tensor],
@@ -122,10 +121,10 @@ class LayerLoop:
             if c.shape != kc.shape or c.dtype != kc.dtype or not c.is_contiguous() or not c.is_cpu:
                 raise HalError(f"k_caches: expected contiguous host caches like {list(kc.shape)} {kc.dtype}",
                                arg="k_caches")
-        ints = (ctypes.c_int64 * 15)(T, H, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.ffn, nblocks, bs,
+        ints = (ctypes.c_int64 * 16)(T, H, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.ffn, nblocks, bs,
                                      keys.block_tables.shape[0], keys.block_tables.shape[1],
                                      keys.block_tables.stride(0), keys.extra.shape[1], int(self.act == torch.bfloat16),
-                                     int(kc.dtype == torch.bfloat16), int(cfg.rope_interleaved))
+                                     int(kc.dtype == torch.bfloat16), int(cfg.rope_interleaved), int(self.q4))
         floats = (ctypes.c_float * 2)(eps, scale)
         cs = torch.view_as_real(rot.contiguous())
         tap_layers = [t for t in taps if t > 0]

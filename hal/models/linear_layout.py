@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from hal.errors import HalError
-from hal.models import int4, plan_check
+from hal.models import int4, plan_check, q4_rows
 
 
 LAYOUTS: dict[str, plan_check.Layout] = {
@@ -21,7 +21,8 @@ LAYOUTS: dict[str, plan_check.Layout] = {
     "linear": lambda x, w: F.linear(x, w),
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-WEIGHTS = ("float", "int4")              # how the weights stored as int4 blocks run (`LinearPlan.weights`)
+WEIGHTS = ("float", "int4", "q4q8")     # how the weights stored as int4 blocks run (`LinearPlan.weights`)
+STORED = ("int4", "q4q8")                # the forms that run them as stored
 HEADS = ("float", "q8_0")                # how an lm_head stored as Q8_0 runs (`LinearPlan.head`)
 
 
@@ -34,8 +35,10 @@ class LinearPlan:
     dtype: torch.dtype
     widths: tuple[int, ...]
     fn: plan_check.Layout | None = field(default=None, compare=False, repr=False)   # a layout not in LAYOUTS (tests)
-    weights: str = "float"   # int4: weights stored as int4 blocks run as stored (`hal.models.int4`), rows in dtype
-    head: str = "float"      # q8_0: the lm_head's Q8_0 codes run as stored (two int4 halves), rows in dtype
+    weights: str = "float"   # int4: weights stored as int4 blocks run as stored (`hal.models.int4`), rows in dtype;
+    #                          q4q8: the same blocks times rows quantized to int8 (`hal.models.q4_rows`), each
+    #                          product in one call (its rows are independent by construction: no chunks)
+    head: str = "float"      # q8_0: the lm_head's Q8_0 codes run as stored (int4: two int4 halves; q4q8: Q8 tiles)
     costs: tuple[float, ...] = field(default=(), compare=False)   # ms of one chunk of each width (measured):
     #                                                               rows then go in the cheapest chunks (`chunks`)
 
@@ -46,8 +49,11 @@ class LinearPlan:
     def linear(self, x: Tensor, w: Tensor | int4.Int4Weight, out_dtype: torch.dtype = torch.float32) -> Tensor:
         """``x @ w.T`` for ``x`` [T, K] (any float dtype), computed in ``w``'s dtype (the model
         casts its weights to ``self.dtype`` once; an `hal.models.int4.Int4Weight` multiplies
-        rows of its activation dtype), returned as ``out_dtype`` (``w.dtype``: the product as
-        computed, with no conversion)."""
+        rows of its activation dtype; a `hal.models.q4_rows.Q4Weight` all rows in one call),
+        returned as ``out_dtype`` (``w.dtype``: the product as computed, with no conversion)."""
+        if isinstance(w, q4_rows.Q4Weight):
+            got = plan_check.int4_mm(x, w)
+            return got if got.dtype == out_dtype else got.to(out_dtype)
         fn = plan_check.int4_mm if isinstance(w, int4.Int4Weight) else self.fn or LAYOUTS[self.layout]
         T = x.shape[0]
         if x.dtype != w.dtype:
@@ -72,8 +78,11 @@ class LinearPlan:
     def describe(self) -> str:
         name = "mm(W, X.T)" if self.layout == "mm" else "F.linear"
         dt, widths = str(self.dtype).removeprefix("torch."), "/".join(map(str, self.widths))
+        head = "; lm_head Q8_0 as stored" if self.head == "q8_0" else ""
+        if self.weights == "q4q8":
+            return (f"int4 weights as stored times {dt} rows quantized to int8 per 32 (q4q8{head}; other weights "
+                    f"{dt} {name} in chunks of {widths})")
         if self.weights == "int4":
-            head = "; lm_head Q8_0 as stored" if self.head == "q8_0" else ""
             return f"int4 weights as stored ({dt} rows{head}; other weights {dt} {name}) in chunks of {widths}"
         return f"{dt} {name} in chunks of {widths}"
 
@@ -85,9 +94,9 @@ class LinearPlan:
     def from_json(cls, d: dict) -> "LinearPlan":
         weights, head, costs = d.get("weights", "float"), d.get("head", "float"), d.get("costs", [])
         if d.get("layout") not in LAYOUTS or d.get("dtype") not in DTYPES or weights not in WEIGHTS \
-                or head not in HEADS or (head != "float" and weights != "int4") or not _costs_fit(costs, d):
+                or head not in HEADS or (head != "float" and weights not in STORED) or not _costs_fit(costs, d):
             raise HalError(f"linear plan: expected a layout in {sorted(LAYOUTS)}, a dtype in {sorted(DTYPES)}, "
-                           f"weights in {list(WEIGHTS)}, a head in {list(HEADS)} (q8_0 only with int4) and "
+                           f"weights in {list(WEIGHTS)}, a head in {list(HEADS)} (q8_0 only with {' or '.join(STORED)}) and "
                            f"costs none or one positive number per width, got {d!r:.160}")
         return cls(d["layout"], DTYPES[d["dtype"]], tuple(int(n) for n in d["widths"]), weights=weights, head=head,
                    costs=tuple(float(c) for c in costs))

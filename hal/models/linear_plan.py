@@ -6,17 +6,15 @@ dtype for the weights and the multiplied rows (float32, or bfloat16 where the CP
 AVX512-BF16 or AMX), and the chunk widths: every row is computed inside a chunk of exactly
 one of those widths (zero-padded), so its bits never depend on how many rows came with it.
 
-Weights the file stores as Q4_0/Q4_1 blocks can also run **as stored** (``weights="int4"``):
-PyTorch's int4pack kernel multiplies the codes with a scale and a zero per 32 weights
-(`hal.models.int4`), rows in bfloat16 on every CPU (float32 rows, the kernel's scalar path, are
-measured only where bfloat16 rows give no usable group);
-the other weights run in the plan's float layout and dtype. ``--dtype auto`` measures these
-candidates with the float ones; ``stored`` measures only them. An lm_head the file stores as
-Q8_0 blocks (SmolLM2's tied embedding) can run as stored too, on the same kernel
-(``head="q8_0"``, `hal.models.int4`'s two halves): once an int4 plan has won, the head's two
-forms are self-checked at its widths and timed at the `MIX` rows, and the faster one is kept
-(`_choose_head`; it is per machine: the halves were 2.3x faster from 4 rows on an AVX2-only
-EPYC, and slower on an AVX512-BF16 one).
+Weights the file stores as Q4_0/Q4_1 blocks can also run **as stored**: ``weights="int4"``,
+PyTorch's int4pack kernel (`hal.models.int4`; rows in bfloat16 on every CPU, float32 rows
+measured only where bfloat16 gives no usable group), or ``weights="q4q8"``, the same codes
+times rows quantized to int8 per 32 (`hal.models.q4_rows`, llama.cpp's arithmetic; where its
+C++ kernel builds). The other weights run in the plan's float layout and dtype. ``--dtype
+auto`` measures these candidates with the float ones; ``stored`` only them. An lm_head stored
+as Q8_0 (SmolLM2's tied embedding) can run as stored too (``head="q8_0"``: int4's two halves,
+or q4q8's Q8 tiles): once such a plan has won, the head's two forms are self-checked at its
+widths and timed at the `MIX` rows, and the faster is kept (`_choose_head`).
 
 `choose_plan` picks one at model load:
 
@@ -36,9 +34,7 @@ EPYC, and slower on an AVX512-BF16 one).
    process measures a plan at a time (a lock file beside the cache): another loading the same
    model waits, then reads the cache, instead of timing the first one's contention.
 
-Nothing here is tuned for one microarchitecture: the AVX2 machine this runner was first
-written on chose ``mm`` in 4/8-row chunks; an AMX machine measured bf16 ``mm`` flat from 2 to 16
-rows; each machine now finds its own.
+Nothing here is tuned for one microarchitecture: each machine measures and finds its own.
 """
 
 from __future__ import annotations
@@ -53,11 +49,11 @@ import torch
 from torch import Tensor
 
 from hal.models import int4
-from hal.models import plan_cache, plan_check
+from hal.models import plan_cache, plan_check, q4_rows
 from hal.models.machine import BF16_FLAGS, cpu_flags, cpu_signature
 from hal.errors import HalError
 from hal.models.progress import bar as progress_bar
-from hal.models.linear_layout import DTYPES, LAYOUTS, LinearPlan, chunks
+from hal.models.linear_layout import DTYPES, LAYOUTS, STORED, LinearPlan, chunks
 
 CHOICES = ("auto", "stored", *DTYPES)   # what ``--dtype`` may ask for
 LM_HEADS = ("auto", "stored", "float")  # what ``--lm-head`` may ask for (`pin_head`)
@@ -111,10 +107,8 @@ def candidate_dtypes(dtype: str, flags: list[str]) -> list[torch.dtype]:
 
 
 # The rows int4 candidates multiply, on every CPU: bfloat16 first, float32 only where bfloat16 rows
-# give no usable group. The kernel's bf16 path is its vectorized one with or without a bf16 unit
-# (SmolLM2-135M's linears at M = 1: AVX2 alone 11.1 ms against 137.3 with float32 rows,
-# benchmarks/results/int4-rows-avx2.md; AVX512-BF16 8.1 against 166), so no CPU flag decides it,
-# and timing the float32 family where bf16 is usable would only add ~30 s to a cold plan.
+# give no usable group (the kernel's bf16 path is its vectorized one with or without a bf16 unit:
+# benchmarks/results/int4-rows-avx2.md). q4q8 quantizes bfloat16 rows.
 INT4_ROWS = (torch.bfloat16, torch.float32)
 FALLBACK_ONLY = "int4 with bfloat16 rows is usable; float32 rows are the kernel's scalar path, measured 12-20x slower"
 
@@ -186,7 +180,8 @@ def score(ms: dict[int, float]) -> float:
 def choose_plan(shapes: list[tuple[int, int]], dtype: str = "auto", *, weights: list[Tensor] | None = None,
                 refresh: bool = False, threads: int | None = None, layouts: dict[str, plan_check.Layout] | None = None,
                 reps: int = 3, cache: bool = True, device: torch.device | str | None = None,
-                progress: bool = False, stored_int4: list[bool] | None = None, q8_head: bool = False) -> Choice:
+                progress: bool = False, stored_int4: list[bool] | None = None, q8_head: bool = False,
+                form: str | None = None) -> Choice:
     """The fastest usable `LinearPlan` for a model whose linear weights have ``shapes`` ([N, K]
     each, in forward order) on this machine; see the module docstring. ``weights``: those
     weights to time with (default: random ones of the shapes, made only when measuring).
@@ -195,7 +190,8 @@ def choose_plan(shapes: list[tuple[int, int]], dtype: str = "auto", *, weights: 
     run as stored, and ``stored`` measures only that. `HalError` when no candidate of the
     requested dtype is usable. ``progress``: a bar (tqdm, stderr) while measuring.
     ``q8_head``: the last of ``shapes`` is an lm_head the file stores as Q8_0 blocks; an int4
-    plan then also chooses its form (`LinearPlan.head`, `_choose_head`)."""
+    plan then also chooses its form (`LinearPlan.head`, `_choose_head`). ``form``: the stored
+    weights are already packed in that form (``int4`` or ``q4q8``): only it is measured."""
     layouts = LAYOUTS if layouts is None else layouts
     dev = torch.device(device) if device is not None else torch.device("cpu")
     signature = cpu_signature(threads, dev)
@@ -209,7 +205,7 @@ def choose_plan(shapes: list[tuple[int, int]], dtype: str = "auto", *, weights: 
                        f"got {'none' if dev.type == 'cpu' else 'device ' + dev.type}", arg="dtype")
     head_q8 = bool(int4_shapes) and q8_head and int4.fits(*shapes[-1])
     families = [f"{str(dt).removeprefix('torch.')} {kind}" for dt, kind in _kinds(dtype, _flags(signature, dev),
-                                                                                   int4_shapes)]
+                                                                                   int4_shapes, form)]
     families += ["q8_0 head"] * head_q8
     path = plan_cache.path(signature, shapes, dtype, layouts, int4_shapes, families) \
         if cache and layouts is LAYOUTS else None
@@ -219,7 +215,7 @@ def choose_plan(shapes: list[tuple[int, int]], dtype: str = "auto", *, weights: 
     with plan_cache.measuring(path):   # one process measures a plan at a time; the others then read its cache
         cached = None if path is None or refresh else _cached(path, signature, dtype)
         return cached or _measure_and_cache(path, shapes, dtype, weights, signature, layouts, reps, dev, progress,
-                                            int4_shapes, head_q8)
+                                            int4_shapes, head_q8, form)
 
 
 def _cached(path: Path, signature: dict, dtype: str) -> Choice | None:
@@ -239,13 +235,13 @@ def _cached(path: Path, signature: dict, dtype: str) -> Choice | None:
 
 
 def _measure_and_cache(path, shapes, dtype, weights, signature, layouts, reps, dev, progress, int4_shapes,
-                       head_q8=False) -> Choice:
+                       head_q8=False, form=None) -> Choice:
     """Measure (`_measure`; once more if noisy) and cache at ``path`` unless still noisy."""
     if weights is None:
         gen = torch.Generator().manual_seed(0)
         weights = [torch.randn(n, k, generator=gen) * 0.02 for n, k in shapes]
     for _ in range(2):   # a noisy measurement is repeated once; still noisy, it is not cached
-        choice = _measure(shapes, dtype, weights, signature, layouts, reps, dev, progress, int4_shapes, head_q8)
+        choice = _measure(shapes, dtype, weights, signature, layouts, reps, dev, progress, int4_shapes, head_q8, form)
         if not choice.noisy:
             break
     if path is not None and not choice.noisy:
@@ -260,29 +256,35 @@ def _flags(signature: dict, dev: torch.device) -> list[str]:
     return signature["flags"] if dev.type == "cpu" else list(BF16_FLAGS)
 
 
-def _kinds(dtype: str, flags: list[str], int4_shapes) -> list[tuple[torch.dtype, str]]:
-    """(row dtype, weights) of every candidate family ``dtype`` allows."""
+def _kinds(dtype: str, flags: list[str], int4_shapes, form: str | None = None) -> list[tuple[torch.dtype, str]]:
+    """(row dtype, weights) of every candidate family ``dtype`` allows (stored weights: of
+    ``form`` only, when given)."""
     kinds = [(dt, "float") for dt in candidate_dtypes(dtype, flags)]
     quantized = int4_shapes and dtype in ("auto", "stored")
-    return kinds + ([(dt, "int4") for dt in INT4_ROWS] if quantized else [])
+    if not quantized:
+        return kinds
+    return kinds + [(dt, "int4") for dt in INT4_ROWS] * (form in (None, "int4")) + \
+        [(INT4_ROWS[0], "q4q8")] * (form in (None, "q4q8") and q4_rows.available())
 
 
 def _timing_weights(weights: list[Tensor], shapes, dt: torch.dtype, kind: str, int4_shapes, dev) -> list:
-    """``weights`` in the candidate's form: int4 shapes as random int4 weights (timing only)."""
+    """``weights`` in the candidate's form: int4 shapes as random stored weights (timing only)."""
     g = torch.Generator().manual_seed(0)
-    return [int4.random(*s, g).pack(dt) if kind == "int4" and s in int4_shapes else
-            w if isinstance(w, int4.Int4Weight) else w.to(dev, dt) for w, s in zip(weights, shapes)]
+    return [plan_check.STORED_FORMS[kind](*s, g, dt) if kind in STORED and s in int4_shapes else
+            w if isinstance(w, (int4.Int4Weight, q4_rows.Q4Weight)) else w.to(dev, dt)
+            for w, s in zip(weights, shapes)]
+
 
 
 def _measure(shapes, dtype: str, weights: list[Tensor], signature: dict, layouts, reps: int, dev,
-             progress: bool, int4_shapes=frozenset(), head_q8: bool = False) -> Choice:
+             progress: bool, int4_shapes=frozenset(), head_q8: bool = False, form: str | None = None) -> Choice:
     """Every usable candidate (`_candidates`), its score predicted from single chunks; those
     within `PRUNE` of the best prediction timed at the `MIX` rows, then the winner once more:
     the spread of its two scores (relative to the lower) says whether the machine was quiet
     enough to trust the choice. An int4 winner with ``head_q8`` then chooses its head's form."""
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     found, rejected, casts = _candidates(shapes, dtype, weights, signature, layouts, reps, dev, progress,
-                                         int4_shapes)
+                                         int4_shapes, form)
     if not found:
         raise HalError(f"dtype {dtype}: expected a batch-invariant linear layout on this CPU, got none usable "
                        f"({'; '.join(rejected[:4])})", arg="dtype")
@@ -302,9 +304,16 @@ def _measure(shapes, dtype: str, weights: list[Tensor], signature: dict, layouts
                 "spread": round(spread, 3)}
     table = [{**c, "plan": c["plan"].to_json()} for c in candidates]
     plan, heads = best["plan"], []
-    if head_q8 and plan.weights == "int4":
+    if head_q8 and plan.weights in STORED:
         plan, heads = _choose_head(plan, casts[plan.dtype, plan.weights][-1], shapes[-1], reps, dev, rejected)
     return Choice(plan, signature, table, rejected, measured=measured, heads=heads)
+
+
+def best_of(choice: Choice, weights: str) -> LinearPlan | None:
+    """``choice``'s best candidate of the ``weights`` family by score (timed or predicted), its
+    head float; None if none was measured (to compare two families, or to test one)."""
+    family = [c for c in choice.candidates if c["plan"]["weights"] == weights]
+    return LinearPlan.from_json(min(family, key=lambda c: c["score"])["plan"]) if family else None
 
 
 def pin_head(choice: Choice, lm_head: str = "auto") -> LinearPlan:
@@ -321,7 +330,7 @@ def pin_head(choice: Choice, lm_head: str = "auto") -> LinearPlan:
         return plan
     if lm_head == "float":
         return replace(plan, head="float")
-    if plan.weights != "int4":
+    if plan.weights not in STORED:
         raise HalError(f"--lm-head: expected an int4 plan for stored (the Q8_0 head runs on the int4 kernel; "
                        f"try --dtype stored), got {plan.describe()}", arg="--lm-head")
     if not any(h["head"] == "q8_0" for h in choice.heads):
@@ -334,21 +343,24 @@ def pin_head(choice: Choice, lm_head: str = "auto") -> LinearPlan:
 
 def _choose_head(plan: LinearPlan, head: Tensor, shape: tuple[int, int], reps: int, dev,
                  rejected: list[str]) -> tuple[LinearPlan, list[dict]]:
-    """``plan`` with its lm_head's form: the Q8_0 codes as two int4 halves where the kernel
-    gives their rows the same bits at every one of the plan's widths (on the halves' shape
-    ``[N, 2K]``) and they score lower at the `MIX` rows than ``head``, the float head in the
-    plan's dtype; else the float head. The two are timed interleaved, the lower of two runs
-    each; the table of both is returned."""
+    """``plan`` with its lm_head's form: the Q8_0 codes as stored (int4 plan: two int4 halves,
+    on the halves' shape ``[N, 2K]``; q4q8 plan: Q8 tiles) where the kernel gives their rows
+    the same bits at every one of the plan's widths and they score lower at the `MIX` rows
+    than ``head``, the float head in the plan's dtype; else the float head. The two are timed
+    interleaved, the lower of two runs each; the table of both is returned."""
     N, K = shape
-    halves = (N, 2 * K)
-    groups, why = plan_check.usable_groups(plan_check.int4_mm, plan.dtype, [halves], widths=plan.widths,
-                                           device=dev, int4_shapes=frozenset({halves}))
+    q4q8 = plan.weights == "q4q8"
+    checked, stored = ((N, K), plan_check.q8_tiles) if q4q8 else ((N, 2 * K), plan_check.int4pack)
+    groups, why = plan_check.usable_groups(plan_check.int4_mm, plan.dtype, [checked], widths=plan.widths,
+                                           device=dev, int4_shapes=frozenset({checked}), stored=stored)
     if not any(set(plan.widths) <= set(g) for g in groups):
         dt = str(plan.dtype).removeprefix("torch.")
         rejected.append(f"{dt} q8_0 head: not invariant across widths {'/'.join(map(str, plan.widths))} "
                         f"({'; '.join(why) or 'the widths give a row different bits'})")
         return plan, []
-    forms = {"float": head, "q8_0": int4.random_q8(N, K, torch.Generator().manual_seed(0)).pack(plan.dtype, 2)}
+    g = torch.Generator().manual_seed(0)
+    forms = {"float": head, "q8_0": plan_check.q8_tiles(N, K, g, plan.dtype) if q4q8 else int4.random_q8(N, K, g).pack(
+        plan.dtype, 2)}
     ms: dict[str, dict[int, float]] = {}
     for _ in range(2):
         for form, w in forms.items():
@@ -359,11 +371,12 @@ def _choose_head(plan: LinearPlan, head: Tensor, shape: tuple[int, int], reps: i
 
 
 def _candidates(shapes, dtype: str, weights: list[Tensor], signature: dict, layouts, reps: int, dev,
-                progress: bool, int4_shapes) -> tuple[list[tuple[LinearPlan, float]], list[str], dict]:
+                progress: bool, int4_shapes, form: str | None = None
+                ) -> tuple[list[tuple[LinearPlan, float]], list[str], dict]:
     """(plan, predicted score) per usable width group of every layout and dtype family, with
     its fastest subset; why other widths were dropped; the weights cast per family."""
     found, rejected, casts = [], [], {}
-    kinds = _kinds(dtype, _flags(signature, dev), int4_shapes)
+    kinds = _kinds(dtype, _flags(signature, dev), int4_shapes, form)
     bar = progress_bar(progress, len(kinds) * len(layouts), "linear plan", "layout")
     for dt, kind in kinds:
         if kind == "int4" and dt != INT4_ROWS[0] and any(p.weights == "int4" for p, _ in found):
@@ -371,10 +384,11 @@ def _candidates(shapes, dtype: str, weights: list[Tensor], signature: dict, layo
             bar.update(len(layouts))
             continue
         casts[dt, kind] = cast = _timing_weights(weights, shapes, dt, kind, int4_shapes, dev)
-        checked = int4_shapes if kind == "int4" else frozenset()
+        checked = int4_shapes if kind in STORED else frozenset()
         for name, fn in layouts.items():
-            groups, why = plan_check.usable_groups(fn, dt, sorted(set(shapes)), device=dev, int4_shapes=checked)
-            label = f"{str(dt).removeprefix('torch.')}{' int4' * (kind == 'int4')} {name}"
+            groups, why = plan_check.usable_groups(fn, dt, sorted(set(shapes)), device=dev, int4_shapes=checked,
+                                                   stored=plan_check.STORED_FORMS.get(kind, plan_check.int4pack))
+            label = f"{str(dt).removeprefix('torch.')}{f' {kind}' * (kind in STORED)} {name}"
             rejected += [f"{label}: {w}" for w in why]
             for group in groups:
                 plan = LinearPlan(name, dt, group, None if LAYOUTS.get(name) is fn else fn, weights=kind)

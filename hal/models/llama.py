@@ -17,7 +17,7 @@ from torch import Tensor
 
 from hal.errors import HalError
 from hal.models import invariant
-from hal.models import int4
+from hal.models import int4, q4_rows
 from hal.models import layer_loop, row_kernels
 from hal.models.linear_layout import DTYPES, LinearPlan, chunks
 from hal.models.linear_plan import choose_plan
@@ -106,15 +106,16 @@ class Llama:
         self.plan_choice = None
         if plan is None:
             weights = linear_weights(w, config.layers, self.head)
-            packed = [isinstance(t, int4.Int4Weight) for t in weights]   # int4 as stored: they run so
+            packed = [isinstance(t, STORED_TYPES) for t in weights]   # int4 as stored: they run so
             dtype = "stored" if any(packed) else dtype or str(weights[0].dtype).removeprefix("torch.")
             if not batch_invariant and dtype not in ("auto", "stored"):   # plain F.linear: nothing to measure
                 plan = LinearPlan("linear", DTYPES[dtype], (1,))
             else:
                 q8_head = "head_q8" in w   # a loader packed the file's Q8_0 head: it may run so
+                forms = {_form(t) for t in weights if isinstance(t, STORED_TYPES)}   # packed: in that form
                 self.plan_choice = choose_plan([tuple(t.shape) for t in weights], dtype, weights=weights,
                                                refresh=plan_refresh, device=self.device, stored_int4=packed,
-                                               q8_head=q8_head)
+                                               q8_head=q8_head, form=forms.pop() if len(forms) == 1 else None)
                 plan = self.plan_choice.plan
         self.plan = plan
         self._cast(plan.dtype)
@@ -133,8 +134,8 @@ class Llama:
         for i in range(self.cfg.layers):
             for name in LINEAR_KEYS:
                 key = f"{i}.{name}"
-                if isinstance(self.w[key], int4.Int4Weight):
-                    if self.plan.weights != "int4" or self.w[key].dtype != dtype:
+                if isinstance(self.w[key], STORED_TYPES):
+                    if _form(self.w[key]) != self.plan.weights or self.w[key].dtype != dtype:
                         raise HalError(f"weights[{key!r}]: expected float weights or int4 ones for a {dtype} "
                                        f"int4 plan, got int4 ({self.w[key].dtype}) under {self.plan.describe()}",
                                        arg="weights")
@@ -142,7 +143,7 @@ class Llama:
                     self.w[key] = self.w[key].to(dtype)
         if self.plan.head == "q8_0":   # the loader packed the file's Q8_0 head (`hal.models.loaders.load_gguf`)
             packed = self.w.get("head_q8")
-            if not isinstance(packed, int4.Int4Weight) or packed.dtype != dtype:
+            if not isinstance(packed, STORED_TYPES) or _form(packed) != self.plan.weights or packed.dtype != dtype:
                 raise HalError(f"weights['head_q8']: expected the lm_head's Q8_0 codes packed for {dtype} rows "
                                f"under {self.plan.describe()}, got {getattr(packed, 'dtype', packed)}", arg="weights")
             self.head_lin = packed
@@ -284,10 +285,18 @@ def lm_head(x: Tensor, w: Tensor, w_t: Tensor | None = None) -> Tensor:
     return out if out.dtype == torch.float32 else out.float()
 
 
-def plain_linear(x: Tensor, w: Tensor | int4.Int4Weight) -> Tensor:
-    """``F.linear`` in the weight's dtype (an int4 weight: its kernel), returned as float32
+STORED_TYPES = (int4.Int4Weight, q4_rows.Q4Weight)   # weights run as stored
+
+
+def _form(w) -> str:
+    """The plan weights form (`hal.models.linear_layout.WEIGHTS`) a stored weight runs in."""
+    return "q4q8" if isinstance(w, q4_rows.Q4Weight) else "int4"
+
+
+def plain_linear(x: Tensor, w) -> Tensor:
+    """``F.linear`` in the weight's dtype (a weight as stored: its kernel), returned as float32
     (the plain, not batch-invariant path)."""
-    out = w.mm(x.to(w.dtype)) if isinstance(w, int4.Int4Weight) else F.linear(x.to(w.dtype), w)
+    out = w.mm(x.to(w.dtype)) if isinstance(w, STORED_TYPES) else F.linear(x.to(w.dtype), w)
     return out if out.dtype == torch.float32 else out.float()
 
 
@@ -311,8 +320,9 @@ def _rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
     return F.rms_norm(x, w.shape, w, eps)
 
 
-def _fuse(w: dict, layers: int, dtype: torch.dtype | None = None) -> dict:
-    """Fused projections (qkv, gate-up); weights kept as int4 blocks are packed for ``dtype`` rows."""
+def _fuse(w: dict, layers: int, dtype: torch.dtype | None = None, form: str = "int4") -> dict:
+    """Fused projections (qkv, gate-up); weights kept as int4 blocks are packed for ``dtype``
+    rows in the plan's ``form`` (``int4``: int4pack's; ``q4q8``: `hal.models.q4_rows` tiles)."""
     out = {"embed": w["embed"], "norm": w["norm"]}
     if "head" in w:
         out["head"] = w["head"]
@@ -320,7 +330,8 @@ def _fuse(w: dict, layers: int, dtype: torch.dtype | None = None) -> dict:
     def join(*names):
         parts = [w[n] for n in names]
         if isinstance(parts[0], int4.Int4Blocks):
-            return int4.cat(parts).pack(dtype)
+            blocks = int4.cat(parts)
+            return q4_rows.pack(blocks, dtype) if form == "q4q8" else blocks.pack(dtype)
         return torch.cat(parts).contiguous() if len(parts) > 1 else parts[0].contiguous()
 
     for i in range(layers):

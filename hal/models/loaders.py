@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 
 from hal.errors import HalError
-from hal.models import int4
+from hal.models import int4, q4_rows
 from hal.models.gguf_file import GGUFFile, open_gguf
-from hal.models.linear_layout import LinearPlan
+from hal.models.linear_layout import STORED, LinearPlan
 from hal.models.linear_plan import choose_plan, pin_head
 from hal.models.llama import LINEAR_KEYS, Llama, LlamaConfig, _fuse, linear_shapes
 
@@ -98,8 +98,9 @@ def load_gguf(path: str | Path, backend, dtype: str = "float32", plan_refresh: b
     ``dtype`` on this machine, `hal.models.linear_plan.choose_plan`, its lm_head's form as
     ``lm_head`` pins it, `hal.models.linear_plan.pin_head`) says how the linear
     layers run: weights stored as Q4_0/Q4_1 blocks stay int4 as stored when it runs them so
-    (no float copy is kept), and a Q8_0 lm_head is packed as two int4 halves when the plan's
-    ``head`` is ``q8_0`` (the float rows stay for the embedding lookup and the drafters);
+    (no float copy is kept; int4pack's form or q4q8 tiles), and a Q8_0 lm_head is packed as
+    stored (two int4 halves, or Q8 tiles) when the plan's ``head`` is ``q8_0`` (the float rows
+    stay for the embedding lookup and the drafters);
     every other weight is dequantized to fp32, then cast to the plan's dtype (`Llama`)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
@@ -123,7 +124,7 @@ def load_gguf(path: str | Path, backend, dtype: str = "float32", plan_refresh: b
     w = {}
     for t in r.tensors:
         shape, data = t.shape, r.data(t)
-        if plan.weights == "int4" and t.name in stored:
+        if plan.weights in STORED and t.name in stored:
             arr = int4.from_blocks(data, t.kind, tuple(shape))
         else:
             arr = torch.from_numpy(dequantize(data, GGMLQuantizationType[t.kind]).reshape(shape).copy()).float()
@@ -134,8 +135,10 @@ def load_gguf(path: str | Path, backend, dtype: str = "float32", plan_refresh: b
             w[{"token_embd": "embed", "output_norm": "norm", "output": "head"}[parts[0]]] = arr
     tok = from_gguf_fields({k: f(k) for k in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges",
                                               "tokenizer.ggml.token_type")})
-    fused = _fuse(w, cfg.layers, plan.dtype)
-    if plan.head == "q8_0":
+    fused = _fuse(w, cfg.layers, plan.dtype, plan.weights)
+    if plan.head == "q8_0" and plan.weights == "q4q8":
+        fused["head_q8"] = q4_rows.from_q8_0(r.data(head), tuple(head.shape), plan.dtype)
+    elif plan.head == "q8_0":
         fused["head_q8"] = int4.from_q8_0(r.data(head), tuple(head.shape)).pack(plan.dtype, repeat=2)
     model = Llama(cfg, fused, backend, plan=plan)
     model.plan_choice = choice

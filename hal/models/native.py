@@ -45,3 +45,16 @@ def compile_library(what: str, sources: list[Path], compiler: str | None, flags:
                            f"{(r.stderr or r.stdout).strip()[-400:]}")
         os.replace(out, path)   # atomic: a process beside this one loads a whole file or builds its own
     return path
+
+
+def torch_flags(base: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Compiler flags (``base`` first) and libraries for C++ built against the installed torch
+    with its OpenMP: ``-fopenmp`` links ``libgomp.so.1``, and the rpath finds the wheel's copy
+    first (the one torch loaded), so at::parallel_for runs on torch's own threads."""
+    import torch
+    from torch.utils import cpp_extension
+    lib = str(Path(torch.__file__).parent / "lib")
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}"
+    flags = (*base, "-std=gnu++17", abi, f"-DHAL_TORCH={torch.__version__}", "-w", "-fopenmp",
+             f"-I{Path(__file__).parent}", *(f"-I{p}" for p in cpp_extension.include_paths()))
+    return flags, (f"-L{lib}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{lib}")

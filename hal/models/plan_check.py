@@ -8,25 +8,46 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from hal.models import int4
+from hal.models import int4, q4_rows
 
 Layout = Callable[[Tensor, Tensor], Tensor]   # (x [M, K], w [N, K]) -> x @ w.T [M, N]
+Stored = Callable[[int, int, torch.Generator, torch.dtype], object]   # (N, K, gen, rows) -> a random stored weight
 PROBE_WIDTHS = (1, 2, 4, 8, 16)
 
 
-def int4_mm(x: Tensor, w: int4.Int4Weight) -> Tensor:
-    """``x @ W.T`` for weights run as stored (the int4pack kernel); the plan and its self-check
-    both call it here, so a planted kernel is seen by both."""
+def int4pack(N: int, K: int, g: torch.Generator, dtype: torch.dtype) -> int4.Int4Weight:
+    """A random int4 weight in int4pack's form (the default stored form the check runs)."""
+    return int4.random(N, K, g).pack(dtype)
+
+
+def q4q8(N: int, K: int, g: torch.Generator, dtype: torch.dtype) -> q4_rows.Q4Weight:
+    """A random int4 weight in the q4q8 kernel's tiles (`hal.models.q4_rows`)."""
+    return q4_rows.pack(q4_rows.random(N, K, g), dtype)
+
+
+def q8_tiles(N: int, K: int, g: torch.Generator, dtype: torch.dtype) -> q4_rows.Q4Weight:
+    """A random Q8_0 weight (an lm_head as stored) in the q4q8 kernel's Q8 tiles."""
+    return q4_rows.random_q8(N, K, g, dtype)
+
+
+STORED_FORMS: dict[str, Stored] = {"int4": int4pack, "q4q8": q4q8}   # a plan's weights form -> its check's weights
+
+
+def int4_mm(x: Tensor, w) -> Tensor:
+    """``x @ W.T`` for weights run as stored (int4pack's `hal.models.int4.Int4Weight` or a
+    `hal.models.q4_rows.Q4Weight`); the plan and its self-check both call it here, so a
+    planted kernel is seen by both."""
     return w.mm(x)
 
 
 def usable_groups(fn: Layout, dtype: torch.dtype, shapes: list[tuple[int, int]], widths=PROBE_WIDTHS,
                   seed: int = 0, device: torch.device | None = None, rows: int = 64,
-                  int4_shapes: frozenset = frozenset()) -> tuple[list[tuple[int, ...]], list[str]]:
+                  int4_shapes: frozenset = frozenset(), stored: Stored = int4pack
+                  ) -> tuple[list[tuple[int, ...]], list[str]]:
     """Width groups whose rows are independent of their batch-mates and position and agree
     bit for bit within the group, on every shape ``[N, K]`` (on ``device``); and why the
-    other widths fail. Shapes in ``int4_shapes`` are checked with random int4 weights
-    (`hal.models.int4`), multiplied by the int4pack kernel with ``dtype`` rows.
+    other widths fail. Shapes in ``int4_shapes`` are checked with random weights in the
+    ``stored`` form (default int4pack's, `hal.models.int4`), multiplied with ``dtype`` rows.
 
     ``rows`` random rows are computed in chunks of each width twice, in two random orders (so
     each row meets other mates at another position): a width whose rows change is dropped.
@@ -38,7 +59,7 @@ def usable_groups(fn: Layout, dtype: torch.dtype, shapes: list[tuple[int, int]],
     why = []
     for N, K in shapes:
         packed = (N, K) in int4_shapes
-        w = int4.random(N, K, g).pack(dtype) if packed else torch.randn(N, K, generator=g).to(dev, dtype)
+        w = stored(N, K, g, dtype) if packed else torch.randn(N, K, generator=g).to(dev, dtype)
         x = torch.randn(rows, K, generator=g).to(dev, dtype)
         mm = int4_mm if packed else fn
         orders = [torch.randperm(rows, generator=g) for _ in range(2)]

@@ -104,18 +104,31 @@ def test_bf16_greedy_speculative_equals_plain_bf16(model_bf16, kind):
 
 
 @pytest.fixture(scope="module")
-def model_int4():
+def model_stored():
     return load_real("stored")
+
+
+@pytest.fixture(scope="module", params=["chosen", "int4pack"])
+def model_int4(request, model_stored):
+    """The plan ``stored`` chose (q4q8 where its kernel builds), and the best int4pack plan of
+    the same measurement: both forms run the file's weights as stored."""
+    if request.param == "chosen":
+        return model_stored
+    from hal.models.fetch import fetch
+    from hal.models.linear_plan import best_of
+    from hal.models.loaders import load_gguf
+    return load_gguf(fetch("smollm2-135m"), hal.get_backend("cpu"), plan=best_of(model_stored[0].plan_choice, "int4"))
 
 
 @pytest.mark.parametrize("kind", ["draft-model", "ngram+eagle-tree"])
 def test_int4_as_stored_greedy_speculative_equals_plain(model_int4, kind):
-    """The file's Q4_1 weights run as stored (int4pack, no float copy): speculative greedy
-    equals plain greedy under that plan too, by the plan's invariance."""
-    from hal.models import int4
+    """The file's Q4_1 weights run as stored (int4pack or q4q8, no float copy): speculative
+    greedy equals plain greedy under that plan too, by the plan's invariance."""
+    from hal.models.llama import STORED_TYPES, _form
     target, tok = model_int4
-    assert target.plan.weights == "int4", target.plan
-    assert all(isinstance(target.w[f"{i}.{n}"], int4.Int4Weight) for i in range(target.cfg.layers)
+    assert target.plan.weights in ("int4", "q4q8"), target.plan
+    assert all(isinstance(target.w[f"{i}.{n}"], STORED_TYPES) and _form(target.w[f"{i}.{n}"]) == target.plan.weights
+               for i in range(target.cfg.layers)
                for n in ("wqkv", "wo", "wgu", "wdown")), "a weight that runs as stored kept a float copy"
     plain = run(target, None, PROMPTS, tok, k=0)[0]
     assert "the cat sat on the mat" in tok.decode(plain[0]).lower()
@@ -137,12 +150,13 @@ def model_int4_q8_head(model_int4):
 
 
 def test_a_q8_0_head_as_stored_keeps_greedy_speculative_equal_to_plain(model_int4_q8_head):
-    """The head's Q8_0 codes as two int4 halves: no float head copy, logits within bfloat16
-    rounding of the float head's (2e-2 of the largest logit), and speculative greedy equals
-    plain greedy under that plan."""
-    from hal.models import int4
+    """The head's Q8_0 codes as stored (int4pack: two int4 halves; q4q8: Q8 tiles): no float
+    head copy, logits within 2e-2 of the largest of the float head's (bfloat16 rounding; row
+    quantization), and speculative greedy equals plain greedy under that plan."""
+    from hal.models import int4, q4_rows
     target, tok = model_int4_q8_head
-    assert isinstance(target.head_lin, int4.Int4Weight) and target.head_lin.repeat == 2
+    assert isinstance(target.head_lin, int4.Int4Weight) and target.head_lin.repeat == 2 or \
+        isinstance(target.head_lin, q4_rows.Q4Weight) and target.head_lin.q8
     x = torch.randn(3, target.cfg.hidden, generator=torch.Generator().manual_seed(0))
     ref = x @ target.head.T                                 # the float32 rows of the same Q8_0 codes
     got = target.plan.linear(x, target.head_lin)

@@ -1,6 +1,7 @@
 """int4 weights as stored (`hal.models.int4`): GGUF's Q4_0/Q4_1 blocks read exactly as the
 gguf package dequantizes them, multiplied by the int4pack kernel, and chosen by the linear
-plan only where the kernel is batch-invariant.
+plan only where the kernel is batch-invariant. The plan's q4q8 form (`hal.models.q4_rows`,
+its own tests) is made unavailable here, so every plan measured is of int4pack's family.
 
 Tolerances: float32 rows against float32 ``x @ W.T`` of the dequantized weights, 1e-5
 relative to the largest output (accumulation order only); bfloat16 rows, 2e-2 (bfloat16
@@ -15,7 +16,7 @@ import torch
 from gguf import quants
 
 from hal.errors import HalError
-from hal.models import int4
+from hal.models import int4, q4_rows
 from hal.models import linear_plan as lp
 from hal.models import plan_check
 from hal.models.linear_layout import LAYOUTS, LinearPlan
@@ -23,6 +24,11 @@ from hal.models.linear_plan import choose_plan
 from hal.models.llama import Llama, random_llama
 
 KINDS = {"Q4_0": gguf.GGMLQuantizationType.Q4_0, "Q4_1": gguf.GGMLQuantizationType.Q4_1}
+
+
+@pytest.fixture(autouse=True)
+def int4pack_only(monkeypatch):
+    monkeypatch.setattr(q4_rows, "available", lambda: False)
 
 
 def stored(kind: str, N: int, K: int, seed: int = 0):

@@ -1,8 +1,8 @@
 """The native layer loop (`hal.models.layer_loop`): a model whose layers run int4 as stored
 computes, with the loop, the same bits as without it (the Python loop over the same row
 kernels) for decodes, verifies, batches, trees and EAGLE feature taps, and writes the same
-KV cache; it refuses bad arguments; a C++ compiler that fails leaves the Python loop, with a
-warning. Shapes are SmolLM2-135M's (9 query / 3 KV heads of 64, hidden 576, ffn 1536), 3
+KV cache (int4pack's form with bfloat16 and float32 rows, and the q4q8 kernel's); it refuses
+bad arguments; a C++ compiler that fails leaves the Python loop, with a warning. Shapes are SmolLM2-135M's (9 query / 3 KV heads of 64, hidden 576, ffn 1536), 3
 layers, random int4 weights, a small vocabulary."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from hal.engine import trees
 from hal.engine.forward import forward, forward_tokens
 from hal.errors import HalError
 from hal.kv import KVPool
-from hal.models import int4, layer_loop
+from hal.models import int4, layer_loop, q4_rows
 from hal.models.invariant import KeyLists
 from hal.models.linear_layout import LinearPlan
 from hal.models.llama import Llama, LlamaConfig
@@ -28,7 +28,7 @@ from tests.models.compilers import plant_failing_compiler
 LAYERS, V = 3, 512
 
 
-def _weights(dtype: torch.dtype, seed: int = 0) -> tuple[LlamaConfig, dict]:
+def _weights(dtype: torch.dtype, seed: int = 0, form: str = "int4") -> tuple[LlamaConfig, dict]:
     g = torch.Generator().manual_seed(seed)
     cfg = LlamaConfig(hidden=576, layers=LAYERS, heads=9, kv_heads=3, head_dim=64, ffn=1536, vocab=V,
                       rope_base=10000.0, eps=1e-5, rope_interleaved=True)
@@ -37,15 +37,18 @@ def _weights(dtype: torch.dtype, seed: int = 0) -> tuple[LlamaConfig, dict]:
         w[f"{i}.attn_norm"] = 1 + 0.1 * torch.randn(576, generator=g)
         w[f"{i}.ffn_norm"] = 1 + 0.1 * torch.randn(576, generator=g)
         for name, (n, k) in {"wqkv": (960, 576), "wo": (576, 576), "wgu": (3072, 576), "wdown": (576, 1536)}.items():
-            w[f"{i}.{name}"] = int4.random(n, k, g).pack(dtype)
+            w[f"{i}.{name}"] = q4_rows.pack(q4_rows.random(n, k, g), dtype) if form == "q4q8" else \
+                int4.random(n, k, g).pack(dtype)
     return cfg, w
 
 
-@pytest.fixture(scope="module", params=[torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
+@pytest.fixture(scope="module", params=[(torch.bfloat16, "int4"), (torch.float32, "int4"), (torch.bfloat16, "q4q8")],
+                ids=["bfloat16", "float32", "q4q8"])
 def twins(request):
     """The same weights with the native loop and without it (widths 1/2/4/8: verifies pad)."""
-    cfg, w = _weights(request.param)
-    plan = LinearPlan("mm", request.param, (1, 2, 4, 8), weights="int4")
+    dtype, form = request.param
+    cfg, w = _weights(dtype, form=form)
+    plan = LinearPlan("mm", dtype, (1, 2, 4, 8), weights=form)
     be = hal.get_backend("cpu")
     if not (os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")):
         pytest.skip("no C++ compiler on this machine: the Python loop runs (the warning is tested below)")
@@ -142,16 +145,20 @@ def test_no_cxx_compiler_leaves_the_python_loop(monkeypatch, tmp_path):
 
 
 def test_only_weights_packed_as_the_config_says_are_read_natively(twins):
-    """The loop reads raw memory in the config's shapes: a weight of another shape or dtype
-    keeps the model on the Python loop (`layer_loop.applies`)."""
+    """The loop reads raw memory in the config's shapes: a weight of another shape, dtype or
+    form keeps the model on the Python loop (`layer_loop.applies`)."""
     native, _ = twins
-    w = native.w["0.wo"]
+    form, w = native.plan.weights, native.w["0.wo"]
+    packed_as = layer_loop._tiled_as if form == "q4q8" else layer_loop._packed_as
     other = torch.float32 if native.dtype == torch.bfloat16 else torch.bfloat16
-    assert layer_loop._packed_as(w, 576, 576, native.dtype)
-    assert not layer_loop._packed_as(w, 592, 576, native.dtype) and not layer_loop._packed_as(w, 576, 576, other)
-    cfg, weights = _weights(native.dtype, seed=2)
-    weights["1.wdown"] = int4.random(576, 1504, torch.Generator().manual_seed(3)).pack(native.dtype)   # K != ffn
-    plan = LinearPlan("mm", native.dtype, (1, 2, 4, 8), weights="int4")
+    assert packed_as(w, 576, 576, native.dtype)
+    assert not packed_as(w, 592, 576, native.dtype) and not packed_as(w, 576, 576, other)
+    assert not (layer_loop._packed_as if form == "q4q8" else layer_loop._tiled_as)(w, 576, 576, native.dtype)
+    cfg, weights = _weights(native.dtype, seed=2, form=form)
+    g = torch.Generator().manual_seed(3)
+    weights["1.wdown"] = q4_rows.pack(q4_rows.random(576, 1504, g), native.dtype) if form == "q4q8" else \
+        int4.random(576, 1504, g).pack(native.dtype)   # K != ffn
+    plan = LinearPlan("mm", native.dtype, (1, 2, 4, 8), weights=form)
     assert not layer_loop.applies(Llama(cfg, weights, native.be, plan=plan, native_loop=False))
 
 

@@ -1,0 +1,48 @@
+// Rows times weights as stored on torch's intra-op threads (`hal.models.q4_rows`): the rows are
+// quantized once (q4_rows.c), then the weight's output tiles are split across the threads
+// (at::parallel_for, torch's own OpenMP runtime: this library links the wheel's libgomp). A
+// tile's bits do not depend on the split, so neither thread count nor batch changes a row.
+// Also compiled into the native layer loop (layer_loop.cpp includes this file).
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+#include <exception>
+#include <vector>
+
+extern "C" {
+#include "q4_rows.c"
+}
+
+namespace q4 {
+
+// y [T, N] float32 (row stride N) = x [T, K] (float32 or bfloat16, row stride x_row) @ W.T for
+// a packed weight w of N outputs (q8: Q8 tiles, else Q4 tiles)
+inline void linear(const uint8_t *w, int q8, int64_t N, int64_t K, const void *x, int is_bf16, int64_t T,
+                   int64_t x_row, float *y) {
+    int64_t G = K / 32;
+    std::vector<int8_t> xq(T * K);
+    std::vector<float> sx(T * G), xs(T * G);
+    std::vector<int32_t> qsum(T * G);
+    q4_quantize_rows(x, is_bf16, T, K, x_row, xq.data(), sx.data(), xs.data(), qsum.data());
+    at::parallel_for(0, N / 16, 1, [&](int64_t begin, int64_t end) {
+        q4_mm_tiles(w, q8, K, xq.data(), sx.data(), xs.data(), qsum.data(), T, y, N, begin, end);
+    });
+}
+
+}  // namespace q4
+
+extern "C" {
+
+// The Python entry (`hal.models.q4_rows.Q4Weight.mm`); every argument is checked there.
+// Returns 0, or 1 when the call failed (nothing of y is then to be trusted).
+int64_t q4_mm(const uint8_t *w, int64_t q8, int64_t N, int64_t K, const void *x, int64_t is_bf16, int64_t T,
+              int64_t x_row, float *y) {
+    try {
+        q4::linear(w, (int)q8, N, K, x, (int)is_bf16, T, x_row, y);
+        return 0;
+    } catch (const std::exception &) {
+        return 1;
+    }
+}
+
+}  // extern "C"

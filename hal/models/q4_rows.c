@@ -1,0 +1,312 @@
+/* Weights as stored (int4 Q4_0/Q4_1 blocks, int8 Q8_0 blocks) times rows quantized to int8 per
+ * 32 (`hal.models.q4_rows`): the arithmetic of llama.cpp's Q4_1 x Q8_1 and Q8_0 x Q8_0 dot
+ * products, as integer dot products (AVX-512 VNNI, else AVX2, else plain C), so 8 rows cost
+ * about three times one row instead of eight.
+ *
+ * Glossary (shapes: a weight [N, K], N a multiple of 16, K of 32; G = K / 32 groups):
+ * - **codes** q in 0..15 and fp16 ``d``, ``m`` per 32 weights of an output row: w = d*q + m
+ *   (a GGUF Q4_1 block as stored; Q4_0 is m = -8d).
+ * - **tile**: 16 outputs. Per (tile, group), 256 bytes of codes in 4 steps of 64: byte
+ *   4*lane + j of step s holds, low nibble, the code of k = 32g + 8s + j and, high nibble,
+ *   of k = 32g + 8s + 4 + j (j = 0..3), for output 16*tile + lane; then ``d`` and ``m`` as
+ *   16 fp16 each. So one 64-byte load feeds 16 lanes of 4-byte integer dot products.
+ * - **Q8 tile** (Q8_0: w = d*q, q in -128..127): per (tile, group), 512 bytes of codes in 8
+ *   steps of 64: byte 4*lane + j of step s holds q + 128 for k = 32g + 4s + j; then 16 fp16 d.
+ * - **quantized row**: per 32 inputs, amax = max |x|, sx = amax / 127, xq = round(x * (127 /
+ *   amax)) in -127..127 (half to even; 0 where amax is 0), qsum = sum(xq), xs = sx * qsum.
+ *   A group with an inf or NaN gets sx = NaN, so its products are NaN, as a float product's.
+ *
+ * Q4: y[n] = sum over g, in order, of: y = y + d*(sx*isum); y = y + m*xs. Q8: y = y +
+ * d*(sx*isum). isum = sum of q*xq over the group, an exact integer on every path. Every step is one float32 rounding (no contraction:
+ * -ffp-contract=off), the same on every code path, for every row count: a row's bits never
+ * depend on its batch-mates or on the CPU's vector width. Single-threaded over a range of
+ * tiles; the caller splits tiles across threads (a tile's bits do not depend on the split). */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define Q4_AVX512 1
+#elif defined(__AVX2__) && defined(__F16C__)
+#include <immintrin.h>
+#define Q4_AVX2 1
+#endif
+
+#define Q4_TILE_BYTES 320   /* per (tile, group): 256 bytes of codes, 16 fp16 d, 16 fp16 m */
+#define Q8_TILE_BYTES 544   /* per (tile, group): 512 bytes of codes + 128, 16 fp16 d */
+#define Q4_ROWS 8           /* rows multiplied together per pass over a tile's weights */
+
+static inline float q4_half(uint16_t h) {
+    uint32_t s = (uint32_t)(h >> 15) << 31, e = (h >> 10) & 31, f = h & 1023, u;
+    if (e == 0) {
+        float v = ldexpf((float)f, -24);
+        return s ? -v : v;
+    }
+    u = e == 31 ? s | 0x7f800000u | (f << 13) : s | ((e + 112) << 23) | (f << 13);
+    float v;
+    memcpy(&v, &u, 4);
+    return v;
+}
+
+/* Quantize T rows x [T, K] (float32, or bfloat16 where is_bf16; row stride x_row elements)
+ * per 32: xq [T, K] int8; sx, xs [T, G] float32; qsum [T, G] int32. */
+void q4_quantize_rows(const void *x, int is_bf16, int64_t T, int64_t K, int64_t x_row, int8_t *xq, float *sx,
+                      float *xs, int32_t *qsum) {
+    int64_t G = K / 32;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t g = 0; g < G; g++) {
+            float v[32], amax = 0.f;
+            int bad = 0;
+            for (int j = 0; j < 32; j++) {
+                int64_t i = t * x_row + g * 32 + j;
+                if (is_bf16) {
+                    uint32_t u = (uint32_t)((const uint16_t *)x)[i] << 16;
+                    memcpy(&v[j], &u, 4);
+                } else {
+                    v[j] = ((const float *)x)[i];
+                }
+                float a = fabsf(v[j]);
+                amax = a > amax ? a : amax;
+                bad |= !isfinite(v[j]);
+            }
+            float inv = amax > 0.f && !bad ? 127.f / amax : 0.f;
+            int8_t *q = xq + t * K + g * 32;
+            int32_t sum = 0;
+            for (int j = 0; j < 32; j++) {
+                float r = bad ? 0.f : nearbyintf(v[j] * inv);   /* the default rounding: half to even */
+                r = r > 127.f ? 127.f : (r < -127.f ? -127.f : r);
+                q[j] = (int8_t)r;
+                sum += q[j];
+            }
+            float scale = bad ? NAN : amax / 127.f;
+            sx[t * G + g] = scale;
+            xs[t * G + g] = scale * (float)sum;
+            qsum[t * G + g] = sum;
+        }
+}
+
+/* One tile's 16 outputs for R rows (R a constant in each expansion, so the accumulators stay
+ * in registers): y[r][lane] over every group g in order (see the header for the steps). */
+#if defined(Q4_AVX512)
+#define Q4_TILE(R)                                                                                     \
+    static void q4_tile_##R(const uint8_t *wt, int64_t G, const int8_t *xq, int64_t K, const float *sx, \
+                            const float *xs, float *y, int64_t y_row) {                                \
+        const __m512i mask = _mm512_set1_epi8(0x0f);                                                   \
+        __m512 out[R];                                                                                 \
+        for (int r = 0; r < R; r++) out[r] = _mm512_setzero_ps();                                      \
+        for (int64_t g = 0; g < G; g++) {                                                              \
+            const uint8_t *blk = wt + g * Q4_TILE_BYTES;                                               \
+            __m512i acc[R];                                                                            \
+            for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_si512();                               \
+            for (int s = 0; s < 4; s++) {                                                              \
+                __m512i v = _mm512_loadu_si512((const void *)(blk + 64 * s));                          \
+                __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask); \
+                for (int r = 0; r < R; r++) {                                                          \
+                    int32_t a, b;                                                                      \
+                    memcpy(&a, xq + r * K + 32 * g + 8 * s, 4);                                        \
+                    memcpy(&b, xq + r * K + 32 * g + 8 * s + 4, 4);                                    \
+                    acc[r] = _mm512_dpbusd_epi32(acc[r], lo, _mm512_set1_epi32(a));                    \
+                    acc[r] = _mm512_dpbusd_epi32(acc[r], hi, _mm512_set1_epi32(b));                    \
+                }                                                                                      \
+            }                                                                                          \
+            __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 256)));              \
+            __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 288)));              \
+            for (int r = 0; r < R; r++) {                                                              \
+                __m512 t = _mm512_mul_ps(_mm512_set1_ps(sx[r * G + g]), _mm512_cvtepi32_ps(acc[r]));   \
+                __m512 u = _mm512_mul_ps(d, t), w = _mm512_mul_ps(m, _mm512_set1_ps(xs[r * G + g]));   \
+                out[r] = _mm512_add_ps(_mm512_add_ps(out[r], u), w);                                  \
+            }                                                                                          \
+        }                                                                                              \
+        for (int r = 0; r < R; r++) _mm512_storeu_ps(y + r * y_row, out[r]);                          \
+    }
+#elif defined(Q4_AVX2)
+#define Q4_TILE(R)                                                                                     \
+    static void q4_tile_##R(const uint8_t *wt, int64_t G, const int8_t *xq, int64_t K, const float *sx, \
+                            const float *xs, float *y, int64_t y_row) {                                \
+        const __m256i mask = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);                      \
+        for (int half = 0; half < 2; half++) {                                                         \
+            __m256 out[R];                                                                             \
+            for (int r = 0; r < R; r++) out[r] = _mm256_setzero_ps();                                  \
+            for (int64_t g = 0; g < G; g++) {                                                          \
+                const uint8_t *blk = wt + g * Q4_TILE_BYTES;                                           \
+                __m256i acc[R];                                                                        \
+                for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_si256();                           \
+                for (int s = 0; s < 4; s++) {                                                          \
+                    __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 64 * s + 32 * half));       \
+                    __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask); \
+                    for (int r = 0; r < R; r++) {                                                      \
+                        int32_t a, b;                                                                  \
+                        memcpy(&a, xq + r * K + 32 * g + 8 * s, 4);                                    \
+                        memcpy(&b, xq + r * K + 32 * g + 8 * s + 4, 4);                                \
+                        /* |each 16-bit pair sum| <= 2 * 15 * 127, their sum <= 4 * 15 * 127: exact */ \
+                        __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(a)),   \
+                                                     _mm256_maddubs_epi16(hi, _mm256_set1_epi32(b)));  \
+                        acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(p, ones));                 \
+                    }                                                                                  \
+                }                                                                                      \
+                __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 256 + 16 * half))); \
+                __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 288 + 16 * half))); \
+                for (int r = 0; r < R; r++) {                                                          \
+                    __m256 t = _mm256_mul_ps(_mm256_set1_ps(sx[r * G + g]), _mm256_cvtepi32_ps(acc[r])); \
+                    __m256 u = _mm256_mul_ps(d, t), w = _mm256_mul_ps(m, _mm256_set1_ps(xs[r * G + g])); \
+                    out[r] = _mm256_add_ps(_mm256_add_ps(out[r], u), w);                               \
+                }                                                                                      \
+            }                                                                                          \
+            for (int r = 0; r < R; r++) _mm256_storeu_ps(y + r * y_row + 8 * half, out[r]);            \
+        }                                                                                              \
+    }
+#else
+#define Q4_TILE(R)                                                                                     \
+    static void q4_tile_##R(const uint8_t *wt, int64_t G, const int8_t *xq, int64_t K, const float *sx, \
+                            const float *xs, float *y, int64_t y_row) {                                \
+        for (int r = 0; r < R; r++)                                                                    \
+            for (int lane = 0; lane < 16; lane++) {                                                    \
+                float out = 0.f;                                                                       \
+                for (int64_t g = 0; g < G; g++) {                                                      \
+                    const uint8_t *blk = wt + g * Q4_TILE_BYTES;                                       \
+                    const int8_t *x = xq + r * K + 32 * g;                                             \
+                    int32_t acc = 0;                                                                   \
+                    for (int s = 0; s < 4; s++)                                                        \
+                        for (int j = 0; j < 4; j++) {                                                  \
+                            uint8_t c = blk[64 * s + 4 * lane + j];                                    \
+                            acc += (c & 15) * x[8 * s + j] + (c >> 4) * x[8 * s + 4 + j];              \
+                        }                                                                              \
+                    uint16_t dh, mh;                                                                   \
+                    memcpy(&dh, blk + 256 + 2 * lane, 2);                                              \
+                    memcpy(&mh, blk + 288 + 2 * lane, 2);                                              \
+                    float t = sx[r * G + g] * (float)acc;                                              \
+                    float u = q4_half(dh) * t, w = q4_half(mh) * xs[r * G + g];                        \
+                    out = (out + u) + w;                                                               \
+                }                                                                                      \
+                y[r * y_row + lane] = out;                                                             \
+            }                                                                                          \
+    }
+#endif
+/* One tile's 16 outputs of a Q8 weight for R rows: y[r][lane] over every group in order. */
+#if defined(Q4_AVX512)
+#define Q8_TILE(R)                                                                                     \
+    static void q8_tile_##R(const uint8_t *wt, int64_t G, const int8_t *xq, int64_t K, const float *sx, \
+                            const int32_t *qsum, float *y, int64_t y_row) {                            \
+        __m512 out[R];                                                                                 \
+        for (int r = 0; r < R; r++) out[r] = _mm512_setzero_ps();                                      \
+        for (int64_t g = 0; g < G; g++) {                                                              \
+            const uint8_t *blk = wt + g * Q8_TILE_BYTES;                                               \
+            __m512i acc[R];                                                                            \
+            for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_si512();                               \
+            for (int s = 0; s < 8; s++) {                                                              \
+                __m512i v = _mm512_loadu_si512((const void *)(blk + 64 * s));   /* q + 128 */          \
+                for (int r = 0; r < R; r++) {                                                          \
+                    int32_t a;                                                                         \
+                    memcpy(&a, xq + r * K + 32 * g + 4 * s, 4);                                        \
+                    acc[r] = _mm512_dpbusd_epi32(acc[r], v, _mm512_set1_epi32(a));                     \
+                }                                                                                      \
+            }                                                                                          \
+            __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 512)));              \
+            for (int r = 0; r < R; r++) {                                                              \
+                __m512i isum = _mm512_sub_epi32(acc[r], _mm512_set1_epi32(128 * qsum[r * G + g]));     \
+                __m512 t = _mm512_mul_ps(_mm512_set1_ps(sx[r * G + g]), _mm512_cvtepi32_ps(isum));     \
+                out[r] = _mm512_add_ps(out[r], _mm512_mul_ps(d, t));                                   \
+            }                                                                                          \
+        }                                                                                              \
+        for (int r = 0; r < R; r++) _mm512_storeu_ps(y + r * y_row, out[r]);                          \
+    }
+#elif defined(Q4_AVX2)
+#define Q8_TILE(R)                                                                                     \
+    static void q8_tile_##R(const uint8_t *wt, int64_t G, const int8_t *xq, int64_t K, const float *sx, \
+                            const int32_t *qsum, float *y, int64_t y_row) {                            \
+        const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);                \
+        (void)qsum;                                                                                    \
+        for (int half = 0; half < 2; half++) {                                                         \
+            __m256 out[R];                                                                             \
+            for (int r = 0; r < R; r++) out[r] = _mm256_setzero_ps();                                  \
+            for (int64_t g = 0; g < G; g++) {                                                          \
+                const uint8_t *blk = wt + g * Q8_TILE_BYTES;                                           \
+                __m256i acc[R];                                                                        \
+                for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_si256();                           \
+                for (int s = 0; s < 8; s++) {                                                          \
+                    __m256i w = _mm256_xor_si256(                                                      \
+                        _mm256_loadu_si256((const __m256i *)(blk + 64 * s + 32 * half)), flip);  /* q */ \
+                    __m256i aw = _mm256_sign_epi8(w, w);                                               \
+                    for (int r = 0; r < R; r++) {                                                      \
+                        int32_t a;                                                                     \
+                        memcpy(&a, xq + r * K + 32 * g + 4 * s, 4);                                    \
+                        /* |q| * sign(q) x: each 16-bit pair sum <= 2 * 128 * 127, no saturation */   \
+                        __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(_mm256_set1_epi32(a), w)); \
+                        acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(p, ones));                 \
+                    }                                                                                  \
+                }                                                                                      \
+                __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 512 + 16 * half))); \
+                for (int r = 0; r < R; r++) {                                                          \
+                    __m256 t = _mm256_mul_ps(_mm256_set1_ps(sx[r * G + g]), _mm256_cvtepi32_ps(acc[r])); \
+                    out[r] = _mm256_add_ps(out[r], _mm256_mul_ps(d, t));                               \
+                }                                                                                      \
+            }                                                                                          \
+            for (int r = 0; r < R; r++) _mm256_storeu_ps(y + r * y_row + 8 * half, out[r]);            \
+        }                                                                                              \
+    }
+#else
+#define Q8_TILE(R)                                                                                     \
+    static void q8_tile_##R(const uint8_t *wt, int64_t G, const int8_t *xq, int64_t K, const float *sx, \
+                            const int32_t *qsum, float *y, int64_t y_row) {                            \
+        (void)qsum;                                                                                    \
+        for (int r = 0; r < R; r++)                                                                    \
+            for (int lane = 0; lane < 16; lane++) {                                                    \
+                float out = 0.f;                                                                       \
+                for (int64_t g = 0; g < G; g++) {                                                      \
+                    const uint8_t *blk = wt + g * Q8_TILE_BYTES;                                       \
+                    const int8_t *x = xq + r * K + 32 * g;                                             \
+                    int32_t acc = 0;                                                                   \
+                    for (int s = 0; s < 8; s++)                                                        \
+                        for (int j = 0; j < 4; j++) acc += ((int)blk[64 * s + 4 * lane + j] - 128) * x[4 * s + j]; \
+                    uint16_t dh;                                                                       \
+                    memcpy(&dh, blk + 512 + 2 * lane, 2);                                              \
+                    float t = sx[r * G + g] * (float)acc;                                              \
+                    out = out + q4_half(dh) * t;                                                       \
+                }                                                                                      \
+                y[r * y_row + lane] = out;                                                             \
+            }                                                                                          \
+    }
+#endif
+Q4_TILE(1)
+Q4_TILE(2)
+Q4_TILE(3)
+Q4_TILE(4)
+Q4_TILE(5)
+Q4_TILE(6)
+Q4_TILE(7)
+Q4_TILE(8)
+Q8_TILE(1)
+Q8_TILE(2)
+Q8_TILE(3)
+Q8_TILE(4)
+Q8_TILE(5)
+Q8_TILE(6)
+Q8_TILE(7)
+Q8_TILE(8)
+
+typedef void (*q4_tile_fn)(const uint8_t *, int64_t, const int8_t *, int64_t, const float *, const float *, float *,
+                           int64_t);
+typedef void (*q8_tile_fn)(const uint8_t *, int64_t, const int8_t *, int64_t, const float *, const int32_t *,
+                           float *, int64_t);
+static const q4_tile_fn q4_tiles[Q4_ROWS + 1] = {0, q4_tile_1, q4_tile_2, q4_tile_3, q4_tile_4,
+                                                 q4_tile_5, q4_tile_6, q4_tile_7, q4_tile_8};
+static const q8_tile_fn q8_tiles[Q4_ROWS + 1] = {0, q8_tile_1, q8_tile_2, q8_tile_3, q8_tile_4,
+                                                 q8_tile_5, q8_tile_6, q8_tile_7, q8_tile_8};
+
+/* Output tiles [tile0, tile1) of y [T, N] (float32, row stride y_row) for the quantized rows
+ * (xq [T, K]; sx, xs, qsum [T, G]) and the packed weight w (tiles x groups x the kind's tile
+ * bytes; q8: Q8 tiles, else Q4 tiles). */
+void q4_mm_tiles(const uint8_t *w, int q8, int64_t K, const int8_t *xq, const float *sx, const float *xs,
+                 const int32_t *qsum, int64_t T, float *y, int64_t y_row, int64_t tile0, int64_t tile1) {
+    int64_t G = K / 32, bytes = q8 ? Q8_TILE_BYTES : Q4_TILE_BYTES;
+    for (int64_t tile = tile0; tile < tile1; tile++)
+        for (int64_t t0 = 0; t0 < T; t0 += Q4_ROWS) {
+            int R = T - t0 < Q4_ROWS ? (int)(T - t0) : Q4_ROWS;
+            const uint8_t *wt = w + tile * G * bytes;
+            float *yt = y + t0 * y_row + 16 * tile;
+            if (q8)
+                q8_tiles[R](wt, G, xq + t0 * K, K, sx + t0 * G, qsum + t0 * G, yt, y_row);
+            else
+                q4_tiles[R](wt, G, xq + t0 * K, K, sx + t0 * G, xs + t0 * G, yt, y_row);
+        }
+}

@@ -1,0 +1,210 @@
+"""Weights as stored times rows quantized to int8: llama.cpp's arithmetic for Q4_1 x Q8_1 and
+Q8_0 x Q8_0, as integer dot products (`q4_rows.c`: AVX-512 VNNI, else AVX2, else plain C;
+`q4_mm.cpp`: torch's intra-op threads split the output tiles). A linear plan runs it as
+``weights="q4q8"`` (`hal.models.linear_layout`).
+
+Why: PyTorch's int4pack kernel costs about 2.5x at 8 rows what it costs at one, so a verify
+of k drafts costs several decodes and speculation cannot pay on a CPU. Integer dot products
+put the cost in the weight reads, which every row shares.
+
+What changes in the numbers: each row is quantized to int8 per 32 inputs (a scale per 32, as
+llama.cpp does before every quantized matmul), so a product is off by about half a step of
+that scale per input (relative error ~5e-3 against the float product here, against ~3.5e-3
+for int4pack's bfloat16 rows). The integer sums are exact, and the float steps (one scale
+product and two adds per group, in group order, no contraction) are the same on every code
+path and for every row count: a row's bits never depend on its batch-mates, the thread count
+or the CPU's vector width (`tests/models/test_q4_rows.py` compares all three, and the bits
+against `reference_mm`, this module's torch statement of the arithmetic).
+
+Glossary: see `q4_rows.c` (tile, Q8 tile, quantized row) and `hal.models.int4` (blocks)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import threading
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from hal.errors import HalError
+from hal.models import int4, native
+
+SOURCE = Path(__file__).with_name("q4_mm.cpp")
+KERNEL = Path(__file__).with_name("q4_rows.c")
+TILE = 16                    # outputs per tile
+Q4_BYTES, Q8_BYTES = 320, 544   # per (tile, group of 32 inputs)
+ROWS = (torch.float32, torch.bfloat16)
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+@dataclass(eq=False)
+class Q4Weight:
+    """A linear weight ``[N, K]`` in tiles (`q4_rows.c`): Q4 (codes, fp16 d and m) or Q8
+    (codes + 128, fp16 d). ``dtype``: the plan's row dtype, rows are cast to it before they
+    are quantized (so a row is quantized from the values the int4pack form would multiply)."""
+
+    packed: Tensor            # uint8 [N/16, K/32, Q4_BYTES or Q8_BYTES]
+    shape: tuple[int, int]    # the logical [N, K]
+    q8: bool
+    dtype: torch.dtype
+
+    def __post_init__(self):
+        N, K = self.shape
+        want = (N // TILE, K // int4.GROUP, Q8_BYTES if self.q8 else Q4_BYTES)
+        if not int4.fits(N, K) or self.packed.dtype != torch.uint8 or tuple(self.packed.shape) != want \
+                or not self.packed.is_contiguous() or self.dtype not in ROWS:
+            raise HalError(f"weight: expected contiguous uint8 tiles {list(want)} for [{N}, {K}] (N a multiple of "
+                           f"16, K of 32) and rows in {ROWS}, got {self.packed.dtype} {list(self.packed.shape)}, "
+                           f"rows {self.dtype}", arg="weight")
+
+    @property
+    def device(self) -> torch.device:
+        return self.packed.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes
+
+    def mm(self, x: Tensor) -> Tensor:
+        """``x @ W.T`` for ``x`` [T, K] (any float dtype: cast to `dtype` first); [T, N] float32."""
+        N, K = self.shape
+        if x.dim() != 2 or x.shape[1] != K or not x.is_floating_point() or x.device.type != "cpu":
+            raise HalError(f"x: expected float rows [T, {K}] on the CPU, got {x.dtype} {list(x.shape)} on "
+                           f"{x.device}", arg="x")
+        x = x.to(self.dtype)
+        if x.stride(1) != 1 or x.stride(0) < K:
+            x = x.contiguous()
+        T = x.shape[0]
+        y = torch.empty(T, N)
+        if T and library().q4_mm(self.packed.data_ptr(), int(self.q8), N, K, x.data_ptr(),
+                                 int(self.dtype == torch.bfloat16), T, x.stride(0), y.data_ptr()):
+            raise HalError(f"x: expected rows the q4q8 kernel can multiply, got a failed call for {list(x.shape)}",
+                           arg="x")
+        return y
+
+    def to(self, device) -> "Q4Weight":
+        if torch.device(device).type != "cpu":
+            raise HalError(f"device: expected cpu for a q4q8 weight (the kernel is the CPU's), got {device}",
+                           arg="device")
+        return self
+
+
+def pack(blocks: int4.Int4Blocks, dtype: torch.dtype) -> Q4Weight:
+    """Q4 tiles of int4 blocks (``w = (q - 8)·scale + zero``: d = scale, m = zero - 8·scale),
+    whose d and m are fp16 values, as a GGUF file stores them. `HalError` naming ``weight``
+    otherwise: nothing is rounded here."""
+    N, K = blocks.codes.shape
+    d, m = blocks.scales, blocks.zeros - 8 * blocks.scales
+    d16, m16 = d.half(), m.half()
+    if not (torch.equal(d16.float(), d) and torch.equal(m16.float(), m)):
+        raise HalError("weight: expected int4 blocks whose scales and mins are fp16 values (as stored in a GGUF "
+                       "file), got values fp16 would round", arg="weight")
+    NT, G = N // TILE, K // int4.GROUP
+    c = blocks.codes.to(torch.uint8).view(NT, TILE, G, 4, 2, 4)   # k = 32g + 8s + 4·nibble + j
+    codes = (c[..., 0, :] | (c[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(NT, G, 256)
+    dm = torch.stack([d16.view(NT, TILE, G), m16.view(NT, TILE, G)], 2)   # [NT, 16, 2, G]
+    dm = dm.permute(0, 3, 2, 1).contiguous().view(torch.uint8).reshape(NT, G, 64)
+    return Q4Weight(torch.cat([codes, dm], -1).contiguous(), (N, K), False, dtype)
+
+
+def pack_q8(q: Tensor, d: Tensor, dtype: torch.dtype) -> Q4Weight:
+    """Q8 tiles of int8 codes ``q`` [N, K] with fp16-valued scales ``d`` [N, K/32]."""
+    N, K = q.shape
+    if not int4.fits(N, K) or tuple(d.shape) != (N, K // int4.GROUP) or not torch.equal(d.half().float(), d.float()):
+        raise HalError(f"weight: expected Q8_0 codes [N, K] (N a multiple of 16, K of 32) with fp16 scales "
+                       f"[N, K/32], got {list(q.shape)} and {list(d.shape)}", arg="weight")
+    NT, G = N // TILE, K // int4.GROUP
+    u = (q.to(torch.int16) + 128).to(torch.uint8).view(NT, TILE, G, 8, 4)   # k = 32g + 4s + j
+    codes = u.permute(0, 2, 3, 1, 4).reshape(NT, G, 512)
+    ds = d.half().view(NT, TILE, G).permute(0, 2, 1).contiguous().view(torch.uint8).reshape(NT, G, 32)
+    return Q4Weight(torch.cat([codes, ds], -1).contiguous(), (N, K), True, dtype)
+
+
+def from_q8_0(raw: np.ndarray, shape: tuple[int, int], dtype: torch.dtype) -> Q4Weight:
+    """Q8 tiles of a GGUF Q8_0 tensor's bytes ``raw`` (logical ``shape`` [N, K])."""
+    N, K = shape
+    if K % int4.GROUP or raw.size != N * K // int4.GROUP * int4.Q8_BYTES:
+        raise HalError(f"raw: expected {N * K // int4.GROUP * int4.Q8_BYTES} bytes for Q8_0 [{N}, {K}], "
+                       f"got {raw.size}", arg="raw")
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(N, K // int4.GROUP, int4.Q8_BYTES)
+    d = torch.from_numpy(blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32))
+    q = torch.from_numpy(blocks[..., 2:].copy().view(np.int8).reshape(N, K))
+    return pack_q8(q, d, dtype)
+
+
+def random(N: int, K: int, generator: torch.Generator) -> int4.Int4Blocks:
+    """Random int4 blocks whose scales and mins are fp16 values (a plan's self-check and timing)."""
+    b = int4.random(N, K, generator)
+    d, m = b.scales.half().float(), (b.zeros - 8 * b.scales).half().float()
+    return int4.Int4Blocks(b.codes, d, m + 8 * d)
+
+
+def random_q8(N: int, K: int, generator: torch.Generator, dtype: torch.dtype) -> Q4Weight:
+    """Random Q8 tiles with small fp16 scales."""
+    q = torch.randint(-128, 128, (N, K), generator=generator, dtype=torch.int16).to(torch.int8)
+    d = (torch.rand(N, K // int4.GROUP, generator=generator) * 1e-3 + 1e-4).half().float()
+    return pack_q8(q, d, dtype)
+
+
+def reference_mm(x: Tensor, codes: Tensor, d: Tensor, m: Tensor | None) -> Tensor:
+    """The kernel's arithmetic in torch, step by step (the oracle of the tests): ``x`` [T, K]
+    float32 (already in the row dtype's values), ``codes`` [N, K] (Q4: 0..15; Q8: -128..127),
+    ``d``/``m`` [N, K/32] (``m`` None for Q8). float32 [T, N]."""
+    T, K = x.shape
+    G = K // int4.GROUP
+    xv = x.float().view(T, G, int4.GROUP)
+    amax = xv.abs().amax(-1)
+    bad = ~torch.isfinite(xv).all(-1)
+    c127 = torch.full_like(amax, 127.0)   # tensor / tensor: a true division (a scalar may become a reciprocal)
+    inv = torch.where((amax > 0) & ~bad, c127 / torch.where(bad | (amax == 0), 1.0, amax), torch.zeros_like(amax))
+    xq = torch.round(torch.where(bad[..., None], 0.0, xv) * inv[..., None]).clamp(-127, 127)
+    sx = torch.where(bad, float("nan"), amax / c127)
+    xs = sx * xq.sum(-1)
+    isum = torch.einsum("tgk,ngk->tng", xq.double(), codes.view(-1, G, int4.GROUP).double()).float()   # exact
+    y = torch.zeros(T, codes.shape[0])
+    for g in range(G):
+        y = y + d[:, g] * (sx[:, g:g + 1] * isum[:, :, g])
+        if m is not None:
+            y = y + m[:, g] * xs[:, g:g + 1]
+    return y
+
+
+def build(compiler: str | None = None) -> Path:
+    """The compiled kernel library for this CPU and this torch (compiled when not cached)."""
+    from hal.models import row_kernels
+    cxx = compiler or os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    flags, libs = native.torch_flags(row_kernels.flags())
+    return native.compile_library("q4q8 kernel", [SOURCE, KERNEL], cxx, flags, libs)
+
+
+_lock = threading.Lock()
+_loaded: dict[str, ctypes.CDLL | None] = {}
+
+
+def available() -> bool:
+    """Whether the kernel builds and loads here (a plan measures ``q4q8`` only then)."""
+    with _lock:
+        if "lib" not in _loaded:
+            try:
+                lib = ctypes.CDLL(str(build()))
+                lib.q4_mm.argtypes, lib.q4_mm.restype = [_P, _I, _I, _I, _P, _I, _I, _I, _P], _I
+                _loaded["lib"] = lib
+            except (HalError, OSError) as e:
+                warnings.warn(f"spec-hal: the q4q8 kernel did not build, so plans run int4 weights on int4pack: {e}",
+                              RuntimeWarning, stacklevel=2)
+                _loaded["lib"] = None
+        return _loaded["lib"] is not None
+
+
+def library() -> ctypes.CDLL:
+    if not available():
+        raise HalError("weight: expected the q4q8 kernel to build here for a q4q8 weight, got none (see the "
+                       "warning)", arg="weight")
+    return _loaded["lib"]
+

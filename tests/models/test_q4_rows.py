@@ -1,0 +1,204 @@
+"""The q4q8 kernel (`hal.models.q4_rows`): stored int4 (Q4_0/Q4_1) and Q8_0 weights times rows
+quantized to int8 per 32.
+
+- Its products are `reference_mm`'s arithmetic bit for bit (torch, step by step), for Q4 and
+  Q8 tiles, float32 and bfloat16 rows, 1 to 17 rows (every register-block size and a tail).
+- A row's bits never depend on its batch-mates, their order or the thread count, and the
+  AVX2 and plain C builds give the AVX-512 build's bits (the integer sums are exact; the
+  float steps are the same on every path).
+- Against the float product of the dequantized weights, every output is within the bound
+  the row quantization allows: half a step of each group's scale per input, times the
+  weights' magnitudes, plus 1e-5 relative for float32 rounding.
+- GGUF bytes load into tiles exactly (the gguf package's dequantization is the oracle).
+- Bad input gets a `HalError` naming the argument; a failing C++ compiler leaves plans
+  without the form, with a warning; a planted kernel whose rows mix is never chosen."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import quants
+
+from hal.errors import HalError
+from hal.models import int4, plan_check, q4_rows
+from hal.models.linear_plan import choose_plan
+from hal.models.machine import cpu_flags
+from tests.models.compilers import plant_failing_compiler
+
+pytestmark = pytest.mark.skipif(not (os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")),
+                                reason="no C++ compiler: plans run without the q4q8 form (tested below)")
+ROWS = [torch.float32, torch.bfloat16]
+
+
+def q4_case(N: int, K: int, seed: int):
+    blocks = q4_rows.random(N, K, torch.Generator().manual_seed(seed))
+    return blocks, (blocks.codes, blocks.scales, blocks.zeros - 8 * blocks.scales)
+
+
+def q8_case(N: int, K: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int16).to(torch.int8)
+    d = (torch.rand(N, K // 32, generator=g) * 1e-2 + 1e-4).half().float()
+    return (q, d), (q, d, None)
+
+
+def make(kind: str, N: int, K: int, dtype: torch.dtype, seed: int = 0):
+    """(weight, reference args) of a random Q4 or Q8 weight."""
+    if kind == "q4":
+        blocks, ref = q4_case(N, K, seed)
+        return q4_rows.pack(blocks, dtype), ref
+    (q, d), ref = q8_case(N, K, seed)
+    return q4_rows.pack_q8(q, d, dtype), ref
+
+
+def rows(T: int, K: int, seed: int) -> torch.Tensor:
+    x = torch.randn(T, K, generator=torch.Generator().manual_seed(seed))
+    if T > 2:
+        x[1] = 0            # a row of zeros (amax 0 in every group)
+        x[2, :32] *= 1e4    # groups of very different scales in one row
+    return x
+
+
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+@pytest.mark.parametrize("dtype", ROWS, ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("T,N,K", [(1, 48, 64), (3, 960, 576), (8, 32, 1536), (9, 64, 96), (17, 48, 576)])
+def test_products_are_the_reference_arithmetic_bit_for_bit(kind, dtype, T, N, K):
+    w, ref = make(kind, N, K, dtype)
+    x = rows(T, K, seed=T)
+    got = w.mm(x)
+    assert got.dtype == torch.float32 and got.shape == (T, N)
+    assert torch.equal(got, q4_rows.reference_mm(x.to(dtype).float(), *ref))
+
+
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+def test_a_row_never_depends_on_its_batch_mates_order_or_threads(kind):
+    w, _ = make(kind, 96, 576, torch.bfloat16, seed=1)
+    x = rows(13, 576, seed=2)
+    whole = w.mm(x)
+    perm = torch.randperm(13, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(w.mm(x[perm]), whole[perm])
+    assert torch.equal(torch.cat([w.mm(x[i:i + 1]) for i in range(13)]), whole)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(w.mm(x), whole)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(w.mm(x.T.contiguous().T), whole)   # any strides
+
+
+def test_a_non_finite_input_makes_its_own_row_nan_only():
+    w, _ = make("q4", 48, 64, torch.float32)
+    x = rows(4, 64, seed=3)
+    x[0, 5], x[3, 40] = float("inf"), float("nan")
+    got = w.mm(x)
+    assert got[0].isnan().all() and got[3].isnan().all() and got[1:3].isfinite().all()
+
+
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+def test_products_stay_within_the_row_quantization_bound(kind):
+    N, K = 64, 576
+    w, (codes, d, m) = make(kind, N, K, torch.float32, seed=4)
+    x = rows(6, K, seed=5)
+    dense = codes.double().view(N, K // 32, 32) * d.double()[..., None]
+    if m is not None:
+        dense = dense + m.double()[..., None]
+    dense = dense.reshape(N, K)
+    exact = x.double() @ dense.T
+    step = x.view(6, K // 32, 32).abs().amax(-1).double() / 127            # each group's scale
+    bound = 0.5 * torch.einsum("tg,ngk->tn", step, dense.abs().view(N, K // 32, 32)) \
+        + 1e-5 * (x.double().abs() @ dense.abs().T)
+    err = (w.mm(x).double() - exact).abs()
+    assert (err <= bound).all(), float((err / bound).max())
+    assert float(err.max()) > 0   # it is quantized: the bound is not met by being the float product
+
+
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"], ids=["avx2", "plain-c"])
+def test_other_code_paths_give_the_same_bits(monkeypatch, march):
+    if march == "x86-64-v3" and "avx2" not in cpu_flags():
+        pytest.skip("this CPU cannot run AVX2 code")
+    monkeypatch.setenv("HAL_MARCH", march)
+    lib = ctypes.CDLL(str(q4_rows.build()))
+    lib.q4_mm.argtypes, lib.q4_mm.restype = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] + \
+        [ctypes.c_int64] * 3 + [ctypes.c_void_p], ctypes.c_int64
+    for kind in ("q4", "q8"):
+        w, _ = make(kind, 96, 576, torch.bfloat16, seed=6)
+        x = rows(11, 576, seed=7).bfloat16()
+        y = torch.empty(11, 96)
+        assert lib.q4_mm(w.packed.data_ptr(), int(w.q8), 96, 576, x.data_ptr(), 1, 11, 576, y.data_ptr()) == 0
+        assert torch.equal(y, w.mm(x)), kind
+
+
+KINDS = {"Q4_0": gguf.GGMLQuantizationType.Q4_0, "Q4_1": gguf.GGMLQuantizationType.Q4_1,
+         "Q8_0": gguf.GGMLQuantizationType.Q8_0}
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_gguf_bytes_load_into_tiles_exactly(kind):
+    N, K = 48, 96
+    raw = quants.quantize(np.random.default_rng(0).standard_normal((N, K)).astype(np.float32) * 0.05, KINDS[kind])
+    dense = torch.from_numpy(quants.dequantize(raw, KINDS[kind]).reshape(N, K).copy())
+    if kind == "Q8_0":
+        w = q4_rows.from_q8_0(raw, (N, K), torch.float32)
+        blocks = raw.reshape(N, K // 32, 34)
+        d = torch.from_numpy(blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32))
+        q = torch.from_numpy(blocks[..., 2:].copy().view(np.int8).reshape(N, K))
+        ref = (q, d, None)
+        assert torch.equal((q.float().view(N, -1, 32) * d[..., None]).reshape(N, K), dense)
+    else:
+        b = int4.from_blocks(raw, kind, (N, K))
+        w, ref = q4_rows.pack(b, torch.float32), (b.codes, b.scales, b.zeros - 8 * b.scales)
+        assert torch.equal(b.dequantize(), dense)
+    x = rows(5, K, seed=8)
+    assert torch.equal(w.mm(x), q4_rows.reference_mm(x, *ref))
+
+
+def test_bad_input_is_refused_naming_the_argument():
+    blocks, _ = q4_case(48, 64, 0)
+    odd = int4.Int4Blocks(blocks.codes, blocks.scales * (1 + 1e-7), blocks.zeros)   # not fp16 values
+    for fn, arg in ((lambda: q4_rows.pack(odd, torch.float32), "weight"),
+                    (lambda: q4_rows.Q4Weight(torch.zeros(3, 3, 320, dtype=torch.uint8), (48, 64), False,
+                                              torch.float32), "weight"),
+                    (lambda: q4_rows.Q4Weight(torch.zeros(3, 2, 320, dtype=torch.uint8), (48, 64), False,
+                                              torch.float16), "weight"),
+                    (lambda: q4_rows.pack_q8(torch.zeros(48, 60, dtype=torch.int8), torch.ones(48, 2),
+                                             torch.float32), "weight"),
+                    (lambda: q4_rows.from_q8_0(np.zeros(10, np.uint8), (48, 64), torch.float32), "raw"),
+                    (lambda: q4_rows.pack(blocks, torch.float32).mm(torch.zeros(2, 32)), "x"),
+                    (lambda: q4_rows.pack(blocks, torch.float32).mm(torch.zeros(2, 64, dtype=torch.int32)), "x"),
+                    (lambda: q4_rows.pack(blocks, torch.float32).to("meta"), "device")):
+        with pytest.raises(HalError) as e:
+            fn()
+        assert e.value.arg == arg
+
+
+SHAPES, STORED = [(96, 64), (64, 64), (500, 64)], [True, True, False]
+
+
+def test_the_plan_measures_q4q8_and_its_rows_are_independent():
+    choice = choose_plan(SHAPES, "stored", stored_int4=STORED, cache=False)
+    assert any(c["plan"]["weights"] == "q4q8" for c in choice.candidates), choice.candidates
+
+
+def test_a_q4q8_kernel_that_mixes_rows_is_never_chosen(monkeypatch):
+    real = plan_check.int4_mm
+    def mixing(x, w):   # PLANTED: q4q8 rows get a term from every row of their call
+        out = real(x, w)
+        return out + x.float().sum(0, keepdim=True)[:, :1] * 1e-2 if isinstance(w, q4_rows.Q4Weight) else out
+    monkeypatch.setattr(plan_check, "int4_mm", mixing)
+    choice = choose_plan(SHAPES, "stored", stored_int4=STORED, cache=False)
+    assert any("q4q8" in why and "batch-mates" in why for why in choice.rejected), choice.rejected
+    assert all(c["plan"]["weights"] != "q4q8" or c["plan"]["widths"] == [1] for c in choice.candidates)
+
+
+def test_no_cxx_compiler_leaves_plans_without_q4q8(monkeypatch, tmp_path):
+    plant_failing_compiler(monkeypatch, tmp_path, "CXX", q4_rows)
+    with pytest.warns(RuntimeWarning, match="q4q8 kernel did not build.*planted failure"):
+        choice = choose_plan(SHAPES, "stored", stored_int4=STORED, cache=False)
+    assert choice.plan.weights == "int4" and all(c["plan"]["weights"] == "int4" for c in choice.candidates)
