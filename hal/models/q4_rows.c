@@ -96,8 +96,8 @@ void q4_quantize_rows(const void *x, int is_bf16, int64_t T, int64_t K, int64_t 
         for (int r = 0; r < R; r++) out[r] = _mm512_setzero_ps();                                      \
         for (int64_t g = 0; g < G; g++) {                                                              \
             const uint8_t *blk = wt + g * Q4_TILE_BYTES;                                               \
-            __m512i acc[R];                                                                            \
-            for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_si512();                               \
+            __m512i acc[R], acc2[R];   /* two chains per row (lo, hi nibbles): exact integer sums */   \
+            for (int r = 0; r < R; r++) acc[r] = acc2[r] = _mm512_setzero_si512();                     \
             for (int s = 0; s < 4; s++) {                                                              \
                 __m512i v = _mm512_loadu_si512((const void *)(blk + 64 * s));                          \
                 __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask); \
@@ -106,9 +106,10 @@ void q4_quantize_rows(const void *x, int is_bf16, int64_t T, int64_t K, int64_t 
                     memcpy(&a, xq + r * K + 32 * g + 8 * s, 4);                                        \
                     memcpy(&b, xq + r * K + 32 * g + 8 * s + 4, 4);                                    \
                     acc[r] = _mm512_dpbusd_epi32(acc[r], lo, _mm512_set1_epi32(a));                    \
-                    acc[r] = _mm512_dpbusd_epi32(acc[r], hi, _mm512_set1_epi32(b));                    \
+                    acc2[r] = _mm512_dpbusd_epi32(acc2[r], hi, _mm512_set1_epi32(b));                  \
                 }                                                                                      \
             }                                                                                          \
+            for (int r = 0; r < R; r++) acc[r] = _mm512_add_epi32(acc[r], acc2[r]);                    \
             __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 256)));              \
             __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 288)));              \
             for (int r = 0; r < R; r++) {                                                              \
@@ -191,16 +192,20 @@ void q4_quantize_rows(const void *x, int is_bf16, int64_t T, int64_t K, int64_t 
         for (int r = 0; r < R; r++) out[r] = _mm512_setzero_ps();                                      \
         for (int64_t g = 0; g < G; g++) {                                                              \
             const uint8_t *blk = wt + g * Q8_TILE_BYTES;                                               \
-            __m512i acc[R];                                                                            \
-            for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_si512();                               \
-            for (int s = 0; s < 8; s++) {                                                              \
+            __m512i acc[R], acc2[R];   /* two chains per row (even, odd steps) */                     \
+            for (int r = 0; r < R; r++) acc[r] = acc2[r] = _mm512_setzero_si512();                     \
+            for (int s = 0; s < 8; s += 2) {                                                           \
                 __m512i v = _mm512_loadu_si512((const void *)(blk + 64 * s));   /* q + 128 */          \
+                __m512i u = _mm512_loadu_si512((const void *)(blk + 64 * s + 64));                     \
                 for (int r = 0; r < R; r++) {                                                          \
-                    int32_t a;                                                                         \
+                    int32_t a, b;                                                                      \
                     memcpy(&a, xq + r * K + 32 * g + 4 * s, 4);                                        \
+                    memcpy(&b, xq + r * K + 32 * g + 4 * s + 4, 4);                                    \
                     acc[r] = _mm512_dpbusd_epi32(acc[r], v, _mm512_set1_epi32(a));                     \
+                    acc2[r] = _mm512_dpbusd_epi32(acc2[r], u, _mm512_set1_epi32(b));                   \
                 }                                                                                      \
             }                                                                                          \
+            for (int r = 0; r < R; r++) acc[r] = _mm512_add_epi32(acc[r], acc2[r]);                    \
             __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 512)));              \
             for (int r = 0; r < R; r++) {                                                              \
                 __m512i isum = _mm512_sub_epi32(acc[r], _mm512_set1_epi32(128 * qsum[r * G + g]));     \
@@ -299,9 +304,9 @@ static const q8_tile_fn q8_tiles[Q4_ROWS + 1] = {0, q8_tile_1, q8_tile_2, q8_til
 void q4_mm_tiles(const uint8_t *w, int q8, int64_t K, const int8_t *xq, const float *sx, const float *xs,
                  const int32_t *qsum, int64_t T, float *y, int64_t y_row, int64_t tile0, int64_t tile1) {
     int64_t G = K / 32, bytes = q8 ? Q8_TILE_BYTES : Q4_TILE_BYTES;
-    for (int64_t tile = tile0; tile < tile1; tile++)
-        for (int64_t t0 = 0; t0 < T; t0 += Q4_ROWS) {
-            int R = T - t0 < Q4_ROWS ? (int)(T - t0) : Q4_ROWS;
+    for (int64_t t0 = 0, passes = (T + Q4_ROWS - 1) / Q4_ROWS; t0 < T; passes--) {
+        int R = (int)((T - t0 + passes - 1) / passes);   /* rows split evenly: 9 = 5 + 4, not 8 + 1 */
+        for (int64_t tile = tile0; tile < tile1; tile++) {
             const uint8_t *wt = w + tile * G * bytes;
             float *yt = y + t0 * y_row + 16 * tile;
             if (q8)
@@ -309,4 +314,6 @@ void q4_mm_tiles(const uint8_t *w, int q8, int64_t K, const int8_t *xq, const fl
             else
                 q4_tiles[R](wt, G, xq + t0 * K, K, sx + t0 * G, xs + t0 * G, yt, y_row);
         }
+        t0 += R;
+    }
 }
