@@ -20,7 +20,7 @@ namespace q4 {
 inline void linear(const uint8_t *w, int q8, int64_t N, int64_t K, const void *x, int is_bf16, int64_t T,
                    int64_t x_row, float *y) {
     int64_t G = K / 32;
-    std::vector<int8_t> xq(T * K);
+    std::vector<int8_t> xq(T * 2 * K);   // per row: the hi codes, then the lo codes
     std::vector<float> sx(T * G), xs(T * G);
     std::vector<int32_t> qsum(T * G);
     q4_quantize_rows(x, is_bf16, T, K, x_row, xq.data(), sx.data(), xs.data(), qsum.data());

@@ -1,7 +1,8 @@
 /* Weights as stored (int4 Q4_0/Q4_1 blocks, int8 Q8_0 blocks) times rows quantized to int8 per
- * 32 (`hal.models.q4_rows`): the arithmetic of llama.cpp's Q4_1 x Q8_1 and Q8_0 x Q8_0 dot
- * products, as integer dot products (AVX-512 VNNI, else AVX2, else plain C), so 8 rows cost
- * about three times one row instead of eight.
+ * 32 (`hal.models.q4_rows`), as integer dot products (AVX-512 VNNI, else AVX2, else plain C):
+ * llama.cpp's arithmetic for Q4_1 x Q8_1 and Q8_0 x Q8_0, with a second int8 code per input for
+ * the residual, so a row keeps about 15 bits instead of 8. The weights are read once for up to
+ * 8 rows, so 8 rows cost a few times one row instead of eight.
  *
  * Glossary (shapes: a weight [N, K], N a multiple of 16, K of 32; G = K / 32 groups):
  * - **codes** q in 0..15 and fp16 ``d``, ``m`` per 32 weights of an output row: w = d*q + m
@@ -12,15 +13,18 @@
  *   16 fp16 each. So one 64-byte load feeds 16 lanes of 4-byte integer dot products.
  * - **Q8 tile** (Q8_0: w = d*q, q in -128..127): per (tile, group), 512 bytes of codes in 8
  *   steps of 64: byte 4*lane + j of step s holds q + 128 for k = 32g + 4s + j; then 16 fp16 d.
- * - **quantized row**: per 32 inputs, amax = max |x|, sx = amax / 127, xq = round(x * (127 /
- *   amax)) in -127..127 (half to even; 0 where amax is 0), qsum = sum(xq), xs = sx * qsum.
- *   A group with an inf or NaN gets sx = NaN, so its products are NaN, as a float product's.
+ * - **quantized row**: per 32 inputs, amax = max |x|, u = x * (127 / amax), hi = round(u) in
+ *   -127..127 and lo = round(128 (u - hi)) in -64..64 (half to even; 0 where amax is 0), so
+ *   x ~ unit * (128 hi + lo) with unit = (amax / 127) / 128; qsum = sum(128 hi + lo), xs =
+ *   unit * qsum. A group with an inf or NaN gets unit = NaN: its products are NaN.
  *
- * Q4: y[n] = sum over g, in order, of: y = y + d*(sx*isum); y = y + m*xs. Q8: y = y +
- * d*(sx*isum). isum = sum of q*xq over the group, an exact integer on every path. Every step is one float32 rounding (no contraction:
- * -ffp-contract=off), the same on every code path, for every row count: a row's bits never
- * depend on its batch-mates or on the CPU's vector width. Single-threaded over a range of
- * tiles; the caller splits tiles across threads (a tile's bits do not depend on the split). */
+ * Q4: y[n] = sum over g, in order, of: y = y + d*(unit*isum); y = y + m*xs. Q8: y = y +
+ * d*(unit*isum). isum = sum of q*(128 hi + lo) over the group, an exact integer on every path
+ * (its conversion to float32 rounds to nearest, as every path converts). Every float step is
+ * one float32 rounding (no contraction: -ffp-contract=off), the same on every code path, for
+ * every row count: a row's bits never depend on its batch-mates or on the CPU's vector width.
+ * Single-threaded over a range of tiles; the caller splits tiles across threads (a tile's bits
+ * do not depend on the split). */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -49,7 +53,8 @@ static inline float q4_half(uint16_t h) {
 }
 
 /* Quantize T rows x [T, K] (float32, or bfloat16 where is_bf16; row stride x_row elements)
- * per 32: xq [T, K] int8; sx, xs [T, G] float32; qsum [T, G] int32. */
+ * per 32 (see "quantized row"): xq [T, 2K] int8 (per row: the K hi codes, then the K lo
+ * codes); s, xs [T, G] float32; qsum [T, G] int32. */
 void q4_quantize_rows(const void *x, int is_bf16, int64_t T, int64_t K, int64_t x_row, int8_t *xq, float *sx,
                       float *xs, int32_t *qsum) {
     int64_t G = K / 32;
@@ -70,17 +75,20 @@ void q4_quantize_rows(const void *x, int is_bf16, int64_t T, int64_t K, int64_t 
                 bad |= !isfinite(v[j]);
             }
             float inv = amax > 0.f && !bad ? 127.f / amax : 0.f;
-            int8_t *q = xq + t * K + g * 32;
+            int8_t *hi = xq + t * 2 * K + g * 32, *lo = hi + K;
             int32_t sum = 0;
             for (int j = 0; j < 32; j++) {
-                float r = bad ? 0.f : nearbyintf(v[j] * inv);   /* the default rounding: half to even */
-                r = r > 127.f ? 127.f : (r < -127.f ? -127.f : r);
-                q[j] = (int8_t)r;
-                sum += q[j];
+                float u = bad ? 0.f : v[j] * inv;
+                float h = nearbyintf(u);   /* the default rounding: half to even */
+                h = h > 127.f ? 127.f : (h < -127.f ? -127.f : h);
+                float l = nearbyintf((u - h) * 128.f);   /* |u - h| <= 1/2 (exact): -64..64 */
+                hi[j] = (int8_t)h;
+                lo[j] = (int8_t)l;
+                sum += 128 * hi[j] + lo[j];
             }
-            float scale = bad ? NAN : amax / 127.f;
-            sx[t * G + g] = scale;
-            xs[t * G + g] = scale * (float)sum;
+            float unit = bad ? NAN : amax / 127.f * 0.0078125f;   /* the step of lo: (amax / 127) / 128 */
+            sx[t * G + g] = unit;
+            xs[t * G + g] = unit * (float)sum;
             qsum[t * G + g] = sum;
         }
 }
@@ -96,20 +104,26 @@ void q4_quantize_rows(const void *x, int is_bf16, int64_t T, int64_t K, int64_t 
         for (int r = 0; r < R; r++) out[r] = _mm512_setzero_ps();                                      \
         for (int64_t g = 0; g < G; g++) {                                                              \
             const uint8_t *blk = wt + g * Q4_TILE_BYTES;                                               \
-            __m512i acc[R], acc2[R];   /* two chains per row (lo, hi nibbles): exact integer sums */   \
+            __m512i acc[R], acc2[R];   /* per row: the hi codes' chain, the lo codes' chain */        \
             for (int r = 0; r < R; r++) acc[r] = acc2[r] = _mm512_setzero_si512();                     \
             for (int s = 0; s < 4; s++) {                                                              \
                 __m512i v = _mm512_loadu_si512((const void *)(blk + 64 * s));                          \
                 __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask); \
                 for (int r = 0; r < R; r++) {                                                          \
-                    int32_t a, b;                                                                      \
-                    memcpy(&a, xq + r * K + 32 * g + 8 * s, 4);                                        \
-                    memcpy(&b, xq + r * K + 32 * g + 8 * s + 4, 4);                                    \
+                    const int8_t *xr = xq + r * 2 * K + 32 * g + 8 * s;                                \
+                    int32_t a, b, c, e;                                                                \
+                    memcpy(&a, xr, 4);                                                                 \
+                    memcpy(&b, xr + 4, 4);                                                             \
+                    memcpy(&c, xr + K, 4);                                                             \
+                    memcpy(&e, xr + K + 4, 4);                                                         \
                     acc[r] = _mm512_dpbusd_epi32(acc[r], lo, _mm512_set1_epi32(a));                    \
-                    acc2[r] = _mm512_dpbusd_epi32(acc2[r], hi, _mm512_set1_epi32(b));                  \
+                    acc2[r] = _mm512_dpbusd_epi32(acc2[r], lo, _mm512_set1_epi32(c));                  \
+                    acc[r] = _mm512_dpbusd_epi32(acc[r], hi, _mm512_set1_epi32(b));                    \
+                    acc2[r] = _mm512_dpbusd_epi32(acc2[r], hi, _mm512_set1_epi32(e));                  \
                 }                                                                                      \
             }                                                                                          \
-            for (int r = 0; r < R; r++) acc[r] = _mm512_add_epi32(acc[r], acc2[r]);                    \
+            for (int r = 0; r < R; r++)                                                                \
+                acc[r] = _mm512_add_epi32(_mm512_slli_epi32(acc[r], 7), acc2[r]);   /* 128 hi + lo */  \
             __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 256)));              \
             __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 288)));              \
             for (int r = 0; r < R; r++) {                                                              \
@@ -130,21 +144,28 @@ void q4_quantize_rows(const void *x, int is_bf16, int64_t T, int64_t K, int64_t 
             for (int r = 0; r < R; r++) out[r] = _mm256_setzero_ps();                                  \
             for (int64_t g = 0; g < G; g++) {                                                          \
                 const uint8_t *blk = wt + g * Q4_TILE_BYTES;                                           \
-                __m256i acc[R];                                                                        \
-                for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_si256();                           \
+                __m256i acc[R], acc2[R];                                                               \
+                for (int r = 0; r < R; r++) acc[r] = acc2[r] = _mm256_setzero_si256();                 \
                 for (int s = 0; s < 4; s++) {                                                          \
                     __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 64 * s + 32 * half));       \
                     __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask); \
                     for (int r = 0; r < R; r++) {                                                      \
-                        int32_t a, b;                                                                  \
-                        memcpy(&a, xq + r * K + 32 * g + 8 * s, 4);                                    \
-                        memcpy(&b, xq + r * K + 32 * g + 8 * s + 4, 4);                                \
+                        const int8_t *xr = xq + r * 2 * K + 32 * g + 8 * s;                            \
+                        int32_t a, b, c, e;                                                            \
+                        memcpy(&a, xr, 4);                                                             \
+                        memcpy(&b, xr + 4, 4);                                                         \
+                        memcpy(&c, xr + K, 4);                                                         \
+                        memcpy(&e, xr + K + 4, 4);                                                     \
                         /* |each 16-bit pair sum| <= 2 * 15 * 127, their sum <= 4 * 15 * 127: exact */ \
                         __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(a)),   \
                                                      _mm256_maddubs_epi16(hi, _mm256_set1_epi32(b)));  \
+                        __m256i q = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(c)),   \
+                                                     _mm256_maddubs_epi16(hi, _mm256_set1_epi32(e)));  \
                         acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(p, ones));                 \
+                        acc2[r] = _mm256_add_epi32(acc2[r], _mm256_madd_epi16(q, ones));               \
                     }                                                                                  \
                 }                                                                                      \
+                for (int r = 0; r < R; r++) acc[r] = _mm256_add_epi32(_mm256_slli_epi32(acc[r], 7), acc2[r]); \
                 __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 256 + 16 * half))); \
                 __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 288 + 16 * half))); \
                 for (int r = 0; r < R; r++) {                                                          \
@@ -165,12 +186,13 @@ void q4_quantize_rows(const void *x, int is_bf16, int64_t T, int64_t K, int64_t 
                 float out = 0.f;                                                                       \
                 for (int64_t g = 0; g < G; g++) {                                                      \
                     const uint8_t *blk = wt + g * Q4_TILE_BYTES;                                       \
-                    const int8_t *x = xq + r * K + 32 * g;                                             \
+                    const int8_t *x = xq + r * 2 * K + 32 * g, *xl = x + K;                            \
                     int32_t acc = 0;                                                                   \
                     for (int s = 0; s < 4; s++)                                                        \
                         for (int j = 0; j < 4; j++) {                                                  \
                             uint8_t c = blk[64 * s + 4 * lane + j];                                    \
-                            acc += (c & 15) * x[8 * s + j] + (c >> 4) * x[8 * s + 4 + j];              \
+                            int k0 = 8 * s + j, k1 = 8 * s + 4 + j;                                    \
+                            acc += (c & 15) * (128 * x[k0] + xl[k0]) + (c >> 4) * (128 * x[k1] + xl[k1]); \
                         }                                                                              \
                     uint16_t dh, mh;                                                                   \
                     memcpy(&dh, blk + 256 + 2 * lane, 2);                                              \
@@ -192,20 +214,21 @@ void q4_quantize_rows(const void *x, int is_bf16, int64_t T, int64_t K, int64_t 
         for (int r = 0; r < R; r++) out[r] = _mm512_setzero_ps();                                      \
         for (int64_t g = 0; g < G; g++) {                                                              \
             const uint8_t *blk = wt + g * Q8_TILE_BYTES;                                               \
-            __m512i acc[R], acc2[R];   /* two chains per row (even, odd steps) */                     \
+            __m512i acc[R], acc2[R];   /* per row: the hi codes' chain, the lo codes' chain */        \
             for (int r = 0; r < R; r++) acc[r] = acc2[r] = _mm512_setzero_si512();                     \
-            for (int s = 0; s < 8; s += 2) {                                                           \
+            for (int s = 0; s < 8; s++) {                                                              \
                 __m512i v = _mm512_loadu_si512((const void *)(blk + 64 * s));   /* q + 128 */          \
-                __m512i u = _mm512_loadu_si512((const void *)(blk + 64 * s + 64));                     \
                 for (int r = 0; r < R; r++) {                                                          \
-                    int32_t a, b;                                                                      \
-                    memcpy(&a, xq + r * K + 32 * g + 4 * s, 4);                                        \
-                    memcpy(&b, xq + r * K + 32 * g + 4 * s + 4, 4);                                    \
+                    const int8_t *xr = xq + r * 2 * K + 32 * g + 4 * s;                                \
+                    int32_t a, c;                                                                      \
+                    memcpy(&a, xr, 4);                                                                 \
+                    memcpy(&c, xr + K, 4);                                                             \
                     acc[r] = _mm512_dpbusd_epi32(acc[r], v, _mm512_set1_epi32(a));                     \
-                    acc2[r] = _mm512_dpbusd_epi32(acc2[r], u, _mm512_set1_epi32(b));                   \
+                    acc2[r] = _mm512_dpbusd_epi32(acc2[r], v, _mm512_set1_epi32(c));                   \
                 }                                                                                      \
             }                                                                                          \
-            for (int r = 0; r < R; r++) acc[r] = _mm512_add_epi32(acc[r], acc2[r]);                    \
+            for (int r = 0; r < R; r++)   /* sum (q + 128)(128 hi + lo), exact in int32 */            \
+                acc[r] = _mm512_add_epi32(_mm512_slli_epi32(acc[r], 7), acc2[r]);                     \
             __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 512)));              \
             for (int r = 0; r < R; r++) {                                                              \
                 __m512i isum = _mm512_sub_epi32(acc[r], _mm512_set1_epi32(128 * qsum[r * G + g]));     \
@@ -226,20 +249,25 @@ void q4_quantize_rows(const void *x, int is_bf16, int64_t T, int64_t K, int64_t 
             for (int r = 0; r < R; r++) out[r] = _mm256_setzero_ps();                                  \
             for (int64_t g = 0; g < G; g++) {                                                          \
                 const uint8_t *blk = wt + g * Q8_TILE_BYTES;                                           \
-                __m256i acc[R];                                                                        \
-                for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_si256();                           \
+                __m256i acc[R], acc2[R];                                                               \
+                for (int r = 0; r < R; r++) acc[r] = acc2[r] = _mm256_setzero_si256();                 \
                 for (int s = 0; s < 8; s++) {                                                          \
                     __m256i w = _mm256_xor_si256(                                                      \
                         _mm256_loadu_si256((const __m256i *)(blk + 64 * s + 32 * half)), flip);  /* q */ \
                     __m256i aw = _mm256_sign_epi8(w, w);                                               \
                     for (int r = 0; r < R; r++) {                                                      \
-                        int32_t a;                                                                     \
-                        memcpy(&a, xq + r * K + 32 * g + 4 * s, 4);                                    \
+                        const int8_t *xr = xq + r * 2 * K + 32 * g + 4 * s;                            \
+                        int32_t a, c;                                                                  \
+                        memcpy(&a, xr, 4);                                                             \
+                        memcpy(&c, xr + K, 4);                                                         \
                         /* |q| * sign(q) x: each 16-bit pair sum <= 2 * 128 * 127, no saturation */   \
                         __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(_mm256_set1_epi32(a), w)); \
+                        __m256i pl = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(_mm256_set1_epi32(c), w)); \
                         acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(p, ones));                 \
+                        acc2[r] = _mm256_add_epi32(acc2[r], _mm256_madd_epi16(pl, ones));              \
                     }                                                                                  \
                 }                                                                                      \
+                for (int r = 0; r < R; r++) acc[r] = _mm256_add_epi32(_mm256_slli_epi32(acc[r], 7), acc2[r]); \
                 __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 512 + 16 * half))); \
                 for (int r = 0; r < R; r++) {                                                          \
                     __m256 t = _mm256_mul_ps(_mm256_set1_ps(sx[r * G + g]), _mm256_cvtepi32_ps(acc[r])); \
@@ -259,10 +287,11 @@ void q4_quantize_rows(const void *x, int is_bf16, int64_t T, int64_t K, int64_t 
                 float out = 0.f;                                                                       \
                 for (int64_t g = 0; g < G; g++) {                                                      \
                     const uint8_t *blk = wt + g * Q8_TILE_BYTES;                                       \
-                    const int8_t *x = xq + r * K + 32 * g;                                             \
+                    const int8_t *x = xq + r * 2 * K + 32 * g, *xl = x + K;                            \
                     int32_t acc = 0;                                                                   \
                     for (int s = 0; s < 8; s++)                                                        \
-                        for (int j = 0; j < 4; j++) acc += ((int)blk[64 * s + 4 * lane + j] - 128) * x[4 * s + j]; \
+                        for (int j = 0; j < 4; j++)                                                    \
+                            acc += ((int)blk[64 * s + 4 * lane + j] - 128) * (128 * x[4 * s + j] + xl[4 * s + j]); \
                     uint16_t dh;                                                                       \
                     memcpy(&dh, blk + 512 + 2 * lane, 2);                                              \
                     float t = sx[r * G + g] * (float)acc;                                              \
@@ -310,9 +339,9 @@ void q4_mm_tiles(const uint8_t *w, int q8, int64_t K, const int8_t *xq, const fl
             const uint8_t *wt = w + tile * G * bytes;
             float *yt = y + t0 * y_row + 16 * tile;
             if (q8)
-                q8_tiles[R](wt, G, xq + t0 * K, K, sx + t0 * G, qsum + t0 * G, yt, y_row);
+                q8_tiles[R](wt, G, xq + t0 * 2 * K, K, sx + t0 * G, qsum + t0 * G, yt, y_row);
             else
-                q4_tiles[R](wt, G, xq + t0 * K, K, sx + t0 * G, xs + t0 * G, yt, y_row);
+                q4_tiles[R](wt, G, xq + t0 * 2 * K, K, sx + t0 * G, xs + t0 * G, yt, y_row);
         }
         t0 += R;
     }

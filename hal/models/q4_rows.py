@@ -163,13 +163,16 @@ def reference_mm(x: Tensor, codes: Tensor, d: Tensor, m: Tensor | None) -> Tenso
     bad = ~torch.isfinite(xv).all(-1)
     c127 = torch.full_like(amax, 127.0)   # tensor / tensor: a true division (a scalar may become a reciprocal)
     inv = torch.where((amax > 0) & ~bad, c127 / torch.where(bad | (amax == 0), 1.0, amax), torch.zeros_like(amax))
-    xq = torch.round(torch.where(bad[..., None], 0.0, xv) * inv[..., None]).clamp(-127, 127)
-    sx = torch.where(bad, float("nan"), amax / c127)
-    xs = sx * xq.sum(-1)
-    isum = torch.einsum("tgk,ngk->tng", xq.double(), codes.view(-1, G, int4.GROUP).double()).float()   # exact
+    u = torch.where(bad[..., None], 0.0, xv) * inv[..., None]
+    hi = torch.round(u).clamp(-127, 127)
+    lo = torch.round((u - hi) * 128)
+    xq = 128 * hi + lo                                                  # the row in units of `unit`
+    unit = torch.where(bad, float("nan"), amax / c127 * 0.0078125)
+    xs = unit * xq.sum(-1)
+    isum = torch.einsum("tgk,ngk->tng", xq.double(), codes.view(-1, G, int4.GROUP).double()).float()   # exact, rounded once
     y = torch.zeros(T, codes.shape[0])
     for g in range(G):
-        y = y + d[:, g] * (sx[:, g:g + 1] * isum[:, :, g])
+        y = y + d[:, g] * (unit[:, g:g + 1] * isum[:, :, g])
         if m is not None:
             y = y + m[:, g] * xs[:, g:g + 1]
     return y

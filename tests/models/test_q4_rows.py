@@ -7,8 +7,8 @@ quantized to int8 per 32.
   AVX2 and plain C builds give the AVX-512 build's bits (the integer sums are exact; the
   float steps are the same on every path).
 - Against the float product of the dequantized weights, every output is within the bound
-  the row quantization allows: half a step of each group's scale per input, times the
-  weights' magnitudes, plus 1e-5 relative for float32 rounding.
+  the row quantization allows: half a unit (each group's max / 127 / 128) per input, times
+  the weights' magnitudes, plus 1e-5 relative for float32 rounding.
 - GGUF bytes load into tiles exactly (the gguf package's dequantization is the oracle).
 - Bad input gets a `HalError` naming the argument; a failing C++ compiler leaves plans
   without the form, with a warning; a planted kernel whose rows mix is never chosen."""
@@ -111,7 +111,7 @@ def test_products_stay_within_the_row_quantization_bound(kind):
         dense = dense + m.double()[..., None]
     dense = dense.reshape(N, K)
     exact = x.double() @ dense.T
-    step = x.view(6, K // 32, 32).abs().amax(-1).double() / 127            # each group's scale
+    step = x.view(6, K // 32, 32).abs().amax(-1).double() / 127 / 128      # each group's unit (lo's step)
     bound = 0.5 * torch.einsum("tg,ngk->tn", step, dense.abs().view(N, K // 32, 32)) \
         + 1e-5 * (x.double().abs() @ dense.abs().T)
     err = (w.mm(x).double() - exact).abs()
