@@ -42,6 +42,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/ops.py
 	$(BIN)/python benchmarks/forward.py
 	$(BIN)/python benchmarks/row_kernels.py
+	$(BIN)/python benchmarks/q4q8.py
 	$(BIN)/python benchmarks/int4_rows.py
 	$(BIN)/python benchmarks/head_forms.py
 	$(BIN)/python benchmarks/dtype_drift.py

@@ -63,14 +63,18 @@ def drift(fp32, other, tok, prompts, n):
 
 
 WEIGHTS = {"bfloat16": "the GGUF's Q4_1 values dequantized to float32, then rounded to bfloat16 for the linear layers",
-           "stored": "the layers' Q4_1 blocks as stored, multiplied by the int4pack kernel (scales and zeros rounded to "
-                     "the rows' dtype); "}
+           "int4": "the layers' Q4_1 blocks as stored, multiplied by the int4pack kernel (scales and zeros rounded to "
+                   "the rows' dtype); ",
+           "q4q8": "the layers' Q4_1 blocks as stored, times rows quantized per 32 to two int8 codes (value and "
+                   "residual; `hal.models.q4_rows`); "}
 HEAD = {"float": "the Q8_0 head dequantized, then in the plan's float dtype",
-        "q8_0": "the Q8_0 head's codes as stored (two int4 halves on the same kernel, scales rounded to the rows' dtype)"}
+        "q8_0": "the Q8_0 head's codes as stored (int4pack: two int4 halves, scales rounded to the rows' dtype; q4q8: "
+                "Q8 tiles, fp16 scales)"}
 
 
 def table(name: str, model, rows) -> list[str]:
-    weights = WEIGHTS[name] + (HEAD[model.plan.head] if name == "stored" else "")
+    weights = WEIGHTS[model.plan.weights if name == "stored" else name] + \
+        (HEAD[model.plan.head] if name == "stored" else "")
     lines = [f"## {name} ({model.plan.describe()})", "", f"Weights: {weights}; embeddings, norms, the residual "
              "stream, attention and the logits stay float32; the KV cache is in the plan's dtype.", "",
              "| prompt | tokens | max abs logit diff | mean abs logit diff | logit std (fp32) | argmax agreement | "

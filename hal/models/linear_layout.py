@@ -36,7 +36,7 @@ class LinearPlan:
     widths: tuple[int, ...]
     fn: plan_check.Layout | None = field(default=None, compare=False, repr=False)   # a layout not in LAYOUTS (tests)
     weights: str = "float"   # int4: weights stored as int4 blocks run as stored (`hal.models.int4`), rows in dtype;
-    #                          q4q8: the same blocks times rows quantized to int8 (`hal.models.q4_rows`), each
+    #                          q4q8: the same blocks times rows quantized per 32 to int8 (`hal.models.q4_rows`), each
     #                          product in one call (its rows are independent by construction: no chunks)
     head: str = "float"      # q8_0: the lm_head's Q8_0 codes run as stored (int4: two int4 halves; q4q8: Q8 tiles)
     costs: tuple[float, ...] = field(default=(), compare=False)   # ms of one chunk of each width (measured):
@@ -80,8 +80,8 @@ class LinearPlan:
         dt, widths = str(self.dtype).removeprefix("torch."), "/".join(map(str, self.widths))
         head = "; lm_head Q8_0 as stored" if self.head == "q8_0" else ""
         if self.weights == "q4q8":
-            return (f"int4 weights as stored times {dt} rows quantized to int8 per 32 (q4q8{head}; other weights "
-                    f"{dt} {name} in chunks of {widths})")
+            return (f"int4 weights as stored times {dt} rows quantized per 32 to int8 value and residual codes "
+                    f"(q4q8{head}; other weights {dt} {name} in chunks of {widths})")
         if self.weights == "int4":
             return f"int4 weights as stored ({dt} rows{head}; other weights {dt} {name}) in chunks of {widths}"
         return f"{dt} {name} in chunks of {widths}"
@@ -96,7 +96,8 @@ class LinearPlan:
         if d.get("layout") not in LAYOUTS or d.get("dtype") not in DTYPES or weights not in WEIGHTS \
                 or head not in HEADS or (head != "float" and weights not in STORED) or not _costs_fit(costs, d):
             raise HalError(f"linear plan: expected a layout in {sorted(LAYOUTS)}, a dtype in {sorted(DTYPES)}, "
-                           f"weights in {list(WEIGHTS)}, a head in {list(HEADS)} (q8_0 only with {' or '.join(STORED)}) and "
+                           f"weights in {list(WEIGHTS)}, a head in {list(HEADS)} (q8_0 only with "
+                           f"{' or '.join(STORED)}) and "
                            f"costs none or one positive number per width, got {d!r:.160}")
         return cls(d["layout"], DTYPES[d["dtype"]], tuple(int(n) for n in d["widths"]), weights=weights, head=head,
                    costs=tuple(float(c) for c in costs))
