@@ -104,11 +104,13 @@ class BlockModel:
         self.draft_ids = ids.long().to(self.device)
         self.embed = target.embed.to(self.device)
         self.w["head"] = target.head.to(self.device)[self.draft_ids].contiguous()
-        for i in range(cfg.layers):
-            for name in LINEAR:
-                self.w[f"{i}.{name}"] = self.w[f"{i}.{name}"].to(target.dtype)
+        nq = cfg.heads * cfg.head_dim
+        for i in range(cfg.layers):   # the linear layers run as the target's drafts do (its draft_weight)
+            self.w[f"{i}.wkv"] = self.w[f"{i}.wqkv"][nq:]   # the context rows' keys and values alone
+            for name in (*LINEAR, "wkv"):
+                self.w[f"{i}.{name}"] = target.draft_weight(self.w[f"{i}.{name}"], self.device)
         for name in ("fc", "head") + (("direct",) if cfg.direct else ()):
-            self.w[name] = self.w[name].to(target.dtype)
+            self.w[name] = target.draft_weight(self.w[name], self.device)
         self.rope = Rope(cfg.head_dim, cfg.rope_base, False).to(self.device)
         self.linear, self.head_mm, self.linears = target.draft_linears(self.device)
 
@@ -155,7 +157,7 @@ class BlockModel:
             k[block_rows] = self.rope.apply(qkv[:, nq:nq + nk].view(-1, cfg.kv_heads, D), rot_blk)
             v[block_rows] = qkv[:, nq + nk:].view(-1, cfg.kv_heads, D)
             if ctx is not None:
-                kv = lin(ctx, w[f"{i}.wqkv"][nq:])
+                kv = lin(ctx, w[f"{i}.wkv"])
                 k[ctx_rows] = self.rope.apply(kv[:, :nk].view(-1, cfg.kv_heads, D), rot[ctx_rows])
                 v[ctx_rows] = kv[:, nk:].view(-1, cfg.kv_heads, D)
             self.be.write_kv(k.to(k_caches[i].dtype), v.to(v_caches[i].dtype), k_caches[i], v_caches[i],
@@ -176,7 +178,7 @@ class BlockModel:
         if ctx is not None:
             rot = self.rope(batch.positions, batch.max_position)
             for i in range(cfg.layers):
-                kv = lin(ctx, w[f"{i}.wqkv"][nq:])
+                kv = lin(ctx, w[f"{i}.wkv"])
                 k = self.rope.apply(kv[:, :nk].view(-1, cfg.kv_heads, D), rot)
                 self.be.write_kv(k.to(k_caches[i].dtype), kv[:, nk:].reshape(-1, cfg.kv_heads, D).to(v_caches[i].dtype),
                                  k_caches[i], v_caches[i], batch.slot_mapping)

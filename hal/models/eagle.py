@@ -68,8 +68,8 @@ class EagleModel:
         if "head" not in self.w:   # the target's lm_head, restricted to the draft vocabulary
             head = target.head.to(self.device)
             self.w["head"] = head if ids is None else head[self.draft_ids].contiguous()
-        for name in ("fc", "wqkv", "wo", "wgu", "wdown", "head"):   # the linear layers run in the target's dtype
-            self.w[name] = self.w[name].to(target.dtype)
+        for name in ("fc", "wqkv", "wo", "wgu", "wdown", "head"):   # the linear layers run as the target's drafts do
+            self.w[name] = target.draft_weight(self.w[name], self.device)
         self.head, self.vocab = self.w["head"], tc.vocab
         if self.draft_ids is not None and (self.draft_ids.min() < 0 or self.draft_ids.max() >= tc.vocab):
             raise HalError(f"head d2t: expected draft ids mapping into [0, {tc.vocab}), got "

@@ -166,6 +166,16 @@ class Llama:
         why = "the target runs plain" if not self.batch_invariant else f"the plan is for {self.device}"
         return plain_linear, lm_head, f"plain F.linear ({why})"
 
+    def draft_weight(self, w: Tensor, device: torch.device):
+        """A drafter's linear weight in the form its draft linears (`draft_linears`) run
+        fastest: under a q4q8 plan on the drafter's device, Q8 tiles (quantized as Q8_0 is,
+        `hal.models.q4_rows.quantize_q8`; a shape the kernel does not take stays float); else
+        cast to the plan's dtype."""
+        if self.plan.weights == "q4q8" and self.batch_invariant and torch.device(device) == self.device \
+                and int4.fits(*w.shape):
+            return q4_rows.quantize_q8(w, self.plan.dtype)
+        return w.to(self.dtype)
+
     def layer_view(self, num_layers: int) -> "Llama":
         view = Llama(self.cfg, self.w, self.be, num_layers, self.batch_invariant, plan=self.plan,
                      fused_rows=isinstance(self.rows, row_kernels.FusedRows), native_loop=self.loop is not None)

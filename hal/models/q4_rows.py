@@ -126,6 +126,20 @@ def pack_q8(q: Tensor, d: Tensor, dtype: torch.dtype) -> Q4Weight:
     return Q4Weight(torch.cat([codes, ds], -1).contiguous(), (N, K), True, dtype)
 
 
+def quantize_q8(w: Tensor, dtype: torch.dtype) -> Q4Weight:
+    """Q8 tiles of a float weight ``w`` [N, K], quantized as GGUF's Q8_0 is (per 32 inputs:
+    ``d = max|w| / 127`` as fp16, ``q = round(w / d)``): a drafter's linear weights under a q4q8
+    plan. A weight that was dequantized from Q8_0 gets its stored codes back."""
+    N, K = w.shape
+    if not int4.fits(N, K):
+        raise HalError(f"weight: expected [N, K] with N a multiple of 16 and K of 32, got {list(w.shape)}",
+                       arg="weight")
+    v = w.detach().float().cpu().view(N, K // int4.GROUP, int4.GROUP)
+    d = (v.abs().amax(-1) / 127).half().float()
+    q = torch.round(v / torch.where(d > 0, d, 1.0)[..., None]).clamp(-128, 127).to(torch.int8)
+    return pack_q8(q.view(N, K), d, dtype)
+
+
 def from_q8_0(raw: np.ndarray, shape: tuple[int, int], dtype: torch.dtype) -> Q4Weight:
     """Q8 tiles of a GGUF Q8_0 tensor's bytes ``raw`` (logical ``shape`` [N, K])."""
     N, K = shape

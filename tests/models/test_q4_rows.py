@@ -202,3 +202,35 @@ def test_no_cxx_compiler_leaves_plans_without_q4q8(monkeypatch, tmp_path):
     with pytest.warns(RuntimeWarning, match="q4q8 kernel did not build.*planted failure"):
         choice = choose_plan(SHAPES, "stored", stored_int4=STORED, cache=False)
     assert choice.plan.weights == "int4" and all(c["plan"]["weights"] == "int4" for c in choice.candidates)
+
+
+def test_a_dequantized_q8_0_weight_quantizes_back_to_its_stored_codes():
+    """A drafter's weights under a q4q8 plan are quantized as Q8_0 is; the target's lm_head
+    rows it shares were dequantized from Q8_0, and get their stored codes back."""
+    N, K = 48, 96
+    raw = quants.quantize(np.random.default_rng(1).standard_normal((N, K)).astype(np.float32) * 0.05, KINDS["Q8_0"])
+    dense = torch.from_numpy(quants.dequantize(raw, KINDS["Q8_0"]).reshape(N, K).copy())
+    assert torch.equal(q4_rows.quantize_q8(dense, torch.bfloat16).packed,
+                       q4_rows.from_q8_0(raw, (N, K), torch.bfloat16).packed)
+    w = torch.randn(32, 64, generator=torch.Generator().manual_seed(2))
+    got = q4_rows.quantize_q8(w, torch.float32).mm(torch.eye(64))   # the weight as the kernel sees it, transposed
+    assert (got.T - w).abs().max() <= w.abs().max() / 127   # half a step of the largest group scale, and then some
+    with pytest.raises(HalError) as e:
+        q4_rows.quantize_q8(torch.zeros(40, 64), torch.float32)
+    assert e.value.arg == "weight"
+
+
+def test_drafter_weights_run_as_q8_tiles_only_under_a_q4q8_plan():
+    from types import SimpleNamespace
+
+    from hal.models.linear_layout import LinearPlan
+    from hal.models.llama import Llama
+    w = torch.randn(64, 96)
+    def target(weights, invariant=True):
+        return SimpleNamespace(plan=LinearPlan("mm", torch.bfloat16, (1,), weights=weights), batch_invariant=invariant,
+                               device=torch.device("cpu"), dtype=torch.bfloat16)
+    got = Llama.draft_weight(target("q4q8"), w, torch.device("cpu"))
+    assert isinstance(got, q4_rows.Q4Weight) and got.q8 and got.shape == (64, 96)
+    for t, shape in ((target("int4"), (64, 96)), (target("q4q8", invariant=False), (64, 96)), (target("q4q8"), (50, 96))):
+        other = Llama.draft_weight(t, torch.randn(*shape), torch.device("cpu"))
+        assert isinstance(other, torch.Tensor) and other.dtype == torch.bfloat16
