@@ -10,6 +10,7 @@
 // every cache index; an ATen error is caught and returned as text (nothing escapes to C).
 #include <ATen/ATen.h>
 
+#include <atomic>
 #include <cstring>
 #include <exception>
 #include <stdexcept>
@@ -66,6 +67,25 @@ at::Tensor stored_mm(const at::Tensor &x, void *packed, void *sz, int64_t N, con
     return s.act_bf16 ? y.to(at::kBFloat16) : y;
 }
 
+// row_kernels.c's attention with its work units (query row x KV head) split across torch's
+// threads where there is enough of it (a unit's bits do not depend on the split): 0, or the
+// kernel's error code (every index is checked first, on this thread)
+int64_t parallel_attention(const float *q, const void *k_cache, const void *v_cache, float *out, const Step &s) {
+    int64_t longest, keys = 0;
+    int64_t err = attention_check(s.T, s.bs, s.nblocks, s.bt, s.R, s.nb, s.bts, s.req, s.n_cache, s.extra, s.E,
+                                  s.n_extra, &longest);
+    if (err) return err;
+    for (int64_t t = 0; t < s.T; t++) keys += s.n_cache[t] + s.n_extra[t];
+    int64_t units = s.T * s.Hkv, grain = keys * s.Hkv < 4096 ? units : 1;   // small batches: one thread
+    std::atomic<int64_t> failed{0};
+    at::parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
+        if (attention_units(q, s.Hq, s.D, k_cache, v_cache, s.cache_bf16, s.Hkv, s.bs, s.bt, s.bts, s.req, s.n_cache,
+                            s.extra, s.E, s.n_extra, s.scale, out, longest, begin, end))
+            failed = 5;
+    });
+    return failed;
+}
+
 // one layer: h += d; attention block; h += its output; the MLP's output returned (not added)
 at::Tensor layer(float *h, const at::Tensor &d, int64_t i, const Step &s, void *const *norms, void *const *packed,
                  void *const *sz, void *const *k_caches, void *const *v_caches, const int64_t *taps, int64_t ntaps,
@@ -83,9 +103,7 @@ at::Tensor layer(float *h, const at::Tensor &d, int64_t i, const Step &s, void *
                 s.interleaved, k_caches[i], v_caches[i], s.cache_bf16, s.slot_of, s.nblocks * s.bs))
         throw std::runtime_error("slots: a slot outside the cache");
     auto o = at::empty({s.T, s.Hq, s.D}, at::TensorOptions().dtype(at::kFloat));
-    int64_t err = attention(q.data_ptr<float>(), s.T, s.Hq, s.D, k_caches[i], v_caches[i], s.cache_bf16, s.Hkv,
-                            s.bs, s.nblocks, s.bt, s.R, s.nb, s.bts, s.req, s.n_cache, s.extra, s.E, s.n_extra,
-                            s.scale, o.data_ptr<float>());
+    int64_t err = parallel_attention(q.data_ptr<float>(), k_caches[i], v_caches[i], o.data_ptr<float>(), s);
     if (err) throw std::runtime_error("batch: an index outside the cache (attention error " + std::to_string(err) + ")");
     at::Tensor ho = stored_mm(o.view({s.T, nq}).to(act_type(s)), packed[4 * i + 1], sz[4 * i + 1], s.H, s);
     add_norm(h, s.H, ho.data_ptr(), s.H, s.act_bf16, (const float *)norms[2 * i + 1], s.eps, x.data_ptr(), s.H,

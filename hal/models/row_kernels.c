@@ -269,6 +269,59 @@ static void group_rows(const float *qg, int64_t G, int64_t D, const char *kc, co
 #undef CASE
 }
 
+/* Every index a batch's attention reads, checked before anything is read: 0, or an error code
+ * (1 request, 2 key counts, 3 block ids, 4 tree slots); *longest: the longest key list. */
+static int64_t attention_check(int64_t T, int64_t bs, int64_t nblocks, const int64_t *block_tables, int64_t R,
+                               int64_t nb, int64_t bts, const int64_t *req, const int64_t *n_cache,
+                               const int64_t *extra, int64_t E, const int64_t *n_extra, int64_t *longest) {
+    *longest = 0;
+    for (int64_t t = 0; t < T; t++) {
+        if (req[t] < 0 || req[t] >= R) return 1;
+        int64_t n = n_cache[t], ne = n_extra[t];
+        if (n < 0 || n > nb * bs || ne < 0 || ne > E || n + ne < 1) return 2;   /* a query sees itself */
+        const int64_t *bt = block_tables + req[t] * bts;
+        for (int64_t b = 0; b * bs < n; b++)
+            if (bt[b] < 0 || bt[b] >= nblocks) return 3;
+        for (int64_t j = 0; j < ne; j++)
+            if (extra[t * E + j] < 0 || extra[t * E + j] >= nblocks * bs) return 4;
+        *longest = n + ne > *longest ? n + ne : *longest;
+    }
+    return 0;
+}
+
+/* Work units [w0, w1) of a checked batch (unit w: query row w / Hkv, its KV head w % Hkv's
+ * query group): each unit is computed by the same code whichever range it is in, so a caller
+ * may split the units across threads. 0, or 5 when scratch memory cannot be had. */
+static int64_t attention_units(const float *q, int64_t Hq, int64_t D, const void *k_cache, const void *v_cache,
+                               int cache_bf16, int64_t Hkv, int64_t bs, const int64_t *block_tables, int64_t bts,
+                               const int64_t *req, const int64_t *n_cache, const int64_t *extra, int64_t E,
+                               const int64_t *n_extra, float scale, float *out, int64_t longest, int64_t w0,
+                               int64_t w1) {
+    int64_t G = Hq / Hkv, row_bytes = Hkv * D * (cache_bf16 ? 2 : 4), head_bytes = D * (cache_bf16 ? 2 : 4);
+    float *scores = (float *)malloc(sizeof(float) * (size_t)(G * longest + 1));
+    int64_t *slots = (int64_t *)malloc(sizeof(int64_t) * (size_t)(longest + 1));
+    if (!scores || !slots) {
+        free(scores);
+        free(slots);
+        return 5;
+    }
+    for (int64_t w = w0, row = -1; w < w1; w++) {
+        int64_t t = w / Hkv, g = w % Hkv, n = n_cache[t], L = n + n_extra[t];
+        if (t != row) {   /* this row's key slots: its context in cache order, then its tree keys */
+            const int64_t *bt = block_tables + req[t] * bts;
+            for (int64_t j = 0; j < n; j++) slots[j] = bt[j / bs] * bs + j % bs;
+            for (int64_t j = n; j < L; j++) slots[j] = extra[t * E + (j - n)];
+            row = t;
+        }
+        group_rows(q + (t * Hq + g * G) * D, G, D, (const char *)k_cache + g * head_bytes,
+                   (const char *)v_cache + g * head_bytes, cache_bf16, row_bytes, slots, L, scale,
+                   out + (t * Hq + g * G) * D, scores);
+    }
+    free(scores);
+    free(slots);
+    return 0;
+}
+
 /* Causal paged attention, one query row at a time: query t (request req[t]) sees the first
  * n_cache[t] keys of its request in cache order (through its block table row), then the
  * n_extra[t] keys at slots extra[t, :] (a tree's ancestors and itself, in chain order); its
@@ -283,37 +336,9 @@ int64_t attention(const float *q, int64_t T, int64_t Hq, int64_t D, const void *
                   int cache_bf16, int64_t Hkv, int64_t bs, int64_t nblocks, const int64_t *block_tables, int64_t R,
                   int64_t nb, int64_t bts, const int64_t *req, const int64_t *n_cache, const int64_t *extra, int64_t E,
                   const int64_t *n_extra, float scale, float *out) {
-    int64_t G = Hq / Hkv, row_bytes = Hkv * D * (cache_bf16 ? 2 : 4), head_bytes = D * (cache_bf16 ? 2 : 4);
-    int64_t longest = 0;
-    for (int64_t t = 0; t < T; t++) {
-        if (req[t] < 0 || req[t] >= R) return 1;
-        int64_t n = n_cache[t], ne = n_extra[t];
-        if (n < 0 || n > nb * bs || ne < 0 || ne > E || n + ne < 1) return 2;   /* a query sees itself */
-        const int64_t *bt = block_tables + req[t] * bts;
-        for (int64_t b = 0; b * bs < n; b++)
-            if (bt[b] < 0 || bt[b] >= nblocks) return 3;
-        for (int64_t j = 0; j < ne; j++)
-            if (extra[t * E + j] < 0 || extra[t * E + j] >= nblocks * bs) return 4;
-        longest = n + ne > longest ? n + ne : longest;
-    }
-    float *scores = (float *)malloc(sizeof(float) * (size_t)(G * longest + 1));
-    int64_t *slots = (int64_t *)malloc(sizeof(int64_t) * (size_t)(longest + 1));
-    if (!scores || !slots) {
-        free(scores);
-        free(slots);
-        return 5;
-    }
-    for (int64_t t = 0; t < T; t++) {
-        const int64_t *bt = block_tables + req[t] * bts;
-        int64_t n = n_cache[t], L = n + n_extra[t];
-        for (int64_t j = 0; j < n; j++) slots[j] = bt[j / bs] * bs + j % bs;
-        for (int64_t j = n; j < L; j++) slots[j] = extra[t * E + (j - n)];
-        for (int64_t g = 0; g < Hkv; g++)
-            group_rows(q + (t * Hq + g * G) * D, G, D, (const char *)k_cache + g * head_bytes,
-                       (const char *)v_cache + g * head_bytes, cache_bf16, row_bytes, slots, L, scale,
-                       out + (t * Hq + g * G) * D, scores);
-    }
-    free(scores);
-    free(slots);
-    return 0;
+    int64_t longest, err = attention_check(T, bs, nblocks, block_tables, R, nb, bts, req, n_cache, extra, E, n_extra,
+                                           &longest);
+    if (err) return err;
+    return attention_units(q, Hq, D, k_cache, v_cache, cache_bf16, Hkv, bs, block_tables, bts, req, n_cache, extra, E,
+                           n_extra, scale, out, longest, 0, T * Hkv);
 }
