@@ -88,6 +88,32 @@ def test_the_loop_gives_the_python_loops_bits(twins, feeds):
     assert all(torch.equal(x, y) for x, y in zip(a[2] + a[3], b[2] + b[3])), "the KV caches differ"
 
 
+def test_long_batches_split_across_threads_give_the_python_loops_bits(twins):
+    """Enough keys that the loop splits the attention's units across torch's threads (two
+    requests of 300 cached tokens verifying 6 each): the single-threaded Python loop's bits."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)   # make test runs at one thread: two here, so the units are split
+    try:
+        got = _long_runs(twins)
+    finally:
+        torch.set_num_threads(threads)
+    (a, ka, va), (b, kb, vb) = got
+    assert torch.equal(a, b) and all(torch.equal(x, y) for x, y in zip(ka + va, kb + vb))
+
+
+def _long_runs(twins):
+    got = []
+    for model in twins:
+        pool = KVPool(model.be, 48, 16, 3, 64, dtype=model.dtype, num_layers=LAYERS)
+        seqs = [pool.sequence(), pool.sequence()]
+        for n, s in enumerate(seqs):
+            prompt = [(11 * i + 5 * n) % V for i in range(300)]
+            forward(model, pool, [s], [prompt], False)
+            s.commit(len(prompt))
+        got.append((forward(model, pool, seqs, [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]], True)[0], pool.k, pool.v))
+    return got
+
+
 def test_trees_and_feature_taps_give_the_python_loops_bits(twins):
     native, python = twins
     a, b = _run(native, [[4, 5, 6, 7, 8]], tree=[-1, 0, 0, 1]), _run(python, [[4, 5, 6, 7, 8]], tree=[-1, 0, 0, 1])
