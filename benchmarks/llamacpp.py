@@ -152,10 +152,11 @@ def main() -> None:
     from hal.drafters.kinds import make_drafter, parse_draft
     both = lambda: make_drafter(parse_draft("ngram+eagle"), be, target, "smollm2-135m")  # noqa: E731
     ngram = lambda: make_drafter(parse_draft("ngram"), be, target, "smollm2-135m")  # noqa: E731
+    block = lambda: make_drafter(parse_draft("ngram+dspark"), be, target, "smollm2-135m")  # noqa: E731
     from hal.engine import SpeculativeDecoder
     with torch.inference_mode():
         costs = {name: SpeculativeDecoder(target, make(), num_blocks=256).profile_costs(max_tokens=17, context=200)
-                 for name, make in (("ngram", ngram), ("both", both))}
+                 for name, make in (("ngram", ngram), ("both", both), ("block", block))}
     modes = {"llama.cpp plain": [], "llama.cpp ngram-simple": ["--spec-type", "ngram-simple"],
              "llama.cpp ngram-cache": ["--spec-type", "ngram-cache"]}
     results: dict[tuple[str, str], float] = {}
@@ -164,7 +165,8 @@ def main() -> None:
         with torch.inference_mode():
             for system, make, k, cost in (("spec-hal plain", lambda: None, 0, None),
                                           ("spec-hal ngram routed", ngram, 8, costs["ngram"]),
-                                          ("spec-hal ngram+eagle routed", both, 7, costs["both"])):
+                                          ("spec-hal ngram+eagle routed", both, 7, costs["both"]),
+                                          ("spec-hal ngram+dspark routed", block, 7, costs["block"])):
                 ours(target, make(), ids, 8, k, cost)   # warm up, as each llama.cpp mode is below
                 out, dt = ours(target, make(), ids, n, k, cost)
                 results[(label, system)] = len(out) / dt
@@ -196,7 +198,8 @@ def main() -> None:
             tg["llama.cpp"] = llama_bench(bench, gguf, args.threads, args.tg)
         except (RuntimeError, ValueError, subprocess.TimeoutExpired) as e:
             print(f"llama-bench: {e}", file=sys.stderr)
-    systems = ["spec-hal plain", "spec-hal ngram routed", "spec-hal ngram+eagle routed", *modes]
+    systems = ["spec-hal plain", "spec-hal ngram routed", "spec-hal ngram+eagle routed", "spec-hal ngram+dspark routed",
+               *modes]
     lines = ["# llama.cpp on the same GGUF (SmolLM2-135M Q4_1), greedy, end to end", "",
              f"Command: `python benchmarks/llamacpp.py --max-new-tokens {n} --threads {args.threads} --dtype "
              f"{args.dtype} --rounds {args.rounds}`; {time.strftime('%Y-%m-%d')}; {machine_line(target.plan, args.threads)}. llama.cpp: "
