@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from hal.errors import HalError
+from hal.models import invariant, row_kernels
 from hal.models.llama import Batch, Llama, _rms_norm
 from hal.models.rope import Rope
 
@@ -76,6 +77,8 @@ class EagleModel:
                            f"[{int(self.draft_ids.min())}, {int(self.draft_ids.max())}]")
         self.rope = Rope(cfg.head_dim, cfg.rope_base, False, cfg.rope_scaling).to(self.device)
         self.linear, self.head_mm, self.linears = target.draft_linears(self.device)
+        fused = isinstance(getattr(target, "rows", None), row_kernels.FusedRows) and self.device == target.device
+        self.rows = target.rows if fused else None   # the target's fused row kernels, on its device
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
@@ -104,12 +107,15 @@ class EagleModel:
         nq, nk = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
         qkv = lin(inp, w["wqkv"])
         rot = self.rope(batch.positions, batch.max_position)
-        q = self.rope.apply(qkv[:, :nq].view(T, cfg.heads, cfg.head_dim), rot)
-        k = self.rope.apply(qkv[:, nq:nq + nk].view(T, cfg.kv_heads, cfg.head_dim), rot)
-        v = qkv[:, nq + nk:].view(T, cfg.kv_heads, cfg.head_dim)
-        self.be.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
-        o = self.be.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
-                                    cfg.head_dim ** -0.5, tree_mask)
+        if self._fused(k_cache):   # the target's row kernels: RoPE, the KV write and the attention in C
+            o = self._fused_attention(batch, qkv, rot, k_cache, v_cache, tree_mask)
+        else:
+            q = self.rope.apply(qkv[:, :nq].view(T, cfg.heads, cfg.head_dim), rot)
+            k = self.rope.apply(qkv[:, nq:nq + nk].view(T, cfg.kv_heads, cfg.head_dim), rot)
+            v = qkv[:, nq + nk:].view(T, cfg.kv_heads, cfg.head_dim)
+            self.be.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+            o = self.be.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens,
+                                        batch.query_start_loc, cfg.head_dim ** -0.5, tree_mask)
         h = h + lin(o.reshape(T, nq), w["wo"])
         gate, up = lin(_rms_norm(h, w["ffn_norm"], cfg.eps), w["wgu"]).split(cfg.ffn, -1)
         h = h + lin(F.silu(gate) * up, w["wdown"])
@@ -117,6 +123,27 @@ class EagleModel:
         if cfg.version == 3:
             out = _rms_norm(out, w["norm"], cfg.eps)
         return self.head_mm(out, self.head), h
+
+    def _fused(self, k_cache: Tensor) -> bool:
+        """Whether this forward runs on the target's fused row kernels: they are loaded, take
+        these heads, and the cache is a contiguous host tensor."""
+        cfg = self.cfg
+        return self.rows is not None and self.rows.attends(cfg.heads, cfg.kv_heads, cfg.head_dim) \
+            and k_cache.device.type == "cpu" and k_cache.is_contiguous()
+
+    def _fused_attention(self, batch: Batch, qkv: Tensor, rot: Tensor, k_cache: Tensor, v_cache: Tensor,
+                         tree_mask: Tensor | None) -> Tensor:
+        """The attention's output [T, heads, D] by the row kernels (`rope_kv` checks every slot
+        and `attention` every index before anything is written or read: a bad batch changes
+        nothing)."""
+        cfg, T = self.cfg, qkv.shape[0]
+        max_query = batch.max_query
+        if max_query is None:
+            max_query = int((batch.query_start_loc[1:] - batch.query_start_loc[:-1]).max()) if T else 0
+        keys = invariant.KeyLists(batch.block_tables, batch.seq_lens, batch.query_start_loc, T, max_query, tree_mask,
+                                  batch.slot_mapping)
+        q = self.rows.rope_kv(qkv, rot, cfg.heads, cfg.kv_heads, False, k_cache, v_cache, keys.slot_of)
+        return self.rows.attention(q, k_cache, v_cache, keys, cfg.head_dim ** -0.5)
 
     def full_logits(self, draft_logits: Tensor) -> Tensor:
         """Draft-vocabulary logits spread over the target's vocabulary (-inf elsewhere)."""

@@ -151,6 +151,29 @@ def test_head_drafter_is_lossless_and_first_drafts_match_a_recompute(target, tmp
     assert checked >= 10
 
 
+def test_the_head_attends_on_the_targets_row_kernels_as_the_backend_would(target, tmp_path):
+    """The head's RoPE, KV write and attention run on the target's fused row kernels: its
+    logits are the backend ops' within 1e-5 of the largest (float32, another summation order),
+    and a slot outside the cache is refused before anything is written."""
+    head = load_eagle(eagle3(tmp_path), target)
+    assert head.rows is target.rows
+    ids = [1, 5, 9, 14, 3, 22, 40, 7, 61, 2, 17, 33, 8, 90, 4, 12, 50, 28]
+    feats = target_features(target, ids, head.feature_layers)
+    fused = head_logits(head, ids, feats)
+    head.rows = None   # the backend's checked write_kv and paged_attention
+    eager = head_logits(head, ids, feats)
+    assert (fused - eager).abs().max() <= 1e-5 * eager.abs().max()
+    head.rows = target.rows
+    pool = kv.KVPool(head.be, 8, 16, KV, D, num_layers=1)
+    toks = torch.tensor(ids[1:4])
+    b = make_batch(head.be, head.device, pool, [pool.sequence()], [3], toks, all_rows=True)
+    b.slot_mapping[1] = 8 * 16   # PLANTED: a slot past the cache
+    before = pool.k[0].clone()
+    with pytest.raises(HalError, match="slots"):
+        head.forward(b, pool.k[0], pool.v[0], toks, feats[:3], True)
+    assert torch.equal(pool.k[0], before)
+
+
 @pytest.mark.parametrize("layout", ["eagle1", "eagle3"])
 def test_head_tree_is_lossless_and_grows_around_the_chain(target, tmp_path, layout):
     """EAGLE-2 trees (top-3, depth 4, 7 nodes): greedy output equals plain; the tree's first
