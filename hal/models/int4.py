@@ -52,6 +52,7 @@ class Int4Blocks:
     codes: Tensor
     scales: Tensor
     zeros: Tensor
+    mins: Tensor | None = None   # [N, G] float32: Q4_1's stored m (w = d·q + m), kept as read; None: zeros - 8·scales
 
     def __post_init__(self):
         N, K = self.codes.shape
@@ -130,7 +131,7 @@ def from_blocks(raw: np.ndarray, kind: str, shape: tuple[int, int]) -> Int4Block
     codes = torch.from_numpy(np.concatenate([qs & 0xF, qs >> 4], axis=-1).reshape(N, K))
     if kind == "Q4_1":   # w = d·q + m = d·(q - 8) + (m + 8d)
         m = _half(blocks, 2)
-        return Int4Blocks(codes, d, m + 8 * d)
+        return Int4Blocks(codes, d, m + 8 * d, m)
     return Int4Blocks(codes, d, torch.zeros_like(d))   # Q4_0: w = d·(q - 8)
 
 
@@ -168,8 +169,9 @@ def random_q8(N: int, K: int, generator: torch.Generator) -> Int4Blocks:
 
 def cat(parts: list[Int4Blocks]) -> Int4Blocks:
     """Weights stacked along N (a fused qkv or gate-up projection)."""
+    mins = None if any(p.mins is None for p in parts) else torch.cat([p.mins for p in parts])
     return Int4Blocks(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
-                      torch.cat([p.zeros for p in parts]))
+                      torch.cat([p.zeros for p in parts]), mins)
 
 
 def random(N: int, K: int, generator: torch.Generator) -> Int4Blocks:

@@ -136,9 +136,9 @@ class Llama:
                 key = f"{i}.{name}"
                 if isinstance(self.w[key], STORED_TYPES):
                     if _form(self.w[key]) != self.plan.weights or self.w[key].dtype != dtype:
-                        raise HalError(f"weights[{key!r}]: expected float weights or int4 ones for a {dtype} "
-                                       f"int4 plan, got int4 ({self.w[key].dtype}) under {self.plan.describe()}",
-                                       arg="weights")
+                        raise HalError(f"weights[{key!r}]: expected float weights or ones packed for {dtype} rows "
+                                       f"in the plan's form ({self.plan.weights}), got {_form(self.w[key])} "
+                                       f"({self.w[key].dtype}) under {self.plan.describe()}", arg="weights")
                 elif self.w[key].dtype != dtype:
                     self.w[key] = self.w[key].to(dtype)
         if self.plan.head == "q8_0":   # the loader packed the file's Q8_0 head (`hal.models.loaders.load_gguf`)

@@ -96,11 +96,12 @@ class Q4Weight:
 
 
 def pack(blocks: int4.Int4Blocks, dtype: torch.dtype) -> Q4Weight:
-    """Q4 tiles of int4 blocks (``w = (q - 8)·scale + zero``: d = scale, m = zero - 8·scale),
-    whose d and m are fp16 values, as a GGUF file stores them. `HalError` naming ``weight``
-    otherwise: nothing is rounded here."""
+    """Q4 tiles of int4 blocks (``w = (q - 8)·scale + zero``: d = scale, m = the stored min, or
+    zero - 8·scale), whose d and m are fp16 values, as a GGUF file stores them. `HalError`
+    naming ``weight`` otherwise: nothing is rounded here."""
     N, K = blocks.codes.shape
-    d, m = blocks.scales, blocks.zeros - 8 * blocks.scales
+    d = blocks.scales
+    m = blocks.zeros - 8 * blocks.scales if blocks.mins is None else blocks.mins
     d16, m16 = d.half(), m.half()
     if not (torch.equal(d16.float(), d) and torch.equal(m16.float(), m)):
         raise HalError("weight: expected int4 blocks whose scales and mins are fp16 values (as stored in a GGUF "

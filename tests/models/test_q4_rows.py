@@ -234,3 +234,18 @@ def test_drafter_weights_run_as_q8_tiles_only_under_a_q4q8_plan():
     for t, shape in ((target("int4"), (64, 96)), (target("q4q8", invariant=False), (64, 96)), (target("q4q8"), (50, 96))):
         other = Llama.draft_weight(t, torch.randn(*shape), torch.device("cpu"))
         assert isinstance(other, torch.Tensor) and other.dtype == torch.bfloat16
+
+
+def test_q4_1_mins_are_packed_as_stored_even_where_float32_sums_round_them():
+    """A Q4_1 block whose min is large beside its scale: m + 8d rounds in float32, so the min
+    is kept as read (`Int4Blocks.mins`), and the tiles hold the file's fp16 values."""
+    N, K = 16, 32
+    blocks = np.zeros((N, 1, 20), np.uint8)
+    blocks[..., 0:2] = np.frombuffer(np.float16(0.00933837890625).tobytes(), np.uint8)
+    blocks[..., 2:4] = np.frombuffer(np.float16(8192.0).tobytes(), np.uint8)   # a pair where (m + 8d) - 8d != m
+    blocks[..., 4:] = np.arange(16, dtype=np.uint8) * 17   # codes 0..15 in both nibbles
+    b = int4.from_blocks(blocks.reshape(-1), "Q4_1", (N, K))
+    assert not torch.equal(b.zeros - 8 * b.scales, b.mins)   # the float32 sum lost the min
+    w = q4_rows.pack(b, torch.float32)
+    x = rows(3, K, seed=9)
+    assert torch.equal(w.mm(x), q4_rows.reference_mm(x, b.codes, b.scales, b.mins))
