@@ -174,7 +174,7 @@ class BlockModel:
     def _write_context(self, batch: Batch, k_caches, v_caches, ctx: Tensor | None) -> tuple[Tensor, Tensor]:
         """Every fed row is a context row: each layer's K/V of the fused features, written; no block."""
         cfg, w, lin = self.cfg, self.w, self.linear
-        nq, nk, D = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.head_dim
+        nk, D = cfg.kv_heads * cfg.head_dim, cfg.head_dim
         if ctx is not None:
             rot = self.rope(batch.positions, batch.max_position)
             for i in range(cfg.layers):
