@@ -55,6 +55,22 @@ def batch_decode(model, R):
     return lambda: forward(model, pool, seqs, [[100]] * R, False)
 
 
+CASES = [("decode, 1 request", ours, 1), ("verify, 5 tokens", ours, 5), ("verify, 9 tokens", ours, 9),
+         ("decode, 4 requests", batch_decode, 4), ("decode, 16 requests", batch_decode, 16)]   # (name, make, n)
+
+
+def interleaved(fns: dict, reps: int) -> dict:
+    """Median seconds of each of ``fns`` (name -> closure), run in turn ``reps`` times,
+    alternating the order from one round to the next."""
+    times = {key: [] for key in fns}
+    for rep in range(reps):
+        for key in (fns if rep % 2 else reversed(list(fns))):
+            t = time.perf_counter()
+            fns[key]()
+            times[key].append(time.perf_counter() - t)
+    return {key: statistics.median(v) for key, v in times.items()}
+
+
 def hf_decode(path):
     from transformers import AutoModelForCausalLM, DynamicCache
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()

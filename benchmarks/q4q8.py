@@ -14,23 +14,18 @@ Writes benchmarks/results/q4q8.md.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from dataclasses import replace
 
 import torch
 
 import hal
-from forward import batch_decode, ours
+from forward import CASES, interleaved
 from report import publish
 from hal.models.fetch import fetch
 from hal.models.linear_plan import best_of
 from hal.models.loaders import load_gguf
 from hal.models.machine import machine_line
-
-CASES = [("decode, 1 request", ours, 1), ("verify, 5 tokens", ours, 5), ("verify, 9 tokens", ours, 9),
-         ("decode, 4 requests", batch_decode, 4), ("decode, 16 requests", batch_decode, 16)]
-
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -47,13 +42,7 @@ def main() -> None:
     models = {"int4pack": i4, "q4q8": q4}
     fns = {(name, kind): make(model, n) for name, make, n in CASES for kind, model in models.items()}
     outs = {key: fn() for key, fn in fns.items()}   # warm-up, and the logits compared below
-    times = {key: [] for key in fns}
-    for rep in range(args.reps):
-        for key in (fns if rep % 2 else reversed(list(fns))):
-            t = time.perf_counter()
-            fns[key]()
-            times[key].append(time.perf_counter() - t)
-    med = {key: statistics.median(v) for key, v in times.items()}
+    med = interleaved(fns, args.reps)
     lines = ["# The q4q8 kernel against int4pack (SmolLM2-135M, 200 cached tokens)", "",
              f"Command: `python benchmarks/q4q8.py --reps {args.reps} --threads {args.threads}`; medians of "
              f"{args.reps} interleaved runs, {time.strftime('%Y-%m-%d')}.", "",

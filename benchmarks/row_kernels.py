@@ -18,22 +18,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import time
 
 import torch
 
 import hal
-from forward import CTX, batch_decode, ours
+from forward import CASES, CTX, interleaved
 from report import publish
 from hal.models.fetch import fetch
 from hal.models.llama import Llama
 from hal.models.loaders import load_gguf
 from hal.models.machine import machine_line
-
-CASES = [("decode, 1 request", ours, 1), ("verify, 5 tokens", ours, 5), ("verify, 9 tokens", ours, 9),
-         ("decode, 4 requests", batch_decode, 4), ("decode, 16 requests", batch_decode, 16)]
-
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -49,13 +44,7 @@ def main() -> None:
     fns = {(name, kind): make(model, n) for name, make, n in CASES
            for kind, model in (("native", fused), ("fused", python), ("eager", eager))}
     outs = {key: fn() for key, fn in fns.items()}   # warm-up, and the logits compared below
-    times = {key: [] for key in fns}
-    for rep in range(args.reps):
-        for key in (fns if rep % 2 else reversed(list(fns))):
-            t = time.perf_counter()
-            fns[key]()
-            times[key].append(time.perf_counter() - t)
-    med = {key: statistics.median(v) for key, v in times.items()}
+    med = interleaved(fns, args.reps)
     env = "".join(f"{k}={os.environ[k]} " for k in ("HAL_MARCH", "ATEN_CPU_CAPABILITY") if os.environ.get(k))
     lines = ["# Fused row kernels and the native layer loop against eager ATen ops (SmolLM2-135M, 200 cached "
              "tokens)", "",
