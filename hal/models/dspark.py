@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from hal.errors import HalError
+from hal.models import invariant, row_kernels
 from hal.models.llama import Batch, Llama, _rms_norm
 from hal.models.rope import Rope
 
@@ -113,6 +114,8 @@ class BlockModel:
             self.w[name] = target.draft_weight(self.w[name], self.device)
         self.rope = Rope(cfg.head_dim, cfg.rope_base, False).to(self.device)
         self.linear, self.head_mm, self.linears = target.draft_linears(self.device)
+        fused = isinstance(getattr(target, "rows", None), row_kernels.FusedRows) and self.device == target.device
+        self.rows = target.rows if fused else None   # the target's fused row kernels, on its device
 
     @property
     def proposals(self) -> int:
@@ -162,14 +165,27 @@ class BlockModel:
                 v[ctx_rows] = kv[:, nk:].view(-1, cfg.kv_heads, D)
             self.be.write_kv(k.to(k_caches[i].dtype), v.to(v_caches[i].dtype), k_caches[i], v_caches[i],
                              batch.slot_mapping)
-            q = self.rope.apply(qkv[:, :nq].view(-1, cfg.heads, D), rot_blk).to(k_caches[i].dtype)
-            o = self.be.paged_attention(q, k_caches[i], v_caches[i], block_batch.block_tables, block_batch.seq_lens,
-                                        block_batch.query_start_loc, D ** -0.5, ones)
+            q = self.rope.apply(qkv[:, :nq].view(-1, cfg.heads, D), rot_blk)
+            o = self._attention(q, k_caches[i], v_caches[i], block_batch, ones, batch.slot_mapping[block_rows])
             h = h + lin(o.reshape(R * B, nq), w[f"{i}.wo"])
             gate, up = lin(_rms_norm(h, w[f"{i}.ffn_norm"], cfg.eps), w[f"{i}.wgu"]).split(cfg.ffn, -1)
             h = h + lin(F.silu(gate) * up, w[f"{i}.wdown"])
         out = _rms_norm(h.view(R, B, -1)[:, 1:], w["norm"], cfg.eps)
         return self.head_mm(out.reshape(R * (B - 1), -1), w["head"]).view(R, B - 1, -1), out
+
+    def _attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, blocks: Batch, ones: Tensor,
+                   slots: Tensor) -> Tensor:
+        """The block queries' attention (each sees its context and its whole block): on the
+        target's fused row kernels where they apply (every index checked before the cache is
+        read), else the backend's ``paged_attention``. ``slots``: the block rows' KV slots."""
+        cfg = self.cfg
+        if self.rows is not None and self.rows.attends(cfg.heads, cfg.kv_heads, cfg.head_dim) \
+                and k_cache.device.type == "cpu" and k_cache.is_contiguous():
+            keys = invariant.KeyLists(blocks.block_tables, blocks.seq_lens, blocks.query_start_loc, q.shape[0],
+                                      cfg.block, ones, slots)
+            return self.rows.attention(q.float(), k_cache, v_cache, keys, cfg.head_dim ** -0.5)
+        return self.be.paged_attention(q.to(k_cache.dtype), k_cache, v_cache, blocks.block_tables, blocks.seq_lens,
+                                       blocks.query_start_loc, cfg.head_dim ** -0.5, ones)
 
     def _write_context(self, batch: Batch, k_caches, v_caches, ctx: Tensor | None) -> tuple[Tensor, Tensor]:
         """Every fed row is a context row: each layer's K/V of the fused features, written; no block."""
