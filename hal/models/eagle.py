@@ -133,9 +133,9 @@ class EagleModel:
 
     def _fused_attention(self, batch: Batch, qkv: Tensor, rot: Tensor, k_cache: Tensor, v_cache: Tensor,
                          tree_mask: Tensor | None) -> Tensor:
-        """The attention's output [T, heads, D] by the row kernels (`rope_kv` checks every slot
-        and `attention` every index before anything is written or read: a bad batch changes
-        nothing)."""
+        """The attention's output [T, heads, D] by the row kernels, in the order the backend's
+        ops ran: `rope_kv` checks every slot before it writes (a bad slot writes nothing), then
+        `attention` checks every index before it reads."""
         cfg, T = self.cfg, qkv.shape[0]
         max_query = batch.max_query
         if max_query is None:
