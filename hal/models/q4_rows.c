@@ -38,7 +38,13 @@
 
 #define Q4_TILE_BYTES 320   /* per (tile, group): 256 bytes of codes, 16 fp16 d, 16 fp16 m */
 #define Q8_TILE_BYTES 544   /* per (tile, group): 512 bytes of codes + 128, 16 fp16 d */
-#define Q4_ROWS 8           /* rows multiplied together per pass over a tile's weights */
+/* rows multiplied together per pass over a tile's weights: what the ISA's vector registers hold
+ * (per row: an output and two accumulators; AVX-512 has 32 registers, AVX2 16) */
+#if defined(Q4_AVX512)
+#define Q4_ROWS 8
+#else
+#define Q4_ROWS 4
+#endif
 
 static inline float q4_half(uint16_t h) {
     uint32_t s = (uint32_t)(h >> 15) << 31, e = (h >> 10) & 31, f = h & 1023, u;
@@ -322,9 +328,9 @@ typedef void (*q4_tile_fn)(const uint8_t *, int64_t, const int8_t *, int64_t, co
                            int64_t);
 typedef void (*q8_tile_fn)(const uint8_t *, int64_t, const int8_t *, int64_t, const float *, const int32_t *,
                            float *, int64_t);
-static const q4_tile_fn q4_tiles[Q4_ROWS + 1] = {0, q4_tile_1, q4_tile_2, q4_tile_3, q4_tile_4,
+static const q4_tile_fn q4_tiles[9] = {0, q4_tile_1, q4_tile_2, q4_tile_3, q4_tile_4,
                                                  q4_tile_5, q4_tile_6, q4_tile_7, q4_tile_8};
-static const q8_tile_fn q8_tiles[Q4_ROWS + 1] = {0, q8_tile_1, q8_tile_2, q8_tile_3, q8_tile_4,
+static const q8_tile_fn q8_tiles[9] = {0, q8_tile_1, q8_tile_2, q8_tile_3, q8_tile_4,
                                                  q8_tile_5, q8_tile_6, q8_tile_7, q8_tile_8};
 
 /* Output tiles [tile0, tile1) of y [T, N] (float32, row stride y_row) for the quantized rows
