@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 import hal
+from draft_linears import float_weights
 from hal.drafters.kinds import make_drafter, parse_draft
 from hal.engine.requests import Request
 from hal.launch.build import build_engine
@@ -50,14 +51,14 @@ def main() -> None:
     stop, be = target.cfg.stop_ids, target.be
     rows = []
     for form in ("plan", "float") if args.float_too else ("plan",):
-        if form == "float":   # the drafters built below keep float weights (the q4q8 plan's default quantizes them)
-            target.draft_weight = lambda w, device: w.to(target.dtype)
+        build = (lambda make: float_weights(target, make)) if form == "float" else (lambda make: make())
         tag = ", float weights" if form == "float" else ""
-        eagle = make_drafter(parse_draft("eagle"), be, target, "smollm2-135m")
+        eagle = build(lambda: make_drafter(parse_draft("eagle"), be, target, "smollm2-135m"))
         rows.append((f"EAGLE head, chain of 4{tag}", score(build_engine(target, eagle, k=4), ids, 4,
                                                            args.max_new_tokens, stop)))
         for folder in args.blocks or [None]:
-            drafter = make_drafter(parse_draft(f"dspark:{folder}" if folder else "dspark"), be, target, "smollm2-135m")
+            kind = parse_draft(f"dspark:{folder}" if folder else "dspark")
+            drafter = build(lambda: make_drafter(kind, be, target, "smollm2-135m"))
             k = drafter.model.proposals
             rows.append((f"block drafter {folder or '(shipped)'}, fixed block k={k}{tag}",
                          score(build_engine(target, drafter, k=k), ids, k, args.max_new_tokens, stop)))

@@ -23,6 +23,12 @@ LAYOUTS: dict[str, plan_check.Layout] = {
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 WEIGHTS = ("float", "int4", "q4q8")     # how the weights stored as int4 blocks run (`LinearPlan.weights`)
 STORED = ("int4", "q4q8")                # the forms that run them as stored
+STORED_TYPES = (int4.Int4Weight, q4_rows.Q4Weight)   # a weight packed in one of those forms
+
+
+def form_of(w) -> str | None:
+    """The `STORED` form a packed weight runs in (None: a float tensor)."""
+    return "q4q8" if isinstance(w, q4_rows.Q4Weight) else "int4" if isinstance(w, int4.Int4Weight) else None
 HEADS = ("float", "q8_0")                # how an lm_head stored as Q8_0 runs (`LinearPlan.head`)
 
 

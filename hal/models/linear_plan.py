@@ -53,7 +53,7 @@ from hal.models import plan_cache, plan_check, q4_rows
 from hal.models.machine import BF16_FLAGS, cpu_flags, cpu_signature
 from hal.errors import HalError
 from hal.models.progress import bar as progress_bar
-from hal.models.linear_layout import DTYPES, LAYOUTS, STORED, LinearPlan, chunks
+from hal.models.linear_layout import DTYPES, LAYOUTS, STORED, STORED_TYPES, LinearPlan, chunks
 
 CHOICES = ("auto", "stored", *DTYPES)   # what ``--dtype`` may ask for
 LM_HEADS = ("auto", "stored", "float")  # what ``--lm-head`` may ask for (`pin_head`)
@@ -196,7 +196,9 @@ def choose_plan(shapes: list[tuple[int, int]], dtype: str = "auto", *, weights: 
     dev = torch.device(device) if device is not None else torch.device("cpu")
     signature = cpu_signature(threads, dev)
     shapes = [tuple(int(n) for n in s) for s in shapes]
-    candidate_dtypes(dtype, [])   # a bad dtype is refused before anything is read or measured
+    candidate_dtypes(dtype, [])   # a bad dtype (or form) is refused before anything is read or measured
+    if form not in (None, *STORED):
+        raise HalError(f"form: expected None or one of {', '.join(STORED)}, got {form!r}", arg="form")
     # only auto and stored run int4 candidates: a float plan's key (and choice) ignores the storage
     int4_shapes = frozenset(s for s, q in zip(shapes, stored_int4 or []) if q and int4.fits(*s)) \
         if dev.type == "cpu" and dtype in ("auto", "stored") else frozenset()
@@ -257,8 +259,7 @@ def _flags(signature: dict, dev: torch.device) -> list[str]:
 
 
 def _kinds(dtype: str, flags: list[str], int4_shapes, form: str | None = None) -> list[tuple[torch.dtype, str]]:
-    """(row dtype, weights) of every candidate family ``dtype`` allows (stored weights: of
-    ``form`` only, when given)."""
+    """(row dtype, weights) of every candidate family ``dtype`` allows (stored: ``form``'s only, if given)."""
     kinds = [(dt, "float") for dt in candidate_dtypes(dtype, flags)]
     quantized = int4_shapes and dtype in ("auto", "stored")
     if not quantized:
@@ -271,7 +272,7 @@ def _timing_weights(weights: list[Tensor], shapes, dt: torch.dtype, kind: str, i
     """``weights`` in the candidate's form: int4 shapes as random stored weights (timing only)."""
     g = torch.Generator().manual_seed(0)
     return [plan_check.STORED_FORMS[kind](*s, g, dt) if kind in STORED and s in int4_shapes else
-            w if isinstance(w, (int4.Int4Weight, q4_rows.Q4Weight)) else w.to(dev, dt)
+            w if isinstance(w, STORED_TYPES) else w.to(dev, dt)
             for w, s in zip(weights, shapes)]
 
 
@@ -310,8 +311,7 @@ def _measure(shapes, dtype: str, weights: list[Tensor], signature: dict, layouts
 
 
 def best_of(choice: Choice, weights: str) -> LinearPlan | None:
-    """``choice``'s best candidate of the ``weights`` family by score (timed or predicted), its
-    head float; None if none was measured (to compare two families, or to test one)."""
+    """``choice``'s best ``weights``-family candidate by score, its head float (None: none measured)."""
     family = [c for c in choice.candidates if c["plan"]["weights"] == weights]
     return LinearPlan.from_json(min(family, key=lambda c: c["score"])["plan"]) if family else None
 

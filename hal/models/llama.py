@@ -19,7 +19,7 @@ from hal.errors import HalError
 from hal.models import invariant
 from hal.models import int4, q4_rows
 from hal.models import layer_loop, row_kernels
-from hal.models.linear_layout import DTYPES, LinearPlan, chunks
+from hal.models.linear_layout import DTYPES, STORED_TYPES, LinearPlan, chunks, form_of
 from hal.models.linear_plan import choose_plan
 from hal.models.rope import Rope
 
@@ -112,7 +112,7 @@ class Llama:
                 plan = LinearPlan("linear", DTYPES[dtype], (1,))
             else:
                 q8_head = "head_q8" in w   # a loader packed the file's Q8_0 head: it may run so
-                forms = {_form(t) for t in weights if isinstance(t, STORED_TYPES)}   # packed: in that form
+                forms = {form_of(t) for t in weights if isinstance(t, STORED_TYPES)}   # packed: in that form
                 self.plan_choice = choose_plan([tuple(t.shape) for t in weights], dtype, weights=weights,
                                                refresh=plan_refresh, device=self.device, stored_int4=packed,
                                                q8_head=q8_head, form=forms.pop() if len(forms) == 1 else None)
@@ -135,15 +135,15 @@ class Llama:
             for name in LINEAR_KEYS:
                 key = f"{i}.{name}"
                 if isinstance(self.w[key], STORED_TYPES):
-                    if _form(self.w[key]) != self.plan.weights or self.w[key].dtype != dtype:
+                    if form_of(self.w[key]) != self.plan.weights or self.w[key].dtype != dtype:
                         raise HalError(f"weights[{key!r}]: expected float weights or ones packed for {dtype} rows "
-                                       f"in the plan's form ({self.plan.weights}), got {_form(self.w[key])} "
+                                       f"in the plan's form ({self.plan.weights}), got {form_of(self.w[key])} "
                                        f"({self.w[key].dtype}) under {self.plan.describe()}", arg="weights")
                 elif self.w[key].dtype != dtype:
                     self.w[key] = self.w[key].to(dtype)
         if self.plan.head == "q8_0":   # the loader packed the file's Q8_0 head (`hal.models.loaders.load_gguf`)
             packed = self.w.get("head_q8")
-            if not isinstance(packed, STORED_TYPES) or _form(packed) != self.plan.weights or packed.dtype != dtype:
+            if form_of(packed) != self.plan.weights or packed.dtype != dtype:
                 raise HalError(f"weights['head_q8']: expected the lm_head's Q8_0 codes packed for {dtype} rows "
                                f"under {self.plan.describe()}, got {getattr(packed, 'dtype', packed)}", arg="weights")
             self.head_lin = packed
@@ -293,14 +293,6 @@ def lm_head(x: Tensor, w: Tensor, w_t: Tensor | None = None) -> Tensor:
     x = x.to(w.dtype)
     out = x @ (w.T if w_t is None else w_t) if x.shape[0] == 1 else torch.mm(w, x.T).T
     return out if out.dtype == torch.float32 else out.float()
-
-
-STORED_TYPES = (int4.Int4Weight, q4_rows.Q4Weight)   # weights run as stored
-
-
-def _form(w) -> str:
-    """The plan weights form (`hal.models.linear_layout.WEIGHTS`) a stored weight runs in."""
-    return "q4q8" if isinstance(w, q4_rows.Q4Weight) else "int4"
 
 
 def plain_linear(x: Tensor, w) -> Tensor:

@@ -46,6 +46,13 @@
 #define Q4_ROWS 4
 #endif
 
+/* four int8 codes as one int32 (a broadcast feeds each lane's 4-byte dot product) */
+static inline int32_t q4_x4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
 static inline float q4_half(uint16_t h) {
     uint32_t s = (uint32_t)(h >> 15) << 31, e = (h >> 10) & 31, f = h & 1023, u;
     if (e == 0) {
@@ -117,15 +124,10 @@ void q4_quantize_rows(const void *x, int is_bf16, int64_t T, int64_t K, int64_t 
                 __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask); \
                 for (int r = 0; r < R; r++) {                                                          \
                     const int8_t *xr = xq + r * 2 * K + 32 * g + 8 * s;                                \
-                    int32_t a, b, c, e;                                                                \
-                    memcpy(&a, xr, 4);                                                                 \
-                    memcpy(&b, xr + 4, 4);                                                             \
-                    memcpy(&c, xr + K, 4);                                                             \
-                    memcpy(&e, xr + K + 4, 4);                                                         \
-                    acc[r] = _mm512_dpbusd_epi32(acc[r], lo, _mm512_set1_epi32(a));                    \
-                    acc2[r] = _mm512_dpbusd_epi32(acc2[r], lo, _mm512_set1_epi32(c));                  \
-                    acc[r] = _mm512_dpbusd_epi32(acc[r], hi, _mm512_set1_epi32(b));                    \
-                    acc2[r] = _mm512_dpbusd_epi32(acc2[r], hi, _mm512_set1_epi32(e));                  \
+                    acc[r] = _mm512_dpbusd_epi32(acc[r], lo, _mm512_set1_epi32(q4_x4(xr)));                    \
+                    acc2[r] = _mm512_dpbusd_epi32(acc2[r], lo, _mm512_set1_epi32(q4_x4(xr + K)));              \
+                    acc[r] = _mm512_dpbusd_epi32(acc[r], hi, _mm512_set1_epi32(q4_x4(xr + 4)));                \
+                    acc2[r] = _mm512_dpbusd_epi32(acc2[r], hi, _mm512_set1_epi32(q4_x4(xr + K + 4)));          \
                 }                                                                                      \
             }                                                                                          \
             for (int r = 0; r < R; r++)                                                                \
@@ -157,16 +159,11 @@ void q4_quantize_rows(const void *x, int is_bf16, int64_t T, int64_t K, int64_t 
                     __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask); \
                     for (int r = 0; r < R; r++) {                                                      \
                         const int8_t *xr = xq + r * 2 * K + 32 * g + 8 * s;                            \
-                        int32_t a, b, c, e;                                                            \
-                        memcpy(&a, xr, 4);                                                             \
-                        memcpy(&b, xr + 4, 4);                                                         \
-                        memcpy(&c, xr + K, 4);                                                         \
-                        memcpy(&e, xr + K + 4, 4);                                                     \
                         /* |each 16-bit pair sum| <= 2 * 15 * 127, their sum <= 4 * 15 * 127: exact */ \
-                        __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(a)),   \
-                                                     _mm256_maddubs_epi16(hi, _mm256_set1_epi32(b)));  \
-                        __m256i q = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(c)),   \
-                                                     _mm256_maddubs_epi16(hi, _mm256_set1_epi32(e)));  \
+                        __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(q4_x4(xr))),   \
+                                                     _mm256_maddubs_epi16(hi, _mm256_set1_epi32(q4_x4(xr + 4)))); \
+                        __m256i q = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(q4_x4(xr + K))), \
+                                                     _mm256_maddubs_epi16(hi, _mm256_set1_epi32(q4_x4(xr + K + 4)))); \
                         acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(p, ones));                 \
                         acc2[r] = _mm256_add_epi32(acc2[r], _mm256_madd_epi16(q, ones));               \
                     }                                                                                  \
@@ -226,11 +223,8 @@ void q4_quantize_rows(const void *x, int is_bf16, int64_t T, int64_t K, int64_t 
                 __m512i v = _mm512_loadu_si512((const void *)(blk + 64 * s));   /* q + 128 */          \
                 for (int r = 0; r < R; r++) {                                                          \
                     const int8_t *xr = xq + r * 2 * K + 32 * g + 4 * s;                                \
-                    int32_t a, c;                                                                      \
-                    memcpy(&a, xr, 4);                                                                 \
-                    memcpy(&c, xr + K, 4);                                                             \
-                    acc[r] = _mm512_dpbusd_epi32(acc[r], v, _mm512_set1_epi32(a));                     \
-                    acc2[r] = _mm512_dpbusd_epi32(acc2[r], v, _mm512_set1_epi32(c));                   \
+                    acc[r] = _mm512_dpbusd_epi32(acc[r], v, _mm512_set1_epi32(q4_x4(xr)));                     \
+                    acc2[r] = _mm512_dpbusd_epi32(acc2[r], v, _mm512_set1_epi32(q4_x4(xr + K)));               \
                 }                                                                                      \
             }                                                                                          \
             for (int r = 0; r < R; r++)   /* sum (q + 128)(128 hi + lo), exact in int32 */            \
@@ -263,12 +257,9 @@ void q4_quantize_rows(const void *x, int is_bf16, int64_t T, int64_t K, int64_t 
                     __m256i aw = _mm256_sign_epi8(w, w);                                               \
                     for (int r = 0; r < R; r++) {                                                      \
                         const int8_t *xr = xq + r * 2 * K + 32 * g + 4 * s;                            \
-                        int32_t a, c;                                                                  \
-                        memcpy(&a, xr, 4);                                                             \
-                        memcpy(&c, xr + K, 4);                                                         \
                         /* |q| * sign(q) x: each 16-bit pair sum <= 2 * 128 * 127, no saturation */   \
-                        __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(_mm256_set1_epi32(a), w)); \
-                        __m256i pl = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(_mm256_set1_epi32(c), w)); \
+                        __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(_mm256_set1_epi32(q4_x4(xr)), w)); \
+                        __m256i pl = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(_mm256_set1_epi32(q4_x4(xr + K)), w)); \
                         acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(p, ones));                 \
                         acc2[r] = _mm256_add_epi32(acc2[r], _mm256_madd_epi16(pl, ones));              \
                     }                                                                                  \

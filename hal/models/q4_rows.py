@@ -221,6 +221,9 @@ def available() -> bool:
 
 
 def library() -> ctypes.CDLL:
+    lib = _loaded.get("lib")   # loaded: no lock on the hot path (each product calls this)
+    if lib is not None:
+        return lib
     if not available():
         raise HalError("weight: expected the q4q8 kernel to build here for a q4q8 weight, got none (see the "
                        "warning)", arg="weight")

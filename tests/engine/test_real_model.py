@@ -124,10 +124,10 @@ def model_int4(request, model_stored):
 def test_int4_as_stored_greedy_speculative_equals_plain(model_int4, kind):
     """The file's Q4_1 weights run as stored (int4pack or q4q8, no float copy): speculative
     greedy equals plain greedy under that plan too, by the plan's invariance."""
-    from hal.models.llama import STORED_TYPES, _form
+    from hal.models.linear_layout import form_of
     target, tok = model_int4
     assert target.plan.weights in ("int4", "q4q8"), target.plan
-    assert all(isinstance(target.w[f"{i}.{n}"], STORED_TYPES) and _form(target.w[f"{i}.{n}"]) == target.plan.weights
+    assert all(form_of(target.w[f"{i}.{n}"]) == target.plan.weights
                for i in range(target.cfg.layers)
                for n in ("wqkv", "wo", "wgu", "wdown")), "a weight that runs as stored kept a float copy"
     plain = run(target, None, PROMPTS, tok, k=0)[0]

@@ -170,6 +170,9 @@ def test_bad_input_is_refused_naming_the_argument():
                     (lambda: q4_rows.pack_q8(torch.zeros(48, 60, dtype=torch.int8), torch.ones(48, 2),
                                              torch.float32), "weight"),
                     (lambda: q4_rows.from_q8_0(np.zeros(10, np.uint8), (48, 64), torch.float32), "raw"),
+                    (lambda: q4_rows.pack_q8(torch.zeros(48, 64, dtype=torch.int8), torch.full((48, 2), 1e-9),
+                                             torch.float32), "weight"),   # scales fp16 would round
+                    (lambda: choose_plan([(96, 64)], "stored", stored_int4=[True], cache=False, form="int8"), "form"),
                     (lambda: q4_rows.pack(blocks, torch.float32).mm(torch.zeros(2, 32)), "x"),
                     (lambda: q4_rows.pack(blocks, torch.float32).mm(torch.zeros(2, 64, dtype=torch.int32)), "x"),
                     (lambda: q4_rows.pack(blocks, torch.float32).to("meta"), "device")):
