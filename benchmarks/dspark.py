@@ -5,11 +5,14 @@ every engine once on the same requests, so a busy machine slows them alike.
 
 Engines: plain (``--draft none``); the EAGLE head routed; the block drafter with a fixed block
 (every proposal verified: ``--no-route --k B-1``); the block drafter routed (the router's caps,
-then the confidence cut over the profiled costs). Batch 1 runs the prompts one at a time;
-batch 4 runs four at once (the cut must not verify more than pays when the batch grows).
+then the confidence cut over the profiled costs); and the modes that look up n-grams first:
+n-gram routed, ``ngram+eagle`` routed and ``ngram+dspark`` routed (issue 35's copy-heavy bar:
+``ngram+dspark`` at least the best existing mode). Every drafting engine has the same cap, k = 7
+(the block's proposals). Batch 1 runs the prompts one at a time; batch 4 runs four at once (the
+cut must not verify more than pays when the batch grows).
 
-    python benchmarks/dspark.py [--rounds 2] [--max-tokens 64] [--batches 1,4] [--block FOLDER]
-                                [--compare FOLDER ...] [--quick]
+    python benchmarks/dspark.py [--rounds 2] [--max-tokens 64] [--batches 1,4] [--traffic open,copy]
+                                [--block FOLDER] [--compare FOLDER ...] [--quick]
 """
 
 from __future__ import annotations
@@ -49,6 +52,11 @@ def engines(target, block: str | None, compare: list[str], quick: bool):
         out[f"dspark fixed k={fixed.model.proposals}"] = build_engine(target, fixed, k=fixed.model.proposals)
     out["dspark routed"] = build_engine(target, make_drafter(dspark, be, target, "smollm2-135m"),
                                         k=fixed.model.proposals, route=True)
+    if not quick:
+        for kind in ("ngram", "ngram+eagle", f"ngram+dspark:{block}" if block else "ngram+dspark"):
+            out[f"{kind.split(':')[0]} routed"] = build_engine(
+                target, make_drafter(parse_draft(kind), be, target, "smollm2-135m"), k=fixed.model.proposals,
+                route=True)
     for folder in compare:
         other = make_drafter(parse_draft(f"dspark:{folder}"), be, target, "smollm2-135m")
         out[f"dspark routed ({Path(folder).name})"] = build_engine(target, other, k=other.model.proposals,
@@ -67,6 +75,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--batches", default="1,4")
+    ap.add_argument("--traffic", default="open,copy", help="which prompts: open, copy or both")
     ap.add_argument("--block", help="a block drafter folder (default: the shipped one)")
     ap.add_argument("--compare", action="append", default=[], metavar="FOLDER",
                     help="another block drafter folder, routed beside the first (repeatable)")
@@ -77,7 +86,10 @@ def main() -> None:
     target, tok = load_model("smollm2-135m", hal.get_backend("cpu"), "auto")
     decs = engines(target, args.block, args.compare, args.quick)
     stop = target.cfg.stop_ids
-    traffic = {"open": [tok.encode(chatml(p)).ids for p in OPEN], "copy": [tok.encode(chatml(p)).ids for p in COPY]}
+    prompts = {"open": OPEN, "copy": COPY}
+    if not set(args.traffic.split(",")) <= set(prompts):
+        ap.error(f"--traffic: expected open, copy or open,copy, got {args.traffic}")
+    traffic = {kind: [tok.encode(chatml(p)).ids for p in prompts[kind]] for kind in args.traffic.split(",")}
     batches = [int(b) for b in args.batches.split(",")]
     totals: dict = {}
     for _ in range(args.rounds):
@@ -90,7 +102,8 @@ def main() -> None:
                         cell[0], cell[1] = cell[0] + n, cell[1] + s
     lines = ["# DSpark block drafting: open-ended and copy-heavy prompts, greedy", "",
              f"`python benchmarks/dspark.py --rounds {args.rounds} --max-tokens {args.max_tokens} "
-             f"--batches {args.batches}" + "".join(f" --compare {c}" for c in args.compare)
+             f"--batches {args.batches}" + (f" --traffic {args.traffic}" if args.traffic != "open,copy" else "")
+             + "".join(f" --compare {c}" for c in args.compare)
              + (" --quick" if args.quick else "") + f"`; {machine_line(target.plan)}; {time.strftime('%Y-%m-%d')}.", "",
              "| traffic | batch | engine | tokens | tok/s | vs plain | tokens/step | acceptance |",
              "|---|---:|---|---:|---:|---:|---:|---:|"]

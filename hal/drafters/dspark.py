@@ -5,7 +5,9 @@ of it the target verifies (`confidence_cut`).
 Per request the drafter keeps a context cache: the fused target features of every verified
 position, in its own pool (one sequence per request). A call writes the features it was passed
 and the block's scratch K/V after them; the next call truncates the scratch, so a rejection
-needs no rollback and an accepted prefix costs nothing extra."""
+needs no rollback and an accepted prefix costs nothing extra. A request routed to k = 0 (or
+covered by n-gram lookup, `hal.drafters.eagle.NgramOrHead`) has its features held, up to `HOLD`
+rows, and written with its next block: a step that drafts nothing runs no drafter forward."""
 
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ class BlockDrafter:
         self.lost = 0
         self.confidences: dict[int, list[float]] = {}
         self.last: dict[int, tuple[int, Tensor]] = {}   # rid -> (position, features) passed last (cfg.direct)
+        self.held: dict[int, list[Tensor]] = {}   # rid -> features passed, not yet written (positions from valid_len)
 
     @property
     def features(self) -> tuple[int, ...]:
@@ -63,13 +66,18 @@ class BlockDrafter:
         cu = cumulative(batch.num_features or (0,) * len(batch.rids))
         keep, plan, need = [], [], 0
         for i, (rid, length) in enumerate(zip(batch.rids, batch.lengths)):
-            start, v = length - 1 - (cu[i + 1] - cu[i]), self.draft_kv.valid_len(rid)
+            held = sum(len(f) for f in self.held.get(rid, ()))
+            start, v = length - 1 - (cu[i + 1] - cu[i]), self.draft_kv.valid_len(rid) + held
             need += self.draft_kv.blocks_needed(rid, length - 1 + B)
             if start > v or rid in self.lost_rids or need > self.draft_kv.num_free or self._no_prev(batch, i, cu):
                 self._lose(rid)   # features it missed: no drafts for this request again
                 continue
-            keep.append(i)        # k = 0 too: its features go into the context cache now or never
-            plan.append((rid, length, max(0, v - start)))   # skip the features it already has
+            skip = max(0, v - start)   # the features it already has
+            if batch.k[i] == 0 and held + cu[i + 1] - cu[i] - skip <= HOLD:
+                self._hold(rid, length, batch.features[cu[i] + skip:cu[i + 1]] if cu[i + 1] > cu[i] else None)
+                continue
+            keep.append(i)        # k = 0 past HOLD too: its features go into the context cache now or never
+            plan.append((rid, length, skip))
         if not keep:
             return empty(len(batch.rids), dev) if not any(batch.k) else widen(batch, [], None, dev)
         sub = batch if len(keep) == len(batch.rids) else subset(batch, keep)
@@ -85,23 +93,23 @@ class BlockDrafter:
         prev = []
         for i, ((rid, length, skip), n) in enumerate(zip(plan, b.num_features or (0,) * len(plan))):
             a, end = end + skip, end + n
+            held = [f.to(dev) for f in self.held.pop(rid, ())]
+            c = sum(len(f) for f in held) + end - a   # context rows written now: the held ones, then the new
             seq = self.draft_kv.sequence(rid)
-            p0 = length - 1 - (end - a)
-            seq.truncate(p0)                 # drops the last call's scratch block
+            seq.truncate(length - 1 - c)     # drops the last call's scratch block
             block = B if b.k[i] else 0       # a request routed to k = 0 only extends its context
-            if end > a:
-                parts.append(feats[a:end])
-            ctx_rows += range(row, row + end - a)
-            blk_rows += range(row + end - a, row + end - a + block)
-            row += end - a + block
+            parts += held + ([feats[a:end]] if end > a else [])
+            ctx_rows += range(row, row + c)
+            blk_rows += range(row + c, row + c + block)
+            row += c + block
             if m.cfg.direct and n:           # the last passed row is position length - 2
                 self.last[rid] = (length - 2, feats[end - 1])
             if block:
                 drafting.append(i)
                 at.append(len(seqs))         # its row of the batch's block tables
                 prev.append(self._prev(rid, length) if m.cfg.direct else None)
-            if end - a + block:
-                seqs.append((rid, length, seq, end - a + block))
+            if c + block:
+                seqs.append((rid, length, seq, c + block))
         if not seqs:
             return None, None, None, []
         up = lambda x: torch.tensor(x, dtype=torch.long).to(dev)  # noqa: E731
@@ -151,6 +159,13 @@ class BlockDrafter:
         valid = confidence_cut(c, capped.k, b.lengths, b.costs) if b.costs is not None else list(capped.k)
         return pad(part, capped.k, b.k, valid, dev)
 
+    def _hold(self, rid: int, length: int, feats: Tensor | None) -> None:
+        """Keep request ``rid``'s new features (positions up to ``length - 2``) for its next block."""
+        if feats is not None and len(feats):
+            self.held.setdefault(rid, []).append(feats)
+            if self.model.cfg.direct:        # the last passed row is position length - 2
+                self.last[rid] = (length - 2, feats[-1])
+
     def _no_prev(self, b: DraftBatch, i: int, cu) -> bool:
         """Whether request i drafts with the direct path but its features of position L - 2
         were neither passed now nor kept from its last call."""
@@ -182,8 +197,10 @@ class BlockDrafter:
         self.lost_rids.discard(rid)
         self.confidences.pop(rid, None)
         self.last.pop(rid, None)
+        self.held.pop(rid, None)
 
 
+HOLD = 128   # feature rows a request routed to k = 0 may have held (then they are written: bounded memory)
 LOOK = 32   # the cut looks this many positions ahead at a position's own P (a plan's chunk widths are <= 32)
 
 

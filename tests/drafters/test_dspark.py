@@ -69,8 +69,9 @@ def test_the_drafter_equals_the_training_module_from_scratch_and_incrementally(t
     for L, new, k in ((12, slice(0, 11), 3), (17, slice(11, 16), 3), (17, slice(16, 16), 3), (20, slice(16, 19), 0),
                       (25, slice(19, 24), 3)):
         p = drafter.propose(view(ids, L, f[new], k=k))
-        if k == 0:   # routed to k = 0: the context is written, no block runs
-            assert p.draft_token_ids.numel() == 0 and drafter.draft_kv.valid_len(0) == L - 1
+        if k == 0:   # routed to k = 0: no forward; the features are held for the next block
+            assert p.draft_token_ids.numel() == 0 and drafter.draft_kv.valid_len(0) == 16
+            assert sum(len(x) for x in drafter.held[0]) == 3
             continue
         drafts = p.draft_token_ids.tolist()
         rows, h = train_rows(train, f, ids, L - 1, [ids[L - 1]] + drafts[:-1])
@@ -78,6 +79,33 @@ def test_the_drafter_equals_the_training_module_from_scratch_and_incrementally(t
         conf = torch.sigmoid(train.confidence(h, rows))
         torch.testing.assert_close(torch.tensor(drafter.confidences[0]), conf[:3], atol=1e-5, rtol=1e-5)
         assert p.num_valid.tolist() == [3]
+
+
+def test_held_features_past_the_bound_are_written_and_drafts_do_not_change(target, monkeypatch):
+    """Steps routed to k = 0 hold their features (no forward) until `HOLD` rows, then write them;
+    either way the next block equals the training module's, and a release drops what is held."""
+    import hal.drafters.dspark as dspark
+    monkeypatch.setattr(dspark, "HOLD", 4)
+    train = trained(target)
+    drafter = BlockDrafter(BlockModel(train.cfg, train.weights(), target))
+    ids = [(11 * i + 5) % V for i in range(30)]
+    f = target_features(target, ids, TAPS)
+    drafter.propose(view(ids, 8, f[:7], k=3))
+    drafter.propose(view(ids, 11, f[7:10], k=0))
+    assert drafter.draft_kv.valid_len(0) == 7 and len(drafter.held[0]) == 1    # 3 rows held
+    drafter.propose(view(ids, 13, f[10:12], k=0))                             # 5 > HOLD: all written
+    assert drafter.draft_kv.valid_len(0) == 12 and 0 not in drafter.held
+    drafter.propose(view(ids, 15, f[12:14], k=0))
+    drafter.propose(view(ids, 16, f[14:15], k=0))
+    assert len(drafter.held[0]) == 2
+    p = drafter.propose(view(ids, 18, f[15:17], k=3))
+    rows, h = train_rows(train, f, ids, 17, [ids[17]] + p.draft_token_ids.tolist()[:-1])
+    assert p.draft_token_ids.tolist() == DRAFT[rows.argmax(-1)].tolist()
+    conf = torch.sigmoid(train.confidence(h, rows))
+    torch.testing.assert_close(torch.tensor(drafter.confidences[0]), conf[:3], atol=1e-5, rtol=1e-5)
+    drafter.propose(view(ids, 20, f[17:19], k=0))
+    drafter.release(0)
+    assert 0 not in drafter.held and drafter.draft_kv.valid_len(0) == 0
 
 
 def test_sampled_drafts_carry_exactly_the_rows_they_were_drawn_from(target):
