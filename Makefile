@@ -54,6 +54,7 @@ bench: $(STAMP)
 	@if [ "$$(id -u)" = 0 ] && command -v ip >/dev/null; then $(BIN)/python benchmarks/link_overlap.py; \
 		else echo "make bench: benchmarks/link_overlap.py needs root and iproute2 (network namespaces); skipped"; fi
 	$(BIN)/python benchmarks/head_heldout.py
+	$(BIN)/python benchmarks/spec_ceiling.py --prompts 24 --max-new-tokens 64
 	$(BIN)/python benchmarks/draft_linears.py
 	$(BIN)/python benchmarks/sched.py
 	cd benchmarks && ../$(BIN)/python engine.py
