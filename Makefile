@@ -51,6 +51,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/trees.py
 	$(BIN)/python benchmarks/remote_head.py
 	$(BIN)/python benchmarks/draft_thread.py
+	$(BIN)/python benchmarks/fanout_hits.py
 	@if [ "$$(id -u)" = 0 ] && command -v ip >/dev/null; then $(BIN)/python benchmarks/link_overlap.py; \
 		else echo "make bench: benchmarks/link_overlap.py needs root and iproute2 (network namespaces); skipped"; fi
 	$(BIN)/python benchmarks/head_heldout.py
