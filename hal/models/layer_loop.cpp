@@ -86,14 +86,15 @@ int64_t parallel_attention(const float *q, const void *k_cache, const void *v_ca
     return failed;
 }
 
-// one layer: h += d; attention block; h += its output; the MLP's output returned (not added)
+// one layer: h += d (undefined d: nothing to add, the first layer); attention block; h += its
+// output; the MLP's output returned (not added)
 at::Tensor layer(float *h, const at::Tensor &d, int64_t i, const Step &s, void *const *norms, void *const *packed,
                  void *const *sz, void *const *k_caches, void *const *v_caches, const int64_t *taps, int64_t ntaps,
                  float *tap_out) {
     auto opts = at::TensorOptions().dtype(act_type(s));
     auto x = at::empty({s.T, s.H}, opts);
-    add_norm(h, s.H, d.data_ptr(), s.H, s.act_bf16, (const float *)norms[2 * i], s.eps, x.data_ptr(), s.H,
-             s.act_bf16, s.T, s.H);
+    add_norm(h, s.H, d.defined() ? d.data_ptr() : nullptr, s.H, s.act_bf16, (const float *)norms[2 * i], s.eps,
+             x.data_ptr(), s.H, s.act_bf16, s.T, s.H);
     for (int64_t j = 0; j < ntaps; j++)
         if (taps[j] == i) memcpy(tap_out + j * s.T * s.H, h, sizeof(float) * s.T * s.H);
     int64_t nq = s.Hq * s.D, nqkv = (s.Hq + 2 * s.Hkv) * s.D;
@@ -119,7 +120,7 @@ at::Tensor layer(float *h, const at::Tensor &d, int64_t i, const Step &s, void *
 extern "C" {
 
 // Layers [first, last): h [T, H] float32 (in place) gets d [T, H] (activations: the output of
-// layer first - 1) added, then each layer; the last layer's output is added too. Per layer
+// layer first - 1; NULL: none, h is the embedding) added, then each layer; the last layer's output is added too. Per layer
 // i: norms[2i], norms[2i+1] (attention and MLP norm weights, float32 [H]); packed/sz[4i + j]
 // (j: qkv, o, gate-up, down) int4 weights; k_caches[i], v_caches[i] contiguous [nblocks, bs,
 // Hkv, D]. taps (increasing layer indices, ntaps of them): h entering those layers copied to
@@ -137,10 +138,11 @@ int64_t layer_loop(int64_t first, int64_t last, float *h, const void *d, const i
                ints[11], (int)ints[12], (int)ints[13], (int)ints[14], (int)ints[15], floats[0], floats[1], rot, rs, slot_of, bt,
                req, n_cache, extra, n_extra, widths, nwidths};
         auto opts = at::TensorOptions().dtype(act_type(s));
-        at::Tensor dd = at::from_blob(const_cast<void *>(d), {s.T, s.H}, opts);
+        at::Tensor dd = d ? at::from_blob(const_cast<void *>(d), {s.T, s.H}, opts) : at::Tensor();
         for (int64_t i = first; i < last; i++)
             dd = layer(h, dd, i, s, norms, packed, sz, k_caches, v_caches, taps, ntaps, tap_out);
-        add_norm(h, s.H, dd.data_ptr(), s.H, s.act_bf16, nullptr, s.eps, nullptr, s.H, s.act_bf16, s.T, s.H);
+        add_norm(h, s.H, dd.defined() ? dd.data_ptr() : nullptr, s.H, s.act_bf16, nullptr, s.eps, nullptr, s.H,
+                 s.act_bf16, s.T, s.H);
         for (int64_t j = 0; j < ntaps; j++)
             if (taps[j] == last) memcpy(tap_out + j * s.T * s.H, h, sizeof(float) * s.T * s.H);
         return 0;

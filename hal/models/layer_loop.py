@@ -1,12 +1,11 @@
-"""The runner's layers after the first in one native call (`layer_loop.cpp`): for a
-batch-invariant CPU model whose linear weights all run int4 as stored, each layer's steps
-(the fused row kernels and ATen's int4pack matmul on the plan's chunks, or the q4q8 kernel of
-`hal.models.q4_rows`) in the order the
-Python loop of `hal.models.llama.Llama.forward` runs them, so the bits are the Python
-loop's (`tests/models/test_layer_loop.py`); what goes is the Python and dispatch between
-the steps, about a fifth of a decode forward. The first layer stays in Python: it runs the
-backend's checked ``write_kv``, and the attention kernel checks the batch's indices there
-before any layer runs here.
+"""The runner's layers in one native call (`layer_loop.cpp`): for a batch-invariant CPU model
+whose linear weights all run int4 as stored, each layer's steps (the fused row kernels and
+ATen's int4pack matmul on the plan's chunks, or the q4q8 kernel of `hal.models.q4_rows`) in
+the order the Python loop of `hal.models.llama.Llama.forward` runs them, so the bits are the
+Python loop's (`tests/models/test_layer_loop.py`); what goes is the Python and dispatch between
+the steps. What the backend's checked ``write_kv`` refuses in the Python loop's first layer is
+refused here before anything is written: a slot outside the cache (the kernels check every
+slot and block id first) or a slot repeated (checked in `LayerLoop.run`).
 
 Built on first use with the C++ compiler against the installed torch (headers and libraries
 of the wheel), cached like the row kernels (`hal.models.native`); where it does not build,
@@ -102,16 +101,22 @@ class LayerLoop:
 
     def run(self, h: Tensor, d: Tensor, keys: KeyLists, rot: Tensor, widths: list[int], k_caches: list[Tensor],
             v_caches: list[Tensor], taps: tuple[int, ...], eps: float, scale: float) -> list[Tensor]:
-        """Layers 1.. of a forward whose first layer ran in Python: ``h`` [T, H] float32 (in
-        place) gets ``d`` (layer 0's output, [T, H] in the plan's dtype) added, then every
-        layer, the last one's output added too. Returns h entering each layer of ``taps``
-        (those above 0, in order; the layer count: h at the end)."""
+        """Every layer of a forward (``d`` None: ``h`` [T, H] float32 is the embedding, written in
+        place), or layers 1.. of one whose first layer ran in Python (``d``: its output, [T, H]
+        in the plan's dtype, added to ``h`` first); the last layer's output is added too.
+        Returns h entering each layer of ``taps`` run here, in order (the layer count: h at the
+        end)."""
         cfg, (T, H) = self.cfg, h.shape
-        d = d.contiguous()
-        if d.dtype != self.act or d.shape != h.shape or h.dtype != torch.float32 or not h.is_contiguous():
-            raise HalError(f"d: expected [{T}, {H}] {self.act} beside a contiguous float32 h, got {d.dtype} "
-                           f"{list(d.shape)}", arg="d")
+        first = 0 if d is None else 1
+        if h.dtype != torch.float32 or not h.is_contiguous():
+            raise HalError(f"h: expected a contiguous float32 [T, H], got {h.dtype} strides {h.stride()}", arg="h")
+        if d is not None:
+            d = d.contiguous()
+            if d.dtype != self.act or d.shape != h.shape:
+                raise HalError(f"d: expected [{T}, {H}] {self.act} beside h, got {d.dtype} {list(d.shape)}", arg="d")
         _check_metadata(keys, rot, widths, T, cfg.head_dim)
+        if first == 0:
+            _distinct_slots(keys.slot_of)
         if len(k_caches) < self.layers or len(v_caches) < self.layers:
             raise HalError(f"k_caches: expected one per layer ({self.layers}), got {len(k_caches)} and "
                            f"{len(v_caches)}", arg="k_caches")
@@ -127,11 +132,11 @@ class LayerLoop:
                                      int(kc.dtype == torch.bfloat16), int(cfg.rope_interleaved), int(self.q4))
         floats = (ctypes.c_float * 2)(eps, scale)
         cs = torch.view_as_real(rot.contiguous())
-        tap_layers = [t for t in taps if t > 0]
+        tap_layers = [t for t in taps if t >= first]
         tap_out = torch.empty(len(tap_layers), T, H)
         err = ctypes.create_string_buffer(512)
         rc = self.lib.layer_loop(
-            1, self.layers, h.data_ptr(), d.data_ptr(), ints, floats, cs.data_ptr(), cs.stride(0),
+            first, self.layers, h.data_ptr(), None if d is None else d.data_ptr(), ints, floats, cs.data_ptr(), cs.stride(0),
             keys.slot_of.data_ptr(), keys.block_tables.data_ptr(), keys.req.data_ptr(), keys.n_cache.data_ptr(),
             keys.extra.data_ptr(), keys.n_extra.data_ptr(), (ctypes.c_int64 * len(widths))(*widths), len(widths),
             self.norms, self.packed, self.sz, _pointers(k_caches[:self.layers]), _pointers(v_caches[:self.layers]),
@@ -154,6 +159,15 @@ def _check_metadata(keys: KeyLists, rot: Tensor, widths: list[int], T: int, D: i
         raise HalError(f"rot: expected complex64 [{T}, {D // 2}], got {rot.dtype} {list(rot.shape)}", arg="rot")
     if not widths or min(widths) < 1 or sum(widths) < T:
         raise HalError(f"widths: expected chunk widths covering {T} rows, got {widths}", arg="widths")
+
+
+def _distinct_slots(slots: Tensor) -> None:
+    """The checked ``write_kv``'s rule for a forward's first KV writes: no slot twice (-1 skips)."""
+    if slots.numel() > 1:
+        live = slots[slots >= 0]
+        if live.unique().numel() != live.numel():
+            raise HalError("slot_mapping: expected distinct slots (besides -1), got a repeated slot",
+                           arg="slot_mapping")
 
 
 def _pointers(tensors: list[Tensor]):

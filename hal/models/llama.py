@@ -2,8 +2,9 @@
 
 Attention goes through the backend's ``write_kv`` and ``paged_attention`` (the batch-invariant
 default: the first layer's ``write_kv`` checked, then host KV writes in one native call each,
-and `hal.models.invariant` attention); the batch is ragged, so prefill, decode and multi-token
-verify share one forward.
+and `hal.models.invariant` attention; with the native layer loop, `hal.models.layer_loop`, every
+layer in one call, its indices checked there); the batch is ragged, so prefill, decode and
+multi-token verify share one forward.
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ class Llama:
         self.plan = plan
         self._cast(plan.dtype)
         self.rows: row_kernels.Rows = row_kernels.rows_for(self.device) if fused_rows else row_kernels.EagerRows()
-        self.loop = layer_loop.loop_for(self) if fused_rows and native_loop else None   # layers 1.. natively
+        self.loop = layer_loop.loop_for(self) if fused_rows and native_loop else None   # every layer natively
 
     def _raw_linear(self, x: Tensor, w) -> Tensor:
         return self.plan.linear(x, w, w.dtype)   # the product as computed: the row kernels take it as it is
@@ -257,18 +258,17 @@ class Llama:
         inv = self.batch_invariant
         plan = self._attention_plan(batch, k_caches[0], tree_mask) if inv else None
         fused = isinstance(plan, invariant.KeyLists)
-        taps, rk, d, looped = [], self.rows, None, False
+        taps, rk, d, looped = [], self.rows, None, fused and self.loop is not None
         act = self.plan.dtype if inv else torch.float32    # the rows the linears take
-        for i in range(self.num_layers):
+        if looped:   # every layer in one native call
+            h = h.contiguous()
+            taps = self.loop.run(h, None, plan, rot, chunks(self.plan.widths, T, self.plan.costs), k_caches, v_caches,
+                                 batch.feature_layers, cfg.eps, scale)
+        for i in range(0 if not looped else self.num_layers, self.num_layers):
             h, x = rk.add_norm(h, d, self.w[f"{i}.attn_norm"], cfg.eps, act)   # h += the last layer's output
             if i in batch.feature_layers:
                 taps.append(h.clone())   # `FusedRows` adds into h in place
             h, d = self._layer(i, h, x, rot, k_caches[i], v_caches[i], batch, plan, tree_mask)
-            if i == 0 and fused and self.loop is not None:   # the other layers in one native call
-                taps += self.loop.run(h, d, plan, rot, chunks(self.plan.widths, T, self.plan.costs), k_caches,
-                                      v_caches, batch.feature_layers, cfg.eps, scale)
-                d, looped = None, True
-                break
         h, _ = rk.add_norm(h, d, None, cfg.eps)
         if self.num_layers in batch.feature_layers and not looped:   # the final norm's input: the last layer's output
             taps.append(h)

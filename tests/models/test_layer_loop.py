@@ -161,6 +161,24 @@ def test_bad_arguments_are_refused(twins):
     assert ok == [] and torch.isfinite(h).all()
 
 
+def test_the_first_layer_refuses_what_the_checked_write_kv_refuses_and_writes_nothing(twins):
+    """Every layer runs in the loop (d None): a repeated slot or one outside the cache is refused
+    before any KV is written; the well-formed call then writes both rows' keys."""
+    native, _ = twins
+    rot = torch.ones(2, 32, dtype=torch.complex64)
+    caches = [torch.zeros(4, 16, 3, 64, dtype=native.dtype) for _ in range(2 * LAYERS)]
+    keys = lambda slots: KeyLists(torch.tensor([[0]]), torch.tensor([2]), torch.tensor([0, 2]), 2, 2, None,  # noqa: E731
+                                  torch.tensor(slots))
+    for slots, match in (([1, 1], "slot_mapping: expected distinct slots"), ([0, 64], "slots|batch")):
+        with pytest.raises(HalError, match=match):
+            native.loop.run(torch.randn(2, 576), None, keys(slots), rot, [2], caches[:LAYERS], caches[LAYERS:], (),
+                            1e-5, 0.125)
+        assert all(not c.any() for c in caches)
+    taps = native.loop.run(torch.randn(2, 576), None, keys([0, 1]), rot, [2], caches[:LAYERS], caches[LAYERS:],
+                           (0, LAYERS), 1e-5, 0.125)
+    assert len(taps) == 2 and all(c[0, :2].any(-1).all() and not c[0, 2:].any() for c in caches)
+
+
 def test_no_cxx_compiler_leaves_the_python_loop(monkeypatch, tmp_path):
     plant_failing_compiler(monkeypatch, tmp_path, "CXX", layer_loop)
     cfg, w = _weights(torch.bfloat16, seed=1)
