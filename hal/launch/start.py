@@ -132,7 +132,7 @@ def _target_rank(args, me: Rank, max_seqs: int, engine_kw: dict, phases: Phases)
         model, tok = load_model(me.path, target_side.backend, plan=plan)
         model.batch_invariant = getattr(args, "batch_invariant", True)
         model.to(target_side.device)
-    phases.say(f"between the matmuls: {model.rows.describe}; layers after the first: "
+    phases.say(f"between the matmuls: {model.rows.describe}; the layers: "
                f"{'one native call' if model.loop is not None else 'a Python loop'}")
     metrics = SpecDecodeMetrics()
     head = spec.kind in HEADS   # an EAGLE head: it reads the target's features

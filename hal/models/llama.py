@@ -85,7 +85,7 @@ class Llama:
     None: the dtype the weights already have, so models sharing a weight dict agree).
     ``fused_rows``: norms, SwiGLU, RoPE and attention as `hal.models.row_kernels` (one compiled
     call a step, on CPU) rather than eager ATen ops; ``native_loop``: with them, the layers
-    after the first in one native call where the weights run int4 (`hal.models.layer_loop`).
+    in one native call where the weights run int4 (`hal.models.layer_loop`).
     The linear weights (and an lm_head copy) are cast to the plan's dtype once; embeddings,
     norms, the residual stream and the logits stay float32, and ``self.dtype`` is what the KV
     cache should hold."""
