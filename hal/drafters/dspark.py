@@ -200,7 +200,8 @@ class BlockDrafter:
         self.held.pop(rid, None)
 
 
-HOLD = 128   # feature rows a request routed to k = 0 may have held (then they are written: bounded memory)
+HOLD = 64    # feature rows a request routed to k = 0 may have held, then written: len(taps) x hidden float32
+#              each, 0.44 MB a request for SmolLM2's shipped drafter, in the plan's slack as the drafter's own KV is
 LOOK = 32   # the cut looks this many positions ahead at a position's own P (a plan's chunk widths are <= 32)
 
 
