@@ -65,7 +65,8 @@ class Recorder:
         ids, top, p = wide.draft_token_ids.tolist(), wide.top_ids.tolist(), wide.top_probs.tolist()
         for rid, k, length in zip(b.rids, b.k, b.lengths):
             if k:
-                self.sent[rid] = (length, ids[cu_w:cu_w + k], [list(zip(top[j], p[j])) for j in range(cu_w, cu_w + k + 1)])
+                alts = [list(zip(top[j], p[j])) for j in range(cu_w, cu_w + k + 1)]
+                self.sent[rid] = (length, ids[cu_w:cu_w + k], alts)
                 keep += range(cu_w, cu_w + k)
                 cu_w += k + 1
             cu.append(cu[-1] + k)

@@ -113,12 +113,13 @@ def main() -> None:
             rows[-1].append(", ".join(f"{step_cost(costs, j, args.context) / one:.2f}" for j in range(args.k + 1)))
     lines = ["# What speculation can buy on this CPU at best (issue 35's open-ended bars)", "",
              f"`python benchmarks/spec_ceiling.py --prompts {args.prompts} --max-new-tokens {args.max_new_tokens} "
-             f"--k {args.k} --context {args.context} --threads {args.threads} --reps {args.reps}`; {machine_line(target.plan)}; "
+             f"--k {args.k} --context {args.context} --threads {args.threads} --reps {args.reps}`; "
+             f"{machine_line(target.plan)}; "
              f"{time.strftime('%Y-%m-%d')}; greedy, {len(ids)} held-out-topic prompts, every proposal verified "
              f"at k = {args.k}; costs profiled after {args.context} cached tokens, one request.", "",
-             "| drafter | measured tau (k = %d) | best k | its speedup | oracle k | at tau %.2f | perfect drafter | "
-             "acceptance per position for %.1fx | step cost / decode, k = 0..%d |" % (args.k, TARGET_TAU, TARGET_SPEEDUP,
-                                                                                  args.k),
+             f"| drafter | measured tau (k = {args.k}) | best k | its speedup | oracle k | at tau {TARGET_TAU:.2f} | "
+             f"perfect drafter | acceptance per position for {TARGET_SPEEDUP:.1f}x | step cost / decode, k = "
+             f"0..{args.k} |",
              "|---|---:|---:|---:|---:|---:|---:|---|---|"]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     lines += ["", "Ceilings, not measurements of the engine: no host time, routing error or probes. \"at tau "

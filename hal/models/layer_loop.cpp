@@ -120,9 +120,9 @@ at::Tensor layer(float *h, const at::Tensor &d, int64_t i, const Step &s, void *
 extern "C" {
 
 // Layers [first, last): h [T, H] float32 (in place) gets d [T, H] (activations: the output of
-// layer first - 1; NULL: none, h is the embedding) added, then each layer; the last layer's output is added too. Per layer
-// i: norms[2i], norms[2i+1] (attention and MLP norm weights, float32 [H]); packed/sz[4i + j]
-// (j: qkv, o, gate-up, down) int4 weights; k_caches[i], v_caches[i] contiguous [nblocks, bs,
+// layer first - 1; NULL: none, h is the embedding) added, then each layer; the last layer's
+// output is added too. Per layer i: norms[2i], norms[2i+1] (attention and MLP norm weights,
+// float32 [H]); packed/sz[4i + j] (j: qkv, o, gate-up, down) int4 weights; k_caches[i], v_caches[i] contiguous [nblocks, bs,
 // Hkv, D]. taps (increasing layer indices, ntaps of them): h entering those layers copied to
 // tap_out [ntaps, T, H] (the layer count: h after the last). ints: T H Hq Hkv D F nblocks bs
 // R nb bts E act_bf16 cache_bf16 interleaved q4; floats: eps scale. Returns 0, or 1 with a

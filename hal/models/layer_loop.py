@@ -99,7 +99,7 @@ class LayerLoop:
         self.sz = _pointers([w.packed if self.q4 else w.scales_zeros for w in weights])   # q4q8: unused
         self.act = model.plan.dtype
 
-    def run(self, h: Tensor, d: Tensor, keys: KeyLists, rot: Tensor, widths: list[int], k_caches: list[Tensor],
+    def run(self, h: Tensor, d: Tensor | None, keys: KeyLists, rot: Tensor, widths: list[int], k_caches: list[Tensor],
             v_caches: list[Tensor], taps: tuple[int, ...], eps: float, scale: float) -> list[Tensor]:
         """Every layer of a forward (``d`` None: ``h`` [T, H] float32 is the embedding, written in
         place), or layers 1.. of one whose first layer ran in Python (``d``: its output, [T, H]
@@ -136,7 +136,8 @@ class LayerLoop:
         tap_out = torch.empty(len(tap_layers), T, H)
         err = ctypes.create_string_buffer(512)
         rc = self.lib.layer_loop(
-            first, self.layers, h.data_ptr(), None if d is None else d.data_ptr(), ints, floats, cs.data_ptr(), cs.stride(0),
+            first, self.layers, h.data_ptr(), None if d is None else d.data_ptr(), ints, floats, cs.data_ptr(),
+            cs.stride(0),
             keys.slot_of.data_ptr(), keys.block_tables.data_ptr(), keys.req.data_ptr(), keys.n_cache.data_ptr(),
             keys.extra.data_ptr(), keys.n_extra.data_ptr(), (ctypes.c_int64 * len(widths))(*widths), len(widths),
             self.norms, self.packed, self.sz, _pointers(k_caches[:self.layers]), _pointers(v_caches[:self.layers]),

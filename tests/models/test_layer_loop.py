@@ -167,8 +167,8 @@ def test_the_first_layer_refuses_what_the_checked_write_kv_refuses_and_writes_no
     native, _ = twins
     rot = torch.ones(2, 32, dtype=torch.complex64)
     caches = [torch.zeros(4, 16, 3, 64, dtype=native.dtype) for _ in range(2 * LAYERS)]
-    keys = lambda slots: KeyLists(torch.tensor([[0]]), torch.tensor([2]), torch.tensor([0, 2]), 2, 2, None,  # noqa: E731
-                                  torch.tensor(slots))
+    def keys(slots):
+        return KeyLists(torch.tensor([[0]]), torch.tensor([2]), torch.tensor([0, 2]), 2, 2, None, torch.tensor(slots))
     for slots, match in (([1, 1], "slot_mapping: expected distinct slots"), ([0, 64], "slots|batch")):
         with pytest.raises(HalError, match=match):
             native.loop.run(torch.randn(2, 576), None, keys(slots), rot, [2], caches[:LAYERS], caches[LAYERS:], (),
