@@ -99,24 +99,16 @@ class LayerLoop:
         self.sz = _pointers([w.packed if self.q4 else w.scales_zeros for w in weights])   # q4q8: unused
         self.act = model.plan.dtype
 
-    def run(self, h: Tensor, d: Tensor | None, keys: KeyLists, rot: Tensor, widths: list[int], k_caches: list[Tensor],
+    def run(self, h: Tensor, keys: KeyLists, rot: Tensor, widths: list[int], k_caches: list[Tensor],
             v_caches: list[Tensor], taps: tuple[int, ...], eps: float, scale: float) -> list[Tensor]:
-        """Every layer of a forward (``d`` None: ``h`` [T, H] float32 is the embedding, written in
-        place), or layers 1.. of one whose first layer ran in Python (``d``: its output, [T, H]
-        in the plan's dtype, added to ``h`` first); the last layer's output is added too.
-        Returns h entering each layer of ``taps`` run here, in order (the layer count: h at the
-        end)."""
+        """Every layer of a forward: ``h`` [T, H] float32, the embedding, written in place; the
+        last layer's output is added too. Returns h entering each layer of ``taps``, in order
+        (the layer count: h at the end)."""
         cfg, (T, H) = self.cfg, h.shape
-        first = 0 if d is None else 1
         if h.dtype != torch.float32 or not h.is_contiguous():
             raise HalError(f"h: expected a contiguous float32 [T, H], got {h.dtype} strides {h.stride()}", arg="h")
-        if d is not None:
-            d = d.contiguous()
-            if d.dtype != self.act or d.shape != h.shape:
-                raise HalError(f"d: expected [{T}, {H}] {self.act} beside h, got {d.dtype} {list(d.shape)}", arg="d")
         _check_metadata(keys, rot, widths, T, cfg.head_dim)
-        if first == 0:
-            _distinct_slots(keys.slot_of)
+        _distinct_slots(keys.slot_of)
         if len(k_caches) < self.layers or len(v_caches) < self.layers:
             raise HalError(f"k_caches: expected one per layer ({self.layers}), got {len(k_caches)} and "
                            f"{len(v_caches)}", arg="k_caches")
@@ -132,12 +124,11 @@ class LayerLoop:
                                      int(kc.dtype == torch.bfloat16), int(cfg.rope_interleaved), int(self.q4))
         floats = (ctypes.c_float * 2)(eps, scale)
         cs = torch.view_as_real(rot.contiguous())
-        tap_layers = [t for t in taps if t >= first]
+        tap_layers = list(taps)
         tap_out = torch.empty(len(tap_layers), T, H)
         err = ctypes.create_string_buffer(512)
         rc = self.lib.layer_loop(
-            first, self.layers, h.data_ptr(), None if d is None else d.data_ptr(), ints, floats, cs.data_ptr(),
-            cs.stride(0),
+            0, self.layers, h.data_ptr(), None, ints, floats, cs.data_ptr(), cs.stride(0),
             keys.slot_of.data_ptr(), keys.block_tables.data_ptr(), keys.req.data_ptr(), keys.n_cache.data_ptr(),
             keys.extra.data_ptr(), keys.n_extra.data_ptr(), (ctypes.c_int64 * len(widths))(*widths), len(widths),
             self.norms, self.packed, self.sz, _pointers(k_caches[:self.layers]), _pointers(v_caches[:self.layers]),

@@ -241,6 +241,22 @@ class Llama:
         h, x = rk.add_norm(h, lin(o.reshape(T, nq), self.w[f"{i}.wo"]), self.w[f"{i}.ffn_norm"], cfg.eps, act)
         return h, lin(rk.silu_mul(lin(x, self.w[f"{i}.wgu"])), self.w[f"{i}.wdown"])
 
+    def _layers(self, h: Tensor, rot: Tensor, k_caches: list[Tensor], v_caches: list[Tensor], batch: Batch, plan,
+                tree_mask: Tensor | None) -> tuple[Tensor, list[Tensor]]:
+        """The layer stack from Python: h after the last layer's output is added, and h entering
+        each layer of ``batch.feature_layers`` (the layer count: that final h)."""
+        cfg, rk, d, taps = self.cfg, self.rows, None, []
+        act = self.plan.dtype if self.batch_invariant else torch.float32    # the rows the linears take
+        for i in range(self.num_layers):
+            h, x = rk.add_norm(h, d, self.w[f"{i}.attn_norm"], cfg.eps, act)   # h += the last layer's output
+            if i in batch.feature_layers:
+                taps.append(h.clone())   # `FusedRows` adds into h in place
+            h, d = self._layer(i, h, x, rot, k_caches[i], v_caches[i], batch, plan, tree_mask)
+        h, _ = rk.add_norm(h, d, None, cfg.eps)
+        if self.num_layers in batch.feature_layers:   # the final norm's input: the last layer's output
+            taps.append(h)
+        return h, taps
+
     def forward(self, batch: Batch, k_caches: list[Tensor], v_caches: list[Tensor],
                 tree_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Logits [len(logits_rows), V] (fp32) and the final (normed) hidden states of those
@@ -258,21 +274,13 @@ class Llama:
         inv = self.batch_invariant
         plan = self._attention_plan(batch, k_caches[0], tree_mask) if inv else None
         fused = isinstance(plan, invariant.KeyLists)
-        taps, rk, d, looped = [], self.rows, None, fused and self.loop is not None
-        act = self.plan.dtype if inv else torch.float32    # the rows the linears take
-        if looped:   # every layer in one native call
+        if fused and self.loop is not None:   # every layer in one native call (taps: the last layer's output too)
             h = h.contiguous()
-            taps = self.loop.run(h, None, plan, rot, chunks(self.plan.widths, T, self.plan.costs), k_caches, v_caches,
+            taps = self.loop.run(h, plan, rot, chunks(self.plan.widths, T, self.plan.costs), k_caches, v_caches,
                                  batch.feature_layers, cfg.eps, scale)
-        for i in range(0 if not looped else self.num_layers, self.num_layers):
-            h, x = rk.add_norm(h, d, self.w[f"{i}.attn_norm"], cfg.eps, act)   # h += the last layer's output
-            if i in batch.feature_layers:
-                taps.append(h.clone())   # `FusedRows` adds into h in place
-            h, d = self._layer(i, h, x, rot, k_caches[i], v_caches[i], batch, plan, tree_mask)
-        h, _ = rk.add_norm(h, d, None, cfg.eps)
-        if self.num_layers in batch.feature_layers and not looped:   # the final norm's input: the last layer's output
-            taps.append(h)
-        _, out = rk.add_norm(h[batch.logits_rows], None, self.w["norm"], cfg.eps)
+        else:
+            h, taps = self._layers(h, rot, k_caches, v_caches, batch, plan, tree_mask)
+        _, out = self.rows.add_norm(h[batch.logits_rows], None, self.w["norm"], cfg.eps)
         if inv:
             logits = self.plan.linear(out, self.head_lin)
         elif self.head_lin.dtype == torch.float32:

@@ -139,30 +139,29 @@ def test_bad_arguments_are_refused(twins):
     native, _ = twins
     loop = native.loop
     h = torch.zeros(2, 576)
-    with pytest.raises(HalError, match="d: expected"):
-        loop.run(h, torch.zeros(2, 576, dtype=torch.float64), None, None, [2], [], [], (), 1e-5, 0.125)
+    with pytest.raises(HalError, match="h: expected a contiguous float32"):
+        loop.run(torch.zeros(2, 576, dtype=torch.float64), None, None, [2], [], [], (), 1e-5, 0.125)
     keys = KeyLists(torch.tensor([[0]]), torch.tensor([2]), torch.tensor([0, 2]), 2, 2, None, torch.tensor([0, 1]))
     rot = torch.ones(2, 32, dtype=torch.complex64)
-    d = torch.zeros(2, 576, dtype=native.dtype)
     caches = [torch.zeros(4, 16, 3, 64, dtype=native.dtype) for _ in range(LAYERS)]
     with pytest.raises(HalError, match="widths: expected chunk widths covering 2 rows"):
-        loop.run(h, d, keys, rot, [1], caches, caches, (), 1e-5, 0.125)
+        loop.run(h, keys, rot, [1], caches, caches, (), 1e-5, 0.125)
     with pytest.raises(HalError, match="rot: expected complex64"):
-        loop.run(h, d, keys, rot[:1], [2], caches, caches, (), 1e-5, 0.125)
+        loop.run(h, keys, rot[:1], [2], caches, caches, (), 1e-5, 0.125)
     with pytest.raises(HalError, match=r"keys.slot_of: expected contiguous int64 \[2\]"):   # key lists of 1 row
-        loop.run(h, d, KeyLists(torch.tensor([[0]]), torch.tensor([2]), torch.tensor([0, 1]), 1, 1, None,
+        loop.run(h, KeyLists(torch.tensor([[0]]), torch.tensor([2]), torch.tensor([0, 1]), 1, 1, None,
                                 torch.tensor([0])), rot, [2], caches, caches, (), 1e-5, 0.125)
     with pytest.raises(HalError, match="k_caches: expected one per layer"):
-        loop.run(h, d, keys, rot, [2], caches[:2], caches, (), 1e-5, 0.125)
+        loop.run(h, keys, rot, [2], caches[:2], caches, (), 1e-5, 0.125)
     odd = caches[:2] + [torch.zeros(4, 16, 3, 64, dtype=native.dtype).transpose(1, 2)]
     with pytest.raises(HalError, match="k_caches: expected contiguous host caches"):
-        loop.run(h, d, keys, rot, [2], odd, caches, (), 1e-5, 0.125)
-    ok = loop.run(h, d, keys, rot, [2], caches, caches, (), 1e-5, 0.125)   # the same call, well formed
+        loop.run(h, keys, rot, [2], odd, caches, (), 1e-5, 0.125)
+    ok = loop.run(h, keys, rot, [2], caches, caches, (), 1e-5, 0.125)   # the same call, well formed
     assert ok == [] and torch.isfinite(h).all()
 
 
 def test_the_first_layer_refuses_what_the_checked_write_kv_refuses_and_writes_nothing(twins):
-    """Every layer runs in the loop (d None): a repeated slot or one outside the cache is refused
+    """Every layer runs in the loop: a repeated slot or one outside the cache is refused
     before any KV is written; the well-formed call then writes both rows' keys."""
     native, _ = twins
     rot = torch.ones(2, 32, dtype=torch.complex64)
@@ -171,10 +170,10 @@ def test_the_first_layer_refuses_what_the_checked_write_kv_refuses_and_writes_no
         return KeyLists(torch.tensor([[0]]), torch.tensor([2]), torch.tensor([0, 2]), 2, 2, None, torch.tensor(slots))
     for slots, match in (([1, 1], "slot_mapping: expected distinct slots"), ([0, 64], "slots|batch")):
         with pytest.raises(HalError, match=match):
-            native.loop.run(torch.randn(2, 576), None, keys(slots), rot, [2], caches[:LAYERS], caches[LAYERS:], (),
+            native.loop.run(torch.randn(2, 576), keys(slots), rot, [2], caches[:LAYERS], caches[LAYERS:], (),
                             1e-5, 0.125)
         assert all(not c.any() for c in caches)
-    taps = native.loop.run(torch.randn(2, 576), None, keys([0, 1]), rot, [2], caches[:LAYERS], caches[LAYERS:],
+    taps = native.loop.run(torch.randn(2, 576), keys([0, 1]), rot, [2], caches[:LAYERS], caches[LAYERS:],
                            (0, LAYERS), 1e-5, 0.125)
     assert len(taps) == 2 and all(c[0, :2].any(-1).all() and not c[0, 2:].any() for c in caches)
 
