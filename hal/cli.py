@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--route", action=argparse.BooleanOptionalAction, default=True,
                    help="the router chooses k (0 included) per step from profiled costs and measured acceptance "
                         "(the default); --no-route: a fixed k")
-    g.add_argument("--temperature", type=bounded(float, 0), default=0.0, help="0: greedy")
+    g.add_argument("--temperature", type=bounded(float, 0, finite=True), default=0.0, help="0: greedy")
     g.add_argument("--max-tokens", type=bounded(int, 1), default=128, help="tokens to generate")
     g.add_argument("--seed", type=int, default=0, help="the sampling seed")
     g.add_argument("--compare", action="store_true", help="also run plain decoding and compare")

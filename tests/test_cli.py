@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -62,9 +64,37 @@ def test_bad_serve_flags_exit_2_naming_the_flag_before_loading(capsys):
                        (["--max-num-seqs", "0"], "--max-num-seqs"), (["--port", "70000"], "--port"),
                        (["--draft-timeout", "nan"], "--draft-timeout"), (["--max-model-len", "x"], "--max-model-len"),
                        (["--memory-fraction", "0"], "--memory-fraction"), (["--draft", "bogus"], "--draft"),
-                       (["--fanout", "-1"], "--fanout"), (["--fanout", "65"], "--fanout")):
+                       (["--fanout", "-1"], "--fanout"), (["--fanout", "65"], "--fanout"),
+                       (["--served-model-name", ""], "--served-model-name"), (["--draft", "self:0"], "--draft")):
         code, err = _refused(capsys, main, *argv)
         assert code == 2 and f"argument {flag}: expected" in err and "Traceback" not in err, (argv, err)
+    assert "self:L with L a number of the target's layers >= 1" in _refused(capsys, main, "--draft", "self:0")[1]
+
+
+def test_the_trials_low_items_are_refused_before_loading(capsys):
+    """Issue 66's low items: ``generate --temperature inf`` failed only after the model loaded; a
+    bad ``--host`` was reported as "--port ... in use"; ``--max-model-len 9000`` was accepted for a
+    model trained to 8,192 (llama.context_length). Each is one line naming the flag, before any
+    weight is read."""
+    from hal.cli import main as cli
+    from hal.server.app import main as serve
+    from hal.launch.generate import main as launch
+    for run in (lambda: cli(["generate", "--prompt", "hi", "--temperature", "inf"]),
+                lambda: launch(["--model", "smollm2-135m", "--prompt-ids", "1,2", "--temperature", "inf"])):
+        with pytest.raises(SystemExit) as e:
+            run()
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "argument --temperature: expected a finite number, got inf" in err, err
+    assert serve(["--host", "no-such-host.invalid", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "--host: expected an address or a host name of this machine" in err and "--port" not in err, err
+    assert serve(["--host", "192.0.2.1", "--port", "0"]) == 2   # TEST-NET-1: not this machine's address
+    err = capsys.readouterr().err
+    assert "--host: expected an address of this machine" in err, err
+    assert serve(["--port", "0", "--max-model-len", "9000"]) == 2
+    err = capsys.readouterr().err
+    assert "--max-model-len / --max-context: expected at most 8192 tokens" in err and "got 9000" in err, err
+    assert "linear plan:" not in err and len(err.strip().splitlines()[-1]) < 300
 
 
 def flags_without_help(text: str) -> list[str]:

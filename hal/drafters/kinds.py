@@ -94,7 +94,8 @@ def parse_draft(spec: str, allowed: tuple[str, ...] | None = None) -> DraftSpec:
         if not rest:
             return DraftSpec(name)
         if not rest.isdigit() or int(rest) < 1:
-            raise bad
+            raise HalError(f"--draft: expected {name}:L with L a number of the target's layers >= 1 (or {name} "
+                           f"alone: half of them), got {spec!r}", arg="--draft", expected=f"{name}:L, L >= 1", got=spec)
         return DraftSpec(name, int(rest))
     return DraftSpec(name, path=rest or None)
 

@@ -105,8 +105,12 @@ class SpeculativeDecoder:
         """Queue a request; it joins at the next `step`. Returns its id."""
         return self.add((params or SamplingParams()).request(prompt_ids))
 
+    @torch.inference_mode()
     def add(self, req: Request) -> int:
-        """Queue a `Request` (prompt and parameters together); returns its id."""
+        """Queue a `Request` (prompt and parameters together); returns its id. Nothing changes
+        if it raises. Like every entry point that changes engine state (`step`, `abort`), it runs
+        in inference mode: the tensors a step makes (and keeps: the history, pools, drafters'
+        state) may then be updated in place here too."""
         check_request(req, self.target.cfg.vocab, self.pool.allocator)
         matcher = None
         if req.structured is not None:
@@ -114,12 +118,15 @@ class SpeculativeDecoder:
                 raise HalError("structured: expected a decoder built with a grammar compiler "
                                "(SpeculativeDecoder(grammar=GrammarCompiler(...))), got none")
             matcher = self.grammar.matcher(req.structured)
-        rid, self._next_id = self._next_id, self._next_id + 1
-        self.scheduler.add(State(req, rid, list(req.prompt_ids), self.pool.sequence(),
-                                 arrival=time.perf_counter() - self._t0, matcher=matcher))
-        self.history.add(rid, req.prompt_ids)
+        rid = self._next_id
+        state = State(req, rid, list(req.prompt_ids), self.pool.sequence(), arrival=time.perf_counter() - self._t0,
+                      matcher=matcher)
+        self.history.add(rid, req.prompt_ids)   # the last step that can fail: then it is queued
+        self.scheduler.add(state)
+        self._next_id += 1
         return rid
 
+    @torch.inference_mode()
     def abort(self, rid: int) -> bool:
         """Stop request ``rid`` now and free its blocks (draft pool too); it is listed as
         finished by the next `step`. False if it is not in flight."""
@@ -151,6 +158,7 @@ class SpeculativeDecoder:
                                      time.perf_counter() - t0, len(result.drafts.shadow))
         return out
 
+    @torch.inference_mode()
     def generate(self, requests: list[Request]) -> list[list[int]]:
         """Generated token ids per request (stop token included when hit): add, step until done."""
         for i, r in enumerate(requests):

@@ -99,12 +99,27 @@ class GrammarCompiler:
         name, grammar = self.grammar(spec)
         error = llg.LLMatcher.validate_grammar(grammar, self.tokenizer)
         if error and not error.startswith("WARNING"):
-            raise HalError(f"structured.{name}: expected a grammar llguidance accepts, got: {error[:300]}")
+            raise HalError(f"structured.{name}: expected a grammar llguidance accepts, got: {first_line(error)}")
         m = llg.LLMatcher(self.tokenizer, grammar, log_level=0)
         if m.is_error():
-            raise HalError(f"structured.{name}: expected a grammar llguidance accepts, got: {m.get_error()[:300]}")
+            raise HalError(f"structured.{name}: expected a grammar llguidance accepts, got: {first_line(m.get_error())}")
         self._refuse_special_start(m, name)
+        self._probe(m, name)
         return Matcher(m, self.special_ids, self.stop_ids)
+
+    def _probe(self, m, name: str) -> None:
+        """`HalError` naming the field when the grammar's lexer gives up within its first two
+        tokens (a regex too big for it, ``a{1000000}``, compiles and fails only once text is
+        matched): tried on a copy, with the last token each mask allows."""
+        probe = m.deep_copy()
+        for _ in range(2):
+            ids = _allowed(probe, self.vocab).nonzero().flatten()
+            if probe.is_error() or not len(ids) or not probe.consume_token(int(ids[-1])):
+                break
+            _allowed(probe, self.vocab)
+        if probe.is_error():
+            raise HalError(f"structured.{name}: expected a grammar llguidance can match, got one it gives up on "
+                           f"once text is matched: {first_line(probe.get_error())}")
 
     def _refuse_special_start(self, m, name: str) -> None:
         """`HalError` naming the field when the grammar's start can only go on through a
@@ -116,6 +131,11 @@ class GrammarCompiler:
             token = forced[0] if forced else min(ids)
             raise HalError(f"structured.{name}: expected a grammar that plain text can satisfy, got one that "
                            f"needs special token {token} (special tokens such as <|im_end|> are never grammar text)")
+
+
+def first_line(error: str) -> str:
+    """llguidance's error without the parser state it appends (kept to one short line)."""
+    return error.strip().split("\n")[0][:200]
 
 
 class Matcher:
@@ -249,5 +269,5 @@ def advance(state: State, tokens: list[int]) -> tuple[int, str | None]:
     for j, t in enumerate(tokens if m is not None else ()):
         if not m.consume_token(t):   # (consume_tokens refuses the stop token of a complete grammar)
             return j, f"structured: expected tokens the grammar allows, got token {t}, which it refused " \
-                      f"({m.get_error()[:200]})"
+                      f"({first_line(m.get_error())})"
     return len(tokens), None

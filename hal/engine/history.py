@@ -27,8 +27,9 @@ class HistoryBuffer:
             self.buf = torch.cat([self.buf, torch.zeros_like(self.buf)])
             self._free = list(range(2 * n - 1, n - 1, -1))
         self.reserve(len(tokens))
-        r = self.row[rid] = self._free.pop()
+        r = self._free[-1]
         self.buf[r, :len(tokens)] = torch.tensor(tokens, dtype=torch.long).to(self.device, non_blocking=True)
+        self.row[rid] = self._free.pop()   # taken once written: a failed add leaves no row behind
 
     def release(self, rid: int) -> None:
         if (r := self.row.pop(rid, None)) is not None:

@@ -77,14 +77,17 @@ class _Speculative(argparse.Action):
         namespace.speculative_config = values
 
 
-def bounded(kind, lo=None, hi=None, lo_open: bool = False):
-    """An argparse type: ``kind`` within ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``)."""
+def bounded(kind, lo=None, hi=None, lo_open: bool = False, finite: bool = False):
+    """An argparse type: ``kind`` within ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``); ``finite``:
+    not infinite either."""
     def parse(text: str):
         try:
             v = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {'an int' if kind is int else 'a number'}, got {text!r}") \
                 from None
+        if finite and v in (float("inf"), float("-inf")):
+            raise argparse.ArgumentTypeError(f"expected a finite number, got {text}")
         if v != v or (lo is not None and (v <= lo if lo_open else v < lo)) or (hi is not None and v > hi):
             span = f"{'>' if lo_open else '>='} {lo}" if hi is None else \
                 f"in {'(' if lo_open else '['}{lo}, {hi}]" if lo is not None else f"<= {hi}"
@@ -92,6 +95,13 @@ def bounded(kind, lo=None, hi=None, lo_open: bool = False):
         return v
     parse.__name__ = kind.__name__
     return parse
+
+
+def nonempty(text: str) -> str:
+    """An argparse type: a string with something in it besides white space."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a non-empty name, got {text!r}")
+    return text
 
 
 def add_engine_args(ap: argparse.ArgumentParser) -> None:

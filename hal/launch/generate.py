@@ -29,7 +29,7 @@ import time
 from hal.distributed.remote import RemoteDrafter
 from hal.engine import Request
 from hal.errors import HalError
-from hal.launch.flags import add_engine_args
+from hal.launch.flags import add_engine_args, bounded
 from hal.launch.start import start
 
 
@@ -40,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-ids", action="append", default=[], help="comma-separated token ids (repeatable); "
                                                                       "for models without a tokenizer")
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--temperature", type=bounded(float, 0, finite=True), default=0.0,
+                    help="0: greedy (default); a finite float > 0: sampled")
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="write outputs and metrics as JSON here")

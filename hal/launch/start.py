@@ -117,6 +117,9 @@ def _target_rank(args, me: Rank, max_seqs: int, engine_kw: dict, phases: Phases)
     shares = world == 1 and draft_side.device == target_side.device
     dmem, dpath = draft_memory(spec, me.path, shares) if world == 1 else (None, None)
     cfg = read_config(me.path)
+    if cfg.max_context is not None and args.max_context > cfg.max_context:   # as vLLM refuses it
+        raise HalError(f"--max-model-len / --max-context: expected at most {cfg.max_context} tokens, the context "
+                       f"{args.model} was trained to, got {args.max_context}", arg="max_model_len")
     with phases("linear plan (measured once per machine, then cached)"):
         choice = choose_plan(linear_shapes(cfg), args.dtype, refresh=args.plan_refresh, device=target_side.device,
                              progress=phases.bars, stored_int4=linear_int4(me.path, cfg), q8_head=head_q8(me.path))

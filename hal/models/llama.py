@@ -39,6 +39,7 @@ class LlamaConfig:
     rope_interleaved: bool  # GGUF (llama.cpp) permutes q/k for adjacent-pair rotation
     bos_id: int | None = None
     eos_id: int | None = None
+    max_context: int | None = None   # the context it was trained to (None: the file does not say)
 
     @property
     def stop_ids(self) -> tuple[int, ...]:

@@ -71,7 +71,8 @@ def _gguf_config(r: GGUFFile) -> LlamaConfig:
                        ffn=f("llama.feed_forward_length"), vocab=len(f("tokenizer.ggml.tokens")),
                        rope_base=float(f("llama.rope.freq_base", 10000.0)),
                        eps=float(f("llama.attention.layer_norm_rms_epsilon", 1e-5)), rope_interleaved=True,
-                       bos_id=f("tokenizer.ggml.bos_token_id"), eos_id=f("tokenizer.ggml.eos_token_id"))
+                       bos_id=f("tokenizer.ggml.bos_token_id"), eos_id=f("tokenizer.ggml.eos_token_id"),
+                       max_context=f("llama.context_length"))
 
 
 def _hf_config(c: dict) -> LlamaConfig:
@@ -81,7 +82,8 @@ def _hf_config(c: dict) -> LlamaConfig:
                        head_dim=c.get("head_dim", c["hidden_size"] // heads), ffn=c["intermediate_size"],
                        vocab=c["vocab_size"], rope_base=float(c.get("rope_theta", 10000.0)),
                        eps=float(c.get("rms_norm_eps", 1e-5)), rope_interleaved=False,
-                       bos_id=c.get("bos_token_id"), eos_id=c.get("eos_token_id"))
+                       bos_id=c.get("bos_token_id"), eos_id=c.get("eos_token_id"),
+                       max_context=c.get("max_position_embeddings"))
 
 
 def read_config(path: str | Path) -> LlamaConfig:

@@ -51,7 +51,7 @@ def _openapi(app, wire: WireModels) -> dict:
 
 
 def make_app(target, served: str, max_model_len: int, default_k: int, max_in_flight: int,
-             shutdown_timeout: float = 10.0):
+             shutdown_timeout: float = 10.0, parse_special_in_content: bool = False):
     """The FastAPI app over a `hal.launch.start.Target` (engine + tokenizer): an engine loop
     (`hal.server.engine_loop`) started and stopped with the app, the routes (`hal.server.routes`)
     over a `hal.server.service.Service`."""
@@ -64,6 +64,7 @@ def make_app(target, served: str, max_model_len: int, default_k: int, max_in_fli
     dec.metrics.bound(10_000)   # live figures go to prometheus; keep the in-process samples bounded
     metrics = LiveMetrics(max_k=max(default_k, 1))
     loop = EngineLoop(dec, metrics, max_in_flight, on_idle=target.on_idle)
+    metrics.watch(dec, loop)
     wire = wire_models(served, max_model_len, dec.target.cfg.vocab, default_k)
 
     @asynccontextmanager
@@ -84,13 +85,14 @@ def make_app(target, served: str, max_model_len: int, default_k: int, max_in_fli
     app.state.loop, app.state.metrics = loop, metrics
     app.state.shutdown_timeout = shutdown_timeout
     app.openapi = lambda: _openapi(app, wire)
-    add_routes(app, Service(target, loop, wire, max_model_len, default_k, max_in_flight), served, metrics)
+    add_routes(app, Service(target, loop, wire, max_model_len, default_k, max_in_flight, parse_special_in_content),
+               served, metrics)
     return app
 
 
 def main(argv: list[str] | None = None) -> int:
     from hal.distributed.protocol import DRAFT
-    from hal.launch.flags import add_engine_args, bounded
+    from hal.launch.flags import add_engine_args, bounded, nonempty
     from hal.launch.phases import Phases
     from hal.launch.start import start
     parser = argparse.ArgumentParser(prog="spec-hal serve", description=__doc__.split("\n\n")[0])
@@ -98,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: 127.0.0.1)")
     parser.add_argument("--port", type=bounded(int, 0, 65535), default=8000,
                         help="the port to listen on (0: a free one, printed at start-up)")
-    parser.add_argument("--served-model-name", help="the model name clients send (default: --model)")
+    parser.add_argument("--served-model-name", type=nonempty, help="the model name clients send (default: --model)")
     parser.add_argument("--max-num-batched-tokens", type=bounded(int, 1),
                         help="tokens fed to the target per step (none: unbounded)")
     parser.add_argument("--max-num-seqs", type=bounded(int, 1), default=32, help="requests running at once")
@@ -109,6 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shutdown-timeout", type=bounded(float, 0), default=10.0,
                         help="seconds in-flight requests get on SIGTERM; then streams end with finish_reason "
                              "'abort' and non-streaming requests get 503")
+    parser.add_argument("--parse-special-tokens-in-content", action="store_true",
+                        help="parse special-token strings inside chat message content as the control tokens they "
+                             "name (vLLM's behaviour); by default they are plain text, so no message can close its "
+                             "turn or forge another role's")
     args = parser.parse_args(argv)
     args.max_context = args.max_model_len
     phases = Phases("spec-hal serve")
@@ -129,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         if target.tok is None:
             raise HalError(f"--model: expected a model with a tokenizer (GGUF), got {args.model}")
         app = make_app(target, args.served_model_name or args.model, args.max_model_len, args.k,
-                       args.max_num_seqs + args.max_queue_len, args.shutdown_timeout)
+                       args.max_num_seqs + args.max_queue_len, args.shutdown_timeout,
+                       args.parse_special_tokens_in_content)
     except HalError as e:
         print(f"spec-hal serve: {e}", file=sys.stderr)
         if sock is not None:
@@ -143,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: None)
     loading.stop()
     uvicorn_server(app, sock, args.shutdown_timeout).run(sockets=[sock])
+    if app.state.loop.failed:
+        print(f"spec-hal serve: the engine failed ({app.state.loop.error}); exiting", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -10,6 +10,8 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
+import torch
+
 from hal.errors import HalError
 from hal.server.openai_schema import Parsed
 
@@ -114,7 +116,7 @@ class EngineLoop:
         self.in_flight, self._lock = 0, threading.Lock()
         self._drained = threading.Condition(self._lock)
         self._stop = threading.Event()
-        self.error: str | None = None
+        self.error: str | None = None   # why the engine failed (`failed`)
         self.deadline: float | None = None   # set by `close`: in-flight requests are cut then
         self.thread = threading.Thread(target=self._run, name="hal-engine", daemon=True)
 
@@ -127,7 +129,7 @@ class EngineLoop:
         with self._lock:
             if self.deadline is None:
                 self.deadline = time.monotonic() + timeout
-        self.inbox.put(("wake", None))
+        self.inbox.put(("wake", None, None))
 
     @property
     def closing(self) -> bool:
@@ -135,7 +137,7 @@ class EngineLoop:
 
     def stop(self, timeout: float = 30.0) -> None:
         self._stop.set()
-        self.inbox.put(("wake", None))
+        self.inbox.put(("wake", None, None))
         self.thread.join(timeout)
 
     def submit_all(self, handles: list[Handle]) -> None:
@@ -147,10 +149,12 @@ class EngineLoop:
                 raise Busy
             self.in_flight += len(handles)
         for h in handles:
-            self.inbox.put(("add", h))
+            self.inbox.put(("add", h, None))
 
-    def abort(self, h: Handle) -> None:
-        self.inbox.put(("abort", h))
+    def abort(self, h: Handle, reason: str = "abort") -> None:
+        """End ``h`` now, its blocks freed; ``reason`` is what it is counted as (``stop``: its
+        text hit a stop string)."""
+        self.inbox.put(("abort", h, reason))
 
     def wait_drained(self, timeout: float) -> bool:
         """Block until no request is in flight (each has had its last event), at most
@@ -181,20 +185,45 @@ class EngineLoop:
         self.live.clear()
 
     def _run(self) -> None:
-        while not self._stop.is_set():
+        # every change of the engine's state happens in this thread, in inference mode (as in
+        # `SpeculativeDecoder.step`): tensors a step made are updated in place by adds and aborts too
+        with torch.inference_mode():
             try:
-                self._drain(block=not self.dec.has_unfinished())
-                if self.deadline is not None and time.monotonic() >= self.deadline:
-                    self._cut(Shutdown())
-                if self.dec.has_unfinished():
-                    self._dispatch(self.dec.step())
-                elif self.on_idle is not None:
-                    self.on_idle()
-            except Exception as e:   # never leave a client hanging: fail what is in flight, keep serving
+                while not self._stop.is_set():
+                    self._drain(block=not self.dec.has_unfinished())
+                    if self.deadline is not None and time.monotonic() >= self.deadline:
+                        self._cut(Shutdown())
+                    if self.dec.has_unfinished():
+                        self._dispatch(self.dec.step())
+                    elif self.on_idle is not None:
+                        self.on_idle()
+            except Exception as e:   # not one request's: the engine is broken; fail everything, say so, stop
                 self.error = f"{type(e).__name__}: {e}"
                 traceback.print_exc(file=sys.stderr)
-                self._cut(Failed(self.error), "error")
-        self._cut(Shutdown())   # stopping: end what is left
+                self._broken(Failed(f"the engine failed: {self.error}"))
+                return
+            self._cut(Shutdown())   # stopping: end what is left
+
+    def _broken(self, event: Event) -> None:
+        """End every request in flight (running, or still in the inbox) with ``event`` and refuse
+        new ones; `failed` is then true (the server exits non-zero; /health says error meanwhile)."""
+        with self._lock:
+            self.deadline = self.deadline if self.deadline is not None else time.monotonic()
+        for h in list(self.live.values()):
+            self._end(h, event, "error")
+        self.live.clear()
+        while True:
+            try:
+                kind, h, _ = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                self._done(h, event)
+
+    @property
+    def failed(self) -> bool:
+        """The engine failed in a way no one request explains: this loop has stopped for good."""
+        return self.error is not None and not self.thread.is_alive()
 
     def _drain(self, block: bool) -> None:
         items = []
@@ -204,24 +233,33 @@ class EngineLoop:
                 items.append(self.inbox.get_nowait())
         except queue.Empty:
             pass
-        for kind, handle in items:
+        for kind, handle, reason in items:
             if kind == "add":
-                if handle.cancelled:
-                    self._done(handle, Finished("abort"))
-                    continue
-                try:
-                    handle.rid = self.dec.add(handle.parsed.params.request(handle.parsed.prompt_ids))
-                except HalError as e:
-                    self._done(handle, Failed(str(e)))
-                    continue
-                self.live[handle.rid] = handle
+                self._add(handle)
             elif kind == "abort":
                 handle.cancelled = True
                 if handle.rid is not None and self.live.pop(handle.rid, None) is not None:
                     self.dec.abort(handle.rid)   # frees its blocks now, target and draft
-                    self._end(handle, Finished("abort"), "abort")
+                    self._end(handle, Finished(reason), reason)
         if items and self.metrics:
             self.metrics.gauges(self.dec)
+
+    def _add(self, handle: Handle) -> None:
+        """Queue one request in the engine; if that fails, it alone is answered (a 400 for its own
+        input, a 500 naming it otherwise). `SpeculativeDecoder.add` changes nothing when it raises."""
+        if handle.cancelled:
+            self._done(handle, Finished("abort"))
+            return
+        try:
+            handle.rid = self.dec.add(handle.parsed.params.request(handle.parsed.prompt_ids))
+        except HalError as e:
+            self._done(handle, Failed(str(e), invalid=True))
+            return
+        except Exception as e:
+            traceback.print_exc(file=sys.stderr)
+            self._done(handle, Failed(f"the engine could not queue this request: {type(e).__name__}: {e}"))
+            return
+        self.live[handle.rid] = handle
 
     def _dispatch(self, out) -> None:
         now = time.perf_counter()

@@ -33,6 +33,8 @@ class LiveMetrics:
                              registry=registry)
         self.running = Gauge(p + "num_requests_running", "requests decoding", registry=registry)
         self.waiting = Gauge(p + "num_requests_waiting", "requests queued or prefilling", registry=registry)
+        self.in_flight = Gauge(p + "num_requests_in_flight", "requests accepted and not yet answered (the 503 "
+                               "bound counts these)", registry=registry)
         self.kv_used = Gauge(p + "kv_blocks_used", "KV blocks in use", ["pool"], registry=registry)
         self.kv_free = Gauge(p + "kv_blocks_free", "KV blocks free", ["pool"], registry=registry)
         self.preemptions = Counter(p + "num_preemptions", "requests preempted (recomputed later)", registry=registry)
@@ -106,10 +108,15 @@ class LiveMetrics:
             self.router_k.observe(k)
         self.generation_tokens.inc(sum(len(v) for v in out.tokens.values()))
 
+    def watch(self, dec, loop) -> None:
+        """Read the queue gauges at each scrape, from the engine and its loop themselves, so they
+        always agree with them (`len` of a list is atomic; no step writes them)."""
+        self.running.set_function(lambda: len(dec.running))
+        self.waiting.set_function(lambda: len(dec.waiting) + len(dec.prefilling))
+        self.in_flight.set_function(lambda: loop.in_flight)
+
     def gauges(self, dec) -> None:
-        """Queue lengths and KV blocks per pool, now (also after an abort outside a step)."""
-        self.running.set(len(dec.running))
-        self.waiting.set(len(dec.waiting) + len(dec.prefilling))
+        """KV blocks per pool, now (also after an abort outside a step)."""
         pools = [("target", dec.pool.allocator)]
         if (dp := capabilities(dec.drafter).pool) is not None:
             pools.append(("draft", dp.allocator))

@@ -51,16 +51,17 @@ class Parsed:
 
 
 def parse(raw: bytes, *, chat: bool, tok, wire: WireModels, max_model_len: int, default_k: int,
-          stop_ids: tuple[int, ...]) -> Parsed:
+          stop_ids: tuple[int, ...], content_tok=None) -> Parsed:
     """Validate an OpenAI request body (completions or chat) against the declared models
-    (`hal.server.request_bodies`), tokenize its prompt and check it fits the context."""
+    (`hal.server.request_bodies`), tokenize its prompt and check it fits the context.
+    ``content_tok``: as `encode_chat`'s (None: special tokens in message content are parsed)."""
     model = wire.chat if chat else wire.completion
     try:
         body = model.model_validate_json(raw)
     except ValidationError as e:
         raise ApiError(*reversed(first_error(e, model))) from None
     if chat:
-        ids, what = encode(tok, render_chat(body.messages)), "messages"
+        ids, what = encode_chat(tok, render_chat_spans(body.messages), content_tok), "messages"
     else:
         ids, what = _prompt_ids(body.prompt, tok), "prompt"
     if len(ids) >= max_model_len:
@@ -152,22 +153,72 @@ def encode(tok, text: str) -> list[int]:
     return tok.encode_batch([text])[0].ids
 
 
+@dataclass(frozen=True)
+class RenderedChat:
+    """A conversation rendered for the model: ``text``, and where each message's content lies in
+    it (``contents``: ``(start, end)`` character spans, in order)."""
+
+    text: str
+    contents: tuple[tuple[int, int], ...]
+
+
+def text_tokenizer(tok):
+    """A copy of ``tok`` that encodes special-token strings as the plain text they are
+    (``encode_special_tokens``): what message content is encoded with by default."""
+    from tokenizers import Tokenizer
+    plain = Tokenizer.from_str(tok.to_str())
+    plain.encode_special_tokens = True
+    return plain
+
+
+def encode_chat(tok, chat: RenderedChat, content_tok=None) -> list[int]:
+    """Token ids of a rendered conversation. The template's own control tokens are control
+    tokens; a message whose content holds a special token's string (``<|im_end|>``, say) has
+    that content encoded by ``content_tok`` (`text_tokenizer`): as text, so a user cannot close
+    their turn or forge another role's (OpenAI's behaviour). ``content_tok`` None: special tokens
+    in content are parsed too (vLLM's). Content without such strings is encoded with the whole
+    text, exactly as before."""
+    if content_tok is None:
+        return encode(tok, chat.text)
+    specials = [t.content for t in tok.get_added_tokens_decoder().values() if t.special]
+    forged = [(a, b) for a, b in chat.contents if any(sp in chat.text[a:b] for sp in specials)]
+    if not forged:
+        return encode(tok, chat.text)
+    pieces, at = [], 0   # (text, is content): the template's text around each forged content
+    for a, b in forged:
+        pieces += [(chat.text[at:a], False), (chat.text[a:b], True)]
+        at = b
+    pieces.append((chat.text[at:], False))
+    ids = []
+    for text, content in pieces:
+        if text:
+            ids += encode(content_tok if content else tok, text)
+    return ids
+
+
 def render_chat(messages) -> str:
+    """ChatML, as SmolLM2-Instruct's template renders it (`render_chat_spans`'s text)."""
+    return render_chat_spans(messages).text
+
+
+def render_chat_spans(messages) -> RenderedChat:
     """ChatML, as SmolLM2-Instruct's template renders it (its default system turn when none
-    is given), ending with the assistant's turn. ``messages``: validated
-    (`hal.server.request_bodies`) or plain dicts of the same shape."""
+    is given), ending with the assistant's turn, with each message's content span.
+    ``messages``: validated (`hal.server.request_bodies`) or plain dicts of the same shape."""
     from hal.models.tokenizer import DEFAULT_SYSTEM
-    out = []
+    text, spans = "", []
+    first = messages[0]["role"] if isinstance(messages[0], dict) else messages[0].role
+    if first not in ("system", "developer"):
+        text += f"<|im_start|>system\n{DEFAULT_SYSTEM}<|im_end|>\n"
     for m in messages:
         role, c = (m["role"], m.get("content")) if isinstance(m, dict) else (m.role, m.content)
         if isinstance(c, list):
             c = "".join(p["text"] if isinstance(p, dict) else p.text for p in c)
         role = "system" if role == "developer" else role
-        out.append(f"<|im_start|>{role}\n{c or ''}<|im_end|>\n")
-    first = messages[0]["role"] if isinstance(messages[0], dict) else messages[0].role
-    if first not in ("system", "developer"):
-        out.insert(0, f"<|im_start|>system\n{DEFAULT_SYSTEM}<|im_end|>\n")
-    return "".join(out) + "<|im_start|>assistant\n"
+        text += f"<|im_start|>{role}\n"
+        spans.append((len(text), len(text) + len(c or "")))
+        text += f"{c or ''}<|im_end|>\n"
+    return RenderedChat(text + "<|im_start|>assistant\n", tuple(spans))
 
 
 @dataclass

@@ -13,7 +13,7 @@ from hal.engine.validation import check_request
 from hal.errors import HalError
 from hal.server.engine_loop import Busy, Closing, EngineLoop, Failed, Finished, Handle, Shutdown, Tokens
 from hal.server.openai_schema import (ApiError, Parsed, TextState, chunk, logprobs_chat, logprobs_completion, new_id,
-                                      parse, response, usage)
+                                      parse, response, text_tokenizer, usage)
 from hal.server.request_bodies import WireModels
 from hal.server.transport import read_body
 
@@ -29,9 +29,11 @@ class Service:
     gives the engine and its tokenizer, ``wire`` the request models."""
 
     def __init__(self, target, loop: EngineLoop, wire: WireModels, max_model_len: int, default_k: int,
-                 max_in_flight: int):
+                 max_in_flight: int, parse_special_in_content: bool = False):
         self.target, self.loop, self.wire = target, loop, wire
         self.dec, self.tok = target.dec, target.tok
+        # message content is text (`hal.server.openai_schema.encode_chat`), unless the server was told otherwise
+        self.content_tok = None if parse_special_in_content else text_tokenizer(self.tok)
         self.max_model_len, self.default_k, self.max_in_flight = max_model_len, default_k, max_in_flight
 
     # -- accepting a request --------------------------------------------------------------------
@@ -41,7 +43,7 @@ class Service:
         megabytes takes seconds to tokenize)."""
         dec = self.dec
         parsed = parse(raw, chat=chat, tok=self.tok, wire=self.wire, max_model_len=self.max_model_len,
-                       default_k=self.default_k, stop_ids=dec.target.cfg.stop_ids)
+                       default_k=self.default_k, stop_ids=dec.target.cfg.stop_ids, content_tok=self.content_tok)
         try:   # the engine's own checks (token ids, KV pool size), before the request is queued
             check_request(parsed.params.request(parsed.prompt_ids), dec.target.cfg.vocab, dec.pool.allocator)
         except HalError as e:
@@ -68,7 +70,7 @@ class Service:
         if loop.closing:
             raise ApiError("the server is shutting down", None, 503, "service_unavailable")
         parsed = await asyncio.to_thread(self.check, await read_body(request), chat)
-        if loop.error is not None and not loop.thread.is_alive():
+        if loop.failed:
             raise ApiError("the engine loop stopped", None, 503, "server_error")
         aio = asyncio.get_running_loop()
         handles = [Handle(replace(parsed, params=parsed.sample_params(i)), asyncio.Queue(), aio)
@@ -148,7 +150,7 @@ class Service:
                 logprobs[i] += event.logprobs or []
                 if text.stopped:   # a stop string: this choice is done
                     finish[i] = "stop"
-                    self.loop.abort(hs[i])
+                    self.loop.abort(hs[i], "stop")
             elif isinstance(event, Failed):
                 raise self.failure(event, parsed)
             elif isinstance(event, Shutdown):
@@ -230,7 +232,7 @@ class _Stream:
             yield self._chunk(delta, lp=logprobs, index=i)
         if text.stopped:
             self.finish[i] = "stop"
-            self.s.loop.abort(self.handles[i])
+            self.s.loop.abort(self.handles[i], "stop")
 
     def close(self):
         if self.parsed.include_usage:

@@ -4,6 +4,7 @@ SIGTERM (`uvicorn_server`)."""
 
 from __future__ import annotations
 
+import errno
 import socket
 import sys
 import threading
@@ -40,14 +41,22 @@ def bind(host: str, port: int) -> socket.socket:
     """The listening address, taken before anything loads: `HalError` naming ``--port`` when
     another process holds it."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        addr = socket.getaddrinfo(host, port, family, socket.SOCK_STREAM)[0][4]
+    except (socket.gaierror, UnicodeError) as e:
+        raise HalError(f"--host: expected an address or a host name of this machine, got {host!r} "
+                       f"({getattr(e, 'strerror', None) or e})", arg="host") from None
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((host, port))
+        sock.bind(addr)
     except OSError as e:
         sock.close()
-        raise HalError(f"--port: expected a free port on {host}, got {port}, which is in use ({e.strerror})",
-                       arg="port") from None
+        if e.errno == errno.EADDRINUSE:
+            raise HalError(f"--port: expected a free port on {host}, got {port}, which is in use ({e.strerror})",
+                           arg="port") from None
+        raise HalError(f"--host: expected an address of this machine to listen on, got {host!r} ({e.strerror})",
+                       arg="host") from None
     return sock
 
 
@@ -67,6 +76,13 @@ def uvicorn_server(app, sock: socket.socket, shutdown_timeout: float):
             loop.close(shutdown_timeout)
             threading.Thread(target=self._exit_when_drained, args=(sig, frame), name="hal-drain",
                              daemon=True).start()
+
+        async def on_tick(self, counter: int) -> bool:
+            """Also stop when the engine has failed (no request in flight is served any more):
+            `hal.server.app.main` then exits non-zero, so an orchestrator restarts it."""
+            if app.state.loop.failed:
+                self.should_exit = True
+            return await super().on_tick(counter)
 
         def _exit_when_drained(self, sig, frame) -> None:
             app.state.loop.wait_drained(shutdown_timeout + SHUTDOWN_GRACE)

@@ -181,6 +181,23 @@ def test_stop_strings_cut_the_text(client):
         assert got == text[:text.find(stop)], (stream, got, text, stop)
 
 
+def test_a_stop_string_is_counted_as_stop_not_abort(server, client):
+    """Issue 66: a request that ended on a stop string was counted finished_reason="abort"."""
+    base = server[1]
+    key = ("spec_hal:request_success_total", (("finished_reason", "stop"),))
+    aborts = ("spec_hal:request_success_total", (("finished_reason", "abort"),))
+    before, aborted = metrics(base).get(key, 0), metrics(base).get(aborts, 0)
+    text = client.completions.create(model=MODEL, prompt="Count: 1, 2, 3, 4,", max_tokens=16, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    for stream in (False, True):
+        r = client.completions.create(model=MODEL, prompt="Count: 1, 2, 3, 4,", max_tokens=16, temperature=0,
+                                      stop=[text[4:6]], stream=stream, extra_body={"ignore_eos": True})
+        if stream:
+            assert [c.choices[0].finish_reason for c in r][-1] == "stop"
+    wait_for(lambda: metrics(base).get(key, 0) == before + 2, "two requests counted as stop")
+    assert metrics(base).get(aborts, 0) == aborted
+
+
 def test_logprobs_are_the_targets(client):
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
                                        temperature=0, logprobs=True, top_logprobs=3)
@@ -223,6 +240,42 @@ def test_32_concurrent_streams_complete_and_free_every_block(server):
     got = asyncio.run(run())
     assert all(f in ("stop", "length") for _, f in got) and sum(bool(t) for t, _ in got) >= 30
     assert set(wait_all_free(base)) == {"target", "draft"}
+
+
+def test_after_a_long_answer_20_concurrent_requests_all_complete(server, client):
+    """Issue 66's repro: an answer past 256 tokens (the engine's history grows inside a step), then
+    20 concurrent requests, streamed and not, greedy and sampled; every one completes, the
+    counts agree, and every block is free again. Failed on 8ab16ab (every later request hung)."""
+    base = server[1]
+    long = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=300, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert long.usage.completion_tokens == 300 and long.choices[0].finish_reason == "length"
+
+    async def one(c, i):
+        if i % 2:
+            r = await c.completions.create(model=MODEL, prompt=f"List {i} fruits:", max_tokens=12 + i,
+                                           temperature=0 if i % 4 == 1 else 0.8, seed=i)
+            return r.choices[0].finish_reason, r.usage.completion_tokens
+        n, finish = 0, None
+        stream = await c.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"Say {i} words."}], max_tokens=10 + i,
+            temperature=0, stream=True, stream_options={"include_usage": True})
+        async for ch in stream:
+            if ch.choices:
+                finish = ch.choices[0].finish_reason or finish
+            if ch.usage:
+                n = ch.usage.completion_tokens
+        return finish, n
+
+    async def run():
+        c = openai.AsyncOpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=300)
+        return await asyncio.gather(*(one(c, i) for i in range(20)))
+    got = asyncio.run(run())
+    assert all(f in ("stop", "length") and n > 0 for f, n in got), got
+    assert set(wait_all_free(base)) == {"target", "draft"}
+    m = metrics(base)
+    assert m[("spec_hal:num_requests_in_flight", ())] == 0 and running(base) == 0
+    assert httpx.get(base + "/health").json()["status"] == "ok"
 
 
 M = '"model": "smollm2-135m"'
