@@ -102,7 +102,8 @@ class GrammarCompiler:
             raise HalError(f"structured.{name}: expected a grammar llguidance accepts, got: {first_line(error)}")
         m = llg.LLMatcher(self.tokenizer, grammar, log_level=0)
         if m.is_error():
-            raise HalError(f"structured.{name}: expected a grammar llguidance accepts, got: {first_line(m.get_error())}")
+            raise HalError(f"structured.{name}: expected a grammar llguidance accepts, got: "
+                           f"{first_line(m.get_error())}")
         self._refuse_special_start(m, name)
         self._probe(m, name)
         return Matcher(m, self.special_ids, self.stop_ids)
