@@ -118,6 +118,18 @@ DEMO_PROMPTS = [
 ]
 
 
+def _load(name: str, backend, args):
+    """(model, tokenizer, chat template) of ``name`` (a fetchable name, a GGUF or an HF folder);
+    `HalError` if it has no tokenizer (the CLI takes text)."""
+    from hal.models.fetch import model_path
+    from hal.models.tokenizer import chat_template_of
+    model, tok = load_model(name, backend, args.dtype, plan_refresh=args.plan_refresh, lm_head=args.lm_head)
+    if tok is None:
+        raise HalError(f"--model: expected a model with a tokenizer (a GGUF, or an HF folder with tokenizer.json), "
+                       f"got {name}", arg="--model")
+    return model, tok, chat_template_of(model_path(name))
+
+
 def cmd_demo(args) -> int:
     """The main job: a real model, speculative vs plain decoding, on built-in prompts."""
     import hal
@@ -125,7 +137,7 @@ def cmd_demo(args) -> int:
         return demo_ops()
     be = hal.get_backend()
     try:
-        model, tok = load_model("smollm2-135m", be, args.dtype, plan_refresh=args.plan_refresh, lm_head=args.lm_head)
+        model, tok, template = _load("smollm2-135m", be, args)
     except HalError as e:
         print(f"demo: the model could not be fetched ({e}); showing one verify round instead", file=sys.stderr)
         return demo_ops()
@@ -141,9 +153,10 @@ def cmd_demo(args) -> int:
         runs = {}
         for draft, what in drafts.items():
             print(f"--- speculative ({what}; k <= 6 chosen per step by the router) ---")
-            runs[draft] = run_generate(model, tok, prompt, draft, 6, 0.0, 96, 0, costs=costs[draft])[1:]
+            runs[draft] = run_generate(model, tok, prompt, draft, 6, 0.0, 96, 0, costs=costs[draft],
+                                       template=template)[1:]
         print("--- plain decoding ---")
-        _, plain, tp, _ = run_generate(model, tok, prompt, "none", 0, 0.0, 96, 0)
+        _, plain, tp, _ = run_generate(model, tok, prompt, "none", 0, 0.0, 96, 0, template=template)
         for draft, (spec, ts, m) in runs.items():
             print(f"\n[{label}] {draft}: speculative {len(spec) / ts:.1f} tok/s, plain {len(plain) / tp:.1f} tok/s, "
                   f"speedup {len(spec) / ts / (len(plain) / tp):.2f}x; acceptance rate {m.acceptance_rate:.2f}, "
@@ -198,15 +211,16 @@ def measured_costs(model, drafter, max_tokens: int):
 
 
 def run_generate(model, tok, prompt: str, draft: str, k: int, temperature: float, max_tokens: int, seed: int,
-                 stream: bool = True, costs=None, model_name: str = "smollm2-135m"):
-    """One request; returns (text, tokens, seconds, metrics). With ``costs`` (a
-    `hal.engine.router.CostModel`) a router picks k <= ``k`` per step."""
+                 stream: bool = True, costs=None, model_name: str = "smollm2-135m", template=None):
+    """One request: ``prompt`` as one user turn of the model's chat ``template`` (None: as it is,
+    `hal.models.tokenizer.prompt_ids`); returns (text, tokens, seconds, metrics). With ``costs``
+    (a `hal.engine.router.CostModel`) a router picks k <= ``k`` per step."""
     import time
 
     from hal.engine import Request
     from hal.launch.build import build_engine, local_pool
-    from hal.models.tokenizer import chatml
-    ids = tok.encode(chatml(prompt)).ids
+    from hal.models.tokenizer import prompt_ids
+    ids = prompt_ids(tok, template, prompt)
     shown = []
 
     def show(_rid, new):  # stream: print the text that the new tokens complete
@@ -236,12 +250,12 @@ def cmd_bench(args) -> int:
     from hal.engine import Request
     from hal.launch.build import build_engine, local_pool
     from hal.metrics import percentile, prometheus_text, require_prometheus
-    from hal.models.tokenizer import chatml
+    from hal.models.tokenizer import prompt_ids
     require_prometheus()  # fail before loading anything
     be = hal.get_backend()
-    model, tok = load_model(args.model, be, args.dtype, plan_refresh=args.plan_refresh, lm_head=args.lm_head)
-    reqs = [Request(tok.encode(chatml(p)).ids, max_new_tokens=args.max_tokens, k=args.k, stop_ids=model.cfg.stop_ids)
-            for _ in range(args.batch) for _, p in DEMO_PROMPTS]
+    model, tok, template = _load(args.model, be, args)
+    reqs = [Request(prompt_ids(tok, template, p), max_new_tokens=args.max_tokens, k=args.k,
+                    stop_ids=model.cfg.stop_ids) for _ in range(args.batch) for _, p in DEMO_PROMPTS]
     pool = local_pool(model, len(reqs), max(len(r.prompt_ids) for r in reqs) + args.max_tokens, args.k)
     dec = build_engine(model, cli_drafter(args.draft, model, be, args.model), k=args.k, route=not args.fixed_k,
                        pool=pool, profile={"max_tokens": (args.k + 1) * len(reqs)})
@@ -261,7 +275,7 @@ def cmd_bench(args) -> int:
 def cmd_generate(args) -> int:
     import hal
     be = hal.get_backend()
-    model, tok = load_model(args.model, be, args.dtype, plan_refresh=args.plan_refresh, lm_head=args.lm_head)
+    model, tok, template = _load(args.model, be, args)
     runs = [(args.draft, args.k)] + ([("none", 0)] if args.compare and args.draft != "none" else [])
     costs = None
     if args.route and args.draft != "none":   # the router's cost table, measured before anything is timed
@@ -271,7 +285,8 @@ def cmd_generate(args) -> int:
         how = "" if draft == "none" else f", k <= {k} routed" if costs is not None else f", k = {k} fixed"
         print(f"--- {draft if draft != 'none' else 'plain decoding'} (backend {be.name}{how}) ---")
         text, out, dt, m = run_generate(model, tok, args.prompt, draft, k, args.temperature, args.max_tokens, args.seed,
-                                        costs=costs if draft != "none" else None, model_name=args.model)
+                                        costs=costs if draft != "none" else None, model_name=args.model,
+                                        template=template)
         results.append((draft, out, dt))
         print(f"[{len(out)} tokens in {dt:.2f}s = {len(out) / dt:.1f} tok/s; acceptance rate "
               f"{m.acceptance_rate:.2f}, mean acceptance length {m.mean_acceptance_length:.2f}]")

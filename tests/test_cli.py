@@ -127,6 +127,7 @@ def test_serve_on_port_0_prints_the_port_it_took(tmp_path):
     from tests.launch.test_generate import FFN, H, HEADS, KV, LAYERS, V, hf_weights
     save_file(hf_weights(torch.Generator().manual_seed(1)), str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text(json.dumps(dict(
+        model_type="llama", tie_word_embeddings=True,
         hidden_size=H, num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV,
         intermediate_size=FFN, vocab_size=V, rope_theta=10000.0, rms_norm_eps=1e-5)))
     r = run("serve", "--model", str(tmp_path), "--draft", "none", "--port", "0", "--dtype", "float32",

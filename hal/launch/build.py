@@ -18,6 +18,21 @@ from hal.engine.router import CostModel, Router, profile_costs
 PROBE_EVERY = 16   # a request at k = 0 is measured every this many plain steps (a probe, or a scored draft)
 
 
+SERVE_BUDGET = "auto"   # `serving_budget` chooses the step's token budget (serve's --max-num-batched-tokens unset)
+# vLLM's default budget for its OpenAI server is 2048 tokens a step on GPUs (more on the biggest); it is
+# chosen per platform. A CPU prefills some hundreds of tokens a second, so 2048 would freeze every
+# running stream for seconds: the budget here is per device type (benchmarks/prefill_stall.py).
+SERVE_BUDGETS = {"cpu": 256}
+ACCELERATOR_BUDGET = 2048
+
+
+def serving_budget(device_type: str, max_num_seqs: int) -> int:
+    """The tokens a serving step feeds the target when ``--max-num-batched-tokens`` is unset:
+    chunked prefill on, at the device type's budget, never below ``max_num_seqs`` (every running
+    request feeds at least one token), as vLLM raises it."""
+    return max(SERVE_BUDGETS.get(device_type, ACCELERATOR_BUDGET), max_num_seqs)
+
+
 def make_router(costs: CostModel, drafter, max_k: int) -> Router:
     """The router over ``costs`` for ``drafter``, k capped at ``max_k``; a shadow-scored
     drafter (n-gram lookup) is never probed with a verified draft: its first draft is scored

@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args) -> int:
-    from hal.models.tokenizer import chatml
+    from hal.models.tokenizer import prompt_ids
     t0 = start(args, len(args.prompt) + len(args.prompt_ids))
     if t0 is None:   # the draft rank
         return 0
@@ -64,7 +64,7 @@ def _run(args) -> int:
     prompts = [[int(t) for t in p.split(",")] for p in args.prompt_ids]
     if args.prompt and tok is None:
         raise HalError(f"--prompt: model {args.model} has no tokenizer; pass --prompt-ids")
-    prompts += [tok.encode(chatml(p)).ids for p in args.prompt]
+    prompts += [prompt_ids(tok, t0.template, p) for p in args.prompt]
     if not prompts:
         raise HalError("--prompt: expected at least one --prompt or --prompt-ids, got none")
     if (longest := max(map(len, prompts)) + args.max_tokens) > args.max_context:

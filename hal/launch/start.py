@@ -22,21 +22,24 @@ from hal.drafters.kinds import HEADS, draft_kinds, draft_memory, make_drafter, p
 from hal.engine import SpeculativeDecoder
 from hal.errors import HalError
 from hal.host_threads import in_a_thread_that_ends
-from hal.launch.build import build_engine, grammar_compiler, memory_plan
+from hal.launch.build import SERVE_BUDGET, build_engine, grammar_compiler, memory_plan, serving_budget
 from hal.launch.phases import QUIET, Phases
 from hal.models.fetch import load_model
+from hal.models.tokenizer import chat_template_of
 
 
 @dataclass
 class Target:
-    """What the target rank runs: the engine, its tokenizer (None for HF folders), and the
-    link (``world`` 2: a draft rank; ``link``: the first epoch's backend)."""
+    """What the target rank runs: the engine, its tokenizer (None: the model has none), the
+    link (``world`` 2: a draft rank; ``link``: the first epoch's backend), and the model's chat
+    template (`hal.models.chat_template.ChatTemplate`; None: it has none)."""
 
     dec: SpeculativeDecoder
     tok: object
     world: int
     link: str | None
     side: object
+    template: object = None
 
     @property
     def degraded(self) -> str | None:
@@ -148,9 +151,14 @@ def _target_rank(args, me: Rank, max_seqs: int, engine_kw: dict, phases: Phases)
                                    pool=mplan.allocate("draft") if dmem else None, device=draft_side.device)
             drafter = _threaded(args, spec, drafter, model.cfg.vocab, target_side, draft_side, metrics, phases)
     inline = world == 1 and not isinstance(drafter, RemoteDrafter)   # a draft thread is profiled as a worker is
+    if engine_kw.get("max_num_batched_tokens") == SERVE_BUDGET:
+        budget = serving_budget(target_side.device.type, engine_kw.get("max_num_seqs", max_seqs))
+        engine_kw = {**engine_kw, "max_num_batched_tokens": budget}
+        phases.say(f"chunked prefill: {budget} tokens a step (--max-num-batched-tokens unset: the default for "
+                   f"{target_side.device.type})")
     dec = _engine(args, model, drafter, pool, metrics, grammar_compiler(tok, model.cfg, phases.say), inline,
                   engine_kw, phases)
-    return Target(dec, tok, world, me.rv.backend if world == 2 else None, target_side)
+    return Target(dec, tok, world, me.rv.backend if world == 2 else None, target_side, chat_template_of(me.path))
 
 
 def _feature_bytes(args, spec, cfg) -> int:

@@ -70,18 +70,24 @@ def fetch(name: str) -> Path:
     return dest
 
 
+def model_path(name: str) -> Path:
+    """The file or folder of ``name``: a fetchable name's file (fetched if needed), else ``name``."""
+    return fetch(name) if name in MODELS else Path(name)
+
+
 def load_model(name: str, backend, dtype: str = "float32", plan=None, plan_refresh: bool = False,
                lm_head: str = "auto"):
-    """(Llama, tokenizer) for a fetchable model name or a .gguf path; (Llama, None) for an
-    HF folder (config.json + safetensors). ``dtype``/``plan``: the linear layers' plan
+    """(Llama, tokenizer) for a fetchable model name, a .gguf path or an HF folder (config.json,
+    safetensors, and tokenizer.json: without one the tokenizer is None). ``dtype``/``plan``: the linear layers' plan
     (`hal.models.linear_plan`; ``auto`` measures float32 against bfloat16 here); ``lm_head``:
     a GGUF head's form, `hal.models.linear_plan.pin_head` (an HF folder's head is float:
     only ``auto`` or ``float``)."""
     from hal.models.loaders import load_gguf, load_safetensors
-    path = fetch(name) if name in MODELS else Path(name)
+    path = model_path(name)
     if path.is_dir():
         if lm_head not in ("auto", "float"):
             raise HalError(f"--lm-head: expected auto or float for an HF folder (its lm_head is float), got "
                            f"{lm_head!r}", arg="--lm-head")
-        return load_safetensors(path, backend, dtype, plan_refresh, plan), None
+        from hal.models.hf import hf_tokenizer
+        return load_safetensors(path, backend, dtype, plan_refresh, plan), hf_tokenizer(path)
     return load_gguf(path, backend, dtype, plan_refresh, plan, lm_head)

@@ -66,6 +66,8 @@ def applies(model) -> bool:
             and model.plan.weights in ("int4", "q4q8") and model.plan.fn is None):
         return False
     cfg = model.cfg
+    if cfg.qkv_bias or cfg.o_bias or cfg.qk_norm:   # not in the native loop yet: the Python loop runs them
+        return False
     nq, nkv = cfg.heads * cfg.head_dim, (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim
     shapes = {"wqkv": (nkv, cfg.hidden), "wo": (cfg.hidden, nq), "wgu": (2 * cfg.ffn, cfg.hidden),
               "wdown": (cfg.hidden, cfg.ffn)}   # what the native loop reads: [N, K], packed [N, K/2]

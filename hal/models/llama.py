@@ -40,9 +40,20 @@ class LlamaConfig:
     bos_id: int | None = None
     eos_id: int | None = None
     max_context: int | None = None   # the context it was trained to (None: the file does not say)
+    # the family's differences from Llama 2 (transformers' config fields; `hal.models.hf`)
+    family: str = "llama"
+    qkv_bias: bool = False         # q, k, v projections have biases (Qwen2; Llama/Qwen3 attention_bias)
+    o_bias: bool = False           # the output projection has one (Llama/Qwen3 attention_bias)
+    qk_norm: bool = False          # per-head RMSNorm of q and k before RoPE (Qwen3)
+    rope_scaling: dict | None = None   # llama3 frequency scaling (`hal.models.rope.Rope`)
+    sliding_window: int | None = None  # attention window (Mistral): positions past it are refused
+    eos_ids: tuple[int, ...] = ()  # every stop id (generation_config.json's list), eos_id first
+    tied_head: bool = True         # the lm_head is the embedding where the file has none (HF: tie_word_embeddings)
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
+        if self.eos_ids:
+            return tuple(self.eos_ids)
         return (self.eos_id,) if self.eos_id is not None else ()
 
 
@@ -104,7 +115,8 @@ class Llama:
         self.embed = w["embed"]
         self.head = w.get("head", self.embed)
         self.head_t = w.setdefault("head_t", self.head.T.contiguous())  # [H, V]: the faster layout for M = 1
-        self.rope = Rope(config.head_dim, config.rope_base, config.rope_interleaved).to(self.device)
+        self.rope = Rope(config.head_dim, config.rope_base, config.rope_interleaved,
+                         config.rope_scaling).to(self.device)
         self.plan_choice = None
         if plan is None:
             weights = linear_weights(w, config.layers, self.head)
@@ -224,6 +236,8 @@ class Llama:
         # (host KV writes in one call each: the fused `rope_kv`, or `invariant.write_kv`)
         ops = self.be if i == 0 else self.be.impl
         qkv = lin(x, self.w[f"{i}.wqkv"])
+        if cfg.qkv_bias or cfg.qk_norm:
+            qkv = self._qkv_extras(i, qkv)
         if fused and i > 0:   # q rotated; k rotated and v written to the cache, in one call
             q = rk.rope_kv(qkv, rot, cfg.heads, cfg.kv_heads, cfg.rope_interleaved, k_cache, v_cache, plan.slot_of)
         else:
@@ -239,8 +253,28 @@ class Llama:
         else:
             o = ops.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
                                     scale, tree_mask)
-        h, x = rk.add_norm(h, lin(o.reshape(T, nq), self.w[f"{i}.wo"]), self.w[f"{i}.ffn_norm"], cfg.eps, act)
+        out = lin(o.reshape(T, nq), self.w[f"{i}.wo"])
+        if cfg.o_bias:
+            out = (out + self.w[f"{i}.bo"]).to(out.dtype)
+        h, x = rk.add_norm(h, out, self.w[f"{i}.ffn_norm"], cfg.eps, act)
         return h, lin(rk.silu_mul(lin(x, self.w[f"{i}.wgu"])), self.w[f"{i}.wdown"])
+
+    def _qkv_extras(self, i: int, qkv: Tensor) -> Tensor:
+        """The family's additions to layer ``i``'s projections, row by row (batch-invariant): the
+        q, k, v biases (Qwen2, attention_bias), then q and k each RMS-normed per head (Qwen3, as
+        its ``Qwen3RMSNorm``: in float32, the weight applied after casting back)."""
+        cfg, T = self.cfg, qkv.shape[0]
+        nq, nk = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+        if cfg.qkv_bias:
+            qkv = (qkv + self.w[f"{i}.bqkv"]).to(qkv.dtype)
+        if cfg.qk_norm:
+            def norm(x: Tensor, heads: int, w: Tensor) -> Tensor:
+                x32 = x.reshape(T, heads, cfg.head_dim).float()
+                x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + cfg.eps)
+                return (w * x32.to(x.dtype)).reshape(T, -1).to(qkv.dtype)
+            qkv = torch.cat([norm(qkv[:, :nq], cfg.heads, self.w[f"{i}.q_norm"]),
+                             norm(qkv[:, nq:nq + nk], cfg.kv_heads, self.w[f"{i}.k_norm"]), qkv[:, nq + nk:]], -1)
+        return qkv.contiguous()
 
     def _layers(self, h: Tensor, rot: Tensor, k_caches: list[Tensor], v_caches: list[Tensor], batch: Batch, plan,
                 tree_mask: Tensor | None) -> tuple[Tensor, list[Tensor]]:
@@ -269,6 +303,12 @@ class Llama:
             raise HalError(f"feature_layers: expected distinct layer indices in [0, {self.num_layers}] in order, "
                            f"got {batch.feature_layers}")   # before any KV write: a refused forward changes nothing
         T = batch.tokens.shape[0]
+        if cfg.sliding_window is not None and T:   # full attention equals the window only within it
+            last = batch.max_position if batch.max_position is not None else int(batch.positions.max())
+            if last >= cfg.sliding_window:
+                raise HalError(f"positions: expected positions below the model's sliding window "
+                               f"({cfg.sliding_window}; sliding attention is not implemented), got {last}",
+                               arg="positions")
         h = self.embed[batch.tokens]
         rot = self.rope(batch.positions, batch.max_position)
         scale = cfg.head_dim ** -0.5
@@ -348,6 +388,11 @@ def _fuse(w: dict, layers: int, dtype: torch.dtype | None = None, form: str = "i
     for i in range(layers):
         out[f"{i}.attn_norm"], out[f"{i}.ffn_norm"] = w[f"{i}.attn_norm"], w[f"{i}.ffn_norm"]
         out[f"{i}.wqkv"] = join(f"{i}.wq", f"{i}.wk", f"{i}.wv")
+        if f"{i}.bq" in w:   # the family's extras (`LlamaConfig.qkv_bias`, ...), float32
+            out[f"{i}.bqkv"] = torch.cat([w[f"{i}.bq"], w[f"{i}.bk"], w[f"{i}.bv"]]).float().contiguous()
+        for extra in ("bo", "q_norm", "k_norm"):
+            if f"{i}.{extra}" in w:
+                out[f"{i}.{extra}"] = w[f"{i}.{extra}"].float().contiguous()
         out[f"{i}.wgu"] = join(f"{i}.wgate", f"{i}.wup")
         out[f"{i}.wo"], out[f"{i}.wdown"] = join(f"{i}.wo"), join(f"{i}.wdown")
     return out

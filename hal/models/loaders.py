@@ -6,7 +6,6 @@ is Q8_0 (`head_q8`)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -14,6 +13,7 @@ import torch
 from hal.errors import HalError
 from hal.models import int4, q4_rows
 from hal.models.gguf_file import GGUFFile, open_gguf
+from hal.models.hf import read_hf_config, read_hf_weights
 from hal.models.linear_layout import STORED, LinearPlan
 from hal.models.linear_plan import choose_plan, pin_head
 from hal.models.llama import LINEAR_KEYS, Llama, LlamaConfig, _fuse, linear_shapes
@@ -75,22 +75,11 @@ def _gguf_config(r: GGUFFile) -> LlamaConfig:
                        max_context=f("llama.context_length"))
 
 
-def _hf_config(c: dict) -> LlamaConfig:
-    heads = c["num_attention_heads"]
-    return LlamaConfig(hidden=c["hidden_size"], layers=c["num_hidden_layers"], heads=heads,
-                       kv_heads=c.get("num_key_value_heads", heads),
-                       head_dim=c.get("head_dim", c["hidden_size"] // heads), ffn=c["intermediate_size"],
-                       vocab=c["vocab_size"], rope_base=float(c.get("rope_theta", 10000.0)),
-                       eps=float(c.get("rms_norm_eps", 1e-5)), rope_interleaved=False,
-                       bos_id=c.get("bos_token_id"), eos_id=c.get("eos_token_id"),
-                       max_context=c.get("max_position_embeddings"))
-
-
 def read_config(path: str | Path) -> LlamaConfig:
     """The config of a GGUF file or an HF folder, without loading any weights."""
     path = Path(path)
     if path.is_dir():
-        return _hf_config(json.loads((path / "config.json").read_text()))
+        return read_hf_config(path)
     return _gguf_config(open_gguf(path))
 
 
@@ -147,28 +136,10 @@ def load_gguf(path: str | Path, backend, dtype: str = "float32", plan_refresh: b
     return model, tok
 
 
-HF_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "wq",
-            "self_attn.k_proj": "wk", "self_attn.v_proj": "wv", "self_attn.o_proj": "wo", "mlp.gate_proj": "wgate",
-            "mlp.up_proj": "wup", "mlp.down_proj": "wdown"}
-
-
 def load_safetensors(folder: str | Path, backend, dtype: str = "float32", plan_refresh: bool = False,
                      plan: LinearPlan | None = None) -> Llama:
-    """A Llama from an HF folder (config.json + *.safetensors), rotate-half RoPE."""
-    from safetensors.torch import load_file
-    folder = Path(folder)
-    cfg = _hf_config(json.loads((folder / "config.json").read_text()))
-    w = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        for name, t in load_file(str(file)).items():
-            t = t.float()
-            if name == "model.embed_tokens.weight":
-                w["embed"] = t
-            elif name == "model.norm.weight":
-                w["norm"] = t
-            elif name == "lm_head.weight":
-                w["head"] = t
-            elif name.startswith("model.layers."):
-                _, _, i, rest = name.split(".", 3)
-                w[f"{i}.{HF_NAMES[rest.removesuffix('.weight')]}"] = t
+    """A model from an HF folder (`hal.models.hf`: the family from config.json, every weight
+    checked against it), rotate-half RoPE."""
+    cfg = read_hf_config(folder)
+    w = read_hf_weights(folder, cfg)
     return Llama(cfg, _fuse(w, cfg.layers), backend, dtype=dtype, plan_refresh=plan_refresh, plan=plan)

@@ -1,9 +1,17 @@
-"""The tokenizer rebuilt from GGUF metadata (byte-level BPE, digits split one by one),
-plus the ChatML template of instruct models."""
+"""The tokenizer rebuilt from GGUF metadata (byte-level BPE, digits split one by one); a
+model's own chat template (`chat_template_of`: the GGUF's ``tokenizer.chat_template``, or an
+HF folder's ``chat_template.jinja`` / ``tokenizer_config.json``); and ``chatml``, SmolLM2's
+rendering of one user turn (the training data's)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from hal.errors import HalError
+from hal.models.chat_template import ChatTemplate
 
 DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
@@ -29,3 +37,63 @@ def chatml(prompt: str, system: str | None = DEFAULT_SYSTEM) -> str:
     """ChatML, as SmolLM2-Instruct's template renders one user turn."""
     sys_turn = f"<|im_start|>system\n{system}<|im_end|>\n" if system else ""
     return f"{sys_turn}<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def _token_text(value) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, or an AddedToken dict."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def chat_template_of(path: str | Path) -> ChatTemplate | None:
+    """The chat template ``path`` ships, with its special tokens as the template's variables
+    (``bos_token``, ``eos_token``, ...), as transformers passes them; None if it has none. A
+    GGUF: ``tokenizer.chat_template`` and the tokens at ``tokenizer.ggml.bos_token_id`` /
+    ``eos_token_id``. An HF folder: ``chat_template.jinja`` (transformers 5), else
+    ``tokenizer_config.json``'s ``chat_template`` (a string, or a list of named templates: the
+    ``default`` one), with its ``bos_token`` etc."""
+    path = Path(path)
+    if not path.is_dir():
+        from hal.models.gguf_file import open_gguf
+        r = open_gguf(path)
+        source = r.field("tokenizer.chat_template")
+        if source is None:
+            return None
+        tokens = r.field("tokenizer.ggml.tokens") or []
+        specials = {}
+        for name, key in (("bos_token", "tokenizer.ggml.bos_token_id"), ("eos_token", "tokenizer.ggml.eos_token_id"),
+                          ("unk_token", "tokenizer.ggml.unknown_token_id"),
+                          ("pad_token", "tokenizer.ggml.padding_token_id")):
+            i = r.field(key)
+            if isinstance(i, int) and 0 <= i < len(tokens):
+                specials[name] = tokens[i]
+        return ChatTemplate(source, specials, f"{path.name}: tokenizer.chat_template")
+    config_file = path / "tokenizer_config.json"
+    try:
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    except (OSError, ValueError) as e:
+        raise HalError(f"{config_file}: expected a JSON object, got unreadable text ({e})") from None
+    if not isinstance(config, dict):
+        raise HalError(f"{config_file}: expected a JSON object, got {type(config).__name__}")
+    specials = {k: t for k in ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
+                               "mask_token") if (t := _token_text(config.get(k))) is not None}
+    jinja = path / "chat_template.jinja"
+    if jinja.is_file():
+        return ChatTemplate(jinja.read_text(), specials, str(jinja))
+    source = config.get("chat_template")
+    if isinstance(source, list):   # named templates: the default one
+        source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"), None)
+    if source is None:
+        return None
+    return ChatTemplate(source, specials, f"{config_file}: chat_template")
+
+
+def prompt_ids(tok, template: ChatTemplate | None, prompt: str) -> list[int]:
+    """One user turn (``prompt``) as the CLI sends it: rendered by the model's chat template with
+    its generation prompt and encoded as transformers' ``apply_chat_template(tokenize=True)`` does
+    (the template writes any BOS itself: no special tokens added); a model without a template
+    gets ``prompt`` as it is, encoded as a completion prompt (the tokenizer's own BOS, if any)."""
+    if template is None:
+        return tok.encode(prompt).ids
+    return tok.encode(template.render_text([{"role": "user", "content": prompt}]), add_special_tokens=False).ids

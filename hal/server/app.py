@@ -92,6 +92,7 @@ def make_app(target, served: str, max_model_len: int, default_k: int, max_in_fli
 
 def main(argv: list[str] | None = None) -> int:
     from hal.distributed.protocol import DRAFT
+    from hal.launch.build import SERVE_BUDGET
     from hal.launch.flags import add_engine_args, bounded, nonempty
     from hal.launch.phases import Phases
     from hal.launch.start import start
@@ -102,7 +103,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the port to listen on (0: a free one, printed at start-up)")
     parser.add_argument("--served-model-name", type=nonempty, help="the model name clients send (default: --model)")
     parser.add_argument("--max-num-batched-tokens", type=bounded(int, 1),
-                        help="tokens fed to the target per step (none: unbounded)")
+                        help="tokens fed to the target per step: long prompts are prefilled in chunks of what is "
+                             "left after the running requests' tokens (default: chosen per device, printed at "
+                             "start-up; 256 on a CPU)")
     parser.add_argument("--max-num-seqs", type=bounded(int, 1), default=32, help="requests running at once")
     parser.add_argument("--max-model-len", type=bounded(int, 2), default=2048,
                         help="prompt + generated tokens per request")
@@ -125,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
             args.port = sock.getsockname()[1]   # --port 0: the one the system chose
             loading = LoadingResponder(sock)
             phases.say(f"listening on {args.host}:{args.port} (503 until ready)")
-        engine_kw = {"max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs}
+        engine_kw = {"max_num_batched_tokens": args.max_num_batched_tokens or SERVE_BUDGET,
+                     "max_num_seqs": args.max_num_seqs}
         # the target loads in a thread that ends, so that the engine loop's thread is the only one
         # with an OpenMP team (`hal.host_threads`); a draft rank loads in its own (see `start`)
         load = (lambda fn: fn()) if sock is None else in_a_thread_that_ends

@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from hal.checks import MAX_K
 from hal.engine.requests import SamplingParams, StructuredOutputs, TokenLogprob
+from hal.models.chat_template import RenderedChat
 from hal.server.request_bodies import WireModels, first_error
 
 
@@ -51,9 +52,10 @@ class Parsed:
 
 
 def parse(raw: bytes, *, chat: bool, tok, wire: WireModels, max_model_len: int, default_k: int,
-          stop_ids: tuple[int, ...], content_tok=None) -> Parsed:
+          stop_ids: tuple[int, ...], template=None, content_tok=None) -> Parsed:
     """Validate an OpenAI request body (completions or chat) against the declared models
     (`hal.server.request_bodies`), tokenize its prompt and check it fits the context.
+    ``template``: the model's `hal.models.chat_template.ChatTemplate` (None: chat is refused);
     ``content_tok``: as `encode_chat`'s (None: special tokens in message content are parsed)."""
     model = wire.chat if chat else wire.completion
     try:
@@ -61,7 +63,11 @@ def parse(raw: bytes, *, chat: bool, tok, wire: WireModels, max_model_len: int, 
     except ValidationError as e:
         raise ApiError(*reversed(first_error(e, model))) from None
     if chat:
-        ids, what = encode_chat(tok, render_chat_spans(body.messages), content_tok), "messages"
+        if template is None:
+            raise ApiError("messages: expected a model with a chat template (tokenizer_config.json, "
+                           "chat_template.jinja or the GGUF's tokenizer.chat_template), got one without; use "
+                           "/v1/completions", "messages")
+        ids, what = encode_chat(tok, template.render(chat_messages(body.messages)), content_tok), "messages"
     else:
         ids, what = _prompt_ids(body.prompt, tok), "prompt"
     if len(ids) >= max_model_len:
@@ -136,7 +142,7 @@ def _processors(body, tok) -> dict:
     if body.allowed_token_ids is not None:
         out["allowed_token_ids"] = tuple(body.allowed_token_ids)
     if body.bad_words:   # as vLLM: each word as tokenized, and as tokenized after a space
-        out["bad_words"] = tuple(dict.fromkeys(tuple(encode(tok, w)) for word in body.bad_words
+        out["bad_words"] = tuple(dict.fromkeys(tuple(encode(tok, w, False)) for word in body.bad_words
                                                for w in (word, " " + word.lstrip())))
     return out
 
@@ -147,19 +153,12 @@ def _prompt_ids(prompt, tok) -> list[int]:
     return encode(tok, prompt) if isinstance(prompt, str) else list(prompt)
 
 
-def encode(tok, text: str) -> list[int]:
+def encode(tok, text: str, add_special_tokens: bool = True) -> list[int]:
     """Token ids of ``text``. ``encode_batch`` releases the GIL (``encode`` holds it: seconds
-    for a prompt of megabytes, during which no other thread, the event loop's included, runs)."""
-    return tok.encode_batch([text])[0].ids
-
-
-@dataclass(frozen=True)
-class RenderedChat:
-    """A conversation rendered for the model: ``text``, and where each message's content lies in
-    it (``contents``: ``(start, end)`` character spans, in order)."""
-
-    text: str
-    contents: tuple[tuple[int, int], ...]
+    for a prompt of megabytes, during which no other thread, the event loop's included, runs).
+    ``add_special_tokens``: the tokenizer's own (a BOS its post-processor adds): a completion
+    prompt gets them (as vLLM), a rendered chat not (its template writes them, as transformers)."""
+    return tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
 
 def text_tokenizer(tok):
@@ -177,13 +176,19 @@ def encode_chat(tok, chat: RenderedChat, content_tok=None) -> list[int]:
     that content encoded by ``content_tok`` (`text_tokenizer`): as text, so a user cannot close
     their turn or forge another role's (OpenAI's behaviour). ``content_tok`` None: special tokens
     in content are parsed too (vLLM's). Content without such strings is encoded with the whole
-    text, exactly as before."""
+    text, exactly as the template's text alone would be."""
     if content_tok is None:
-        return encode(tok, chat.text)
+        return encode(tok, chat.text, False)
     specials = [t.content for t in tok.get_added_tokens_decoder().values() if t.special]
+    if chat.contents is None:   # the template transforms content: where it lies is not known
+        if any(sp in c for sp in specials for c in chat.message_contents):
+            raise ApiError("messages: expected content without special-token text for this model (its chat "
+                           "template transforms content, so such text cannot be kept as text), got some; the "
+                           "server's --parse-special-tokens-in-content parses it instead", "messages")
+        return encode(tok, chat.text, False)
     forged = [(a, b) for a, b in chat.contents if any(sp in chat.text[a:b] for sp in specials)]
     if not forged:
-        return encode(tok, chat.text)
+        return encode(tok, chat.text, False)
     pieces, at = [], 0   # (text, is content): the template's text around each forged content
     for a, b in forged:
         pieces += [(chat.text[at:a], False), (chat.text[a:b], True)]
@@ -192,33 +197,25 @@ def encode_chat(tok, chat: RenderedChat, content_tok=None) -> list[int]:
     ids = []
     for text, content in pieces:
         if text:
-            ids += encode(content_tok if content else tok, text)
+            ids += encode(content_tok if content else tok, text, False)
     return ids
 
 
-def render_chat(messages) -> str:
-    """ChatML, as SmolLM2-Instruct's template renders it (`render_chat_spans`'s text)."""
-    return render_chat_spans(messages).text
-
-
-def render_chat_spans(messages) -> RenderedChat:
-    """ChatML, as SmolLM2-Instruct's template renders it (its default system turn when none
-    is given), ending with the assistant's turn, with each message's content span.
-    ``messages``: validated (`hal.server.request_bodies`) or plain dicts of the same shape."""
-    from hal.models.tokenizer import DEFAULT_SYSTEM
-    text, spans = "", []
-    first = messages[0]["role"] if isinstance(messages[0], dict) else messages[0].role
-    if first not in ("system", "developer"):
-        text += f"<|im_start|>system\n{DEFAULT_SYSTEM}<|im_end|>\n"
+def chat_messages(messages) -> list[dict]:
+    """Validated messages (`hal.server.request_bodies`) or plain dicts of the same shape as the
+    plain dicts a chat template reads: ``role`` (``developer`` as ``system``), ``content`` (text
+    parts joined), and ``name`` where given."""
+    out = []
     for m in messages:
-        role, c = (m["role"], m.get("content")) if isinstance(m, dict) else (m.role, m.content)
+        d = m if isinstance(m, dict) else {"role": m.role, "content": m.content, "name": m.name}
+        c = d.get("content")
         if isinstance(c, list):
             c = "".join(p["text"] if isinstance(p, dict) else p.text for p in c)
-        role = "system" if role == "developer" else role
-        text += f"<|im_start|>{role}\n"
-        spans.append((len(text), len(text) + len(c or "")))
-        text += f"{c or ''}<|im_end|>\n"
-    return RenderedChat(text + "<|im_start|>assistant\n", tuple(spans))
+        msg = {"role": "system" if d["role"] == "developer" else d["role"], "content": c or ""}
+        if d.get("name") is not None:
+            msg["name"] = d["name"]
+        out.append(msg)
+    return out
 
 
 @dataclass

@@ -112,13 +112,13 @@ Name = Annotated[str, StringConstraints(max_length=256)]
 class SystemMessage(Closed):
     role: Literal["system", "developer"]
     content: Content
-    name: Name | None = Field(None, description="the participant's name (accepted; not rendered)")
+    name: Name | None = Field(None, description="the participant's name (passed to the model's chat template)")
 
 
 class UserMessage(Closed):
     role: Literal["user"]
     content: Content
-    name: Name | None = Field(None, description="the participant's name (accepted; not rendered)")
+    name: Name | None = Field(None, description="the participant's name (passed to the model's chat template)")
 
 
 class AssistantMessage(Closed):
@@ -128,7 +128,7 @@ class AssistantMessage(Closed):
 
     role: Literal["assistant"]
     content: Content | None = None
-    name: Name | None = Field(None, description="the participant's name (accepted; not rendered)")
+    name: Name | None = Field(None, description="the participant's name (passed to the model's chat template)")
     refusal: None = None
     audio: None = None
     function_call: None = None

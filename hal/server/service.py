@@ -43,7 +43,8 @@ class Service:
         megabytes takes seconds to tokenize)."""
         dec = self.dec
         parsed = parse(raw, chat=chat, tok=self.tok, wire=self.wire, max_model_len=self.max_model_len,
-                       default_k=self.default_k, stop_ids=dec.target.cfg.stop_ids, content_tok=self.content_tok)
+                       default_k=self.default_k, stop_ids=dec.target.cfg.stop_ids, template=self.target.template,
+                       content_tok=self.content_tok)
         try:   # the engine's own checks (token ids, KV pool size), before the request is queued
             check_request(parsed.params.request(parsed.prompt_ids), dec.target.cfg.vocab, dec.pool.allocator)
         except HalError as e:

@@ -37,6 +37,7 @@ def tiny(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-serve")
     save_file(hf_weights(torch.Generator().manual_seed(1)), str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps(dict(
+        model_type="llama", tie_word_embeddings=True,
         hidden_size=H, num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV,
         intermediate_size=FFN, vocab_size=V, rope_theta=10000.0, rms_norm_eps=1e-5)))
     return folder

@@ -44,8 +44,9 @@ def models(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-llama")
     save_file(w, str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps(dict(
+        model_type="llama", tie_word_embeddings=True,
         hidden_size=H, num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV,
-        intermediate_size=FFN, vocab_size=V, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)))
+        intermediate_size=FFN, vocab_size=V, rope_theta=10000.0, rms_norm_eps=1e-5)))
     be = hal.get_backend("cpu")
     hf = load_safetensors(folder, be)
     names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "wq",

@@ -19,7 +19,9 @@ def test_draft_worker_killed_mid_stream(tmp_path):
     import hal
     from hal.engine import Request, SpeculativeDecoder
     from hal.models.fetch import load_model
-    from hal.server.openai_schema import render_chat
+    from hal.models.fetch import fetch
+    from hal.models.tokenizer import chat_template_of
+    render_chat = chat_template_of(fetch(MODEL)).render_text   # the model's own template (its GGUF's)
     try:
         model, tok = load_model(MODEL, hal.get_backend("cpu"), "auto")   # the server's default dtype
     except hal.HalError as e:
