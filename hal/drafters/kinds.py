@@ -126,9 +126,28 @@ def feature_layers(spec: DraftSpec, model: str, target_layers: int) -> tuple[int
     return head_feature_layers(spec.path or shipped_head(model), target_layers)
 
 
-def make_drafter(spec: DraftSpec, backend, target=None, path: str | None = None, pool=None, device=None):
+def same_vocabulary(draft_path: str, draft, draft_tok, target_vocab: int, target_tok) -> None:
+    """`HalError` naming ``--draft`` unless a draft model's vocabulary is the target's: the
+    same size and, where both have tokenizers, the same token at every id (drafts are token
+    ids: another vocabulary's would be verified as different tokens)."""
+    if draft.cfg.vocab != target_vocab:
+        raise HalError(f"--draft: expected a draft model with the target's vocabulary ({target_vocab} tokens), got "
+                       f"{draft_path} with {draft.cfg.vocab}", arg="--draft")
+    if draft_tok is None or target_tok is None:
+        return
+    mine, theirs = draft_tok.get_vocab(with_added_tokens=True), target_tok.get_vocab(with_added_tokens=True)
+    at = {i: t for t, i in mine.items()}
+    for t, i in sorted(theirs.items(), key=lambda kv: kv[1]):
+        if at.get(i) != t:
+            raise HalError(f"--draft: expected a draft model with the target's vocabulary, got {draft_path}, whose "
+                           f"token {i} is {at.get(i)!r} where the target's is {t!r}", arg="--draft")
+
+
+def make_drafter(spec: DraftSpec, backend, target=None, path: str | None = None, pool=None, device=None,
+                 vocabulary: tuple[int, object] | None = None):
     """The drafter for ``spec``: None, `NgramDrafter`, a `ModelDrafter` over the first L
-    layers of ``target`` (self) or of the model at ``path`` (model, or self without a target),
+    layers of ``target`` (self) or of the model at ``path`` (model, or self without a target;
+    refused unless its vocabulary is ``vocabulary``: the target's size and tokenizer, `same_vocabulary`),
     its KV in ``pool`` when given, or a `hal.drafters.eagle.HeadDrafter` for ``target`` (eagle: the head
     shipped for the model named ``path`` unless the spec names a folder)."""
     from hal.drafters import ModelDrafter, NgramDrafter, NgramTreeDrafter
@@ -159,7 +178,9 @@ def make_drafter(spec: DraftSpec, backend, target=None, path: str | None = None,
     if target is not None and spec.kind == "self":
         model = target
     else:
-        model = load_model(path, backend)[0]
+        model, tok = load_model(path, backend)
+        if vocabulary is not None:
+            same_vocabulary(path, model, tok, *vocabulary)
         model = model.to(device) if device is not None else model
     layers = model.cfg.layers if spec.kind == "model" else (spec.layers or model.cfg.layers // 2)
     return ModelDrafter(model.layer_view(layers), pool=pool)

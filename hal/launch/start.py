@@ -148,7 +148,8 @@ def _target_rank(args, me: Rank, max_seqs: int, engine_kw: dict, phases: Phases)
         else:
             drafter = make_drafter(spec, draft_side.backend, target=model if shares or head else None,
                                    path=args.model if head else dpath,
-                                   pool=mplan.allocate("draft") if dmem else None, device=draft_side.device)
+                                   pool=mplan.allocate("draft") if dmem else None, device=draft_side.device,
+                                   vocabulary=(model.cfg.vocab, tok))
             drafter = _threaded(args, spec, drafter, model.cfg.vocab, target_side, draft_side, metrics, phases)
     inline = world == 1 and not isinstance(drafter, RemoteDrafter)   # a draft thread is profiled as a worker is
     if engine_kw.get("max_num_batched_tokens") == SERVE_BUDGET:

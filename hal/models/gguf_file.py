@@ -95,11 +95,29 @@ def _open(path: str, mtime_ns: int, size: int) -> GGUFFile:
 
 
 def _parse(path: str) -> GGUFFile:
+    """`HalError` naming the file unless it is a whole GGUF file: its magic, its metadata and
+    tensor table, and every tensor's data inside the file."""
     from gguf import GGUFReader
-    r = GGUFReader(path)
-    fields = {k: _plain(v.contents()) for k, v in r.fields.items() if not k.startswith("GGUF.")}
-    tensors = [TensorInfo(t.name, t.tensor_type.name, tuple(int(d) for d in t.shape), int(t.data_offset),
-                          int(t.n_bytes)) for t in r.tensors]
+    from hal.errors import HalError
+    size = os.path.getsize(path)
+    if size == 0:
+        raise HalError(f"{path}: expected a GGUF file, got an empty file", arg="model")
+    with open(path, "rb") as fh:
+        magic = fh.read(4)
+    if magic != b"GGUF":
+        raise HalError(f"{path}: expected a GGUF file (magic b'GGUF'), got {magic!r}", arg="model")
+    try:
+        r = GGUFReader(path)
+        fields = {k: _plain(v.contents()) for k, v in r.fields.items() if not k.startswith("GGUF.")}
+        tensors = [TensorInfo(t.name, t.tensor_type.name, tuple(int(d) for d in t.shape), int(t.data_offset),
+                              int(t.n_bytes)) for t in r.tensors]
+    except (ValueError, IndexError, KeyError, TypeError, OSError, OverflowError) as e:
+        raise HalError(f"{path}: expected a whole GGUF file, got one whose metadata does not parse "
+                       f"({type(e).__name__}: {e}); truncated or corrupt?", arg="model") from None
+    for t in tensors:
+        if t.offset + t.nbytes > size:
+            raise HalError(f"{path}: expected tensor {t.name}'s data at bytes {t.offset}..{t.offset + t.nbytes}, got "
+                           f"a file of {size} bytes (truncated)", arg="model")
     return GGUFFile(path, fields, tensors)
 
 

@@ -61,10 +61,20 @@ def head_q8(path: str | Path) -> bool:
     return not path.is_dir() and getattr(_head(open_gguf(path).tensors), "kind", None) == "Q8_0"
 
 
+GGUF_ARCHITECTURES = ("llama",)
+GGUF_PRE = ("smollm",)   # the pre-tokenizers `hal.models.tokenizer.from_gguf_fields` builds exactly
+REQUIRED = ("llama.block_count", "llama.embedding_length", "llama.feed_forward_length", "llama.attention.head_count",
+            "tokenizer.ggml.tokens")
+
+
 def _gguf_config(r: GGUFFile) -> LlamaConfig:
     f = r.field
-    if f("general.architecture") != "llama":
-        raise HalError(f"model: expected a llama-architecture GGUF, got {f('general.architecture')!r}")
+    if f("general.architecture") not in GGUF_ARCHITECTURES:
+        raise HalError(f"{r.path}: expected a GGUF of architecture {', '.join(GGUF_ARCHITECTURES)} (other families "
+                       f"load from their HF folders), got {f('general.architecture')!r}", arg="model")
+    missing = [k for k in REQUIRED if f(k) is None]
+    if missing:
+        raise HalError(f"{r.path}: expected the metadata keys {', '.join(missing)}, got none", arg="model")
     heads, hidden = f("llama.attention.head_count"), f("llama.embedding_length")
     return LlamaConfig(hidden=hidden, layers=f("llama.block_count"), heads=heads,
                        kv_heads=f("llama.attention.head_count_kv", heads), head_dim=hidden // heads,
@@ -73,6 +83,40 @@ def _gguf_config(r: GGUFFile) -> LlamaConfig:
                        eps=float(f("llama.attention.layer_norm_rms_epsilon", 1e-5)), rope_interleaved=True,
                        bos_id=f("tokenizer.ggml.bos_token_id"), eos_id=f("tokenizer.ggml.eos_token_id"),
                        max_context=f("llama.context_length"))
+
+
+def _check_gguf(r: GGUFFile, cfg: LlamaConfig) -> None:
+    """`HalError` naming the file, before any tensor is read: the tokenizer is one built exactly
+    here (BPE with merges, a known pre-tokenizer), and the tensor table is what the config
+    implies (every tensor, its shape; the embedding has a row per token), nothing else."""
+    f = r.field
+    if f("tokenizer.ggml.model") not in (None, "gpt2"):
+        raise HalError(f"{r.path}: expected tokenizer.ggml.model 'gpt2' (byte-level BPE), got "
+                       f"{f('tokenizer.ggml.model')!r}", arg="model")
+    if not f("tokenizer.ggml.merges"):
+        raise HalError(f"{r.path}: expected tokenizer.ggml.merges (a BPE tokenizer's merges), got none", arg="model")
+    if f("tokenizer.ggml.pre") not in (None, *GGUF_PRE):
+        raise HalError(f"{r.path}: expected tokenizer.ggml.pre one of {', '.join(GGUF_PRE)} (tokenized exactly as "
+                       f"llama.cpp does), got {f('tokenizer.ggml.pre')!r}", arg="model")
+    H, nq, nk = cfg.hidden, cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    want = {"token_embd.weight": [cfg.vocab, H], "output_norm.weight": [H]}
+    for i in range(cfg.layers):
+        want.update({f"blk.{i}.{k}.weight": s for k, s in (
+            ("attn_norm", [H]), ("ffn_norm", [H]), ("attn_q", [nq, H]), ("attn_k", [nk, H]), ("attn_v", [nk, H]),
+            ("attn_output", [H, nq]), ("ffn_gate", [cfg.ffn, H]), ("ffn_up", [cfg.ffn, H]), ("ffn_down", [H, cfg.ffn]))})
+    have = {t.name: t.shape for t in r.tensors}
+    for name, shape in have.items():
+        expected = [cfg.vocab, H] if name == "output.weight" else want.get(name)
+        if expected is None:
+            raise HalError(f"{r.path}: expected only the tensors of a llama model, got {name} {shape} (not supported "
+                           f"here)", arg="model")
+        if shape != expected:
+            raise HalError(f"{r.path}: expected {name} of shape {expected} (its metadata: {cfg.vocab} tokens), got "
+                           f"{shape}", arg="model")
+    missing = [n for n in want if n not in have]
+    if missing:
+        raise HalError(f"{r.path}: expected every tensor its metadata implies, got {len(missing)} missing "
+                       f"({', '.join(missing[:3])})", arg="model")
 
 
 def read_config(path: str | Path) -> LlamaConfig:
@@ -100,6 +144,13 @@ def load_gguf(path: str | Path, backend, dtype: str = "float32", plan_refresh: b
     r = open_gguf(path)
     f = r.field
     cfg = _gguf_config(r)
+    _check_gguf(r, cfg)
+    try:   # before any tensor is read
+        tok = from_gguf_fields({k: f(k) for k in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges",
+                                                  "tokenizer.ggml.token_type")})
+    except Exception as e:   # the tokenizers library raises plain Exception for a vocabulary it refuses
+        raise HalError(f"{path}: expected a BPE vocabulary and merges tokenizers accepts, got one it refuses ({e})",
+                       arg="model") from None
     stored = _int4_tensors(r.tensors, cfg.layers)
     head = _head(r.tensors)
     head_kind = getattr(head, "kind", None)
@@ -118,14 +169,16 @@ def load_gguf(path: str | Path, backend, dtype: str = "float32", plan_refresh: b
         if plan.weights in STORED and t.name in stored:
             arr = int4.from_blocks(data, t.kind, tuple(shape))
         else:
-            arr = torch.from_numpy(dequantize(data, GGMLQuantizationType[t.kind]).reshape(shape).copy()).float()
+            try:
+                arr = torch.from_numpy(dequantize(data, GGMLQuantizationType[t.kind]).reshape(shape).copy()).float()
+            except (NotImplementedError, KeyError, ValueError) as e:
+                raise HalError(f"{path}: expected tensors of a type gguf can dequantize, got {t.name} of type "
+                               f"{t.kind} ({type(e).__name__}: {e})", arg="model") from None
         parts = t.name.split(".")
         if parts[0] == "blk":
             w[f"{parts[1]}.{GGUF_NAMES[parts[2]]}"] = arr
         else:
             w[{"token_embd": "embed", "output_norm": "norm", "output": "head"}[parts[0]]] = arr
-    tok = from_gguf_fields({k: f(k) for k in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges",
-                                              "tokenizer.ggml.token_type")})
     fused = _fuse(w, cfg.layers, plan.dtype, plan.weights)
     if plan.head == "q8_0" and plan.weights == "q4q8":
         fused["head_q8"] = q4_rows.from_q8_0(r.data(head), tuple(head.shape), plan.dtype)
