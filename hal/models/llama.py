@@ -46,6 +46,7 @@ class LlamaConfig:
     o_bias: bool = False           # the output projection has one (Llama/Qwen3 attention_bias)
     qk_norm: bool = False          # per-head RMSNorm of q and k before RoPE (Qwen3)
     rope_scaling: dict | None = None   # llama3 frequency scaling (`hal.models.rope.Rope`)
+    rope_factors: tuple[float, ...] | None = None   # the same, as a GGUF stores it (rope_freqs: divides each frequency)
     sliding_window: int | None = None  # attention window (Mistral): positions past it are refused
     eos_ids: tuple[int, ...] = ()  # every stop id (generation_config.json's list), eos_id first
     tied_head: bool = True         # the lm_head is the embedding where the file has none (HF: tie_word_embeddings)
@@ -115,8 +116,8 @@ class Llama:
         self.embed = w["embed"]
         self.head = w.get("head", self.embed)
         self.head_t = w.setdefault("head_t", self.head.T.contiguous())  # [H, V]: the faster layout for M = 1
-        self.rope = Rope(config.head_dim, config.rope_base, config.rope_interleaved,
-                         config.rope_scaling).to(self.device)
+        self.rope = Rope(config.head_dim, config.rope_base, config.rope_interleaved, config.rope_scaling,
+                         config.rope_factors).to(self.device)
         self.plan_choice = None
         if plan is None:
             weights = linear_weights(w, config.layers, self.head)

@@ -6,6 +6,7 @@ is Q8_0 (`head_q8`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -14,6 +15,7 @@ from hal.errors import HalError
 from hal.models import int4, q4_rows
 from hal.models.gguf_file import GGUFFile, open_gguf
 from hal.models.hf import read_hf_config, read_hf_weights
+from hal.models.tokenizer import PRE
 from hal.models.linear_layout import STORED, LinearPlan
 from hal.models.linear_plan import choose_plan, pin_head
 from hal.models.llama import LINEAR_KEYS, Llama, LlamaConfig, _fuse, linear_shapes
@@ -61,28 +63,64 @@ def head_q8(path: str | Path) -> bool:
     return not path.is_dir() and getattr(_head(open_gguf(path).tensors), "kind", None) == "Q8_0"
 
 
-GGUF_ARCHITECTURES = ("llama",)
-GGUF_PRE = ("smollm",)   # the pre-tokenizers `hal.models.tokenizer.from_gguf_fields` builds exactly
-REQUIRED = ("llama.block_count", "llama.embedding_length", "llama.feed_forward_length", "llama.attention.head_count",
-            "tokenizer.ggml.tokens")
+@dataclass(frozen=True)
+class GGUFFamily:
+    """What an architecture's GGUF differs in, as llama.cpp's converter writes it."""
+
+    interleaved: bool        # q/k rows permuted for adjacent-pair RoPE (llama); NEOX order otherwise
+    qkv_bias: bool = False   # attn_q/k/v.bias always there (Qwen2); else only where the file has them
+    qk_norm: bool = False    # attn_q_norm / attn_k_norm (Qwen3)
+
+
+GGUF_FAMILIES = {"llama": GGUFFamily(True), "qwen2": GGUFFamily(False, qkv_bias=True),
+                 "qwen3": GGUFFamily(False, qk_norm=True)}
+GGUF_PRE = tuple(PRE)   # the pre-tokenizers `hal.models.tokenizer.from_gguf_fields` builds as their tokenizer.json
+REQUIRED = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count")
 
 
 def _gguf_config(r: GGUFFile) -> LlamaConfig:
     f = r.field
-    if f("general.architecture") not in GGUF_ARCHITECTURES:
-        raise HalError(f"{r.path}: expected a GGUF of architecture {', '.join(GGUF_ARCHITECTURES)} (other families "
-                       f"load from their HF folders), got {f('general.architecture')!r}", arg="model")
-    missing = [k for k in REQUIRED if f(k) is None]
+    arch = f("general.architecture")
+    if arch not in GGUF_FAMILIES:
+        raise HalError(f"{r.path}: expected a GGUF of architecture {', '.join(GGUF_FAMILIES)}, got {arch!r}",
+                       arg="model")
+    fam, names = GGUF_FAMILIES[arch], {t.name for t in r.tensors}
+    missing = [f"{arch}.{k}" for k in REQUIRED if f(f"{arch}.{k}") is None]
+    missing += ["tokenizer.ggml.tokens"] if f("tokenizer.ggml.tokens") is None else []
     if missing:
         raise HalError(f"{r.path}: expected the metadata keys {', '.join(missing)}, got none", arg="model")
-    heads, hidden = f("llama.attention.head_count"), f("llama.embedding_length")
-    return LlamaConfig(hidden=hidden, layers=f("llama.block_count"), heads=heads,
-                       kv_heads=f("llama.attention.head_count_kv", heads), head_dim=hidden // heads,
-                       ffn=f("llama.feed_forward_length"), vocab=len(f("tokenizer.ggml.tokens")),
-                       rope_base=float(f("llama.rope.freq_base", 10000.0)),
-                       eps=float(f("llama.attention.layer_norm_rms_epsilon", 1e-5)), rope_interleaved=True,
-                       bos_id=f("tokenizer.ggml.bos_token_id"), eos_id=f("tokenizer.ggml.eos_token_id"),
-                       max_context=f("llama.context_length"))
+    heads, hidden = f(f"{arch}.attention.head_count"), f(f"{arch}.embedding_length")
+    bias = fam.qkv_bias or "blk.0.attn_q.bias" in names
+    if bias and fam.interleaved:
+        raise HalError(f"{r.path}: expected a llama GGUF without attention biases (not supported here), got "
+                       f"blk.0.attn_q.bias", arg="model")
+    head_dim = f(f"{arch}.attention.key_length") or hidden // heads
+    factors = None
+    if "rope_freqs.weight" in names:   # llama3 RoPE scaling, as the converter precomputes it
+        t = next(t for t in r.tensors if t.name == "rope_freqs.weight")
+        if t.kind != "F32" or t.shape != [head_dim // 2]:
+            raise HalError(f"{r.path}: expected rope_freqs.weight F32 [{head_dim // 2}], got {t.kind} {t.shape}",
+                           arg="model")
+        factors = tuple(float(x) for x in r.data(t))
+    return LlamaConfig(hidden=hidden, layers=f(f"{arch}.block_count"), heads=heads,
+                       kv_heads=f(f"{arch}.attention.head_count_kv", heads), head_dim=head_dim,
+                       ffn=f(f"{arch}.feed_forward_length"), vocab=len(f("tokenizer.ggml.tokens")),
+                       rope_base=float(f(f"{arch}.rope.freq_base", 10000.0)),
+                       eps=float(f(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+                       rope_interleaved=fam.interleaved, bos_id=f("tokenizer.ggml.bos_token_id"),
+                       eos_id=f("tokenizer.ggml.eos_token_id"), max_context=f(f"{arch}.context_length"), family=arch,
+                       qkv_bias=bias, o_bias="blk.0.attn_output.bias" in names, qk_norm=fam.qk_norm,
+                       rope_factors=factors, eos_ids=_gguf_stops(f))
+
+
+def _gguf_stops(f) -> tuple[int, ...]:
+    """The stop ids: eos, then eot and eom where the file names them (Llama 3 ends a turn with eot)."""
+    ids = [f(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")]
+    return tuple(dict.fromkeys(i for i in ids if isinstance(i, int)))
+
+
+GGUF_EXTRAS = {"attn_q.bias": "bq", "attn_k.bias": "bk", "attn_v.bias": "bv", "attn_output.bias": "bo",
+               "attn_q_norm.weight": "q_norm", "attn_k_norm.weight": "k_norm"}
 
 
 def _check_gguf(r: GGUFFile, cfg: LlamaConfig) -> None:
@@ -97,19 +135,25 @@ def _check_gguf(r: GGUFFile, cfg: LlamaConfig) -> None:
         raise HalError(f"{r.path}: expected tokenizer.ggml.merges (a BPE tokenizer's merges), got none", arg="model")
     if f("tokenizer.ggml.pre") not in (None, *GGUF_PRE):
         raise HalError(f"{r.path}: expected tokenizer.ggml.pre one of {', '.join(GGUF_PRE)} (tokenized exactly as "
-                       f"llama.cpp does), got {f('tokenizer.ggml.pre')!r}", arg="model")
-    H, nq, nk = cfg.hidden, cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+                       f"their tokenizer.json does), got {f('tokenizer.ggml.pre')!r}", arg="model")
+    H, D, nq, nk = cfg.hidden, cfg.head_dim, cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
     want = {"token_embd.weight": [cfg.vocab, H], "output_norm.weight": [H]}
+    if cfg.rope_factors is not None:
+        want["rope_freqs.weight"] = [D // 2]
     for i in range(cfg.layers):
-        want.update({f"blk.{i}.{k}.weight": s for k, s in (
-            ("attn_norm", [H]), ("ffn_norm", [H]), ("attn_q", [nq, H]), ("attn_k", [nk, H]), ("attn_v", [nk, H]),
-            ("attn_output", [H, nq]), ("ffn_gate", [cfg.ffn, H]), ("ffn_up", [cfg.ffn, H]), ("ffn_down", [H, cfg.ffn]))})
+        layer = [("attn_norm.weight", [H]), ("ffn_norm.weight", [H]), ("attn_q.weight", [nq, H]),
+                 ("attn_k.weight", [nk, H]), ("attn_v.weight", [nk, H]), ("attn_output.weight", [H, nq]),
+                 ("ffn_gate.weight", [cfg.ffn, H]), ("ffn_up.weight", [cfg.ffn, H]), ("ffn_down.weight", [H, cfg.ffn])]
+        layer += [("attn_q.bias", [nq]), ("attn_k.bias", [nk]), ("attn_v.bias", [nk])] if cfg.qkv_bias else []
+        layer += [("attn_output.bias", [H])] if cfg.o_bias else []
+        layer += [("attn_q_norm.weight", [D]), ("attn_k_norm.weight", [D])] if cfg.qk_norm else []
+        want.update({f"blk.{i}.{k}": s for k, s in layer})
     have = {t.name: t.shape for t in r.tensors}
     for name, shape in have.items():
         expected = [cfg.vocab, H] if name == "output.weight" else want.get(name)
         if expected is None:
-            raise HalError(f"{r.path}: expected only the tensors of a llama model, got {name} {shape} (not supported "
-                           f"here)", arg="model")
+            raise HalError(f"{r.path}: expected only the tensors of a {cfg.family} model, got {name} {shape} (not "
+                           f"supported here)", arg="model")
         if shape != expected:
             raise HalError(f"{r.path}: expected {name} of shape {expected} (its metadata: {cfg.vocab} tokens), got "
                            f"{shape}", arg="model")
@@ -147,7 +191,9 @@ def load_gguf(path: str | Path, backend, dtype: str = "float32", plan_refresh: b
     _check_gguf(r, cfg)
     try:   # before any tensor is read
         tok = from_gguf_fields({k: f(k) for k in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges",
-                                                  "tokenizer.ggml.token_type")})
+                                                  "tokenizer.ggml.token_type", "tokenizer.ggml.pre")})
+    except HalError as e:
+        raise HalError(f"{path}: {e}", arg="model") from None
     except Exception as e:   # the tokenizers library raises plain Exception for a vocabulary it refuses
         raise HalError(f"{path}: expected a BPE vocabulary and merges tokenizers accepts, got one it refuses ({e})",
                        arg="model") from None
@@ -176,8 +222,9 @@ def load_gguf(path: str | Path, backend, dtype: str = "float32", plan_refresh: b
                                f"{t.kind} ({type(e).__name__}: {e})", arg="model") from None
         parts = t.name.split(".")
         if parts[0] == "blk":
-            w[f"{parts[1]}.{GGUF_NAMES[parts[2]]}"] = arr
-        else:
+            rest = ".".join(parts[2:])
+            w[f"{parts[1]}.{GGUF_EXTRAS[rest] if rest in GGUF_EXTRAS else GGUF_NAMES[parts[2]]}"] = arr
+        elif parts[0] != "rope_freqs":   # read into the config
             w[{"token_embd": "embed", "output_norm": "norm", "output": "head"}[parts[0]]] = arr
     fused = _fuse(w, cfg.layers, plan.dtype, plan.weights)
     if plan.head == "q8_0" and plan.weights == "q4q8":

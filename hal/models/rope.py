@@ -11,9 +11,14 @@ from hal.errors import HalError
 class Rope:
     """Rotary embeddings: a cached table of unit rotations and their application to q / k."""
 
-    def __init__(self, head_dim: int, base: float, interleaved: bool, scaling: dict | None = None):
+    def __init__(self, head_dim: int, base: float, interleaved: bool, scaling: dict | None = None,
+                 factors: tuple[float, ...] | None = None):
         half = head_dim // 2
         self.inv_freq = 1.0 / (base ** (torch.arange(half, dtype=torch.float64) / half))
+        if factors is not None:   # a GGUF's rope_freqs (llama.cpp divides each frequency by its factor)
+            if len(factors) != half:
+                raise HalError(f"rope_freqs: expected {half} factors, got {len(factors)}")
+            self.inv_freq = self.inv_freq / torch.tensor(factors, dtype=torch.float64)
         kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
         if kind == "llama3":   # Llama 3.1: low frequencies slowed by `factor`, a smooth ramp between
             f, lo, hi, ctx = (float(scaling[k]) for k in ("factor", "low_freq_factor", "high_freq_factor",

