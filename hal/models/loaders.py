@@ -128,12 +128,13 @@ def _check_gguf(r: GGUFFile, cfg: LlamaConfig) -> None:
     here (BPE with merges, a known pre-tokenizer), and the tensor table is what the config
     implies (every tensor, its shape; the embedding has a row per token), nothing else."""
     f = r.field
-    if f("tokenizer.ggml.model") not in (None, "gpt2"):
-        raise HalError(f"{r.path}: expected tokenizer.ggml.model 'gpt2' (byte-level BPE), got "
-                       f"{f('tokenizer.ggml.model')!r}", arg="model")
-    if not f("tokenizer.ggml.merges"):
+    if f("tokenizer.ggml.model") not in (None, "gpt2", "llama"):
+        raise HalError(f"{r.path}: expected tokenizer.ggml.model 'gpt2' (byte-level BPE) or 'llama' (SentencePiece), "
+                       f"got {f('tokenizer.ggml.model')!r}", arg="model")
+    spm = f("tokenizer.ggml.model") == "llama"
+    if not spm and not f("tokenizer.ggml.merges"):
         raise HalError(f"{r.path}: expected tokenizer.ggml.merges (a BPE tokenizer's merges), got none", arg="model")
-    if f("tokenizer.ggml.pre") not in (None, *GGUF_PRE):
+    if not spm and f("tokenizer.ggml.pre") not in (None, *GGUF_PRE):
         raise HalError(f"{r.path}: expected tokenizer.ggml.pre one of {', '.join(GGUF_PRE)} (tokenized exactly as "
                        f"their tokenizer.json does), got {f('tokenizer.ggml.pre')!r}", arg="model")
     H, D, nq, nk = cfg.hidden, cfg.head_dim, cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
@@ -190,8 +191,7 @@ def load_gguf(path: str | Path, backend, dtype: str = "float32", plan_refresh: b
     cfg = _gguf_config(r)
     _check_gguf(r, cfg)
     try:   # before any tensor is read
-        tok = from_gguf_fields({k: f(k) for k in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges",
-                                                  "tokenizer.ggml.token_type", "tokenizer.ggml.pre")})
+        tok = from_gguf_fields(r.fields)
     except HalError as e:
         raise HalError(f"{path}: {e}", arg="model") from None
     except Exception as e:   # the tokenizers library raises plain Exception for a vocabulary it refuses

@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from hal.errors import HalError
 from hal.models.chat_template import ChatTemplate
@@ -49,26 +49,65 @@ CONTROL, USER_DEFINED = 3, 4   # GGUF token types
 
 
 def from_gguf_fields(fields: dict) -> Tokenizer:
-    """``fields``: GGUF metadata (tokens, merges, token types, ``tokenizer.ggml.pre``) as plain
-    Python values. A ``pre`` not in `PRE` is a `HalError` (a guess would tokenize silently wrong);
-    none at all is SmolLM2's (the bundled file's)."""
-    name = fields.get("tokenizer.ggml.pre") or "smollm"
-    if name not in PRE:
-        raise HalError(f"tokenizer.ggml.pre: expected one of {', '.join(PRE)}, got {name!r}", arg="model")
-    pre = PRE[name]
+    """``fields``: a GGUF's metadata (``tokenizer.ggml.*``) as plain Python values. Byte-level BPE
+    (``tokenizer.ggml.model`` ``gpt2``) with the pre-tokenizer ``tokenizer.ggml.pre`` names (a
+    name not in `PRE` is a `HalError`: a guess would tokenize silently wrong; none at all is
+    SmolLM2's, the bundled file's), or SentencePiece BPE (``llama``: Llama 2, Mistral), as
+    transformers' converter builds it. The BOS is added to a prompt where the file says
+    (``tokenizer.ggml.add_bos_token``; Llama 3's pre-tokenizers imply it, as llama.cpp)."""
+    kind = fields.get("tokenizer.ggml.model") or "gpt2"
     tokens = fields["tokenizer.ggml.tokens"]
-    vocab = {t: i for i, t in enumerate(tokens)}
-    merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False,
-                               ignore_merges=pre.ignore_merges))
-    if pre.nfc:
-        tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre.pre_tokenizer()
-    tok.decoder = decoders.ByteLevel()
     types = fields.get("tokenizer.ggml.token_type") or []
+    if kind == "llama":
+        tok, add_bos = _sentencepiece(fields, tokens), fields.get("tokenizer.ggml.add_bos_token", True)
+    elif kind == "gpt2":
+        name = fields.get("tokenizer.ggml.pre") or "smollm"
+        if name not in PRE:
+            raise HalError(f"tokenizer.ggml.pre: expected one of {', '.join(PRE)}, got {name!r}", arg="model")
+        pre = PRE[name]
+        vocab = {t: i for i, t in enumerate(tokens)}
+        merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False,
+                                   ignore_merges=pre.ignore_merges))
+        if pre.nfc:
+            tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre.pre_tokenizer()
+        tok.decoder = decoders.ByteLevel()
+        add_bos = fields.get("tokenizer.ggml.add_bos_token", pre.ignore_merges)   # llama.cpp: llama3 adds it
+    else:
+        raise HalError(f"tokenizer.ggml.model: expected gpt2 (byte-level BPE) or llama (SentencePiece), got "
+                       f"{kind!r}", arg="model")
     tok.add_special_tokens([AddedToken(t, normalized=False, special=True)
                             for t, k in zip(tokens, types) if k == CONTROL])
     tok.add_tokens([AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, types) if k == USER_DEFINED])
+    bos = fields.get("tokenizer.ggml.bos_token_id")
+    if add_bos and isinstance(bos, int) and 0 <= bos < len(tokens):
+        tok.post_processor = processors.TemplateProcessing(single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A $B",
+                                                           special_tokens=[(tokens[bos], bos)])
+    return tok
+
+
+def _sentencepiece(fields: dict, tokens: list[str]) -> Tokenizer:
+    """SentencePiece BPE from a GGUF (tokens and scores), as transformers' converter builds a
+    Llama / Mistral ``tokenizer.json`` (legacy): merges of every split of a piece into two
+    pieces, ordered by the merged piece's score; "▁" before the text and for every space; bytes
+    the vocabulary lacks as <0xNN> pieces."""
+    scores = fields.get("tokenizer.ggml.scores")
+    if not scores or len(scores) != len(tokens):
+        raise HalError(f"tokenizer.ggml.scores: expected one score per token ({len(tokens)}), got "
+                       f"{len(scores or [])}", arg="model")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = []
+    for piece, score in zip(tokens, scores):
+        local = [(piece[:k], piece[k:], score) for k in range(1, len(piece)) if piece[:k] in vocab and piece[k:] in vocab]
+        merges += sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]]))
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    unk = fields.get("tokenizer.ggml.unknown_token_id", 0)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[(a, b) for a, b, _ in merges], unk_token=tokens[unk],
+                               fuse_unk=True, byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
     return tok
 
 

