@@ -22,6 +22,19 @@ extern "C" {
 }
 #include "q4_mm.cpp"
 
+extern "C" {
+// One layer's weights, by name (mirrored by `hal.models.layer_loop.LayerWeights`, a ctypes.Structure):
+// the norms (float32 [H]); the int4 linears in the plan's form (packed, and scales-zeros for
+// int4pack's form): 0 qkv, 1 o, 2 gate-up, 3 down; the family's extras, NULL where it has none:
+// q/k/v biases (float32 [Hq*D + 2*Hkv*D]), the o bias ([H]), per-head q and k norms ([D]).
+struct LayerWeights {
+    const float *attn_norm, *ffn_norm;
+    void *packed[4], *sz[4];
+    const float *bqkv, *bo, *q_norm, *k_norm;
+};
+}
+static_assert(sizeof(LayerWeights) == 14 * sizeof(void *), "LayerWeights: 14 pointers, as its ctypes mirror");
+
 namespace {
 
 struct Step {   // one forward's shapes and metadata, shared by every layer
@@ -35,6 +48,15 @@ struct Step {   // one forward's shapes and metadata, shared by every layer
 };
 
 at::ScalarType act_type(const Step &s) { return s.act_bf16 ? at::kBFloat16 : at::kFloat; }
+
+// q or k [T, heads * D] RMS-normed per head (Qwen3): in float32, the weight applied after casting
+// back, as `hal.models.llama.Llama._qkv_extras` computes it (the same ATen ops, so the same bits)
+at::Tensor head_norm(const at::Tensor &x, int64_t heads, const float *w, const Step &s) {
+    auto x32 = x.reshape({s.T, heads, s.D}).to(at::kFloat);
+    x32 = x32 * at::rsqrt(x32.pow(2).mean({-1}, true) + s.eps);
+    auto weight = at::from_blob(const_cast<float *>(w), {s.D}, at::TensorOptions().dtype(at::kFloat));
+    return (weight * x32.to(x.scalar_type())).reshape({s.T, -1}).to(x.scalar_type());
+}
 
 // x [T, K] @ W.T for an int4 weight (packed [N, K/2] uint8, scales and zeros [K/32, N, 2]),
 // each row in a chunk of one of the plan's widths, zero-padded (`LinearPlan.linear`)
@@ -88,17 +110,23 @@ int64_t parallel_attention(const float *q, const void *k_cache, const void *v_ca
 
 // one layer: h += d (undefined d: nothing to add, the first layer); attention block; h += its
 // output; the MLP's output returned (not added)
-at::Tensor layer(float *h, const at::Tensor &d, int64_t i, const Step &s, void *const *norms, void *const *packed,
-                 void *const *sz, void *const *k_caches, void *const *v_caches, const int64_t *taps, int64_t ntaps,
-                 float *tap_out) {
+at::Tensor layer(float *h, const at::Tensor &d, const LayerWeights &lw, int64_t i, const Step &s,
+                 void *const *k_caches, void *const *v_caches, const int64_t *taps, int64_t ntaps, float *tap_out) {
     auto opts = at::TensorOptions().dtype(act_type(s));
+    auto f32 = at::TensorOptions().dtype(at::kFloat);
     auto x = at::empty({s.T, s.H}, opts);
-    add_norm(h, s.H, d.defined() ? d.data_ptr() : nullptr, s.H, s.act_bf16, (const float *)norms[2 * i], s.eps,
-             x.data_ptr(), s.H, s.act_bf16, s.T, s.H);
+    add_norm(h, s.H, d.defined() ? d.data_ptr() : nullptr, s.H, s.act_bf16, lw.attn_norm, s.eps, x.data_ptr(), s.H,
+             s.act_bf16, s.T, s.H);
     for (int64_t j = 0; j < ntaps; j++)
         if (taps[j] == i) memcpy(tap_out + j * s.T * s.H, h, sizeof(float) * s.T * s.H);
-    int64_t nq = s.Hq * s.D, nqkv = (s.Hq + 2 * s.Hkv) * s.D;
-    at::Tensor qkv = stored_mm(x, packed[4 * i], sz[4 * i], nqkv, s);
+    int64_t nq = s.Hq * s.D, nk = s.Hkv * s.D, nqkv = nq + 2 * nk;
+    at::Tensor qkv = stored_mm(x, lw.packed[0], lw.sz[0], nqkv, s);
+    if (lw.bqkv)   // the family's extras, as `Llama._qkv_extras`
+        qkv = (qkv + at::from_blob(const_cast<float *>(lw.bqkv), {nqkv}, f32)).to(act_type(s));
+    if (lw.q_norm)
+        qkv = at::cat({head_norm(qkv.slice(1, 0, nq), s.Hq, lw.q_norm, s),
+                       head_norm(qkv.slice(1, nq, nq + nk), s.Hkv, lw.k_norm, s), qkv.slice(1, nq + nk)}, -1);
+    qkv = qkv.contiguous();
     auto q = at::empty({s.T, s.Hq, s.D}, at::TensorOptions().dtype(at::kFloat));
     if (rope_kv(qkv.data_ptr(), nqkv, s.act_bf16, s.rot, s.rs, q.data_ptr<float>(), s.T, s.Hq, s.Hkv, s.D,
                 s.interleaved, k_caches[i], v_caches[i], s.cache_bf16, s.slot_of, s.nblocks * s.bs))
@@ -106,13 +134,14 @@ at::Tensor layer(float *h, const at::Tensor &d, int64_t i, const Step &s, void *
     auto o = at::empty({s.T, s.Hq, s.D}, at::TensorOptions().dtype(at::kFloat));
     int64_t err = parallel_attention(q.data_ptr<float>(), k_caches[i], v_caches[i], o.data_ptr<float>(), s);
     if (err) throw std::runtime_error("batch: an index outside the cache (attention error " + std::to_string(err) + ")");
-    at::Tensor ho = stored_mm(o.view({s.T, nq}).to(act_type(s)), packed[4 * i + 1], sz[4 * i + 1], s.H, s);
-    add_norm(h, s.H, ho.data_ptr(), s.H, s.act_bf16, (const float *)norms[2 * i + 1], s.eps, x.data_ptr(), s.H,
-             s.act_bf16, s.T, s.H);
-    at::Tensor gu = stored_mm(x, packed[4 * i + 2], sz[4 * i + 2], 2 * s.F, s);
+    at::Tensor ho = stored_mm(o.view({s.T, nq}).to(act_type(s)), lw.packed[1], lw.sz[1], s.H, s);
+    if (lw.bo)
+        ho = (ho + at::from_blob(const_cast<float *>(lw.bo), {s.H}, f32)).to(ho.scalar_type()).contiguous();
+    add_norm(h, s.H, ho.data_ptr(), s.H, s.act_bf16, lw.ffn_norm, s.eps, x.data_ptr(), s.H, s.act_bf16, s.T, s.H);
+    at::Tensor gu = stored_mm(x, lw.packed[2], lw.sz[2], 2 * s.F, s);
     auto a = at::empty({s.T, s.F}, opts);
     silu_mul(gu.data_ptr(), 2 * s.F, s.F, a.data_ptr(), s.F, s.act_bf16, s.T);
-    return stored_mm(a, packed[4 * i + 3], sz[4 * i + 3], s.H, s);
+    return stored_mm(a, lw.packed[3], lw.sz[3], s.H, s);
 }
 
 }  // namespace
@@ -121,18 +150,16 @@ extern "C" {
 
 // Layers [first, last): h [T, H] float32 (in place) gets d [T, H] (activations: the output of
 // layer first - 1; NULL: none, h is the embedding) added, then each layer; the last layer's
-// output is added too. Per layer i: norms[2i], norms[2i+1] (attention and MLP norm weights,
-// float32 [H]); packed/sz[4i + j] (j: qkv, o, gate-up, down) int4 weights; k_caches[i], v_caches[i] contiguous [nblocks, bs,
-// Hkv, D]. taps (increasing layer indices, ntaps of them): h entering those layers copied to
-// tap_out [ntaps, T, H] (the layer count: h after the last). ints: T H Hq Hkv D F nblocks bs
-// R nb bts E act_bf16 cache_bf16 interleaved q4; floats: eps scale. Returns 0, or 1 with a
-// message in err (errlen bytes).
+// output is added too. Layer i's weights: layers[i] (`LayerWeights`); k_caches[i], v_caches[i]
+// contiguous [nblocks, bs, Hkv, D]. taps (increasing layer indices, ntaps of them): h entering
+// those layers copied to tap_out [ntaps, T, H] (the layer count: h after the last). ints: T H Hq
+// Hkv D F nblocks bs R nb bts E act_bf16 cache_bf16 interleaved q4; floats: eps scale. Returns 0,
+// or 1 with a message in err (errlen bytes).
 int64_t layer_loop(int64_t first, int64_t last, float *h, const void *d, const int64_t *ints, const float *floats,
                    const float *rot, int64_t rs, const int64_t *slot_of, const int64_t *bt, const int64_t *req,
                    const int64_t *n_cache, const int64_t *extra, const int64_t *n_extra, const int64_t *widths,
-                   int64_t nwidths, void *const *norms, void *const *packed, void *const *sz,
-                   void *const *k_caches, void *const *v_caches, const int64_t *taps, int64_t ntaps, float *tap_out,
-                   char *err, int64_t errlen) {
+                   int64_t nwidths, const LayerWeights *layers, void *const *k_caches, void *const *v_caches,
+                   const int64_t *taps, int64_t ntaps, float *tap_out, char *err, int64_t errlen) {
     try {
         Step s{ints[0], ints[1], ints[2], ints[3], ints[4], ints[5], ints[6], ints[7], ints[8], ints[9], ints[10],
                ints[11], (int)ints[12], (int)ints[13], (int)ints[14], (int)ints[15], floats[0], floats[1], rot, rs, slot_of, bt,
@@ -140,7 +167,7 @@ int64_t layer_loop(int64_t first, int64_t last, float *h, const void *d, const i
         auto opts = at::TensorOptions().dtype(act_type(s));
         at::Tensor dd = d ? at::from_blob(const_cast<void *>(d), {s.T, s.H}, opts) : at::Tensor();
         for (int64_t i = first; i < last; i++)
-            dd = layer(h, dd, i, s, norms, packed, sz, k_caches, v_caches, taps, ntaps, tap_out);
+            dd = layer(h, dd, layers[i], i, s, k_caches, v_caches, taps, ntaps, tap_out);
         add_norm(h, s.H, dd.defined() ? dd.data_ptr() : nullptr, s.H, s.act_bf16, nullptr, s.eps, nullptr, s.H,
                  s.act_bf16, s.T, s.H);
         for (int64_t j = 0; j < ntaps; j++)

@@ -29,8 +29,19 @@ from hal.models.invariant import KeyLists
 
 SOURCE = Path(__file__).with_name("layer_loop.cpp")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
-ARGS = [_I, _I, _P, _P, _P, _P, _P, _I, _P, _P, _P, _P, _P, _P, _P, _I, _P, _P, _P, _P, _P, _P, _I, _P,
-        ctypes.c_char_p, _I]
+ARGS = [_I, _I, _P, _P, _P, _P, _P, _I, _P, _P, _P, _P, _P, _P, _P, _I, _P, _P, _P, _P, _I, _P, ctypes.c_char_p, _I]
+
+
+class LayerWeights(ctypes.Structure):
+    """One layer's weights as the native loop reads them (``LayerWeights`` in layer_loop.cpp,
+    which asserts the same 14 pointers): norms, the four int4 linears (packed, scales-zeros),
+    and the family's extras (q/k/v biases, o bias, q and k norms; NULL where it has none)."""
+
+    _fields_ = [("attn_norm", _P), ("ffn_norm", _P), ("packed", _P * 4), ("sz", _P * 4), ("bqkv", _P), ("bo", _P),
+                ("q_norm", _P), ("k_norm", _P)]
+
+
+assert ctypes.sizeof(LayerWeights) == 14 * ctypes.sizeof(_P)
 
 
 def build(compiler: str | None = None) -> Path:
@@ -66,8 +77,6 @@ def applies(model) -> bool:
             and model.plan.weights in ("int4", "q4q8") and model.plan.fn is None):
         return False
     cfg = model.cfg
-    if cfg.qkv_bias or cfg.o_bias or cfg.qk_norm:   # not in the native loop yet: the Python loop runs them
-        return False
     nq, nkv = cfg.heads * cfg.head_dim, (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim
     shapes = {"wqkv": (nkv, cfg.hidden), "wo": (cfg.hidden, nq), "wgu": (2 * cfg.ffn, cfg.hidden),
               "wdown": (cfg.hidden, cfg.ffn)}   # what the native loop reads: [N, K], packed [N, K/2]
@@ -92,13 +101,23 @@ class LayerLoop:
 
     def __init__(self, model, lib: ctypes.CDLL):
         self.lib, self.cfg, self.layers = lib, model.cfg, model.num_layers
-        norms = [model.w[f"{i}.{n}"].contiguous() for i in range(self.layers) for n in ("attn_norm", "ffn_norm")]
-        weights = [model.w[f"{i}.{k}"] for i in range(self.layers) for k in ("wqkv", "wo", "wgu", "wdown")]
-        self._keep = norms + weights
-        self.norms = _pointers(norms)
         self.q4 = model.plan.weights == "q4q8"
-        self.packed = _pointers([w.packed for w in weights])
-        self.sz = _pointers([w.packed if self.q4 else w.scales_zeros for w in weights])   # q4q8: unused
+        self._keep = []
+        self.weights = (LayerWeights * self.layers)()
+        for i, lw in enumerate(self.weights):
+            def ptr(name, w=model.w):   # float32 contiguous, kept alive here; 0 where the family has none
+                t = w.get(f"{i}.{name}")
+                if t is None:
+                    return None
+                self._keep.append(t := t.float().contiguous())
+                return t.data_ptr()
+            lw.attn_norm, lw.ffn_norm = ptr("attn_norm"), ptr("ffn_norm")
+            for j, key in enumerate(("wqkv", "wo", "wgu", "wdown")):
+                w = model.w[f"{i}.{key}"]
+                self._keep.append(w)
+                lw.packed[j] = w.packed.data_ptr()
+                lw.sz[j] = (w.packed if self.q4 else w.scales_zeros).data_ptr()   # q4q8: unused
+            lw.bqkv, lw.bo, lw.q_norm, lw.k_norm = ptr("bqkv"), ptr("bo"), ptr("q_norm"), ptr("k_norm")
         self.act = model.plan.dtype
 
     def run(self, h: Tensor, keys: KeyLists, rot: Tensor, widths: list[int], k_caches: list[Tensor],
@@ -133,7 +152,7 @@ class LayerLoop:
             0, self.layers, h.data_ptr(), None, ints, floats, cs.data_ptr(), cs.stride(0),
             keys.slot_of.data_ptr(), keys.block_tables.data_ptr(), keys.req.data_ptr(), keys.n_cache.data_ptr(),
             keys.extra.data_ptr(), keys.n_extra.data_ptr(), (ctypes.c_int64 * len(widths))(*widths), len(widths),
-            self.norms, self.packed, self.sz, _pointers(k_caches[:self.layers]), _pointers(v_caches[:self.layers]),
+            self.weights, _pointers(k_caches[:self.layers]), _pointers(v_caches[:self.layers]),
             (ctypes.c_int64 * max(len(tap_layers), 1))(*tap_layers), len(tap_layers), tap_out.data_ptr(), err, 512)
         if rc:
             raise HalError(f"batch: expected a forward the layer loop can run, got: {err.value.decode()}", arg="batch")

@@ -28,10 +28,13 @@ from tests.models.compilers import plant_failing_compiler
 LAYERS, V = 3, 512
 
 
-def _weights(dtype: torch.dtype, seed: int = 0, form: str = "int4") -> tuple[LlamaConfig, dict]:
+def _weights(dtype: torch.dtype, seed: int = 0, form: str = "int4",
+             extras: bool = False) -> tuple[LlamaConfig, dict]:
+    """``extras``: the families' additions too (q/k/v and o biases as Llama's attention_bias, Qwen3's q/k norms)."""
     g = torch.Generator().manual_seed(seed)
     cfg = LlamaConfig(hidden=576, layers=LAYERS, heads=9, kv_heads=3, head_dim=64, ffn=1536, vocab=V,
-                      rope_base=10000.0, eps=1e-5, rope_interleaved=True)
+                      rope_base=10000.0, eps=1e-5, rope_interleaved=not extras, qkv_bias=extras, o_bias=extras,
+                      qk_norm=extras)
     w = {"embed": torch.randn(V, 576, generator=g), "norm": 1 + 0.1 * torch.randn(576, generator=g)}
     for i in range(LAYERS):
         w[f"{i}.attn_norm"] = 1 + 0.1 * torch.randn(576, generator=g)
@@ -39,15 +42,20 @@ def _weights(dtype: torch.dtype, seed: int = 0, form: str = "int4") -> tuple[Lla
         for name, (n, k) in {"wqkv": (960, 576), "wo": (576, 576), "wgu": (3072, 576), "wdown": (576, 1536)}.items():
             w[f"{i}.{name}"] = q4_rows.pack(q4_rows.random(n, k, g), dtype) if form == "q4q8" else \
                 int4.random(n, k, g).pack(dtype)
+        if extras:
+            w[f"{i}.bqkv"], w[f"{i}.bo"] = torch.randn(960, generator=g), torch.randn(576, generator=g)
+            w[f"{i}.q_norm"], w[f"{i}.k_norm"] = (1 + 0.3 * torch.randn(64, generator=g) for _ in range(2))
     return cfg, w
 
 
-@pytest.fixture(scope="module", params=[(torch.bfloat16, "int4"), (torch.float32, "int4"), (torch.bfloat16, "q4q8")],
-                ids=["bfloat16", "float32", "q4q8"])
+@pytest.fixture(scope="module", params=[(torch.bfloat16, "int4", False), (torch.float32, "int4", False),
+                                        (torch.bfloat16, "q4q8", False), (torch.bfloat16, "q4q8", True)],
+                ids=["bfloat16", "float32", "q4q8", "q4q8-biases-qk-norms"])
 def twins(request):
-    """The same weights with the native loop and without it (widths 1/2/4/8: verifies pad)."""
-    dtype, form = request.param
-    cfg, w = _weights(dtype, form=form)
+    """The same weights with the native loop and without it (widths 1/2/4/8: verifies pad); the
+    last with the families' extras (biases, Qwen3's q/k norms, NEOX RoPE)."""
+    dtype, form, extras = request.param
+    cfg, w = _weights(dtype, form=form, extras=extras)
     plan = LinearPlan("mm", dtype, (1, 2, 4, 8), weights=form)
     be = hal.get_backend("cpu")
     if not (os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")):
