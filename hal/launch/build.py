@@ -14,11 +14,11 @@ from hal.engine import SpeculativeDecoder
 from hal.engine.memory import GiB, Plan, plan_memory, target_pool
 from hal.engine.drafting import capabilities
 from hal.engine.router import CostModel, Router, profile_costs
+from hal.launch.config import LaunchConfig
 
 PROBE_EVERY = 16   # a request at k = 0 is measured every this many plain steps (a probe, or a scored draft)
 
 
-SERVE_BUDGET = "auto"   # `serving_budget` chooses the step's token budget (serve's --max-num-batched-tokens unset)
 # vLLM's default budget for its OpenAI server is 2048 tokens a step on GPUs (more on the biggest); it is
 # chosen per platform. A CPU prefills some hundreds of tokens a second, so 2048 would freeze every
 # running stream for seconds: the budget here is per device type (benchmarks/prefill_stall.py).
@@ -57,14 +57,13 @@ def build_engine(target, drafter=None, *, k: int = 8, route: bool = False, costs
     return SpeculativeDecoder(target, drafter, pool=pool, router=router, **engine_kw)
 
 
-def memory_plan(args, target_mem, target_side, draft_mem, draft_side, max_seqs: int) -> Plan:
-    """This rank's memory plan from the shared flags (`hal.launch.flags.add_engine_args`:
-    ``--max-context``, ``--k``, ``--memory-fraction``, ``--cpu-budget-gib``), printed on
-    stderr; raises `HalError` before anything is allocated."""
+def memory_plan(config: LaunchConfig, target_mem, target_side, draft_mem, draft_side, max_seqs: int) -> Plan:
+    """This rank's memory plan from its launch config (the context, k, the memory fraction and
+    the CPU budget), printed on stderr; raises `HalError` before anything is allocated."""
     p = plan_memory(target_mem, target_side, draft_mem, draft_side,
-                    max_seqs=max(1, max_seqs), max_context=args.max_context,
-                    max_k=args.k, budget_fraction=args.memory_fraction,
-                    budget_bytes={"cpu": int(args.cpu_budget_gib * GiB)})
+                    max_seqs=max(1, max_seqs), max_context=config.max_context,
+                    max_k=config.k, budget_fraction=config.memory_fraction,
+                    budget_bytes={"cpu": int(config.cpu_budget_gib * GiB)})
     print(p.report(), file=sys.stderr, flush=True)
     return p
 

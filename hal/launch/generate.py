@@ -29,6 +29,7 @@ import time
 from hal.distributed.remote import RemoteDrafter
 from hal.engine import Request
 from hal.errors import HalError
+from hal.launch.config import LaunchConfig
 from hal.launch.flags import add_engine_args, bounded
 from hal.launch.start import start
 
@@ -48,15 +49,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-context", type=int, default=2048, help="prompt + generated tokens per request (planned)")
     args = ap.parse_args(argv)
     try:
-        return _run(args)
+        config = LaunchConfig.from_args(args, max_context=args.max_context,
+                                        max_num_seqs=max(1, len(args.prompt) + len(args.prompt_ids)),
+                                        max_num_batched_tokens=None)
+        return _run(args, config)
     except HalError as e:
         print(f"hal.launch: {e}", file=sys.stderr)
         return 2
 
 
-def _run(args) -> int:
+def _run(args, config: LaunchConfig) -> int:
     from hal.models.tokenizer import prompt_ids
-    t0 = start(args, len(args.prompt) + len(args.prompt_ids))
+    t0 = start(config)
     if t0 is None:   # the draft rank
         return 0
     dec, tok, world, backend, target_side = t0.dec, t0.tok, t0.world, t0.link, t0.side

@@ -25,6 +25,7 @@ import torch
 from hal.distributed.auto import DeviceProfile, LinkProfile
 from hal.distributed.placement import Side
 from hal.engine.memory import GiB
+from hal.launch.config import LaunchConfig
 from hal.errors import HalError
 
 PROFILE, CHOICE = "hal/profile", "hal/choice"
@@ -57,7 +58,7 @@ def free_bytes(side: Side, cpu_budget_gib: float) -> int:
     return int(cpu_budget_gib * GiB) if mem is None else int(mem(side.device.index or 0)[0])
 
 
-def profile_sides(sides: list[Side], path: str, spec, args, reps: int = 3, with_target: bool = True,
+def profile_sides(sides: list[Side], path: str, spec, config: LaunchConfig, reps: int = 3, with_target: bool = True,
                   hidden: int | None = None) -> list[DeviceProfile]:
     """Each side's measured `DeviceProfile` (``with_target`` False: the drafter only, a
     worker's; ``hidden``: the target's width then)."""
@@ -70,18 +71,18 @@ def profile_sides(sides: list[Side], path: str, spec, args, reps: int = 3, with_
         t0 = time.perf_counter()
         model = None
         if with_target or spec.kind in HEADS:
-            model = load_model(path, s.backend, args.dtype, lm_head=args.lm_head)[0].to(s.device)
+            model = load_model(path, s.backend, config.dtype, lm_head=config.lm_head)[0].to(s.device)
         _, dpath = draft_memory(spec, path, shares_target=with_target)
-        drafter = make_drafter(spec, s.backend, target=model, path=args.model if spec.kind in HEADS else dpath,
+        drafter = make_drafter(spec, s.backend, target=model, path=config.model if spec.kind in HEADS else dpath,
                                device=s.device)
         if with_target:
-            cost = profile_costs(model, drafter, target_pool(model, 96), max_tokens=min(72, max(9, (args.k + 1) * 4)),
+            cost = profile_costs(model, drafter, target_pool(model, 96), max_tokens=min(72, max(9, (config.k + 1) * 4)),
                                  context=256, reps=reps)
             target, draft = CostModel(cost.verify, {}, cost.per_context), cost.draft or None
         else:
             target = None
             draft = None if drafter is None else profile_drafter(drafter, s.device, hidden or model.cfg.hidden, reps)
-        out.append(DeviceProfile(s.spec, free_bytes(s, args.cpu_budget_gib), target, draft))
+        out.append(DeviceProfile(s.spec, free_bytes(s, config.cpu_budget_gib), target, draft))
         print(f"placement auto: measured {s.device} ({s.backend.name}) in {time.perf_counter() - t0:.1f} s",
               file=sys.stderr, flush=True)
         del model, drafter
@@ -162,7 +163,7 @@ def read_choice(store, names: list[str]) -> str | None:
     return got["draft"]
 
 
-def auto_target(args, spec, path: str, max_seqs: int, rv=None):
+def auto_target(config: LaunchConfig, spec, path: str, max_seqs: int, rv=None):
     """The target rank's automatic placement: ``(Placement, AutoChoice)`` from this rank's
     measured devices and, with ``rv`` (two ranks), the worker's published profile and link;
     the choice is published for the worker. Printed with its runner-up."""
@@ -170,26 +171,26 @@ def auto_target(args, spec, path: str, max_seqs: int, rv=None):
     from hal.drafters.kinds import draft_memory
     from hal.engine.memory import ModelMemory
     from hal.models.loaders import read_config
-    devices = profile_sides(local_sides(), path, spec, args)
+    devices = profile_sides(local_sides(), path, spec, config)
     link = None
     if rv is not None:   # the worker measured its side while this rank measured its own
-        rv.store.set_timeout(_td(max(600.0, args.draft_startup_timeout)))
+        rv.store.set_timeout(_td(max(600.0, config.draft_startup_timeout)))
         link = parse_profile(rv.store.get(PROFILE))
-    ctx, batch = args.max_context, max(1, max_seqs)
+    ctx, batch = config.max_context, max(1, max_seqs)
 
     def need(mem) -> int:
         return 0 if mem is None else mem.weight_bytes + mem.kv_bytes_per_token() * batch * ctx
     placement, choice = Placement.auto(
         devices, target_bytes=need(ModelMemory.from_config(read_config(path), "target")),
         draft_bytes=need(draft_memory(spec, path, shares_target=False)[0]), batch=batch,
-        acceptance=args.placement_acceptance, max_k=args.k, context=min(ctx, 512), link=link,
-        hit_rate=ahead_hit_rate(args, spec))
+        acceptance=config.placement_acceptance, max_k=config.k, context=min(ctx, 512), link=link,
+        hit_rate=ahead_hit_rate(config, spec))
     if rv is not None:
         publish_choice(rv.store, choice.best.draft if choice.best.where == "other rank" else None)
     return placement, choice
 
 
-def worker_fanout(args, spec) -> int:
+def worker_fanout(config: LaunchConfig, spec) -> int:
     """Branches the draft worker drafts ahead per request and round: ``--fanout`` where given,
     else `hal.distributed.worker.FANOUT`, except for a head (the chain head drafts ahead from
     its own features only when ``--fanout`` asks: measured, it does not pay yet; see
@@ -199,24 +200,24 @@ def worker_fanout(args, spec) -> int:
     kind = KINDS[spec.kind]
     if not kind.ahead:
         return 0
-    return args.fanout if args.fanout is not None else 0 if kind.head else FANOUT
+    return config.fanout if config.fanout is not None else 0 if kind.head else FANOUT
 
 
-def ahead_hit_rate(args, spec) -> float:
+def ahead_hit_rate(config: LaunchConfig, spec) -> float:
     """The speculation-cache hit rate another rank is scored at: ``--placement-hit-rate``, or
     0 where the worker does not draft ahead (`worker_fanout` 0)."""
-    return args.placement_hit_rate if worker_fanout(args, spec) else 0.0
+    return config.placement_hit_rate if worker_fanout(config, spec) else 0.0
 
 
-def auto_worker(args, spec, path: str, rv) -> str | None:
+def auto_worker(config: LaunchConfig, spec, path: str, rv) -> str | None:
     """The draft rank's part: measure its devices and the link, publish them, and return the
     device the target chose for the draft here (None: not on this rank)."""
     from hal.drafters.kinds import HEADS
     from hal.models.loaders import read_config
     hidden = read_config(path).hidden if spec.kind in HEADS else 1   # only a head reads the target's features
-    devices = profile_sides(local_sides(), path, spec, args, with_target=False, hidden=hidden)
+    devices = profile_sides(local_sides(), path, spec, config, with_target=False, hidden=hidden)
     publish_profile(rv.store, devices, *measure_link(rv.store))
-    rv.store.set_timeout(_td(max(600.0, args.draft_startup_timeout)))   # the target measures its own devices too
+    rv.store.set_timeout(_td(max(600.0, config.draft_startup_timeout)))   # the target measures its own devices too
     return read_choice(rv.store, [d.name for d in devices])
 
 

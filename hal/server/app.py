@@ -92,7 +92,7 @@ def make_app(target, served: str, max_model_len: int, default_k: int, max_in_fli
 
 def main(argv: list[str] | None = None) -> int:
     from hal.distributed.protocol import DRAFT
-    from hal.launch.build import SERVE_BUDGET
+    from hal.launch.config import SERVE_BUDGET, LaunchConfig
     from hal.launch.flags import add_engine_args, bounded, nonempty
     from hal.launch.phases import Phases
     from hal.launch.start import start
@@ -119,21 +119,20 @@ def main(argv: list[str] | None = None) -> int:
                              "name (vLLM's behaviour); by default they are plain text, so no message can close its "
                              "turn or forge another role's")
     args = parser.parse_args(argv)
-    args.max_context = args.max_model_len
     phases = Phases("spec-hal serve")
     sock = None
     try:
+        config = LaunchConfig.from_args(args, max_context=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                                        max_num_batched_tokens=args.max_num_batched_tokens or SERVE_BUDGET)
         if int(os.environ.get("RANK", "0")) != DRAFT:   # the target serves HTTP: take the port first
             sock = bind(args.host, args.port)
             args.port = sock.getsockname()[1]   # --port 0: the one the system chose
             loading = LoadingResponder(sock)
             phases.say(f"listening on {args.host}:{args.port} (503 until ready)")
-        engine_kw = {"max_num_batched_tokens": args.max_num_batched_tokens or SERVE_BUDGET,
-                     "max_num_seqs": args.max_num_seqs}
         # the target loads in a thread that ends, so that the engine loop's thread is the only one
         # with an OpenMP team (`hal.host_threads`); a draft rank loads in its own (see `start`)
         load = (lambda fn: fn()) if sock is None else in_a_thread_that_ends
-        target = load(lambda: start(args, args.max_num_seqs, engine_kw, phases=phases))
+        target = load(lambda: start(config, phases=phases))
         if target is None:   # the draft rank served until the target stopped
             return 0
         if target.tok is None:
