@@ -357,7 +357,7 @@ class SpeculativeDecoder:
     def _emit(self, state: State, new: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
         n0 = len(state.generated)
         try:
-            self._append(state, new)
+            state.commit_tokens(new)
             took, why = grammar.advance(state, state.generated[n0:])
             if why is not None:   # this request's grammar refused a token: it alone fails, before emitting it
                 del state.tokens[len(state.tokens) - (len(state.generated) - n0 - took):]
@@ -397,12 +397,3 @@ class SpeculativeDecoder:
     def prefix_cache_stats(self) -> tuple[int, int]:
         """Prompt tokens looked up in the prefix cache so far, and how many were found there."""
         return self.scheduler.prefix_queries, self.scheduler.prefix_hits
-
-    @staticmethod
-    def _append(s: State, new: list[int]) -> None:
-        for t in new:
-            s.generated.append(t)
-            s.tokens.append(t)
-            if t in s.req.stop_ids or len(s.generated) >= s.req.max_new_tokens:
-                s.done = True
-                return

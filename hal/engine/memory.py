@@ -48,8 +48,7 @@ class ModelMemory:
                     kv_dtype: torch.dtype = torch.float32) -> "ModelMemory":
         """From a `hal.models.llama.LlamaConfig`, before any weight is loaded (``layers``:
         a self-speculative view's depth; ``kv_dtype``: the linear plan's dtype)."""
-        from hal.models.llama import weight_bytes
-        return cls(name, weight_bytes(cfg) if owns_weights else 0, layers or cfg.layers, cfg.kv_heads, cfg.head_dim,
+        return cls(name, _weight_bytes(cfg) if owns_weights else 0, layers or cfg.layers, cfg.kv_heads, cfg.head_dim,
                    cfg.hidden, cfg.ffn, cfg.vocab, kv_dtype)
 
     def kv_bytes_per_token(self) -> int:
@@ -214,3 +213,11 @@ def _budget(side, key: str, fraction: float, explicit: dict[str, int]) -> int:
                        f"backend {side.backend.name} cannot report device memory")
     _, total = mem(side.device.index or 0)
     return int(total * fraction)
+
+
+def _weight_bytes(cfg) -> int:
+    """fp32 bytes the runner holds for a `hal.models.llama.LlamaConfig`: embeddings, the [H, V]
+    head copy, fused layer weights, norms."""
+    nq, nk = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    layer = cfg.hidden * (nq + 2 * nk) + nq * cfg.hidden + 3 * cfg.hidden * cfg.ffn + 2 * cfg.hidden
+    return 4 * (2 * cfg.vocab * cfg.hidden + cfg.layers * layer + cfg.hidden)

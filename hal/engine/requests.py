@@ -114,6 +114,15 @@ class State:
         self.offset += 1
         return self.offset - 1
 
+    def commit_tokens(self, new: list[int]) -> None:
+        """Take ``new`` tokens in order, up to the first stop token or ``max_new_tokens`` (then ``done``)."""
+        for t in new:
+            self.generated.append(t)
+            self.tokens.append(t)
+            if t in self.req.stop_ids or len(self.generated) >= self.req.max_new_tokens:
+                self.done = True
+                return
+
     def prefill_end(self) -> int:
         """Tokens a (re)prefill puts in the KV: the prompt, or all but the last of a resumed request."""
         return len(self.tokens) - (1 if self.generated else 0)

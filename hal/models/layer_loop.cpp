@@ -50,7 +50,7 @@ struct Step {   // one forward's shapes and metadata, shared by every layer
 at::ScalarType act_type(const Step &s) { return s.act_bf16 ? at::kBFloat16 : at::kFloat; }
 
 // q or k [T, heads * D] RMS-normed per head (Qwen3): in float32, the weight applied after casting
-// back, as `hal.models.llama.Llama._qkv_extras` computes it (the same ATen ops, so the same bits)
+// back, as `hal.models.families.head_norm` computes it (the same ATen ops, so the same bits)
 at::Tensor head_norm(const at::Tensor &x, int64_t heads, const float *w, const Step &s) {
     auto x32 = x.reshape({s.T, heads, s.D}).to(at::kFloat);
     x32 = x32 * at::rsqrt(x32.pow(2).mean({-1}, true) + s.eps);
@@ -121,7 +121,7 @@ at::Tensor layer(float *h, const at::Tensor &d, const LayerWeights &lw, int64_t 
         if (taps[j] == i) memcpy(tap_out + j * s.T * s.H, h, sizeof(float) * s.T * s.H);
     int64_t nq = s.Hq * s.D, nk = s.Hkv * s.D, nqkv = nq + 2 * nk;
     at::Tensor qkv = stored_mm(x, lw.packed[0], lw.sz[0], nqkv, s);
-    if (lw.bqkv)   // the family's extras, as `Llama._qkv_extras`
+    if (lw.bqkv)   // the family's extras, as `hal.models.families.qkv_extras`
         qkv = (qkv + at::from_blob(const_cast<float *>(lw.bqkv), {nqkv}, f32)).to(act_type(s));
     if (lw.q_norm)
         qkv = at::cat({head_norm(qkv.slice(1, 0, nq), s.Hq, lw.q_norm, s),

@@ -20,6 +20,7 @@ from hal.errors import HalError
 from hal.models import invariant
 from hal.models import int4, q4_rows
 from hal.models import layer_loop, row_kernels
+from hal.models.families import qkv_extras, within_window
 from hal.models.linear_layout import DTYPES, STORED_TYPES, LinearPlan, chunks, form_of
 from hal.models.linear_plan import choose_plan
 from hal.models.rope import Rope
@@ -238,7 +239,7 @@ class Llama:
         ops = self.be if i == 0 else self.be.impl
         qkv = lin(x, self.w[f"{i}.wqkv"])
         if cfg.qkv_bias or cfg.qk_norm:
-            qkv = self._qkv_extras(i, qkv)
+            qkv = qkv_extras(cfg, self.w, i, qkv)
         if fused and i > 0:   # q rotated; k rotated and v written to the cache, in one call
             q = rk.rope_kv(qkv, rot, cfg.heads, cfg.kv_heads, cfg.rope_interleaved, k_cache, v_cache, plan.slot_of)
         else:
@@ -259,23 +260,6 @@ class Llama:
             out = (out + self.w[f"{i}.bo"]).to(out.dtype)
         h, x = rk.add_norm(h, out, self.w[f"{i}.ffn_norm"], cfg.eps, act)
         return h, lin(rk.silu_mul(lin(x, self.w[f"{i}.wgu"])), self.w[f"{i}.wdown"])
-
-    def _qkv_extras(self, i: int, qkv: Tensor) -> Tensor:
-        """The family's additions to layer ``i``'s projections, row by row (batch-invariant): the
-        q, k, v biases (Qwen2, attention_bias), then q and k each RMS-normed per head (Qwen3, as
-        its ``Qwen3RMSNorm``: in float32, the weight applied after casting back)."""
-        cfg, T = self.cfg, qkv.shape[0]
-        nq, nk = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-        if cfg.qkv_bias:
-            qkv = (qkv + self.w[f"{i}.bqkv"]).to(qkv.dtype)
-        if cfg.qk_norm:
-            def norm(x: Tensor, heads: int, w: Tensor) -> Tensor:
-                x32 = x.reshape(T, heads, cfg.head_dim).float()
-                x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + cfg.eps)
-                return (w * x32.to(x.dtype)).reshape(T, -1).to(qkv.dtype)
-            qkv = torch.cat([norm(qkv[:, :nq], cfg.heads, self.w[f"{i}.q_norm"]),
-                             norm(qkv[:, nq:nq + nk], cfg.kv_heads, self.w[f"{i}.k_norm"]), qkv[:, nq + nk:]], -1)
-        return qkv.contiguous()
 
     def _layers(self, h: Tensor, rot: Tensor, k_caches: list[Tensor], v_caches: list[Tensor], batch: Batch, plan,
                 tree_mask: Tensor | None) -> tuple[Tensor, list[Tensor]]:
@@ -304,12 +288,8 @@ class Llama:
             raise HalError(f"feature_layers: expected distinct layer indices in [0, {self.num_layers}] in order, "
                            f"got {batch.feature_layers}")   # before any KV write: a refused forward changes nothing
         T = batch.tokens.shape[0]
-        if cfg.sliding_window is not None and T:   # full attention equals the window only within it
-            last = batch.max_position if batch.max_position is not None else int(batch.positions.max())
-            if last >= cfg.sliding_window:
-                raise HalError(f"positions: expected positions below the model's sliding window "
-                               f"({cfg.sliding_window}; sliding attention is not implemented), got {last}",
-                               arg="positions")
+        if cfg.sliding_window is not None and T:
+            within_window(cfg, batch)
         h = self.embed[batch.tokens]
         rot = self.rope(batch.positions, batch.max_position)
         scale = cfg.head_dim ** -0.5
@@ -397,13 +377,6 @@ def _fuse(w: dict, layers: int, dtype: torch.dtype | None = None, form: str = "i
         out[f"{i}.wgu"] = join(f"{i}.wgate", f"{i}.wup")
         out[f"{i}.wo"], out[f"{i}.wdown"] = join(f"{i}.wo"), join(f"{i}.wdown")
     return out
-
-
-def weight_bytes(cfg: LlamaConfig) -> int:
-    """fp32 bytes the runner holds: embeddings, the [H, V] head copy, fused layer weights, norms."""
-    nq, nk = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-    layer = cfg.hidden * (nq + 2 * nk) + nq * cfg.hidden + 3 * cfg.hidden * cfg.ffn + 2 * cfg.hidden
-    return 4 * (2 * cfg.vocab * cfg.hidden + cfg.layers * layer + cfg.hidden)
 
 
 def random_llama(H: int, layers: int, heads: int, kv_heads: int, D: int, ffn: int, V: int, seed: int,
