@@ -89,10 +89,10 @@ def draft_worker(link: Link, drafter, fault: str = "", idle: float | None = None
                 return
             msg = decode(*msg)   # the target is another process too: checked
             if isinstance(msg, Stop):
-                ep.stopped = True
                 if push:   # the target's reader thread waits on the link: STOP ends it too
                     link.send(*encode(Stop()))
                     link.flush()
+                ep.stopped = True   # last: the rank then destroys the group, which must not be mid-send
                 return
             if not isinstance(msg, Commit) or msg.epoch != ep.number:
                 raise HalError(f"hal.launch worker: expected COMMIT of epoch {ep.number} or STOP, got "
@@ -220,6 +220,7 @@ def serve_epochs(rv, drafter, device: torch.device, fault: str = "", idle: float
                                                        fanout, push),
                                   daemon=True, name=f"hal-draft-epoch-{e}")
         thread.start()
+    thread.join(join_timeout)   # stopped: its last act; the group is destroyed only after it
 
 
 def _serve(link, drafter, fault, idle, ep: Epoch, lock, failed: list, fanout: int, push: bool) -> None:

@@ -116,3 +116,35 @@ def test_offered_rows_of_two_widths_are_taken_whole_and_checked():
     bad[(2, 4, 42)] = (bad[(2, 4, 42)][0], bad[(2, 4, 42)][1] * 2, bad[(2, 4, 42)][2])
     with pytest.raises(HalError, match="draft_probs"):
         remote._offered(batch, remote._pick(batch, bad))
+
+
+@pytest.mark.parametrize("push", [False, True])
+def test_a_worker_is_marked_stopped_only_after_its_last_send(target, push):
+    """At STOP a pushing worker answers STOP (the target's reader waits on it); the rank
+    destroys its process group once the epoch reads stopped, so that must come after the
+    send and its flush (a group destroyed mid-send aborts the process: CI, stop 72). The
+    link records the epoch's flag at each send and flush. PLANTED: marking it first fails."""
+    import queue
+    import threading
+
+    from hal.distributed.protocol import STOP, Stop, encode
+    from hal.distributed.worker import Epoch, draft_worker
+    ep, seen = Epoch(), []
+
+    class Watched(LocalLink):
+        def send(self, words, rows=None, idx=None):
+            seen.append(("send", words[0], ep.stopped))
+            super().send(words, rows, idx)
+
+        def flush(self):
+            seen.append(("flush", None, ep.stopped))
+            super().flush()
+    a, b = queue.Queue(), queue.Queue()
+    worker = threading.Thread(target=draft_worker, args=(Watched(a, b), ModelDrafter(target)),
+                              kwargs=dict(epoch=ep, push=push), daemon=True)
+    worker.start()
+    LocalLink(b, a).send(*encode(Stop()))
+    worker.join(30)
+    assert not worker.is_alive() and ep.stopped
+    assert [s for s in seen if s[:2] == ("send", STOP)] == ([("send", STOP, False)] if push else [])
+    assert all(not stopped for _, _, stopped in seen)
