@@ -23,6 +23,12 @@ LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
+# Mistral's Tekken (its tekken.json "pattern"; llama.cpp names the converted file's pre-tokenizer
+# tekken or, for the tokenizer.json transformers' converter writes, pixtral)
+TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
 
 @dataclass(frozen=True)
 class Pre:
@@ -44,7 +50,8 @@ class Pre:
 
 PRE = {"smollm": Pre(None, digits=True), "llama-bpe": Pre(LLAMA3_SPLIT, ignore_merges=True),
        "llama3": Pre(LLAMA3_SPLIT, ignore_merges=True), "llama-v3": Pre(LLAMA3_SPLIT, ignore_merges=True),
-       "smaug-bpe": Pre(LLAMA3_SPLIT), "qwen2": Pre(QWEN2_SPLIT, nfc=True)}
+       "smaug-bpe": Pre(LLAMA3_SPLIT), "qwen2": Pre(QWEN2_SPLIT, nfc=True),
+       "tekken": Pre(TEKKEN_SPLIT, ignore_merges=True), "pixtral": Pre(TEKKEN_SPLIT, ignore_merges=True)}
 CONTROL, USER_DEFINED = 3, 4   # GGUF token types
 
 
