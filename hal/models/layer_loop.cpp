@@ -26,14 +26,17 @@ extern "C" {
 // One layer's weights, by name (mirrored by `hal.models.layer_loop.LayerWeights`, a ctypes.Structure):
 // the norms (float32 [H]); the int4 linears in the plan's form (packed, and scales-zeros for
 // int4pack's form): 0 qkv, 1 o, 2 gate-up, 3 down; the family's extras, NULL where it has none:
-// q/k/v biases (float32 [Hq*D + 2*Hkv*D]), the o bias ([H]), per-head q and k norms ([D]).
+// q/k/v biases (float32 [Hq*D + 2*Hkv*D]), the o bias ([H]), per-head q and k norms ([D]); q8[j]:
+// a q4q8 plan's linear j is in Q8 tiles (a file's Q8_0 blocks), else Q4 tiles.
 struct LayerWeights {
     const float *attn_norm, *ffn_norm;
     void *packed[4], *sz[4];
     const float *bqkv, *bo, *q_norm, *k_norm;
+    int64_t q8[4];
 };
 }
-static_assert(sizeof(LayerWeights) == 14 * sizeof(void *), "LayerWeights: 14 pointers, as its ctypes mirror");
+static_assert(sizeof(LayerWeights) == 14 * sizeof(void *) + 4 * sizeof(int64_t),
+              "LayerWeights: 14 pointers and 4 int64, as its ctypes mirror");
 
 namespace {
 
@@ -82,10 +85,11 @@ at::Tensor int4_mm(const at::Tensor &x, void *packed, void *sz, int64_t N, const
 
 // x [T, K] (contiguous, the activation dtype) @ W.T for layer weight j of either form, in the
 // activation dtype (the q4q8 kernel's float32 product rounded as the Python path rounds it)
-at::Tensor stored_mm(const at::Tensor &x, void *packed, void *sz, int64_t N, const Step &s) {
-    if (!s.q4) return int4_mm(x, packed, sz, N, s);
+at::Tensor stored_mm(const at::Tensor &x, const LayerWeights &lw, int j, int64_t N, const Step &s) {
+    if (!s.q4) return int4_mm(x, lw.packed[j], lw.sz[j], N, s);
     auto y = at::empty({s.T, N}, at::TensorOptions().dtype(at::kFloat));
-    q4::linear((const uint8_t *)packed, 0, N, x.size(1), x.data_ptr(), s.act_bf16, s.T, x.size(1), y.data_ptr<float>());
+    q4::linear((const uint8_t *)lw.packed[j], (int)lw.q8[j], N, x.size(1), x.data_ptr(), s.act_bf16, s.T, x.size(1),
+               y.data_ptr<float>());
     return s.act_bf16 ? y.to(at::kBFloat16) : y;
 }
 
@@ -120,7 +124,7 @@ at::Tensor layer(float *h, const at::Tensor &d, const LayerWeights &lw, int64_t 
     for (int64_t j = 0; j < ntaps; j++)
         if (taps[j] == i) memcpy(tap_out + j * s.T * s.H, h, sizeof(float) * s.T * s.H);
     int64_t nq = s.Hq * s.D, nk = s.Hkv * s.D, nqkv = nq + 2 * nk;
-    at::Tensor qkv = stored_mm(x, lw.packed[0], lw.sz[0], nqkv, s);
+    at::Tensor qkv = stored_mm(x, lw, 0, nqkv, s);
     if (lw.bqkv)   // the family's extras, as `hal.models.families.qkv_extras`
         qkv = (qkv + at::from_blob(const_cast<float *>(lw.bqkv), {nqkv}, f32)).to(act_type(s));
     if (lw.q_norm)
@@ -134,14 +138,14 @@ at::Tensor layer(float *h, const at::Tensor &d, const LayerWeights &lw, int64_t 
     auto o = at::empty({s.T, s.Hq, s.D}, at::TensorOptions().dtype(at::kFloat));
     int64_t err = parallel_attention(q.data_ptr<float>(), k_caches[i], v_caches[i], o.data_ptr<float>(), s);
     if (err) throw std::runtime_error("batch: an index outside the cache (attention error " + std::to_string(err) + ")");
-    at::Tensor ho = stored_mm(o.view({s.T, nq}).to(act_type(s)), lw.packed[1], lw.sz[1], s.H, s);
+    at::Tensor ho = stored_mm(o.view({s.T, nq}).to(act_type(s)), lw, 1, s.H, s);
     if (lw.bo)
         ho = (ho + at::from_blob(const_cast<float *>(lw.bo), {s.H}, f32)).to(ho.scalar_type()).contiguous();
     add_norm(h, s.H, ho.data_ptr(), s.H, s.act_bf16, lw.ffn_norm, s.eps, x.data_ptr(), s.H, s.act_bf16, s.T, s.H);
-    at::Tensor gu = stored_mm(x, lw.packed[2], lw.sz[2], 2 * s.F, s);
+    at::Tensor gu = stored_mm(x, lw, 2, 2 * s.F, s);
     auto a = at::empty({s.T, s.F}, opts);
     silu_mul(gu.data_ptr(), 2 * s.F, s.F, a.data_ptr(), s.F, s.act_bf16, s.T);
-    return stored_mm(a, lw.packed[3], lw.sz[3], s.H, s);
+    return stored_mm(a, lw, 3, s.H, s);
 }
 
 }  // namespace

@@ -34,14 +34,15 @@ ARGS = [_I, _I, _P, _P, _P, _P, _P, _I, _P, _P, _P, _P, _P, _P, _P, _I, _P, _P, 
 
 class LayerWeights(ctypes.Structure):
     """One layer's weights as the native loop reads them (``LayerWeights`` in layer_loop.cpp,
-    which asserts the same 14 pointers): norms, the four int4 linears (packed, scales-zeros),
-    and the family's extras (q/k/v biases, o bias, q and k norms; NULL where it has none)."""
+    which asserts the same size): norms, the four linears as stored (packed, scales-zeros),
+    the family's extras (q/k/v biases, o bias, q and k norms; NULL where it has none), and
+    which linears are Q8 tiles (a q4q8 plan's Q8_0 layers)."""
 
     _fields_ = [("attn_norm", _P), ("ffn_norm", _P), ("packed", _P * 4), ("sz", _P * 4), ("bqkv", _P), ("bo", _P),
-                ("q_norm", _P), ("k_norm", _P)]
+                ("q_norm", _P), ("k_norm", _P), ("q8", _I * 4)]
 
 
-assert ctypes.sizeof(LayerWeights) == 14 * ctypes.sizeof(_P)
+assert ctypes.sizeof(LayerWeights) == 14 * ctypes.sizeof(_P) + 4 * ctypes.sizeof(_I)
 
 
 def build(compiler: str | None = None) -> Path:
@@ -72,7 +73,8 @@ def _library() -> ctypes.CDLL | None:
 
 def applies(model) -> bool:
     """Whether a model's forwards can run here: batch-invariant on the CPU with the fused row
-    kernels, every layer's linear weight int4 as stored for the plan's rows, no custom layout."""
+    kernels, every layer's linear weight as stored for the plan's rows (int4pack's form, or
+    q4q8's Q4 or Q8 tiles), no custom layout."""
     if not (model.batch_invariant and model.device.type == "cpu" and isinstance(model.rows, row_kernels.FusedRows)
             and model.plan.weights in ("int4", "q4q8") and model.plan.fn is None):
         return False
@@ -85,8 +87,8 @@ def applies(model) -> bool:
                for i in range(model.num_layers) for k, (n, kk) in shapes.items())
 
 
-def _tiled_as(w, N: int, K: int, dtype: torch.dtype) -> bool:
-    return isinstance(w, q4_rows.Q4Weight) and not w.q8 and w.dtype == dtype and tuple(w.shape) == (N, K)
+def _tiled_as(w, N: int, K: int, dtype: torch.dtype) -> bool:   # Q4 or Q8 tiles
+    return isinstance(w, q4_rows.Q4Weight) and w.dtype == dtype and tuple(w.shape) == (N, K)
 
 
 def _packed_as(w, N: int, K: int, dtype: torch.dtype) -> bool:
@@ -117,6 +119,7 @@ class LayerLoop:
                 self._keep.append(w)
                 lw.packed[j] = w.packed.data_ptr()
                 lw.sz[j] = (w.packed if self.q4 else w.scales_zeros).data_ptr()   # q4q8: unused
+                lw.q8[j] = int(self.q4 and w.q8)
             lw.bqkv, lw.bo, lw.q_norm, lw.k_norm = ptr("bqkv"), ptr("bo"), ptr("q_norm"), ptr("k_norm")
         self.act = model.plan.dtype
 

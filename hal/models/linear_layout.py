@@ -86,7 +86,7 @@ class LinearPlan:
         dt, widths = str(self.dtype).removeprefix("torch."), "/".join(map(str, self.widths))
         head = "; lm_head Q8_0 as stored" if self.head == "q8_0" else ""
         if self.weights == "q4q8":
-            return (f"int4 weights as stored times {dt} rows quantized per 32 to int8 value and residual codes "
+            return (f"Q4_0/Q4_1 and Q8_0 weights as stored times {dt} rows quantized per 32 to int8 value and residual codes "
                     f"(q4q8{head}; other weights {dt} {name} in chunks of {widths})")
         if self.weights == "int4":
             return f"int4 weights as stored ({dt} rows{head}; other weights {dt} {name}) in chunks of {widths}"
@@ -146,3 +146,36 @@ def _costs_fit(costs, d: dict) -> bool:
     return isinstance(costs, list) and (not costs or (
         len(costs) == len(d.get("widths", [])) and all(isinstance(c, (int, float)) and not isinstance(c, bool)
                                                       and 0 < c < float("inf") for c in costs)))
+
+
+NOISE = 0.25   # the winner timed twice: scores further apart than this (relative) make the measurement noisy
+
+
+@dataclass
+class Choice:
+    """The chosen plan and what it was chosen from."""
+
+    plan: LinearPlan
+    signature: dict
+    candidates: list[dict] = field(default_factory=list)   # {"plan", "ms" by rows, "score"} per usable candidate
+    rejected: list[str] = field(default_factory=list)       # layouts/widths dropped by the self-check, and why
+    from_cache: bool = False
+    measured: dict = field(default_factory=dict)   # {"at": UTC time, "load": 1-min load average, "spread": ...}
+    heads: list[dict] = field(default_factory=list)   # {"head", "ms" by rows, "score"} per lm_head form timed
+
+    @property
+    def noisy(self) -> bool:
+        return self.measured.get("spread", 0.0) > NOISE
+
+    def conditions(self) -> str:
+        """When and under what load the plan was measured, and its timing spread."""
+        m = self.measured
+        if not m:
+            return "measured before spread was recorded"
+        said = f"measured {m['at']} at load {m['load']:.2f}, spread {m['spread']:.0%}"
+        return said + (f" (noisy: over {NOISE:.0%}; not cached, measured again next time)" if self.noisy else "")
+
+    def summary(self) -> str:
+        source = "cached" if self.from_cache else "measured"
+        return (f"{self.plan.describe()} ({source} for {self.signature['cpu']}, {self.signature['threads']} "
+                f"threads; flags {' '.join(self.signature['flags']) or 'none'}; {self.conditions()})")

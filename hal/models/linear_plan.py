@@ -8,10 +8,10 @@ one of those widths (zero-padded), so its bits never depend on how many rows cam
 
 Weights the file stores as Q4_0/Q4_1 blocks can also run **as stored**: ``weights="int4"``,
 PyTorch's int4pack kernel (`hal.models.int4`; rows in bfloat16 on every CPU, float32 rows
-measured only where bfloat16 gives no usable group), or ``weights="q4q8"``, the same codes
-times rows quantized to int8 per 32 (`hal.models.q4_rows`, llama.cpp's arithmetic; where its
-C++ kernel builds). The other weights run in the plan's float layout and dtype. ``--dtype
-auto`` measures these candidates with the float ones; ``stored`` only them. An lm_head stored
+measured only where bfloat16 gives no usable group), or ``weights="q4q8"``, the same codes (and
+Q8_0 layers' codes) times rows quantized to int8 per 32 (`hal.models.q4_rows`, llama.cpp's
+arithmetic; where its C++ kernel builds). The other weights run in the plan's float layout and
+dtype. ``auto`` measures these candidates with the float ones; ``stored`` only them. An lm_head stored
 as Q8_0 (SmolLM2's tied embedding) can run as stored too (``head="q8_0"``: int4's two halves,
 or q4q8's Q8 tiles): once such a plan has won, the head's two forms are self-checked at its
 widths and timed at the `MIX` rows, and the faster is kept (`_choose_head`).
@@ -42,7 +42,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -53,7 +53,7 @@ from hal.models import plan_cache, plan_check, q4_rows
 from hal.models.machine import BF16_FLAGS, cpu_flags, cpu_signature
 from hal.errors import HalError
 from hal.models.progress import bar as progress_bar
-from hal.models.linear_layout import DTYPES, LAYOUTS, STORED, STORED_TYPES, LinearPlan, chunks
+from hal.models.linear_layout import DTYPES, LAYOUTS, NOISE, STORED, STORED_TYPES, Choice, LinearPlan, chunks
 
 CHOICES = ("auto", "stored", *DTYPES)   # what ``--dtype`` may ask for
 LM_HEADS = ("auto", "stored", "float")  # what ``--lm-head`` may ask for (`pin_head`)
@@ -61,37 +61,6 @@ MIX = {1: 0.5, 5: 0.25, 9: 0.25}       # rows per forward -> weight in the score
 SCORE_ROWS = tuple(MIX)                 # the rows a candidate is timed at
 REPORT_ROWS = (1, 5, 9, 16)
 PRUNE = 1.5    # a candidate predicted over this times the best prediction is not timed (its score stays predicted)
-NOISE = 0.25   # the winner timed twice: scores further apart than this (relative) make the measurement noisy
-
-
-@dataclass
-class Choice:
-    """The chosen plan and what it was chosen from."""
-
-    plan: LinearPlan
-    signature: dict
-    candidates: list[dict] = field(default_factory=list)   # {"plan", "ms" by rows, "score"} per usable candidate
-    rejected: list[str] = field(default_factory=list)       # layouts/widths dropped by the self-check, and why
-    from_cache: bool = False
-    measured: dict = field(default_factory=dict)   # {"at": UTC time, "load": 1-min load average, "spread": ...}
-    heads: list[dict] = field(default_factory=list)   # {"head", "ms" by rows, "score"} per lm_head form timed
-
-    @property
-    def noisy(self) -> bool:
-        return self.measured.get("spread", 0.0) > NOISE
-
-    def conditions(self) -> str:
-        """When and under what load the plan was measured, and its timing spread."""
-        m = self.measured
-        if not m:
-            return "measured before spread was recorded"
-        said = f"measured {m['at']} at load {m['load']:.2f}, spread {m['spread']:.0%}"
-        return said + (f" (noisy: over {NOISE:.0%}; not cached, measured again next time)" if self.noisy else "")
-
-    def summary(self) -> str:
-        source = "cached" if self.from_cache else "measured"
-        return (f"{self.plan.describe()} ({source} for {self.signature['cpu']}, {self.signature['threads']} "
-                f"threads; flags {' '.join(self.signature['flags']) or 'none'}; {self.conditions()})")
 
 
 def candidate_dtypes(dtype: str, flags: list[str]) -> list[torch.dtype]:
@@ -181,14 +150,15 @@ def choose_plan(shapes: list[tuple[int, int]], dtype: str = "auto", *, weights: 
                 refresh: bool = False, threads: int | None = None, layouts: dict[str, plan_check.Layout] | None = None,
                 reps: int = 3, cache: bool = True, device: torch.device | str | None = None,
                 progress: bool = False, stored_int4: list[bool] | None = None, q8_head: bool = False,
-                form: str | None = None) -> Choice:
+                form: str | None = None, stored_q8: list[bool] | None = None) -> Choice:
     """The fastest usable `LinearPlan` for a model whose linear weights have ``shapes`` ([N, K]
     each, in forward order) on this machine; see the module docstring. ``weights``: those
     weights to time with (default: random ones of the shapes, made only when measuring).
     ``layouts``: the candidates (default `LAYOUTS`; tests plant others). ``stored_int4``: which of
     ``shapes`` the file stores as int4 blocks (Q4_0/Q4_1): ``auto`` then also measures them
-    run as stored, and ``stored`` measures only that. `HalError` when no candidate of the
-    requested dtype is usable. ``progress``: a bar (tqdm, stderr) while measuring.
+    run as stored, and ``stored`` measures only that; ``stored_q8``: as Q8_0 blocks (q4q8 runs
+    them as Q8 tiles). `HalError` when no candidate of the requested dtype is usable.
+    ``progress``: a bar (tqdm, stderr) while measuring.
     ``q8_head``: the last of ``shapes`` is an lm_head the file stores as Q8_0 blocks; an int4
     plan then also chooses its form (`LinearPlan.head`, `_choose_head`). ``form``: the stored
     weights are already packed in that form (``int4`` or ``q4q8``): only it is measured."""
@@ -200,15 +170,18 @@ def choose_plan(shapes: list[tuple[int, int]], dtype: str = "auto", *, weights: 
     if form not in (None, *STORED):
         raise HalError(f"form: expected None or one of {', '.join(STORED)}, got {form!r}", arg="form")
     # only auto and stored run int4 candidates: a float plan's key (and choice) ignores the storage
-    int4_shapes = frozenset(s for s, q in zip(shapes, stored_int4 or []) if q and int4.fits(*s)) \
-        if dev.type == "cpu" and dtype in ("auto", "stored") else frozenset()
+    int4_shapes, q8_shapes = (frozenset(s for s, q in zip(shapes, stored or []) if q and int4.fits(*s)) if
+                              dev.type == "cpu" and dtype in ("auto", "stored") else frozenset() for stored in (
+                                  stored_int4, stored_q8 if q4_rows.available() else None))
+    q8_shapes -= int4_shapes   # one form a shape
+    int4_shapes = plan_check.StoredShapes(int4_shapes | q8_shapes, q8_shapes)
     if dtype == "stored" and not int4_shapes:
-        raise HalError(f"dtype: expected a model with weights stored as Q4_0/Q4_1 blocks for 'stored' on a CPU, "
+        raise HalError(f"dtype: expected a model with weights stored as Q4_0/Q4_1/Q8_0 blocks for 'stored' on a CPU, "
                        f"got {'none' if dev.type == 'cpu' else 'device ' + dev.type}", arg="dtype")
     head_q8 = bool(int4_shapes) and q8_head and int4.fits(*shapes[-1])
     families = [f"{str(dt).removeprefix('torch.')} {kind}" for dt, kind in _kinds(dtype, _flags(signature, dev),
                                                                                    int4_shapes, form)]
-    families += ["q8_0 head"] * head_q8
+    families += ["q8_0 head"] * head_q8 + [f"q8_0 {n}x{k}" for n, k in sorted(q8_shapes)]
     path = plan_cache.path(signature, shapes, dtype, layouts, int4_shapes, families) \
         if cache and layouts is LAYOUTS else None
     cached = None if path is None or refresh else _cached(path, signature, dtype)
@@ -264,17 +237,18 @@ def _kinds(dtype: str, flags: list[str], int4_shapes, form: str | None = None) -
     quantized = int4_shapes and dtype in ("auto", "stored")
     if not quantized:
         return kinds
-    return kinds + [(dt, "int4") for dt in INT4_ROWS] * (form in (None, "int4")) + \
+    int4pack = bool(plan_check.as_stored(int4_shapes).of("int4"))   # Q8_0 only: no int4pack candidates
+    return kinds + [(dt, "int4") for dt in INT4_ROWS] * (form in (None, "int4") and int4pack) + \
         [(INT4_ROWS[0], "q4q8")] * (form in (None, "q4q8") and q4_rows.available())
 
 
 def _timing_weights(weights: list[Tensor], shapes, dt: torch.dtype, kind: str, int4_shapes, dev) -> list:
-    """``weights`` in the candidate's form: int4 shapes as random stored weights (timing only)."""
+    """``weights`` in the candidate's form: stored shapes as random stored weights (timing only)."""
     g = torch.Generator().manual_seed(0)
-    return [plan_check.STORED_FORMS[kind](*s, g, dt) if kind in STORED and s in int4_shapes else
+    stored = plan_check.as_stored(int4_shapes)
+    return [stored.stored(kind)(*s, g, dt) if s in stored.of(kind) else
             w if isinstance(w, STORED_TYPES) else w.to(dev, dt)
             for w, s in zip(weights, shapes)]
-
 
 
 def _measure(shapes, dtype: str, weights: list[Tensor], signature: dict, layouts, reps: int, dev,
@@ -384,10 +358,10 @@ def _candidates(shapes, dtype: str, weights: list[Tensor], signature: dict, layo
             bar.update(len(layouts))
             continue
         casts[dt, kind] = cast = _timing_weights(weights, shapes, dt, kind, int4_shapes, dev)
-        checked = int4_shapes if kind in STORED else frozenset()
+        stored = plan_check.as_stored(int4_shapes)
         for name, fn in layouts.items():
-            groups, why = plan_check.usable_groups(fn, dt, sorted(set(shapes)), device=dev, int4_shapes=checked,
-                                                   stored=plan_check.STORED_FORMS.get(kind, plan_check.int4pack))
+            groups, why = plan_check.usable_groups(fn, dt, sorted(set(shapes)), device=dev,
+                                                   int4_shapes=stored.of(kind), stored=stored.stored(kind))
             label = f"{str(dt).removeprefix('torch.')}{f' {kind}' * (kind in STORED)} {name}"
             rejected += [f"{label}: {w}" for w in why]
             for group in groups:

@@ -122,8 +122,9 @@ class Llama:
         self.plan_choice = None
         if plan is None:
             weights = linear_weights(w, config.layers, self.head)
-            packed = [isinstance(t, STORED_TYPES) for t in weights]   # int4 as stored: they run so
-            dtype = "stored" if any(packed) else dtype or str(weights[0].dtype).removeprefix("torch.")
+            q8 = [getattr(t, "q8", False) for t in weights]   # Q8 tiles: a q4q8 plan runs them so
+            packed = [isinstance(t, STORED_TYPES) and not q for t, q in zip(weights, q8)]   # int4 as stored
+            dtype = "stored" if any(packed + q8) else dtype or str(weights[0].dtype).removeprefix("torch.")
             if not batch_invariant and dtype not in ("auto", "stored"):   # plain F.linear: nothing to measure
                 plan = LinearPlan("linear", DTYPES[dtype], (1,))
             else:
@@ -131,7 +132,7 @@ class Llama:
                 forms = {form_of(t) for t in weights if isinstance(t, STORED_TYPES)}   # packed: in that form
                 self.plan_choice = choose_plan([tuple(t.shape) for t in weights], dtype, weights=weights,
                                                refresh=plan_refresh, device=self.device, stored_int4=packed,
-                                               q8_head=q8_head, form=forms.pop() if len(forms) == 1 else None)
+                                               stored_q8=q8, q8_head=q8_head, form=forms.pop() if len(forms) == 1 else None)
                 plan = self.plan_choice.plan
         self.plan = plan
         self._cast(plan.dtype)
@@ -364,6 +365,8 @@ def _fuse(w: dict, layers: int, dtype: torch.dtype | None = None, form: str = "i
         if isinstance(parts[0], int4.Int4Blocks):
             blocks = int4.cat(parts)
             return q4_rows.pack(blocks, dtype) if form == "q4q8" else blocks.pack(dtype)
+        if isinstance(parts[0], q4_rows.Q8Blocks):   # Q8_0 as stored: q4q8's Q8 tiles
+            return q4_rows.Q8Blocks.cat(parts).pack(dtype)
         return torch.cat(parts).contiguous() if len(parts) > 1 else parts[0].contiguous()
 
     for i in range(layers):

@@ -1,8 +1,8 @@
 """Loading a Llama: from a GGUF file (weights stored as Q4_0/Q4_1 blocks kept as int4 where
-the plan runs them so, an lm_head stored as Q8_0 kept so where the plan runs it so, the rest
-dequantized with ``gguf``) or an HF folder (config.json + safetensors); the config alone
-(`read_config`), which linears a file stores as int4 (`linear_int4`), and whether its lm_head
-is Q8_0 (`head_q8`)."""
+the plan runs them so, layers' and an lm_head's Q8_0 blocks kept so where the plan runs them
+so, the rest dequantized with ``gguf``) or an HF folder (config.json + safetensors); the config
+alone (`read_config`), which linears a file stores as int4 or Q8_0 (`linear_int4`,
+`linear_q8`), and whether its lm_head is Q8_0 (`head_q8`)."""
 
 from __future__ import annotations
 
@@ -27,19 +27,24 @@ FUSED_PARTS = {"wqkv": ("attn_q", "attn_k", "attn_v"), "wo": ("attn_output",), "
                "wdown": ("ffn_down",)}   # each linear the forward runs, from the file's tensors
 
 
-def _int4_tensors(tensors, layers: int) -> set[str]:
+def _int4_tensors(tensors, layers: int, kinds=tuple(int4.BLOCK_BYTES)) -> set[str]:
     """The names of the file's tensors that can run as stored: every part of a fused linear
-    is Q4_0/Q4_1, and the fused shape fits the kernel (`hal.models.int4.fits`)."""
+    is of one of ``kinds`` (default Q4_0/Q4_1; ``("Q8_0",)``: the q4q8 kernel's Q8 tiles), and
+    the fused shape fits the kernel (`hal.models.int4.fits`)."""
     types = {t.name: t.kind for t in tensors}
     shapes = {t.name: t.shape for t in tensors}
     out = set()
     for i in range(layers):
         for parts in FUSED_PARTS.values():
             names = [f"blk.{i}.{p}.weight" for p in parts]
-            if all(types.get(n) in int4.BLOCK_BYTES for n in names) and int4.fits(
+            if all(types.get(n) in kinds for n in names) and int4.fits(
                     sum(shapes[n][0] for n in names), shapes[names[0]][1]):
                 out.update(names)
     return out
+
+
+def _mask(stored: set[str], layers: int) -> list[bool]:
+    return [f"blk.{i}.{FUSED_PARTS[k][0]}.weight" in stored for i in range(layers) for k in LINEAR_KEYS] + [False]
 
 
 def linear_int4(path: str | Path, cfg: LlamaConfig) -> list[bool]:
@@ -47,8 +52,15 @@ def linear_int4(path: str | Path, cfg: LlamaConfig) -> list[bool]:
     path = Path(path)
     if path.is_dir():
         return [False] * (4 * cfg.layers + 1)
-    stored = _int4_tensors(open_gguf(path).tensors, cfg.layers)
-    return [f"blk.{i}.{FUSED_PARTS[k][0]}.weight" in stored for i in range(cfg.layers) for k in LINEAR_KEYS] + [False]
+    return _mask(_int4_tensors(open_gguf(path).tensors, cfg.layers), cfg.layers)
+
+
+def linear_q8(path: str | Path, cfg: LlamaConfig) -> list[bool]:
+    """Which of `linear_shapes` ``path`` stores as Q8_0 blocks (an HF folder: none)."""
+    path = Path(path)
+    if path.is_dir():
+        return [False] * (4 * cfg.layers + 1)
+    return _mask(_int4_tensors(open_gguf(path).tensors, cfg.layers, ("Q8_0",)), cfg.layers)
 
 
 def _head(tensors):
@@ -197,14 +209,14 @@ def load_gguf(path: str | Path, backend, dtype: str = "float32", plan_refresh: b
     except Exception as e:   # the tokenizers library raises plain Exception for a vocabulary it refuses
         raise HalError(f"{path}: expected a BPE vocabulary and merges tokenizers accepts, got one it refuses ({e})",
                        arg="model") from None
-    stored = _int4_tensors(r.tensors, cfg.layers)
+    stored, stored_q8 = _int4_tensors(r.tensors, cfg.layers), _int4_tensors(r.tensors, cfg.layers, ("Q8_0",))
     head = _head(r.tensors)
     head_kind = getattr(head, "kind", None)
     choice = None
     if plan is None:
-        mask = [f"blk.{i}.{FUSED_PARTS[k][0]}.weight" in stored for i in range(cfg.layers) for k in LINEAR_KEYS]
-        choice = choose_plan(linear_shapes(cfg), dtype, refresh=plan_refresh, stored_int4=mask + [False],
-                             device=torch.device(backend.device_type), q8_head=head_kind == "Q8_0")
+        choice = choose_plan(linear_shapes(cfg), dtype, refresh=plan_refresh, stored_int4=_mask(stored, cfg.layers),
+                             stored_q8=_mask(stored_q8, cfg.layers), device=torch.device(backend.device_type),
+                             q8_head=head_kind == "Q8_0")
         plan = pin_head(choice, lm_head)
     if plan.head == "q8_0" and head_kind != "Q8_0":   # refused before anything is read
         raise HalError(f"plan: expected a file whose lm_head is Q8_0 for {plan.describe()}, got {head_kind}",
@@ -214,6 +226,8 @@ def load_gguf(path: str | Path, backend, dtype: str = "float32", plan_refresh: b
         shape, data = t.shape, r.data(t)
         if plan.weights in STORED and t.name in stored:
             arr = int4.from_blocks(data, t.kind, tuple(shape))
+        elif plan.weights == "q4q8" and t.name in stored_q8:   # Q8 tiles once fused (`_fuse`)
+            arr = q4_rows.q8_0_blocks(data, tuple(shape))
         else:
             try:
                 arr = torch.from_numpy(dequantize(data, GGMLQuantizationType[t.kind]).reshape(shape).copy()).float()

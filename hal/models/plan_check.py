@@ -33,6 +33,31 @@ def q8_tiles(N: int, K: int, g: torch.Generator, dtype: torch.dtype) -> q4_rows.
 STORED_FORMS: dict[str, Stored] = {"int4": int4pack, "q4q8": q4q8}   # a plan's weights form -> its check's weights
 
 
+class StoredShapes(frozenset):
+    """The weight shapes a file stores in blocks that run as stored; ``q8``: those stored as
+    Q8_0 (the q4q8 kernel's Q8 tiles; an int4pack plan runs them as floats)."""
+
+    def __new__(cls, shapes=(), q8=frozenset()):
+        self = super().__new__(cls, shapes)
+        self.q8 = frozenset(q8)
+        return self
+
+    def of(self, kind: str) -> frozenset:
+        """The shapes ``kind``'s candidates run as stored."""
+        return frozenset(self) if kind == "q4q8" else frozenset(self - self.q8 if kind in STORED_FORMS else ())
+
+    def stored(self, kind: str) -> Stored:
+        """A random weight of a shape in ``kind``'s stored form (its self-check and timing)."""
+        if kind != "q4q8" or not self.q8:
+            return STORED_FORMS.get(kind, int4pack)
+        return lambda N, K, g, dt: (q8_tiles if (N, K) in self.q8 else q4q8)(N, K, g, dt)
+
+
+def as_stored(shapes) -> StoredShapes:
+    """``shapes`` as `StoredShapes` (a plain set: none of them Q8_0)."""
+    return shapes if isinstance(shapes, StoredShapes) else StoredShapes(shapes)
+
+
 def int4_mm(x: Tensor, w) -> Tensor:
     """``x @ W.T`` for weights run as stored (int4pack's `hal.models.int4.Int4Weight` or a
     `hal.models.q4_rows.Q4Weight`); the plan and its self-check both call it here, so a

@@ -141,8 +141,28 @@ def quantize_q8(w: Tensor, dtype: torch.dtype) -> Q4Weight:
     return pack_q8(q.view(N, K), d, dtype)
 
 
-def from_q8_0(raw: np.ndarray, shape: tuple[int, int], dtype: torch.dtype) -> Q4Weight:
-    """Q8 tiles of a GGUF Q8_0 tensor's bytes ``raw`` (logical ``shape`` [N, K])."""
+@dataclass(frozen=True)
+class Q8Blocks:
+    """A GGUF Q8_0 tensor as stored, unpacked: ``w = q·d`` per 32 inputs (a layer's part, kept
+    so until its fused linear is packed: `cat`, then `pack_q8`)."""
+
+    q: Tensor   # int8 [N, K]
+    d: Tensor   # float32 [N, K/32], fp16 values
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    @staticmethod
+    def cat(parts: list["Q8Blocks"]) -> "Q8Blocks":
+        return Q8Blocks(torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]))
+
+    def pack(self, dtype: torch.dtype) -> Q4Weight:
+        return pack_q8(self.q, self.d, dtype)
+
+
+def q8_0_blocks(raw: np.ndarray, shape: tuple[int, int]) -> Q8Blocks:
+    """A GGUF Q8_0 tensor's bytes ``raw`` (logical ``shape`` [N, K]) as `Q8Blocks`."""
     N, K = shape
     if K % int4.GROUP or raw.size != N * K // int4.GROUP * int4.Q8_BYTES:
         raise HalError(f"raw: expected {N * K // int4.GROUP * int4.Q8_BYTES} bytes for Q8_0 [{N}, {K}], "
@@ -150,7 +170,12 @@ def from_q8_0(raw: np.ndarray, shape: tuple[int, int], dtype: torch.dtype) -> Q4
     blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(N, K // int4.GROUP, int4.Q8_BYTES)
     d = torch.from_numpy(blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32))
     q = torch.from_numpy(blocks[..., 2:].copy().view(np.int8).reshape(N, K))
-    return pack_q8(q, d, dtype)
+    return Q8Blocks(q, d)
+
+
+def from_q8_0(raw: np.ndarray, shape: tuple[int, int], dtype: torch.dtype) -> Q4Weight:
+    """Q8 tiles of a GGUF Q8_0 tensor's bytes ``raw`` (logical ``shape`` [N, K])."""
+    return q8_0_blocks(raw, shape).pack(dtype)
 
 
 def random(N: int, K: int, generator: torch.Generator) -> int4.Int4Blocks:

@@ -97,3 +97,28 @@ def test_the_converted_file_gives_transformers_logits(converted):
     torch.testing.assert_close(torch.cat([prefill, verify]), want, atol=TOL, rtol=TOL, msg=name)
     assert tok.encode("Hello 12345 world", add_special_tokens=False).ids == \
         vocab_tokenizer(FAMILIES[name][3]).encode("Hello 12345 world", add_special_tokens=False).ids
+
+
+def test_a_q8_0_file_runs_its_layers_as_stored(converted):
+    """llama.cpp's converter at Q8_0: under a q4q8 plan every layer's linear is the file's Q8_0
+    codes in Q8 tiles (no float copy), the native loop runs them, and the logits are the same
+    file's dequantized float32 logits within the rows' int8 quantization (stated bound: 2% of
+    the largest logit; a Q8 tile read as Q4 is off by far more)."""
+    from hal.models import layer_loop, q4_rows
+    from hal.models.linear_layout import LinearPlan
+    hf, gguf, name, _ = converted
+    q8 = convert(gguf.parent, gguf.parent / "model-q8_0.gguf", "q8_0")
+    be = hal.get_backend("cpu")
+    plan = LinearPlan("mm", torch.bfloat16, (1, 2, 4, 8), weights="q4q8")
+    stored, _ = load_gguf(q8, be, plan=plan)
+    floats, _ = load_gguf(q8, be, "float32")
+    assert all(isinstance(stored.w[f"{i}.{k}"], q4_rows.Q4Weight) and stored.w[f"{i}.{k}"].q8
+               for i in range(stored.cfg.layers) for k in ("wqkv", "wo", "wgu", "wdown"))
+    assert layer_loop.applies(stored) and stored.loop is not None
+    ids = [9, 1001, 77, 5, 20000, 31, 31, 31, 4, 60000, 8, 123]
+    got = []
+    for model in (stored, floats):
+        cfg = model.cfg
+        pool = KVPool(model.be, 16, 16, cfg.kv_heads, cfg.head_dim, num_layers=cfg.layers, dtype=model.dtype)
+        got.append(forward(model, pool, [pool.sequence()], [ids], True)[0].float())
+    assert (got[0] - got[1]).abs().max() <= 0.02 * got[1].abs().max(), name

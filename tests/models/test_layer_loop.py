@@ -29,8 +29,9 @@ LAYERS, V = 3, 512
 
 
 def _weights(dtype: torch.dtype, seed: int = 0, form: str = "int4",
-             extras: bool = False) -> tuple[LlamaConfig, dict]:
-    """``extras``: the families' additions too (q/k/v and o biases as Llama's attention_bias, Qwen3's q/k norms)."""
+             extras: bool = False, q8: bool = False) -> tuple[LlamaConfig, dict]:
+    """``extras``: the families' additions too (q/k/v and o biases as Llama's attention_bias, Qwen3's q/k norms);
+    ``q8``: qkv and down in Q8 tiles (a file's Q8_0 layers), the others Q4."""
     g = torch.Generator().manual_seed(seed)
     cfg = LlamaConfig(hidden=576, layers=LAYERS, heads=9, kv_heads=3, head_dim=64, ffn=1536, vocab=V,
                       rope_base=10000.0, eps=1e-5, rope_interleaved=not extras, qkv_bias=extras, o_bias=extras,
@@ -40,22 +41,26 @@ def _weights(dtype: torch.dtype, seed: int = 0, form: str = "int4",
         w[f"{i}.attn_norm"] = 1 + 0.1 * torch.randn(576, generator=g)
         w[f"{i}.ffn_norm"] = 1 + 0.1 * torch.randn(576, generator=g)
         for name, (n, k) in {"wqkv": (960, 576), "wo": (576, 576), "wgu": (3072, 576), "wdown": (576, 1536)}.items():
-            w[f"{i}.{name}"] = q4_rows.pack(q4_rows.random(n, k, g), dtype) if form == "q4q8" else \
-                int4.random(n, k, g).pack(dtype)
+            if q8 and name in ("wqkv", "wdown"):   # a file's Q8_0 layers: q4q8's Q8 tiles beside Q4 ones
+                w[f"{i}.{name}"] = q4_rows.random_q8(n, k, g, dtype)
+            else:
+                w[f"{i}.{name}"] = q4_rows.pack(q4_rows.random(n, k, g), dtype) if form == "q4q8" else \
+                    int4.random(n, k, g).pack(dtype)
         if extras:
             w[f"{i}.bqkv"], w[f"{i}.bo"] = torch.randn(960, generator=g), torch.randn(576, generator=g)
             w[f"{i}.q_norm"], w[f"{i}.k_norm"] = (1 + 0.3 * torch.randn(64, generator=g) for _ in range(2))
     return cfg, w
 
 
-@pytest.fixture(scope="module", params=[(torch.bfloat16, "int4", False), (torch.float32, "int4", False),
-                                        (torch.bfloat16, "q4q8", False), (torch.bfloat16, "q4q8", True)],
-                ids=["bfloat16", "float32", "q4q8", "q4q8-biases-qk-norms"])
+@pytest.fixture(scope="module", params=[(torch.bfloat16, "int4", False, False), (torch.float32, "int4", False, False),
+                                        (torch.bfloat16, "q4q8", False, False), (torch.bfloat16, "q4q8", True, False),
+                                        (torch.bfloat16, "q4q8", False, True)],
+                ids=["bfloat16", "float32", "q4q8", "q4q8-biases-qk-norms", "q4q8-q8-layers"])
 def twins(request):
-    """The same weights with the native loop and without it (widths 1/2/4/8: verifies pad); the
-    last with the families' extras (biases, Qwen3's q/k norms, NEOX RoPE)."""
-    dtype, form, extras = request.param
-    cfg, w = _weights(dtype, form=form, extras=extras)
+    """The same weights with the native loop and without it (widths 1/2/4/8: verifies pad); one
+    with the families' extras (biases, Qwen3's q/k norms, NEOX RoPE), one with Q8 tiles beside Q4."""
+    dtype, form, extras, q8 = request.param
+    cfg, w = _weights(dtype, form=form, extras=extras, q8=q8)
     plan = LinearPlan("mm", dtype, (1, 2, 4, 8), weights=form)
     be = hal.get_backend("cpu")
     if not (os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")):
