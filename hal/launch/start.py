@@ -127,7 +127,8 @@ def _target_rank(config: LaunchConfig, me: Rank, phases: Phases) -> Target:
     with phases("linear plan (measured once per machine, then cached)"):
         choice = choose_plan(linear_shapes(cfg), config.dtype, refresh=config.plan_refresh, device=target_side.device,
                              progress=phases.bars, stored_int4=linear_int4(me.path, cfg),
-                             stored_q8=linear_q8(me.path, cfg), q8_head=head_q8(me.path))
+                             stored_q8=linear_q8(me.path, cfg), stored_q6=linear_q8(me.path, cfg, "Q6_K"),
+                             q8_head=head_q8(me.path), q6k_head=head_q8(me.path, "Q6_K"))
         plan = pin_head(choice, config.lm_head)
     phases.say(f"linear plan: {plan.describe()} ({'cached' if choice.from_cache else 'now'}; "
                f"{choice.conditions()})")

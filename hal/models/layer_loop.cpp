@@ -26,13 +26,13 @@ extern "C" {
 // One layer's weights, by name (mirrored by `hal.models.layer_loop.LayerWeights`, a ctypes.Structure):
 // the norms (float32 [H]); the int4 linears in the plan's form (packed, and scales-zeros for
 // int4pack's form): 0 qkv, 1 o, 2 gate-up, 3 down; the family's extras, NULL where it has none:
-// q/k/v biases (float32 [Hq*D + 2*Hkv*D]), the o bias ([H]), per-head q and k norms ([D]); q8[j]:
-// a q4q8 plan's linear j is in Q8 tiles (a file's Q8_0 blocks), else Q4 tiles.
+// q/k/v biases (float32 [Hq*D + 2*Hkv*D]), the o bias ([H]), per-head q and k norms ([D]); kind[j]:
+// a q4q8 plan's linear j's tiles (Q4_KIND, Q8_KIND: a file's Q8_0 blocks, Q6_KIND: its Q6_K).
 struct LayerWeights {
     const float *attn_norm, *ffn_norm;
     void *packed[4], *sz[4];
     const float *bqkv, *bo, *q_norm, *k_norm;
-    int64_t q8[4];
+    int64_t kind[4];
 };
 }
 static_assert(sizeof(LayerWeights) == 14 * sizeof(void *) + 4 * sizeof(int64_t),
@@ -88,7 +88,7 @@ at::Tensor int4_mm(const at::Tensor &x, void *packed, void *sz, int64_t N, const
 at::Tensor stored_mm(const at::Tensor &x, const LayerWeights &lw, int j, int64_t N, const Step &s) {
     if (!s.q4) return int4_mm(x, lw.packed[j], lw.sz[j], N, s);
     auto y = at::empty({s.T, N}, at::TensorOptions().dtype(at::kFloat));
-    q4::linear((const uint8_t *)lw.packed[j], (int)lw.q8[j], N, x.size(1), x.data_ptr(), s.act_bf16, s.T, x.size(1),
+    q4::linear((const uint8_t *)lw.packed[j], (int)lw.kind[j], N, x.size(1), x.data_ptr(), s.act_bf16, s.T, x.size(1),
                y.data_ptr<float>());
     return s.act_bf16 ? y.to(at::kBFloat16) : y;
 }

@@ -36,10 +36,10 @@ class LayerWeights(ctypes.Structure):
     """One layer's weights as the native loop reads them (``LayerWeights`` in layer_loop.cpp,
     which asserts the same size): norms, the four linears as stored (packed, scales-zeros),
     the family's extras (q/k/v biases, o bias, q and k norms; NULL where it has none), and
-    which linears are Q8 tiles (a q4q8 plan's Q8_0 layers)."""
+    each linear's tiles (`hal.models.q4_rows.Q4Weight.kind`; int4pack's form: 0)."""
 
     _fields_ = [("attn_norm", _P), ("ffn_norm", _P), ("packed", _P * 4), ("sz", _P * 4), ("bqkv", _P), ("bo", _P),
-                ("q_norm", _P), ("k_norm", _P), ("q8", _I * 4)]
+                ("q_norm", _P), ("k_norm", _P), ("kind", _I * 4)]
 
 
 assert ctypes.sizeof(LayerWeights) == 14 * ctypes.sizeof(_P) + 4 * ctypes.sizeof(_I)
@@ -87,7 +87,7 @@ def applies(model) -> bool:
                for i in range(model.num_layers) for k, (n, kk) in shapes.items())
 
 
-def _tiled_as(w, N: int, K: int, dtype: torch.dtype) -> bool:   # Q4 or Q8 tiles
+def _tiled_as(w, N: int, K: int, dtype: torch.dtype) -> bool:   # Q4, Q8 or Q6 tiles
     return isinstance(w, q4_rows.Q4Weight) and w.dtype == dtype and tuple(w.shape) == (N, K)
 
 
@@ -119,7 +119,7 @@ class LayerLoop:
                 self._keep.append(w)
                 lw.packed[j] = w.packed.data_ptr()
                 lw.sz[j] = (w.packed if self.q4 else w.scales_zeros).data_ptr()   # q4q8: unused
-                lw.q8[j] = int(self.q4 and w.q8)
+                lw.kind[j] = w.kind if self.q4 else 0
             lw.bqkv, lw.bo, lw.q_norm, lw.k_norm = ptr("bqkv"), ptr("bo"), ptr("q_norm"), ptr("k_norm")
         self.act = model.plan.dtype
 

@@ -29,7 +29,7 @@ STORED_TYPES = (int4.Int4Weight, q4_rows.Q4Weight)   # a weight packed in one of
 def form_of(w) -> str | None:
     """The `STORED` form a packed weight runs in (None: a float tensor)."""
     return "q4q8" if isinstance(w, q4_rows.Q4Weight) else "int4" if isinstance(w, int4.Int4Weight) else None
-HEADS = ("float", "q8_0")                # how an lm_head stored as Q8_0 runs (`LinearPlan.head`)
+HEADS = ("float", "q8_0", "q6_k")        # how an lm_head stored as Q8_0 / Q6_K runs (`LinearPlan.head`)
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class LinearPlan:
     weights: str = "float"   # int4: weights stored as int4 blocks run as stored (`hal.models.int4`), rows in dtype;
     #                          q4q8: the same blocks times rows quantized per 32 to int8 (`hal.models.q4_rows`), each
     #                          product in one call (its rows are independent by construction: no chunks)
-    head: str = "float"      # q8_0: the lm_head's Q8_0 codes run as stored (int4: two int4 halves; q4q8: Q8 tiles)
+    head: str = "float"      # q8_0 / q6_k: the lm_head's codes as stored (int4: two int4 halves; q4q8: Q8 / Q6 tiles)
     costs: tuple[float, ...] = field(default=(), compare=False)   # ms of one chunk of each width (measured):
     #                                                               rows then go in the cheapest chunks (`chunks`)
 
@@ -84,9 +84,9 @@ class LinearPlan:
     def describe(self) -> str:
         name = "mm(W, X.T)" if self.layout == "mm" else "F.linear"
         dt, widths = str(self.dtype).removeprefix("torch."), "/".join(map(str, self.widths))
-        head = "; lm_head Q8_0 as stored" if self.head == "q8_0" else ""
+        head = f"; lm_head {self.head.upper()} as stored" if self.head != "float" else ""
         if self.weights == "q4q8":
-            return (f"Q4_0/Q4_1 and Q8_0 weights as stored times {dt} rows quantized per 32 to int8 value and residual codes "
+            return (f"Q4_0/Q4_1, Q8_0 and Q6_K weights as stored times {dt} rows quantized per 32 to int8 value and residual codes "
                     f"(q4q8{head}; other weights {dt} {name} in chunks of {widths})")
         if self.weights == "int4":
             return f"int4 weights as stored ({dt} rows{head}; other weights {dt} {name}) in chunks of {widths}"
@@ -100,10 +100,11 @@ class LinearPlan:
     def from_json(cls, d: dict) -> "LinearPlan":
         weights, head, costs = d.get("weights", "float"), d.get("head", "float"), d.get("costs", [])
         if d.get("layout") not in LAYOUTS or d.get("dtype") not in DTYPES or weights not in WEIGHTS \
-                or head not in HEADS or (head != "float" and weights not in STORED) or not _costs_fit(costs, d):
+                or head not in HEADS or (head != "float" and weights not in STORED) \
+                or (head == "q6_k" and weights != "q4q8") or not _costs_fit(costs, d):
             raise HalError(f"linear plan: expected a layout in {sorted(LAYOUTS)}, a dtype in {sorted(DTYPES)}, "
                            f"weights in {list(WEIGHTS)}, a head in {list(HEADS)} (q8_0 only with "
-                           f"{' or '.join(STORED)}) and "
+                           f"{' or '.join(STORED)}, q6_k with q4q8) and "
                            f"costs none or one positive number per width, got {d!r:.160}")
         return cls(d["layout"], DTYPES[d["dtype"]], tuple(int(n) for n in d["widths"]), weights=weights, head=head,
                    costs=tuple(float(c) for c in costs))

@@ -150,14 +150,15 @@ def choose_plan(shapes: list[tuple[int, int]], dtype: str = "auto", *, weights: 
                 refresh: bool = False, threads: int | None = None, layouts: dict[str, plan_check.Layout] | None = None,
                 reps: int = 3, cache: bool = True, device: torch.device | str | None = None,
                 progress: bool = False, stored_int4: list[bool] | None = None, q8_head: bool = False,
-                form: str | None = None, stored_q8: list[bool] | None = None) -> Choice:
+                form: str | None = None, stored_q8: list[bool] | None = None, stored_q6: list[bool] | None = None,
+                q6k_head: bool = False) -> Choice:
     """The fastest usable `LinearPlan` for a model whose linear weights have ``shapes`` ([N, K]
     each, in forward order) on this machine; see the module docstring. ``weights``: those
     weights to time with (default: random ones of the shapes, made only when measuring).
     ``layouts``: the candidates (default `LAYOUTS`; tests plant others). ``stored_int4``: which of
     ``shapes`` the file stores as int4 blocks (Q4_0/Q4_1): ``auto`` then also measures them
-    run as stored, and ``stored`` measures only that; ``stored_q8``: as Q8_0 blocks (q4q8 runs
-    them as Q8 tiles). `HalError` when no candidate of the requested dtype is usable.
+    run as stored, and ``stored`` measures only that; ``stored_q8``, ``stored_q6``: as Q8_0 or
+    Q6_K blocks (q4q8 runs them as its Q8 or Q6 tiles). `HalError` when no candidate of the requested dtype is usable.
     ``progress``: a bar (tqdm, stderr) while measuring.
     ``q8_head``: the last of ``shapes`` is an lm_head the file stores as Q8_0 blocks; an int4
     plan then also chooses its form (`LinearPlan.head`, `_choose_head`). ``form``: the stored
@@ -170,18 +171,24 @@ def choose_plan(shapes: list[tuple[int, int]], dtype: str = "auto", *, weights: 
     if form not in (None, *STORED):
         raise HalError(f"form: expected None or one of {', '.join(STORED)}, got {form!r}", arg="form")
     # only auto and stored run int4 candidates: a float plan's key (and choice) ignores the storage
-    int4_shapes, q8_shapes = (frozenset(s for s, q in zip(shapes, stored or []) if q and int4.fits(*s)) if
-                              dev.type == "cpu" and dtype in ("auto", "stored") else frozenset() for stored in (
-                                  stored_int4, stored_q8 if q4_rows.available() else None))
+    tiles = q4_rows.available()
+    int4_shapes, q8_shapes, q6_shapes = (frozenset(s for s, q in zip(shapes, stored or []) if q and int4.fits(*s))
+                                         if dev.type == "cpu" and dtype in ("auto", "stored") else frozenset()
+                                         for stored in (stored_int4, stored_q8 if tiles else None,
+                                                        stored_q6 if tiles else None))
     q8_shapes -= int4_shapes   # one form a shape
-    int4_shapes = plan_check.StoredShapes(int4_shapes | q8_shapes, q8_shapes)
+    q6_shapes -= int4_shapes | q8_shapes
+    int4_shapes = plan_check.StoredShapes(int4_shapes | q8_shapes | q6_shapes, q8_shapes, q6_shapes)
     if dtype == "stored" and not int4_shapes:
-        raise HalError(f"dtype: expected a model with weights stored as Q4_0/Q4_1/Q8_0 blocks for 'stored' on a CPU, "
-                       f"got {'none' if dev.type == 'cpu' else 'device ' + dev.type}", arg="dtype")
-    head_q8 = bool(int4_shapes) and q8_head and int4.fits(*shapes[-1])
+        raise HalError(f"dtype: expected a model with weights stored as Q4_0/Q4_1/Q8_0/Q6_K blocks for 'stored' on "
+                       f"a CPU, got {'none' if dev.type == 'cpu' else 'device ' + dev.type}", arg="dtype")
+    head = ("q8_0" if q8_head else "q6_k" if q6k_head and tiles else None) \
+        if int4_shapes and int4.fits(*shapes[-1]) else None
     families = [f"{str(dt).removeprefix('torch.')} {kind}" for dt, kind in _kinds(dtype, _flags(signature, dev),
                                                                                    int4_shapes, form)]
-    families += ["q8_0 head"] * head_q8 + [f"q8_0 {n}x{k}" for n, k in sorted(q8_shapes)]
+    families += [f"{head} head"] * bool(head) + [f"{t} {n}x{k}" for t, part in (("q8_0", q8_shapes),
+                                                                               ("q6_k", q6_shapes))
+                                                 for n, k in sorted(part)]
     path = plan_cache.path(signature, shapes, dtype, layouts, int4_shapes, families) \
         if cache and layouts is LAYOUTS else None
     cached = None if path is None or refresh else _cached(path, signature, dtype)
@@ -190,7 +197,7 @@ def choose_plan(shapes: list[tuple[int, int]], dtype: str = "auto", *, weights: 
     with plan_cache.measuring(path):   # one process measures a plan at a time; the others then read its cache
         cached = None if path is None or refresh else _cached(path, signature, dtype)
         return cached or _measure_and_cache(path, shapes, dtype, weights, signature, layouts, reps, dev, progress,
-                                            int4_shapes, head_q8, form)
+                                            int4_shapes, head, form)
 
 
 def _cached(path: Path, signature: dict, dtype: str) -> Choice | None:
@@ -210,13 +217,13 @@ def _cached(path: Path, signature: dict, dtype: str) -> Choice | None:
 
 
 def _measure_and_cache(path, shapes, dtype, weights, signature, layouts, reps, dev, progress, int4_shapes,
-                       head_q8=False, form=None) -> Choice:
+                       head=None, form=None) -> Choice:
     """Measure (`_measure`; once more if noisy) and cache at ``path`` unless still noisy."""
     if weights is None:
         gen = torch.Generator().manual_seed(0)
         weights = [torch.randn(n, k, generator=gen) * 0.02 for n, k in shapes]
     for _ in range(2):   # a noisy measurement is repeated once; still noisy, it is not cached
-        choice = _measure(shapes, dtype, weights, signature, layouts, reps, dev, progress, int4_shapes, head_q8, form)
+        choice = _measure(shapes, dtype, weights, signature, layouts, reps, dev, progress, int4_shapes, head, form)
         if not choice.noisy:
             break
     if path is not None and not choice.noisy:
@@ -252,11 +259,12 @@ def _timing_weights(weights: list[Tensor], shapes, dt: torch.dtype, kind: str, i
 
 
 def _measure(shapes, dtype: str, weights: list[Tensor], signature: dict, layouts, reps: int, dev,
-             progress: bool, int4_shapes=frozenset(), head_q8: bool = False, form: str | None = None) -> Choice:
+             progress: bool, int4_shapes=frozenset(), head: str | None = None, form: str | None = None) -> Choice:
     """Every usable candidate (`_candidates`), its score predicted from single chunks; those
     within `PRUNE` of the best prediction timed at the `MIX` rows, then the winner once more:
     the spread of its two scores (relative to the lower) says whether the machine was quiet
-    enough to trust the choice. An int4 winner with ``head_q8`` then chooses its head's form."""
+    enough to trust the choice. A stored winner with a stored ``head`` (its form: q8_0, or q6_k
+    for q4q8) then chooses its head's form."""
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     found, rejected, casts = _candidates(shapes, dtype, weights, signature, layouts, reps, dev, progress,
                                          int4_shapes, form)
@@ -279,8 +287,8 @@ def _measure(shapes, dtype: str, weights: list[Tensor], signature: dict, layouts
                 "spread": round(spread, 3)}
     table = [{**c, "plan": c["plan"].to_json()} for c in candidates]
     plan, heads = best["plan"], []
-    if head_q8 and plan.weights in STORED:
-        plan, heads = _choose_head(plan, casts[plan.dtype, plan.weights][-1], shapes[-1], reps, dev, rejected)
+    if head and plan.weights in STORED and (head == "q8_0" or plan.weights == "q4q8"):
+        plan, heads = _choose_head(plan, casts[plan.dtype, plan.weights][-1], shapes[-1], reps, dev, rejected, head)
     return Choice(plan, signature, table, rejected, measured=measured, heads=heads)
 
 
@@ -293,8 +301,8 @@ def best_of(choice: Choice, weights: str) -> LinearPlan | None:
 def pin_head(choice: Choice, lm_head: str = "auto") -> LinearPlan:
     """``choice``'s plan with the lm_head form a user pinned (``--lm-head``): ``auto`` keeps the
     measured choice, ``float`` the float head in the plan's dtype (always possible), ``stored``
-    the Q8_0 codes as stored. ``stored`` needs an int4 plan and an lm_head the file stores as
-    Q8_0 that passed the self-check at the plan's widths on this machine (`_choose_head` then
+    the Q8_0 (or, on q4q8, Q6_K) codes as stored. ``stored`` needs an int4 plan and an lm_head
+    the file stores so that passed the self-check at the plan's widths on this machine (`_choose_head` then
     timed it); otherwise `HalError` naming ``--lm-head`` says which of these is missing. A pin
     skips only the timing, never the self-check."""
     if lm_head not in LM_HEADS:
@@ -307,33 +315,35 @@ def pin_head(choice: Choice, lm_head: str = "auto") -> LinearPlan:
     if plan.weights not in STORED:
         raise HalError(f"--lm-head: expected an int4 plan for stored (the Q8_0 head runs on the int4 kernel; "
                        f"try --dtype stored), got {plan.describe()}", arg="--lm-head")
-    if not any(h["head"] == "q8_0" for h in choice.heads):
-        why = next((r for r in choice.rejected if "q8_0 head" in r), "no Q8_0 head in this plan (the file's "
-                   "lm_head is not stored as Q8_0, or its shape does not fit the kernel)")
-        raise HalError(f"--lm-head: expected an lm_head stored as Q8_0 that is batch-invariant here for stored, "
-                       f"got {why}", arg="--lm-head")
-    return replace(plan, head="q8_0")
+    stored = [h["head"] for h in choice.heads if h["head"] != "float"]
+    if not stored:
+        why = next((r for r in choice.rejected if " head: " in r), "no stored head in this plan (the file's "
+                   "lm_head is not stored as Q8_0 or Q6_K, or its shape does not fit the kernel)")
+        raise HalError(f"--lm-head: expected an lm_head stored as Q8_0 or Q6_K that is batch-invariant here for "
+                       f"stored, got {why}", arg="--lm-head")
+    return replace(plan, head=stored[0])
 
 
 def _choose_head(plan: LinearPlan, head: Tensor, shape: tuple[int, int], reps: int, dev,
-                 rejected: list[str]) -> tuple[LinearPlan, list[dict]]:
-    """``plan`` with its lm_head's form: the Q8_0 codes as stored (int4 plan: two int4 halves,
-    on the halves' shape ``[N, 2K]``; q4q8 plan: Q8 tiles) where the kernel gives their rows
+                 rejected: list[str], stored_form: str = "q8_0") -> tuple[LinearPlan, list[dict]]:
+    """``plan`` with its lm_head's form: the codes as stored (``stored_form`` q8_0: int4 plan, two
+    int4 halves, on the halves' shape ``[N, 2K]``, q4q8 plan, Q8 tiles; q6_k: q4q8's Q6 tiles) where the kernel gives their rows
     the same bits at every one of the plan's widths and they score lower at the `MIX` rows
     than ``head``, the float head in the plan's dtype; else the float head. The two are timed
     interleaved, the lower of two runs each; the table of both is returned."""
     N, K = shape
     q4q8 = plan.weights == "q4q8"
-    checked, stored = ((N, K), plan_check.q8_tiles) if q4q8 else ((N, 2 * K), plan_check.int4pack)
+    tiles = plan_check.q6_tiles if stored_form == "q6_k" else plan_check.q8_tiles
+    checked, stored = ((N, K), tiles) if q4q8 else ((N, 2 * K), plan_check.int4pack)
     groups, why = plan_check.usable_groups(plan_check.int4_mm, plan.dtype, [checked], widths=plan.widths,
                                            device=dev, int4_shapes=frozenset({checked}), stored=stored)
     if not any(set(plan.widths) <= set(g) for g in groups):
         dt = str(plan.dtype).removeprefix("torch.")
-        rejected.append(f"{dt} q8_0 head: not invariant across widths {'/'.join(map(str, plan.widths))} "
+        rejected.append(f"{dt} {stored_form} head: not invariant across widths {'/'.join(map(str, plan.widths))} "
                         f"({'; '.join(why) or 'the widths give a row different bits'})")
         return plan, []
     g = torch.Generator().manual_seed(0)
-    forms = {"float": head, "q8_0": plan_check.q8_tiles(N, K, g, plan.dtype) if q4q8 else int4.random_q8(N, K, g).pack(
+    forms = {"float": head, stored_form: tiles(N, K, g, plan.dtype) if q4q8 else int4.random_q8(N, K, g).pack(
         plan.dtype, 2)}
     ms: dict[str, dict[int, float]] = {}
     for _ in range(2):

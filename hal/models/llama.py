@@ -1,11 +1,10 @@
 """A compact Llama-family runner (RMSNorm, RoPE, GQA attention, SwiGLU) over the HAL.
 
 Attention goes through the backend's ``write_kv`` and ``paged_attention`` (the batch-invariant
-default: the first layer's ``write_kv`` checked, then host KV writes in one native call each,
-and `hal.models.invariant` attention; with the native layer loop, `hal.models.layer_loop`, every
-layer in one call, its indices checked there); the batch is ragged, so prefill, decode and
-multi-token verify share one forward.
-"""
+default: the first layer's ``write_kv`` checked, then host KV writes in one native call each, and
+`hal.models.invariant` attention; with the native layer loop, `hal.models.layer_loop`, every layer
+in one call, its indices checked there); the batch is ragged, so prefill, decode and multi-token
+verify share one forward."""
 
 from __future__ import annotations
 
@@ -17,9 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from hal.errors import HalError
-from hal.models import invariant
-from hal.models import int4, q4_rows
-from hal.models import layer_loop, row_kernels
+from hal.models import int4, invariant, layer_loop, q4_rows, row_kernels
 from hal.models.families import qkv_extras, within_window
 from hal.models.linear_layout import DTYPES, STORED_TYPES, LinearPlan, chunks, form_of
 from hal.models.linear_plan import choose_plan
@@ -54,9 +51,7 @@ class LlamaConfig:
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
-        if self.eos_ids:
-            return tuple(self.eos_ids)
-        return (self.eos_id,) if self.eos_id is not None else ()
+        return tuple(self.eos_ids) if self.eos_ids else (self.eos_id,) if self.eos_id is not None else ()
 
 
 @dataclass
@@ -122,17 +117,19 @@ class Llama:
         self.plan_choice = None
         if plan is None:
             weights = linear_weights(w, config.layers, self.head)
-            q8 = [getattr(t, "q8", False) for t in weights]   # Q8 tiles: a q4q8 plan runs them so
-            packed = [isinstance(t, STORED_TYPES) and not q for t, q in zip(weights, q8)]   # int4 as stored
-            dtype = "stored" if any(packed + q8) else dtype or str(weights[0].dtype).removeprefix("torch.")
+            q8, q6 = ([getattr(t, name, False) for t in weights] for name in ("q8", "q6k"))   # q4q8's Q8 / Q6 tiles
+            packed = [isinstance(t, STORED_TYPES) and not (a or b) for t, a, b in zip(weights, q8, q6)]   # int4
+            dtype = "stored" if any(packed + q8 + q6) else dtype or str(weights[0].dtype).removeprefix("torch.")
             if not batch_invariant and dtype not in ("auto", "stored"):   # plain F.linear: nothing to measure
                 plan = LinearPlan("linear", DTYPES[dtype], (1,))
             else:
-                q8_head = "head_q8" in w   # a loader packed the file's Q8_0 head: it may run so
+                stored = w.get("head_stored")   # a loader packed the file's Q8_0 / Q6_K head: it may run so
                 forms = {form_of(t) for t in weights if isinstance(t, STORED_TYPES)}   # packed: in that form
                 self.plan_choice = choose_plan([tuple(t.shape) for t in weights], dtype, weights=weights,
                                                refresh=plan_refresh, device=self.device, stored_int4=packed,
-                                               stored_q8=q8, q8_head=q8_head, form=forms.pop() if len(forms) == 1 else None)
+                                               stored_q8=q8, stored_q6=q6, q6k_head=getattr(stored, "q6k", False),
+                                               q8_head=stored is not None and not getattr(stored, "q6k", False),
+                                               form=forms.pop() if len(forms) == 1 else None)
                 plan = self.plan_choice.plan
         self.plan = plan
         self._cast(plan.dtype)
@@ -158,10 +155,10 @@ class Llama:
                                        f"({self.w[key].dtype}) under {self.plan.describe()}", arg="weights")
                 elif self.w[key].dtype != dtype:
                     self.w[key] = self.w[key].to(dtype)
-        if self.plan.head == "q8_0":   # the loader packed the file's Q8_0 head (`hal.models.loaders.load_gguf`)
-            packed = self.w.get("head_q8")
+        if self.plan.head != "float":   # the loader packed the file's head as stored (`hal.models.loaders.load_gguf`)
+            packed = self.w.get("head_stored")
             if form_of(packed) != self.plan.weights or packed.dtype != dtype:
-                raise HalError(f"weights['head_q8']: expected the lm_head's Q8_0 codes packed for {dtype} rows "
+                raise HalError(f"weights['head_stored']: expected the lm_head's stored codes packed for {dtype} rows "
                                f"under {self.plan.describe()}, got {getattr(packed, 'dtype', packed)}", arg="weights")
             self.head_lin = packed
             return
@@ -205,7 +202,7 @@ class Llama:
         for name, t in self.w.items():
             self.w[name] = t.to(self.device)
         self.embed, self.head, self.head_t = self.w["embed"], self.w.get("head", self.w["embed"]), self.w["head_t"]
-        self.head_lin = self.w["head_q8" if self.plan.head == "q8_0" else "head_lin"]
+        self.head_lin = self.w["head_stored" if self.plan.head != "float" else "head_lin"]
         self.rope.to(self.device)
         if isinstance(self.rows, row_kernels.FusedRows) and self.device.type != "cpu":
             self.rows, self.loop = row_kernels.EagerRows(), None
@@ -365,8 +362,8 @@ def _fuse(w: dict, layers: int, dtype: torch.dtype | None = None, form: str = "i
         if isinstance(parts[0], int4.Int4Blocks):
             blocks = int4.cat(parts)
             return q4_rows.pack(blocks, dtype) if form == "q4q8" else blocks.pack(dtype)
-        if isinstance(parts[0], q4_rows.Q8Blocks):   # Q8_0 as stored: q4q8's Q8 tiles
-            return q4_rows.Q8Blocks.cat(parts).pack(dtype)
+        if isinstance(parts[0], (q4_rows.Q8Blocks, q4_rows.Q6Codes)):   # Q8_0 / Q6_K as stored: q4q8's tiles
+            return type(parts[0]).cat(parts).pack(dtype)
         return torch.cat(parts).contiguous() if len(parts) > 1 else parts[0].contiguous()
 
     for i in range(layers):

@@ -29,7 +29,7 @@ FUSED_PARTS = {"wqkv": ("attn_q", "attn_k", "attn_v"), "wo": ("attn_output",), "
 
 def _int4_tensors(tensors, layers: int, kinds=tuple(int4.BLOCK_BYTES)) -> set[str]:
     """The names of the file's tensors that can run as stored: every part of a fused linear
-    is of one of ``kinds`` (default Q4_0/Q4_1; ``("Q8_0",)``: the q4q8 kernel's Q8 tiles), and
+    is of one of ``kinds`` (default Q4_0/Q4_1; ``("Q8_0",)`` / ``("Q6_K",)``: the q4q8 kernel's Q8 / Q6 tiles), and
     the fused shape fits the kernel (`hal.models.int4.fits`)."""
     types = {t.name: t.kind for t in tensors}
     shapes = {t.name: t.shape for t in tensors}
@@ -55,12 +55,12 @@ def linear_int4(path: str | Path, cfg: LlamaConfig) -> list[bool]:
     return _mask(_int4_tensors(open_gguf(path).tensors, cfg.layers), cfg.layers)
 
 
-def linear_q8(path: str | Path, cfg: LlamaConfig) -> list[bool]:
-    """Which of `linear_shapes` ``path`` stores as Q8_0 blocks (an HF folder: none)."""
+def linear_q8(path: str | Path, cfg: LlamaConfig, kind: str = "Q8_0") -> list[bool]:
+    """Which of `linear_shapes` ``path`` stores as ``kind`` (Q8_0 or Q6_K) blocks (an HF folder: none)."""
     path = Path(path)
     if path.is_dir():
         return [False] * (4 * cfg.layers + 1)
-    return _mask(_int4_tensors(open_gguf(path).tensors, cfg.layers, ("Q8_0",)), cfg.layers)
+    return _mask(_int4_tensors(open_gguf(path).tensors, cfg.layers, (kind,)), cfg.layers)
 
 
 def _head(tensors):
@@ -69,10 +69,10 @@ def _head(tensors):
     return by_name.get("output.weight", by_name.get("token_embd.weight"))
 
 
-def head_q8(path: str | Path) -> bool:
-    """Whether ``path`` stores its lm_head as Q8_0 blocks (an HF folder: no)."""
+def head_q8(path: str | Path, kind: str = "Q8_0") -> bool:
+    """Whether ``path`` stores its lm_head as ``kind`` (Q8_0 or Q6_K) blocks (an HF folder: no)."""
     path = Path(path)
-    return not path.is_dir() and getattr(_head(open_gguf(path).tensors), "kind", None) == "Q8_0"
+    return not path.is_dir() and getattr(_head(open_gguf(path).tensors), "kind", None) == kind
 
 
 @dataclass(frozen=True)
@@ -209,17 +209,19 @@ def load_gguf(path: str | Path, backend, dtype: str = "float32", plan_refresh: b
     except Exception as e:   # the tokenizers library raises plain Exception for a vocabulary it refuses
         raise HalError(f"{path}: expected a BPE vocabulary and merges tokenizers accepts, got one it refuses ({e})",
                        arg="model") from None
-    stored, stored_q8 = _int4_tensors(r.tensors, cfg.layers), _int4_tensors(r.tensors, cfg.layers, ("Q8_0",))
+    stored = _int4_tensors(r.tensors, cfg.layers)
+    stored_q8, stored_q6 = (_int4_tensors(r.tensors, cfg.layers, (kind,)) for kind in ("Q8_0", "Q6_K"))
     head = _head(r.tensors)
     head_kind = getattr(head, "kind", None)
     choice = None
     if plan is None:
         choice = choose_plan(linear_shapes(cfg), dtype, refresh=plan_refresh, stored_int4=_mask(stored, cfg.layers),
-                             stored_q8=_mask(stored_q8, cfg.layers), device=torch.device(backend.device_type),
-                             q8_head=head_kind == "Q8_0")
+                             stored_q8=_mask(stored_q8, cfg.layers), stored_q6=_mask(stored_q6, cfg.layers),
+                             device=torch.device(backend.device_type), q8_head=head_kind == "Q8_0",
+                             q6k_head=head_kind == "Q6_K")
         plan = pin_head(choice, lm_head)
-    if plan.head == "q8_0" and head_kind != "Q8_0":   # refused before anything is read
-        raise HalError(f"plan: expected a file whose lm_head is Q8_0 for {plan.describe()}, got {head_kind}",
+    if plan.head != "float" and head_kind != plan.head.upper():   # refused before anything is read
+        raise HalError(f"plan: expected a file whose lm_head is {plan.head.upper()} for {plan.describe()}, got {head_kind}",
                        arg="plan")
     w = {}
     for t in r.tensors:
@@ -228,6 +230,8 @@ def load_gguf(path: str | Path, backend, dtype: str = "float32", plan_refresh: b
             arr = int4.from_blocks(data, t.kind, tuple(shape))
         elif plan.weights == "q4q8" and t.name in stored_q8:   # Q8 tiles once fused (`_fuse`)
             arr = q4_rows.q8_0_blocks(data, tuple(shape))
+        elif plan.weights == "q4q8" and t.name in stored_q6:   # Q6 tiles once fused
+            arr = q4_rows.Q6Codes(*q4_rows.q6_k_codes(data, tuple(shape)))
         else:
             try:
                 arr = torch.from_numpy(dequantize(data, GGMLQuantizationType[t.kind]).reshape(shape).copy()).float()
@@ -241,10 +245,12 @@ def load_gguf(path: str | Path, backend, dtype: str = "float32", plan_refresh: b
         elif parts[0] != "rope_freqs":   # read into the config
             w[{"token_embd": "embed", "output_norm": "norm", "output": "head"}[parts[0]]] = arr
     fused = _fuse(w, cfg.layers, plan.dtype, plan.weights)
-    if plan.head == "q8_0" and plan.weights == "q4q8":
-        fused["head_q8"] = q4_rows.from_q8_0(r.data(head), tuple(head.shape), plan.dtype)
+    if plan.head == "q6_k":
+        fused["head_stored"] = q4_rows.from_q6_k(r.data(head), tuple(head.shape), plan.dtype)
+    elif plan.head == "q8_0" and plan.weights == "q4q8":
+        fused["head_stored"] = q4_rows.from_q8_0(r.data(head), tuple(head.shape), plan.dtype)
     elif plan.head == "q8_0":
-        fused["head_q8"] = int4.from_q8_0(r.data(head), tuple(head.shape)).pack(plan.dtype, repeat=2)
+        fused["head_stored"] = int4.from_q8_0(r.data(head), tuple(head.shape)).pack(plan.dtype, repeat=2)
     model = Llama(cfg, fused, backend, plan=plan)
     model.plan_choice = choice
     return model, tok

@@ -30,27 +30,33 @@ def q8_tiles(N: int, K: int, g: torch.Generator, dtype: torch.dtype) -> q4_rows.
     return q4_rows.random_q8(N, K, g, dtype)
 
 
+def q6_tiles(N: int, K: int, g: torch.Generator, dtype: torch.dtype) -> q4_rows.Q4Weight:
+    """A random Q6_K weight in the q4q8 kernel's Q6 tiles."""
+    return q4_rows.random_q6k(N, K, g, dtype)
+
+
 STORED_FORMS: dict[str, Stored] = {"int4": int4pack, "q4q8": q4q8}   # a plan's weights form -> its check's weights
 
 
 class StoredShapes(frozenset):
-    """The weight shapes a file stores in blocks that run as stored; ``q8``: those stored as
-    Q8_0 (the q4q8 kernel's Q8 tiles; an int4pack plan runs them as floats)."""
+    """The weight shapes a file stores in blocks that run as stored; ``q8``, ``q6``: those stored
+    as Q8_0 or Q6_K (the q4q8 kernel's Q8 or Q6 tiles; an int4pack plan runs them as floats)."""
 
-    def __new__(cls, shapes=(), q8=frozenset()):
+    def __new__(cls, shapes=(), q8=frozenset(), q6=frozenset()):
         self = super().__new__(cls, shapes)
-        self.q8 = frozenset(q8)
+        self.q8, self.q6 = frozenset(q8), frozenset(q6)
         return self
 
     def of(self, kind: str) -> frozenset:
         """The shapes ``kind``'s candidates run as stored."""
-        return frozenset(self) if kind == "q4q8" else frozenset(self - self.q8 if kind in STORED_FORMS else ())
+        return frozenset(self) if kind == "q4q8" else frozenset(self - self.q8 - self.q6 if kind in STORED_FORMS else ())
 
     def stored(self, kind: str) -> Stored:
         """A random weight of a shape in ``kind``'s stored form (its self-check and timing)."""
-        if kind != "q4q8" or not self.q8:
+        if kind != "q4q8" or not (self.q8 or self.q6):
             return STORED_FORMS.get(kind, int4pack)
-        return lambda N, K, g, dt: (q8_tiles if (N, K) in self.q8 else q4q8)(N, K, g, dt)
+        return lambda N, K, g, dt: (q8_tiles if (N, K) in self.q8 else q6_tiles if (N, K) in self.q6 else q4q8)(
+            N, K, g, dt)
 
 
 def as_stored(shapes) -> StoredShapes:

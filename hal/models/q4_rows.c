@@ -13,13 +13,17 @@
  *   16 fp16 each. So one 64-byte load feeds 16 lanes of 4-byte integer dot products.
  * - **Q8 tile** (Q8_0: w = d*q, q in -128..127): per (tile, group), 512 bytes of codes in 8
  *   steps of 64: byte 4*lane + j of step s holds q + 128 for k = 32g + 4s + j; then 16 fp16 d.
+ * - **Q6 tile** (Q6_K: w = s*q, q = the 6-bit code - 32 in -32..31, s = d*scale per 16 weights,
+ *   a float32 value exactly): per (tile, group), the codes as a Q8 tile's (q + 128), then 16
+ *   float32 s of the group's first 16 inputs and 16 of its last 16.
  * - **quantized row**: per 32 inputs, amax = max |x|, u = x * (127 / amax), hi = round(u) in
  *   -127..127 and lo = round(128 (u - hi)) in -64..64 (half to even; 0 where amax is 0), so
  *   x ~ unit * (128 hi + lo) with unit = (amax / 127) / 128; qsum = sum(128 hi + lo), xs =
  *   unit * qsum. A group with an inf or NaN gets unit = NaN: its products are NaN.
  *
  * Q4: y[n] = sum over g, in order, of: y = y + d*(unit*isum); y = y + m*xs. Q8: y = y +
- * d*(unit*isum). isum = sum of q*(128 hi + lo) over the group, an exact integer on every path
+ * d*(unit*isum). Q6: y = y + s0*(unit*isum0); y = y + s1*(unit*isum1), over the group's two
+ * halves. isum = sum of q*(128 hi + lo) over the group (or half), an exact integer on every path
  * (its conversion to float32 rounds to nearest, as every path converts). Every float step is
  * one float32 rounding (no contraction: -ffp-contract=off), the same on every code path, for
  * every row count: a row's bits never depend on its batch-mates or on the CPU's vector width.
@@ -36,8 +40,10 @@
 #define Q4_AVX2 1
 #endif
 
+enum { Q4_KIND = 0, Q8_KIND = 1, Q6_KIND = 2 };   /* a packed weight's tiles */
 #define Q4_TILE_BYTES 320   /* per (tile, group): 256 bytes of codes, 16 fp16 d, 16 fp16 m */
 #define Q8_TILE_BYTES 544   /* per (tile, group): 512 bytes of codes + 128, 16 fp16 d */
+#define Q6_TILE_BYTES 640   /* per (tile, group): 512 bytes of codes + 128, 2 x 16 float32 s */
 /* rows multiplied together per pass over a tile's weights: what the ISA's vector registers hold
  * (per row: an output and two accumulators; AVX-512 has 32 registers, AVX2 16) */
 #if defined(Q4_AVX512)
@@ -298,6 +304,101 @@ void q4_quantize_rows(const void *x, int is_bf16, int64_t T, int64_t K, int64_t 
             }                                                                                          \
     }
 #endif
+/* One tile's 16 outputs of a Q6 weight for R rows; qsum16 [R, 2G]: each half-group's sum of
+ * (128 hi + lo) (the AVX-512 path's +128 correction). */
+#if defined(Q4_AVX512)
+#define Q6_TILE(R)                                                                                     \
+    static void q6_tile_##R(const uint8_t *wt, int64_t G, const int8_t *xq, int64_t K, const float *sx, \
+                            const int32_t *qsum16, float *y, int64_t y_row) {                          \
+        __m512 out[R];                                                                                 \
+        for (int r = 0; r < R; r++) out[r] = _mm512_setzero_ps();                                      \
+        for (int64_t g = 0; g < G; g++) {                                                              \
+            const uint8_t *blk = wt + g * Q6_TILE_BYTES;                                               \
+            for (int h = 0; h < 2; h++) {                                                              \
+                __m512i acc[R], acc2[R];                                                               \
+                for (int r = 0; r < R; r++) acc[r] = acc2[r] = _mm512_setzero_si512();                 \
+                for (int s = 4 * h; s < 4 * h + 4; s++) {                                              \
+                    __m512i v = _mm512_loadu_si512((const void *)(blk + 64 * s));   /* q + 128 */      \
+                    for (int r = 0; r < R; r++) {                                                      \
+                        const int8_t *xr = xq + r * 2 * K + 32 * g + 4 * s;                            \
+                        acc[r] = _mm512_dpbusd_epi32(acc[r], v, _mm512_set1_epi32(q4_x4(xr)));                 \
+                        acc2[r] = _mm512_dpbusd_epi32(acc2[r], v, _mm512_set1_epi32(q4_x4(xr + K)));           \
+                    }                                                                                  \
+                }                                                                                      \
+                __m512 sc = _mm512_loadu_ps((const float *)(blk + 512 + 64 * h));                      \
+                for (int r = 0; r < R; r++) {                                                          \
+                    __m512i isum = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(acc[r], 7), acc2[r]), \
+                                                    _mm512_set1_epi32(128 * qsum16[r * 2 * G + 2 * g + h])); \
+                    __m512 t = _mm512_mul_ps(_mm512_set1_ps(sx[r * G + g]), _mm512_cvtepi32_ps(isum)); \
+                    out[r] = _mm512_add_ps(out[r], _mm512_mul_ps(sc, t));                              \
+                }                                                                                      \
+            }                                                                                          \
+        }                                                                                              \
+        for (int r = 0; r < R; r++) _mm512_storeu_ps(y + r * y_row, out[r]);                          \
+    }
+#elif defined(Q4_AVX2)
+#define Q6_TILE(R)                                                                                     \
+    static void q6_tile_##R(const uint8_t *wt, int64_t G, const int8_t *xq, int64_t K, const float *sx, \
+                            const int32_t *qsum16, float *y, int64_t y_row) {                          \
+        const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);                \
+        (void)qsum16;                                                                                  \
+        for (int half = 0; half < 2; half++) {   /* lanes 0..7, then 8..15 */                         \
+            __m256 out[R];                                                                             \
+            for (int r = 0; r < R; r++) out[r] = _mm256_setzero_ps();                                  \
+            for (int64_t g = 0; g < G; g++) {                                                          \
+                const uint8_t *blk = wt + g * Q6_TILE_BYTES;                                           \
+                for (int h = 0; h < 2; h++) {   /* the group's inputs 0..15, then 16..31 */           \
+                    __m256i acc[R], acc2[R];                                                           \
+                    for (int r = 0; r < R; r++) acc[r] = acc2[r] = _mm256_setzero_si256();             \
+                    for (int s = 4 * h; s < 4 * h + 4; s++) {                                          \
+                        __m256i w = _mm256_xor_si256(                                                  \
+                            _mm256_loadu_si256((const __m256i *)(blk + 64 * s + 32 * half)), flip);  /* q */ \
+                        __m256i aw = _mm256_sign_epi8(w, w);                                           \
+                        for (int r = 0; r < R; r++) {                                                  \
+                            const int8_t *xr = xq + r * 2 * K + 32 * g + 4 * s;                        \
+                            __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(_mm256_set1_epi32(q4_x4(xr)), w)); \
+                            __m256i pl = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(_mm256_set1_epi32(q4_x4(xr + K)), w)); \
+                            acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(p, ones));             \
+                            acc2[r] = _mm256_add_epi32(acc2[r], _mm256_madd_epi16(pl, ones));          \
+                        }                                                                              \
+                    }                                                                                  \
+                    __m256 sc = _mm256_loadu_ps((const float *)(blk + 512 + 64 * h + 32 * half));      \
+                    for (int r = 0; r < R; r++) {                                                      \
+                        __m256i isum = _mm256_add_epi32(_mm256_slli_epi32(acc[r], 7), acc2[r]);        \
+                        __m256 t = _mm256_mul_ps(_mm256_set1_ps(sx[r * G + g]), _mm256_cvtepi32_ps(isum)); \
+                        out[r] = _mm256_add_ps(out[r], _mm256_mul_ps(sc, t));                          \
+                    }                                                                                  \
+                }                                                                                      \
+            }                                                                                          \
+            for (int r = 0; r < R; r++) _mm256_storeu_ps(y + r * y_row + 8 * half, out[r]);            \
+        }                                                                                              \
+    }
+#else
+#define Q6_TILE(R)                                                                                     \
+    static void q6_tile_##R(const uint8_t *wt, int64_t G, const int8_t *xq, int64_t K, const float *sx, \
+                            const int32_t *qsum16, float *y, int64_t y_row) {                          \
+        (void)qsum16;                                                                                  \
+        for (int r = 0; r < R; r++)                                                                    \
+            for (int lane = 0; lane < 16; lane++) {                                                    \
+                float out = 0.f;                                                                       \
+                for (int64_t g = 0; g < G; g++) {                                                      \
+                    const uint8_t *blk = wt + g * Q6_TILE_BYTES;                                       \
+                    const int8_t *x = xq + r * 2 * K + 32 * g, *xl = x + K;                            \
+                    for (int h = 0; h < 2; h++) {                                                      \
+                        int32_t acc = 0;                                                               \
+                        for (int s = 4 * h; s < 4 * h + 4; s++)                                        \
+                            for (int j = 0; j < 4; j++)                                                \
+                                acc += ((int)blk[64 * s + 4 * lane + j] - 128) * (128 * x[4 * s + j] + xl[4 * s + j]); \
+                        float sc;                                                                      \
+                        memcpy(&sc, blk + 512 + 64 * h + 4 * lane, 4);                                 \
+                        float t = sx[r * G + g] * (float)acc;                                          \
+                        out = out + sc * t;                                                            \
+                    }                                                                                  \
+                }                                                                                      \
+                y[r * y_row + lane] = out;                                                             \
+            }                                                                                          \
+    }
+#endif
 Q4_TILE(1)
 Q4_TILE(2)
 Q4_TILE(3)
@@ -314,6 +415,14 @@ Q8_TILE(5)
 Q8_TILE(6)
 Q8_TILE(7)
 Q8_TILE(8)
+Q6_TILE(1)
+Q6_TILE(2)
+Q6_TILE(3)
+Q6_TILE(4)
+Q6_TILE(5)
+Q6_TILE(6)
+Q6_TILE(7)
+Q6_TILE(8)
 
 typedef void (*q4_tile_fn)(const uint8_t *, int64_t, const int8_t *, int64_t, const float *, const float *, float *,
                            int64_t);
@@ -323,20 +432,35 @@ static const q4_tile_fn q4_tiles[9] = {0, q4_tile_1, q4_tile_2, q4_tile_3, q4_ti
                                                  q4_tile_5, q4_tile_6, q4_tile_7, q4_tile_8};
 static const q8_tile_fn q8_tiles[9] = {0, q8_tile_1, q8_tile_2, q8_tile_3, q8_tile_4,
                                                  q8_tile_5, q8_tile_6, q8_tile_7, q8_tile_8};
+static const q8_tile_fn q6_tiles[9] = {0, q6_tile_1, q6_tile_2, q6_tile_3, q6_tile_4,
+                                                 q6_tile_5, q6_tile_6, q6_tile_7, q6_tile_8};
+
+/* Each half-group's sum of (128 hi + lo) of T quantized rows xq [T, 2K]: qsum16 [T, 2G]. */
+void q4_half_sums(const int8_t *xq, int64_t T, int64_t K, int32_t *qsum16) {
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < K / 16; h++) {
+            int32_t sum = 0;
+            for (int j = 0; j < 16; j++) sum += 128 * xq[t * 2 * K + 16 * h + j] + xq[t * 2 * K + K + 16 * h + j];
+            qsum16[t * (K / 16) + h] = sum;
+        }
+}
 
 /* Output tiles [tile0, tile1) of y [T, N] (float32, row stride y_row) for the quantized rows
- * (xq [T, K]; sx, xs, qsum [T, G]) and the packed weight w (tiles x groups x the kind's tile
- * bytes; q8: Q8 tiles, else Q4 tiles). */
-void q4_mm_tiles(const uint8_t *w, int q8, int64_t K, const int8_t *xq, const float *sx, const float *xs,
-                 const int32_t *qsum, int64_t T, float *y, int64_t y_row, int64_t tile0, int64_t tile1) {
-    int64_t G = K / 32, bytes = q8 ? Q8_TILE_BYTES : Q4_TILE_BYTES;
+ * (xq [T, K]; sx, xs, qsum [T, G]; qsum16 [T, 2G], read for Q6 only) and the packed weight w
+ * (tiles x groups x the kind's tile bytes; kind: Q4_KIND, Q8_KIND or Q6_KIND). */
+void q4_mm_tiles(const uint8_t *w, int kind, int64_t K, const int8_t *xq, const float *sx, const float *xs,
+                 const int32_t *qsum, const int32_t *qsum16, int64_t T, float *y, int64_t y_row, int64_t tile0,
+                 int64_t tile1) {
+    int64_t G = K / 32, bytes = kind == Q8_KIND ? Q8_TILE_BYTES : kind == Q6_KIND ? Q6_TILE_BYTES : Q4_TILE_BYTES;
     for (int64_t t0 = 0, passes = (T + Q4_ROWS - 1) / Q4_ROWS; t0 < T; passes--) {
         int R = (int)((T - t0 + passes - 1) / passes);   /* rows split evenly: 9 = 5 + 4, not 8 + 1 */
         for (int64_t tile = tile0; tile < tile1; tile++) {
             const uint8_t *wt = w + tile * G * bytes;
             float *yt = y + t0 * y_row + 16 * tile;
-            if (q8)
+            if (kind == Q8_KIND)
                 q8_tiles[R](wt, G, xq + t0 * 2 * K, K, sx + t0 * G, qsum + t0 * G, yt, y_row);
+            else if (kind == Q6_KIND)
+                q6_tiles[R](wt, G, xq + t0 * 2 * K, K, sx + t0 * G, qsum16 + t0 * 2 * G, yt, y_row);
             else
                 q4_tiles[R](wt, G, xq + t0 * 2 * K, K, sx + t0 * G, xs + t0 * G, yt, y_row);
         }

@@ -38,25 +38,33 @@ from hal.models import int4, native
 SOURCE = Path(__file__).with_name("q4_mm.cpp")
 KERNEL = Path(__file__).with_name("q4_rows.c")
 TILE = 16                    # outputs per tile
-Q4_BYTES, Q8_BYTES = 320, 544   # per (tile, group of 32 inputs)
+Q4_BYTES, Q8_BYTES, Q6_BYTES = 320, 544, 640   # per (tile, group of 32 inputs)
+Q4_KIND, Q8_KIND, Q6_KIND = 0, 1, 2   # a packed weight's tiles, as q4_rows.c numbers them
+Q6K_BYTES = 210   # a GGUF Q6_K block of 256 weights: ql[128], qh[64], int8 scales[16], fp16 d
 ROWS = (torch.float32, torch.bfloat16)
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
 @dataclass(eq=False)
 class Q4Weight:
-    """A linear weight ``[N, K]`` in tiles (`q4_rows.c`): Q4 (codes, fp16 d and m) or Q8
-    (codes + 128, fp16 d). ``dtype``: the plan's row dtype, rows are cast to it before they
-    are quantized (so a row is quantized from the values the int4pack form would multiply)."""
+    """A linear weight ``[N, K]`` in tiles (`q4_rows.c`): Q4 (codes, fp16 d and m), Q8
+    (codes + 128, fp16 d) or Q6 (``q6k``: Q6_K's codes - 32, + 128, and its float32 scale per
+    16). ``dtype``: the plan's row dtype, rows are cast to it before they are quantized (so a
+    row is quantized from the values the int4pack form would multiply)."""
 
-    packed: Tensor            # uint8 [N/16, K/32, Q4_BYTES or Q8_BYTES]
+    packed: Tensor            # uint8 [N/16, K/32, Q4_BYTES, Q8_BYTES or Q6_BYTES]
     shape: tuple[int, int]    # the logical [N, K]
     q8: bool
     dtype: torch.dtype
+    q6k: bool = False
+
+    @property
+    def kind(self) -> int:
+        return Q6_KIND if self.q6k else Q8_KIND if self.q8 else Q4_KIND
 
     def __post_init__(self):
         N, K = self.shape
-        want = (N // TILE, K // int4.GROUP, Q8_BYTES if self.q8 else Q4_BYTES)
+        want = (N // TILE, K // int4.GROUP, (Q4_BYTES, Q8_BYTES, Q6_BYTES)[self.kind])
         if not int4.fits(N, K) or self.packed.dtype != torch.uint8 or tuple(self.packed.shape) != want \
                 or not self.packed.is_contiguous() or self.dtype not in ROWS:
             raise HalError(f"weight: expected contiguous uint8 tiles {list(want)} for [{N}, {K}] (N a multiple of "
@@ -82,7 +90,7 @@ class Q4Weight:
             x = x.contiguous()
         T = x.shape[0]
         y = torch.empty(T, N)
-        if T and library().q4_mm(self.packed.data_ptr(), int(self.q8), N, K, x.data_ptr(),
+        if T and library().q4_mm(self.packed.data_ptr(), self.kind, N, K, x.data_ptr(),
                                  int(self.dtype == torch.bfloat16), T, x.stride(0), y.data_ptr()):
             raise HalError(f"x: expected rows the q4q8 kernel can multiply, got a failed call for {list(x.shape)}",
                            arg="x")
@@ -173,6 +181,71 @@ def q8_0_blocks(raw: np.ndarray, shape: tuple[int, int]) -> Q8Blocks:
     return Q8Blocks(q, d)
 
 
+def pack_q6k(q: Tensor, s: Tensor, dtype: torch.dtype) -> Q4Weight:
+    """Q6 tiles of codes ``q`` [N, K] in -32..31 with a float32 scale per 16 inputs ``s`` [N, K/16]."""
+    N, K = q.shape
+    if not int4.fits(N, K) or tuple(s.shape) != (N, K // 16) or q.dtype != torch.int8:
+        raise HalError(f"weight: expected Q6_K codes [N, K] int8 (N a multiple of 16, K of 32) with scales "
+                       f"[N, K/16], got {q.dtype} {list(q.shape)} and {list(s.shape)}", arg="weight")
+    NT, G = N // TILE, K // int4.GROUP
+    u = (q.to(torch.int16) + 128).to(torch.uint8).view(NT, TILE, G, 8, 4)   # k = 32g + 4s + j
+    codes = u.permute(0, 2, 3, 1, 4).reshape(NT, G, 512)
+    sc = s.float().view(NT, TILE, G, 2).permute(0, 2, 3, 1).contiguous().view(torch.uint8).reshape(NT, G, 128)
+    return Q4Weight(torch.cat([codes, sc], -1).contiguous(), (N, K), False, dtype, q6k=True)
+
+
+@dataclass(frozen=True)
+class Q6Codes:
+    """A GGUF Q6_K tensor as stored, unpacked (`q6_k_codes`): ``w = s·q`` per 16 inputs (a layer's
+    part, kept so until its fused linear is packed: `cat`, then `pack_q6k`)."""
+
+    q: Tensor   # int8 [N, K] in -32..31
+    s: Tensor   # float32 [N, K/16]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    @staticmethod
+    def cat(parts: list["Q6Codes"]) -> "Q6Codes":
+        return Q6Codes(torch.cat([p.q for p in parts]), torch.cat([p.s for p in parts]))
+
+    def pack(self, dtype: torch.dtype) -> Q4Weight:
+        return pack_q6k(self.q, self.s, dtype)
+
+
+def q6_k_codes(raw: np.ndarray, shape: tuple[int, int]) -> tuple[Tensor, Tensor]:
+    """A GGUF Q6_K tensor's bytes ``raw`` (logical ``shape`` [N, K], K a multiple of 256) as
+    (codes q [N, K] int8 in -32..31, scales s = d * scale [N, K/16] float32): w = s * q. ggml's
+    layout (ggml-quants.c, dequantize_row_q6_K): per 128 weights, 64 bytes of low nibbles and 32
+    of high bit pairs; weight l + 32i (i = 0..3) of the 128 takes the low nibble of byte l (i
+    even) or l + 32 (i odd), shifted right by 4 for i >= 2, and bits 2i..2i+1 of its pair byte."""
+    N, K = shape
+    if K % 256 or raw.size != N * K // 256 * Q6K_BYTES:
+        raise HalError(f"raw: expected {N * K // 256 * Q6K_BYTES} bytes for Q6_K [{N}, {K}], got {raw.size}",
+                       arg="raw")
+    b = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, Q6K_BYTES)
+    ql, qh = b[:, :128].reshape(-1, 2, 64).astype(np.int16), b[:, 128:192].reshape(-1, 2, 1, 32).astype(np.int16)
+    low = np.stack([ql[:, :, :32] & 15, ql[:, :, 32:] & 15, ql[:, :, :32] >> 4, ql[:, :, 32:] >> 4], 2)
+    high = (qh >> np.array([0, 2, 4, 6], dtype=np.int16).reshape(1, 1, 4, 1)) & 3
+    q = ((low | (high << 4)) - 32).astype(np.int8).reshape(N, K)
+    scales = b[:, 192:208].copy().view(np.int8).astype(np.float32)
+    d = b[:, 208:210].copy().view(np.float16).astype(np.float32)
+    return torch.from_numpy(q), torch.from_numpy((d * scales).reshape(N, K // 16))
+
+
+def from_q6_k(raw: np.ndarray, shape: tuple[int, int], dtype: torch.dtype) -> Q4Weight:
+    """Q6 tiles of a GGUF Q6_K tensor's bytes ``raw`` (logical ``shape`` [N, K])."""
+    return pack_q6k(*q6_k_codes(raw, shape), dtype)
+
+
+def random_q6k(N: int, K: int, generator: torch.Generator, dtype: torch.dtype) -> Q4Weight:
+    """Random Q6 tiles (a plan's self-check and timing)."""
+    q = torch.randint(-32, 32, (N, K), generator=generator, dtype=torch.int16).to(torch.int8)
+    d = (torch.rand(N, 1, generator=generator) * 1e-4 + 1e-5).half().float()
+    return pack_q6k(q, d * torch.randint(-128, 128, (N, K // 16), generator=generator).float(), dtype)
+
+
 def from_q8_0(raw: np.ndarray, shape: tuple[int, int], dtype: torch.dtype) -> Q4Weight:
     """Q8 tiles of a GGUF Q8_0 tensor's bytes ``raw`` (logical ``shape`` [N, K])."""
     return q8_0_blocks(raw, shape).pack(dtype)
@@ -194,8 +267,29 @@ def random_q8(N: int, K: int, generator: torch.Generator, dtype: torch.dtype) ->
 
 def reference_mm(x: Tensor, codes: Tensor, d: Tensor, m: Tensor | None) -> Tensor:
     """The kernel's arithmetic in torch, step by step (the oracle of the tests): ``x`` [T, K]
-    float32 (already in the row dtype's values), ``codes`` [N, K] (Q4: 0..15; Q8: -128..127),
-    ``d``/``m`` [N, K/32] (``m`` None for Q8). float32 [T, N]."""
+    float32 (already in the row dtype's values), ``codes`` [N, K] (Q4: 0..15; Q8: -128..127;
+    Q6: -32..31), ``d``/``m`` [N, K/32] (``m`` None for Q8), or for Q6 ``d`` the scales
+    [N, K/16] (and ``m`` None). float32 [T, N]."""
+    T, K = x.shape
+    if d.shape[1] == K // 16:
+        return _reference_q6(x, codes, d)
+    return _reference_q4q8(x, codes, d, m)
+
+
+def _reference_q6(x: Tensor, codes: Tensor, s: Tensor) -> Tensor:
+    """Q6: per group, y = y + s0*(unit*isum0); y = y + s1*(unit*isum1) over its two halves."""
+    T, K = x.shape
+    G = K // int4.GROUP
+    xq, unit = _quantized(x)
+    isum = torch.einsum("tgk,ngk->tng", xq.double().view(T, 2 * G, 16), codes.view(-1, 2 * G, 16).double()).float()
+    y = torch.zeros(T, codes.shape[0])
+    for h in range(2 * G):
+        y = y + s[:, h] * (unit[:, h // 2:h // 2 + 1] * isum[:, :, h])
+    return y
+
+
+def _quantized(x: Tensor) -> tuple[Tensor, Tensor]:
+    """A row quantized as the kernel quantizes it: (128 hi + lo [T, G, 32], unit [T, G])."""
     T, K = x.shape
     G = K // int4.GROUP
     xv = x.float().view(T, G, int4.GROUP)
@@ -208,6 +302,13 @@ def reference_mm(x: Tensor, codes: Tensor, d: Tensor, m: Tensor | None) -> Tenso
     lo = torch.round((u - hi) * 128)
     xq = 128 * hi + lo                                                  # the row in units of `unit`
     unit = torch.where(bad, float("nan"), amax / c127 * 0.0078125)
+    return xq, unit
+
+
+def _reference_q4q8(x, codes, d, m):
+    T, K = x.shape
+    G = K // int4.GROUP
+    xq, unit = _quantized(x)
     xs = unit * xq.sum(-1)
     isum = torch.einsum("tgk,ngk->tng", xq.double(), codes.view(-1, G, int4.GROUP).double()).float()   # exact, rounded once
     y = torch.zeros(T, codes.shape[0])

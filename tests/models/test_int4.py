@@ -172,7 +172,7 @@ def test_a_q8_0_head_needs_an_int4_plan_and_its_packed_head():
         LinearPlan.from_json({"layout": "mm", "dtype": "float32", "widths": [1], "weights": "float", "head": "q8_0"})
     model = random_llama(64, 1, 4, 2, 16, 64, 96, seed=0, scale=0.05)
     plan = LinearPlan("mm", torch.bfloat16, (1,), weights="int4", head="q8_0")
-    with pytest.raises(HalError, match=r"weights\['head_q8'\]: expected the lm_head's Q8_0 codes"):
+    with pytest.raises(HalError, match=r"weights\['head_stored'\]: expected the lm_head's stored codes"):
         Llama(model.cfg, dict(model.w), model.be, plan=plan)
 
 

@@ -48,11 +48,22 @@ def q8_case(N: int, K: int, seed: int):
     return (q, d), (q, d, None)
 
 
+def q6_case(N: int, K: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-32, 32, (N, K), generator=g, dtype=torch.int16).to(torch.int8)
+    d = (torch.rand(N, 1, generator=g) * 1e-3 + 1e-5).half().float()
+    s = d * torch.randint(-128, 128, (N, K // 16), generator=g).float()   # Q6_K's d * int8 scale: exact
+    return (q, s), (q, s, None)
+
+
 def make(kind: str, N: int, K: int, dtype: torch.dtype, seed: int = 0):
-    """(weight, reference args) of a random Q4 or Q8 weight."""
+    """(weight, reference args) of a random Q4, Q8 or Q6 weight."""
     if kind == "q4":
         blocks, ref = q4_case(N, K, seed)
         return q4_rows.pack(blocks, dtype), ref
+    if kind == "q6":
+        (q, sc), ref = q6_case(N, K, seed)
+        return q4_rows.pack_q6k(q, sc, dtype), ref
     (q, d), ref = q8_case(N, K, seed)
     return q4_rows.pack_q8(q, d, dtype), ref
 
@@ -65,7 +76,7 @@ def rows(T: int, K: int, seed: int) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("kind", ["q4", "q8"])
+@pytest.mark.parametrize("kind", ["q4", "q8", "q6"])
 @pytest.mark.parametrize("dtype", ROWS, ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("T,N,K", [(1, 48, 64), (3, 960, 576), (8, 32, 1536), (9, 64, 96), (17, 48, 576)])
 def test_products_are_the_reference_arithmetic_bit_for_bit(kind, dtype, T, N, K):
@@ -76,7 +87,7 @@ def test_products_are_the_reference_arithmetic_bit_for_bit(kind, dtype, T, N, K)
     assert torch.equal(got, q4_rows.reference_mm(x.to(dtype).float(), *ref))
 
 
-@pytest.mark.parametrize("kind", ["q4", "q8"])
+@pytest.mark.parametrize("kind", ["q4", "q8", "q6"])
 def test_a_row_never_depends_on_its_batch_mates_order_or_threads(kind):
     w, _ = make(kind, 96, 576, torch.bfloat16, seed=1)
     x = rows(13, 576, seed=2)
@@ -101,12 +112,13 @@ def test_a_non_finite_input_makes_its_own_row_nan_only():
     assert got[0].isnan().all() and got[3].isnan().all() and got[1:3].isfinite().all()
 
 
-@pytest.mark.parametrize("kind", ["q4", "q8"])
+@pytest.mark.parametrize("kind", ["q4", "q8", "q6"])
 def test_products_stay_within_the_row_quantization_bound(kind):
     N, K = 64, 576
     w, (codes, d, m) = make(kind, N, K, torch.float32, seed=4)
     x = rows(6, K, seed=5)
-    dense = codes.double().view(N, K // 32, 32) * d.double()[..., None]
+    per = K // d.shape[1]   # inputs per scale: 32, or Q6's 16
+    dense = codes.double().view(N, K // per, per) * d.double()[..., None]
     if m is not None:
         dense = dense + m.double()[..., None]
     dense = dense.reshape(N, K)
@@ -127,11 +139,11 @@ def test_other_code_paths_give_the_same_bits(monkeypatch, march):
     lib = ctypes.CDLL(str(q4_rows.build()))
     lib.q4_mm.argtypes, lib.q4_mm.restype = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] + \
         [ctypes.c_int64] * 3 + [ctypes.c_void_p], ctypes.c_int64
-    for kind in ("q4", "q8"):
+    for kind in ("q4", "q8", "q6"):
         w, _ = make(kind, 96, 576, torch.bfloat16, seed=6)
         x = rows(11, 576, seed=7).bfloat16()
         y = torch.empty(11, 96)
-        assert lib.q4_mm(w.packed.data_ptr(), int(w.q8), 96, 576, x.data_ptr(), 1, 11, 576, y.data_ptr()) == 0
+        assert lib.q4_mm(w.packed.data_ptr(), w.kind, 96, 576, x.data_ptr(), 1, 11, 576, y.data_ptr()) == 0
         assert torch.equal(y, w.mm(x)), kind
 
 
@@ -157,6 +169,30 @@ def test_gguf_bytes_load_into_tiles_exactly(kind):
         assert torch.equal(b.dequantize(), dense)
     x = rows(5, K, seed=8)
     assert torch.equal(w.mm(x), q4_rows.reference_mm(x, *ref))
+
+
+def random_q6_k(N: int, K: int, seed: int) -> np.ndarray:
+    """Random GGUF Q6_K blocks (every code and scale byte drawn, a finite fp16 d per block)."""
+    rng = np.random.default_rng(seed)
+    b = rng.integers(0, 256, (N * K // 256, q4_rows.Q6K_BYTES), dtype=np.uint8)
+    b[:, 208:210] = (rng.random(N * K // 256) * 1e-3 + 1e-5).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return b.reshape(-1)
+
+
+def test_q6_k_bytes_load_into_tiles_as_gguf_dequantizes_them():
+    """ggml's Q6_K layout read here gives, code times scale in float32, exactly the weights that
+    gguf's own dequantization gives; the tiles' products are the reference arithmetic on them."""
+    N, K = 48, 512
+    raw = random_q6_k(N, K, seed=9)
+    dense = torch.from_numpy(quants.dequantize(raw, gguf.GGMLQuantizationType.Q6_K).reshape(N, K).copy())
+    q, s = q4_rows.q6_k_codes(raw, (N, K))
+    assert int(q.min()) == -32 and int(q.max()) == 31   # every code value drawn
+    assert torch.equal((q.float().view(N, -1, 16) * s[..., None]).reshape(N, K), dense)
+    w = q4_rows.from_q6_k(raw, (N, K), torch.bfloat16)
+    x = rows(5, K, seed=10)
+    assert torch.equal(w.mm(x), q4_rows.reference_mm(x.bfloat16().float(), q, s, None))
+    with pytest.raises(HalError, match="raw"):
+        q4_rows.q6_k_codes(raw[:-1], (N, K))
 
 
 def test_bad_input_is_refused_naming_the_argument():

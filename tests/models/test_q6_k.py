@@ -1,0 +1,124 @@
+"""Q6_K as stored (issues 67 and 69): the lm_head llama-quantize keeps as Q6_K in the Q4_0 and
+Q4_K_M files of Qwen3 and Llama 3.2, and a Q6_K file's layers, run as the q4q8 kernel's Q6
+tiles (`hal.models.q4_rows`: the file's 6-bit codes and per-16 scales, no float copy).
+
+Each file is written here with ``gguf.GGUFWriter``: random Q6_K blocks (`random_q6_k`; ``gguf``
+cannot quantize K types) beside Q4_0 layers. The oracle for the values is ``gguf``'s own
+dequantization (tests/models/test_q4_rows.py shows the codes times scales equal it bit for bit);
+here the model that runs them as stored is compared with the same file run on those
+dequantized floats: within the rows' int8 quantization (stated bound: 2% of the largest
+logit; a misread tile, say one half-group's scale for the other's, is off by far more), and
+greedy speculative output equals plain greedy under the stored plan."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import hal
+from hal.engine import Request, SpeculativeDecoder
+from hal.engine.forward import forward
+from hal.kv import KVPool
+from hal.models import layer_loop, q4_rows
+from hal.models.linear_layout import LinearPlan
+from hal.models.loaders import load_gguf
+from tests.models.test_q4_rows import random_q6_k
+
+gguf = pytest.importorskip("gguf")
+pytestmark = pytest.mark.skipif(not q4_rows.available(), reason="no C++ compiler: no q4q8 kernel")
+
+H, HEADS, KV, FFN, LAYERS, V = 256, 4, 2, 512, 2, 96
+TOKENS = ["x", "1", "x1"] + [f"t{i}" for i in range(V - 4)] + ["<|endoftext|>"]
+PARTS = {"attn_q": (H, H), "attn_k": (KV * H // HEADS, H), "attn_v": (KV * H // HEADS, H), "attn_output": (H, H),
+         "ffn_gate": (FFN, H), "ffn_up": (FFN, H), "ffn_down": (H, FFN)}
+
+
+def write(path, layers_q6: bool):
+    """A tiny Qwen2-shaped llama GGUF: a tied Q6_K embedding (the lm_head), and layers in Q6_K
+    (``layers_q6``) or Q4_0."""
+    g = np.random.default_rng(0)
+    w = gguf.GGUFWriter(str(path), "llama")
+    for key, v in (("block_count", LAYERS), ("embedding_length", H), ("feed_forward_length", FFN),
+                   ("attention.head_count", HEADS), ("attention.head_count_kv", KV), ("context_length", 512)):
+        w.add_uint32(f"llama.{key}", v)
+    w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(TOKENS)
+    w.add_token_types([1] * (V - 1) + [3])
+    w.add_token_merges(["x 1"])
+    w.add_eos_token_id(V - 1)
+
+    def q6(name, n, k, seed):
+        w.add_tensor(name, random_q6_k(n, k, seed).reshape(n, -1), raw_dtype=gguf.GGMLQuantizationType.Q6_K)
+    q6("token_embd.weight", V, H, 1)
+    w.add_tensor("output_norm.weight", (1 + 0.1 * g.standard_normal(H)).astype(np.float32))
+    for i in range(LAYERS):
+        for norm in ("attn_norm", "ffn_norm"):
+            w.add_tensor(f"blk.{i}.{norm}.weight", (1 + 0.1 * g.standard_normal(H)).astype(np.float32))
+        for j, (part, (n, k)) in enumerate(PARTS.items()):
+            if layers_q6:
+                q6(f"blk.{i}.{part}.weight", n, k, 100 * i + j + 2)
+            else:
+                raw = gguf.quants.quantize((g.standard_normal((n, k)) * 0.05).astype(np.float32),
+                                           gguf.GGMLQuantizationType.Q4_0)
+                w.add_tensor(f"blk.{i}.{part}.weight", raw, raw_dtype=gguf.GGMLQuantizationType.Q4_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+IDS = [3, 50, 7, 7, 7, 91, 12, 0, 44, 5, 5, 60]
+
+
+def logits(model) -> torch.Tensor:
+    cfg = model.cfg
+    pool = KVPool(model.be, 16, 16, cfg.kv_heads, cfg.head_dim, num_layers=cfg.layers, dtype=model.dtype)
+    seq = pool.sequence()
+    first, _ = forward(model, pool, [seq], [IDS[:8]], True)
+    seq.commit(8)
+    rest, _ = forward(model, pool, [seq], [IDS[8:]], True)
+    return torch.cat([first, rest]).float()
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.isfinite().all() and (a - b).abs().max() <= 0.02 * b.abs().max(), float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.mark.parametrize("layers_q6", [False, True], ids=["q4_0-layers", "q6_k-layers"])
+def test_a_q6_k_head_and_q6_k_layers_run_as_stored(tmp_path, layers_q6):
+    path = write(tmp_path / "m.gguf", layers_q6)
+    be = hal.get_backend("cpu")
+    stored, _ = load_gguf(path, be, plan=LinearPlan("mm", torch.bfloat16, (1, 2, 4, 8), weights="q4q8", head="q6_k"))
+    floats, _ = load_gguf(path, be, "float32")
+    assert isinstance(stored.head_lin, q4_rows.Q4Weight) and stored.head_lin.q6k
+    linears = [stored.w[f"{i}.{k}"] for i in range(LAYERS) for k in ("wqkv", "wo", "wgu", "wdown")]
+    assert all(isinstance(t, q4_rows.Q4Weight) and t.q6k == layers_q6 for t in linears)
+    assert layer_loop.applies(stored) and stored.loop is not None
+    assert "lm_head Q6_K as stored" in stored.plan.describe()
+    close(logits(stored), logits(floats))
+
+
+def test_greedy_speculation_on_a_q6_k_file_equals_plain_greedy(tmp_path):
+    from hal.drafters import NgramDrafter
+    model, _ = load_gguf(write(tmp_path / "m.gguf", True), hal.get_backend("cpu"),
+                         plan=LinearPlan("mm", torch.bfloat16, (1, 2, 4, 8), weights="q4q8", head="q6_k"))
+    reqs = lambda k: [Request(list(IDS), max_new_tokens=40, k=k),  # noqa: E731
+                      Request([5, 6, 5, 6, 5, 6, 5], max_new_tokens=40, k=k)]
+    plain = SpeculativeDecoder(model, None, num_blocks=64).generate(reqs(0))
+    spec = SpeculativeDecoder(model, NgramDrafter(model.be), num_blocks=64).generate(reqs(4))
+    assert spec == plain
+
+
+def test_the_plan_measures_a_q6_k_head_and_refuses_it_without_q4q8(tmp_path):
+    from hal.errors import HalError
+    path = write(tmp_path / "m.gguf", False)
+    model, _ = load_gguf(path, hal.get_backend("cpu"), "stored")
+    assert model.plan.weights in ("int4", "q4q8")
+    if model.plan.weights == "q4q8":
+        assert any(h["head"] == "q6_k" for h in model.plan_choice.heads), model.plan_choice.heads
+    with pytest.raises(HalError, match="q6_k with q4q8"):
+        LinearPlan.from_json({"layout": "mm", "dtype": "bfloat16", "widths": [1], "weights": "int4", "head": "q6_k"})
