@@ -231,7 +231,7 @@ def load_gguf(path: str | Path, backend, dtype: str = "float32", plan_refresh: b
         elif plan.weights == "q4q8" and t.name in stored_q8:   # Q8 tiles once fused (`_fuse`)
             arr = q4_rows.q8_0_blocks(data, tuple(shape))
         elif plan.weights == "q4q8" and t.name in stored_q6:   # Q6 tiles once fused
-            arr = q4_rows.Q6Codes(*q4_rows.q6_k_codes(data, tuple(shape)))
+            arr = q4_rows.q6_k_codes(data, tuple(shape))
         else:
             try:
                 arr = torch.from_numpy(dequantize(data, GGMLQuantizationType[t.kind]).reshape(shape).copy()).float()

@@ -13,9 +13,11 @@
  *   16 fp16 each. So one 64-byte load feeds 16 lanes of 4-byte integer dot products.
  * - **Q8 tile** (Q8_0: w = d*q, q in -128..127): per (tile, group), 512 bytes of codes in 8
  *   steps of 64: byte 4*lane + j of step s holds q + 128 for k = 32g + 4s + j; then 16 fp16 d.
- * - **Q6 tile** (Q6_K: w = s*q, q = the 6-bit code - 32 in -32..31, s = d*scale per 16 weights,
- *   a float32 value exactly): per (tile, group), the codes as a Q8 tile's (q + 128), then 16
- *   float32 s of the group's first 16 inputs and 16 of its last 16.
+ * - **Q6 tile** (Q6_K: w = s*q, q = the 6-bit code c - 32, s = d*scale per 16 weights with fp16
+ *   d and int8 scale, so s is a float32 value exactly): per (tile, group), 4 nibble blocks of 64
+ *   bytes (block p: c's low 4 bits of steps 2p and, high nibble, 2p + 1, in the Q8 tile's byte
+ *   order), 2 high blocks of 64 (block h: bits 2i..2i+1 hold c's top 2 bits of step 4h + i),
+ *   16 fp16 d, 16 int8 scales of the group's first 16 inputs and 16 of its last 16.
  * - **quantized row**: per 32 inputs, amax = max |x|, u = x * (127 / amax), hi = round(u) in
  *   -127..127 and lo = round(128 (u - hi)) in -64..64 (half to even; 0 where amax is 0), so
  *   x ~ unit * (128 hi + lo) with unit = (amax / 127) / 128; qsum = sum(128 hi + lo), xs =
@@ -23,7 +25,7 @@
  *
  * Q4: y[n] = sum over g, in order, of: y = y + d*(unit*isum); y = y + m*xs. Q8: y = y +
  * d*(unit*isum). Q6: y = y + s0*(unit*isum0); y = y + s1*(unit*isum1), over the group's two
- * halves. isum = sum of q*(128 hi + lo) over the group (or half), an exact integer on every path
+ * halves (s = d*scale, one exact float32 product). isum = sum of q*(128 hi + lo) over the group (or half), an exact integer on every path
  * (its conversion to float32 rounds to nearest, as every path converts). Every float step is
  * one float32 rounding (no contraction: -ffp-contract=off), the same on every code path, for
  * every row count: a row's bits never depend on its batch-mates or on the CPU's vector width.
@@ -43,7 +45,7 @@
 enum { Q4_KIND = 0, Q8_KIND = 1, Q6_KIND = 2 };   /* a packed weight's tiles */
 #define Q4_TILE_BYTES 320   /* per (tile, group): 256 bytes of codes, 16 fp16 d, 16 fp16 m */
 #define Q8_TILE_BYTES 544   /* per (tile, group): 512 bytes of codes + 128, 16 fp16 d */
-#define Q6_TILE_BYTES 640   /* per (tile, group): 512 bytes of codes + 128, 2 x 16 float32 s */
+#define Q6_TILE_BYTES 448   /* per (tile, group): 256 + 128 bytes of 6-bit codes, 16 fp16 d, 2 x 16 int8 scales */
 /* rows multiplied together per pass over a tile's weights: what the ISA's vector registers hold
  * (per row: an output and two accumulators; AVX-512 has 32 registers, AVX2 16) */
 #if defined(Q4_AVX512)
@@ -305,30 +307,40 @@ void q4_quantize_rows(const void *x, int is_bf16, int64_t T, int64_t K, int64_t 
     }
 #endif
 /* One tile's 16 outputs of a Q6 weight for R rows; qsum16 [R, 2G]: each half-group's sum of
- * (128 hi + lo) (the AVX-512 path's +128 correction). */
+ * (128 hi + lo) (the AVX-512 path's -32 correction). Step s's codes (the Q8 tile's byte order)
+ * are the low nibbles of nibble block s / 2 (s odd: its high nibbles) with, as bits 4-5, bits
+ * 2i..2i+1 of high block s / 4 (i = s % 4). */
 #if defined(Q4_AVX512)
 #define Q6_TILE(R)                                                                                     \
     static void q6_tile_##R(const uint8_t *wt, int64_t G, const int8_t *xq, int64_t K, const float *sx, \
                             const int32_t *qsum16, float *y, int64_t y_row) {                          \
+        const __m512i m4 = _mm512_set1_epi8(0x0f), m2 = _mm512_set1_epi8(0x03);                       \
         __m512 out[R];                                                                                 \
         for (int r = 0; r < R; r++) out[r] = _mm512_setzero_ps();                                      \
         for (int64_t g = 0; g < G; g++) {                                                              \
             const uint8_t *blk = wt + g * Q6_TILE_BYTES;                                               \
+            __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 384)));              \
             for (int h = 0; h < 2; h++) {                                                              \
+                __m512i hb = _mm512_loadu_si512((const void *)(blk + 256 + 64 * h));                   \
                 __m512i acc[R], acc2[R];                                                               \
                 for (int r = 0; r < R; r++) acc[r] = acc2[r] = _mm512_setzero_si512();                 \
-                for (int s = 4 * h; s < 4 * h + 4; s++) {                                              \
-                    __m512i v = _mm512_loadu_si512((const void *)(blk + 64 * s));   /* q + 128 */      \
+                for (int i = 0; i < 4; i++) {                                                          \
+                    int s = 4 * h + i;                                                                 \
+                    __m512i nb = _mm512_loadu_si512((const void *)(blk + 64 * (s >> 1)));              \
+                    __m512i lo = _mm512_and_si512(s & 1 ? _mm512_srli_epi16(nb, 4) : nb, m4);          \
+                    __m512i hi = _mm512_and_si512(_mm512_srl_epi16(hb, _mm_cvtsi32_si128(2 * i)), m2);  \
+                    __m512i v = _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4));   /* the code, 0..63 */ \
                     for (int r = 0; r < R; r++) {                                                      \
                         const int8_t *xr = xq + r * 2 * K + 32 * g + 4 * s;                            \
                         acc[r] = _mm512_dpbusd_epi32(acc[r], v, _mm512_set1_epi32(q4_x4(xr)));                 \
                         acc2[r] = _mm512_dpbusd_epi32(acc2[r], v, _mm512_set1_epi32(q4_x4(xr + K)));           \
                     }                                                                                  \
                 }                                                                                      \
-                __m512 sc = _mm512_loadu_ps((const float *)(blk + 512 + 64 * h));                      \
+                __m512 sc = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(                 \
+                    _mm_loadu_si128((const __m128i *)(blk + 416 + 16 * h)))));   /* d * scale: exact */ \
                 for (int r = 0; r < R; r++) {                                                          \
                     __m512i isum = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(acc[r], 7), acc2[r]), \
-                                                    _mm512_set1_epi32(128 * qsum16[r * 2 * G + 2 * g + h])); \
+                                                    _mm512_set1_epi32(32 * qsum16[r * 2 * G + 2 * g + h])); \
                     __m512 t = _mm512_mul_ps(_mm512_set1_ps(sx[r * G + g]), _mm512_cvtepi32_ps(isum)); \
                     out[r] = _mm512_add_ps(out[r], _mm512_mul_ps(sc, t));                              \
                 }                                                                                      \
@@ -340,19 +352,25 @@ void q4_quantize_rows(const void *x, int is_bf16, int64_t T, int64_t K, int64_t 
 #define Q6_TILE(R)                                                                                     \
     static void q6_tile_##R(const uint8_t *wt, int64_t G, const int8_t *xq, int64_t K, const float *sx, \
                             const int32_t *qsum16, float *y, int64_t y_row) {                          \
-        const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);                \
+        const __m256i m4 = _mm256_set1_epi8(0x0f), m2 = _mm256_set1_epi8(0x03), ones = _mm256_set1_epi16(1); \
+        const __m256i c32 = _mm256_set1_epi8(32);                                                      \
         (void)qsum16;                                                                                  \
         for (int half = 0; half < 2; half++) {   /* lanes 0..7, then 8..15 */                         \
             __m256 out[R];                                                                             \
             for (int r = 0; r < R; r++) out[r] = _mm256_setzero_ps();                                  \
             for (int64_t g = 0; g < G; g++) {                                                          \
                 const uint8_t *blk = wt + g * Q6_TILE_BYTES;                                           \
+                __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 384 + 16 * half))); \
                 for (int h = 0; h < 2; h++) {   /* the group's inputs 0..15, then 16..31 */           \
+                    __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 256 + 64 * h + 32 * half));  \
                     __m256i acc[R], acc2[R];                                                           \
                     for (int r = 0; r < R; r++) acc[r] = acc2[r] = _mm256_setzero_si256();             \
-                    for (int s = 4 * h; s < 4 * h + 4; s++) {                                          \
-                        __m256i w = _mm256_xor_si256(                                                  \
-                            _mm256_loadu_si256((const __m256i *)(blk + 64 * s + 32 * half)), flip);  /* q */ \
+                    for (int i = 0; i < 4; i++) {                                                      \
+                        int s = 4 * h + i;                                                             \
+                        __m256i nb = _mm256_loadu_si256((const __m256i *)(blk + 64 * (s >> 1) + 32 * half)); \
+                        __m256i lo = _mm256_and_si256(s & 1 ? _mm256_srli_epi16(nb, 4) : nb, m4);      \
+                        __m256i hi = _mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * i)), m2); \
+                        __m256i w = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), c32);  /* q */ \
                         __m256i aw = _mm256_sign_epi8(w, w);                                           \
                         for (int r = 0; r < R; r++) {                                                  \
                             const int8_t *xr = xq + r * 2 * K + 32 * g + 4 * s;                        \
@@ -362,7 +380,8 @@ void q4_quantize_rows(const void *x, int is_bf16, int64_t T, int64_t K, int64_t 
                             acc2[r] = _mm256_add_epi32(acc2[r], _mm256_madd_epi16(pl, ones));          \
                         }                                                                              \
                     }                                                                                  \
-                    __m256 sc = _mm256_loadu_ps((const float *)(blk + 512 + 64 * h + 32 * half));      \
+                    __m256 sc = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(              \
+                        _mm_loadl_epi64((const __m128i *)(blk + 416 + 16 * h + 8 * half)))));          \
                     for (int r = 0; r < R; r++) {                                                      \
                         __m256i isum = _mm256_add_epi32(_mm256_slli_epi32(acc[r], 7), acc2[r]);        \
                         __m256 t = _mm256_mul_ps(_mm256_set1_ps(sx[r * G + g]), _mm256_cvtepi32_ps(isum)); \
@@ -384,13 +403,18 @@ void q4_quantize_rows(const void *x, int is_bf16, int64_t T, int64_t K, int64_t 
                 for (int64_t g = 0; g < G; g++) {                                                      \
                     const uint8_t *blk = wt + g * Q6_TILE_BYTES;                                       \
                     const int8_t *x = xq + r * 2 * K + 32 * g, *xl = x + K;                            \
+                    uint16_t dh;                                                                       \
+                    memcpy(&dh, blk + 384 + 2 * lane, 2);                                              \
                     for (int h = 0; h < 2; h++) {                                                      \
                         int32_t acc = 0;                                                               \
-                        for (int s = 4 * h; s < 4 * h + 4; s++)                                        \
-                            for (int j = 0; j < 4; j++)                                                \
-                                acc += ((int)blk[64 * s + 4 * lane + j] - 128) * (128 * x[4 * s + j] + xl[4 * s + j]); \
-                        float sc;                                                                      \
-                        memcpy(&sc, blk + 512 + 64 * h + 4 * lane, 4);                                 \
+                        for (int i = 0; i < 4; i++)                                                    \
+                            for (int j = 0; j < 4; j++) {                                              \
+                                int s = 4 * h + i, b = 4 * lane + j;                                   \
+                                int lo = (blk[64 * (s >> 1) + b] >> (4 * (s & 1))) & 15;               \
+                                int hi = (blk[256 + 64 * h + b] >> (2 * i)) & 3;                       \
+                                acc += ((lo | (hi << 4)) - 32) * (128 * x[4 * s + j] + xl[4 * s + j]); \
+                            }                                                                          \
+                        float sc = q4_half(dh) * (float)(int8_t)blk[416 + 16 * h + lane];              \
                         float t = sx[r * G + g] * (float)acc;                                          \
                         out = out + sc * t;                                                            \
                     }                                                                                  \

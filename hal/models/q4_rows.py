@@ -38,7 +38,7 @@ from hal.models import int4, native
 SOURCE = Path(__file__).with_name("q4_mm.cpp")
 KERNEL = Path(__file__).with_name("q4_rows.c")
 TILE = 16                    # outputs per tile
-Q4_BYTES, Q8_BYTES, Q6_BYTES = 320, 544, 640   # per (tile, group of 32 inputs)
+Q4_BYTES, Q8_BYTES, Q6_BYTES = 320, 544, 448   # per (tile, group of 32 inputs)
 Q4_KIND, Q8_KIND, Q6_KIND = 0, 1, 2   # a packed weight's tiles, as q4_rows.c numbers them
 Q6K_BYTES = 210   # a GGUF Q6_K block of 256 weights: ql[128], qh[64], int8 scales[16], fp16 d
 ROWS = (torch.float32, torch.bfloat16)
@@ -48,8 +48,7 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 @dataclass(eq=False)
 class Q4Weight:
     """A linear weight ``[N, K]`` in tiles (`q4_rows.c`): Q4 (codes, fp16 d and m), Q8
-    (codes + 128, fp16 d) or Q6 (``q6k``: Q6_K's codes - 32, + 128, and its float32 scale per
-    16). ``dtype``: the plan's row dtype, rows are cast to it before they are quantized (so a
+    (codes + 128, fp16 d) or Q6 (``q6k``: Q6_K's 6-bit codes, fp16 d and int8 scale per 16). ``dtype``: the plan's row dtype, rows are cast to it before they are quantized (so a
     row is quantized from the values the int4pack form would multiply)."""
 
     packed: Tensor            # uint8 [N/16, K/32, Q4_BYTES, Q8_BYTES or Q6_BYTES]
@@ -181,17 +180,31 @@ def q8_0_blocks(raw: np.ndarray, shape: tuple[int, int]) -> Q8Blocks:
     return Q8Blocks(q, d)
 
 
-def pack_q6k(q: Tensor, s: Tensor, dtype: torch.dtype) -> Q4Weight:
-    """Q6 tiles of codes ``q`` [N, K] in -32..31 with a float32 scale per 16 inputs ``s`` [N, K/16]."""
+def pack_q6k(q: Tensor, d: Tensor, sc: Tensor, dtype: torch.dtype) -> Q4Weight:
+    """Q6 tiles of codes ``q`` [N, K] in -32..31 with w = d·sc·q: ``d`` [N, K/32] fp16 values, ``sc``
+    [N, K/16] int8 (Q6_K's super-block d, given per group, and its scale per 16)."""
     N, K = q.shape
-    if not int4.fits(N, K) or tuple(s.shape) != (N, K // 16) or q.dtype != torch.int8:
-        raise HalError(f"weight: expected Q6_K codes [N, K] int8 (N a multiple of 16, K of 32) with scales "
-                       f"[N, K/16], got {q.dtype} {list(q.shape)} and {list(s.shape)}", arg="weight")
+    if not int4.fits(N, K) or tuple(d.shape) != (N, K // 32) or tuple(sc.shape) != (N, K // 16) \
+            or q.dtype != torch.int8 or sc.dtype != torch.int8 or not torch.equal(d.half().float(), d.float()) \
+            or bool(((q < -32) | (q > 31)).any()):
+        raise HalError(f"weight: expected Q6_K codes [N, K] int8 in -32..31 (N a multiple of 16, K of 32), fp16 d "
+                       f"[N, K/32] and int8 scales [N, K/16], got {q.dtype} {list(q.shape)}, {list(d.shape)} and "
+                       f"{sc.dtype} {list(sc.shape)}", arg="weight")
     NT, G = N // TILE, K // int4.GROUP
-    u = (q.to(torch.int16) + 128).to(torch.uint8).view(NT, TILE, G, 8, 4)   # k = 32g + 4s + j
-    codes = u.permute(0, 2, 3, 1, 4).reshape(NT, G, 512)
-    sc = s.float().view(NT, TILE, G, 2).permute(0, 2, 3, 1).contiguous().view(torch.uint8).reshape(NT, G, 128)
-    return Q4Weight(torch.cat([codes, sc], -1).contiguous(), (N, K), False, dtype, q6k=True)
+    u = (q.to(torch.int16) + 32).to(torch.uint8).view(NT, TILE, G, 8, 4)   # k = 32g + 4s + j
+    u = u.permute(0, 2, 3, 1, 4).reshape(NT, G, 8, 64)   # per step s, the Q8 tile's byte order
+    nib = (u[:, :, 0::2] & 15) | ((u[:, :, 1::2] & 15) << 4)                 # blocks p: steps 2p, 2p + 1
+    hi = (u >> 4).view(NT, G, 2, 4, 64)
+    top = hi[:, :, :, 0] | (hi[:, :, :, 1] << 2) | (hi[:, :, :, 2] << 4) | (hi[:, :, :, 3] << 6)   # blocks h
+    d16 = d.half().view(NT, TILE, G).permute(0, 2, 1).contiguous().view(torch.uint8).reshape(NT, G, 32)
+    scb = sc.view(NT, TILE, G, 2).permute(0, 2, 3, 1).contiguous().view(torch.uint8).reshape(NT, G, 32)
+    packed = torch.cat([nib.reshape(NT, G, 256), top.reshape(NT, G, 128), d16, scb], -1).contiguous()
+    return Q4Weight(packed, (N, K), False, dtype, q6k=True)
+
+
+def q6_scales(d: Tensor, sc: Tensor) -> Tensor:
+    """The scale per 16 inputs, d·sc [N, K/16] (an exact float32 product)."""
+    return d.float().repeat_interleave(2, 1) * sc.float()
 
 
 @dataclass(frozen=True)
@@ -199,8 +212,9 @@ class Q6Codes:
     """A GGUF Q6_K tensor as stored, unpacked (`q6_k_codes`): ``w = s·q`` per 16 inputs (a layer's
     part, kept so until its fused linear is packed: `cat`, then `pack_q6k`)."""
 
-    q: Tensor   # int8 [N, K] in -32..31
-    s: Tensor   # float32 [N, K/16]
+    q: Tensor    # int8 [N, K] in -32..31
+    d: Tensor    # float32 [N, K/32], fp16 values (the super-block's d, per group)
+    sc: Tensor   # int8 [N, K/16]
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -208,15 +222,15 @@ class Q6Codes:
 
     @staticmethod
     def cat(parts: list["Q6Codes"]) -> "Q6Codes":
-        return Q6Codes(torch.cat([p.q for p in parts]), torch.cat([p.s for p in parts]))
+        return Q6Codes(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "d", "sc")))
 
     def pack(self, dtype: torch.dtype) -> Q4Weight:
-        return pack_q6k(self.q, self.s, dtype)
+        return pack_q6k(self.q, self.d, self.sc, dtype)
 
 
-def q6_k_codes(raw: np.ndarray, shape: tuple[int, int]) -> tuple[Tensor, Tensor]:
+def q6_k_codes(raw: np.ndarray, shape: tuple[int, int]) -> Q6Codes:
     """A GGUF Q6_K tensor's bytes ``raw`` (logical ``shape`` [N, K], K a multiple of 256) as
-    (codes q [N, K] int8 in -32..31, scales s = d * scale [N, K/16] float32): w = s * q. ggml's
+    `Q6Codes`: w = d·sc·q (`q6_scales`). ggml's
     layout (ggml-quants.c, dequantize_row_q6_K): per 128 weights, 64 bytes of low nibbles and 32
     of high bit pairs; weight l + 32i (i = 0..3) of the 128 takes the low nibble of byte l (i
     even) or l + 32 (i odd), shifted right by 4 for i >= 2, and bits 2i..2i+1 of its pair byte."""
@@ -229,21 +243,22 @@ def q6_k_codes(raw: np.ndarray, shape: tuple[int, int]) -> tuple[Tensor, Tensor]
     low = np.stack([ql[:, :, :32] & 15, ql[:, :, 32:] & 15, ql[:, :, :32] >> 4, ql[:, :, 32:] >> 4], 2)
     high = (qh >> np.array([0, 2, 4, 6], dtype=np.int16).reshape(1, 1, 4, 1)) & 3
     q = ((low | (high << 4)) - 32).astype(np.int8).reshape(N, K)
-    scales = b[:, 192:208].copy().view(np.int8).astype(np.float32)
-    d = b[:, 208:210].copy().view(np.float16).astype(np.float32)
-    return torch.from_numpy(q), torch.from_numpy((d * scales).reshape(N, K // 16))
+    sc = torch.from_numpy(b[:, 192:208].copy().view(np.int8).reshape(N, K // 16))
+    d = torch.from_numpy(b[:, 208:210].copy().view(np.float16).astype(np.float32)).view(N, K // 256)
+    return Q6Codes(torch.from_numpy(q), d.repeat_interleave(8, 1), sc)
 
 
 def from_q6_k(raw: np.ndarray, shape: tuple[int, int], dtype: torch.dtype) -> Q4Weight:
     """Q6 tiles of a GGUF Q6_K tensor's bytes ``raw`` (logical ``shape`` [N, K])."""
-    return pack_q6k(*q6_k_codes(raw, shape), dtype)
+    return q6_k_codes(raw, shape).pack(dtype)
 
 
 def random_q6k(N: int, K: int, generator: torch.Generator, dtype: torch.dtype) -> Q4Weight:
     """Random Q6 tiles (a plan's self-check and timing)."""
     q = torch.randint(-32, 32, (N, K), generator=generator, dtype=torch.int16).to(torch.int8)
-    d = (torch.rand(N, 1, generator=generator) * 1e-4 + 1e-5).half().float()
-    return pack_q6k(q, d * torch.randint(-128, 128, (N, K // 16), generator=generator).float(), dtype)
+    d = (torch.rand(N, K // 32, generator=generator) * 1e-4 + 1e-5).half().float()
+    sc = torch.randint(-128, 128, (N, K // 16), generator=generator, dtype=torch.int16).to(torch.int8)
+    return pack_q6k(q, d, sc, dtype)
 
 
 def from_q8_0(raw: np.ndarray, shape: tuple[int, int], dtype: torch.dtype) -> Q4Weight:

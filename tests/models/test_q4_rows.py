@@ -51,9 +51,9 @@ def q8_case(N: int, K: int, seed: int):
 def q6_case(N: int, K: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     q = torch.randint(-32, 32, (N, K), generator=g, dtype=torch.int16).to(torch.int8)
-    d = (torch.rand(N, 1, generator=g) * 1e-3 + 1e-5).half().float()
-    s = d * torch.randint(-128, 128, (N, K // 16), generator=g).float()   # Q6_K's d * int8 scale: exact
-    return (q, s), (q, s, None)
+    d = (torch.rand(N, K // 32, generator=g) * 1e-3 + 1e-5).half().float()
+    sc = torch.randint(-128, 128, (N, K // 16), generator=g, dtype=torch.int16).to(torch.int8)
+    return (q, d, sc), (q, q4_rows.q6_scales(d, sc), None)
 
 
 def make(kind: str, N: int, K: int, dtype: torch.dtype, seed: int = 0):
@@ -62,8 +62,8 @@ def make(kind: str, N: int, K: int, dtype: torch.dtype, seed: int = 0):
         blocks, ref = q4_case(N, K, seed)
         return q4_rows.pack(blocks, dtype), ref
     if kind == "q6":
-        (q, sc), ref = q6_case(N, K, seed)
-        return q4_rows.pack_q6k(q, sc, dtype), ref
+        (q, d, sc), ref = q6_case(N, K, seed)
+        return q4_rows.pack_q6k(q, d, sc, dtype), ref
     (q, d), ref = q8_case(N, K, seed)
     return q4_rows.pack_q8(q, d, dtype), ref
 
@@ -185,7 +185,8 @@ def test_q6_k_bytes_load_into_tiles_as_gguf_dequantizes_them():
     N, K = 48, 512
     raw = random_q6_k(N, K, seed=9)
     dense = torch.from_numpy(quants.dequantize(raw, gguf.GGMLQuantizationType.Q6_K).reshape(N, K).copy())
-    q, s = q4_rows.q6_k_codes(raw, (N, K))
+    codes = q4_rows.q6_k_codes(raw, (N, K))
+    q, s = codes.q, q4_rows.q6_scales(codes.d, codes.sc)
     assert int(q.min()) == -32 and int(q.max()) == 31   # every code value drawn
     assert torch.equal((q.float().view(N, -1, 16) * s[..., None]).reshape(N, K), dense)
     w = q4_rows.from_q6_k(raw, (N, K), torch.bfloat16)
