@@ -38,17 +38,37 @@ struct LayerWeights {
 static_assert(sizeof(LayerWeights) == 14 * sizeof(void *) + 4 * sizeof(int64_t),
               "LayerWeights: 14 pointers and 4 int64, as its ctypes mirror");
 
-namespace {
-
-struct Step {   // one forward's shapes and metadata, shared by every layer
+extern "C" {
+// One forward's shapes, metadata and buffers, shared by every layer, by name (mirrored by
+// `hal.models.layer_loop.LoopCall`): T rows of width H; Hq, Hkv heads of D; F the MLP's width;
+// the caches' nblocks blocks of bs slots; R requests' block tables [R, nb] (row stride bts) with
+// E extra keys each at most; act_bf16 / cache_bf16: bfloat16 activations / caches; interleaved:
+// GGUF's RoPE pairs; q4: the weights are q4q8 tiles (q4_rows.c); rot [T, D/2] complex as pairs
+// (row stride rs); the per-row indices (`hal.models.invariant.KeyLists`); the plan's chunk
+// widths; each layer's weights (layers[i]) and caches (k_caches[i], v_caches[i], contiguous
+// [nblocks, bs, Hkv, D]); taps: increasing layer indices whose entering h is copied to tap_out
+// [ntaps, T, H] (the layer count: h after the last).
+struct LoopCall {
     int64_t T, H, Hq, Hkv, D, F, nblocks, bs, R, nb, bts, E;
-    int act_bf16, cache_bf16, interleaved, q4;   // q4: the weights are q4q8 tiles (q4_rows.c)
+    int64_t act_bf16, cache_bf16, interleaved, q4;
     float eps, scale;
     const float *rot;
     int64_t rs;
     const int64_t *slot_of, *bt, *req, *n_cache, *extra, *n_extra, *widths;
     int64_t nwidths;
+    const LayerWeights *layers;
+    void *const *k_caches, *const *v_caches;
+    const int64_t *taps;
+    int64_t ntaps;
+    float *tap_out;
 };
+}
+static_assert(sizeof(LoopCall) == 16 * sizeof(int64_t) + 2 * sizeof(float) + 16 * sizeof(void *),
+              "LoopCall: as its ctypes mirror (16 int64, 2 float, then 16 pointer-sized fields)");
+
+namespace {
+
+using Step = LoopCall;
 
 at::ScalarType act_type(const Step &s) { return s.act_bf16 ? at::kBFloat16 : at::kFloat; }
 
@@ -152,30 +172,22 @@ at::Tensor layer(float *h, const at::Tensor &d, const LayerWeights &lw, int64_t 
 
 extern "C" {
 
-// Layers [first, last): h [T, H] float32 (in place) gets d [T, H] (activations: the output of
-// layer first - 1; NULL: none, h is the embedding) added, then each layer; the last layer's
-// output is added too. Layer i's weights: layers[i] (`LayerWeights`); k_caches[i], v_caches[i]
-// contiguous [nblocks, bs, Hkv, D]. taps (increasing layer indices, ntaps of them): h entering
-// those layers copied to tap_out [ntaps, T, H] (the layer count: h after the last). ints: T H Hq
-// Hkv D F nblocks bs R nb bts E act_bf16 cache_bf16 interleaved q4; floats: eps scale. Returns 0,
-// or 1 with a message in err (errlen bytes).
-int64_t layer_loop(int64_t first, int64_t last, float *h, const void *d, const int64_t *ints, const float *floats,
-                   const float *rot, int64_t rs, const int64_t *slot_of, const int64_t *bt, const int64_t *req,
-                   const int64_t *n_cache, const int64_t *extra, const int64_t *n_extra, const int64_t *widths,
-                   int64_t nwidths, const LayerWeights *layers, void *const *k_caches, void *const *v_caches,
-                   const int64_t *taps, int64_t ntaps, float *tap_out, char *err, int64_t errlen) {
+// Layers [first, last) of the forward ``call`` describes: h [T, H] float32 (in place) gets d
+// [T, H] (activations: the output of layer first - 1; NULL: none, h is the embedding) added,
+// then each layer; the last layer's output is added too. Returns 0, or 1 with a message in err
+// (errlen bytes).
+int64_t layer_loop(int64_t first, int64_t last, float *h, const void *d, const LoopCall *call, char *err,
+                   int64_t errlen) {
     try {
-        Step s{ints[0], ints[1], ints[2], ints[3], ints[4], ints[5], ints[6], ints[7], ints[8], ints[9], ints[10],
-               ints[11], (int)ints[12], (int)ints[13], (int)ints[14], (int)ints[15], floats[0], floats[1], rot, rs, slot_of, bt,
-               req, n_cache, extra, n_extra, widths, nwidths};
+        const Step &s = *call;
         auto opts = at::TensorOptions().dtype(act_type(s));
         at::Tensor dd = d ? at::from_blob(const_cast<void *>(d), {s.T, s.H}, opts) : at::Tensor();
         for (int64_t i = first; i < last; i++)
-            dd = layer(h, dd, layers[i], i, s, k_caches, v_caches, taps, ntaps, tap_out);
-        add_norm(h, s.H, dd.defined() ? dd.data_ptr() : nullptr, s.H, s.act_bf16, nullptr, s.eps, nullptr, s.H,
-                 s.act_bf16, s.T, s.H);
-        for (int64_t j = 0; j < ntaps; j++)
-            if (taps[j] == last) memcpy(tap_out + j * s.T * s.H, h, sizeof(float) * s.T * s.H);
+            dd = layer(h, dd, s.layers[i], i, s, s.k_caches, s.v_caches, s.taps, s.ntaps, s.tap_out);
+        add_norm(h, s.H, dd.defined() ? dd.data_ptr() : nullptr, s.H, (int)s.act_bf16, nullptr, s.eps, nullptr, s.H,
+                 (int)s.act_bf16, s.T, s.H);
+        for (int64_t j = 0; j < s.ntaps; j++)
+            if (s.taps[j] == last) memcpy(s.tap_out + j * s.T * s.H, h, sizeof(float) * s.T * s.H);
         return 0;
     } catch (const std::exception &e) {
         std::strncpy(err, e.what(), errlen - 1);

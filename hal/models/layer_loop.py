@@ -29,7 +29,6 @@ from hal.models.invariant import KeyLists
 
 SOURCE = Path(__file__).with_name("layer_loop.cpp")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
-ARGS = [_I, _I, _P, _P, _P, _P, _P, _I, _P, _P, _P, _P, _P, _P, _P, _I, _P, _P, _P, _P, _I, _P, ctypes.c_char_p, _I]
 
 
 class LayerWeights(ctypes.Structure):
@@ -43,6 +42,22 @@ class LayerWeights(ctypes.Structure):
 
 
 assert ctypes.sizeof(LayerWeights) == 14 * ctypes.sizeof(_P) + 4 * ctypes.sizeof(_I)
+
+
+class LoopCall(ctypes.Structure):
+    """One forward's shapes, metadata and buffers by name (``LoopCall`` in layer_loop.cpp, which
+    asserts the same size and describes each field)."""
+
+    _fields_ = [*((n, _I) for n in ("T", "H", "Hq", "Hkv", "D", "F", "nblocks", "bs", "R", "nb", "bts", "E",
+                                    "act_bf16", "cache_bf16", "interleaved", "q4")),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("rot", _P), ("rs", _I),
+                *((n, _P) for n in ("slot_of", "bt", "req", "n_cache", "extra", "n_extra", "widths")),
+                ("nwidths", _I), ("layers", _P), ("k_caches", _P), ("v_caches", _P), ("taps", _P), ("ntaps", _I),
+                ("tap_out", _P)]
+
+
+assert ctypes.sizeof(LoopCall) == 16 * ctypes.sizeof(_I) + 2 * ctypes.sizeof(ctypes.c_float) + 16 * ctypes.sizeof(_P)
+ARGS = [_I, _I, _P, _P, ctypes.POINTER(LoopCall), ctypes.c_char_p, _I]   # first, last, h, d, the call, err, errlen
 
 
 def build(compiler: str | None = None) -> Path:
@@ -142,21 +157,24 @@ class LayerLoop:
             if c.shape != kc.shape or c.dtype != kc.dtype or not c.is_contiguous() or not c.is_cpu:
                 raise HalError(f"k_caches: expected contiguous host caches like {list(kc.shape)} {kc.dtype}",
                                arg="k_caches")
-        ints = (ctypes.c_int64 * 16)(T, H, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.ffn, nblocks, bs,
-                                     keys.block_tables.shape[0], keys.block_tables.shape[1],
-                                     keys.block_tables.stride(0), keys.extra.shape[1], int(self.act == torch.bfloat16),
-                                     int(kc.dtype == torch.bfloat16), int(cfg.rope_interleaved), int(self.q4))
-        floats = (ctypes.c_float * 2)(eps, scale)
         cs = torch.view_as_real(rot.contiguous())
         tap_layers = list(taps)
         tap_out = torch.empty(len(tap_layers), T, H)
+        kept = [(ctypes.c_int64 * len(widths))(*widths), _pointers(k_caches[:self.layers]),
+                _pointers(v_caches[:self.layers]), (ctypes.c_int64 * max(len(tap_layers), 1))(*tap_layers)]
+        bt = keys.block_tables
+        call = LoopCall(T=T, H=H, Hq=cfg.heads, Hkv=cfg.kv_heads, D=cfg.head_dim, F=cfg.ffn, nblocks=nblocks, bs=bs,
+                        R=bt.shape[0], nb=bt.shape[1], bts=bt.stride(0), E=keys.extra.shape[1],
+                        act_bf16=int(self.act == torch.bfloat16), cache_bf16=int(kc.dtype == torch.bfloat16),
+                        interleaved=int(cfg.rope_interleaved), q4=int(self.q4), eps=eps, scale=scale,
+                        rot=cs.data_ptr(), rs=cs.stride(0), slot_of=keys.slot_of.data_ptr(), bt=bt.data_ptr(),
+                        req=keys.req.data_ptr(), n_cache=keys.n_cache.data_ptr(), extra=keys.extra.data_ptr(),
+                        n_extra=keys.n_extra.data_ptr(), widths=ctypes.addressof(kept[0]), nwidths=len(widths),
+                        layers=ctypes.addressof(self.weights), k_caches=ctypes.addressof(kept[1]),
+                        v_caches=ctypes.addressof(kept[2]), taps=ctypes.addressof(kept[3]), ntaps=len(tap_layers),
+                        tap_out=tap_out.data_ptr())
         err = ctypes.create_string_buffer(512)
-        rc = self.lib.layer_loop(
-            0, self.layers, h.data_ptr(), None, ints, floats, cs.data_ptr(), cs.stride(0),
-            keys.slot_of.data_ptr(), keys.block_tables.data_ptr(), keys.req.data_ptr(), keys.n_cache.data_ptr(),
-            keys.extra.data_ptr(), keys.n_extra.data_ptr(), (ctypes.c_int64 * len(widths))(*widths), len(widths),
-            self.weights, _pointers(k_caches[:self.layers]), _pointers(v_caches[:self.layers]),
-            (ctypes.c_int64 * max(len(tap_layers), 1))(*tap_layers), len(tap_layers), tap_out.data_ptr(), err, 512)
+        rc = self.lib.layer_loop(0, self.layers, h.data_ptr(), None, ctypes.byref(call), err, 512)
         if rc:
             raise HalError(f"batch: expected a forward the layer loop can run, got: {err.value.decode()}", arg="batch")
         return list(tap_out.unbind(0))
