@@ -11,7 +11,10 @@ The families (``model_type``), as transformers defines them:
 * ``mistral``: a ``sliding_window``: contexts within it run (full attention is exactly the window
   there), a longer one is refused;
 * ``qwen2``: biases on q, k and v (not o); its sliding window only with ``use_sliding_window``;
-* ``qwen3``: ``attention_bias`` as Llama's, and per-head RMSNorm of q and k before RoPE.
+* ``qwen3``: ``attention_bias`` as Llama's, and per-head RMSNorm of q and k before RoPE;
+* ``phi3``: Llama's layer with q, k, v in one ``qkv_proj`` and gate and up in one ``gate_up_proj``
+  (split here into the runner's parts); a ``sliding_window`` as Mistral's; longrope scaling and a
+  partial rotary factor are refused.
 
 What transformers 5 writes (``rope_parameters``) and what earlier versions wrote (``rope_theta``,
 ``rope_scaling``) are both read. Every weight is checked against the config's shapes, and a
@@ -39,9 +42,9 @@ class Family:
 
 
 FAMILIES = {"llama": Family(None), "mistral": Family(False), "qwen2": Family(True, sliding="use_sliding_window"),
-            "qwen3": Family(None, qk_norm=True, sliding="use_sliding_window")}
+            "qwen3": Family(None, qk_norm=True, sliding="use_sliding_window"), "phi3": Family(False)}
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-                 "Qwen3ForCausalLM": "qwen3"}
+                 "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3"}
 ROPE_TYPES = ("default", "llama3")
 
 # HF tensor names in a layer -> the runner's (biases and q/k norms where the family has them)
@@ -51,6 +54,7 @@ LAYER_NAMES = {"input_layernorm.weight": "attn_norm", "post_attention_layernorm.
                "mlp.down_proj.weight": "wdown", "self_attn.q_proj.bias": "bq", "self_attn.k_proj.bias": "bk",
                "self_attn.v_proj.bias": "bv", "self_attn.o_proj.bias": "bo", "self_attn.q_norm.weight": "q_norm",
                "self_attn.k_norm.weight": "k_norm"}
+FUSED = {"self_attn.qkv_proj.weight": ("wq", "wk", "wv"), "mlp.gate_up_proj.weight": ("wgate", "wup")}   # Phi-3's
 IGNORED = ("rotary_emb.inv_freq",)   # buffers some checkpoints carry; recomputed
 
 
@@ -98,6 +102,9 @@ def read_hf_config(folder: str | Path) -> LlamaConfig:
     fam = FAMILIES[kind]
     if c.get("mlp_bias"):
         raise HalError(f"{where}: expected mlp_bias false (no family here has MLP biases), got true")
+    rotary = (c.get("rope_parameters") or {}).get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
+    if rotary not in (None, 1, 1.0):
+        raise HalError(f"{where}: expected partial_rotary_factor 1.0 (RoPE over the whole head), got {rotary}")
     try:
         heads, hidden = int(c["num_attention_heads"]), int(c["hidden_size"])
         theta, scaling = _rope(c, where)
@@ -175,6 +182,14 @@ def read_hf_weights(folder: str | Path, cfg: LlamaConfig) -> dict[str, torch.Ten
                 _, _, i, rest = name.split(".", 3)
                 ours = f"{i}.{LAYER_NAMES[rest]}" if rest in LAYER_NAMES else None
                 if rest in IGNORED:
+                    continue
+                if rest in FUSED and cfg.family == "phi3":   # split into the parts, each checked below
+                    parts = [f"{i}.{p}" for p in FUSED[rest]]
+                    rows = [want[p][0] for p in parts]
+                    if tuple(t.shape) != (sum(rows), cfg.hidden):
+                        raise HalError(f"{file}: expected {name} of shape {[sum(rows), cfg.hidden]} (config.json), "
+                                       f"got {list(t.shape)}")
+                    w.update(zip(parts, (x.float() for x in t.split(rows))))
                     continue
             else:
                 ours = None

@@ -52,7 +52,7 @@ def linear_int4(path: str | Path, cfg: LlamaConfig) -> list[bool]:
     path = Path(path)
     if path.is_dir():
         return [False] * (4 * cfg.layers + 1)
-    return _mask(_int4_tensors(open_gguf(path).tensors, cfg.layers), cfg.layers)
+    return _mask(_int4_tensors(model_file(path).tensors, cfg.layers), cfg.layers)
 
 
 def linear_q8(path: str | Path, cfg: LlamaConfig, kind: str = "Q8_0") -> list[bool]:
@@ -60,7 +60,7 @@ def linear_q8(path: str | Path, cfg: LlamaConfig, kind: str = "Q8_0") -> list[bo
     path = Path(path)
     if path.is_dir():
         return [False] * (4 * cfg.layers + 1)
-    return _mask(_int4_tensors(open_gguf(path).tensors, cfg.layers, (kind,)), cfg.layers)
+    return _mask(_int4_tensors(model_file(path).tensors, cfg.layers, (kind,)), cfg.layers)
 
 
 def _head(tensors):
@@ -72,7 +72,7 @@ def _head(tensors):
 def head_q8(path: str | Path, kind: str = "Q8_0") -> bool:
     """Whether ``path`` stores its lm_head as ``kind`` (Q8_0 or Q6_K) blocks (an HF folder: no)."""
     path = Path(path)
-    return not path.is_dir() and getattr(_head(open_gguf(path).tensors), "kind", None) == kind
+    return not path.is_dir() and getattr(_head(model_file(path).tensors), "kind", None) == kind
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,8 @@ class GGUFFamily:
 
 
 GGUF_FAMILIES = {"llama": GGUFFamily(True), "qwen2": GGUFFamily(False, qkv_bias=True),
-                 "qwen3": GGUFFamily(False, qk_norm=True)}
+                 "qwen3": GGUFFamily(False, qk_norm=True), "phi3": GGUFFamily(False)}
+FUSED_GGUF = {"attn_qkv": ("attn_q", "attn_k", "attn_v"), "ffn_up": ("ffn_gate", "ffn_up")}   # phi3's, by rows
 GGUF_PRE = tuple(PRE)   # the pre-tokenizers `hal.models.tokenizer.from_gguf_fields` builds as their tokenizer.json
 REQUIRED = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count")
 
@@ -107,6 +108,9 @@ def _gguf_config(r: GGUFFile) -> LlamaConfig:
         raise HalError(f"{r.path}: expected a llama GGUF without attention biases (not supported here), got "
                        f"blk.0.attn_q.bias", arg="model")
     head_dim = f(f"{arch}.attention.key_length") or hidden // heads
+    if f(f"{arch}.rope.dimension_count") not in (None, head_dim):   # Phi-4-mini's partial rotary, say
+        raise HalError(f"{r.path}: expected {arch}.rope.dimension_count {head_dim} (RoPE over the whole head), got "
+                       f"{f(f'{arch}.rope.dimension_count')}", arg="model")
     factors = None
     if "rope_freqs.weight" in names:   # llama3 RoPE scaling, as the converter precomputes it
         t = next(t for t in r.tensors if t.name == "rope_freqs.weight")
@@ -122,7 +126,34 @@ def _gguf_config(r: GGUFFile) -> LlamaConfig:
                        rope_interleaved=fam.interleaved, bos_id=f("tokenizer.ggml.bos_token_id"),
                        eos_id=f("tokenizer.ggml.eos_token_id"), max_context=f(f"{arch}.context_length"), family=arch,
                        qkv_bias=bias, o_bias="blk.0.attn_output.bias" in names, qk_norm=fam.qk_norm,
-                       rope_factors=factors, eos_ids=_gguf_stops(f))
+                       rope_factors=factors, eos_ids=_gguf_stops(f),
+                       sliding_window=f(f"{arch}.attention.sliding_window") or None)
+
+
+def model_file(path: str | Path) -> GGUFFile:
+    """``path`` as `open_gguf` reads it, with phi3's fused tensors (``attn_qkv``, ``ffn_up`` of
+    gate and up) seen as their parts: row ranges of the same bytes (a quantized row is whole
+    blocks), so each part loads, and runs as stored, as another family's does."""
+    from dataclasses import replace
+    r = open_gguf(path)
+    if r.field("general.architecture") != "phi3":
+        return r
+    cfg = _gguf_config(r)
+    nq, nk = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    rows = {"attn_qkv": (nq, nk, nk), "ffn_up": (cfg.ffn, cfg.ffn)}
+    out = []
+    for t in r.tensors:
+        p = t.name.split(".")
+        fused = len(p) == 4 and p[0] == "blk" and p[3] == "weight" and p[2] in rows and len(t.dims) == 2 \
+            and t.dims[1] == sum(rows[p[2]]) and t.nbytes % t.dims[1] == 0
+        if not fused:
+            out.append(t)
+            continue
+        per_row, at = t.nbytes // t.dims[1], t.offset
+        for part, n in zip(FUSED_GGUF[p[2]], rows[p[2]]):
+            out.append(replace(t, name=f"blk.{p[1]}.{part}.weight", dims=(t.dims[0], n), offset=at, nbytes=n * per_row))
+            at += n * per_row
+    return replace(r, tensors=out)
 
 
 def _gguf_stops(f) -> tuple[int, ...]:
@@ -198,7 +229,7 @@ def load_gguf(path: str | Path, backend, dtype: str = "float32", plan_refresh: b
     from gguf.quants import dequantize
 
     from hal.models.tokenizer import from_gguf_fields
-    r = open_gguf(path)
+    r = model_file(path)
     f = r.field
     cfg = _gguf_config(r)
     _check_gguf(r, cfg)

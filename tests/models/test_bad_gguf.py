@@ -82,7 +82,7 @@ CASES = {
     "no-merges": (lambda p: write(p / "m.gguf", merges=False), "expected tokenizer.ggml.merges"),
     "short-embedding": (lambda p: write(p / "s.gguf", embed_rows=len(TOKENS) - 5),
                         r"expected token_embd.weight of shape \[41, 32\] \(its metadata: 41 tokens\), got \[36, 32\]"),
-    "architecture": (lambda p: write(p / "a.gguf", arch="gemma3"), "expected a GGUF of architecture llama, qwen2, qwen3, got 'gemma3'"),
+    "architecture": (lambda p: write(p / "a.gguf", arch="gemma3"), "expected a GGUF of architecture llama, qwen2, qwen3, phi3, got 'gemma3'"),
     "pre-tokenizer": (lambda p: write(p / "p.gguf", pre="deepseek-llm"), "expected tokenizer.ggml.pre one of smollm"),
     "unknown-tensor": (lambda p: write(p / "u.gguf", extra={"blk.0.attn_sinks.weight": (HEADS,)}),
                        "expected only the tensors of a llama model, got blk.0.attn_sinks.weight"),

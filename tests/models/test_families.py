@@ -1,7 +1,8 @@
 """The families people serve, from HF folders as transformers writes them (issue 67), against
 transformers itself: small random-weight models of each family (`LlamaConfig` with transformers
 5's ``rope_parameters`` and with llama3 scaling, `Qwen2Config` with its q/k/v biases,
-`Qwen3Config` with its q/k norms, `MistralConfig` with a sliding window), saved with
+`Qwen3Config` with its q/k norms, `MistralConfig` with a sliding window, `Phi3Config` with its fused
+q/k/v and gate/up and a sliding window), saved with
 ``save_pretrained``, loaded by spec-hal. Float32 logits of a prefill, then one decode step, a
 multi-token verify and a ragged batch of both agree with transformers' forward over the same
 tokens within 2e-4 (absolute and relative; measured differences are about 1e-5); greedy
@@ -44,11 +45,12 @@ def family_configs():
         "qwen2": T.Qwen2Config(**SHAPE),
         "qwen3": T.Qwen3Config(**SHAPE, head_dim=16),
         "mistral-window": T.MistralConfig(**SHAPE, sliding_window=64),
+        "phi3-window": T.Phi3Config(**SHAPE, sliding_window=64, pad_token_id=0, bos_token_id=1, eos_token_id=2),
     }
 
 
 CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-           "mistral": "MistralForCausalLM"}
+           "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM"}
 
 
 @pytest.fixture(scope="module", params=list(family_configs()))
@@ -125,7 +127,8 @@ def test_the_config_fields_are_read(pair):
     cfg = model.cfg
     expected = {"llama-theta1e5": dict(rope_base=100000.0), "llama3-scaling": dict(rope_base=500000.0),
                 "llama-attention-bias": dict(qkv_bias=True, o_bias=True), "qwen2": dict(qkv_bias=True, o_bias=False),
-                "qwen3": dict(qk_norm=True, head_dim=16), "mistral-window": dict(sliding_window=64)}[name]
+                "qwen3": dict(qk_norm=True, head_dim=16), "mistral-window": dict(sliding_window=64),
+                "phi3-window": dict(sliding_window=64, family="phi3", qkv_bias=False)}[name]
     assert {k: getattr(cfg, k) for k in expected} == expected
     assert (cfg.rope_scaling or {}).get("rope_type") == ("llama3" if name == "llama3-scaling" else None)
 
@@ -165,13 +168,14 @@ def folder_with(tmp_path, mutate=None, config_patch=None):
 
 @pytest.mark.parametrize("how,match", [
     ("no-config", "config.json: expected a transformers config.json, got no such file"),
-    ("gemma", "expected model_type one of llama, mistral, qwen2, qwen3"),
+    ("gemma", "expected model_type one of llama, mistral, qwen2, qwen3, phi3"),
     ("shape", r"expected model.layers.0.self_attn.k_proj.bias of shape \[32\] \(config.json\), got \[31\]"),
     ("extra", "got model.layers.0.mlp.up_proj.bias"),
     ("no-bias", "got 1 missing"),
     ("no-head", "expected lm_head.weight"),
     ("yarn", "expected rope scaling of type default or llama3, got 'yarn'"),
     ("truncated", "expected a safetensors file, got one that does not load"),
+    ("partial-rotary", "expected partial_rotary_factor 1.0 .RoPE over the whole head., got 0.75"),
 ])
 def test_bad_folders_are_refused_naming_the_file(tmp_path, how, match):
     if how == "no-config":
@@ -190,6 +194,8 @@ def test_bad_folders_are_refused_naming_the_file(tmp_path, how, match):
     elif how == "yarn":
         folder = folder_with(tmp_path, config_patch={"rope_parameters": {"rope_type": "yarn", "factor": 4.0,
                                                                           "rope_theta": 1e4}})
+    elif how == "partial-rotary":   # Phi-4-mini's: RoPE over 3/4 of each head
+        folder = folder_with(tmp_path, config_patch={"partial_rotary_factor": 0.75})
     else:
         folder = folder_with(tmp_path)
         data = (folder / "model.safetensors").read_bytes()

@@ -122,3 +122,45 @@ def test_a_q8_0_file_runs_its_layers_as_stored(converted):
         pool = KVPool(model.be, 16, 16, cfg.kv_heads, cfg.head_dim, num_layers=cfg.layers, dtype=model.dtype)
         got.append(forward(model, pool, [pool.sequence()], [ids], True)[0].float())
     assert (got[0] - got[1]).abs().max() <= 0.02 * got[1].abs().max(), name
+
+
+@pytest.fixture(scope="module")
+def phi3(tmp_path_factory):
+    """A random-weight Phi-3 folder (its fused qkv_proj and gate_up_proj, a sliding window) with
+    a SentencePiece tokenizer.model (mistral-common's v1: Llama 2's kind, as Phi-3's), converted
+    by llama.cpp's converter, which keeps the fused tensors (attn_qkv, ffn_up of gate and up)."""
+    mistral_common = pytest.importorskip("mistral_common")
+    pytest.importorskip("sentencepiece")
+    from pathlib import Path
+    spm = Path(mistral_common.__file__).parent / "data" / "tokenizer.model.v1"
+    cfg = transformers.Phi3Config(**SHAPE, vocab_size=32000, sliding_window=64, pad_token_id=0, bos_token_id=1,
+                                  eos_token_id=2, max_position_embeddings=512, original_max_position_embeddings=512)
+    torch.manual_seed(0)
+    hf = transformers.Phi3ForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if "norm" in n:
+                p.add_(torch.randn_like(p) * 0.3)
+    folder = tmp_path_factory.mktemp("phi3")
+    hf.save_pretrained(folder)
+    (folder / "tokenizer.model").write_bytes(spm.read_bytes())
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
+    return hf, convert(folder, folder / "model-f32.gguf")
+
+
+def test_a_converted_phi3_file_gives_transformers_logits(phi3):
+    hf, gguf = phi3
+    names = {t.name for t in open_gguf(gguf).tensors}
+    assert "blk.0.attn_qkv.weight" in names and "blk.0.ffn_gate.weight" not in names   # fused, as llama.cpp keeps it
+    model, tok = load_gguf(gguf, hal.get_backend("cpu"), "float32")
+    assert model.cfg.family == "phi3" and model.cfg.sliding_window == 64 and not model.cfg.rope_interleaved
+    ids = [1, 9, 1001, 77, 5, 20000, 31, 31, 31, 4, 30000, 8, 123]
+    cfg = model.cfg
+    pool = KVPool(model.be, 16, 16, cfg.kv_heads, cfg.head_dim, num_layers=cfg.layers)
+    seq = pool.sequence()
+    prefill, _ = forward(model, pool, [seq], [ids[:9]], True)
+    seq.commit(9)
+    verify, _ = forward(model, pool, [seq], [ids[9:]], True)
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0].float()
+    torch.testing.assert_close(torch.cat([prefill, verify]), want, atol=TOL, rtol=TOL)
