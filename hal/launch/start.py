@@ -114,7 +114,7 @@ def _target_rank(config: LaunchConfig, me: Rank, phases: Phases) -> Target:
     from hal.metrics import SpecDecodeMetrics
     from hal.models.linear_plan import choose_plan, pin_head
     from hal.models.llama import linear_shapes
-    from hal.models.loaders import head_q8, linear_int4, linear_q8, read_config
+    from hal.models.loaders import head_q8, read_config, stored_masks
     spec, world = me.spec, me.world
     target_side = resolve_side(me.placement.target, "target")
     draft_side = resolve_side(me.placement.draft, "draft") if world == 1 else None
@@ -126,9 +126,8 @@ def _target_rank(config: LaunchConfig, me: Rank, phases: Phases) -> Target:
                        f"{config.model} was trained to, got {config.max_context}", arg="max_model_len")
     with phases("linear plan (measured once per machine, then cached)"):
         choice = choose_plan(linear_shapes(cfg), config.dtype, refresh=config.plan_refresh, device=target_side.device,
-                             progress=phases.bars, stored_int4=linear_int4(me.path, cfg),
-                             stored_q8=linear_q8(me.path, cfg), stored_q6=linear_q8(me.path, cfg, "Q6_K"),
-                             q8_head=head_q8(me.path), q6k_head=head_q8(me.path, "Q6_K"))
+                             progress=phases.bars, **stored_masks(me.path, cfg), q8_head=head_q8(me.path),
+                             q6k_head=head_q8(me.path, "Q6_K"))
         plan = pin_head(choice, config.lm_head)
     phases.say(f"linear plan: {plan.describe()} ({'cached' if choice.from_cache else 'now'}; "
                f"{choice.conditions()})")

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from hal.errors import HalError
-from hal.models import int4, plan_check, q4_rows
+from hal.models import int4, k_quants, plan_check, q4_rows
 
 
 LAYOUTS: dict[str, plan_check.Layout] = {
@@ -23,12 +23,13 @@ LAYOUTS: dict[str, plan_check.Layout] = {
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 WEIGHTS = ("float", "int4", "q4q8")     # how the weights stored as int4 blocks run (`LinearPlan.weights`)
 STORED = ("int4", "q4q8")                # the forms that run them as stored
-STORED_TYPES = (int4.Int4Weight, q4_rows.Q4Weight)   # a weight packed in one of those forms
+STORED_TYPES = (int4.Int4Weight, q4_rows.Q4Weight, k_quants.MixedWeight)   # a weight packed in one of those forms
 
 
 def form_of(w) -> str | None:
     """The `STORED` form a packed weight runs in (None: a float tensor)."""
-    return "q4q8" if isinstance(w, q4_rows.Q4Weight) else "int4" if isinstance(w, int4.Int4Weight) else None
+    return "q4q8" if isinstance(w, (q4_rows.Q4Weight, k_quants.MixedWeight)) else \
+        "int4" if isinstance(w, int4.Int4Weight) else None
 HEADS = ("float", "q8_0", "q6_k")        # how an lm_head stored as Q8_0 / Q6_K runs (`LinearPlan.head`)
 
 
@@ -57,7 +58,7 @@ class LinearPlan:
         casts its weights to ``self.dtype`` once; an `hal.models.int4.Int4Weight` multiplies
         rows of its activation dtype; a `hal.models.q4_rows.Q4Weight` all rows in one call),
         returned as ``out_dtype`` (``w.dtype``: the product as computed, with no conversion)."""
-        if isinstance(w, q4_rows.Q4Weight):
+        if isinstance(w, (q4_rows.Q4Weight, k_quants.MixedWeight)):
             got = plan_check.int4_mm(x, w)
             return got if got.dtype == out_dtype else got.to(out_dtype)
         fn = plan_check.int4_mm if isinstance(w, int4.Int4Weight) else self.fn or LAYOUTS[self.layout]

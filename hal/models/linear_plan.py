@@ -151,14 +151,14 @@ def choose_plan(shapes: list[tuple[int, int]], dtype: str = "auto", *, weights: 
                 reps: int = 3, cache: bool = True, device: torch.device | str | None = None,
                 progress: bool = False, stored_int4: list[bool] | None = None, q8_head: bool = False,
                 form: str | None = None, stored_q8: list[bool] | None = None, stored_q6: list[bool] | None = None,
-                q6k_head: bool = False) -> Choice:
+                q6k_head: bool = False, stored_q4k: list[bool] | None = None) -> Choice:
     """The fastest usable `LinearPlan` for a model whose linear weights have ``shapes`` ([N, K]
     each, in forward order) on this machine; see the module docstring. ``weights``: those
     weights to time with (default: random ones of the shapes, made only when measuring).
     ``layouts``: the candidates (default `LAYOUTS`; tests plant others). ``stored_int4``: which of
     ``shapes`` the file stores as int4 blocks (Q4_0/Q4_1): ``auto`` then also measures them
-    run as stored, and ``stored`` measures only that; ``stored_q8``, ``stored_q6``: as Q8_0 or
-    Q6_K blocks (q4q8 runs them as its Q8 or Q6 tiles). `HalError` when no candidate of the requested dtype is usable.
+    run as stored, and ``stored`` measures only that; ``stored_q8``, ``stored_q6``, ``stored_q4k``:
+    as Q8_0, Q6_K, or Q4_K (and Q6_K) blocks (q4q8 runs them as its Q8, Q6 or Q4K tiles). `HalError` when no candidate of the requested dtype is usable.
     ``progress``: a bar (tqdm, stderr) while measuring.
     ``q8_head``: the last of ``shapes`` is an lm_head the file stores as Q8_0 blocks; an int4
     plan then also chooses its form (`LinearPlan.head`, `_choose_head`). ``form``: the stored
@@ -172,13 +172,15 @@ def choose_plan(shapes: list[tuple[int, int]], dtype: str = "auto", *, weights: 
         raise HalError(f"form: expected None or one of {', '.join(STORED)}, got {form!r}", arg="form")
     # only auto and stored run int4 candidates: a float plan's key (and choice) ignores the storage
     tiles = q4_rows.available()
-    int4_shapes, q8_shapes, q6_shapes = (frozenset(s for s, q in zip(shapes, stored or []) if q and int4.fits(*s))
-                                         if dev.type == "cpu" and dtype in ("auto", "stored") else frozenset()
-                                         for stored in (stored_int4, stored_q8 if tiles else None,
-                                                        stored_q6 if tiles else None))
+    int4_shapes, q8_shapes, q6_shapes, q4k_shapes = (
+        frozenset(s for s, q in zip(shapes, stored or []) if q and int4.fits(*s))
+        if dev.type == "cpu" and dtype in ("auto", "stored") else frozenset()
+        for stored in (stored_int4, *((stored_q8, stored_q6, stored_q4k) if tiles else (None,) * 3)))
     q8_shapes -= int4_shapes   # one form a shape
     q6_shapes -= int4_shapes | q8_shapes
-    int4_shapes = plan_check.StoredShapes(int4_shapes | q8_shapes | q6_shapes, q8_shapes, q6_shapes)
+    q4k_shapes -= int4_shapes | q8_shapes | q6_shapes
+    int4_shapes = plan_check.StoredShapes(int4_shapes | q8_shapes | q6_shapes | q4k_shapes, q8_shapes, q6_shapes,
+                                          q4k_shapes)
     if dtype == "stored" and not int4_shapes:
         raise HalError(f"dtype: expected a model with weights stored as Q4_0/Q4_1/Q8_0/Q6_K blocks for 'stored' on "
                        f"a CPU, got {'none' if dev.type == 'cpu' else 'device ' + dev.type}", arg="dtype")
@@ -186,9 +188,8 @@ def choose_plan(shapes: list[tuple[int, int]], dtype: str = "auto", *, weights: 
         if int4_shapes and int4.fits(*shapes[-1]) else None
     families = [f"{str(dt).removeprefix('torch.')} {kind}" for dt, kind in _kinds(dtype, _flags(signature, dev),
                                                                                    int4_shapes, form)]
-    families += [f"{head} head"] * bool(head) + [f"{t} {n}x{k}" for t, part in (("q8_0", q8_shapes),
-                                                                               ("q6_k", q6_shapes))
-                                                 for n, k in sorted(part)]
+    families += [f"{head} head"] * bool(head) + [f"{t} {n}x{k}" for t, part in (
+        ("q8_0", q8_shapes), ("q6_k", q6_shapes), ("q4_k", q4k_shapes)) for n, k in sorted(part)]
     path = plan_cache.path(signature, shapes, dtype, layouts, int4_shapes, families) \
         if cache and layouts is LAYOUTS else None
     cached = None if path is None or refresh else _cached(path, signature, dtype)

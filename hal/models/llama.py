@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from hal.errors import HalError
-from hal.models import int4, invariant, layer_loop, q4_rows, row_kernels
+from hal.models import int4, invariant, k_quants, layer_loop, q4_rows, row_kernels
 from hal.models.families import qkv_extras, within_window
 from hal.models.linear_layout import DTYPES, STORED_TYPES, LinearPlan, chunks, form_of
 from hal.models.linear_plan import choose_plan
@@ -362,8 +362,8 @@ def _fuse(w: dict, layers: int, dtype: torch.dtype | None = None, form: str = "i
         if isinstance(parts[0], int4.Int4Blocks):
             blocks = int4.cat(parts)
             return q4_rows.pack(blocks, dtype) if form == "q4q8" else blocks.pack(dtype)
-        if isinstance(parts[0], (q4_rows.Q8Blocks, q4_rows.Q6Codes)):   # Q8_0 / Q6_K as stored: q4q8's tiles
-            return type(parts[0]).cat(parts).pack(dtype)
+        if isinstance(parts[0], k_quants.CODES):   # Q8_0 and K-quants as stored: q4q8's Q8 / Q4K / Q6 tiles
+            return k_quants.pack_parts(parts, dtype)
         return torch.cat(parts).contiguous() if len(parts) > 1 else parts[0].contiguous()
 
     for i in range(layers):

@@ -1,8 +1,8 @@
 """Loading a Llama: from a GGUF file (weights stored as Q4_0/Q4_1 blocks kept as int4 where
 the plan runs them so, layers' and an lm_head's Q8_0 blocks kept so where the plan runs them
 so, the rest dequantized with ``gguf``) or an HF folder (config.json + safetensors); the config
-alone (`read_config`), which linears a file stores as int4 or Q8_0 (`linear_int4`,
-`linear_q8`), and whether its lm_head is Q8_0 (`head_q8`)."""
+alone (`read_config`), which linears a file stores in each form that runs as stored
+(`stored_masks`), and whether its lm_head is Q8_0 or Q6_K (`head_q8`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from hal.errors import HalError
-from hal.models import int4, q4_rows
+from hal.models import int4, k_quants, q4_rows
 from hal.models.gguf_file import GGUFFile, open_gguf
 from hal.models.hf import read_hf_config, read_hf_weights
 from hal.models.tokenizer import PRE
@@ -55,12 +55,20 @@ def linear_int4(path: str | Path, cfg: LlamaConfig) -> list[bool]:
     return _mask(_int4_tensors(model_file(path).tensors, cfg.layers), cfg.layers)
 
 
-def linear_q8(path: str | Path, cfg: LlamaConfig, kind: str = "Q8_0") -> list[bool]:
-    """Which of `linear_shapes` ``path`` stores as ``kind`` (Q8_0 or Q6_K) blocks (an HF folder: none)."""
+def _stored(tensors, layers: int) -> dict[str, set[str]]:
+    """The file's tensors that can run as stored, by the plan's argument that names their form
+    (a Q4_K fused linear may have Q6_K parts: a Q4_K_M file's attn_v)."""
+    q6 = _int4_tensors(tensors, layers, ("Q6_K",))
+    return {"stored_int4": _int4_tensors(tensors, layers), "stored_q8": _int4_tensors(tensors, layers, ("Q8_0",)),
+            "stored_q6": q6, "stored_q4k": _int4_tensors(tensors, layers, ("Q4_K", "Q6_K")) - q6}
+
+
+def stored_masks(path: str | Path, cfg: LlamaConfig) -> dict[str, list[bool]]:
+    """Which of `linear_shapes` ``path`` stores in each form `choose_plan` takes (an HF folder: none)."""
     path = Path(path)
     if path.is_dir():
-        return [False] * (4 * cfg.layers + 1)
-    return _mask(_int4_tensors(model_file(path).tensors, cfg.layers, (kind,)), cfg.layers)
+        return {}
+    return {k: _mask(v, cfg.layers) for k, v in _stored(model_file(path).tensors, cfg.layers).items()}
 
 
 def _head(tensors):
@@ -240,16 +248,15 @@ def load_gguf(path: str | Path, backend, dtype: str = "float32", plan_refresh: b
     except Exception as e:   # the tokenizers library raises plain Exception for a vocabulary it refuses
         raise HalError(f"{path}: expected a BPE vocabulary and merges tokenizers accepts, got one it refuses ({e})",
                        arg="model") from None
-    stored = _int4_tensors(r.tensors, cfg.layers)
-    stored_q8, stored_q6 = (_int4_tensors(r.tensors, cfg.layers, (kind,)) for kind in ("Q8_0", "Q6_K"))
+    sets = _stored(r.tensors, cfg.layers)
+    stored, stored_q8, kq = sets["stored_int4"], sets["stored_q8"], sets["stored_q6"] | sets["stored_q4k"]
     head = _head(r.tensors)
     head_kind = getattr(head, "kind", None)
     choice = None
     if plan is None:
-        choice = choose_plan(linear_shapes(cfg), dtype, refresh=plan_refresh, stored_int4=_mask(stored, cfg.layers),
-                             stored_q8=_mask(stored_q8, cfg.layers), stored_q6=_mask(stored_q6, cfg.layers),
-                             device=torch.device(backend.device_type), q8_head=head_kind == "Q8_0",
-                             q6k_head=head_kind == "Q6_K")
+        choice = choose_plan(linear_shapes(cfg), dtype, refresh=plan_refresh, device=torch.device(backend.device_type),
+                             q8_head=head_kind == "Q8_0", q6k_head=head_kind == "Q6_K",
+                             **{k: _mask(v, cfg.layers) for k, v in sets.items()})
         plan = pin_head(choice, lm_head)
     if plan.head != "float" and head_kind != plan.head.upper():   # refused before anything is read
         raise HalError(f"plan: expected a file whose lm_head is {plan.head.upper()} for {plan.describe()}, got {head_kind}",
@@ -261,8 +268,8 @@ def load_gguf(path: str | Path, backend, dtype: str = "float32", plan_refresh: b
             arr = int4.from_blocks(data, t.kind, tuple(shape))
         elif plan.weights == "q4q8" and t.name in stored_q8:   # Q8 tiles once fused (`_fuse`)
             arr = q4_rows.q8_0_blocks(data, tuple(shape))
-        elif plan.weights == "q4q8" and t.name in stored_q6:   # Q6 tiles once fused
-            arr = q4_rows.q6_k_codes(data, tuple(shape))
+        elif plan.weights == "q4q8" and t.name in kq:   # Q6 / Q4K tiles once fused
+            arr = (k_quants.q6_k_codes if t.kind == "Q6_K" else k_quants.q4_k_codes)(data, tuple(shape))
         else:
             try:
                 arr = torch.from_numpy(dequantize(data, GGMLQuantizationType[t.kind]).reshape(shape).copy()).float()
@@ -277,7 +284,7 @@ def load_gguf(path: str | Path, backend, dtype: str = "float32", plan_refresh: b
             w[{"token_embd": "embed", "output_norm": "norm", "output": "head"}[parts[0]]] = arr
     fused = _fuse(w, cfg.layers, plan.dtype, plan.weights)
     if plan.head == "q6_k":
-        fused["head_stored"] = q4_rows.from_q6_k(r.data(head), tuple(head.shape), plan.dtype)
+        fused["head_stored"] = k_quants.from_q6_k(r.data(head), tuple(head.shape), plan.dtype)
     elif plan.head == "q8_0" and plan.weights == "q4q8":
         fused["head_stored"] = q4_rows.from_q8_0(r.data(head), tuple(head.shape), plan.dtype)
     elif plan.head == "q8_0":

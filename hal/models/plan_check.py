@@ -35,6 +35,11 @@ def q6_tiles(N: int, K: int, g: torch.Generator, dtype: torch.dtype) -> q4_rows.
     return q4_rows.random_q6k(N, K, g, dtype)
 
 
+def q4k_tiles(N: int, K: int, g: torch.Generator, dtype: torch.dtype) -> q4_rows.Q4Weight:
+    """A random Q4_K weight in the q4q8 kernel's Q4K tiles (a Q4_K_M file's mixed linears are timed so)."""
+    return q4_rows.random_q4k(N, K, g, dtype)
+
+
 STORED_FORMS: dict[str, Stored] = {"int4": int4pack, "q4q8": q4q8}   # a plan's weights form -> its check's weights
 
 
@@ -42,21 +47,22 @@ class StoredShapes(frozenset):
     """The weight shapes a file stores in blocks that run as stored; ``q8``, ``q6``: those stored
     as Q8_0 or Q6_K (the q4q8 kernel's Q8 or Q6 tiles; an int4pack plan runs them as floats)."""
 
-    def __new__(cls, shapes=(), q8=frozenset(), q6=frozenset()):
+    def __new__(cls, shapes=(), q8=frozenset(), q6=frozenset(), q4k=frozenset()):
         self = super().__new__(cls, shapes)
-        self.q8, self.q6 = frozenset(q8), frozenset(q6)
+        self.q8, self.q6, self.q4k = frozenset(q8), frozenset(q6), frozenset(q4k)
         return self
 
     def of(self, kind: str) -> frozenset:
         """The shapes ``kind``'s candidates run as stored."""
-        return frozenset(self) if kind == "q4q8" else frozenset(self - self.q8 - self.q6 if kind in STORED_FORMS else ())
+        return frozenset(self) if kind == "q4q8" else \
+            frozenset(self - self.q8 - self.q6 - self.q4k if kind in STORED_FORMS else ())
 
     def stored(self, kind: str) -> Stored:
         """A random weight of a shape in ``kind``'s stored form (its self-check and timing)."""
-        if kind != "q4q8" or not (self.q8 or self.q6):
+        if kind != "q4q8" or not (self.q8 or self.q6 or self.q4k):
             return STORED_FORMS.get(kind, int4pack)
-        return lambda N, K, g, dt: (q8_tiles if (N, K) in self.q8 else q6_tiles if (N, K) in self.q6 else q4q8)(
-            N, K, g, dt)
+        return lambda N, K, g, dt: (q8_tiles if (N, K) in self.q8 else q6_tiles if (N, K) in self.q6 else
+                                    q4k_tiles if (N, K) in self.q4k else q4q8)(N, K, g, dt)
 
 
 def as_stored(shapes) -> StoredShapes:

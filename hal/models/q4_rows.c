@@ -13,6 +13,9 @@
  *   16 fp16 each. So one 64-byte load feeds 16 lanes of 4-byte integer dot products.
  * - **Q8 tile** (Q8_0: w = d*q, q in -128..127): per (tile, group), 512 bytes of codes in 8
  *   steps of 64: byte 4*lane + j of step s holds q + 128 for k = 32g + 4s + j; then 16 fp16 d.
+ * - **Q4K tile** (Q4_K: w = d*scale*q - dmin*min per 32 weights, 6-bit scale and min, fp16 d
+ *   and dmin): a Q4 tile whose fp16 d and m hold d and -dmin, then 16 u8 scales and 16 u8 mins;
+ *   its d and m are formed as d*scale and (-dmin)*min (exact float32 products), then as Q4.
  * - **Q6 tile** (Q6_K: w = s*q, q = the 6-bit code c - 32, s = d*scale per 16 weights with fp16
  *   d and int8 scale, so s is a float32 value exactly): per (tile, group), 4 nibble blocks of 64
  *   bytes (block p: c's low 4 bits of steps 2p and, high nibble, 2p + 1, in the Q8 tile's byte
@@ -42,9 +45,10 @@
 #define Q4_AVX2 1
 #endif
 
-enum { Q4_KIND = 0, Q8_KIND = 1, Q6_KIND = 2 };   /* a packed weight's tiles */
+enum { Q4_KIND = 0, Q8_KIND = 1, Q6_KIND = 2, Q4K_KIND = 3 };   /* a packed weight's tiles */
 #define Q4_TILE_BYTES 320   /* per (tile, group): 256 bytes of codes, 16 fp16 d, 16 fp16 m */
 #define Q8_TILE_BYTES 544   /* per (tile, group): 512 bytes of codes + 128, 16 fp16 d */
+#define Q4K_TILE_BYTES 352  /* per (tile, group): a Q4 tile whose d, m are Q4_K's d and -dmin, then 16 u8 scales, 16 u8 mins */
 #define Q6_TILE_BYTES 448   /* per (tile, group): 256 + 128 bytes of 6-bit codes, 16 fp16 d, 2 x 16 int8 scales */
 /* rows multiplied together per pass over a tile's weights: what the ISA's vector registers hold
  * (per row: an output and two accumulators; AVX-512 has 32 registers, AVX2 16) */
@@ -117,14 +121,14 @@ void q4_quantize_rows(const void *x, int is_bf16, int64_t T, int64_t K, int64_t 
 /* One tile's 16 outputs for R rows (R a constant in each expansion, so the accumulators stay
  * in registers): y[r][lane] over every group g in order (see the header for the steps). */
 #if defined(Q4_AVX512)
-#define Q4_TILE(R)                                                                                     \
-    static void q4_tile_##R(const uint8_t *wt, int64_t G, const int8_t *xq, int64_t K, const float *sx, \
+#define Q4_TILE_OF(NAME, R, BYTES, KQ)                                                                 \
+    static void NAME##_##R(const uint8_t *wt, int64_t G, const int8_t *xq, int64_t K, const float *sx,  \
                             const float *xs, float *y, int64_t y_row) {                                \
         const __m512i mask = _mm512_set1_epi8(0x0f);                                                   \
         __m512 out[R];                                                                                 \
         for (int r = 0; r < R; r++) out[r] = _mm512_setzero_ps();                                      \
         for (int64_t g = 0; g < G; g++) {                                                              \
-            const uint8_t *blk = wt + g * Q4_TILE_BYTES;                                               \
+            const uint8_t *blk = wt + g * BYTES;                                               \
             __m512i acc[R], acc2[R];   /* per row: the hi codes' chain, the lo codes' chain */        \
             for (int r = 0; r < R; r++) acc[r] = acc2[r] = _mm512_setzero_si512();                     \
             for (int s = 0; s < 4; s++) {                                                              \
@@ -142,6 +146,12 @@ void q4_quantize_rows(const void *x, int is_bf16, int64_t T, int64_t K, int64_t 
                 acc[r] = _mm512_add_epi32(_mm512_slli_epi32(acc[r], 7), acc2[r]);   /* 128 hi + lo */  \
             __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 256)));              \
             __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 288)));              \
+            if (KQ) {   /* Q4_K: d*scale and -dmin*min, exact float32 products */                      \
+                d = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(                          \
+                    _mm_loadu_si128((const __m128i *)(blk + 320)))));                                  \
+                m = _mm512_mul_ps(m, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(                          \
+                    _mm_loadu_si128((const __m128i *)(blk + 336)))));                                  \
+            }                                                                                          \
             for (int r = 0; r < R; r++) {                                                              \
                 __m512 t = _mm512_mul_ps(_mm512_set1_ps(sx[r * G + g]), _mm512_cvtepi32_ps(acc[r]));   \
                 __m512 u = _mm512_mul_ps(d, t), w = _mm512_mul_ps(m, _mm512_set1_ps(xs[r * G + g]));   \
@@ -151,15 +161,15 @@ void q4_quantize_rows(const void *x, int is_bf16, int64_t T, int64_t K, int64_t 
         for (int r = 0; r < R; r++) _mm512_storeu_ps(y + r * y_row, out[r]);                          \
     }
 #elif defined(Q4_AVX2)
-#define Q4_TILE(R)                                                                                     \
-    static void q4_tile_##R(const uint8_t *wt, int64_t G, const int8_t *xq, int64_t K, const float *sx, \
+#define Q4_TILE_OF(NAME, R, BYTES, KQ)                                                                 \
+    static void NAME##_##R(const uint8_t *wt, int64_t G, const int8_t *xq, int64_t K, const float *sx,  \
                             const float *xs, float *y, int64_t y_row) {                                \
         const __m256i mask = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);                      \
         for (int half = 0; half < 2; half++) {                                                         \
             __m256 out[R];                                                                             \
             for (int r = 0; r < R; r++) out[r] = _mm256_setzero_ps();                                  \
             for (int64_t g = 0; g < G; g++) {                                                          \
-                const uint8_t *blk = wt + g * Q4_TILE_BYTES;                                           \
+                const uint8_t *blk = wt + g * BYTES;                                           \
                 __m256i acc[R], acc2[R];                                                               \
                 for (int r = 0; r < R; r++) acc[r] = acc2[r] = _mm256_setzero_si256();                 \
                 for (int s = 0; s < 4; s++) {                                                          \
@@ -179,6 +189,12 @@ void q4_quantize_rows(const void *x, int is_bf16, int64_t T, int64_t K, int64_t 
                 for (int r = 0; r < R; r++) acc[r] = _mm256_add_epi32(_mm256_slli_epi32(acc[r], 7), acc2[r]); \
                 __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 256 + 16 * half))); \
                 __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 288 + 16 * half))); \
+                if (KQ) {                                                                              \
+                    d = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(                      \
+                        _mm_loadl_epi64((const __m128i *)(blk + 320 + 8 * half)))));                   \
+                    m = _mm256_mul_ps(m, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(                      \
+                        _mm_loadl_epi64((const __m128i *)(blk + 336 + 8 * half)))));                   \
+                }                                                                                      \
                 for (int r = 0; r < R; r++) {                                                          \
                     __m256 t = _mm256_mul_ps(_mm256_set1_ps(sx[r * G + g]), _mm256_cvtepi32_ps(acc[r])); \
                     __m256 u = _mm256_mul_ps(d, t), w = _mm256_mul_ps(m, _mm256_set1_ps(xs[r * G + g])); \
@@ -189,14 +205,14 @@ void q4_quantize_rows(const void *x, int is_bf16, int64_t T, int64_t K, int64_t 
         }                                                                                              \
     }
 #else
-#define Q4_TILE(R)                                                                                     \
-    static void q4_tile_##R(const uint8_t *wt, int64_t G, const int8_t *xq, int64_t K, const float *sx, \
+#define Q4_TILE_OF(NAME, R, BYTES, KQ)                                                                 \
+    static void NAME##_##R(const uint8_t *wt, int64_t G, const int8_t *xq, int64_t K, const float *sx,  \
                             const float *xs, float *y, int64_t y_row) {                                \
         for (int r = 0; r < R; r++)                                                                    \
             for (int lane = 0; lane < 16; lane++) {                                                    \
                 float out = 0.f;                                                                       \
                 for (int64_t g = 0; g < G; g++) {                                                      \
-                    const uint8_t *blk = wt + g * Q4_TILE_BYTES;                                       \
+                    const uint8_t *blk = wt + g * BYTES;                                       \
                     const int8_t *x = xq + r * 2 * K + 32 * g, *xl = x + K;                            \
                     int32_t acc = 0;                                                                   \
                     for (int s = 0; s < 4; s++)                                                        \
@@ -209,7 +225,12 @@ void q4_quantize_rows(const void *x, int is_bf16, int64_t T, int64_t K, int64_t 
                     memcpy(&dh, blk + 256 + 2 * lane, 2);                                              \
                     memcpy(&mh, blk + 288 + 2 * lane, 2);                                              \
                     float t = sx[r * G + g] * (float)acc;                                              \
-                    float u = q4_half(dh) * t, w = q4_half(mh) * xs[r * G + g];                        \
+                    float dd = q4_half(dh), mm = q4_half(mh);                                          \
+                    if (KQ) {                                                                          \
+                        dd = dd * (float)blk[320 + lane];                                              \
+                        mm = mm * (float)blk[336 + lane];                                              \
+                    }                                                                                  \
+                    float u = dd * t, w = mm * xs[r * G + g];                                          \
                     out = (out + u) + w;                                                               \
                 }                                                                                      \
                 y[r * y_row + lane] = out;                                                             \
@@ -423,6 +444,8 @@ void q4_quantize_rows(const void *x, int is_bf16, int64_t T, int64_t K, int64_t 
             }                                                                                          \
     }
 #endif
+#define Q4_TILE(R) Q4_TILE_OF(q4_tile, R, Q4_TILE_BYTES, 0)
+#define Q4K_TILE(R) Q4_TILE_OF(q4k_tile, R, Q4K_TILE_BYTES, 1)
 Q4_TILE(1)
 Q4_TILE(2)
 Q4_TILE(3)
@@ -431,6 +454,14 @@ Q4_TILE(5)
 Q4_TILE(6)
 Q4_TILE(7)
 Q4_TILE(8)
+Q4K_TILE(1)
+Q4K_TILE(2)
+Q4K_TILE(3)
+Q4K_TILE(4)
+Q4K_TILE(5)
+Q4K_TILE(6)
+Q4K_TILE(7)
+Q4K_TILE(8)
 Q8_TILE(1)
 Q8_TILE(2)
 Q8_TILE(3)
@@ -456,6 +487,8 @@ static const q4_tile_fn q4_tiles[9] = {0, q4_tile_1, q4_tile_2, q4_tile_3, q4_ti
                                                  q4_tile_5, q4_tile_6, q4_tile_7, q4_tile_8};
 static const q8_tile_fn q8_tiles[9] = {0, q8_tile_1, q8_tile_2, q8_tile_3, q8_tile_4,
                                                  q8_tile_5, q8_tile_6, q8_tile_7, q8_tile_8};
+static const q4_tile_fn q4k_tiles[9] = {0, q4k_tile_1, q4k_tile_2, q4k_tile_3, q4k_tile_4,
+                                                  q4k_tile_5, q4k_tile_6, q4k_tile_7, q4k_tile_8};
 static const q8_tile_fn q6_tiles[9] = {0, q6_tile_1, q6_tile_2, q6_tile_3, q6_tile_4,
                                                  q6_tile_5, q6_tile_6, q6_tile_7, q6_tile_8};
 
@@ -475,7 +508,8 @@ void q4_half_sums(const int8_t *xq, int64_t T, int64_t K, int32_t *qsum16) {
 void q4_mm_tiles(const uint8_t *w, int kind, int64_t K, const int8_t *xq, const float *sx, const float *xs,
                  const int32_t *qsum, const int32_t *qsum16, int64_t T, float *y, int64_t y_row, int64_t tile0,
                  int64_t tile1) {
-    int64_t G = K / 32, bytes = kind == Q8_KIND ? Q8_TILE_BYTES : kind == Q6_KIND ? Q6_TILE_BYTES : Q4_TILE_BYTES;
+    int64_t G = K / 32, bytes = kind == Q8_KIND ? Q8_TILE_BYTES : kind == Q6_KIND ? Q6_TILE_BYTES
+                                : kind == Q4K_KIND ? Q4K_TILE_BYTES : Q4_TILE_BYTES;
     for (int64_t t0 = 0, passes = (T + Q4_ROWS - 1) / Q4_ROWS; t0 < T; passes--) {
         int R = (int)((T - t0 + passes - 1) / passes);   /* rows split evenly: 9 = 5 + 4, not 8 + 1 */
         for (int64_t tile = tile0; tile < tile1; tile++) {
@@ -486,7 +520,8 @@ void q4_mm_tiles(const uint8_t *w, int kind, int64_t K, const int8_t *xq, const 
             else if (kind == Q6_KIND)
                 q6_tiles[R](wt, G, xq + t0 * 2 * K, K, sx + t0 * G, qsum16 + t0 * 2 * G, yt, y_row);
             else
-                q4_tiles[R](wt, G, xq + t0 * 2 * K, K, sx + t0 * G, xs + t0 * G, yt, y_row);
+                (kind == Q4K_KIND ? q4k_tiles : q4_tiles)[R](wt, G, xq + t0 * 2 * K, K, sx + t0 * G, xs + t0 * G, yt,
+                                                             y_row);
         }
         t0 += R;
     }

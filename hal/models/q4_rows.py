@@ -38,9 +38,8 @@ from hal.models import int4, native
 SOURCE = Path(__file__).with_name("q4_mm.cpp")
 KERNEL = Path(__file__).with_name("q4_rows.c")
 TILE = 16                    # outputs per tile
-Q4_BYTES, Q8_BYTES, Q6_BYTES = 320, 544, 448   # per (tile, group of 32 inputs)
-Q4_KIND, Q8_KIND, Q6_KIND = 0, 1, 2   # a packed weight's tiles, as q4_rows.c numbers them
-Q6K_BYTES = 210   # a GGUF Q6_K block of 256 weights: ql[128], qh[64], int8 scales[16], fp16 d
+Q4_BYTES, Q8_BYTES, Q6_BYTES, Q4K_BYTES = 320, 544, 448, 352   # per (tile, group of 32 inputs)
+Q4_KIND, Q8_KIND, Q6_KIND, Q4K_KIND = 0, 1, 2, 3   # a packed weight's tiles, as q4_rows.c numbers them
 ROWS = (torch.float32, torch.bfloat16)
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
@@ -56,14 +55,15 @@ class Q4Weight:
     q8: bool
     dtype: torch.dtype
     q6k: bool = False
+    q4k: bool = False
 
     @property
     def kind(self) -> int:
-        return Q6_KIND if self.q6k else Q8_KIND if self.q8 else Q4_KIND
+        return Q6_KIND if self.q6k else Q4K_KIND if self.q4k else Q8_KIND if self.q8 else Q4_KIND
 
     def __post_init__(self):
         N, K = self.shape
-        want = (N // TILE, K // int4.GROUP, (Q4_BYTES, Q8_BYTES, Q6_BYTES)[self.kind])
+        want = (N // TILE, K // int4.GROUP, (Q4_BYTES, Q8_BYTES, Q6_BYTES, Q4K_BYTES)[self.kind])
         if not int4.fits(N, K) or self.packed.dtype != torch.uint8 or tuple(self.packed.shape) != want \
                 or not self.packed.is_contiguous() or self.dtype not in ROWS:
             raise HalError(f"weight: expected contiguous uint8 tiles {list(want)} for [{N}, {K}] (N a multiple of "
@@ -202,55 +202,35 @@ def pack_q6k(q: Tensor, d: Tensor, sc: Tensor, dtype: torch.dtype) -> Q4Weight:
     return Q4Weight(packed, (N, K), False, dtype, q6k=True)
 
 
+def pack_q4k(codes: Tensor, d: Tensor, dmin: Tensor, sc: Tensor, mn: Tensor, dtype: torch.dtype) -> Q4Weight:
+    """Q4K tiles of Q4_K codes [N, K] (0..15) with, per 32 inputs [N, K/32], the super-block's
+    fp16 ``d`` and ``dmin`` and the sub-block's 6-bit ``sc`` and ``mn``: w = d·sc·q − dmin·mn."""
+    N, K = codes.shape
+    G, NT = K // int4.GROUP, N // TILE
+    if not int4.fits(N, K) or any(tuple(t.shape) != (N, G) for t in (d, dmin, sc, mn)) \
+            or not (torch.equal(d.half().float(), d.float()) and torch.equal(dmin.half().float(), dmin.float())):
+        raise HalError(f"weight: expected Q4_K codes [N, K] with fp16 d, dmin and scales, mins [N, K/32], got "
+                       f"{list(codes.shape)}, {list(d.shape)}", arg="weight")
+    c = codes.to(torch.uint8).view(NT, TILE, G, 4, 2, 4)   # as `pack`'s Q4 codes
+    packed = (c[..., 0, :] | (c[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(NT, G, 256)
+    dm = torch.stack([d.half().view(NT, TILE, G), (-dmin).half().view(NT, TILE, G)], 2)
+    dm = dm.permute(0, 3, 2, 1).contiguous().view(torch.uint8).reshape(NT, G, 64)
+    smn = torch.stack([sc.to(torch.uint8).view(NT, TILE, G), mn.to(torch.uint8).view(NT, TILE, G)], 2)
+    smn = smn.permute(0, 3, 2, 1).reshape(NT, G, 32)
+    return Q4Weight(torch.cat([packed, dm, smn], -1).contiguous(), (N, K), False, dtype, q4k=True)
+
+
+def random_q4k(N: int, K: int, generator: torch.Generator, dtype: torch.dtype) -> Q4Weight:
+    """Random Q4K tiles (a plan's self-check and timing)."""
+    G = K // int4.GROUP
+    d, dmin = ((torch.rand(N, G, generator=generator) * 1e-3 + 1e-5).half().float() for _ in range(2))
+    sc, mn = (torch.randint(0, 64, (N, G), generator=generator, dtype=torch.uint8) for _ in range(2))
+    return pack_q4k(torch.randint(0, 16, (N, K), generator=generator, dtype=torch.uint8), d, dmin, sc, mn, dtype)
+
+
 def q6_scales(d: Tensor, sc: Tensor) -> Tensor:
     """The scale per 16 inputs, d·sc [N, K/16] (an exact float32 product)."""
     return d.float().repeat_interleave(2, 1) * sc.float()
-
-
-@dataclass(frozen=True)
-class Q6Codes:
-    """A GGUF Q6_K tensor as stored, unpacked (`q6_k_codes`): ``w = s·q`` per 16 inputs (a layer's
-    part, kept so until its fused linear is packed: `cat`, then `pack_q6k`)."""
-
-    q: Tensor    # int8 [N, K] in -32..31
-    d: Tensor    # float32 [N, K/32], fp16 values (the super-block's d, per group)
-    sc: Tensor   # int8 [N, K/16]
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(self.q.shape)
-
-    @staticmethod
-    def cat(parts: list["Q6Codes"]) -> "Q6Codes":
-        return Q6Codes(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "d", "sc")))
-
-    def pack(self, dtype: torch.dtype) -> Q4Weight:
-        return pack_q6k(self.q, self.d, self.sc, dtype)
-
-
-def q6_k_codes(raw: np.ndarray, shape: tuple[int, int]) -> Q6Codes:
-    """A GGUF Q6_K tensor's bytes ``raw`` (logical ``shape`` [N, K], K a multiple of 256) as
-    `Q6Codes`: w = d·sc·q (`q6_scales`). ggml's
-    layout (ggml-quants.c, dequantize_row_q6_K): per 128 weights, 64 bytes of low nibbles and 32
-    of high bit pairs; weight l + 32i (i = 0..3) of the 128 takes the low nibble of byte l (i
-    even) or l + 32 (i odd), shifted right by 4 for i >= 2, and bits 2i..2i+1 of its pair byte."""
-    N, K = shape
-    if K % 256 or raw.size != N * K // 256 * Q6K_BYTES:
-        raise HalError(f"raw: expected {N * K // 256 * Q6K_BYTES} bytes for Q6_K [{N}, {K}], got {raw.size}",
-                       arg="raw")
-    b = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, Q6K_BYTES)
-    ql, qh = b[:, :128].reshape(-1, 2, 64).astype(np.int16), b[:, 128:192].reshape(-1, 2, 1, 32).astype(np.int16)
-    low = np.stack([ql[:, :, :32] & 15, ql[:, :, 32:] & 15, ql[:, :, :32] >> 4, ql[:, :, 32:] >> 4], 2)
-    high = (qh >> np.array([0, 2, 4, 6], dtype=np.int16).reshape(1, 1, 4, 1)) & 3
-    q = ((low | (high << 4)) - 32).astype(np.int8).reshape(N, K)
-    sc = torch.from_numpy(b[:, 192:208].copy().view(np.int8).reshape(N, K // 16))
-    d = torch.from_numpy(b[:, 208:210].copy().view(np.float16).astype(np.float32)).view(N, K // 256)
-    return Q6Codes(torch.from_numpy(q), d.repeat_interleave(8, 1), sc)
-
-
-def from_q6_k(raw: np.ndarray, shape: tuple[int, int], dtype: torch.dtype) -> Q4Weight:
-    """Q6 tiles of a GGUF Q6_K tensor's bytes ``raw`` (logical ``shape`` [N, K])."""
-    return q6_k_codes(raw, shape).pack(dtype)
 
 
 def random_q6k(N: int, K: int, generator: torch.Generator, dtype: torch.dtype) -> Q4Weight:

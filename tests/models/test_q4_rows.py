@@ -26,7 +26,7 @@ import torch
 from gguf import quants
 
 from hal.errors import HalError
-from hal.models import int4, plan_check, q4_rows
+from hal.models import int4, k_quants, plan_check, q4_rows
 from hal.models.linear_plan import choose_plan
 from hal.models.machine import cpu_flags
 from tests.models.compilers import plant_failing_compiler
@@ -56,8 +56,19 @@ def q6_case(N: int, K: int, seed: int):
     return (q, d, sc), (q, q4_rows.q6_scales(d, sc), None)
 
 
+def q4k_case(N: int, K: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (N, K), generator=g, dtype=torch.uint8)
+    d, dmin = ((torch.rand(N, K // 32, generator=g) * 1e-3 + 1e-5).half().float() for _ in range(2))
+    sc, mn = (torch.randint(0, 64, (N, K // 32), generator=g, dtype=torch.uint8) for _ in range(2))
+    return (q, d, dmin, sc, mn), (q, d * sc.float(), -dmin * mn.float())   # Q4_K's d*sc and -dmin*min: exact
+
+
 def make(kind: str, N: int, K: int, dtype: torch.dtype, seed: int = 0):
-    """(weight, reference args) of a random Q4, Q8 or Q6 weight."""
+    """(weight, reference args) of a random Q4, Q8, Q6 or Q4K weight."""
+    if kind == "q4k":
+        args, ref = q4k_case(N, K, seed)
+        return q4_rows.pack_q4k(*args, dtype), ref
     if kind == "q4":
         blocks, ref = q4_case(N, K, seed)
         return q4_rows.pack(blocks, dtype), ref
@@ -76,7 +87,7 @@ def rows(T: int, K: int, seed: int) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("kind", ["q4", "q8", "q6"])
+@pytest.mark.parametrize("kind", ["q4", "q8", "q6", "q4k"])
 @pytest.mark.parametrize("dtype", ROWS, ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("T,N,K", [(1, 48, 64), (3, 960, 576), (8, 32, 1536), (9, 64, 96), (17, 48, 576)])
 def test_products_are_the_reference_arithmetic_bit_for_bit(kind, dtype, T, N, K):
@@ -87,7 +98,7 @@ def test_products_are_the_reference_arithmetic_bit_for_bit(kind, dtype, T, N, K)
     assert torch.equal(got, q4_rows.reference_mm(x.to(dtype).float(), *ref))
 
 
-@pytest.mark.parametrize("kind", ["q4", "q8", "q6"])
+@pytest.mark.parametrize("kind", ["q4", "q8", "q6", "q4k"])
 def test_a_row_never_depends_on_its_batch_mates_order_or_threads(kind):
     w, _ = make(kind, 96, 576, torch.bfloat16, seed=1)
     x = rows(13, 576, seed=2)
@@ -112,7 +123,7 @@ def test_a_non_finite_input_makes_its_own_row_nan_only():
     assert got[0].isnan().all() and got[3].isnan().all() and got[1:3].isfinite().all()
 
 
-@pytest.mark.parametrize("kind", ["q4", "q8", "q6"])
+@pytest.mark.parametrize("kind", ["q4", "q8", "q6", "q4k"])
 def test_products_stay_within_the_row_quantization_bound(kind):
     N, K = 64, 576
     w, (codes, d, m) = make(kind, N, K, torch.float32, seed=4)
@@ -139,7 +150,7 @@ def test_other_code_paths_give_the_same_bits(monkeypatch, march):
     lib = ctypes.CDLL(str(q4_rows.build()))
     lib.q4_mm.argtypes, lib.q4_mm.restype = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] + \
         [ctypes.c_int64] * 3 + [ctypes.c_void_p], ctypes.c_int64
-    for kind in ("q4", "q8", "q6"):
+    for kind in ("q4", "q8", "q6", "q4k"):
         w, _ = make(kind, 96, 576, torch.bfloat16, seed=6)
         x = rows(11, 576, seed=7).bfloat16()
         y = torch.empty(11, 96)
@@ -174,7 +185,7 @@ def test_gguf_bytes_load_into_tiles_exactly(kind):
 def random_q6_k(N: int, K: int, seed: int) -> np.ndarray:
     """Random GGUF Q6_K blocks (every code and scale byte drawn, a finite fp16 d per block)."""
     rng = np.random.default_rng(seed)
-    b = rng.integers(0, 256, (N * K // 256, q4_rows.Q6K_BYTES), dtype=np.uint8)
+    b = rng.integers(0, 256, (N * K // 256, k_quants.Q6K_BYTES), dtype=np.uint8)
     b[:, 208:210] = (rng.random(N * K // 256) * 1e-3 + 1e-5).astype(np.float16).view(np.uint8).reshape(-1, 2)
     return b.reshape(-1)
 
@@ -185,15 +196,40 @@ def test_q6_k_bytes_load_into_tiles_as_gguf_dequantizes_them():
     N, K = 48, 512
     raw = random_q6_k(N, K, seed=9)
     dense = torch.from_numpy(quants.dequantize(raw, gguf.GGMLQuantizationType.Q6_K).reshape(N, K).copy())
-    codes = q4_rows.q6_k_codes(raw, (N, K))
+    codes = k_quants.q6_k_codes(raw, (N, K))
     q, s = codes.q, q4_rows.q6_scales(codes.d, codes.sc)
     assert int(q.min()) == -32 and int(q.max()) == 31   # every code value drawn
     assert torch.equal((q.float().view(N, -1, 16) * s[..., None]).reshape(N, K), dense)
-    w = q4_rows.from_q6_k(raw, (N, K), torch.bfloat16)
+    w = k_quants.from_q6_k(raw, (N, K), torch.bfloat16)
     x = rows(5, K, seed=10)
     assert torch.equal(w.mm(x), q4_rows.reference_mm(x.bfloat16().float(), q, s, None))
     with pytest.raises(HalError, match="raw"):
-        q4_rows.q6_k_codes(raw[:-1], (N, K))
+        k_quants.q6_k_codes(raw[:-1], (N, K))
+
+
+def random_q4_k(N: int, K: int, seed: int) -> np.ndarray:
+    """Random GGUF Q4_K blocks (every code and scale byte drawn, finite fp16 d and dmin)."""
+    rng = np.random.default_rng(seed)
+    b = rng.integers(0, 256, (N * K // 256, k_quants.Q4K_BLOCK), dtype=np.uint8)
+    b[:, 0:4] = (rng.random((N * K // 256, 2)) * 1e-3 + 1e-5).astype(np.float16).view(np.uint8).reshape(-1, 4)
+    return b.reshape(-1)
+
+
+def test_q4_k_bytes_load_into_tiles_as_gguf_dequantizes_them():
+    """ggml's Q4_K layout read here (6-bit scales and mins, nibbles per 64) gives, as d*sc*q -
+    dmin*min in float32, exactly gguf's dequantization; the tiles' products are the reference."""
+    N, K = 48, 512
+    raw = random_q4_k(N, K, seed=11)
+    dense = torch.from_numpy(quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K).reshape(N, K).copy())
+    c = k_quants.q4_k_codes(raw, (N, K))
+    assert int(c.sc.max()) == 63 and int(c.mn.max()) == 63 and int(c.q.max()) == 15   # every bit drawn
+    d1, m1 = c.d * c.sc.float(), c.dmin * c.mn.float()
+    assert torch.equal((d1[..., None] * c.q.float().view(N, -1, 32) - m1[..., None]).reshape(N, K), dense)
+    w = c.pack(torch.bfloat16)
+    x = rows(5, K, seed=12)
+    assert torch.equal(w.mm(x), q4_rows.reference_mm(x.bfloat16().float(), c.q, d1, -m1))
+    with pytest.raises(HalError, match="raw"):
+        k_quants.q4_k_codes(raw[:-1], (N, K))
 
 
 def test_bad_input_is_refused_naming_the_argument():

@@ -1,9 +1,11 @@
-"""Q6_K as stored (issues 67 and 69): the lm_head llama-quantize keeps as Q6_K in the Q4_0 and
-Q4_K_M files of Qwen3 and Llama 3.2, and a Q6_K file's layers, run as the q4q8 kernel's Q6
-tiles (`hal.models.q4_rows`: the file's 6-bit codes and per-16 scales, no float copy).
+"""K-quants as stored (issues 67 and 69): the Q6_K lm_head llama-quantize keeps in the Q4_0 and
+Q4_K_M files of Qwen3 and Llama 3.2, a Q6_K file's layers, and a Q4_K_M file's layers (Q4_K,
+with Q6_K in attn_v and ffn_down), run as the q4q8 kernel's Q6 and Q4K tiles (`hal.models.q4_rows`,
+`hal.models.k_quants`: the file's codes and scales, no float copy; a fused linear of both types
+is a `MixedWeight`).
 
-Each file is written here with ``gguf.GGUFWriter``: random Q6_K blocks (`random_q6_k`; ``gguf``
-cannot quantize K types) beside Q4_0 layers. The oracle for the values is ``gguf``'s own
+Each file is written here with ``gguf.GGUFWriter``: random K-quant blocks (`random_q6_k`,
+`random_q4_k`; ``gguf`` cannot quantize K types) or Q4_0 layers. The oracle for the values is ``gguf``'s own
 dequantization (tests/models/test_q4_rows.py shows the codes times scales equal it bit for bit);
 here the model that runs them as stored is compared with the same file run on those
 dequantized floats: within the rows' int8 quantization (stated bound: 2% of the largest
@@ -23,7 +25,8 @@ from hal.kv import KVPool
 from hal.models import layer_loop, q4_rows
 from hal.models.linear_layout import LinearPlan
 from hal.models.loaders import load_gguf
-from tests.models.test_q4_rows import random_q6_k
+from hal.models.k_quants import MixedWeight
+from tests.models.test_q4_rows import random_q4_k, random_q6_k
 
 gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.skipif(not q4_rows.available(), reason="no C++ compiler: no q4q8 kernel")
@@ -34,9 +37,12 @@ PARTS = {"attn_q": (H, H), "attn_k": (KV * H // HEADS, H), "attn_v": (KV * H // 
          "ffn_gate": (FFN, H), "ffn_up": (FFN, H), "ffn_down": (H, FFN)}
 
 
-def write(path, layers_q6: bool):
-    """A tiny Qwen2-shaped llama GGUF: a tied Q6_K embedding (the lm_head), and layers in Q6_K
-    (``layers_q6``) or Q4_0."""
+Q4_K_M = {"attn_v": "Q6_K", "ffn_down": "Q6_K"}   # the parts a Q4_K_M file keeps in Q6_K (in some layers)
+
+
+def write(path, layers: str):
+    """A tiny Qwen2-shaped llama GGUF: a tied Q6_K embedding (the lm_head), and layers in Q6_K,
+    Q4_0 or Q4_K_M's mix (``layers``)."""
     g = np.random.default_rng(0)
     w = gguf.GGUFWriter(str(path), "llama")
     for key, v in (("block_count", LAYERS), ("embedding_length", H), ("feed_forward_length", FFN),
@@ -50,16 +56,18 @@ def write(path, layers_q6: bool):
     w.add_token_merges(["x 1"])
     w.add_eos_token_id(V - 1)
 
-    def q6(name, n, k, seed):
-        w.add_tensor(name, random_q6_k(n, k, seed).reshape(n, -1), raw_dtype=gguf.GGMLQuantizationType.Q6_K)
+    def q6(name, n, k, seed, kind="Q6_K"):
+        raw = (random_q6_k if kind == "Q6_K" else random_q4_k)(n, k, seed)
+        w.add_tensor(name, raw.reshape(n, -1), raw_dtype=gguf.GGMLQuantizationType[kind])
     q6("token_embd.weight", V, H, 1)
     w.add_tensor("output_norm.weight", (1 + 0.1 * g.standard_normal(H)).astype(np.float32))
     for i in range(LAYERS):
         for norm in ("attn_norm", "ffn_norm"):
             w.add_tensor(f"blk.{i}.{norm}.weight", (1 + 0.1 * g.standard_normal(H)).astype(np.float32))
         for j, (part, (n, k)) in enumerate(PARTS.items()):
-            if layers_q6:
-                q6(f"blk.{i}.{part}.weight", n, k, 100 * i + j + 2)
+            if layers != "q4_0":
+                q6(f"blk.{i}.{part}.weight", n, k, 100 * i + j + 2,
+                   "Q6_K" if layers == "q6_k" else Q4_K_M.get(part, "Q4_K"))
             else:
                 raw = gguf.quants.quantize((g.standard_normal((n, k)) * 0.05).astype(np.float32),
                                            gguf.GGMLQuantizationType.Q4_0)
@@ -88,23 +96,30 @@ def close(a: torch.Tensor, b: torch.Tensor) -> None:
     assert a.isfinite().all() and (a - b).abs().max() <= 0.02 * b.abs().max(), float((a - b).abs().max() / b.abs().max())
 
 
-@pytest.mark.parametrize("layers_q6", [False, True], ids=["q4_0-layers", "q6_k-layers"])
-def test_a_q6_k_head_and_q6_k_layers_run_as_stored(tmp_path, layers_q6):
-    path = write(tmp_path / "m.gguf", layers_q6)
+@pytest.mark.parametrize("layers", ["q4_0", "q6_k", "q4_k_m"])
+def test_a_q6_k_head_and_k_quant_layers_run_as_stored(tmp_path, layers):
+    path = write(tmp_path / "m.gguf", layers)
     be = hal.get_backend("cpu")
     stored, _ = load_gguf(path, be, plan=LinearPlan("mm", torch.bfloat16, (1, 2, 4, 8), weights="q4q8", head="q6_k"))
     floats, _ = load_gguf(path, be, "float32")
     assert isinstance(stored.head_lin, q4_rows.Q4Weight) and stored.head_lin.q6k
-    linears = [stored.w[f"{i}.{k}"] for i in range(LAYERS) for k in ("wqkv", "wo", "wgu", "wdown")]
-    assert all(isinstance(t, q4_rows.Q4Weight) and t.q6k == layers_q6 for t in linears)
-    assert layer_loop.applies(stored) and stored.loop is not None
+    linears = {k: [stored.w[f"{i}.{k}"] for i in range(LAYERS)] for k in ("wqkv", "wo", "wgu", "wdown")}
+    if layers == "q4_k_m":   # q and k Q4_K, v Q6_K: one fused linear of two tiles; the rest one type each
+        assert all(isinstance(t, MixedWeight) and [p.kind for p in t.parts] == [q4_rows.Q4K_KIND, q4_rows.Q6_KIND]
+                   for t in linears["wqkv"])
+        assert all(t.q4k for k in ("wo", "wgu") for t in linears[k]) and all(t.q6k for t in linears["wdown"])
+        assert stored.loop is None   # mixed tiles run on the Python loop (the native loop takes one kind a linear)
+    else:
+        assert all(isinstance(t, q4_rows.Q4Weight) and t.q6k == (layers == "q6_k") for ts in linears.values()
+                   for t in ts)
+        assert layer_loop.applies(stored) and stored.loop is not None
     assert "lm_head Q6_K as stored" in stored.plan.describe()
     close(logits(stored), logits(floats))
 
 
-def test_greedy_speculation_on_a_q6_k_file_equals_plain_greedy(tmp_path):
+def test_greedy_speculation_on_a_q4_k_m_file_equals_plain_greedy(tmp_path):
     from hal.drafters import NgramDrafter
-    model, _ = load_gguf(write(tmp_path / "m.gguf", True), hal.get_backend("cpu"),
+    model, _ = load_gguf(write(tmp_path / "m.gguf", "q4_k_m"), hal.get_backend("cpu"),
                          plan=LinearPlan("mm", torch.bfloat16, (1, 2, 4, 8), weights="q4q8", head="q6_k"))
     reqs = lambda k: [Request(list(IDS), max_new_tokens=40, k=k),  # noqa: E731
                       Request([5, 6, 5, 6, 5, 6, 5], max_new_tokens=40, k=k)]
@@ -115,7 +130,7 @@ def test_greedy_speculation_on_a_q6_k_file_equals_plain_greedy(tmp_path):
 
 def test_the_plan_measures_a_q6_k_head_and_refuses_it_without_q4q8(tmp_path):
     from hal.errors import HalError
-    path = write(tmp_path / "m.gguf", False)
+    path = write(tmp_path / "m.gguf", "q4_0")
     model, _ = load_gguf(path, hal.get_backend("cpu"), "stored")
     assert model.plan.weights in ("int4", "q4q8")
     if model.plan.weights == "q4q8":
