@@ -3,7 +3,7 @@
 For each shape (``--shapes``: Qwen2.5-0.5B, Qwen3-0.6B, Llama-3.2-1B, their published configs):
 a random-weight HF folder (transformers, bfloat16, the family's real vocabulary from llama.cpp's
 ``ggml-vocab-*.gguf``), converted by llama.cpp's ``convert_hf_to_gguf.py`` to Q8_0 and then
-quantized by ``llama-quantize`` to Q4_0. On each file, in one run, interleaved ``--rounds`` times:
+quantized by ``llama-quantize`` to Q4_0 and Q4_K_M. On each file, in one run, interleaved ``--rounds`` times:
 
 * plain decode: spec-hal (``load_gguf``, the linear plan measured here; ``--tg`` tokens after a
   one-token prompt, k = 0, best of 3) against ``llama-bench`` (tg, mean of 3), same threads;
@@ -58,7 +58,7 @@ SHAPES = {   # the published configs' shapes: (transformers classes, config, the
 
 
 def make_files(name: str, work: Path, quantize: str) -> dict[str, Path]:
-    """The shape's Q8_0 and Q4_0 GGUFs (made once under ``work``)."""
+    """The shape's Q8_0, Q4_0 and Q4_K_M GGUFs (made once under ``work``; the quantized ones from the Q8_0)."""
     import transformers
     from hal.models.gguf_file import open_gguf
     from hal.models.tokenizer import from_gguf_fields
@@ -74,9 +74,11 @@ def make_files(name: str, work: Path, quantize: str) -> dict[str, Path]:
         tok.save(str(folder / "tokenizer.json"))
         (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
         convert(folder, q8, "q8_0")
-    if not q4.exists():
-        subprocess.run([quantize, "--allow-requantize", str(q8), str(q4), "Q4_0"], check=True, capture_output=True)
-    return {"Q8_0": q8, "Q4_0": q4}
+    files = {"Q8_0": q8, "Q4_0": q4, "Q4_K_M": work / f"{name}-q4_k_m.gguf"}
+    for kind, path in files.items():
+        if not path.exists():
+            subprocess.run([quantize, "--allow-requantize", str(q8), str(path), kind], check=True, capture_output=True)
+    return files
 
 
 def cost_ratios(model) -> list[float]:

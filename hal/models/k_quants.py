@@ -3,7 +3,8 @@ oracle in tests/models/test_q4_rows.py and test_q6_k.py), unpacked into their co
 until a fused linear packs them into the q4q8 kernel's tiles (`hal.models.q4_rows`): Q6_K into
 Q6 tiles, Q4_K into Q4K tiles. A fused linear whose parts differ in type (a Q4_K_M file's q and
 k in Q4_K, its v in Q6_K) is a `MixedWeight`: each run of parts of one type packed on its own,
-their outputs side by side (each row's bits are its part's: batch-invariant as every tile)."""
+their outputs side by side (each row's bits are its part's: batch-invariant as every tile); the
+native layer loop runs one of two parts (`hal.models.layer_loop.LayerWeights.rows1`)."""
 
 from __future__ import annotations
 

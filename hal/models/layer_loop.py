@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from hal.errors import HalError
-from hal.models import int4, native, q4_rows, row_kernels
+from hal.models import int4, k_quants, native, q4_rows, row_kernels
 from hal.models.invariant import KeyLists
 
 SOURCE = Path(__file__).with_name("layer_loop.cpp")
@@ -38,10 +38,11 @@ class LayerWeights(ctypes.Structure):
     each linear's tiles (`hal.models.q4_rows.Q4Weight.kind`; int4pack's form: 0)."""
 
     _fields_ = [("attn_norm", _P), ("ffn_norm", _P), ("packed", _P * 4), ("sz", _P * 4), ("bqkv", _P), ("bo", _P),
-                ("q_norm", _P), ("k_norm", _P), ("kind", _I * 4)]
+                ("q_norm", _P), ("k_norm", _P), ("kind", _I * 4),
+                ("packed2", _P * 4), ("kind2", _I * 4), ("rows1", _I * 4)]
 
 
-assert ctypes.sizeof(LayerWeights) == 14 * ctypes.sizeof(_P) + 4 * ctypes.sizeof(_I)
+assert ctypes.sizeof(LayerWeights) == 18 * ctypes.sizeof(_P) + 12 * ctypes.sizeof(_I)
 
 
 class LoopCall(ctypes.Structure):
@@ -102,8 +103,10 @@ def applies(model) -> bool:
                for i in range(model.num_layers) for k, (n, kk) in shapes.items())
 
 
-def _tiled_as(w, N: int, K: int, dtype: torch.dtype) -> bool:   # Q4, Q8 or Q6 tiles
-    return isinstance(w, q4_rows.Q4Weight) and w.dtype == dtype and tuple(w.shape) == (N, K)
+def _tiled_as(w, N: int, K: int, dtype: torch.dtype) -> bool:   # Q4, Q8, Q6 or Q4K tiles, or two parts of them
+    parts = w.parts if isinstance(w, k_quants.MixedWeight) else (w,)
+    return len(parts) <= 2 and all(isinstance(p, q4_rows.Q4Weight) and p.dtype == dtype for p in parts) \
+        and tuple(w.shape) == (N, K)
 
 
 def _packed_as(w, N: int, K: int, dtype: torch.dtype) -> bool:
@@ -132,9 +135,12 @@ class LayerLoop:
             for j, key in enumerate(("wqkv", "wo", "wgu", "wdown")):
                 w = model.w[f"{i}.{key}"]
                 self._keep.append(w)
-                lw.packed[j] = w.packed.data_ptr()
-                lw.sz[j] = (w.packed if self.q4 else w.scales_zeros).data_ptr()   # q4q8: unused
-                lw.kind[j] = w.kind if self.q4 else 0
+                first, *second = w.parts if isinstance(w, k_quants.MixedWeight) else (w,)
+                lw.packed[j] = first.packed.data_ptr()
+                lw.sz[j] = (first.packed if self.q4 else first.scales_zeros).data_ptr()   # q4q8: unused
+                lw.kind[j] = first.kind if self.q4 else 0
+                if second:   # two parts of different tiles (`LayerWeights.rows1`)
+                    lw.packed2[j], lw.kind2[j], lw.rows1[j] = second[0].packed.data_ptr(), second[0].kind, first.shape[0]
             lw.bqkv, lw.bo, lw.q_norm, lw.k_norm = ptr("bqkv"), ptr("bo"), ptr("q_norm"), ptr("k_norm")
         self.act = model.plan.dtype
 

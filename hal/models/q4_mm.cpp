@@ -16,9 +16,10 @@ extern "C" {
 namespace q4 {
 
 // y [T, N] float32 (row stride N) = x [T, K] (float32 or bfloat16, row stride x_row) @ W.T for
-// a packed weight w of N outputs (kind: Q4_KIND, Q8_KIND or Q6_KIND tiles)
+// a packed weight w of N outputs (kind: Q4_KIND, Q8_KIND, Q6_KIND or Q4K_KIND tiles); y_row: y's row
+// stride (default N; wider where w is one part of a fused linear)
 inline void linear(const uint8_t *w, int kind, int64_t N, int64_t K, const void *x, int is_bf16, int64_t T,
-                   int64_t x_row, float *y) {
+                   int64_t x_row, float *y, int64_t y_row = 0) {
     int64_t G = K / 32;
     std::vector<int8_t> xq(T * 2 * K);   // per row: the hi codes, then the lo codes
     std::vector<float> sx(T * G), xs(T * G);
@@ -26,7 +27,8 @@ inline void linear(const uint8_t *w, int kind, int64_t N, int64_t K, const void 
     q4_quantize_rows(x, is_bf16, T, K, x_row, xq.data(), sx.data(), xs.data(), qsum.data());
     if (kind == Q6_KIND) q4_half_sums(xq.data(), T, K, qsum16.data());
     at::parallel_for(0, N / 16, 1, [&](int64_t begin, int64_t end) {
-        q4_mm_tiles(w, kind, K, xq.data(), sx.data(), xs.data(), qsum.data(), qsum16.data(), T, y, N, begin, end);
+        q4_mm_tiles(w, kind, K, xq.data(), sx.data(), xs.data(), qsum.data(), qsum16.data(), T, y, y_row ? y_row : N,
+                    begin, end);
     });
 }
 

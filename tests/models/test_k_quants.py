@@ -2,7 +2,7 @@
 Q4_K_M files of Qwen3 and Llama 3.2, a Q6_K file's layers, and a Q4_K_M file's layers (Q4_K,
 with Q6_K in attn_v and ffn_down), run as the q4q8 kernel's Q6 and Q4K tiles (`hal.models.q4_rows`,
 `hal.models.k_quants`: the file's codes and scales, no float copy; a fused linear of both types
-is a `MixedWeight`).
+is a `MixedWeight`, which the native loop runs as two parts).
 
 Each file is written here with ``gguf.GGUFWriter``: random K-quant blocks (`random_q6_k`,
 `random_q4_k`; ``gguf`` cannot quantize K types) or Q4_0 layers. The oracle for the values is ``gguf``'s own
@@ -108,11 +108,10 @@ def test_a_q6_k_head_and_k_quant_layers_run_as_stored(tmp_path, layers):
         assert all(isinstance(t, MixedWeight) and [p.kind for p in t.parts] == [q4_rows.Q4K_KIND, q4_rows.Q6_KIND]
                    for t in linears["wqkv"])
         assert all(t.q4k for k in ("wo", "wgu") for t in linears[k]) and all(t.q6k for t in linears["wdown"])
-        assert stored.loop is None   # mixed tiles run on the Python loop (the native loop takes one kind a linear)
     else:
         assert all(isinstance(t, q4_rows.Q4Weight) and t.q6k == (layers == "q6_k") for ts in linears.values()
                    for t in ts)
-        assert layer_loop.applies(stored) and stored.loop is not None
+    assert layer_loop.applies(stored) and stored.loop is not None   # two parts of a linear: LayerWeights.rows1
     assert "lm_head Q6_K as stored" in stored.plan.describe()
     close(logits(stored), logits(floats))
 

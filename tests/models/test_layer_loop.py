@@ -22,6 +22,7 @@ from hal.kv import KVPool
 from hal.models import int4, layer_loop, q4_rows
 from hal.models.invariant import KeyLists
 from hal.models.linear_layout import LinearPlan
+from hal.models.k_quants import MixedWeight
 from hal.models.llama import Llama, LlamaConfig
 from tests.models.compilers import plant_failing_compiler
 
@@ -29,9 +30,9 @@ LAYERS, V = 3, 512
 
 
 def _weights(dtype: torch.dtype, seed: int = 0, form: str = "int4",
-             extras: bool = False, q8: bool = False) -> tuple[LlamaConfig, dict]:
+             extras: bool = False, q8: bool | str = False) -> tuple[LlamaConfig, dict]:
     """``extras``: the families' additions too (q/k/v and o biases as Llama's attention_bias, Qwen3's q/k norms);
-    ``q8``: qkv and down in Q8 tiles (a file's Q8_0 layers), the others Q4."""
+    ``q8``: qkv and down in Q8 tiles (a file's Q8_0 layers), the others Q4; ``"mixed"``: Q4_K_M's tiles."""
     g = torch.Generator().manual_seed(seed)
     cfg = LlamaConfig(hidden=576, layers=LAYERS, heads=9, kv_heads=3, head_dim=64, ffn=1536, vocab=V,
                       rope_base=10000.0, eps=1e-5, rope_interleaved=not extras, qkv_bias=extras, o_bias=extras,
@@ -41,7 +42,10 @@ def _weights(dtype: torch.dtype, seed: int = 0, form: str = "int4",
         w[f"{i}.attn_norm"] = 1 + 0.1 * torch.randn(576, generator=g)
         w[f"{i}.ffn_norm"] = 1 + 0.1 * torch.randn(576, generator=g)
         for name, (n, k) in {"wqkv": (960, 576), "wo": (576, 576), "wgu": (3072, 576), "wdown": (576, 1536)}.items():
-            if q8 and name in ("wqkv", "wdown"):   # a file's Q8_0 layers: q4q8's Q8 tiles beside Q4 ones
+            if q8 == "mixed":   # a Q4_K_M file's: Q4K tiles, v and down in Q6 tiles (qkv: two parts)
+                w[f"{i}.{name}"] = MixedWeight((q4_rows.random_q4k(768, k, g, dtype), q4_rows.random_q6k(192, k, g, dtype))) \
+                    if name == "wqkv" else (q4_rows.random_q6k if name == "wdown" else q4_rows.random_q4k)(n, k, g, dtype)
+            elif q8 and name in ("wqkv", "wdown"):   # a file's Q8_0 layers: q4q8's Q8 tiles beside Q4 ones
                 w[f"{i}.{name}"] = q4_rows.random_q8(n, k, g, dtype)
             else:
                 w[f"{i}.{name}"] = q4_rows.pack(q4_rows.random(n, k, g), dtype) if form == "q4q8" else \
@@ -54,8 +58,8 @@ def _weights(dtype: torch.dtype, seed: int = 0, form: str = "int4",
 
 @pytest.fixture(scope="module", params=[(torch.bfloat16, "int4", False, False), (torch.float32, "int4", False, False),
                                         (torch.bfloat16, "q4q8", False, False), (torch.bfloat16, "q4q8", True, False),
-                                        (torch.bfloat16, "q4q8", False, True)],
-                ids=["bfloat16", "float32", "q4q8", "q4q8-biases-qk-norms", "q4q8-q8-layers"])
+                                        (torch.bfloat16, "q4q8", False, True), (torch.bfloat16, "q4q8", True, "mixed")],
+                ids=["bfloat16", "float32", "q4q8", "q4q8-biases-qk-norms", "q4q8-q8-layers", "q4q8-k-quants"])
 def twins(request):
     """The same weights with the native loop and without it (widths 1/2/4/8: verifies pad); one
     with the families' extras (biases, Qwen3's q/k norms, NEOX RoPE), one with Q8 tiles beside Q4."""
