@@ -140,6 +140,8 @@ def _target_rank(config: LaunchConfig, me: Rank, phases: Phases) -> Target:
         model, tok = load_model(me.path, target_side.backend, plan=plan)
         model.batch_invariant = config.batch_invariant
         model.to(target_side.device)
+    if getattr(model, "tensor_forms", None):   # a GGUF: how each tensor type runs
+        phases.say(f"tensors: {model.tensor_forms}")
     phases.say(f"between the matmuls: {model.rows.describe}; the layers: "
                f"{'one native call' if model.loop is not None else 'a Python loop'}")
     metrics = SpecDecodeMetrics()

@@ -65,7 +65,7 @@ def build(compiler: str | None = None) -> Path:
     """The compiled layer loop for this CPU and this torch (compiled when not cached)."""
     cxx = compiler or os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     flags, libs = native.torch_flags(row_kernels.flags())
-    return native.compile_library("layer loop", [SOURCE, row_kernels.SOURCE, q4_rows.SOURCE, q4_rows.KERNEL], cxx,
+    return native.compile_library("layer loop", [SOURCE, row_kernels.SOURCE, q4_rows.SOURCE, q4_rows.KERNEL, q4_rows.Q8_TILES], cxx,
                                   flags, libs)
 
 

@@ -6,6 +6,7 @@ alone (`read_config`), which linears a file stores in each form that runs as sto
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -261,21 +262,27 @@ def load_gguf(path: str | Path, backend, dtype: str = "float32", plan_refresh: b
     if plan.head != "float" and head_kind != plan.head.upper():   # refused before anything is read
         raise HalError(f"plan: expected a file whose lm_head is {plan.head.upper()} for {plan.describe()}, got {head_kind}",
                        arg="plan")
-    w = {}
+    w, forms = {}, collections.Counter()   # (type, how it runs) -> tensors: the start-up line
+    dt = str(plan.dtype).removeprefix("torch.")
     for t in r.tensors:
         shape, data = t.shape, r.data(t)
+        how = f"as stored, {'Q4 tiles' if plan.weights == 'q4q8' else 'int4pack'}"
         if plan.weights in STORED and t.name in stored:
             arr = int4.from_blocks(data, t.kind, tuple(shape))
         elif plan.weights == "q4q8" and t.name in stored_q8:   # Q8 tiles once fused (`_fuse`)
-            arr = q4_rows.q8_0_blocks(data, tuple(shape))
+            arr, how = q4_rows.q8_0_blocks(data, tuple(shape)), "as stored, Q8 tiles"
         elif plan.weights == "q4q8" and t.name in kq:   # Q6 / Q4K tiles once fused
             arr = (k_quants.q6_k_codes if t.kind == "Q6_K" else k_quants.q4_k_codes)(data, tuple(shape))
+            how = f"as stored, {'Q6' if t.kind == 'Q6_K' else 'Q4K'} tiles"
         else:
+            how = "float32" if t.kind == "F32" else "dequantized, the embedding lookup's" \
+                if t.name == "token_embd.weight" else f"dequantized to {'float32' if len(shape) == 1 else dt}"
             try:
                 arr = torch.from_numpy(dequantize(data, GGMLQuantizationType[t.kind]).reshape(shape).copy()).float()
             except (NotImplementedError, KeyError, ValueError) as e:
                 raise HalError(f"{path}: expected tensors of a type gguf can dequantize, got {t.name} of type "
                                f"{t.kind} ({type(e).__name__}: {e})", arg="model") from None
+        forms[t.kind, how] += 1
         parts = t.name.split(".")
         if parts[0] == "blk":
             rest = ".".join(parts[2:])
@@ -291,6 +298,8 @@ def load_gguf(path: str | Path, backend, dtype: str = "float32", plan_refresh: b
         fused["head_stored"] = int4.from_q8_0(r.data(head), tuple(head.shape)).pack(plan.dtype, repeat=2)
     model = Llama(cfg, fused, backend, plan=plan)
     model.plan_choice = choice
+    model.tensor_forms = "; ".join(f"{n} {kind} {how}" for (kind, how), n in sorted(forms.items())) + (
+        f"; the lm_head {plan.head.upper()} as stored" if plan.head != "float" else "")
     return model, tok
 
 

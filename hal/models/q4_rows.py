@@ -37,6 +37,7 @@ from hal.models import int4, native
 
 SOURCE = Path(__file__).with_name("q4_mm.cpp")
 KERNEL = Path(__file__).with_name("q4_rows.c")
+Q8_TILES = Path(__file__).with_name("q8_tiles.c")   # included by q4_rows.c
 TILE = 16                    # outputs per tile
 Q4_BYTES, Q8_BYTES, Q6_BYTES, Q4K_BYTES = 320, 544, 448, 352   # per (tile, group of 32 inputs)
 Q4_KIND, Q8_KIND, Q6_KIND, Q4K_KIND = 0, 1, 2, 3   # a packed weight's tiles, as q4_rows.c numbers them
@@ -319,7 +320,7 @@ def build(compiler: str | None = None) -> Path:
     from hal.models import row_kernels
     cxx = compiler or os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     flags, libs = native.torch_flags(row_kernels.flags())
-    return native.compile_library("q4q8 kernel", [SOURCE, KERNEL], cxx, flags, libs)
+    return native.compile_library("q4q8 kernel", [SOURCE, KERNEL, Q8_TILES], cxx, flags, libs)
 
 
 _lock = threading.Lock()

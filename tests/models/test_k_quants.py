@@ -113,6 +113,9 @@ def test_a_q6_k_head_and_k_quant_layers_run_as_stored(tmp_path, layers):
                    for t in ts)
     assert layer_loop.applies(stored) and stored.loop is not None   # two parts of a linear: LayerWeights.rows1
     assert "lm_head Q6_K as stored" in stored.plan.describe()
+    kind = {"q4_0": "Q4_0", "q6_k": "Q6_K", "q4_k_m": "Q4_K"}[layers]   # the start-up line: how each type runs
+    assert f"{kind} as stored" in stored.tensor_forms and "the lm_head Q6_K as stored" in stored.tensor_forms
+    assert f"{kind} dequantized to float32" in floats.tensor_forms, floats.tensor_forms
     close(logits(stored), logits(floats))
 
 
