@@ -76,15 +76,6 @@ using Step = LoopCall;
 
 at::ScalarType act_type(const Step &s) { return s.act_bf16 ? at::kBFloat16 : at::kFloat; }
 
-// q or k [T, heads * D] RMS-normed per head (Qwen3): in float32, the weight applied after casting
-// back, as `hal.models.families.head_norm` computes it (the same ATen ops, so the same bits)
-at::Tensor head_norm(const at::Tensor &x, int64_t heads, const float *w, const Step &s) {
-    auto x32 = x.reshape({s.T, heads, s.D}).to(at::kFloat);
-    x32 = x32 * at::rsqrt(x32.pow(2).mean({-1}, true) + s.eps);
-    auto weight = at::from_blob(const_cast<float *>(w), {s.D}, at::TensorOptions().dtype(at::kFloat));
-    return (weight * x32.to(x.scalar_type())).reshape({s.T, -1}).to(x.scalar_type());
-}
-
 // x [T, K] @ W.T for an int4 weight (packed [N, K/2] uint8, scales and zeros [K/32, N, 2]),
 // each row in a chunk of one of the plan's widths, zero-padded (`LinearPlan.linear`)
 at::Tensor int4_mm(const at::Tensor &x, void *packed, void *sz, int64_t N, const Step &s) {
@@ -155,9 +146,12 @@ at::Tensor layer(float *h, const at::Tensor &d, const LayerWeights &lw, int64_t 
     at::Tensor qkv = stored_mm(x, lw, 0, nqkv, s);
     if (lw.bqkv)   // the family's extras, as `hal.models.families.qkv_extras`
         qkv = (qkv + at::from_blob(const_cast<float *>(lw.bqkv), {nqkv}, f32)).to(act_type(s));
-    if (lw.q_norm)
-        qkv = at::cat({head_norm(qkv.slice(1, 0, nq), s.Hq, lw.q_norm, s),
-                       head_norm(qkv.slice(1, nq, nq + nk), s.Hkv, lw.k_norm, s), qkv.slice(1, nq + nk)}, -1);
+    if (lw.q_norm) {   // in place, row_kernels.c's head_norm (the Python loop's `FusedRows.head_norm`)
+        qkv = qkv.contiguous();
+        head_norm(qkv.data_ptr(), nqkv, (int)s.act_bf16, lw.q_norm, s.eps, s.T, s.Hq, s.D);
+        head_norm((char *)qkv.data_ptr() + nq * qkv.element_size(), nqkv, (int)s.act_bf16, lw.k_norm, s.eps, s.T,
+                  s.Hkv, s.D);
+    }
     qkv = qkv.contiguous();
     auto q = at::empty({s.T, s.Hq, s.D}, at::TensorOptions().dtype(at::kFloat));
     if (rope_kv(qkv.data_ptr(), nqkv, s.act_bf16, s.rot, s.rs, q.data_ptr<float>(), s.T, s.Hq, s.Hkv, s.D,

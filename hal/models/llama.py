@@ -237,7 +237,7 @@ class Llama:
         ops = self.be if i == 0 else self.be.impl
         qkv = lin(x, self.w[f"{i}.wqkv"])
         if cfg.qkv_bias or cfg.qk_norm:
-            qkv = qkv_extras(cfg, self.w, i, qkv)
+            qkv = qkv_extras(cfg, self.w, i, qkv, self.rows)
         if fused and i > 0:   # q rotated; k rotated and v written to the cache, in one call
             q = rk.rope_kv(qkv, rot, cfg.heads, cfg.kv_heads, cfg.rope_interleaved, k_cache, v_cache, plan.slot_of)
         else:

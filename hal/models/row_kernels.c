@@ -90,6 +90,22 @@ void add_norm(float *h, int64_t hs, const void *d, int64_t ds, int d_bf16, const
     }
 }
 
+/* x [T, heads * D] (activations, row stride xs elements) RMS-normed per head of D in place:
+ * v * rsqrt(mean(v^2) + eps) * w (w [D] float32), in float32, rounded once (Qwen3's q and k norms). */
+void head_norm(void *x, int64_t xs, int is_bf16, const float *w, float eps, int64_t T, int64_t heads, int64_t D) {
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < heads; h++) {
+            char *v = (char *)x + (t * xs + h * D) * (is_bf16 ? 2 : 4);
+            float ss = 0.f;
+            for (int64_t i = 0; i < D; i++) {
+                float a = load(v, i, is_bf16);
+                ss += a * a;
+            }
+            float r = 1.0f / sqrtf(ss / (float)D + eps);
+            for (int64_t i = 0; i < D; i++) store(v, i, load(v, i, is_bf16) * r * w[i], is_bf16);
+        }
+}
+
 static inline float silu(float a) {
     return a / (1.0f + exp_f32(-a));
 }

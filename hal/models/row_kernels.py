@@ -41,6 +41,7 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {   # each function's (argument types, return type)
     "add_norm": ([_P, _I, _P, _I, ctypes.c_int, _P, _F, _P, _I, ctypes.c_int, _I, _I], None),
     "silu_mul": ([_P, _I, _I, _P, _I, ctypes.c_int, _I], None),
+    "head_norm": ([_P, _I, ctypes.c_int, _P, _F, _I, _I, _I], None),
     "rope": ([_P, _I, ctypes.c_int, _P, _I, _P, _I, _I, _I, ctypes.c_int], None),
     "rope_kv": ([_P, _I, ctypes.c_int, _P, _I, _P, _I, _I, _I, _I, ctypes.c_int, _P, _P, ctypes.c_int, _P, _I], _I),
     "attention": ([_P, _I, _I, _I, _P, _P, ctypes.c_int, _I, _I, _I, _P, _I, _I, _I, _P, _P, _P, _I, _P, _F, _P], _I),
@@ -66,6 +67,12 @@ class EagerRows:
         if d is not None:
             h = h + d.float()
         return h, None if w is None else F.rms_norm(h, w.shape, w, eps)
+
+    def head_norm(self, x: Tensor, heads: int, w: Tensor, eps: float) -> Tensor:
+        """``x`` [T, heads·D] RMS-normed per head as ``Qwen3RMSNorm`` (float32, the weight after
+        casting back), in ``x``'s dtype."""
+        from hal.models.families import head_norm
+        return head_norm(x, heads, w, eps, x.dtype)
 
     def silu_mul(self, gu: Tensor) -> Tensor:
         """``silu(gate) * up`` of ``gu`` = [gate | up] [T, 2F]."""
@@ -108,6 +115,20 @@ class FusedRows:
                           None if w is None else w.data_ptr(), eps, None if out is None else out.data_ptr(), H,
                           _KIND[dtype], T, H)
         return h, out
+
+    def head_norm(self, x: Tensor, heads: int, w: Tensor, eps: float) -> Tensor:
+        """``x`` [T, heads·D] (a view with unit column stride: written in place) RMS-normed per head
+        (`row_kernels.c` ``head_norm``: float32, rounded once); returns ``x``."""
+        T, n = x.shape if x.dim() == 2 else (0, 0)
+        D = n // max(heads, 1)
+        if heads < 1 or n % heads or x.dtype not in _KIND or not x.is_cpu or (T and x.stride(1) != 1):
+            raise HalError(f"x: expected activations [T, heads·D] with unit column stride for {heads} heads, got "
+                           f"{x.dtype} {list(x.shape)} strides {x.stride()}", arg="x")
+        if w.dtype != torch.float32 or not w.is_cpu or tuple(w.shape) != (D,) or not w.is_contiguous():
+            raise HalError(f"w: expected contiguous float32 [{D}] on cpu, got {w.dtype} {list(w.shape)}", arg="w")
+        if T:
+            self.lib.head_norm(x.data_ptr(), x.stride(0), _KIND[x.dtype], w.data_ptr(), eps, T, heads, D)
+        return x
 
     def silu_mul(self, gu: Tensor) -> Tensor:
         T, F2 = gu.shape if gu.dim() == 2 else (0, 1)

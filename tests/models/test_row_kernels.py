@@ -55,6 +55,26 @@ def test_add_norm_matches_eager_and_adds_in_place(fused, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_norm_matches_eager_in_place_on_its_columns_only(fused, dtype):
+    """Qwen3's per-head q/k norm on a view of the fused projections (row stride wider than the
+    heads): the heads are normed in place, within a rounding of the eager steps (which round
+    twice in bfloat16), and the columns past the view are untouched. PLANTED: a kernel that
+    forgets the weight fails the match."""
+    g = torch.Generator().manual_seed(4)
+    qkv = (4 * torch.randn(7, 5 * 64, generator=g)).to(dtype)
+    w = 1 + 0.3 * torch.randn(64, generator=g)
+    want = EAGER.head_norm(qkv[:, :4 * 64], 4, w, 1e-6)
+    rest = qkv[:, 4 * 64:].clone()
+    got = fused.head_norm(qkv[:, :4 * 64], 4, w, 1e-6)
+    assert got.data_ptr() == qkv.data_ptr() and torch.equal(qkv[:, 4 * 64:], rest)
+    _close(got, want.float(), dtype)
+    with pytest.raises(AssertionError):
+        _close(fused.head_norm(qkv[:, :4 * 64].clone(), 4, torch.ones(64), 1e-6), want.float(), dtype)
+    with pytest.raises(HalError, match="w: expected contiguous float32 .64."):
+        fused.head_norm(qkv[:, :4 * 64], 4, torch.ones(32), 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_mul_and_rope_match_eager(fused, dtype):
     g = torch.Generator().manual_seed(1)
     gu = (3 * torch.randn(5, 3072, generator=g)).to(dtype)
