@@ -276,6 +276,8 @@ def cmd_generate(args) -> int:
     import hal
     be = hal.get_backend()
     model, tok, template = _load(args.model, be, args)
+    if getattr(model, "tensor_forms", None):   # a GGUF: how each tensor type runs (stderr: the output stays text)
+        print(f"tensors: {model.tensor_forms}", file=sys.stderr)
     runs = [(args.draft, args.k)] + ([("none", 0)] if args.compare and args.draft != "none" else [])
     costs = None
     if args.route and args.draft != "none":   # the router's cost table, measured before anything is timed

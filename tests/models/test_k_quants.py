@@ -119,6 +119,16 @@ def test_a_q6_k_head_and_k_quant_layers_run_as_stored(tmp_path, layers):
     close(logits(stored), logits(floats))
 
 
+def test_generate_says_how_each_tensor_type_runs(tmp_path, capsys):
+    """``spec-hal generate`` on a Q4_K_M-shaped file names, at start-up, how each type runs."""
+    from hal.cli import main
+    path = write(tmp_path / "m.gguf", "q4_k_m")
+    assert main(["generate", "--model", str(path), "--prompt", "x1x1", "--max-tokens", "4", "--draft", "none",
+                 "--dtype", "stored"]) == 0
+    err = capsys.readouterr().err
+    assert "tensors: " in err and "Q4_K as stored, Q4K tiles" in err and "Q6_K as stored, Q6 tiles" in err, err
+
+
 def test_greedy_speculation_on_a_q4_k_m_file_equals_plain_greedy(tmp_path):
     from hal.drafters import NgramDrafter
     model, _ = load_gguf(write(tmp_path / "m.gguf", "q4_k_m"), hal.get_backend("cpu"),
