@@ -27,7 +27,7 @@ MODEL_SHAPES = {   # what a linear plan needs before the file is fetched (`hal.m
 }
 
 
-MODEL_INT4 = {   # the linears each model's file stores as Q4_0/Q4_1 blocks (`hal.models.loaders.linear_int4`)
+MODEL_INT4 = {   # the linears each model's file stores as Q4_0/Q4_1 blocks (`hal.models.loaders.stored_masks`)
     "smollm2-135m": ("wqkv", "wo", "wgu", "wdown"),   # every layer's; the tied head is Q8_0
 }
 MODEL_Q8_HEAD = frozenset({"smollm2-135m"})   # the models whose file stores the lm_head as Q8_0 (`loaders.head_q8`)

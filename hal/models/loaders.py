@@ -48,14 +48,6 @@ def _mask(stored: set[str], layers: int) -> list[bool]:
     return [f"blk.{i}.{FUSED_PARTS[k][0]}.weight" in stored for i in range(layers) for k in LINEAR_KEYS] + [False]
 
 
-def linear_int4(path: str | Path, cfg: LlamaConfig) -> list[bool]:
-    """Which of `linear_shapes` ``path`` stores as int4 blocks (an HF folder: none)."""
-    path = Path(path)
-    if path.is_dir():
-        return [False] * (4 * cfg.layers + 1)
-    return _mask(_int4_tensors(model_file(path).tensors, cfg.layers), cfg.layers)
-
-
 def _stored(tensors, layers: int) -> dict[str, set[str]]:
     """The file's tensors that can run as stored, by the plan's argument that names their form
     (a Q4_K fused linear may have Q6_K parts: a Q4_K_M file's attn_v)."""

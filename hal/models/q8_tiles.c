@@ -32,10 +32,20 @@
         for (int r = 0; r < R; r++) _mm512_storeu_ps(y + r * y_row, out[r]);                          \
     }
 #elif defined(Q4_AVX2)
+/* One step of signed codes w (one per byte) times a row's hi and lo codes (xr, xr + K: four each,
+ * broadcast), added into acc and acc2. AVX2 has no signed-by-signed byte product, so |q| times
+ * sign(q)·x: each 16-bit pair sum <= 2 * 128 * 127, no saturation. */
+static inline void q8_step_avx2(__m256i w, const int8_t *xr, int64_t K, __m256i *acc, __m256i *acc2) {
+    const __m256i ones = _mm256_set1_epi16(1), aw = _mm256_sign_epi8(w, w);
+    __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(_mm256_set1_epi32(q4_x4(xr)), w));
+    __m256i pl = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(_mm256_set1_epi32(q4_x4(xr + K)), w));
+    *acc = _mm256_add_epi32(*acc, _mm256_madd_epi16(p, ones));
+    *acc2 = _mm256_add_epi32(*acc2, _mm256_madd_epi16(pl, ones));
+}
 #define Q8_TILE(R)                                                                                     \
     static void q8_tile_##R(const uint8_t *wt, int64_t G, const int8_t *xq, int64_t K, const float *sx, \
                             const int32_t *qsum, float *y, int64_t y_row) {                            \
-        const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);                \
+        const __m256i flip = _mm256_set1_epi8((char)0x80);                                             \
         (void)qsum;                                                                                    \
         for (int half = 0; half < 2; half++) {                                                         \
             __m256 out[R];                                                                             \
@@ -47,15 +57,8 @@
                 for (int s = 0; s < 8; s++) {                                                          \
                     __m256i w = _mm256_xor_si256(                                                      \
                         _mm256_loadu_si256((const __m256i *)(blk + 64 * s + 32 * half)), flip);  /* q */ \
-                    __m256i aw = _mm256_sign_epi8(w, w);                                               \
-                    for (int r = 0; r < R; r++) {                                                      \
-                        const int8_t *xr = xq + r * 2 * K + 32 * g + 4 * s;                            \
-                        /* |q| * sign(q) x: each 16-bit pair sum <= 2 * 128 * 127, no saturation */   \
-                        __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(_mm256_set1_epi32(q4_x4(xr)), w)); \
-                        __m256i pl = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(_mm256_set1_epi32(q4_x4(xr + K)), w)); \
-                        acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(p, ones));                 \
-                        acc2[r] = _mm256_add_epi32(acc2[r], _mm256_madd_epi16(pl, ones));              \
-                    }                                                                                  \
+                    for (int r = 0; r < R; r++)                                                        \
+                        q8_step_avx2(w, xq + r * 2 * K + 32 * g + 4 * s, K, &acc[r], &acc2[r]);        \
                 }                                                                                      \
                 for (int r = 0; r < R; r++) acc[r] = _mm256_add_epi32(_mm256_slli_epi32(acc[r], 7), acc2[r]); \
                 __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 512 + 16 * half))); \
@@ -137,7 +140,7 @@
 #define Q6_TILE(R)                                                                                     \
     static void q6_tile_##R(const uint8_t *wt, int64_t G, const int8_t *xq, int64_t K, const float *sx, \
                             const int32_t *qsum16, float *y, int64_t y_row) {                          \
-        const __m256i m4 = _mm256_set1_epi8(0x0f), m2 = _mm256_set1_epi8(0x03), ones = _mm256_set1_epi16(1); \
+        const __m256i m4 = _mm256_set1_epi8(0x0f), m2 = _mm256_set1_epi8(0x03);                        \
         const __m256i c32 = _mm256_set1_epi8(32);                                                      \
         (void)qsum16;                                                                                  \
         for (int half = 0; half < 2; half++) {   /* lanes 0..7, then 8..15 */                         \
@@ -156,14 +159,8 @@
                         __m256i lo = _mm256_and_si256(s & 1 ? _mm256_srli_epi16(nb, 4) : nb, m4);      \
                         __m256i hi = _mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * i)), m2); \
                         __m256i w = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), c32);  /* q */ \
-                        __m256i aw = _mm256_sign_epi8(w, w);                                           \
-                        for (int r = 0; r < R; r++) {                                                  \
-                            const int8_t *xr = xq + r * 2 * K + 32 * g + 4 * s;                        \
-                            __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(_mm256_set1_epi32(q4_x4(xr)), w)); \
-                            __m256i pl = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(_mm256_set1_epi32(q4_x4(xr + K)), w)); \
-                            acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(p, ones));             \
-                            acc2[r] = _mm256_add_epi32(acc2[r], _mm256_madd_epi16(pl, ones));          \
-                        }                                                                              \
+                        for (int r = 0; r < R; r++)                                                    \
+                            q8_step_avx2(w, xq + r * 2 * K + 32 * g + 4 * s, K, &acc[r], &acc2[r]);    \
                     }                                                                                  \
                     __m256 sc = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(              \
                         _mm_loadl_epi64((const __m128i *)(blk + 416 + 16 * h + 8 * half)))));          \

@@ -23,12 +23,11 @@ import pytest
 import torch
 
 import hal
-from hal.engine.forward import forward
-from hal.kv import KVPool
 from hal.models.gguf_file import open_gguf
 from hal.models.loaders import load_gguf
 from hal.models.tokenizer import from_gguf_fields
 from tests.llama_cpp import convert, source, vocab_cases
+from tests.models.runs import prefill_then_verify
 
 transformers = pytest.importorskip("transformers")
 TOL = 2e-4
@@ -86,15 +85,9 @@ def test_the_converted_file_gives_transformers_logits(converted):
     assert model.cfg.family == {"qwen2": "qwen2", "qwen3": "qwen3", "llama3": "llama"}[name]
     assert open_gguf(gguf).field("tokenizer.ggml.pre") == pre
     ids = [9, 1001, 77, 5, 20000, 31, 31, 31, 4, 60000, 8, 123]
-    cfg = model.cfg
-    pool = KVPool(model.be, 16, 16, cfg.kv_heads, cfg.head_dim, num_layers=cfg.layers)
-    seq = pool.sequence()
-    prefill, _ = forward(model, pool, [seq], [ids[:9]], True)
-    seq.commit(9)
-    verify, _ = forward(model, pool, [seq], [ids[9:]], True)
     with torch.no_grad():
         want = hf(torch.tensor([ids])).logits[0].float()
-    torch.testing.assert_close(torch.cat([prefill, verify]), want, atol=TOL, rtol=TOL, msg=name)
+    torch.testing.assert_close(prefill_then_verify(model, ids, 9), want, atol=TOL, rtol=TOL, msg=name)
     assert tok.encode("Hello 12345 world", add_special_tokens=False).ids == \
         vocab_tokenizer(FAMILIES[name][3]).encode("Hello 12345 world", add_special_tokens=False).ids
 
@@ -116,11 +109,7 @@ def test_a_q8_0_file_runs_its_layers_as_stored(converted):
                for i in range(stored.cfg.layers) for k in ("wqkv", "wo", "wgu", "wdown"))
     assert layer_loop.applies(stored) and stored.loop is not None
     ids = [9, 1001, 77, 5, 20000, 31, 31, 31, 4, 60000, 8, 123]
-    got = []
-    for model in (stored, floats):
-        cfg = model.cfg
-        pool = KVPool(model.be, 16, 16, cfg.kv_heads, cfg.head_dim, num_layers=cfg.layers, dtype=model.dtype)
-        got.append(forward(model, pool, [pool.sequence()], [ids], True)[0].float())
+    got = [prefill_then_verify(model, ids, 9) for model in (stored, floats)]
     assert (got[0] - got[1]).abs().max() <= 0.02 * got[1].abs().max(), name
 
 
@@ -155,12 +144,6 @@ def test_a_converted_phi3_file_gives_transformers_logits(phi3):
     model, tok = load_gguf(gguf, hal.get_backend("cpu"), "float32")
     assert model.cfg.family == "phi3" and model.cfg.sliding_window == 64 and not model.cfg.rope_interleaved
     ids = [1, 9, 1001, 77, 5, 20000, 31, 31, 31, 4, 30000, 8, 123]
-    cfg = model.cfg
-    pool = KVPool(model.be, 16, 16, cfg.kv_heads, cfg.head_dim, num_layers=cfg.layers)
-    seq = pool.sequence()
-    prefill, _ = forward(model, pool, [seq], [ids[:9]], True)
-    seq.commit(9)
-    verify, _ = forward(model, pool, [seq], [ids[9:]], True)
     with torch.no_grad():
         want = hf(torch.tensor([ids])).logits[0].float()
-    torch.testing.assert_close(torch.cat([prefill, verify]), want, atol=TOL, rtol=TOL)
+    torch.testing.assert_close(prefill_then_verify(model, ids, 9), want, atol=TOL, rtol=TOL)

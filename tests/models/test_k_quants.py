@@ -20,12 +20,11 @@ import torch
 
 import hal
 from hal.engine import Request, SpeculativeDecoder
-from hal.engine.forward import forward
-from hal.kv import KVPool
 from hal.models import layer_loop, q4_rows
 from hal.models.linear_layout import LinearPlan
 from hal.models.loaders import load_gguf
 from hal.models.k_quants import MixedWeight
+from tests.models.runs import prefill_then_verify
 from tests.models.test_q4_rows import random_q4_k, random_q6_k
 
 gguf = pytest.importorskip("gguf")
@@ -83,13 +82,7 @@ IDS = [3, 50, 7, 7, 7, 91, 12, 0, 44, 5, 5, 60]
 
 
 def logits(model) -> torch.Tensor:
-    cfg = model.cfg
-    pool = KVPool(model.be, 16, 16, cfg.kv_heads, cfg.head_dim, num_layers=cfg.layers, dtype=model.dtype)
-    seq = pool.sequence()
-    first, _ = forward(model, pool, [seq], [IDS[:8]], True)
-    seq.commit(8)
-    rest, _ = forward(model, pool, [seq], [IDS[8:]], True)
-    return torch.cat([first, rest]).float()
+    return prefill_then_verify(model, IDS, 8)
 
 
 def close(a: torch.Tensor, b: torch.Tensor) -> None:

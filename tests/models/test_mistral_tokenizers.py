@@ -23,13 +23,12 @@ import pytest
 import torch
 
 import hal
-from hal.engine.forward import forward
-from hal.kv import KVPool
 from hal.models.gguf_file import open_gguf
 from hal.models.loaders import load_gguf
 from hal.models.tokenizer import from_gguf_fields
 from hal.server.openai_schema import text_tokenizer
 from tests.llama_cpp import convert
+from tests.models.runs import prefill_then_verify
 
 mistral_common = pytest.importorskip("mistral_common")
 transformers = pytest.importorskip("transformers")
@@ -102,15 +101,9 @@ def test_a_converted_mistral_gguf_gives_transformers_logits(spm_gguf):
     _, ref, hf, gguf = spm_gguf
     model, _ = load_gguf(gguf, hal.get_backend("cpu"), "float32")
     ids = ref.encode("The quick brown fox, 12345 times: été.", bos=True, eos=False)
-    cfg = model.cfg
-    pool = KVPool(model.be, 16, 16, cfg.kv_heads, cfg.head_dim, num_layers=cfg.layers)
-    seq = pool.sequence()
-    prefill, _ = forward(model, pool, [seq], [ids[:-4]], True)
-    seq.commit(len(ids) - 4)
-    verify, _ = forward(model, pool, [seq], [ids[-4:]], True)
     with torch.no_grad():
         want = hf(torch.tensor([ids])).logits[0].float()
-    torch.testing.assert_close(torch.cat([prefill, verify]), want, atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(prefill_then_verify(model, ids, len(ids) - 4), want, atol=2e-4, rtol=2e-4)
 
 
 @pytest.fixture(scope="module")
