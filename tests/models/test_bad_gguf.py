@@ -21,7 +21,7 @@ TOKENS = ["t", "0", "1", "t0", "t1"] + [f"x{i}" for i in range(35)] + ["<|endoft
 
 
 def write(path, *, arch="llama", merges=True, embed_rows=len(TOKENS), pre="smollm", extra=None, drop=None,
-          tokens=TOKENS):
+          tokens=TOKENS, rope_dims=None):
     import gguf
     g = np.random.default_rng(0)
     w = gguf.GGUFWriter(str(path), arch)
@@ -30,6 +30,8 @@ def write(path, *, arch="llama", merges=True, embed_rows=len(TOKENS), pre="smoll
     w.add_uint32(f"{arch}.feed_forward_length", FFN)
     w.add_uint32(f"{arch}.attention.head_count", HEADS)
     w.add_uint32(f"{arch}.attention.head_count_kv", KV)
+    if rope_dims is not None:   # RoPE over part of each head (Phi-4-mini's partial rotary factor)
+        w.add_uint32(f"{arch}.rope.dimension_count", rope_dims)
     w.add_uint32(f"{arch}.context_length", 256)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(pre)
@@ -89,6 +91,8 @@ CASES = {
     "rope-freqs-shape": (lambda p: write(p / "r.gguf", extra={"rope_freqs.weight": (3,)}),
                          r"expected rope_freqs.weight F32 \[4\], got F32 \[3\]"),
     "missing-tensor": (lambda p: write(p / "d.gguf", drop="blk.0.ffn_up.weight"), "1 missing .blk.0.ffn_up.weight"),
+    "partial-rotary": (lambda p: write(p / "q.gguf", rope_dims=H // HEADS // 2),
+                       r"expected llama.rope.dimension_count 8 \(RoPE over the whole head\), got 4"),
 }
 
 

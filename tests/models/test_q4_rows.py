@@ -248,7 +248,14 @@ def test_bad_input_is_refused_naming_the_argument():
                     (lambda: choose_plan([(96, 64)], "stored", stored_int4=[True], cache=False, form="int8"), "form"),
                     (lambda: q4_rows.pack(blocks, torch.float32).mm(torch.zeros(2, 32)), "x"),
                     (lambda: q4_rows.pack(blocks, torch.float32).mm(torch.zeros(2, 64, dtype=torch.int32)), "x"),
-                    (lambda: q4_rows.pack(blocks, torch.float32).to("meta"), "device")):
+                    (lambda: q4_rows.pack(blocks, torch.float32).to("meta"), "device"),
+                    (lambda: q4_rows.pack_q6k(torch.full((48, 64), 40, dtype=torch.int8), torch.ones(48, 2),
+                                              torch.ones(48, 4, dtype=torch.int8), torch.float32), "weight"),  # code > 31
+                    (lambda: q4_rows.pack_q6k(torch.zeros(48, 64, dtype=torch.int8), torch.ones(48, 2),
+                                              torch.ones(48, 3, dtype=torch.int8), torch.float32), "weight"),
+                    (lambda: q4_rows.pack_q4k(torch.zeros(48, 64, dtype=torch.uint8), torch.full((48, 2), 1e-9),
+                                              torch.ones(48, 2), torch.ones(48, 2), torch.ones(48, 2),
+                                              torch.float32), "weight")):   # d fp16 would round
         with pytest.raises(HalError) as e:
             fn()
         assert e.value.arg == arg
