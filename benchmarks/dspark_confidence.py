@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 import hal
-from hal.models.dspark import read_config, shipped_block
+from hal.models.block_layouts import read_config
+from hal.models.dspark import shipped_block
 from hal.models.fetch import load_model
 from hal.models.machine import machine_line
 from hal.training import block_data, data

@@ -121,7 +121,8 @@ def main() -> None:
                (f"spec-hal ngram k={k}", lambda ids: run_ours(target, NgramDrafter(be), ids, n, k)),
                (f"spec-hal self-spec L={args.self_layers} k=3",
                 lambda ids: run_ours(target, ModelDrafter(target.layer_view(args.self_layers)), ids, n, 3))]
-    from hal.models.eagle import load_eagle, shipped_head
+    from hal.models.eagle import shipped_head
+    from hal.models.eagle_layouts import load_eagle
     from hal.drafters.eagle import HeadDrafter, NgramOrHead
     head = load_eagle(args.head or shipped_head("smollm2-135m"), target)
     ek, tk = args.eagle_k, args.tree_k

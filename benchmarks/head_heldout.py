@@ -18,7 +18,8 @@ import hal
 from hal.models.machine import machine_line
 from hal import kv
 from hal.training import data as eagle_data
-from hal.models.eagle import load_eagle, shipped_head
+from hal.models.eagle import shipped_head
+from hal.models.eagle_layouts import load_eagle
 from hal.models.fetch import load_model
 from hal.engine.forward import make_batch
 from hal.models.tokenizer import chatml

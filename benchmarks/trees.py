@@ -43,7 +43,8 @@ def models(be, dev, random: bool):
         cfg = EagleConfig(version=1, hidden=576, heads=9, kv_heads=3, head_dim=64, ffn=1536, eps=1e-5,
                           rope_base=100000.0, draft_vocab=8192)
         return target, EagleModel(cfg, w, target)
-    from hal.models.eagle import load_eagle, shipped_head
+    from hal.models.eagle import shipped_head
+    from hal.models.eagle_layouts import load_eagle
     from hal.models.fetch import fetch
     from hal.models.loaders import load_gguf
     target = load_gguf(fetch("smollm2-135m"), be, "auto")[0].to(dev)

@@ -29,11 +29,11 @@ from hal.ops import cumulative
 class BlockDrafter:
     """A `hal.engine.drafting.Drafter` with ``features`` (the block drafter's taps).
 
-    Request i gets ``min(k[i], B - 1)`` proposals from one forward (the rest of its ``k[i]``
+    Request i gets ``min(k[i], model.proposals)`` proposals from one forward (the rest of its ``k[i]``
     slots are filler). With ``batch.costs`` (a routed engine) ``num_valid`` is the confidence
     cut; without, every proposal is verified (a fixed-length block; so on a draft rank, whose
     worker has no cost model). ``confidences`` holds the last call's predicted acceptances per
-    request (host floats: one small readback of [R, B - 1] per call, free on CPU)."""
+    request (host floats: one small readback of [R, proposals] per call, free on CPU)."""
 
     shadow = False   # a block costs a forward: requests routed to k = 0 are probed by the router instead
 
@@ -86,7 +86,7 @@ class BlockDrafter:
 
     def _forward(self, b: DraftBatch, plan) -> tuple[Tensor, Tensor, Tensor, list[int]]:
         """Write the new context of every request and run the blocks of those with k > 0:
-        (base logits [R', B-1, Vd], hidden [R', B-1, H], anchors [R'], their rows of ``b``)."""
+        (base logits [R', P, Vd], hidden [R', P, H] of the P proposing rows, anchors [R'], their rows of ``b``)."""
         m, dev, B = self.model, self.model.device, self.model.cfg.block
         feats = None if b.features is None else b.features.to(dev)
         seqs, ctx_rows, blk_rows, parts, drafting, at, end, row = [], [], [], [], [], [], 0, 0
@@ -143,8 +143,11 @@ class BlockDrafter:
         conf = []
 
         def row(prev: Tensor, j: int) -> Tensor:
-            r = base[:, j].float() + m.markov(prev)
-            conf.append(m.confidence(h[:, j].float(), r))
+            r, bias = base[:, j].float(), m.markov(prev)
+            r = r if bias is None else r + bias
+            c = m.confidence(h[:, j].float(), r, prev)
+            if c is not None:
+                conf.append(c)
             return r
         if all(p.temperature == 0 for p in b.params):   # greedy: the argmax of the same rows
             toks, prev = [], anchors
@@ -154,9 +157,10 @@ class BlockDrafter:
             part = slots(torch.stack(toks, 1), capped.k)
         else:
             part = sample_chain(capped, self.be, dev, lambda x, j: m.full_logits(row(anchors if j == 0 else x, j)))
-        c = torch.stack(conf, 1).tolist()
-        self.confidences = dict(zip(b.rids, c))
-        valid = confidence_cut(c, capped.k, b.lengths, b.costs) if b.costs is not None else list(capped.k)
+        c = torch.stack(conf, 1).tolist() if conf else None   # None: a layout without a confidence head
+        self.confidences = dict(zip(b.rids, c)) if c is not None else {}
+        valid = confidence_cut(c, capped.k, b.lengths, b.costs) if b.costs is not None and c is not None \
+            else list(capped.k)
         return pad(part, capped.k, b.k, valid, dev)
 
     def _hold(self, rid: int, length: int, feats: Tensor | None) -> None:

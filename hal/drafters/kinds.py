@@ -7,7 +7,9 @@ layers; half of them by default), ``model:<path>`` (a separate draft model), ``e
 EAGLE-1 / EAGLE-3 layout), ``ngram+eagle[:<path>]`` (n-gram lookup where it finds a match,
 the head elsewhere), or the draft-tree forms ``ngram-tree`` (lookup candidates as branches),
 ``eagle-tree[:<path>]`` and ``ngram+eagle-tree[:<path>]`` (EAGLE-2 dynamic trees, `TREE`), or
-``dspark[:<path>]`` / ``ngram+dspark[:<path>]`` (a DSpark block drafter, `hal.models.dspark`)."""
+``dspark[:<path>]`` / ``ngram+dspark[:<path>]`` (a DSpark block drafter, `hal.models.dspark`;
+a folder in any layout `hal.models.block_layouts` reads), ``dflash:<path>`` (the same, for a
+published DFlash or DSpark folder)."""
 
 from __future__ import annotations
 
@@ -57,7 +59,10 @@ DRAFT_KINDS = (
               "verification): the one shipped for the model, or a folder", head=True, ahead=False),
     DraftKind("ngram+dspark", "[:<path>]", "n-gram lookup where it matches, the block drafter elsewhere", head=True,
               ahead=False),
+    DraftKind("dflash", ":<path>", "a published block drafter folder, its layout read from config.json (z-lab's "
+              "DFlashDraftModel, DeepSpec's Qwen3DSparkModel; dspark:<path> reads the same)", head=True, ahead=False),
 )
+BLOCK = ("dspark", "ngram+dspark", "dflash")   # the block drafter's kinds (`hal.models.block_layouts`)
 KINDS = {kind.name: kind for kind in DRAFT_KINDS}
 HEADS = tuple(kind.name for kind in DRAFT_KINDS if kind.head)   # the kinds that read the target's features
 
@@ -119,10 +124,12 @@ def feature_layers(spec: DraftSpec, model: str, target_layers: int) -> tuple[int
     None for kinds that read no features."""
     if not KINDS[spec.kind].head:
         return None
-    if spec.kind.endswith("dspark"):
-        from hal.models.dspark import read_config, shipped_block
+    if spec.kind in BLOCK:
+        from hal.models.block_layouts import read_config
+        from hal.models.dspark import shipped_block
         return read_config(spec.path or shipped_block(model)).taps
-    from hal.models.eagle import head_feature_layers, shipped_head
+    from hal.models.eagle import shipped_head
+    from hal.models.eagle_layouts import head_feature_layers
     return head_feature_layers(spec.path or shipped_head(model), target_layers)
 
 
@@ -157,17 +164,19 @@ def make_drafter(spec: DraftSpec, backend, target=None, path: str | None = None,
         return NgramDrafter(backend)
     if spec.kind == "ngram-tree":
         return NgramTreeDrafter(backend)
-    if spec.kind in ("dspark", "ngram+dspark"):
+    if spec.kind in BLOCK:
         from hal.drafters.dspark import BlockDrafter
         from hal.drafters.eagle import NgramOrHead
-        from hal.models.dspark import load_block, shipped_block
+        from hal.models.block_layouts import load_block
+        from hal.models.dspark import shipped_block
         if target is None:
             raise HalError(f"--draft {spec.kind}: expected the target model in this process (a block drafter shares "
                            f"its embeddings and lm_head), got a separate draft rank", arg="--draft")
         block = BlockDrafter(load_block(spec.path or shipped_block(path or ""), target, backend, device))
-        return block if spec.kind == "dspark" else NgramOrHead(NgramDrafter(backend, min_n=2), block)
+        return block if spec.kind != "ngram+dspark" else NgramOrHead(NgramDrafter(backend, min_n=2), block)
     if KINDS[spec.kind].head:
-        from hal.models.eagle import load_eagle, shipped_head
+        from hal.models.eagle import shipped_head
+        from hal.models.eagle_layouts import load_eagle
         from hal.drafters.eagle import HeadDrafter, NgramOrHead
         if target is None:
             raise HalError(f"--draft {spec.kind}: expected the target model in this process (an EAGLE head reads "

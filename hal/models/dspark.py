@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
+from enum import IntEnum
 from pathlib import Path
 
 import torch
@@ -43,6 +44,14 @@ from hal.models.llama import Batch, Llama, _rms_norm
 from hal.models.rope import Rope
 
 
+class Confidence(IntEnum):
+    """What the confidence head reads besides the position's hidden state h_j."""
+    NONE = 0     # no confidence head (DFlash): every proposal is offered to the router
+    TOP = 1      # [h_j, log max softmax(row_j)] -> conf [H + 1] (the dspark-block layout)
+    MARKOV = 2   # [h_j, markov_w1[x_{j-1}]] -> conf [H + r] (DeepSpec, confidence_head_with_markov)
+    HIDDEN = 3   # h_j alone -> conf [H] (DeepSpec without the Markov input)
+
+
 @dataclass(frozen=True)
 class BlockConfig:
     hidden: int
@@ -53,24 +62,44 @@ class BlockConfig:
     layers: int                # draft layers
     taps: tuple[int, ...]      # target layers whose input residual streams are the context features
     #                            (the target's layer count: the last layer's output)
-    block: int                 # B: the anchor plus B - 1 proposed tokens
-    rank: int                  # the Markov head's rank r
+    block: int                 # B: the anchor plus B - 1 mask rows
+    rank: int                  # the Markov head's rank r (0: none)
     draft_vocab: int
     rope_base: float = 10000.0
     eps: float = 1e-5
     direct: bool = False       # the mask rows also read the anchor and the last context feature
+    qk_norm: bool = False      # per-head RMSNorm of q and k (``{i}.q_norm``, ``{i}.k_norm``: Qwen3 layers)
+    anchor_predicts: bool = False   # row j proposes position L + j, the anchor's row too (B proposals:
+    #                                 DeepSpec's layout), else row j >= 1 proposes L - 1 + j (B - 1)
+    markov_table: bool = False      # the Markov head's first factor is a table ``markov_w1`` [V, r] by
+    #                                 target id (DeepSpec), else ``markov_in`` [r, H] of the token's embedding
+    confidence: Confidence = Confidence.TOP
 
-    def shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every weight's shape under its internal name (``draft_ids`` aside)."""
-        H, nq, nk = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
-        out = {"fc": (H, len(self.taps) * H), "hidden_norm": (H,), "mask": (H,), "norm": (H,),
-               "markov_in": (self.rank, H), "markov_out": (self.draft_vocab, self.rank), "conf": (H + 1,),
-               "conf_bias": (1,)}
+    def __post_init__(self):
+        object.__setattr__(self, "confidence", Confidence(self.confidence))
+
+    @property
+    def proposals(self) -> int:
+        return self.block if self.anchor_predicts else self.block - 1
+
+    def shapes(self, vocab: int = 0) -> dict[str, tuple[int, ...]]:
+        """Every weight's shape under its internal name (``draft_ids`` aside; ``vocab``: the
+        target's, the rows of a ``markov_w1`` table)."""
+        H, nq, nk, r = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.rank
+        out = {"fc": (H, len(self.taps) * H), "hidden_norm": (H,), "mask": (H,), "norm": (H,)}
+        if r:
+            out.update({"markov_w1": (vocab, r)} if self.markov_table else {"markov_in": (r, H)})
+            out["markov_out"] = (self.draft_vocab, r)
+        if self.confidence != Confidence.NONE:
+            out["conf"] = (H + {Confidence.TOP: 1, Confidence.MARKOV: r, Confidence.HIDDEN: 0}[self.confidence],)
+            out["conf_bias"] = (1,)
         if self.direct:
             out["direct"] = (H, 2 * H)
         for i in range(self.layers):
             out.update({f"{i}.attn_norm": (H,), f"{i}.wqkv": (nq + 2 * nk, H), f"{i}.wo": (H, nq),
                         f"{i}.ffn_norm": (H,), f"{i}.wgu": (2 * self.ffn, H), f"{i}.wdown": (H, self.ffn)})
+            if self.qk_norm:
+                out.update({f"{i}.q_norm": (self.head_dim,), f"{i}.k_norm": (self.head_dim,)})
         return out
 
 
@@ -92,7 +121,7 @@ class BlockModel:
             raise HalError(f"block drafter taps: expected increasing layers in [0, {tc.layers}], got {cfg.taps}")
         if cfg.block < 2:
             raise HalError(f"block drafter block: expected >= 2 (the anchor and a proposal), got {cfg.block}")
-        for name, shape in cfg.shapes().items():
+        for name, shape in cfg.shapes(tc.vocab).items():
             if name not in w or tuple(w[name].shape) != shape:
                 raise HalError(f"block drafter weight {name}: expected shape {list(shape)}, got "
                                f"{list(w[name].shape) if name in w else 'nothing'}")
@@ -100,11 +129,16 @@ class BlockModel:
         if ids is None or tuple(ids.shape) != (cfg.draft_vocab,) or ids.min() < 0 or ids.max() >= tc.vocab:
             raise HalError(f"block drafter draft_ids: expected {cfg.draft_vocab} ids in [0, {tc.vocab}), got "
                            f"{None if ids is None else list(ids.shape)}")
+        for name in ("embed", "head"):   # a layout's own copies (DeepSpec ships the target's), else the target's
+            if name in w and tuple(w[name].shape) != (tc.vocab, cfg.hidden):
+                raise HalError(f"block drafter weight {name}: expected the target's vocabulary and hidden size "
+                               f"{[tc.vocab, cfg.hidden]}, got {list(w[name].shape)}")
         self.cfg, self.vocab = cfg, tc.vocab
-        self.w = {n: t.to(self.device, torch.float32) for n, t in w.items() if n != "draft_ids"}
+        self.w = {n: t.to(self.device, torch.float32) for n, t in w.items() if n not in ("draft_ids", "embed", "head")}
         self.draft_ids = ids.long().to(self.device)
-        self.embed = target.embed.to(self.device)
-        self.w["head"] = target.head.to(self.device)[self.draft_ids].contiguous()
+        self.embed = w["embed"].to(self.device, torch.float32) if "embed" in w else target.embed.to(self.device)
+        head = w["head"].to(self.device, torch.float32) if "head" in w else target.head.to(self.device)
+        self.w["head"] = head[self.draft_ids].contiguous()
         nq = cfg.heads * cfg.head_dim
         for i in range(cfg.layers):   # the linear layers run as the target's drafts do (its draft_weight)
             self.w[f"{i}.wkv"] = self.w[f"{i}.wqkv"][nq:]   # the context rows' keys and values alone
@@ -119,13 +153,14 @@ class BlockModel:
 
     @property
     def proposals(self) -> int:
-        """Tokens one forward proposes (B - 1)."""
-        return self.cfg.block - 1
+        """Tokens one forward proposes (B - 1, or B where the anchor's row proposes too)."""
+        return self.cfg.proposals
 
     def forward(self, batch: Batch, k_caches: list[Tensor], v_caches: list[Tensor], feats: Tensor,
                 ctx_rows: Tensor, block_rows: Tensor, anchors: Tensor, block_batch: Batch,
                 prev: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Base logits [R, B - 1, Vd] and hidden states [R, B - 1, H] of each drafting request's block.
+        """Base logits [R, P, Vd] and hidden states [R, P, H] of each drafting request's block's
+        P = `proposals` proposing rows.
 
         ``batch``: every fed row (each request's new context rows, then, for the R requests that
         draft, its B block rows, at consecutive positions) with its KV slot; ``ctx_rows`` /
@@ -157,21 +192,26 @@ class BlockModel:
             qkv = lin(_rms_norm(h, w[f"{i}.attn_norm"], cfg.eps), w[f"{i}.wqkv"])
             k = qkv.new_empty(T, cfg.kv_heads, D)
             v = qkv.new_empty(T, cfg.kv_heads, D)
-            k[block_rows] = self.rope.apply(qkv[:, nq:nq + nk].view(-1, cfg.kv_heads, D), rot_blk)
+            k[block_rows] = self.rope.apply(self._norm(qkv[:, nq:nq + nk].view(-1, cfg.kv_heads, D), i, "k"), rot_blk)
             v[block_rows] = qkv[:, nq + nk:].view(-1, cfg.kv_heads, D)
             if ctx is not None:
                 kv = lin(ctx, w[f"{i}.wkv"])
-                k[ctx_rows] = self.rope.apply(kv[:, :nk].view(-1, cfg.kv_heads, D), rot[ctx_rows])
+                k[ctx_rows] = self.rope.apply(self._norm(kv[:, :nk].view(-1, cfg.kv_heads, D), i, "k"), rot[ctx_rows])
                 v[ctx_rows] = kv[:, nk:].view(-1, cfg.kv_heads, D)
             self.be.write_kv(k.to(k_caches[i].dtype), v.to(v_caches[i].dtype), k_caches[i], v_caches[i],
                              batch.slot_mapping)
-            q = self.rope.apply(qkv[:, :nq].view(-1, cfg.heads, D), rot_blk)
+            q = self.rope.apply(self._norm(qkv[:, :nq].view(-1, cfg.heads, D), i, "q"), rot_blk)
             o = self._attention(q, k_caches[i], v_caches[i], block_batch, ones, batch.slot_mapping[block_rows])
             h = h + lin(o.reshape(R * B, nq), w[f"{i}.wo"])
             gate, up = lin(_rms_norm(h, w[f"{i}.ffn_norm"], cfg.eps), w[f"{i}.wgu"]).split(cfg.ffn, -1)
             h = h + lin(F.silu(gate) * up, w[f"{i}.wdown"])
-        out = _rms_norm(h.view(R, B, -1)[:, 1:], w["norm"], cfg.eps)
-        return self.head_mm(out.reshape(R * (B - 1), -1), w["head"]).view(R, B - 1, -1), out
+        P = cfg.proposals
+        out = _rms_norm(h.view(R, B, -1)[:, B - P:], w["norm"], cfg.eps)
+        return self.head_mm(out.reshape(R * P, -1), w["head"]).view(R, P, -1), out
+
+    def _norm(self, x: Tensor, i: int, which: str) -> Tensor:
+        """Layer i's per-head RMSNorm of q or k ([T, heads, D]) where the layout has them."""
+        return _rms_norm(x, self.w[f"{i}.{which}_norm"], self.cfg.eps) if self.cfg.qk_norm else x
 
     def _attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, blocks: Batch, ones: Tensor,
                    slots: Tensor) -> Tensor:
@@ -195,12 +235,11 @@ class BlockModel:
             rot = self.rope(batch.positions, batch.max_position)
             for i in range(cfg.layers):
                 kv = lin(ctx, w[f"{i}.wkv"])
-                k = self.rope.apply(kv[:, :nk].view(-1, cfg.kv_heads, D), rot)
+                k = self.rope.apply(self._norm(kv[:, :nk].view(-1, cfg.kv_heads, D), i, "k"), rot)
                 self.be.write_kv(k.to(k_caches[i].dtype), kv[:, nk:].reshape(-1, cfg.kv_heads, D).to(v_caches[i].dtype),
                                  k_caches[i], v_caches[i], batch.slot_mapping)
-        none = torch.zeros(0, cfg.block - 1, device=self.device)
-        return none[..., None].expand(0, cfg.block - 1, cfg.draft_vocab), none[..., None].expand(0, cfg.block - 1,
-                                                                                                  cfg.hidden)
+        none = torch.zeros(0, cfg.proposals, 1, device=self.device)
+        return none.expand(0, cfg.proposals, cfg.draft_vocab), none.expand(0, cfg.proposals, cfg.hidden)
 
     def direct(self, first: Tensor, prev: Tensor) -> Tensor:
         """The mask rows' direct input [R, H]: ``direct @ [anchor embedding, fused prev]`` (zero
@@ -209,15 +248,26 @@ class BlockModel:
         fused = _rms_norm(lin(prev, w["fc"]), w["hidden_norm"], cfg.eps)
         return lin(torch.cat([first, fused.to(first.dtype)], -1), w["direct"]).to(first.dtype)
 
-    def markov(self, prev: Tensor) -> Tensor:
-        """The Markov head's logit bias [R, Vd] for the positions after tokens ``prev`` [R] (target ids)."""
-        return (self.embed[prev] @ self.w["markov_in"].T) @ self.w["markov_out"].T
+    def markov(self, prev: Tensor) -> Tensor | None:
+        """The Markov head's logit bias [R, Vd] for the positions after tokens ``prev`` [R]
+        (target ids); None without a Markov head (rank 0)."""
+        if not self.cfg.rank:
+            return None
+        first = self.w["markov_w1"][prev] if self.cfg.markov_table else self.embed[prev] @ self.w["markov_in"].T
+        return first @ self.w["markov_out"].T
 
-    def confidence(self, h: Tensor, row: Tensor) -> Tensor:
-        """Predicted acceptance [R] of a position from its hidden state [R, H] and its final
-        draft-vocabulary logits [R, Vd] (temperature 1; never the token drawn from them)."""
-        top = torch.log_softmax(row.float(), -1).max(-1).values
-        return torch.sigmoid(h @ self.w["conf"][:-1] + top * self.w["conf"][-1] + self.w["conf_bias"])
+    def confidence(self, h: Tensor, row: Tensor, prev: Tensor) -> Tensor | None:
+        """Predicted acceptance [R] of a position from its hidden state [R, H], its final
+        draft-vocabulary logits [R, Vd] (temperature 1; never the token drawn from them) or the
+        token before it ``prev`` [R] (`Confidence`); None without a confidence head."""
+        c, w = self.cfg.confidence, self.w
+        if c == Confidence.NONE:
+            return None
+        if c == Confidence.TOP:
+            top = torch.log_softmax(row.float(), -1).max(-1).values
+            return torch.sigmoid(h @ w["conf"][:-1] + top * w["conf"][-1] + w["conf_bias"])
+        x = h if c == Confidence.HIDDEN else torch.cat([h, w["markov_w1"][prev]], -1)
+        return torch.sigmoid(x @ w["conf"] + w["conf_bias"])
 
     def full_logits(self, draft_logits: Tensor) -> Tensor:
         """Draft-vocabulary logits spread over the target's vocabulary (-inf elsewhere)."""
@@ -226,7 +276,8 @@ class BlockModel:
         return out
 
 
-# -- the folder layout: config.json (BlockConfig's fields) + model.safetensors (internal names) -----------------
+# -- spec-hal's own folder layout (read by `hal.models.block_layouts`): config.json (BlockConfig's fields) +
+# model.safetensors (internal names)
 
 def save_block(folder: Path, cfg: BlockConfig, w: dict[str, Tensor], extra: dict | None = None) -> None:
     from safetensors.torch import save_file
@@ -235,32 +286,6 @@ def save_block(folder: Path, cfg: BlockConfig, w: dict[str, Tensor], extra: dict
     save_file(tensors, str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps({"architecture": "dspark-block", **asdict(cfg), **(extra or {})},
                                                    indent=1) + "\n")
-
-
-def read_config(folder: str | Path) -> BlockConfig:
-    """A block drafter's config from its folder, without its weights (a target rank's taps)."""
-    path = Path(folder) / "config.json"
-    if not path.is_file():
-        raise HalError(f"block drafter: expected a folder with config.json, got {str(folder)!r}")
-    c = json.loads(path.read_text())
-    if c.get("architecture") != "dspark-block":
-        raise HalError(f"block drafter {str(folder)!r}: expected architecture 'dspark-block', got "
-                       f"{c.get('architecture')!r}")
-    names = BlockConfig.__dataclass_fields__
-    try:
-        return BlockConfig(**{**{k: v for k, v in c.items() if k in names}, "taps": tuple(c["taps"])})
-    except (KeyError, TypeError) as e:
-        raise HalError(f"block drafter {str(folder)!r}: expected the BlockConfig fields, got {e}") from None
-
-
-def load_block(folder: str | Path, target: Llama, backend=None, device=None) -> BlockModel:
-    """A block drafter from ``folder`` (config.json + model.safetensors) for ``target``."""
-    from safetensors.torch import load_file
-    cfg = read_config(folder)
-    path = Path(folder) / "model.safetensors"
-    if not path.is_file():
-        raise HalError(f"block drafter: expected {str(path)!r}, got no such file")
-    return BlockModel(cfg, load_file(str(path)), target, backend, device)
 
 
 SHIPPED = {   # model name -> (folder under hal/models/heads, sha256 of its model.safetensors)

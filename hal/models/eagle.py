@@ -13,7 +13,6 @@ the head's KV once; its own draft steps are scratch, truncated at the next call.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +39,8 @@ class EagleConfig:
     feature_layers: tuple[int, ...] = ()  # EAGLE-3: target layers whose input residual streams are the features
     draft_vocab: int | None = None        # None: the target's whole vocabulary
     rope_scaling: dict | None = None      # HF's rope_scaling (llama3 or none)
+    qk_norm: bool = False                 # per-head RMSNorm of q and k (``q_norm``, ``k_norm``: Qwen3 layers)
+    norm_before_residual: bool = False    # EAGLE-3: the residual is the normed feature (speculators' flag)
 
 
 class EagleModel:
@@ -103,9 +104,16 @@ class EagleModel:
             inp = h if "attn_norm" not in w else _rms_norm(h, w["attn_norm"], cfg.eps)
         else:
             h = self.fuse(x) if from_target else x
-            inp = torch.cat([_rms_norm(e, w["attn_norm"], cfg.eps), _rms_norm(h, w["hidden_norm"], cfg.eps)], -1)
+            hn = _rms_norm(h, w["hidden_norm"], cfg.eps)
+            inp = torch.cat([_rms_norm(e, w["attn_norm"], cfg.eps), hn], -1)
+            h = hn if cfg.norm_before_residual else h
         nq, nk = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
         qkv = lin(inp, w["wqkv"])
+        if cfg.qk_norm:
+            D = cfg.head_dim
+            qkv = torch.cat([_rms_norm(qkv[:, :nq].reshape(T, -1, D), w["q_norm"], cfg.eps).reshape(T, nq),
+                             _rms_norm(qkv[:, nq:nq + nk].reshape(T, -1, D), w["k_norm"], cfg.eps).reshape(T, nk),
+                             qkv[:, nq + nk:]], -1)
         rot = self.rope(batch.positions, batch.max_position)
         if self._fused(k_cache):   # the target's row kernels: RoPE, the KV write and the attention in C
             o = self._fused_attention(batch, qkv, rot, k_cache, v_cache, tree_mask)
@@ -152,97 +160,6 @@ class EagleModel:
         out = draft_logits.new_full((draft_logits.shape[0], self.vocab), float("-inf"))
         out[:, self.draft_ids] = draft_logits
         return out
-
-
-# -- loading the published layouts ---------------------------------------------------------------
-
-_LAYER = {"self_attn.q_proj": "wq", "self_attn.k_proj": "wk", "self_attn.v_proj": "wv", "self_attn.o_proj": "wo",
-          "mlp.gate_proj": "wgate", "mlp.up_proj": "wup", "mlp.down_proj": "wdown",
-          "post_attention_layernorm": "ffn_norm", "input_layernorm": "attn_norm", "hidden_norm": "hidden_norm"}
-
-
-def _read_tensors(folder: Path) -> dict[str, Tensor]:
-    files = sorted(folder.glob("*.safetensors"))
-    out: dict[str, Tensor] = {}
-    if files:
-        from safetensors.torch import load_file
-        for f in files:
-            out.update(load_file(str(f)))
-    else:
-        for f in sorted(folder.glob("*.bin")):
-            out.update(torch.load(str(f), map_location="cpu", weights_only=True))
-    if not out:
-        raise HalError(f"head: expected *.safetensors or *.bin weights in {str(folder)!r}, got none")
-    return out
-
-
-def _layers(c: dict, version: int, target_layers: int) -> tuple[int, ...]:
-    ids = (c.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    L = target_layers   # ids name layer outputs; the runner taps the next layer's input
-    return (tuple(i + 1 for i in ids) if ids else (2, L // 2, L - 3)) if version == 3 else ()
-
-
-def head_feature_layers(path: str | Path, target_layers: int) -> tuple[int, ...]:
-    """The target layers a head's features come from (``()``: the final normed hidden state),
-    read from its folder without loading the weights (the target rank of a remote head)."""
-    folder = Path(path)
-    if not (folder / "config.json").is_file():
-        raise HalError(f"head: expected a folder with config.json, got {str(path)!r}")
-    names: list[str] = []
-    for f in sorted(folder.glob("*.safetensors")):
-        from safetensors import safe_open
-        with safe_open(str(f), "pt") as h:
-            names += list(h.keys())
-    version = 3 if any(n.startswith("midlayer.") for n in names) else 1
-    return _layers(json.loads((folder / "config.json").read_text()), version, target_layers)
-
-
-def load_eagle(path: str | Path, target: Llama, backend=None, device=None) -> EagleModel:
-    """An EAGLE-1 or EAGLE-3 head from a folder in the published HF layout (config.json +
-    safetensors or pytorch_model.bin), for ``target`` (its embeddings and lm_head, unless the
-    head has its own), on ``backend`` / ``device`` (default: the target's). The version is
-    read off the names: ``midlayer.*`` is EAGLE-3, ``layers.0.*`` EAGLE-1."""
-    folder = Path(path)
-    if not (folder / "config.json").is_file():
-        raise HalError(f"head: expected a folder with config.json, got {str(path)!r}")
-    c = json.loads((folder / "config.json").read_text())
-    raw = _read_tensors(folder)
-    version = 3 if any(n.startswith("midlayer.") for n in raw) else 1
-    prefix = "midlayer." if version == 3 else "layers.0."
-    w: dict[str, Tensor] = {}
-    for name, t in raw.items():
-        base = name.removesuffix(".weight")
-        if name.startswith(prefix) and base[len(prefix):] in _LAYER:
-            w[_LAYER[base[len(prefix):]]] = t.float()
-        elif name == "fc.weight":
-            w["fc"] = t.float()
-        elif name == "fc.bias":
-            w["fc_bias"] = t.float()
-        elif name == "norm.weight":
-            w["norm"] = t.float()
-        elif name == "lm_head.weight":
-            w["head"] = t.float()
-        elif name == "embed_tokens.weight":
-            w["embed"] = t.float()
-        elif name == "d2t":
-            w["draft_ids"] = torch.arange(t.shape[0]) + t.long()   # EAGLE-3 stores target id - draft id
-    missing = [n for n in ("wq", "wk", "wv", "wo", "wgate", "wup", "wdown", "ffn_norm", "fc") if n not in w]
-    if version == 3:
-        missing += [n for n in ("attn_norm", "hidden_norm", "norm") if n not in w]
-    if missing:
-        raise HalError(f"head weights: expected the EAGLE-{version} layout, missing {missing}")
-    w["wqkv"] = torch.cat([w.pop("wq"), w.pop("wk"), w.pop("wv")])
-    w["wgu"] = torch.cat([w.pop("wgate"), w.pop("wup")])
-    heads = c["num_attention_heads"]
-    layers = _layers(c, version, target.cfg.layers)
-    cfg = EagleConfig(version=version, hidden=c["hidden_size"], heads=heads,
-                      kv_heads=c.get("num_key_value_heads", heads),
-                      head_dim=c.get("head_dim", c["hidden_size"] // heads), ffn=c["intermediate_size"],
-                      rope_base=float(c.get("rope_theta", 10000.0)), eps=float(c.get("rms_norm_eps", 1e-5)),
-                      feature_layers=layers,
-                      draft_vocab=c.get("draft_vocab_size") if "draft_ids" in w or "head" in w else None,
-                      rope_scaling=c.get("rope_scaling"))
-    return EagleModel(cfg, w, target, backend, device)
 
 
 # -- heads shipped with the package ----------------------------------------------------------------

@@ -92,7 +92,8 @@ def refit_folder(folder, out, model: str = "smollm2-135m") -> dict:
 
     from safetensors.torch import load_file
 
-    from hal.models.dspark import read_config, save_block
+    from hal.models.block_layouts import read_config
+    from hal.models.dspark import save_block
     from hal.training import block_data
     from hal.errors import HalError
     from hal.training.block_data import CANDIDATE_TAPS, to_draft_of

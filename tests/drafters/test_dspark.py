@@ -17,7 +17,8 @@ from hal.engine.drafting import DraftBatch
 from hal.engine.requests import Request
 from hal.engine.router import CostModel
 from hal.errors import HalError
-from hal.models.dspark import BlockConfig, BlockModel, load_block, save_block
+from hal.models.block_layouts import load_block
+from hal.models.dspark import BlockConfig, BlockModel, save_block
 from hal.models.llama import random_llama
 from hal.training.block_train import BlockTrain
 from tests.drafters.test_eagle import D, FFN, H, HEADS, KV, LAYERS, V, target_features
@@ -322,7 +323,8 @@ def test_sampled_output_keeps_the_target_law_and_a_wrong_row_mutant_does_not(tar
 
 
 def test_the_shipped_block_drafter_is_checked_and_named():
-    from hal.models.dspark import read_config, shipped_block
+    from hal.models.block_layouts import read_config
+    from hal.models.dspark import shipped_block
     path = shipped_block("smollm2-135m")
     cfg = read_config(path)
     assert (cfg.hidden, cfg.taps, cfg.block, cfg.layers, cfg.direct) == (576, (1, 16, 29), 8, 1, True)

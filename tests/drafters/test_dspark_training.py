@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from hal.errors import HalError
-from hal.models.dspark import BlockConfig, load_block, save_block
+from hal.models.block_layouts import load_block
+from hal.models.dspark import BlockConfig, save_block
 from hal.drafters.dspark import BlockDrafter
 from hal.training.block_train import BlockTrain
 from hal.models.llama import random_llama

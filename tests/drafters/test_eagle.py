@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 import hal
 from hal import kv
 from hal.engine import SpeculativeDecoder
-from hal.models.eagle import load_eagle
+from hal.models.eagle_layouts import load_eagle
 from hal.drafters.eagle import HeadDrafter
 from hal.training.train import TrainHead
 from hal.errors import HalError

@@ -18,7 +18,7 @@ from hal.engine import Request, SpeculativeDecoder
 from hal.engine.router import CostModel
 from hal.launch.build import build_engine, make_router
 from hal.models.dspark import BlockModel
-from hal.models.eagle import load_eagle
+from hal.models.eagle_layouts import load_eagle
 from tests.drafters.test_dspark import trained
 from tests.drafters.test_eagle import V, eagle3, target  # noqa: F401  (the fixture: a tiny random Llama)
 

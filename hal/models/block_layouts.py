@@ -1,0 +1,202 @@
+"""Block drafters' folders, read by their config: the published layouts and spec-hal's own.
+
+- **DFlash** (z-lab, ``"architectures": ["DFlashDraftModel"]``): Qwen3 layers (``layers.*``,
+  with per-head q/k norms), ``fc`` [H, n·H], ``hidden_norm``, ``norm``; the target's embeddings
+  and lm_head; ``dflash_config`` holds ``target_layer_ids`` and ``mask_token_id`` (``block_size``
+  there or at the top level, as vLLM and SGLang read it). Row j >= 1 of a block proposes the
+  token at the anchor's position + j: B - 1 proposals.
+- **DSpark** (DeepSpec, ``"architectures": ["Qwen3DSparkModel"]``): the same layers, its own
+  copies of the embeddings and lm_head, ``markov_head.markov_w1`` [V, r] (a table by token) and
+  ``markov_w2`` [V, r], ``confidence_head.proj`` [1, H + r] (or [1, H]) with a bias; keys at the
+  top level (``block_size``, ``target_layer_ids``, ``mask_token_id``, ``markov_rank``,
+  ``markov_head_type``, ``enable_confidence_head``, ``confidence_head_with_markov``). Every row,
+  the anchor's too, proposes the token one past its position: B proposals. DeepSpec's "DFlash"
+  checkpoints are this class with ``markov_rank`` 0 and no confidence head.
+- **dspark-block**: spec-hal's own layout (``"architecture": "dspark-block"``, `BlockConfig`'s
+  fields, internal weight names), read for the shipped SmolLM2-135M drafter.
+
+Both published layouts name the target layer whose **output** they read (``hidden_states[id +
+1]`` in transformers; -1: the embeddings), which is the residual stream entering layer id + 1,
+the tap `BlockConfig` names. The mask rows are the embedding of ``mask_token_id``."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from hal.errors import HalError
+from hal.models.dspark import BlockConfig, BlockModel, Confidence
+
+DFLASH, DSPARK, OWN = "DFlashDraftModel", "Qwen3DSparkModel", "dspark-block"
+ARCHITECTURES = (DFLASH, DSPARK, OWN)
+_LAYER = {"input_layernorm.weight": "attn_norm", "post_attention_layernorm.weight": "ffn_norm",
+          "self_attn.o_proj.weight": "wo", "self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm",
+          "mlp.down_proj.weight": "wdown"}
+_FUSED = {"self_attn.q_proj.weight": ("wqkv", 0), "self_attn.k_proj.weight": ("wqkv", 1),
+          "self_attn.v_proj.weight": ("wqkv", 2), "mlp.gate_proj.weight": ("wgu", 0), "mlp.up_proj.weight": ("wgu", 1)}
+_TOP = {"fc.weight": "fc", "hidden_norm.weight": "hidden_norm", "norm.weight": "norm", "embed_tokens.weight": "embed",
+        "lm_head.weight": "head", "markov_head.markov_w1.weight": "markov_w1",
+        "markov_head.markov_w2.weight": "markov_out", "confidence_head.proj.weight": "conf",
+        "confidence_head.proj.bias": "conf_bias"}
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """A block drafter folder's config: which layout, the drafter's `BlockConfig` and the token
+    whose embedding the mask rows are (None: the dspark-block layout's own ``mask`` weight)."""
+
+    architecture: str
+    cfg: BlockConfig
+    mask_token: int | None
+
+
+def read_layout(folder: str | Path) -> BlockLayout:
+    """The layout of a block drafter's ``folder`` from its config.json alone (no weights)."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise HalError(f"block drafter: expected a folder with config.json, got {str(folder)!r}")
+    try:
+        c = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise HalError(f"block drafter {str(path)!r}: expected JSON, got {e}") from None
+    arch = c.get("architecture") or (c.get("architectures") or [None])[0] if isinstance(c, dict) else None
+    if arch not in ARCHITECTURES:
+        raise HalError(f"block drafter {str(path)!r}: expected architectures {list(ARCHITECTURES)}, got {arch!r}")
+    if arch == OWN:
+        names = BlockConfig.__dataclass_fields__
+        try:
+            return BlockLayout(arch, BlockConfig(**{**{k: v for k, v in c.items() if k in names},
+                                                    "taps": tuple(c["taps"])}), None)
+        except (KeyError, TypeError, ValueError) as e:
+            raise HalError(f"block drafter {str(folder)!r}: expected the BlockConfig fields, got {e}") from None
+    return _published(path, c, arch)
+
+
+def _published(path: Path, c: dict, arch: str) -> BlockLayout:
+    sub = c.get("dflash_config") if isinstance(c.get("dflash_config"), dict) else {}
+
+    def key(name, default=None, kind=int):
+        v = sub.get(name, c.get(name, default))
+        if v is None or kind is not None and (not isinstance(v, kind) or isinstance(v, bool) and kind is not bool):
+            raise HalError(f"block drafter {str(path)!r} {name}: expected {kind.__name__ if kind else 'a value'}, "
+                           f"got {v!r}")
+        return v
+    H, heads, layers = key("hidden_size"), key("num_attention_heads"), key("num_hidden_layers")
+    if key("hidden_act", "silu", str) != "silu" or key("attention_bias", False, bool):
+        raise HalError(f"block drafter {str(path)!r}: expected silu layers without attention biases (Qwen3's), got "
+                       f"hidden_act {c.get('hidden_act')!r}, attention_bias {c.get('attention_bias')!r}")
+    if any(t != "full_attention" for t in c.get("layer_types") or ()):
+        raise HalError(f"block drafter {str(path)!r} layer_types: expected full_attention layers, got "
+                       f"{c.get('layer_types')} (sliding-window draft layers are not supported)")
+    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise HalError(f"block drafter {str(path)!r} rope: expected the default RoPE, got {rope}")
+    theta = rope.get("rope_theta", c.get("rope_theta", 10000.0))
+    if arch == DFLASH and "target_layer_ids" not in sub and "target_layer_ids" not in c:
+        n, L = key("num_target_layers"), layers   # z-lab's default spread over the target's layers
+        ids = [n // 2] if L == 1 else [round(1 + i * (n - 4) / (L - 1)) for i in range(L)]
+    else:
+        ids = key("target_layer_ids", kind=list)
+    if not ids or not all(isinstance(i, int) and not isinstance(i, bool) and i >= -1 for i in ids):
+        raise HalError(f"block drafter {str(path)!r} target_layer_ids: expected layer ids >= -1, got {ids}")
+    rank = key("markov_rank", 0) if arch == DSPARK else 0
+    if rank and key("markov_head_type", "vanilla", str) != "vanilla":
+        raise HalError(f"block drafter {str(path)!r} markov_head_type: expected 'vanilla' (the released DSpark "
+                       f"head), got {c.get('markov_head_type')!r}")
+    conf = Confidence.NONE
+    if arch == DSPARK and key("enable_confidence_head", False, bool):
+        conf = Confidence.MARKOV if key("confidence_head_with_markov", False, bool) else Confidence.HIDDEN
+        if conf == Confidence.MARKOV and not rank:
+            raise HalError(f"block drafter {str(path)!r} confidence_head_with_markov: expected a Markov head "
+                           f"(markov_rank > 0), got markov_rank 0")
+    try:
+        cfg = BlockConfig(hidden=H, heads=heads, kv_heads=key("num_key_value_heads", heads),
+                          head_dim=key("head_dim", H // heads), ffn=key("intermediate_size"), layers=layers,
+                          taps=tuple(i + 1 for i in ids), block=key("block_size"), rank=rank,
+                          draft_vocab=key("vocab_size"), rope_base=float(theta), eps=float(key("rms_norm_eps", 1e-6,
+                                                                                              None)),
+                          qk_norm=True, anchor_predicts=arch == DSPARK, markov_table=True, confidence=conf)
+    except (TypeError, ValueError) as e:
+        raise HalError(f"block drafter {str(path)!r}: expected a Qwen3 config, got {e}") from None
+    return BlockLayout(arch, cfg, key("mask_token_id"))
+
+
+def read_config(folder: str | Path) -> BlockConfig:
+    """A block drafter's config from its folder, without its weights (a target rank's taps)."""
+    return read_layout(folder).cfg
+
+
+def _tensors(folder: Path) -> dict[str, Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise HalError(f"block drafter {str(folder)!r}: expected model.safetensors (or shards), got none")
+    out = {}
+    for f in files:
+        try:
+            out.update(load_file(str(f)))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise HalError(f"block drafter {str(f)!r}: expected a safetensors file, got {e}") from None
+    return out
+
+
+def published_weights(raw: dict[str, Tensor], cfg: BlockConfig, folder: Path) -> dict[str, Tensor]:
+    """A published checkpoint's tensors under `BlockModel`'s internal names (q/k/v and gate/up
+    fused; the confidence projection flattened); `HalError` naming a tensor no name maps."""
+    w, parts = {}, {}
+    for name, t in raw.items():
+        if name in _TOP:
+            w[_TOP[name]] = t.reshape(-1) if name == "confidence_head.proj.weight" else t
+            continue
+        pre, _, rest = name.partition(".")
+        idx, _, sub = rest.partition(".")
+        if pre != "layers" or not idx.isdigit() or int(idx) >= cfg.layers or sub not in {**_LAYER, **_FUSED}:
+            raise HalError(f"block drafter {str(folder)!r} tensor {name}: expected the {cfg.layers}-layer Qwen3 "
+                           f"drafter's weights, got a name no layer reads")
+        if sub in _LAYER:
+            w[f"{idx}.{_LAYER[sub]}"] = t
+        else:
+            fused, at = _FUSED[sub]
+            parts.setdefault(f"{idx}.{fused}", {})[at] = t
+    for name, got in parts.items():
+        need = 3 if name.endswith("wqkv") else 2
+        if len(got) != need or len({t.shape[1:] for t in got.values()}) != 1:
+            raise HalError(f"block drafter {str(folder)!r} {name}: expected {need} projections of one input width, "
+                           f"got {[list(t.shape) for t in got.values()]}")
+        w[name] = torch.cat([got[i] for i in range(need)])
+    return w
+
+
+def load_block(folder: str | Path, target, backend=None, device=None) -> BlockModel:
+    """A block drafter from ``folder`` in any layout above, for ``target``."""
+    folder = Path(folder)
+    layout = read_layout(folder)
+    raw = _tensors(folder)
+    if layout.architecture == OWN:
+        return BlockModel(layout.cfg, raw, target, backend, device)
+    w = published_weights(raw, layout.cfg, folder)
+    vocab = target.cfg.vocab
+    if layout.cfg.hidden != target.cfg.hidden:
+        raise HalError(f"block drafter {str(folder)!r} hidden_size: expected the target's {target.cfg.hidden}, got "
+                       f"{layout.cfg.hidden}")
+    if layout.cfg.draft_vocab != vocab:
+        raise HalError(f"block drafter {str(folder)!r} vocab_size: expected the target's {vocab}, got "
+                       f"{layout.cfg.draft_vocab}")
+    if not 0 <= layout.mask_token < vocab:
+        raise HalError(f"block drafter {str(folder)!r} mask_token_id: expected an id in [0, {vocab}), got "
+                       f"{layout.mask_token}")
+    embed = w.get("embed", target.embed)
+    if tuple(embed.shape) != (vocab, layout.cfg.hidden):
+        raise HalError(f"block drafter {str(folder)!r} embed_tokens: expected [{vocab}, {layout.cfg.hidden}], got "
+                       f"{list(embed.shape)}")
+    if any(t > target.cfg.layers for t in layout.cfg.taps):
+        raise HalError(f"block drafter {str(folder)!r} target_layer_ids: expected ids below the target's "
+                       f"{target.cfg.layers} layers, got {[t - 1 for t in layout.cfg.taps]}")
+    w["mask"] = embed[layout.mask_token].float()
+    w["draft_ids"] = torch.arange(vocab)
+    return BlockModel(layout.cfg, w, target, backend, device)
