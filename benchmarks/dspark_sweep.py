@@ -42,11 +42,11 @@ CONFIGS = {   # name -> train-head --kind dspark options
 
 def heldout(target, tok, model, prompts: list[str], max_new_tokens: int) -> dict:
     """The engine's acceptance with ``model`` on ``prompts`` (greedy, k = B - 1, no router)."""
-    from hal.drafters.dspark import BlockDrafter
+    from hal.drafters.dspark import DSparkDrafter
     from hal.engine import SpeculativeDecoder
     from hal.engine.requests import Request
     from hal.models.tokenizer import chatml
-    dec = SpeculativeDecoder(target, BlockDrafter(model))
+    dec = SpeculativeDecoder(target, DSparkDrafter(model))
     k = model.proposals
     t = time.perf_counter()
     dec.generate([Request(tok.encode(chatml(p)).ids, max_new_tokens=max_new_tokens, k=k,
@@ -67,7 +67,7 @@ def main() -> None:
     ap.add_argument("--keep", default="/tmp/dspark-sweep", help="where each trained drafter is written")
     args = ap.parse_args()
     torch.set_num_threads(2)
-    from hal.models.dspark import BlockConfig, BlockModel
+    from hal.models.dspark import DSparkConfig, DSparkModel
     from hal.training import block_data, data
     from hal.training.block_train import train_block
     blob = block_data.responses("smollm2-135m")
@@ -80,14 +80,14 @@ def main() -> None:
         if args.only and name not in args.only:
             continue
         shape = {k: v for k, v in opts.items() if k != "distill"}
-        cfg = BlockConfig(hidden=c.hidden, heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim, ffn=c.ffn,
+        cfg = DSparkConfig(hidden=c.hidden, heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim, ffn=c.ffn,
                           rank=32, draft_vocab=8192, eps=c.eps, **shape)
         got = train_block(cfg, blob, feats, target, args.minutes, distill=opts.get("distill", 0.0),
                           say=lambda line, n=name: print(n, line, flush=True))
         from hal.models.dspark import save_block
         save_block(Path(args.keep) / name.replace(" ", "-"), cfg, got["weights"])
         with torch.inference_mode():
-            held = heldout(target, tok, BlockModel(cfg, got["weights"], target), prompts, args.max_new_tokens)
+            held = heldout(target, tok, DSparkModel(cfg, got["weights"], target), prompts, args.max_new_tokens)
         rows.append({"name": name, **opts, "steps": got["summary"]["steps"], "val": got["summary"]["val"], **held})
         print(json.dumps(rows[-1]), flush=True)
     lines = [f"# Block drafter shapes, {args.minutes:g} training minutes each", "",

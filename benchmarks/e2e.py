@@ -123,13 +123,13 @@ def main() -> None:
                 lambda ids: run_ours(target, ModelDrafter(target.layer_view(args.self_layers)), ids, n, 3))]
     from hal.models.eagle import shipped_head
     from hal.models.eagle_layouts import load_eagle
-    from hal.drafters.eagle import HeadDrafter, NgramOrHead
+    from hal.drafters.eagle import EagleDrafter, NgramOrHead
     head = load_eagle(args.head or shipped_head("smollm2-135m"), target)
     ek, tk = args.eagle_k, args.tree_k
-    eagle = lambda: HeadDrafter(head)  # noqa: E731
-    both = lambda: NgramOrHead(NgramDrafter(be, min_n=2), HeadDrafter(head))  # noqa: E731
-    tree = lambda: HeadDrafter(head, tree=TREE)  # noqa: E731
-    both_tree = lambda: NgramOrHead(NgramDrafter(be, min_n=2), HeadDrafter(head, tree=TREE))  # noqa: E731
+    eagle = lambda: EagleDrafter(head)  # noqa: E731
+    both = lambda: NgramOrHead(NgramDrafter(be, min_n=2), EagleDrafter(head))  # noqa: E731
+    tree = lambda: EagleDrafter(head, tree=TREE)  # noqa: E731
+    both_tree = lambda: NgramOrHead(NgramDrafter(be, min_n=2), EagleDrafter(head, tree=TREE))  # noqa: E731
     with torch.inference_mode():   # cost tables for the routers (and the Leviathan bound), measured here
         costs = {name: SpeculativeDecoder(target, make(), num_blocks=256).profile_costs(max_tokens=17, context=200)
                  for name, make in (("eagle", eagle), ("both", both), ("tree", tree), ("both-tree", both_tree))}

@@ -20,7 +20,7 @@ import torch
 import hal
 from hal.models.machine import machine_line
 from hal.engine import trees
-from hal.drafters.eagle import HeadDrafter
+from hal.drafters.eagle import EagleDrafter
 from hal.drafters.kinds import TREE
 from hal.engine.forward import forward, forward_tokens
 from hal.kv import KVPool
@@ -72,7 +72,7 @@ def verify(target, n: int, tree: bool):
 
 def draft(target, head, n: int, tree: bool):
     """The head drafting n tokens (a chain) or an n-node tree for one request of CTX tokens."""
-    d, dev = HeadDrafter(head, tree=TREE if tree else None), target.device
+    d, dev = EagleDrafter(head, tree=TREE if tree else None), target.device
     feats = torch.zeros(CTX - 1, target.cfg.hidden, device=dev)
     hist = torch.arange(10, 10 + CTX)[None].to(dev)
     common = dict(rids=(0,), params=(Request([1]),), history=hist, num_tokens=torch.tensor([CTX], device=dev),

@@ -5,14 +5,14 @@ model's validation accuracy at block position 1.
 
     python benchmarks/probes/dspark_direct.py direct 4; python benchmarks/probes/dspark_direct.py base 4
 
-It patches `BlockTrain.forward` with its own copy (the variant measured); the same path is now
-in the tree as `BlockConfig.direct` (`train-head --direct`)."""
+It patches `DSparkTrain.forward` with its own copy (the variant measured); the same path is now
+in the tree as `DSparkConfig.direct` (`train-head --direct`)."""
 import sys, torch
 import torch.nn.functional as F
-from hal.models.dspark import BlockConfig
+from hal.models.dspark import DSparkConfig
 from hal.training import block_train as bt, block_data
 
-class Direct(bt.BlockTrain):
+class Direct(bt.DSparkTrain):
     def __init__(self, *a, **k):
         super().__init__(*a, **k)
         g = torch.Generator().manual_seed(99)
@@ -76,10 +76,10 @@ if __name__ == "__main__":
     feats = block_data.tapped("smollm2-135m", blob)
     target, _ = block_data.load_target("smollm2-135m", None, None)
     c = target.cfg
-    cfg = BlockConfig(hidden=c.hidden, heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim, ffn=c.ffn,
+    cfg = DSparkConfig(hidden=c.hidden, heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim, ffn=c.ffn,
                       layers=1, taps=(1, 16, 29), block=8, rank=32, draft_vocab=8192, eps=c.eps)
     if direct:
-        bt.BlockTrain = Direct
+        bt.DSparkTrain = Direct
     box = {}
     orig = bt.validate
     def val(model, d, to_draft, batch, anchors):

@@ -2,8 +2,8 @@
 `hal.engine.drafting.DraftBatch` and returns a `hal.engine.drafting.Proposal`; the one
 table of ``--draft`` kinds is `hal.drafters.kinds`."""
 
-from hal.drafters.eagle import HeadDrafter, NgramOrHead
+from hal.drafters.eagle import EagleDrafter, NgramOrHead
 from hal.drafters.model import ModelDrafter
 from hal.drafters.ngram import NgramDrafter, NgramTreeDrafter
 
-__all__ = ["HeadDrafter", "ModelDrafter", "NgramDrafter", "NgramOrHead", "NgramTreeDrafter"]
+__all__ = ["EagleDrafter", "ModelDrafter", "NgramDrafter", "NgramOrHead", "NgramTreeDrafter"]

@@ -1,4 +1,4 @@
-"""Drafting with a DSpark block drafter (`hal.models.dspark.BlockModel`): one forward proposes a
+"""Drafting with a DSpark block drafter (`hal.models.dspark.DSparkModel`): one forward proposes a
 whole block, the Markov head links it left to right, and the confidence head decides how much
 of it the target verifies (`confidence_cut`).
 
@@ -22,11 +22,11 @@ from hal.drafters.draft_kv import DraftKV
 from hal.engine.drafting import DraftBatch, Proposal
 from hal.engine.forward import make_batch
 from hal.errors import HalError
-from hal.models.dspark import BlockModel
+from hal.models.dspark import DSparkModel
 from hal.ops import cumulative
 
 
-class BlockDrafter:
+class DSparkDrafter:
     """A `hal.engine.drafting.Drafter` with ``features`` (the block drafter's taps).
 
     Request i gets ``min(k[i], model.proposals)`` proposals from one forward (the rest of its ``k[i]``
@@ -37,7 +37,7 @@ class BlockDrafter:
 
     shadow = False   # a block costs a forward: requests routed to k = 0 are probed by the router instead
 
-    def __init__(self, model: BlockModel, num_blocks: int = 512, block_size: int = 16):
+    def __init__(self, model: DSparkModel, num_blocks: int = 512, block_size: int = 16):
         self.model, self.be = model, model.be
         c = model.cfg
         self.pool = kv.KVPool(model.be, num_blocks, block_size, c.kv_heads, c.head_dim, num_layers=c.layers,
@@ -59,9 +59,9 @@ class BlockDrafter:
 
     def propose(self, batch: DraftBatch) -> Proposal:
         if batch.lengths is None:
-            raise HalError("BlockDrafter.propose: expected host lengths (it is not a lookahead drafter), got None")
+            raise HalError("DSparkDrafter.propose: expected host lengths (it is not a lookahead drafter), got None")
         if batch.features is None and sum(batch.num_features):
-            raise HalError("BlockDrafter.propose: expected DraftBatch.features, got None")
+            raise HalError("DSparkDrafter.propose: expected DraftBatch.features, got None")
         dev, B = self.model.device, self.model.cfg.block
         cu = cumulative(batch.num_features or (0,) * len(batch.rids))
         keep, plan, need = [], [], 0
@@ -183,7 +183,7 @@ class BlockDrafter:
             return torch.zeros(self.model.w["fc"].shape[1], device=self.model.device)
         pos, f = self.last.get(rid, (None, None))
         if pos != length - 2:
-            raise HalError(f"BlockDrafter: expected the features of position {length - 2} for request {rid}, "
+            raise HalError(f"DSparkDrafter: expected the features of position {length - 2} for request {rid}, "
                            f"got {'none' if pos is None else f'position {pos}'}")
         return f
 

@@ -1,4 +1,4 @@
-"""Drafting with an EAGLE head (`hal.models.eagle.EagleModel`): `HeadDrafter` keeps the head's own KV
+"""Drafting with an EAGLE head (`hal.models.eagle.EagleModel`): `EagleDrafter` keeps the head's own KV
 and is passed every target feature once; `NgramOrHead` takes n-gram lookup's drafts where it
 matches and the head's elsewhere. Both are `hal.engine.drafting.Drafter` s with ``features``."""
 
@@ -20,7 +20,7 @@ from hal.errors import HalError
 from hal.engine.drafting import DraftBatch, Proposal
 
 
-class HeadDrafter:
+class EagleDrafter:
     """Drafts a chain with an `EagleModel` (a `hal.engine.drafting.Drafter` with ``features``).
 
     Per request its KV holds the pairs (f_t, x_{t+1}) of every committed position whose
@@ -69,9 +69,9 @@ class HeadDrafter:
 
     def propose(self, batch: DraftBatch) -> Proposal:
         if batch.lengths is None:
-            raise HalError("HeadDrafter.propose: expected host lengths (it is not a lookahead drafter), got None")
+            raise HalError("EagleDrafter.propose: expected host lengths (it is not a lookahead drafter), got None")
         if batch.features is None and sum(batch.num_features):
-            raise HalError("HeadDrafter.propose: expected DraftBatch.features, got None")
+            raise HalError("EagleDrafter.propose: expected DraftBatch.features, got None")
         if batch.own_features is not None:
             self._check_own(batch)
         dev = self.head.device
@@ -105,14 +105,14 @@ class HeadDrafter:
         each tail shorter than its history."""
         own, H = batch.own_features, self.head.cfg.hidden
         if self.tree is not None:
-            raise HalError("HeadDrafter.propose: expected no DraftBatch.own_features for a tree head (it drafts "
+            raise HalError("EagleDrafter.propose: expected no DraftBatch.own_features for a tree head (it drafts "
                            "chains ahead only), got some", arg="DraftBatch.own_features")
         if len(batch.num_own) != len(batch.rids) or any(not 0 <= m < n for m, n in zip(batch.num_own, batch.lengths)):
-            raise HalError(f"HeadDrafter.propose: expected DraftBatch.num_own, one tail length in 0..length-1 per "
+            raise HalError(f"EagleDrafter.propose: expected DraftBatch.num_own, one tail length in 0..length-1 per "
                            f"request ({len(batch.rids)}), got {batch.num_own} for lengths {batch.lengths}",
                            arg="DraftBatch.num_own")
         if tuple(own.shape) != (sum(batch.num_own), H) or not own.is_floating_point():
-            raise HalError(f"HeadDrafter.propose: expected DraftBatch.own_features [{sum(batch.num_own)}, {H}] "
+            raise HalError(f"EagleDrafter.propose: expected DraftBatch.own_features [{sum(batch.num_own)}, {H}] "
                            f"floating point (the head's own features), got {own.dtype} {list(own.shape)}",
                            arg="DraftBatch.own_features")
 
@@ -276,7 +276,7 @@ class HeadDrafter:
 class NgramOrHead:
     """Best of both per request: n-gram lookup's drafts where it finds a match (copy-heavy
     text), the head's elsewhere (open-ended text; a chain or, from a tree head, a tree; the head
-    is a `HeadDrafter` or a `hal.drafters.dspark.BlockDrafter`).
+    is a `EagleDrafter` or a `hal.drafters.dspark.DSparkDrafter`).
     One extra host read per step (whether the lookup matched); the head is always passed its
     features, drafting 0 tokens for the rows the lookup covers. ``shadow`` as for the head."""
 

@@ -155,7 +155,7 @@ def make_drafter(spec: DraftSpec, backend, target=None, path: str | None = None,
     """The drafter for ``spec``: None, `NgramDrafter`, a `ModelDrafter` over the first L
     layers of ``target`` (self) or of the model at ``path`` (model, or self without a target;
     refused unless its vocabulary is ``vocabulary``: the target's size and tokenizer, `same_vocabulary`),
-    its KV in ``pool`` when given, or a `hal.drafters.eagle.HeadDrafter` for ``target`` (eagle: the head
+    its KV in ``pool`` when given, or a `hal.drafters.eagle.EagleDrafter` for ``target`` (eagle: the head
     shipped for the model named ``path`` unless the spec names a folder)."""
     from hal.drafters import ModelDrafter, NgramDrafter, NgramTreeDrafter
     if spec.kind == "none":
@@ -165,23 +165,26 @@ def make_drafter(spec: DraftSpec, backend, target=None, path: str | None = None,
     if spec.kind == "ngram-tree":
         return NgramTreeDrafter(backend)
     if spec.kind in BLOCK:
-        from hal.drafters.dspark import BlockDrafter
+        from hal.drafters.dflash import DFlashDrafter
+        from hal.drafters.dspark import DSparkDrafter
         from hal.drafters.eagle import NgramOrHead
         from hal.models.block_layouts import load_block
-        from hal.models.dspark import shipped_block
+        from hal.models.dspark import Confidence, shipped_block
         if target is None:
             raise HalError(f"--draft {spec.kind}: expected the target model in this process (a block drafter shares "
                            f"its embeddings and lm_head), got a separate draft rank", arg="--draft")
-        block = BlockDrafter(load_block(spec.path or shipped_block(path or ""), target, backend, device))
+        model = load_block(spec.path or shipped_block(path or ""), target, backend, device)
+        plain = not model.cfg.rank and model.cfg.confidence == Confidence.NONE   # DFlash: no Markov, no confidence
+        block = (DFlashDrafter if plain else DSparkDrafter)(model)
         return block if spec.kind != "ngram+dspark" else NgramOrHead(NgramDrafter(backend, min_n=2), block)
     if KINDS[spec.kind].head:
         from hal.models.eagle import shipped_head
         from hal.models.eagle_layouts import load_eagle
-        from hal.drafters.eagle import HeadDrafter, NgramOrHead
+        from hal.drafters.eagle import EagleDrafter, NgramOrHead
         if target is None:
             raise HalError(f"--draft {spec.kind}: expected the target model in this process (an EAGLE head reads "
                            f"its features and shares its embeddings), got a separate draft rank", arg="--draft")
-        head = HeadDrafter(load_eagle(spec.path or shipped_head(path or ""), target, backend, device),
+        head = EagleDrafter(load_eagle(spec.path or shipped_head(path or ""), target, backend, device),
                            tree=TREE if KINDS[spec.kind].tree else None)
         return head if spec.kind.startswith("eagle") else NgramOrHead(NgramDrafter(backend, min_n=2), head)
     if target is not None and spec.kind == "self":

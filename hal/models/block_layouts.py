@@ -12,12 +12,12 @@
   ``markov_head_type``, ``enable_confidence_head``, ``confidence_head_with_markov``). Every row,
   the anchor's too, proposes the token one past its position: B proposals. DeepSpec's "DFlash"
   checkpoints are this class with ``markov_rank`` 0 and no confidence head.
-- **dspark-block**: spec-hal's own layout (``"architecture": "dspark-block"``, `BlockConfig`'s
+- **dspark-block**: spec-hal's own layout (``"architecture": "dspark-block"``, `DSparkConfig`'s
   fields, internal weight names), read for the shipped SmolLM2-135M drafter.
 
 Both published layouts name the target layer whose **output** they read (``hidden_states[id +
 1]`` in transformers; -1: the embeddings), which is the residual stream entering layer id + 1,
-the tap `BlockConfig` names. The mask rows are the embedding of ``mask_token_id``."""
+the tap `DSparkConfig` names. The mask rows are the embedding of ``mask_token_id``."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from hal.errors import HalError
-from hal.models.dspark import BlockConfig, BlockModel, Confidence
+from hal.models.dspark import DSparkConfig, DSparkModel, Confidence
 
 DFLASH, DSPARK, OWN = "DFlashDraftModel", "Qwen3DSparkModel", "dspark-block"
 ARCHITECTURES = (DFLASH, DSPARK, OWN)
@@ -46,11 +46,11 @@ _TOP = {"fc.weight": "fc", "hidden_norm.weight": "hidden_norm", "norm.weight": "
 
 @dataclass(frozen=True)
 class BlockLayout:
-    """A block drafter folder's config: which layout, the drafter's `BlockConfig` and the token
+    """A block drafter folder's config: which layout, the drafter's `DSparkConfig` and the token
     whose embedding the mask rows are (None: the dspark-block layout's own ``mask`` weight)."""
 
     architecture: str
-    cfg: BlockConfig
+    cfg: DSparkConfig
     mask_token: int | None
 
 
@@ -67,12 +67,12 @@ def read_layout(folder: str | Path) -> BlockLayout:
     if arch not in ARCHITECTURES:
         raise HalError(f"block drafter {str(path)!r}: expected architectures {list(ARCHITECTURES)}, got {arch!r}")
     if arch == OWN:
-        names = BlockConfig.__dataclass_fields__
+        names = DSparkConfig.__dataclass_fields__
         try:
-            return BlockLayout(arch, BlockConfig(**{**{k: v for k, v in c.items() if k in names},
+            return BlockLayout(arch, DSparkConfig(**{**{k: v for k, v in c.items() if k in names},
                                                     "taps": tuple(c["taps"])}), None)
         except (KeyError, TypeError, ValueError) as e:
-            raise HalError(f"block drafter {str(folder)!r}: expected the BlockConfig fields, got {e}") from None
+            raise HalError(f"block drafter {str(folder)!r}: expected the DSparkConfig fields, got {e}") from None
     return _published(path, c, arch)
 
 
@@ -114,7 +114,7 @@ def _published(path: Path, c: dict, arch: str) -> BlockLayout:
             raise HalError(f"block drafter {str(path)!r} confidence_head_with_markov: expected a Markov head "
                            f"(markov_rank > 0), got markov_rank 0")
     try:
-        cfg = BlockConfig(hidden=H, heads=heads, kv_heads=key("num_key_value_heads", heads),
+        cfg = DSparkConfig(hidden=H, heads=heads, kv_heads=key("num_key_value_heads", heads),
                           head_dim=key("head_dim", H // heads), ffn=key("intermediate_size"), layers=layers,
                           taps=tuple(i + 1 for i in ids), block=key("block_size"), rank=rank,
                           draft_vocab=key("vocab_size"), rope_base=float(theta), eps=float(key("rms_norm_eps", 1e-6,
@@ -125,7 +125,7 @@ def _published(path: Path, c: dict, arch: str) -> BlockLayout:
     return BlockLayout(arch, cfg, key("mask_token_id"))
 
 
-def read_config(folder: str | Path) -> BlockConfig:
+def read_config(folder: str | Path) -> DSparkConfig:
     """A block drafter's config from its folder, without its weights (a target rank's taps)."""
     return read_layout(folder).cfg
 
@@ -145,8 +145,8 @@ def _tensors(folder: Path) -> dict[str, Tensor]:
     return out
 
 
-def published_weights(raw: dict[str, Tensor], cfg: BlockConfig, folder: Path) -> dict[str, Tensor]:
-    """A published checkpoint's tensors under `BlockModel`'s internal names (q/k/v and gate/up
+def published_weights(raw: dict[str, Tensor], cfg: DSparkConfig, folder: Path) -> dict[str, Tensor]:
+    """A published checkpoint's tensors under `DSparkModel`'s internal names (q/k/v and gate/up
     fused; the confidence projection flattened); `HalError` naming a tensor no name maps."""
     w, parts = {}, {}
     for name, t in raw.items():
@@ -172,13 +172,13 @@ def published_weights(raw: dict[str, Tensor], cfg: BlockConfig, folder: Path) ->
     return w
 
 
-def load_block(folder: str | Path, target, backend=None, device=None) -> BlockModel:
+def load_block(folder: str | Path, target, backend=None, device=None) -> DSparkModel:
     """A block drafter from ``folder`` in any layout above, for ``target``."""
     folder = Path(folder)
     layout = read_layout(folder)
     raw = _tensors(folder)
     if layout.architecture == OWN:
-        return BlockModel(layout.cfg, raw, target, backend, device)
+        return DSparkModel(layout.cfg, raw, target, backend, device)
     w = published_weights(raw, layout.cfg, folder)
     vocab = target.cfg.vocab
     if layout.cfg.hidden != target.cfg.hidden:
@@ -199,4 +199,4 @@ def load_block(folder: str | Path, target, backend=None, device=None) -> BlockMo
                        f"{target.cfg.layers} layers, got {[t - 1 for t in layout.cfg.taps]}")
     w["mask"] = embed[layout.mask_token].float()
     w["draft_ids"] = torch.arange(vocab)
-    return BlockModel(layout.cfg, w, target, backend, device)
+    return DSparkModel(layout.cfg, w, target, backend, device)

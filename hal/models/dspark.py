@@ -53,7 +53,7 @@ class Confidence(IntEnum):
 
 
 @dataclass(frozen=True)
-class BlockConfig:
+class DSparkConfig:
     hidden: int
     heads: int
     kv_heads: int
@@ -106,11 +106,11 @@ class BlockConfig:
 LINEAR = ("wqkv", "wo", "wgu", "wdown")
 
 
-class BlockModel:
+class DSparkModel:
     """A block drafter's weights and its forward over its own context cache (a `hal.kv.KVPool`
     with ``cfg.layers`` layers), for ``target`` (its embeddings and lm_head rows)."""
 
-    def __init__(self, cfg: BlockConfig, w: dict[str, Tensor], target: Llama, backend=None, device=None):
+    def __init__(self, cfg: DSparkConfig, w: dict[str, Tensor], target: Llama, backend=None, device=None):
         self.be = backend or target.be
         self.device = torch.device(device) if device is not None else (
             target.device if backend is None else torch.device(backend.device_type))
@@ -276,10 +276,10 @@ class BlockModel:
         return out
 
 
-# -- spec-hal's own folder layout (read by `hal.models.block_layouts`): config.json (BlockConfig's fields) +
+# -- spec-hal's own folder layout (read by `hal.models.block_layouts`): config.json (DSparkConfig's fields) +
 # model.safetensors (internal names)
 
-def save_block(folder: Path, cfg: BlockConfig, w: dict[str, Tensor], extra: dict | None = None) -> None:
+def save_block(folder: Path, cfg: DSparkConfig, w: dict[str, Tensor], extra: dict | None = None) -> None:
     from safetensors.torch import save_file
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {n: (t.long() if n == "draft_ids" else t.half()).contiguous() for n, t in w.items()}

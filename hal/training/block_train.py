@@ -12,7 +12,7 @@ block (the DFlash training mask). Losses, per proposed position j = 1 .. B - 1:
 - the confidence head's binary cross-entropy against "this row's argmax is the target's token"
   (inputs detached, so it never pulls the drafter toward easy positions).
 
-The same maths as `hal.models.dspark.BlockModel` (dense SDPA with a mask instead of the paged
+The same maths as `hal.models.dspark.DSparkModel` (dense SDPA with a mask instead of the paged
 cache; `tests/models/test_dspark.py` checks the two agree)."""
 
 from __future__ import annotations
@@ -25,16 +25,16 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from hal.errors import HalError
-from hal.models.dspark import BlockConfig
+from hal.models.dspark import DSparkConfig
 from hal.training.block_data import block_targets, to_draft_of
 
 DECAY = 4.0   # position j's loss weight exp(-(j - 1) / DECAY)
 
 
-class BlockTrain(torch.nn.Module):
-    """A block drafter's parameters (internal names, `BlockConfig.shapes`) and its training forward."""
+class DSparkTrain(torch.nn.Module):
+    """A block drafter's parameters (internal names, `DSparkConfig.shapes`) and its training forward."""
 
-    def __init__(self, cfg: BlockConfig, embed: Tensor, head: Tensor, draft_ids: Tensor, seed: int = 0,
+    def __init__(self, cfg: DSparkConfig, embed: Tensor, head: Tensor, draft_ids: Tensor, seed: int = 0,
                  final_norm: Tensor | None = None):
         super().__init__()
         g = torch.Generator().manual_seed(seed)
@@ -121,7 +121,7 @@ class BlockTrain(torch.nn.Module):
         return torch.log_softmax(row, -1).max(-1).values
 
 
-def soft_labels(model: BlockTrain, last: Tensor, anchors: Tensor) -> Tensor:
+def soft_labels(model: DSparkTrain, last: Tensor, anchors: Tensor) -> Tensor:
     """The target's distributions [S, N, B - 1, Vd] over each block's proposed positions, from its
     last-layer outputs ``last`` [S, T, H] at the positions before them (``anchors`` [S, N])."""
     S, N = anchors.shape
@@ -130,7 +130,7 @@ def soft_labels(model: BlockTrain, last: Tensor, anchors: Tensor) -> Tensor:
     return model.teacher(last.gather(1, at.reshape(S, -1, 1).expand(-1, -1, last.shape[-1])).view(S, N, B - 1, -1))
 
 
-def losses(model: BlockTrain, feats: Tensor, ids: Tensor, anchors: Tensor, lengths: Tensor, to_draft: Tensor,
+def losses(model: DSparkTrain, feats: Tensor, ids: Tensor, anchors: Tensor, lengths: Tensor, to_draft: Tensor,
            last: Tensor | None = None, distill: float = 0.0):
     """(weighted cross-entropy, confidence BCE, accepted-length tau, top-1) on a batch; tau is
     the mean count of leading positions whose Markov-chained greedy draft equals the target's.
@@ -204,7 +204,7 @@ class BlockData:
         return feats, ids, self.starts[idx], torch.tensor([len(self.ids[i]) for i in idx]), last
 
 
-def train_block(cfg: BlockConfig, blob: dict, feats: list[Tensor], target, minutes: float, *, batch: int = 8,
+def train_block(cfg: DSparkConfig, blob: dict, feats: list[Tensor], target, minutes: float, *, batch: int = 8,
                 anchors: int = 16, lr: float = 1e-3, seed: int = 0, max_steps: int | None = None, distill: float = 0.0,
                 refit_confidence: bool = True, say=print) -> dict:
     """Train for ``minutes`` (or ``max_steps``); returns {"weights": best by validation tau, "summary"}.
@@ -222,7 +222,7 @@ def train_block(cfg: BlockConfig, blob: dict, feats: list[Tensor], target, minut
     d = BlockData(blob, feats, [CANDIDATE_TAPS.index(t) for t in cfg.taps], cfg.draft_vocab, target.cfg.stop_ids,
                   seed, CANDIDATE_TAPS.index(target.cfg.layers) if distill > 0 else None)
     to_draft = to_draft_of(d.draft_ids, target.cfg.vocab)
-    model = BlockTrain(cfg, target.embed, target.head, d.draft_ids, seed, target.w["norm"])
+    model = DSparkTrain(cfg, target.embed, target.head, d.draft_ids, seed, target.w["norm"])
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
     g = torch.Generator().manual_seed(seed)
     t0, step, est, best, curve = now(), 0, max_steps, (-1.0, None), []
@@ -270,22 +270,22 @@ def train_block(cfg: BlockConfig, blob: dict, feats: list[Tensor], target, minut
     return {"weights": weights, "summary": summary}
 
 
-def refit_on(cfg: BlockConfig, weights: dict, d: BlockData, to_draft: Tensor, target):
+def refit_on(cfg: DSparkConfig, weights: dict, d: BlockData, to_draft: Tensor, target):
     """`hal.training.confidence.refit` of the drafter ``weights``: (conf, conf_bias, report)."""
     from hal.training.confidence import refit
     return refit(from_weights(cfg, weights, target), d, to_draft)
 
 
-def from_weights(cfg: BlockConfig, weights: dict, target) -> BlockTrain:
+def from_weights(cfg: DSparkConfig, weights: dict, target) -> DSparkTrain:
     """The training module of a drafter's ``weights`` (internal names and ``draft_ids``) for ``target``."""
-    m = BlockTrain(cfg, target.embed, target.head, weights["draft_ids"], 0, target.w["norm"])
+    m = DSparkTrain(cfg, target.embed, target.head, weights["draft_ids"], 0, target.w["norm"])
     with torch.no_grad():
         for name in cfg.shapes():
             m.w(name).copy_(weights[name])
     return m
 
 
-def validate(model: BlockTrain, d: BlockData, to_draft: Tensor, batch: int, anchors: int) -> dict:
+def validate(model: DSparkTrain, d: BlockData, to_draft: Tensor, batch: int, anchors: int) -> dict:
     """Validation tau, top-1 and confidence BCE at fixed anchors."""
     g = torch.Generator().manual_seed(1234)
     out = []
@@ -313,7 +313,7 @@ def run(model: str, out, minutes: float, *, block: int = 8, layers: int = 2, tap
     feats = block_data.tapped(model, blob)
     target, _ = block_data.load_target(model, None, None)
     c = target.cfg
-    cfg = BlockConfig(hidden=c.hidden, heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim, ffn=c.ffn,
+    cfg = DSparkConfig(hidden=c.hidden, heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim, ffn=c.ffn,
                       layers=layers, taps=tuple(taps), block=block, rank=rank, draft_vocab=draft_size, eps=c.eps,
                       direct=direct)
     got = train_block(cfg, blob, feats, target, minutes, seed=seed, **kw)
@@ -329,7 +329,7 @@ def run(model: str, out, minutes: float, *, block: int = 8, layers: int = 2, tap
     return summary
 
 
-def readme(model: str, cfg: BlockConfig, s: dict, out) -> str:
+def readme(model: str, cfg: DSparkConfig, s: dict, out) -> str:
     """The folder's README: what it is, how it was made, what it scored (from the run itself)."""
     import hashlib
 

@@ -11,7 +11,7 @@ sequences. On the shipped drafter the row's log max softmax alone won: with 61 h
 sequences the hidden state's 576 weights overfit (*Benchmarks*, DSpark).
 
 Glossary:
-- inputs of a proposed position j: ``[h_j, log max softmax(row_j)]`` (`BlockTrain.confidence`'s),
+- inputs of a proposed position j: ``[h_j, log max softmax(row_j)]`` (`DSparkTrain.confidence`'s),
   row j being the base logits plus the Markov bias of the token before it (teacher-forced: the
   target's own token, which is the drafted one whenever position j is reached);
 - label: whether row j's argmax is the target's token there (a token outside the draft

@@ -62,7 +62,7 @@ def build_data(model: str, max_new_tokens: int = 128, limit: int | None = None, 
 
 # -- the head, as a trainable module (the same maths as `hal.models.eagle.EagleModel`, EAGLE-1 layout) ------
 
-class TrainHead(torch.nn.Module):
+class EagleTrain(torch.nn.Module):
     """EAGLE-1's layer (no input norm) over full causal sequences, for training; `weights`
     returns its tensors under the published names."""
 
@@ -256,7 +256,7 @@ def train(model: str, out: Path, minutes: float = 40.0, draft_size: int = 8192, 
     cfg = target.cfg
     torch.manual_seed(seed)
     d = load_head_data(blob, target, draft_size)
-    head = TrainHead(cfg.hidden, cfg.heads, cfg.kv_heads, ffn or cfg.ffn, 10000.0, cfg.eps)
+    head = EagleTrain(cfg.hidden, cfg.heads, cfg.kv_heads, ffn or cfg.ffn, 10000.0, cfg.eps)
     opt = torch.optim.AdamW(head.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     run, best, epoch = Run(minutes * 60, lr, max_steps), (-1.0, None), 0
     bar = tqdm(total=int(run.budget), desc="train", unit="s")

@@ -11,16 +11,16 @@ from dataclasses import replace
 
 from hypothesis import given, settings, strategies as st
 
-from hal.drafters.dspark import BlockDrafter, confidence_cut
+from hal.drafters.dspark import DSparkDrafter, confidence_cut
 from hal.engine import SpeculativeDecoder
 from hal.engine.drafting import DraftBatch
 from hal.engine.requests import Request
 from hal.engine.router import CostModel
 from hal.errors import HalError
 from hal.models.block_layouts import load_block
-from hal.models.dspark import BlockConfig, BlockModel, save_block
+from hal.models.dspark import DSparkConfig, DSparkModel, save_block
 from hal.models.llama import random_llama
-from hal.training.block_train import BlockTrain
+from hal.training.block_train import DSparkTrain
 from tests.drafters.test_eagle import D, FFN, H, HEADS, KV, LAYERS, V, target_features
 
 TAPS = (1, 4, 6)
@@ -32,13 +32,13 @@ def target():
     return random_llama(H, LAYERS, HEADS, KV, D, FFN, V, seed=7, scale=0.15)
 
 
-def config(block=4, layers=2, direct=False) -> BlockConfig:
-    return BlockConfig(hidden=H, heads=HEADS, kv_heads=KV, head_dim=D, ffn=FFN, layers=layers, taps=TAPS, block=block,
+def config(block=4, layers=2, direct=False) -> DSparkConfig:
+    return DSparkConfig(hidden=H, heads=HEADS, kv_heads=KV, head_dim=D, ffn=FFN, layers=layers, taps=TAPS, block=block,
                        rank=4, draft_vocab=len(DRAFT), direct=direct)
 
 
-def trained(target, seed=0, **kw) -> BlockTrain:
-    m = BlockTrain(config(**kw), target.embed, target.head, DRAFT, seed)
+def trained(target, seed=0, **kw) -> DSparkTrain:
+    m = DSparkTrain(config(**kw), target.embed, target.head, DRAFT, seed)
     with torch.no_grad():   # non-trivial norms, Markov and confidence weights
         for name, p in m.p.items():
             if name.endswith("norm") or name in ("markov_in", "markov_out", "conf", "conf_bias", "direct"):
@@ -63,8 +63,8 @@ def train_rows(train, f, ids, anchor, prev):
 def test_the_drafter_equals_the_training_module_from_scratch_and_incrementally(target, direct):
     """With the direct path too: a call that passes no new features drafts from the kept ones."""
     train = trained(target, direct=direct)
-    model = BlockModel(train.cfg, train.weights(), target)
-    drafter = BlockDrafter(model)
+    model = DSparkModel(train.cfg, train.weights(), target)
+    drafter = DSparkDrafter(model)
     ids = [(7 * i + 3) % V for i in range(30)]
     f = target_features(target, ids, TAPS)
     for L, new, k in ((12, slice(0, 11), 3), (17, slice(11, 16), 3), (17, slice(16, 16), 3), (20, slice(16, 19), 0),
@@ -88,7 +88,7 @@ def test_held_features_past_the_bound_are_written_and_drafts_do_not_change(targe
     import hal.drafters.dspark as dspark
     monkeypatch.setattr(dspark, "HOLD", 4)
     train = trained(target)
-    drafter = BlockDrafter(BlockModel(train.cfg, train.weights(), target))
+    drafter = DSparkDrafter(DSparkModel(train.cfg, train.weights(), target))
     ids = [(11 * i + 5) % V for i in range(30)]
     f = target_features(target, ids, TAPS)
     drafter.propose(view(ids, 8, f[:7], k=3))
@@ -111,7 +111,7 @@ def test_held_features_past_the_bound_are_written_and_drafts_do_not_change(targe
 
 def test_sampled_drafts_carry_exactly_the_rows_they_were_drawn_from(target):
     train = trained(target, seed=1)
-    drafter = BlockDrafter(BlockModel(train.cfg, train.weights(), target))
+    drafter = DSparkDrafter(DSparkModel(train.cfg, train.weights(), target))
     ids = [(5 * i + 1) % V for i in range(20)]
     f = target_features(target, ids, TAPS)
     p = drafter.propose(view(ids, 14, f[:13], k=5, temperature=0.7))   # k > B - 1: filler after 3
@@ -135,24 +135,24 @@ PROMPTS = [[3, 17, 17, 40, 2, 9], [50, 51, 52], list(range(1, 40, 3)), [7]]
 
 
 def test_greedy_output_with_the_block_drafter_equals_plain_greedy(target):
-    model = BlockModel(trained(target).cfg, trained(target).weights(), target)
-    dec = lossless(target, BlockDrafter(model), PROMPTS, max_num_batched_tokens=16, max_num_seqs=4)
+    model = DSparkModel(trained(target).cfg, trained(target).weights(), target)
+    dec = lossless(target, DSparkDrafter(model), PROMPTS, max_num_batched_tokens=16, max_num_seqs=4)
     assert dec.metrics.total.num_draft_tokens > 0
-    lossless(target, BlockDrafter(model), PROMPTS, k=6, num_blocks=7, max_num_seqs=4)   # preemption; k > B - 1
-    small = BlockDrafter(model, num_blocks=2)
+    lossless(target, DSparkDrafter(model), PROMPTS, k=6, num_blocks=7, max_num_seqs=4)   # preemption; k > B - 1
+    small = DSparkDrafter(model, num_blocks=2)
     lossless(target, small, PROMPTS)
     assert small.lost > 0                      # a full context cache means no drafts, not wrong ones
     from hal.drafters import NgramDrafter
     from hal.drafters.eagle import NgramOrHead
-    both = lossless(target, NgramOrHead(NgramDrafter(target.be, min_n=2), BlockDrafter(model)),
+    both = lossless(target, NgramOrHead(NgramDrafter(target.be, min_n=2), DSparkDrafter(model)),
                     PROMPTS + [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
     assert both.metrics.total.num_draft_tokens > 0
     from hal.launch.build import build_engine
-    cut = BlockDrafter(model)
+    cut = DSparkDrafter(model)
     routed = build_engine(target, cut, k=3, route=True, costs=COSTS)
     plain = SpeculativeDecoder(target, None).generate([Request(p, max_new_tokens=20, k=0) for p in PROMPTS])
     assert routed.generate([Request(p, max_new_tokens=20, k=3) for p in PROMPTS]) == plain   # router + cut
-    runs = [SpeculativeDecoder(target, BlockDrafter(model)).generate(
+    runs = [SpeculativeDecoder(target, DSparkDrafter(model)).generate(
         [Request(p, max_new_tokens=16, k=3, temperature=0.8, seed=5) for p in PROMPTS]) for _ in range(2)]
     assert runs[0] == runs[1] and all(len(r) == 16 for r in runs[0])
 
@@ -164,13 +164,13 @@ def test_a_saved_block_drafter_loads_and_bad_ones_are_refused(target, tmp_path):
     assert model.cfg == train.cfg and torch.equal(model.draft_ids, DRAFT)
     w = train.weights()
     with pytest.raises(HalError, match="weight 0.wqkv: expected shape"):
-        BlockModel(train.cfg, {**w, "0.wqkv": w["0.wqkv"][:-1]}, target)
+        DSparkModel(train.cfg, {**w, "0.wqkv": w["0.wqkv"][:-1]}, target)
     for bad in ((1, 1, 6), (1, 6, 4), (1, 4, LAYERS + 1)):
         with pytest.raises(HalError, match="taps: expected increasing layers"):
-            BlockModel(BlockConfig(**{**train.cfg.__dict__, "taps": bad}), w, target)
-    BlockModel(BlockConfig(**{**train.cfg.__dict__, "taps": (1, 4, LAYERS)}), w, target)   # the last layer's output
+            DSparkModel(DSparkConfig(**{**train.cfg.__dict__, "taps": bad}), w, target)
+    DSparkModel(DSparkConfig(**{**train.cfg.__dict__, "taps": (1, 4, LAYERS)}), w, target)   # the last layer's output
     with pytest.raises(HalError, match="draft_ids: expected"):
-        BlockModel(train.cfg, {**w, "draft_ids": w["draft_ids"] + V}, target)
+        DSparkModel(train.cfg, {**w, "draft_ids": w["draft_ids"] + V}, target)
     with pytest.raises(HalError, match="expected a folder with config.json"):
         load_block(tmp_path / "none", target)
 
@@ -213,10 +213,10 @@ def test_the_block_drafter_on_the_draft_rank_gets_the_features_over_the_link(tar
     from hal.metrics import SpecDecodeMetrics
     from tests.launch.test_generate import QueueLink
     train = trained(target, seed=2)
-    model = BlockModel(train.cfg, train.weights(), target)
-    local = lossless(target, BlockDrafter(model), PROMPTS)
+    model = DSparkModel(train.cfg, train.weights(), target)
+    local = lossless(target, DSparkDrafter(model), PROMPTS)
     a, b = queue.Queue(), queue.Queue()
-    worker = threading.Thread(target=draft_worker, daemon=True, args=(QueueLink(a, b), BlockDrafter(model)))
+    worker = threading.Thread(target=draft_worker, daemon=True, args=(QueueLink(a, b), DSparkDrafter(model)))
     worker.start()
     metrics = SpecDecodeMetrics()
     remote = RemoteDrafter(QueueLink(b, a), V, torch.device("cpu"), metrics, timeout=30, features=TAPS)
@@ -268,14 +268,14 @@ def distilled(target):
         f = torch.zeros(len(s), len(CANDIDATE_TAPS), H)
         f[:, :2] = target_features(target, s, CANDIDATE_TAPS[:2]).view(len(s), 2, H)
         feats.append(f.half())
-    cfg = BlockConfig(hidden=H, heads=HEADS, kv_heads=KV, head_dim=D, ffn=FFN, layers=1, taps=CANDIDATE_TAPS[:2],
+    cfg = DSparkConfig(hidden=H, heads=HEADS, kv_heads=KV, head_dim=D, ffn=FFN, layers=1, taps=CANDIDATE_TAPS[:2],
                       block=4, rank=8, draft_vocab=V)
     blob = {"ids": seqs, "prompt_lens": [4] * len(seqs), "texts": ["x"] * len(seqs)}
     got = train_block(cfg, blob, feats, target, 10.0, batch=8, anchors=8, lr=3e-3, max_steps=200, say=lambda _: None)
-    return BlockModel(cfg, got["weights"], target)
+    return DSparkModel(cfg, got["weights"], target)
 
 
-class WrongRow(BlockDrafter):
+class WrongRow(DSparkDrafter):
     """A planted mutant: each position reports a q that is not the row it was drawn from: the
     first a uniform row over the draft vocabulary (as if neither its base row nor its Markov
     bias applied), the later ones the row of the position before (the Markov head fed the wrong
@@ -307,7 +307,7 @@ def test_sampled_output_keeps_the_target_law_and_a_wrong_row_mutant_does_not(tar
     from scipy.stats import chi2_contingency
     prompt = [5, 17, 30, 2]
     plain, _ = law(target, None, prompt)
-    spec, dec = law(target, BlockDrafter(distilled), prompt)
+    spec, dec = law(target, DSparkDrafter(distilled), prompt)
     mutant, _ = law(target, WrongRow(distilled), prompt)
     assert dec.metrics.total.num_accepted_tokens > 150, "too few drafts accepted to test anything"
 
@@ -357,7 +357,7 @@ def test_the_block_drafter_runs_its_linears_through_the_targets_plan(target):
     plan = LinearPlan("mm", torch.float32, (1, 8), fn=layout)
     planned = Llama(target.cfg, dict(target.w), target.be, plan=plan)
     train = trained(target)
-    drafter = BlockDrafter(BlockModel(train.cfg, train.weights(), planned))
+    drafter = DSparkDrafter(DSparkModel(train.cfg, train.weights(), planned))
     assert drafter.model.linears == f"the target's plan: {plan.describe()}"
     ids = [(7 * i + 3) % V for i in range(30)]
     f = target_features(target, ids, TAPS)
@@ -375,7 +375,7 @@ def test_the_direct_path_loses_a_request_whose_last_features_it_lacks(target):
     train = trained(target, direct=True)
     ids = [(5 * i + 2) % V for i in range(30)]
     f = target_features(target, ids, TAPS)
-    drafter = BlockDrafter(BlockModel(train.cfg, train.weights(), target))
+    drafter = DSparkDrafter(DSparkModel(train.cfg, train.weights(), target))
     assert drafter.propose(view(ids, 17, f[:16], k=3)).num_valid.tolist() == [3]
     p = drafter.propose(view(ids, 16, f[:0], k=3))
     assert p.num_valid.tolist() == [0] and drafter.lost == 1

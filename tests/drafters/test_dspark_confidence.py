@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from hal.errors import HalError
-from hal.models.dspark import BlockConfig, save_block
+from hal.models.dspark import DSparkConfig, save_block
 from hal.models.llama import random_llama
 from hal.training.block_data import CANDIDATE_TAPS, to_draft_of
-from hal.training.block_train import BlockData, BlockTrain
+from hal.training.block_train import BlockData, DSparkTrain
 from hal.training.command import refit_folder
 from hal.training.confidence import bce, fit, refit, samples
 from tests.drafters.test_eagle import D, FFN, H, HEADS, KV, LAYERS, V, target_features
@@ -40,14 +40,14 @@ def data(target):
         f[:, :2] = target_features(target, s, CANDIDATE_TAPS[:2]).view(len(s), 2, H)
         feats.append(f.half())
     blob = {"ids": seqs, "prompt_lens": [6] * len(seqs), "texts": ["x"] * len(seqs)}
-    cfg = BlockConfig(hidden=H, heads=HEADS, kv_heads=KV, head_dim=D, ffn=FFN, layers=1, taps=CANDIDATE_TAPS[:2],
+    cfg = DSparkConfig(hidden=H, heads=HEADS, kv_heads=KV, head_dim=D, ffn=FFN, layers=1, taps=CANDIDATE_TAPS[:2],
                       block=B, rank=4, draft_vocab=V - 8)
     d = BlockData(blob, feats, [0, 1], cfg.draft_vocab, target.cfg.stop_ids, seed=0)
     return blob, feats, cfg, d
 
 
 def model_for(target, cfg, d, conf_bias=0.0):
-    m = BlockTrain(cfg, target.embed, target.head, d.draft_ids, seed=1)
+    m = DSparkTrain(cfg, target.embed, target.head, d.draft_ids, seed=1)
     with torch.no_grad():
         m.w("conf_bias").fill_(conf_bias)
     return m

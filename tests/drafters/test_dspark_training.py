@@ -9,9 +9,9 @@ import torch
 
 from hal.errors import HalError
 from hal.models.block_layouts import load_block
-from hal.models.dspark import BlockConfig, save_block
-from hal.drafters.dspark import BlockDrafter
-from hal.training.block_train import BlockTrain
+from hal.models.dspark import DSparkConfig, save_block
+from hal.drafters.dspark import DSparkDrafter
+from hal.training.block_train import DSparkTrain
 from hal.models.llama import random_llama
 from tests.drafters.test_dspark import DRAFT, TAPS, config, lossless, trained
 from tests.drafters.test_eagle import D, FFN, H, HEADS, KV, LAYERS, V, target_features
@@ -42,7 +42,7 @@ def test_training_learns_a_predictable_continuation_and_writes_a_loadable_drafte
         f[:, :2] = target_features(target, s, (1, 4)).view(len(s), 2, H)
         feats.append(f.half())
     blob = {"ids": seqs, "prompt_lens": [8] * len(seqs), "texts": ["x"] * len(seqs)}
-    cfg = BlockConfig(hidden=H, heads=HEADS, kv_heads=KV, head_dim=D, ffn=FFN, layers=1, taps=CANDIDATE_TAPS[:2],
+    cfg = DSparkConfig(hidden=H, heads=HEADS, kv_heads=KV, head_dim=D, ffn=FFN, layers=1, taps=CANDIDATE_TAPS[:2],
                       block=4, rank=8, draft_vocab=V)
     got = train_block(cfg, blob, feats, target, 10.0, batch=8, anchors=8, lr=3e-3, max_steps=200, say=lambda _: None)
     first, last = got["summary"]["curve"][0], got["summary"]["val"]
@@ -51,7 +51,7 @@ def test_training_learns_a_predictable_continuation_and_writes_a_loadable_drafte
     assert refit["positions"] > 0 and refit["bce_out_of_fold"] == min(refit["bce_by_choice"].values())
     assert bool(got["weights"]["conf"][:-1].any()) == (refit["inputs"] != "row")   # "row": hidden weights zero
     save_block(tmp_path / "b", cfg, got["weights"])
-    drafter = BlockDrafter(load_block(tmp_path / "b", target))
+    drafter = DSparkDrafter(load_block(tmp_path / "b", target))
     dec = lossless(target, drafter, [s[:12] for s in seqs[-3:]])
     assert dec.metrics.total.num_draft_tokens > 0
 
@@ -71,7 +71,7 @@ def test_the_last_layers_output_is_a_tap_and_its_soft_labels_are_the_targets_gre
     assert torch.equal(both[:, H:], last) and torch.equal(both[:, :H], target_features(target, ids, (4,)))
     with pytest.raises(HalError, match="feature_layers: expected distinct layer indices"):
         target_features(target, ids, (LAYERS, 4))
-    model = BlockTrain(config(), target.embed, target.head, DRAFT, 0, target.w["norm"])
+    model = DSparkTrain(config(), target.embed, target.head, DRAFT, 0, target.w["norm"])
     torch.testing.assert_close(model.teacher(last), torch.softmax(logits[:, DRAFT], -1), atol=1e-5, rtol=1e-5)
     anchors = torch.tensor([[3, 10, 20]])
     p = soft_labels(model, last[None], anchors)                        # [1, 3, B - 1, Vd]
@@ -127,6 +127,6 @@ def test_bad_training_options_are_refused_before_training(target, taps, distill,
     naming the option before any step."""
     from hal.training.block_train import train_block
     blob = {"ids": [[2, 9, 5, 7]] * 4, "prompt_lens": [2] * 4, "texts": ["x"] * 4}
-    cfg = BlockConfig(**{**config().__dict__, "taps": taps})
+    cfg = DSparkConfig(**{**config().__dict__, "taps": taps})
     with pytest.raises(HalError, match=match):
         train_block(cfg, blob, [torch.zeros(4, 10, H).half()] * 4, target, 1.0, distill=distill, max_steps=1)

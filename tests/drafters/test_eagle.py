@@ -15,8 +15,8 @@ import hal
 from hal import kv
 from hal.engine import SpeculativeDecoder
 from hal.models.eagle_layouts import load_eagle
-from hal.drafters.eagle import HeadDrafter
-from hal.training.train import TrainHead
+from hal.drafters.eagle import EagleDrafter
+from hal.training.train import EagleTrain
 from hal.errors import HalError
 from hal.engine.forward import forward_tokens, make_batch
 from hal.engine.requests import Request
@@ -42,7 +42,7 @@ DRAFT = torch.tensor(sorted(set(range(0, V, 2)) | {1, 3, 5}))   # a reduced draf
 def eagle1(tmp_path, seed=0, draft=True):
     """A random EAGLE-1 head in the published layout (+ FR-Spec's d2t), via the training module."""
     torch.manual_seed(seed)
-    head = TrainHead(H, HEADS, KV, FFN, 10000.0, 1e-5)
+    head = EagleTrain(H, HEADS, KV, FFN, 10000.0, 1e-5)
     with torch.no_grad():
         for p in head.parameters():
             p.add_(torch.randn_like(p) * 0.1)
@@ -129,7 +129,7 @@ def test_head_drafter_is_lossless_and_first_drafts_match_a_recompute(target, tmp
     head = load_eagle(eagle1(tmp_path)[1] if layout == "eagle1" else eagle3(tmp_path), target)
     seen = []
 
-    class Recording(HeadDrafter):
+    class Recording(EagleDrafter):
         def propose(self, b):
             p = super().propose(b)
             seen.append((b, p))
@@ -180,9 +180,9 @@ def test_head_tree_is_lossless_and_grows_around_the_chain(target, tmp_path, layo
     node is the chain's first draft and node 0's first child the chain's second (the same
     head from the same features, drafted as a chain beside it); trees do branch."""
     head = load_eagle(eagle1(tmp_path)[1] if layout == "eagle1" else eagle3(tmp_path), target)
-    chain, seen = HeadDrafter(head), []
+    chain, seen = EagleDrafter(head), []
 
-    class Both(HeadDrafter):
+    class Both(EagleDrafter):
         def propose(self, b):
             p = super().propose(b)
             seen.append((b, p, chain.propose(b)))
@@ -217,7 +217,7 @@ def test_bad_tree_shapes_are_refused(target, tmp_path):
     head = load_eagle(eagle1(tmp_path)[1], target)
     for bad in ((0, 3), (3,), ("a", 2), (2, 0)):
         with pytest.raises(HalError, match="tree: expected"):
-            HeadDrafter(head, tree=bad)
+            EagleDrafter(head, tree=bad)
     for lo, hi in ((0, 2), (3, 2)):
         with pytest.raises(HalError, match="min_n, max_n"):
             NgramTreeDrafter(target.be, lo, hi)
@@ -225,21 +225,21 @@ def test_bad_tree_shapes_are_refused(target, tmp_path):
 
 def test_head_drafter_survives_preemption_and_sampling(target, tmp_path):
     head = load_eagle(eagle1(tmp_path)[1], target)
-    lossless(target, HeadDrafter(head), PROMPTS, num_blocks=7, max_num_seqs=4)   # the target pool preempts
+    lossless(target, EagleDrafter(head), PROMPTS, num_blocks=7, max_num_seqs=4)   # the target pool preempts
     runs = []
     for _ in range(2):
-        dec = SpeculativeDecoder(target, HeadDrafter(head))
+        dec = SpeculativeDecoder(target, EagleDrafter(head))
         runs.append(dec.generate([Request(p, max_new_tokens=16, k=3, temperature=0.8, seed=5) for p in PROMPTS]))
     assert runs[0] == runs[1] and all(len(r) == 16 for r in runs[0])
-    lossless(target, HeadDrafter(head, tree=(2, 3)), PROMPTS, k=5, num_blocks=7, max_num_seqs=4)
-    trees = [SpeculativeDecoder(target, HeadDrafter(head, tree=(2, 3))).generate(
+    lossless(target, EagleDrafter(head, tree=(2, 3)), PROMPTS, k=5, num_blocks=7, max_num_seqs=4)
+    trees = [SpeculativeDecoder(target, EagleDrafter(head, tree=(2, 3))).generate(
         [Request(p, max_new_tokens=16, k=5, temperature=0.8, seed=5) for p in PROMPTS]) for _ in range(2)]
     assert trees[0] == trees[1] and all(len(r) == 16 for r in trees[0])
 
 
 def test_a_full_head_pool_means_no_drafts_not_wrong_ones(target, tmp_path):
     head = load_eagle(eagle1(tmp_path)[1], target)
-    d = HeadDrafter(head, num_blocks=2)
+    d = EagleDrafter(head, num_blocks=2)
     lossless(target, d, PROMPTS)
     assert d.lost > 0
 
@@ -274,7 +274,7 @@ def test_train_head_learns_and_writes_a_loadable_head(target, tmp_path):
     assert s["steps"] == 60 and s["last_loss"] < 0.5 * s["first_loss"], s
     head = load_eagle(tmp_path / "head", target)     # fp16 weights in the EAGLE-1 layout, with d2t
     assert head.cfg.draft_vocab == 48 and (tmp_path / "head" / "loss.png").stat().st_size > 1000
-    lossless(target, HeadDrafter(head), PROMPTS)
+    lossless(target, EagleDrafter(head), PROMPTS)
 
 
 def test_llama3_rope_scaling_matches_transformers():
@@ -307,7 +307,7 @@ def test_a_head_on_the_draft_rank_gets_the_features_over_the_link(target, tmp_pa
     from hal.distributed.worker import draft_worker
     from tests.launch.test_generate import QueueLink
     head = load_eagle(eagle3(tmp_path), target)
-    local = lossless(target, HeadDrafter(head, tree=tree), PROMPTS, k=k)
+    local = lossless(target, EagleDrafter(head, tree=tree), PROMPTS, k=k)
     a, b = queue.Queue(), queue.Queue()
     sent = []
 
@@ -315,7 +315,7 @@ def test_a_head_on_the_draft_rank_gets_the_features_over_the_link(target, tmp_pa
         def send(self, words, rows=None, idx=None):
             sent.append(0 if rows is None else rows.numel() * rows.element_size())
             super().send(words, rows, idx)
-    worker = threading.Thread(target=draft_worker, daemon=True, args=(QueueLink(a, b), HeadDrafter(head, tree=tree)),
+    worker = threading.Thread(target=draft_worker, daemon=True, args=(QueueLink(a, b), EagleDrafter(head, tree=tree)),
                               kwargs=dict(fanout=0))   # no drafting ahead: every draft from the target's features
     worker.start()
     metrics = SpecDecodeMetrics()
@@ -352,7 +352,7 @@ def test_ngram_or_head_is_lossless_and_uses_both(target, tmp_path):
     prompts = PROMPTS + [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]]          # one copy-heavy prompt: the lookup matches
     calls = []
 
-    class Counting(HeadDrafter):
+    class Counting(EagleDrafter):
         def propose(self, b):
             calls.append(sum(b.k))
             return super().propose(b)
@@ -360,7 +360,7 @@ def test_ngram_or_head_is_lossless_and_uses_both(target, tmp_path):
     lossless(target, d, prompts)
     assert any(calls)                                          # the head drafted for some requests,
     assert any(c < 4 * len(prompts) for c in calls)            # and not for those the lookup covered
-    runs = [SpeculativeDecoder(target, NgramOrHead(NgramDrafter(target.be), HeadDrafter(head))).generate(
+    runs = [SpeculativeDecoder(target, NgramOrHead(NgramDrafter(target.be), EagleDrafter(head))).generate(
         [Request(p, max_new_tokens=12, k=3, temperature=0.7, seed=3) for p in prompts]) for _ in range(2)]
     assert runs[0] == runs[1] and all(len(o) == 12 for o in runs[0])
 
@@ -375,7 +375,7 @@ def test_a_lookup_or_head_drafter_is_profiled_on_its_head(target, tmp_path):
     head = load_eagle(eagle1(tmp_path)[1], target)
     asked = []
 
-    class Counting(HeadDrafter):
+    class Counting(EagleDrafter):
         def propose(self, b):
             asked.append(b.k)
             return super().propose(b)
@@ -392,7 +392,7 @@ def test_eagle_drafts_name_what_is_missing(target, tmp_path):
     assert e.value.arg == "--draft"
     with pytest.raises(HalError, match="expected the target model in this process"):
         make_drafter(parse_draft(f"eagle:{tmp_path}"), target.be)
-    d = HeadDrafter(load_eagle(eagle1(tmp_path)[1], target))
+    d = EagleDrafter(load_eagle(eagle1(tmp_path)[1], target))
     b = __import__("hal.engine.drafting", fromlist=["DraftBatch"]).DraftBatch(
         rids=(0,), params=(Request([1, 2]),), history=torch.tensor([[1, 2]]), num_tokens=torch.tensor([2]),
         lengths=(2,), k=(1,), offsets=(0,), num_features=(1,))
@@ -453,7 +453,7 @@ def test_a_tail_fed_with_own_features_drafts_as_if_they_were_the_targets_and_is_
     head = load_eagle(eagle3(tmp_path), target)
     full = list(range(1, 40, 3)) + [20, 21]
     C, f = len(full) - 2, target_features(target, full, head.feature_layers)
-    spec, ref = HeadDrafter(head), HeadDrafter(head)
+    spec, ref = EagleDrafter(head), EagleDrafter(head)
     first = spec.propose(head_batch(full[:C], 3, f[:C - 1], temperature=temperature, F=4))
     ref.propose(head_batch(full[:C], 3, f[:C - 1], temperature=temperature, F=4))
     assert first.own_features.shape == (3, H) and first.top_ids.shape == (3, 4)   # the head's space: fc's output
@@ -464,7 +464,7 @@ def test_a_tail_fed_with_own_features_drafts_as_if_they_were_the_targets_and_is_
     assert spec.draft_kv.valid_len(0) == C - 1                      # the tail's pairs are scratch
     again = spec.propose(head_batch(full, 3, f[C - 1:C + 1], temperature=temperature))
     assert torch.equal(again.draft_token_ids, real.draft_token_ids)
-    wrong = HeadDrafter(head)   # PLANTED: the tail's features dropped (the head drafts on the committed prefix alone)
+    wrong = EagleDrafter(head)   # PLANTED: the tail's features dropped (the head drafts on the committed prefix alone)
     wrong.propose(head_batch(full[:C], 3, f[:C - 1]))
     assert not torch.equal(wrong.propose(head_batch(full[:C], 3)).draft_token_ids, real.draft_token_ids)
 
@@ -482,7 +482,7 @@ def test_a_head_on_the_draft_rank_drafts_the_next_round_ahead_with_its_own_featu
     from tests.launch.test_generate import QueueLink
     head = load_eagle(eagle3(tmp_path), target)
     a, b = queue.Queue(), queue.Queue()
-    worker = threading.Thread(target=draft_worker, daemon=True, args=(QueueLink(a, b), HeadDrafter(head)),
+    worker = threading.Thread(target=draft_worker, daemon=True, args=(QueueLink(a, b), EagleDrafter(head)),
                               kwargs=dict(fanout=16, bounded=False))   # the whole fan-out: hits whatever the timing
     worker.start()
     metrics = SpecDecodeMetrics()
@@ -501,7 +501,7 @@ def test_own_features_that_do_not_fit_the_head_or_the_tails_are_refused_by_name(
     head = load_eagle(eagle3(tmp_path), target)
     ids = list(range(1, 30, 2))
     f = target_features(target, ids, head.feature_layers)
-    d, ref = HeadDrafter(head), HeadDrafter(head)
+    d, ref = EagleDrafter(head), EagleDrafter(head)
     for x in (d, ref):
         x.propose(head_batch(ids[:-2], 3, f[:-3]))
     good = head.fuse(f[-3:-1])
@@ -516,6 +516,6 @@ def test_own_features_that_do_not_fit_the_head_or_the_tails_are_refused_by_name(
     with pytest.raises(HalError, match="DraftBatch.num_own"):
         d.propose(replace(head_batch(ids, 3, own=good), num_own=(2, 1)))
     with pytest.raises(HalError, match="tree head"):
-        HeadDrafter(head, tree=(2, 2)).propose(head_batch(ids, 3, own=good))
+        EagleDrafter(head, tree=(2, 2)).propose(head_batch(ids, 3, own=good))
     assert torch.equal(d.propose(head_batch(ids, 3, own=good)).draft_token_ids,
                        ref.propose(head_batch(ids, 3, own=good)).draft_token_ids)

@@ -18,8 +18,9 @@ import torch
 
 import hal
 from hal import kv
-from hal.drafters.dspark import BlockDrafter
-from hal.drafters.eagle import HeadDrafter
+from hal.drafters.dflash import DFlashDrafter
+from hal.drafters.dspark import DSparkDrafter
+from hal.drafters.eagle import EagleDrafter
 from hal.engine.forward import forward_tokens
 from hal.models.block_layouts import load_block
 from hal.models.eagle_layouts import head_feature_layers, load_eagle
@@ -51,7 +52,7 @@ def features(target, ids: list[int], taps) -> torch.Tensor:
 
 def block_step(model, target, ids: list[int], P: int, temperature=0.0):
     """A fresh block drafter's proposal for the prefix ``ids[:P + 1]`` (the anchor at P)."""
-    drafter = BlockDrafter(model)
+    drafter = DSparkDrafter(model)
     f = features(target, ids[:P + 1], model.cfg.taps)
     return drafter, drafter.propose(view(ids[:P + 1], P + 1, f[:P], k=model.proposals, temperature=temperature))
 
@@ -126,9 +127,9 @@ def test_eagle3_original_layout_chain_equals_safeailabs_reference(targets):
     f = features(target, ids, head.feature_layers)
     assert (f[:-1] - ref["aux_hidden"]).abs().max() < TOL
     n = len(ref["draft_tokens"])
-    p = HeadDrafter(head).propose(view(ids, len(ids), f[:-1], k=n))
+    p = EagleDrafter(head).propose(view(ids, len(ids), f[:-1], k=n))
     assert p.draft_token_ids.tolist() == ref["draft_tokens"].tolist()
-    p = HeadDrafter(head).propose(view(ids, len(ids), f[:-1], k=1, temperature=1.0))
+    p = EagleDrafter(head).propose(view(ids, len(ids), f[:-1], k=1, temperature=1.0))
     want = torch.log_softmax(ref["draft_logits_full"][0].float(), -1)
     seen = torch.isfinite(want)
     assert (p.draft_probs[0][seen].log() - want[seen]).abs().max() < TOL and (p.draft_probs[0][~seen] == 0).all()
@@ -147,8 +148,8 @@ def drafter_for(kind: str, target, tmp_path):
             folder = Path(shutil.copytree(folder, tmp_path / "head"))
             c = json.loads((folder / "config.json").read_text())
             (folder / "config.json").write_text(json.dumps({**c, "eagle_aux_hidden_state_layer_ids": [1, 3, L - 1]}))
-        return HeadDrafter(load_eagle(folder, target))
-    return BlockDrafter(load_block(FIX / kind / f"tiny_{kind}", target))
+        return EagleDrafter(load_eagle(folder, target))
+    return DSparkDrafter(load_block(FIX / kind / f"tiny_{kind}", target))
 
 
 @pytest.mark.parametrize("family", ["dflash", "eagle3"])   # whose fixture target: Qwen3, Llama
@@ -164,7 +165,7 @@ def test_greedy_output_with_each_published_drafter_equals_plain_greedy(targets, 
     assert dec.metrics.total.num_draft_tokens > 0
 
 
-class UniformFirstQ(BlockDrafter):
+class UniformFirstQ(DSparkDrafter):
     """A planted mutant: each block's first proposal reports a uniform q, not the row (base plus
     Markov bias) it was drawn from."""
 
@@ -204,7 +205,7 @@ def test_sampled_output_with_deepspecs_dspark_keeps_the_target_law_and_a_wrong_q
         rows = [[c[t] for t in keys] + [sum(v for t, v in c.items() if t not in keys)] for c in (a, b)]
         return chi2_contingency([[x + 0.5 for x in r] for r in rows])[1]
     plain, _ = law(None)
-    spec, dec = law(BlockDrafter(model))
+    spec, dec = law(DSparkDrafter(model))
     assert dec.metrics.total.num_accepted_tokens > 500
     assert p_value(plain, spec) > 1e-3
     assert p_value(plain, law(UniformFirstQ(model))[0]) < 1e-4
@@ -237,11 +238,11 @@ def test_the_speculators_layout_drafts_as_the_original(targets, tmp_path):
     head = load_eagle(speculators_copy(tmp_path, norm_before_residual=False), target)
     assert head.feature_layers == (2, 4, 5) and not head.cfg.norm_before_residual
     f = features(target, ids, head.feature_layers)
-    p = HeadDrafter(head).propose(view(ids, len(ids), f[:-1], k=len(ref["draft_tokens"])))
+    p = EagleDrafter(head).propose(view(ids, len(ids), f[:-1], k=len(ref["draft_tokens"])))
     assert p.draft_token_ids.tolist() == ref["draft_tokens"].tolist()
     other = load_eagle(speculators_copy(tmp_path / "x"), target)
     assert other.cfg.norm_before_residual
-    q = HeadDrafter(other).propose(view(ids, len(ids), f[:-1], k=1, temperature=1.0)).draft_probs[0]
+    q = EagleDrafter(other).propose(view(ids, len(ids), f[:-1], k=1, temperature=1.0)).draft_probs[0]
     want = torch.softmax(ref["draft_logits_full"][0].float(), -1)
     assert (q - want).abs().max() > 1e-3   # the residual is the normed feature: another head
 
@@ -304,9 +305,32 @@ def test_draft_flags_name_published_folders(targets):
     for flag, kind in (("dflash", "dflash"), ("dspark", "dspark"), ("dflash", "dspark")):
         spec = parse_draft(f"{flag}:{FIX / kind / f'tiny_{kind}'}")
         drafter = make_drafter(spec, be, targets[kind])
-        assert isinstance(drafter, BlockDrafter) and drafter.features == feature_layers(spec, "", 6)
+        assert isinstance(drafter, DFlashDrafter if kind == "dflash" else DSparkDrafter)
+        assert type(drafter) is DFlashDrafter or kind == "dspark"
+        assert drafter.features == feature_layers(spec, "", 6)
     spec = parse_draft(f"eagle:{FIX / 'eagle3' / 'tiny_head'}")
-    assert isinstance(make_drafter(spec, be, targets["eagle3"]), HeadDrafter)
+    assert isinstance(make_drafter(spec, be, targets["eagle3"]), EagleDrafter)
     assert feature_layers(spec, "", 8) == (2, 4, 5)
     with pytest.raises(hal.HalError, match="--draft"):
         parse_draft("dflash")
+
+
+def test_deepspecs_confidences_schedule_the_verify_length(targets):
+    """With a routed engine's cost table, the verified prefix of a DSpark block is
+    `confidence_cut` of the published head's confidences (prefix survival against the measured
+    cost per fed token); a DFlash block, having no confidences, offers every proposal."""
+    from hal.drafters.dspark import confidence_cut
+    from tests.drafters.test_dspark import COSTS
+    ref = reference("dspark")
+    for kind in ("dspark", "dflash"):
+        target = targets[kind]
+        drafter = DSparkDrafter(load_block(FIX / kind / f"tiny_{kind}", target))
+        ids = ref["prompt_ids"][0].tolist() + [int(ref["anchor_token"])]
+        f = features(target, ids, drafter.model.cfg.taps)
+        k = drafter.model.proposals
+        p = drafter.propose(view(ids, len(ids), f[:-1], k=k, costs=COSTS))
+        if kind == "dspark":
+            c = drafter.confidences[0]
+            assert p.num_valid.tolist() == confidence_cut([c], (k,), [len(ids)], COSTS) and len(c) == k
+        else:
+            assert p.num_valid.tolist() == [k] and drafter.confidences == {}

@@ -1,4 +1,4 @@
-"""Test-only drafters: a chain from any EAGLE-style head callable (`EagleDrafter`), for toy
+"""Test-only drafters: a chain from any EAGLE-style head callable (`ToyEagleDrafter`), for toy
 heads whose drafts a test chooses."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ EagleHead = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
 where ``hidden`` is the target's final hidden state at the position that produced ``token_ids``."""
 
 
-class EagleDrafter:
+class ToyEagleDrafter:
     """Drafts by chaining an EAGLE-style head from the target's last hidden state."""
 
     def __init__(self, head: EagleHead, backend):
@@ -24,7 +24,7 @@ class EagleDrafter:
 
     def propose(self, batch: DraftBatch) -> Proposal:
         if batch.hidden is None:
-            raise HalError("EagleDrafter.propose: expected the target's hidden states (DraftBatch.hidden), got None")
+            raise HalError("ToyEagleDrafter.propose: expected the target's hidden states (DraftBatch.hidden), got None")
         h = batch.hidden
         last = batch.history.gather(1, (batch.num_tokens - 1).clamp(min=0)[:, None])[:, 0]
         state = {"h": h}

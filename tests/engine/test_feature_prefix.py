@@ -44,8 +44,8 @@ class Recorder:
 
 
 def run(model, caching, batches, **kw):
-    from hal.drafters.eagle import HeadDrafter
-    rec = Recorder(HeadDrafter(random_head(model), num_blocks=96, block_size=BS))
+    from hal.drafters.eagle import EagleDrafter
+    rec = Recorder(EagleDrafter(random_head(model), num_blocks=96, block_size=BS))
     dec = SpeculativeDecoder(model, rec, enable_prefix_caching=caching, **{"num_blocks": 96, "block_size": BS, **kw})
     outs = [o for batch in batches for o in dec.generate(batch)]
     return outs, rec, dec
@@ -84,8 +84,8 @@ def test_a_cache_that_hands_back_another_positions_rows_is_caught(model):
     verified), so only the rows passed show it: the check above must see the difference."""
     batches = [[chat(i, max_new_tokens=8)] for i in range(2)]
     _, rec_off, _ = run(model, False, batches)
-    from hal.drafters.eagle import HeadDrafter
-    rec = Recorder(HeadDrafter(random_head(model), num_blocks=96, block_size=BS))
+    from hal.drafters.eagle import EagleDrafter
+    rec = Recorder(EagleDrafter(random_head(model), num_blocks=96, block_size=BS))
     dec = SpeculativeDecoder(model, rec, num_blocks=96, block_size=BS)
     take = dec.cached_features.take
     dec.cached_features.take = lambda names: take(names).roll(1, 0)
@@ -113,17 +113,17 @@ def test_a_small_feature_cache_keeps_the_shared_prefix(model):
 
 
 def test_the_block_drafter_with_prefix_caching_equals_plain_greedy():
-    from hal.drafters.dspark import BlockDrafter
-    from hal.models.dspark import BlockModel
+    from hal.drafters.dspark import DSparkDrafter
+    from hal.models.dspark import DSparkModel
     from hal.models.llama import random_llama
     from tests.drafters.test_dspark import D, FFN, H, HEADS, KV, LAYERS, V, trained
     target = random_llama(H, LAYERS, HEADS, KV, D, FFN, V, seed=7, scale=0.15)
-    model = BlockModel(trained(target).cfg, trained(target).weights(), target)
+    model = DSparkModel(trained(target).cfg, trained(target).weights(), target)
     system = list(range(2, 40))
     reqs = [[Request(system + [50 + i, 60 + i], max_new_tokens=16, k=3)] for i in range(3)]
     plain = SpeculativeDecoder(target, None)
     want = [o for b in reqs for o in plain.generate(b)]
-    dec = SpeculativeDecoder(target, BlockDrafter(model))
+    dec = SpeculativeDecoder(target, DSparkDrafter(model))
     assert [o for b in reqs for o in dec.generate(b)] == want
     assert dec.prefix_cache_stats[1] == 2 * (len(system) // 16 * 16) and dec.metrics.total.num_draft_tokens > 0
 

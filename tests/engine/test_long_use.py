@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from hal.drafters import ModelDrafter, NgramDrafter, NgramTreeDrafter
-from hal.drafters.dspark import BlockDrafter
-from hal.drafters.eagle import HeadDrafter, NgramOrHead
+from hal.drafters.dspark import DSparkDrafter
+from hal.drafters.eagle import EagleDrafter, NgramOrHead
 from hal.engine import Request, SpeculativeDecoder
 from hal.engine.router import CostModel
 from hal.launch.build import build_engine, make_router
-from hal.models.dspark import BlockModel
+from hal.models.dspark import DSparkModel
 from hal.models.eagle_layouts import load_eagle
 from tests.drafters.test_dspark import trained
 from tests.drafters.test_eagle import V, eagle3, target  # noqa: F401  (the fixture: a tiny random Llama)
@@ -30,8 +30,8 @@ COSTS = CostModel({1: 1.0, 2: 1.05, 3: 1.1, 4: 1.15, 5: 1.2, 6: 1.25, 7: 1.3, 8:
 def kinds(model, tmp_path) -> dict:
     """Every drafter kind the engine runs in-process, over ``model``."""
     be = model.be
-    head = lambda: HeadDrafter(load_eagle(eagle3(tmp_path), model, be))  # noqa: E731
-    block = lambda: BlockDrafter(BlockModel(trained(model).cfg, trained(model).weights(), model))  # noqa: E731
+    head = lambda: EagleDrafter(load_eagle(eagle3(tmp_path), model, be))  # noqa: E731
+    block = lambda: DSparkDrafter(DSparkModel(trained(model).cfg, trained(model).weights(), model))  # noqa: E731
     return {"none": lambda: None, "ngram": lambda: NgramDrafter(be), "ngram-tree": lambda: NgramTreeDrafter(be),
             "model": lambda: ModelDrafter(model.layer_view(2)), "eagle": head, "dspark": block,
             "ngram+eagle": lambda: NgramOrHead(NgramDrafter(be, min_n=2), head())}

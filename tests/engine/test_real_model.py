@@ -9,7 +9,7 @@ import torch
 import hal
 from hal.engine import Request, SpeculativeDecoder
 from hal.drafters import ModelDrafter, NgramDrafter
-from tests.drafters.toy_heads import EagleDrafter
+from tests.drafters.toy_heads import ToyEagleDrafter
 from hal.drafters.kinds import make_drafter, parse_draft
 from hal.models.linear_plan import offered_dtypes
 from hal.models.llama import Llama
@@ -63,7 +63,7 @@ def test_greedy_speculative_equals_plain(model, plain, kind):
         "ngram": lambda: NgramDrafter(be),
         "self-speculative": lambda: ModelDrafter(target.layer_view(20)),
         "draft-model": lambda: ModelDrafter(Llama(target.cfg, target.w, be)),   # a separate model instance
-        "eagle-toy": lambda: EagleDrafter(lambda h, x: (torch.nn.functional.one_hot(x, target.cfg.vocab).float(), h),
+        "eagle-toy": lambda: ToyEagleDrafter(lambda h, x: (torch.nn.functional.one_hot(x, target.cfg.vocab).float(), h),
                                           be),                                   # toy head: repeat the last token
         "eagle": lambda: make_drafter(parse_draft("eagle"), be, target, "smollm2-135m"),   # the shipped head
         "ngram+eagle": lambda: make_drafter(parse_draft("ngram+eagle"), be, target, "smollm2-135m"),

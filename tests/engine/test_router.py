@@ -11,7 +11,7 @@ import torch
 import hal
 from hal.conformance._helpers import assert_distribution
 from hal.engine import Request, SpeculativeDecoder
-from tests.drafters.toy_heads import EagleDrafter
+from tests.drafters.toy_heads import ToyEagleDrafter
 from hal.engine.router import CostModel, Router, expected_tokens
 
 
@@ -36,9 +36,9 @@ class ToyTarget:
         return self.logp.expand(n, -1).clone(), torch.zeros(n, 4)
 
 
-def constant_drafter(be, q: torch.Tensor) -> EagleDrafter:
+def constant_drafter(be, q: torch.Tensor) -> ToyEagleDrafter:
     """Drafts from ``q`` at every position (the DSpark draft), through the real drafter."""
-    return EagleDrafter(lambda h, x: (q.log().expand(len(x), -1), h), be)
+    return ToyEagleDrafter(lambda h, x: (q.log().expand(len(x), -1), h), be)
 
 
 class PeekingDrafter:

@@ -16,8 +16,8 @@ import hal
 import hal.engine.step_types
 from hal.engine import Request, SpeculativeDecoder
 from hal.drafters import ModelDrafter, NgramDrafter
-from tests.drafters.toy_heads import EagleDrafter
-from hal.drafters.eagle import HeadDrafter
+from tests.drafters.toy_heads import ToyEagleDrafter
+from hal.drafters.eagle import EagleDrafter
 from hal.models.loaders import load_safetensors
 from tests.launch.test_generate import tiny  # noqa: F401  (the fixture: a tiny random model folder)
 
@@ -81,9 +81,9 @@ PROMPTS = [[1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [5, 6, 7, 5, 6, 7, 5], [9, 8, 7, 6, 5
 def drafters(model):
     return {"ngram": lambda: NgramDrafter(model.be),
             "self-speculative": lambda: ModelDrafter(model.layer_view(1), num_blocks=64),
-            "eagle-toy": lambda: EagleDrafter(lambda h, x: (torch.nn.functional.one_hot(x, model.cfg.vocab).float(), h),
+            "eagle-toy": lambda: ToyEagleDrafter(lambda h, x: (torch.nn.functional.one_hot(x, model.cfg.vocab).float(), h),
                                               model.be),
-            "eagle-head": lambda: HeadDrafter(random_head(model), num_blocks=64)}
+            "eagle-head": lambda: EagleDrafter(random_head(model), num_blocks=64)}
 
 
 def random_head(model):
