@@ -51,26 +51,12 @@ def responses(model: str, max_new_tokens: int = 128, limit: int | None = None, t
     if len(blob["ids"]) < len(texts):
         new = texts[len(blob["ids"]):]
         target, tok = load_target(model, target, tok)
-        blob = {"ids": blob["ids"] + _generate(target, tok, new, max_new_tokens),
+        blob = {"ids": blob["ids"] + data.generate(target, tok, new, max_new_tokens),
                 "prompt_lens": blob["prompt_lens"] + [len(tok.encode(chatml(t)).ids) for t in new],
                 "texts": blob["texts"] + new,
                 "made": " + ".join(filter(None, [blob["made"], time.strftime("%Y-%m-%d %H:%M:%S")]))}
         _save(blob, path)
     return {key: (v[:len(texts)] if isinstance(v, list) else v) for key, v in blob.items()}
-
-
-def _generate(target, tok, texts: list[str], max_new_tokens: int) -> list[list[int]]:
-    """Greedy responses on the fast batched path (not the batch-invariant one: generation only)."""
-    from tqdm import tqdm
-
-    from hal.training import data
-    inv = target.batch_invariant
-    target.batch_invariant = False
-    try:
-        with tqdm(total=len(texts), desc="generate", unit="prompt") as bar:
-            return data.generate(target, tok, texts, max_new_tokens, progress=bar.update)
-    finally:
-        target.batch_invariant = inv
 
 
 def tapped(model: str, blob: dict, target=None, batch: int = 8) -> list[torch.Tensor]:

@@ -137,22 +137,29 @@ def prompts(heldout: bool = False, sets: int = 2) -> list[str]:
     return out + more + third
 
 
-def generate(target, tok, texts: list[str], max_new_tokens: int = 160, batch: int = 16, progress=None
-             ) -> list[list[int]]:
-    """Greedy responses of ``target`` to ``texts`` (ChatML), each as prompt + response ids."""
+def generate(target, tok, texts: list[str], max_new_tokens: int = 160, batch: int = 16) -> list[list[int]]:
+    """Greedy responses of ``target`` to ``texts`` (ChatML), each as prompt + response ids, on
+    the fast batched path (not the batch-invariant one: generation only; the flag is restored),
+    with a progress bar. The one generator both trainers use (EAGLE's and DSpark's data)."""
+    from tqdm import tqdm
+
     from hal.launch.build import build_engine
     from hal.models.tokenizer import chatml
     from hal.engine.requests import Request
     eos = target.cfg.stop_ids
     ids = [tok.encode(chatml(t)).ids for t in texts]
     out: list[list[int]] = []
-    for i in range(0, len(ids), batch):
-        part = ids[i:i + batch]
-        dec = build_engine(target, None, num_blocks=1 + sum(-(-(len(p) + max_new_tokens) // 16) for p in part))
-        got = dec.generate([Request(p, max_new_tokens=max_new_tokens, k=0, stop_ids=eos) for p in part])
-        out += [p + g for p, g in zip(part, got)]
-        if progress is not None:
-            progress(len(part))
+    inv, target.batch_invariant = target.batch_invariant, False
+    try:
+        with tqdm(total=len(ids), desc="generate", unit="prompt") as bar:
+            for i in range(0, len(ids), batch):
+                part = ids[i:i + batch]
+                dec = build_engine(target, None, num_blocks=1 + sum(-(-(len(p) + max_new_tokens) // 16) for p in part))
+                got = dec.generate([Request(p, max_new_tokens=max_new_tokens, k=0, stop_ids=eos) for p in part])
+                out += [p + g for p, g in zip(part, got)]
+                bar.update(len(part))
+    finally:
+        target.batch_invariant = inv
     return out
 
 

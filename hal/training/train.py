@@ -44,9 +44,7 @@ def build_data(model: str, max_new_tokens: int = 128, limit: int | None = None, 
         raise HalError(f"--model: expected a GGUF model with its tokenizer, got {model!r}")
     have = 0 if old is None else len(old["ids"])    # a cache of a prefix of the prompts is extended
     todo = texts[have:]
-    target.batch_invariant = False           # generation only: the fast batched path
-    with tqdm(total=len(todo), desc="generate", unit="prompt") as bar:
-        seqs = eagle_data.generate(target, tok, todo, max_new_tokens, progress=bar.update)
+    seqs = eagle_data.generate(target, tok, todo, max_new_tokens)
     target.batch_invariant = True            # features exactly as the engine computes them
     with tqdm(total=len(seqs), desc="features", unit="seq") as bar:
         feats = eagle_data.features(target, seqs, progress=bar.update)
@@ -234,10 +232,12 @@ def train_epoch(d: HeadData, head, opt, run: Run, batch: int, bar, epoch: int) -
         bar.refresh()
 
 
-def validate(d: HeadData, head, batch: int) -> float:
+def validate(d: HeadData, head, batch: int) -> dict:
+    """The head's validation scores, as the block trainer's `hal.training.block_train.validate`
+    reports them: {"top1": the share of next tokens whose draft is the target's}."""
     with torch.no_grad():
         vs = [loss_of(d, head, d.val[i:i + batch], False) for i in range(0, len(d.val), batch)]
-    return sum(float(a) for _, _, a in vs) / len(vs)
+    return {"top1": sum(float(a) for _, _, a in vs) / len(vs)}
 
 
 def train(model: str, out: Path, minutes: float = 40.0, draft_size: int = 8192, ffn: int | None = None,
@@ -263,7 +263,7 @@ def train(model: str, out: Path, minutes: float = 40.0, draft_size: int = 8192, 
     while not run.done():
         train_epoch(d, head, opt, run, batch, bar, epoch)
         epoch += 1
-        vacc = validate(d, head, batch)
+        vacc = validate(d, head, batch)["top1"]
         run.curve[-1] = run.curve[-1][:5] + (vacc,)
         if vacc > best[0]:
             best = (vacc, {n: t.detach().clone() for n, t in head.weights().items()})
