@@ -1,7 +1,8 @@
 """GGUF K-quant tensors as stored (ggml-quants.c's layouts; `gguf`'s dequantization is the
 oracle in tests/models/test_q4_rows.py and test_q6_k.py), unpacked into their codes and scales
 until a fused linear packs them into the q4q8 kernel's tiles (`hal.models.q4_rows`): Q6_K into
-Q6 tiles, Q4_K into Q4K tiles. A fused linear whose parts differ in type (a Q4_K_M file's q and
+Q6 tiles, Q4_K into Q4K tiles, Q5_0 (what a Q4_K_M file keeps where a row is not a multiple of
+256) into Q5 tiles. A fused linear whose parts differ in type (a Q4_K_M file's q and
 k in Q4_K, its v in Q6_K) is a `MixedWeight`: each run of parts of one type packed on its own,
 their outputs side by side (each row's bits are its part's: batch-invariant as every tile); the
 native layer loop runs one of two parts (`hal.models.layer_loop.LayerWeights.rows1`)."""
@@ -18,6 +19,7 @@ from hal.errors import HalError
 from hal.models import q4_rows
 
 Q6K_BYTES, Q4K_BLOCK = 210, 144   # a GGUF block of 256 weights: Q6_K, Q4_K
+Q5_0_BLOCK = 22                    # a GGUF Q5_0 block of 32 weights: fp16 d, 4 bytes of fifth bits, 16 of nibbles
 
 
 @dataclass(frozen=True)
@@ -110,7 +112,47 @@ def q4_k_codes(raw: np.ndarray, shape: tuple[int, int]) -> Q4KCodes:
                     per_group(np.repeat(dmin, 8, 1)), per_group(sc.astype(np.uint8)), per_group(mn.astype(np.uint8)))
 
 
-CODES = (q4_rows.Q8Blocks, Q4KCodes, Q6Codes)   # a part as loaded, packed by `pack_parts`
+@dataclass(frozen=True)
+class Q5Codes:
+    """A GGUF Q5_0 tensor as stored, unpacked (`q5_0_codes`): w = d·(q − 16) per 32 inputs."""
+
+    q: Tensor    # uint8 [N, K] in 0..31
+    d: Tensor    # float32 [N, K/32], fp16 values
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    @staticmethod
+    def cat(parts: list["Q5Codes"]) -> "Q5Codes":
+        return Q5Codes(torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]))
+
+    def pack(self, dtype: torch.dtype) -> q4_rows.Q4Weight:
+        return q4_rows.pack_q5(self.q, self.d, dtype)
+
+
+def q5_0_codes(raw: np.ndarray, shape: tuple[int, int]) -> Q5Codes:
+    """A GGUF Q5_0 tensor's bytes ``raw`` (logical ``shape`` [N, K], K a multiple of 32). ggml's
+    layout (block_q5_0, dequantize_row_q5_0): fp16 d, a little-endian uint32 qh, 16 bytes qs;
+    weight j < 16 is qs[j]'s low nibble with bit j of qh, weight j + 16 its high nibble with bit
+    j + 16."""
+    N, K = shape
+    if K % 32 or raw.size != N * K // 32 * Q5_0_BLOCK:
+        raise HalError(f"raw: expected {N * K // 32 * Q5_0_BLOCK} bytes for Q5_0 [{N}, {K}], got {raw.size}",
+                       arg="raw")
+    b = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, Q5_0_BLOCK)
+    d = b[:, 0:2].copy().view(np.float16).astype(np.float32)
+    qh = b[:, 2:6].copy().view("<u4").astype(np.int64)                  # [blocks, 1]
+    qs = b[:, 6:].astype(np.int64)
+    low = np.concatenate([qs & 15, qs >> 4], 1)                         # [blocks, 32]
+    high = (qh >> np.arange(32, dtype=np.int64)) & 1
+    q = (low | (high << 4)).astype(np.uint8).reshape(N, K)
+    return Q5Codes(torch.from_numpy(q), torch.from_numpy(np.ascontiguousarray(d)).reshape(N, K // 32))
+
+
+CODES = (q4_rows.Q8Blocks, Q4KCodes, Q6Codes, Q5Codes)   # a part as loaded, packed by `pack_parts`
+READERS = {"Q6_K": (q6_k_codes, "Q6"), "Q4_K": (q4_k_codes, "Q4K"), "Q5_0": (q5_0_codes, "Q5"),
+           "Q8_0": (q4_rows.q8_0_blocks, "Q8")}   # a GGUF type -> (its bytes as codes, the tiles they run in)
 
 
 @dataclass(eq=False)

@@ -50,10 +50,11 @@ def _mask(stored: set[str], layers: int) -> list[bool]:
 
 def _stored(tensors, layers: int) -> dict[str, set[str]]:
     """The file's tensors that can run as stored, by the plan's argument that names their form
-    (a Q4_K fused linear may have Q6_K parts: a Q4_K_M file's attn_v)."""
-    q6 = _int4_tensors(tensors, layers, ("Q6_K",))
-    return {"stored_int4": _int4_tensors(tensors, layers), "stored_q8": _int4_tensors(tensors, layers, ("Q8_0",)),
-            "stored_q6": q6, "stored_q4k": _int4_tensors(tensors, layers, ("Q4_K", "Q6_K")) - q6}
+    (a fused linear of K-quant parts may mix types: a Q4_K_M file's attn_v in Q6_K beside Q4_K q
+    and k, or, where rows are not multiples of 256, Q5_0 parts beside a Q8_0 one)."""
+    q6, q8 = _int4_tensors(tensors, layers, ("Q6_K",)), _int4_tensors(tensors, layers, ("Q8_0",))
+    return {"stored_int4": _int4_tensors(tensors, layers), "stored_q8": q8, "stored_q6": q6,
+            "stored_q4k": _int4_tensors(tensors, layers, tuple(k_quants.READERS)) - q6 - q8}
 
 
 def stored_masks(path: str | Path, cfg: LlamaConfig) -> dict[str, list[bool]]:
@@ -263,9 +264,9 @@ def load_gguf(path: str | Path, backend, dtype: str = "float32", plan_refresh: b
             arr = int4.from_blocks(data, t.kind, tuple(shape))
         elif plan.weights == "q4q8" and t.name in stored_q8:   # Q8 tiles once fused (`_fuse`)
             arr, how = q4_rows.q8_0_blocks(data, tuple(shape)), "as stored, Q8 tiles"
-        elif plan.weights == "q4q8" and t.name in kq:   # Q6 / Q4K tiles once fused
-            arr = (k_quants.q6_k_codes if t.kind == "Q6_K" else k_quants.q4_k_codes)(data, tuple(shape))
-            how = f"as stored, {'Q6' if t.kind == 'Q6_K' else 'Q4K'} tiles"
+        elif plan.weights == "q4q8" and t.name in kq:   # Q6 / Q4K / Q5 (/ Q8) tiles once fused
+            read, tiles = k_quants.READERS[t.kind]
+            arr, how = read(data, tuple(shape)), f"as stored, {tiles} tiles"
         else:
             how = "float32" if t.kind == "F32" else "dequantized, the embedding lookup's" \
                 if t.name == "token_embd.weight" else f"dequantized to {'float32' if len(shape) == 1 else dt}"

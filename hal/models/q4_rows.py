@@ -39,8 +39,8 @@ SOURCE = Path(__file__).with_name("q4_mm.cpp")
 KERNEL = Path(__file__).with_name("q4_rows.c")
 Q8_TILES = Path(__file__).with_name("q8_tiles.c")   # included by q4_rows.c
 TILE = 16                    # outputs per tile
-Q4_BYTES, Q8_BYTES, Q6_BYTES, Q4K_BYTES = 320, 544, 448, 352   # per (tile, group of 32 inputs)
-Q4_KIND, Q8_KIND, Q6_KIND, Q4K_KIND = 0, 1, 2, 3   # a packed weight's tiles, as q4_rows.c numbers them
+Q4_BYTES, Q8_BYTES, Q6_BYTES, Q4K_BYTES, Q5_BYTES = 320, 544, 448, 352, 384   # per (tile, group of 32 inputs)
+Q4_KIND, Q8_KIND, Q6_KIND, Q4K_KIND, Q5_KIND = 0, 1, 2, 3, 4   # a packed weight's tiles, as q4_rows.c numbers them
 ROWS = (torch.float32, torch.bfloat16)
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
@@ -57,14 +57,16 @@ class Q4Weight:
     dtype: torch.dtype
     q6k: bool = False
     q4k: bool = False
+    q5: bool = False          # Q5_0's codes: a Q4 tile and their fifth bits (`pack_q5`)
 
     @property
     def kind(self) -> int:
-        return Q6_KIND if self.q6k else Q4K_KIND if self.q4k else Q8_KIND if self.q8 else Q4_KIND
+        return Q6_KIND if self.q6k else Q4K_KIND if self.q4k else Q5_KIND if self.q5 else Q8_KIND if self.q8 \
+            else Q4_KIND
 
     def __post_init__(self):
         N, K = self.shape
-        want = (N // TILE, K // int4.GROUP, (Q4_BYTES, Q8_BYTES, Q6_BYTES, Q4K_BYTES)[self.kind])
+        want = (N // TILE, K // int4.GROUP, (Q4_BYTES, Q8_BYTES, Q6_BYTES, Q4K_BYTES, Q5_BYTES)[self.kind])
         if not int4.fits(N, K) or self.packed.dtype != torch.uint8 or tuple(self.packed.shape) != want \
                 or not self.packed.is_contiguous() or self.dtype not in ROWS:
             raise HalError(f"weight: expected contiguous uint8 tiles {list(want)} for [{N}, {K}] (N a multiple of "
@@ -219,6 +221,34 @@ def pack_q4k(codes: Tensor, d: Tensor, dmin: Tensor, sc: Tensor, mn: Tensor, dty
     smn = torch.stack([sc.to(torch.uint8).view(NT, TILE, G), mn.to(torch.uint8).view(NT, TILE, G)], 2)
     smn = smn.permute(0, 3, 2, 1).reshape(NT, G, 32)
     return Q4Weight(torch.cat([packed, dm, smn], -1).contiguous(), (N, K), False, dtype, q4k=True)
+
+
+def pack_q5(codes: Tensor, d: Tensor, dtype: torch.dtype) -> Q4Weight:
+    """Q5 tiles of Q5_0 codes [N, K] (0..31) with fp16 ``d`` per 32 inputs [N, K/32]: w =
+    d·(q − 16), a Q4 tile of the low 4 bits (m = −16·d, exact in fp16 where d is) and the fifth bits."""
+    N, K = codes.shape
+    G, NT = K // int4.GROUP, N // TILE
+    if not int4.fits(N, K) or tuple(d.shape) != (N, G) or codes.dtype not in (torch.uint8, torch.int16, torch.int32,
+                                                                              torch.int64) \
+            or int(codes.min()) < 0 or int(codes.max()) > 31 or not torch.equal(d.half().float(), d.float()) \
+            or not torch.equal((-16 * d.float()).half().float(), -16 * d.float()):
+        raise HalError(f"weight: expected Q5_0 codes [N, K] in 0..31 with fp16 d [N, K/32] (and -16·d fp16 too), "
+                       f"got {codes.dtype} {list(codes.shape)}, d {list(d.shape)}", arg="weight")
+    c = codes.to(torch.uint8).view(NT, TILE, G, 4, 2, 4)   # k = 32g + 8s + 4·nibble + j, as `pack`'s
+    packed = ((c[..., 0, :] & 15) | ((c[..., 1, :] & 15) << 4)).permute(0, 2, 3, 1, 4).reshape(NT, G, 256)
+    dm = torch.stack([d.half().view(NT, TILE, G), (-16 * d.float()).half().view(NT, TILE, G)], 2)
+    dm = dm.permute(0, 3, 2, 1).contiguous().view(torch.uint8).reshape(NT, G, 64)
+    top = (c >> 4).to(torch.uint8)                          # [NT, 16, G, s, nibble, j]
+    shift = (2 * torch.arange(4).view(4, 1, 1) + torch.arange(2).view(1, 2, 1)).to(torch.uint8)
+    bits = (top << shift).sum((3, 4), dtype=torch.uint8)    # [NT, 16, G, j]: bit 2s + nibble
+    bits = bits.permute(0, 2, 1, 3).reshape(NT, G, 64)      # byte 4·lane + j
+    return Q4Weight(torch.cat([packed, dm, bits], -1).contiguous(), (N, K), False, dtype, q5=True)
+
+
+def random_q5(N: int, K: int, generator: torch.Generator, dtype: torch.dtype) -> Q4Weight:
+    """Random Q5 tiles (tests and timing)."""
+    d = (torch.rand(N, K // int4.GROUP, generator=generator) * 1e-3 + 1e-5).half().float()
+    return pack_q5(torch.randint(0, 32, (N, K), generator=generator, dtype=torch.uint8), d, dtype)
 
 
 def random_q4k(N: int, K: int, generator: torch.Generator, dtype: torch.dtype) -> Q4Weight:

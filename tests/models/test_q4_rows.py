@@ -64,8 +64,18 @@ def q4k_case(N: int, K: int, seed: int):
     return (q, d, dmin, sc, mn), (q, d * sc.float(), -dmin * mn.float())   # Q4_K's d*sc and -dmin*min: exact
 
 
+def q5_case(N: int, K: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 32, (N, K), generator=g, dtype=torch.uint8)
+    d = (torch.rand(N, K // 32, generator=g) * 1e-3 + 1e-5).half().float()
+    return (q, d), (q, d, -16 * d)   # Q5_0: w = d·(q − 16)
+
+
 def make(kind: str, N: int, K: int, dtype: torch.dtype, seed: int = 0):
-    """(weight, reference args) of a random Q4, Q8, Q6 or Q4K weight."""
+    """(weight, reference args) of a random Q4, Q8, Q6, Q4K or Q5 weight."""
+    if kind == "q5":
+        args, ref = q5_case(N, K, seed)
+        return q4_rows.pack_q5(*args, dtype), ref
     if kind == "q4k":
         args, ref = q4k_case(N, K, seed)
         return q4_rows.pack_q4k(*args, dtype), ref
@@ -87,7 +97,7 @@ def rows(T: int, K: int, seed: int) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("kind", ["q4", "q8", "q6", "q4k"])
+@pytest.mark.parametrize("kind", ["q4", "q8", "q6", "q4k", "q5"])
 @pytest.mark.parametrize("dtype", ROWS, ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("T,N,K", [(1, 48, 64), (3, 960, 576), (8, 32, 1536), (9, 64, 96), (17, 48, 576)])
 def test_products_are_the_reference_arithmetic_bit_for_bit(kind, dtype, T, N, K):
@@ -98,7 +108,7 @@ def test_products_are_the_reference_arithmetic_bit_for_bit(kind, dtype, T, N, K)
     assert torch.equal(got, q4_rows.reference_mm(x.to(dtype).float(), *ref))
 
 
-@pytest.mark.parametrize("kind", ["q4", "q8", "q6", "q4k"])
+@pytest.mark.parametrize("kind", ["q4", "q8", "q6", "q4k", "q5"])
 def test_a_row_never_depends_on_its_batch_mates_order_or_threads(kind):
     w, _ = make(kind, 96, 576, torch.bfloat16, seed=1)
     x = rows(13, 576, seed=2)
@@ -123,7 +133,7 @@ def test_a_non_finite_input_makes_its_own_row_nan_only():
     assert got[0].isnan().all() and got[3].isnan().all() and got[1:3].isfinite().all()
 
 
-@pytest.mark.parametrize("kind", ["q4", "q8", "q6", "q4k"])
+@pytest.mark.parametrize("kind", ["q4", "q8", "q6", "q4k", "q5"])
 def test_products_stay_within_the_row_quantization_bound(kind):
     N, K = 64, 576
     w, (codes, d, m) = make(kind, N, K, torch.float32, seed=4)
@@ -150,7 +160,7 @@ def test_other_code_paths_give_the_same_bits(monkeypatch, march):
     lib = ctypes.CDLL(str(q4_rows.build()))
     lib.q4_mm.argtypes, lib.q4_mm.restype = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] + \
         [ctypes.c_int64] * 3 + [ctypes.c_void_p], ctypes.c_int64
-    for kind in ("q4", "q8", "q6", "q4k"):
+    for kind in ("q4", "q8", "q6", "q4k", "q5"):
         w, _ = make(kind, 96, 576, torch.bfloat16, seed=6)
         x = rows(11, 576, seed=7).bfloat16()
         y = torch.empty(11, 96)
@@ -230,6 +240,32 @@ def test_q4_k_bytes_load_into_tiles_as_gguf_dequantizes_them():
     assert torch.equal(w.mm(x), q4_rows.reference_mm(x.bfloat16().float(), c.q, d1, -m1))
     with pytest.raises(HalError, match="raw"):
         k_quants.q4_k_codes(raw[:-1], (N, K))
+
+
+def random_q5_0(N: int, K: int, seed: int) -> np.ndarray:
+    """Random GGUF Q5_0 blocks (every code and fifth-bit byte drawn, a finite fp16 d per block)."""
+    rng = np.random.default_rng(seed)
+    b = rng.integers(0, 256, (N * K // 32, k_quants.Q5_0_BLOCK), dtype=np.uint8)
+    b[:, 0:2] = (rng.random(N * K // 32) * 1e-3 + 1e-5).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return b.reshape(-1)
+
+
+def test_q5_0_bytes_load_into_tiles_as_gguf_dequantizes_them():
+    """ggml's Q5_0 layout read here (nibbles and the uint32 of fifth bits) gives, as d·(q − 16)
+    in float32, exactly gguf's dequantization; the tiles' products are the reference arithmetic."""
+    N, K = 48, 96
+    raw = random_q5_0(N, K, seed=13)
+    dense = torch.from_numpy(quants.dequantize(raw, gguf.GGMLQuantizationType.Q5_0).reshape(N, K).copy())
+    c = k_quants.q5_0_codes(raw, (N, K))
+    assert int(c.q.min()) == 0 and int(c.q.max()) == 31   # every code value drawn
+    assert torch.equal((c.d[..., None] * (c.q.float().view(N, -1, 32) - 16)).reshape(N, K), dense)
+    w = c.pack(torch.bfloat16)
+    x = rows(5, K, seed=14)
+    assert torch.equal(w.mm(x), q4_rows.reference_mm(x.bfloat16().float(), c.q, c.d, -16 * c.d))
+    with pytest.raises(HalError, match="raw"):
+        k_quants.q5_0_codes(raw[:-1], (N, K))
+    with pytest.raises(HalError, match="weight"):
+        q4_rows.pack_q5(c.q + 1, c.d, torch.float32)   # a code of 32
 
 
 def test_bad_input_is_refused_naming_the_argument():
