@@ -122,6 +122,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "hal-family-shapes"))
     ap.add_argument("--prompts", type=int, default=8, help="held-out prompts for the bundled model's curves")
+    ap.add_argument("--files", default="Q8_0,Q4_0,Q4_K_M", help="which of each shape's files to run")
+    ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     server = server_binary()
@@ -132,11 +134,14 @@ def main() -> None:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     from hal.models.loaders import load_gguf
-    curves = bundled_curves(args.prompts)
+    kinds = args.files.split(",")
+    curves = bundled_curves(args.prompts) if "Q4_0" in kinds else {}
     rows, costs, ceilings = [], [], []
     for name in args.shapes.split(","):
         files = make_files(name, work, quantize)
         for kind, path in files.items():
+            if kind not in kinds:
+                continue
             model, _ = load_gguf(path, hal.get_backend("cpu"), "auto")
             ours, theirs = [], []
             for _ in range(args.rounds):   # interleaved
@@ -153,8 +158,8 @@ def main() -> None:
                 print(costs[-1], ceilings[-1], sep="\n", flush=True)
             del model
     lines = ["# Bigger shapes of the new families: plain decode against llama.cpp, and verify costs", "",
-             f"`python benchmarks/family_shapes.py --shapes {args.shapes} --threads {args.threads} --tg {args.tg} "
-             f"--rounds {args.rounds}`", "", machine_line(), "",
+             f"`python benchmarks/family_shapes.py --shapes {args.shapes} --files {args.files} --threads "
+             f"{args.threads} --tg {args.tg} --rounds {args.rounds}`", "", machine_line(), "",
              "Random weights in the published shapes, the family's real vocabulary; Q8_0 from llama.cpp's converter, "
              f"Q4_0 from llama-quantize. Decode: {args.tg} tokens after a one-token prompt, {args.threads} threads; "
              "spec-hal best of 3, llama-bench mean of 3, the median over the rounds.", "",
@@ -167,7 +172,8 @@ def main() -> None:
              + ", ".join(f"{n} {1 + sum(P):.2f}" for n, P in curves.items())
              + "), the drafter's cost left out (an upper bound; best k in brackets):", "",
              "| shape | " + " | ".join(curves) + " |", "|---|" + "---|" * len(curves), *ceilings]
-    publish(lines, OUT)
+    publish(lines if costs else lines[:lines.index("Verify cost `cost(k+1) / cost(1)` on the Q4_0 file (the router's "
+                                                 "profile, 5 repetitions):")], Path(args.out))
 
 
 if __name__ == "__main__":
