@@ -1,7 +1,7 @@
 """GGUF K-quant tensors as stored (ggml-quants.c's layouts; `gguf`'s dequantization is the
 oracle in tests/models/test_q4_rows.py and test_q6_k.py), unpacked into their codes and scales
 until a fused linear packs them into the q4q8 kernel's tiles (`hal.models.q4_rows`): Q6_K into
-Q6 tiles, Q4_K into Q4K tiles, Q5_0 (what a Q4_K_M file keeps where a row is not a multiple of
+Q6 tiles, Q4_K into Q4K tiles, Q5_K into Q5K tiles, Q5_0 (what a Q4_K_M file keeps where a row is not a multiple of
 256) into Q5 tiles. A fused linear whose parts differ in type (a Q4_K_M file's q and
 k in Q4_K, its v in Q6_K) is a `MixedWeight`: each run of parts of one type packed on its own,
 their outputs side by side (each row's bits are its part's: batch-invariant as every tile); the
@@ -18,7 +18,7 @@ from torch import Tensor
 from hal.errors import HalError
 from hal.models import q4_rows
 
-Q6K_BYTES, Q4K_BLOCK = 210, 144   # a GGUF block of 256 weights: Q6_K, Q4_K
+Q6K_BYTES, Q4K_BLOCK, Q5K_BLOCK = 210, 144, 176   # a GGUF block of 256 weights: Q6_K, Q4_K, Q5_K
 Q5_0_BLOCK = 22                    # a GGUF Q5_0 block of 32 weights: fp16 d, 4 bytes of fifth bits, 16 of nibbles
 
 
@@ -90,6 +90,34 @@ class Q4KCodes:
         return q4_rows.pack_q4k(self.q, self.d, self.dmin, self.sc, self.mn, dtype)
 
 
+class Q5KCodes(Q4KCodes):
+    """A GGUF Q5_K tensor as stored (`q5_k_codes`): Q4_K's arithmetic with codes q in 0..31."""
+
+    @staticmethod
+    def cat(parts: list["Q5KCodes"]) -> "Q5KCodes":
+        return Q5KCodes(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "d", "dmin", "sc", "mn")))
+
+    def pack(self, dtype: torch.dtype) -> q4_rows.Q4Weight:
+        return q4_rows.pack_q4k(self.q, self.d, self.dmin, self.sc, self.mn, dtype, q5=True)
+
+
+def q5_k_codes(raw: np.ndarray, shape: tuple[int, int]) -> Q5KCodes:
+    """A GGUF Q5_K tensor's bytes ``raw`` (logical ``shape`` [N, K], K a multiple of 256). ggml's
+    layout (block_q5_K, dequantize_row_q5_K): Q4_K's d, dmin and 12 bytes of scales and mins,
+    then 32 bytes qh and 128 bytes of nibbles as Q4_K's; the code of weight l of the 32 low
+    (high) nibbles of 64-chunk c takes bit 2c (2c + 1) of qh[l] as its fifth bit."""
+    N, K = shape
+    if K % 256 or raw.size != N * K // 256 * Q5K_BLOCK:
+        raise HalError(f"raw: expected {N * K // 256 * Q5K_BLOCK} bytes for Q5_K [{N}, {K}], got {raw.size}",
+                       arg="raw")
+    b = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, Q5K_BLOCK)
+    four = q4_k_codes(np.concatenate([b[:, :16], b[:, 48:]], 1).reshape(-1), shape)   # Q4_K's fields
+    qh = b[:, 16:48].astype(np.uint8)[:, None, None, :]                                 # [blocks, 1, 1, 32]
+    shift = (2 * np.arange(4).reshape(4, 1, 1) + np.arange(2).reshape(1, 2, 1)).astype(np.uint8)
+    top = ((qh >> shift) & 1).reshape(N, K)            # per 64: the 32 low nibbles' bits, then the high's
+    return Q5KCodes(four.q | torch.from_numpy(top << 4), four.d, four.dmin, four.sc, four.mn)
+
+
 def q4_k_codes(raw: np.ndarray, shape: tuple[int, int]) -> Q4KCodes:
     """A GGUF Q4_K tensor's bytes ``raw`` (logical ``shape`` [N, K], K a multiple of 256). ggml's
     layout (block_q4_K, dequantize_row_q4_K): fp16 d and dmin, 12 bytes of 6-bit scales and
@@ -152,6 +180,7 @@ def q5_0_codes(raw: np.ndarray, shape: tuple[int, int]) -> Q5Codes:
 
 CODES = (q4_rows.Q8Blocks, Q4KCodes, Q6Codes, Q5Codes)   # a part as loaded, packed by `pack_parts`
 READERS = {"Q6_K": (q6_k_codes, "Q6"), "Q4_K": (q4_k_codes, "Q4K"), "Q5_0": (q5_0_codes, "Q5"),
+           "Q5_K": (q5_k_codes, "Q5K"),
            "Q8_0": (q4_rows.q8_0_blocks, "Q8")}   # a GGUF type -> (its bytes as codes, the tiles they run in)
 
 

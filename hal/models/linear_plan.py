@@ -158,8 +158,9 @@ def choose_plan(shapes: list[tuple[int, int]], dtype: str = "auto", *, weights: 
     ``layouts``: the candidates (default `LAYOUTS`; tests plant others). ``stored_int4``: which of
     ``shapes`` the file stores as int4 blocks (Q4_0/Q4_1): ``auto`` then also measures them
     run as stored, and ``stored`` measures only that; ``stored_q8``, ``stored_q6``, ``stored_q4k``:
-    as Q8_0, Q6_K, or K-quant mixes (Q4_K, Q5_0 beside Q6_K or Q8_0 parts: q4q8 runs them as its Q8, Q6, Q4K or
-    Q5 tiles; a mix is timed as Q4K tiles, whose bytes and steps are Q5's but its fifth bits). `HalError` when no candidate of the requested dtype is usable.
+    as Q8_0, Q6_K, or K-quant mixes (Q4_K, Q5_K, Q5_0 beside Q6_K or Q8_0 parts: q4q8 runs them as its Q8, Q6,
+    Q4K, Q5K or Q5 tiles; a mix is timed as Q4K tiles, whose bytes and steps are Q5's and Q5K's but
+    their fifth bits). `HalError` when no candidate of the requested dtype is usable.
     ``progress``: a bar (tqdm, stderr) while measuring.
     ``q8_head``: the last of ``shapes`` is an lm_head the file stores as Q8_0 blocks; an int4
     plan then also chooses its form (`LinearPlan.head`, `_choose_head`). ``form``: the stored

@@ -37,7 +37,7 @@ def q6_tiles(N: int, K: int, g: torch.Generator, dtype: torch.dtype) -> q4_rows.
 
 def q4k_tiles(N: int, K: int, g: torch.Generator, dtype: torch.dtype) -> q4_rows.Q4Weight:
     """A random Q4_K weight in the q4q8 kernel's Q4K tiles (a Q4_K_M file's mixed linears are timed so,
-    its Q5_0 ones too: a Q5 tile is a Q4 tile and 64 bytes of fifth bits)."""
+    its Q5_0 and Q5_K ones too: a Q5 or Q5K tile is a Q4 or Q4K tile and 64 bytes of fifth bits)."""
     return q4_rows.random_q4k(N, K, g, dtype)
 
 

@@ -19,6 +19,8 @@
  * - **Q5 tile** (Q5_0: w = d*(q - 16), q in 0..31, fp16 d): a Q4 tile of q's low 4 bits whose d and m
  *   are d and -16d, then 64 bytes of q's fifth bits: bit 2s of byte 4*lane + j is that of the
  *   low-nibble code of step s, bit 2s + 1 that of the high-nibble code.
+ * - **Q5K tile** (Q5_K: Q4_K's arithmetic with codes 0..31): a Q4K tile, then the fifth bits as a
+ *   Q5 tile's.
  * - **Q6 tile** (Q6_K: w = s*q, q = the 6-bit code c - 32, s = d*scale per 16 weights with fp16
  *   d and int8 scale, so s is a float32 value exactly): per (tile, group), 4 nibble blocks of 64
  *   bytes (block p: c's low 4 bits of steps 2p and, high nibble, 2p + 1, in the Q8 tile's byte
@@ -48,11 +50,12 @@
 #define Q4_AVX2 1
 #endif
 
-enum { Q4_KIND = 0, Q8_KIND = 1, Q6_KIND = 2, Q4K_KIND = 3, Q5_KIND = 4 };   /* a packed weight's tiles */
+enum { Q4_KIND = 0, Q8_KIND = 1, Q6_KIND = 2, Q4K_KIND = 3, Q5_KIND = 4, Q5K_KIND = 5 };   /* a packed weight's tiles */
 #define Q4_TILE_BYTES 320   /* per (tile, group): 256 bytes of codes, 16 fp16 d, 16 fp16 m */
 #define Q8_TILE_BYTES 544   /* per (tile, group): 512 bytes of codes + 128, 16 fp16 d */
 #define Q4K_TILE_BYTES 352  /* per (tile, group): a Q4 tile whose d, m are Q4_K's d and -dmin, then 16 u8 scales, 16 u8 mins */
 #define Q5_TILE_BYTES 384   /* per (tile, group): a Q4 tile (d and -16d), then 64 bytes of fifth bits */
+#define Q5K_TILE_BYTES 416  /* per (tile, group): a Q4K tile, then 64 bytes of fifth bits */
 #define Q6_TILE_BYTES 448   /* per (tile, group): 256 + 128 bytes of 6-bit codes, 16 fp16 d, 2 x 16 int8 scales */
 /* rows multiplied together per pass over a tile's weights: what the ISA's vector registers hold
  * (per row: an output and two accumulators; AVX-512 has 32 registers, AVX2 16) */
@@ -138,7 +141,7 @@ static inline __m512i q5_bit_512(__m512i hb, int b) {   /* bit b of each byte mo
             const uint8_t *blk = wt + g * BYTES;                                               \
             __m512i acc[R], acc2[R];   /* per row: the hi codes' chain, the lo codes' chain */        \
             for (int r = 0; r < R; r++) acc[r] = acc2[r] = _mm512_setzero_si512();                     \
-            const __m512i hb = Q5 ? _mm512_loadu_si512((const void *)(blk + 320)) : mask;            \
+            const __m512i hb = Q5 ? _mm512_loadu_si512((const void *)(blk + (KQ ? 352 : 320))) : mask;            \
             for (int s = 0; s < 4; s++) {                                                              \
                 __m512i v = _mm512_loadu_si512((const void *)(blk + 64 * s));                          \
                 __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask); \
@@ -189,7 +192,7 @@ static inline __m256i q5_bit_256(__m256i hb, int b) {   /* bit b of each byte mo
                 const uint8_t *blk = wt + g * BYTES;                                           \
                 __m256i acc[R], acc2[R];                                                               \
                 for (int r = 0; r < R; r++) acc[r] = acc2[r] = _mm256_setzero_si256();                 \
-                const __m256i hb = Q5 ? _mm256_loadu_si256((const __m256i *)(blk + 320 + 32 * half)) : mask; \
+                const __m256i hb = Q5 ? _mm256_loadu_si256((const __m256i *)(blk + (KQ ? 352 : 320) + 32 * half)) : mask; \
                 for (int s = 0; s < 4; s++) {                                                          \
                     __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 64 * s + 32 * half));       \
                     __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask); \
@@ -239,7 +242,7 @@ static inline __m256i q5_bit_256(__m256i hb, int b) {   /* bit b of each byte mo
                     int32_t acc = 0;                                                                   \
                     for (int s = 0; s < 4; s++)                                                        \
                         for (int j = 0; j < 4; j++) {                                                  \
-                            uint8_t c = blk[64 * s + 4 * lane + j], h = Q5 ? blk[320 + 4 * lane + j] : 0; \
+                            uint8_t c = blk[64 * s + 4 * lane + j], h = Q5 ? blk[(KQ ? 352 : 320) + 4 * lane + j] : 0; \
                             int k0 = 8 * s + j, k1 = 8 * s + 4 + j;                                    \
                             int c0 = (c & 15) | (((h >> (2 * s)) & 1) << 4), c1 = (c >> 4) | (((h >> (2 * s + 1)) & 1) << 4); \
                             acc += c0 * (128 * x[k0] + xl[k0]) + c1 * (128 * x[k1] + xl[k1]);          \
@@ -264,6 +267,7 @@ static inline __m256i q5_bit_256(__m256i hb, int b) {   /* bit b of each byte mo
 #define Q4_TILE(R) Q4_TILE_OF(q4_tile, R, Q4_TILE_BYTES, 0, 0)
 #define Q4K_TILE(R) Q4_TILE_OF(q4k_tile, R, Q4K_TILE_BYTES, 1, 0)
 #define Q5_TILE(R) Q4_TILE_OF(q5_tile, R, Q5_TILE_BYTES, 0, 1)
+#define Q5K_TILE(R) Q4_TILE_OF(q5k_tile, R, Q5K_TILE_BYTES, 1, 1)
 Q4_TILE(1)
 Q4_TILE(2)
 Q4_TILE(3)
@@ -288,6 +292,14 @@ Q5_TILE(5)
 Q5_TILE(6)
 Q5_TILE(7)
 Q5_TILE(8)
+Q5K_TILE(1)
+Q5K_TILE(2)
+Q5K_TILE(3)
+Q5K_TILE(4)
+Q5K_TILE(5)
+Q5K_TILE(6)
+Q5K_TILE(7)
+Q5K_TILE(8)
 Q8_TILE(1)
 Q8_TILE(2)
 Q8_TILE(3)
@@ -317,6 +329,8 @@ static const q4_tile_fn q4k_tiles[9] = {0, q4k_tile_1, q4k_tile_2, q4k_tile_3, q
                                                   q4k_tile_5, q4k_tile_6, q4k_tile_7, q4k_tile_8};
 static const q4_tile_fn q5_tiles[9] = {0, q5_tile_1, q5_tile_2, q5_tile_3, q5_tile_4,
                                                  q5_tile_5, q5_tile_6, q5_tile_7, q5_tile_8};
+static const q4_tile_fn q5k_tiles[9] = {0, q5k_tile_1, q5k_tile_2, q5k_tile_3, q5k_tile_4,
+                                                  q5k_tile_5, q5k_tile_6, q5k_tile_7, q5k_tile_8};
 static const q8_tile_fn q6_tiles[9] = {0, q6_tile_1, q6_tile_2, q6_tile_3, q6_tile_4,
                                                  q6_tile_5, q6_tile_6, q6_tile_7, q6_tile_8};
 
@@ -332,12 +346,13 @@ void q4_half_sums(const int8_t *xq, int64_t T, int64_t K, int32_t *qsum16) {
 
 /* Output tiles [tile0, tile1) of y [T, N] (float32, row stride y_row) for the quantized rows
  * (xq [T, K]; sx, xs, qsum [T, G]; qsum16 [T, 2G], read for Q6 only) and the packed weight w
- * (tiles x groups x the kind's tile bytes; kind: Q4_KIND, Q8_KIND, Q6_KIND, Q4K_KIND or Q5_KIND). */
+ * (tiles x groups x the kind's tile bytes; kind: Q4_KIND, Q8_KIND, Q6_KIND, Q4K_KIND, Q5_KIND or Q5K_KIND). */
 void q4_mm_tiles(const uint8_t *w, int kind, int64_t K, const int8_t *xq, const float *sx, const float *xs,
                  const int32_t *qsum, const int32_t *qsum16, int64_t T, float *y, int64_t y_row, int64_t tile0,
                  int64_t tile1) {
     int64_t G = K / 32, bytes = kind == Q8_KIND ? Q8_TILE_BYTES : kind == Q6_KIND ? Q6_TILE_BYTES
-                                : kind == Q4K_KIND ? Q4K_TILE_BYTES : kind == Q5_KIND ? Q5_TILE_BYTES : Q4_TILE_BYTES;
+                                : kind == Q4K_KIND ? Q4K_TILE_BYTES : kind == Q5_KIND ? Q5_TILE_BYTES
+                                : kind == Q5K_KIND ? Q5K_TILE_BYTES : Q4_TILE_BYTES;
     for (int64_t t0 = 0, passes = (T + Q4_ROWS - 1) / Q4_ROWS; t0 < T; passes--) {
         int R = (int)((T - t0 + passes - 1) / passes);   /* rows split evenly: 9 = 5 + 4, not 8 + 1 */
         for (int64_t tile = tile0; tile < tile1; tile++) {
@@ -348,7 +363,7 @@ void q4_mm_tiles(const uint8_t *w, int kind, int64_t K, const int8_t *xq, const 
             else if (kind == Q6_KIND)
                 q6_tiles[R](wt, G, xq + t0 * 2 * K, K, sx + t0 * G, qsum16 + t0 * 2 * G, yt, y_row);
             else
-                (kind == Q4K_KIND ? q4k_tiles : kind == Q5_KIND ? q5_tiles : q4_tiles)[R](wt, G, xq + t0 * 2 * K, K, sx + t0 * G, xs + t0 * G, yt,
+                (kind == Q4K_KIND ? q4k_tiles : kind == Q5_KIND ? q5_tiles : kind == Q5K_KIND ? q5k_tiles : q4_tiles)[R](wt, G, xq + t0 * 2 * K, K, sx + t0 * G, xs + t0 * G, yt,
                                                              y_row);
         }
         t0 += R;

@@ -39,8 +39,9 @@ SOURCE = Path(__file__).with_name("q4_mm.cpp")
 KERNEL = Path(__file__).with_name("q4_rows.c")
 Q8_TILES = Path(__file__).with_name("q8_tiles.c")   # included by q4_rows.c
 TILE = 16                    # outputs per tile
-Q4_BYTES, Q8_BYTES, Q6_BYTES, Q4K_BYTES, Q5_BYTES = 320, 544, 448, 352, 384   # per (tile, group of 32 inputs)
-Q4_KIND, Q8_KIND, Q6_KIND, Q4K_KIND, Q5_KIND = 0, 1, 2, 3, 4   # a packed weight's tiles, as q4_rows.c numbers them
+BYTES = (320, 544, 448, 352, 384, 416)   # per (tile, group of 32 inputs), by kind
+Q4_BYTES, Q8_BYTES, Q6_BYTES, Q4K_BYTES, Q5_BYTES, Q5K_BYTES = BYTES
+Q4_KIND, Q8_KIND, Q6_KIND, Q4K_KIND, Q5_KIND, Q5K_KIND = range(6)   # a packed weight's tiles, as q4_rows.c numbers them
 ROWS = (torch.float32, torch.bfloat16)
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
@@ -57,16 +58,17 @@ class Q4Weight:
     dtype: torch.dtype
     q6k: bool = False
     q4k: bool = False
-    q5: bool = False          # Q5_0's codes: a Q4 tile and their fifth bits (`pack_q5`)
+    q5: bool = False          # codes of 5 bits: a Q4 (Q5_0) or, with q4k, Q4K (Q5_K) tile and their fifth bits
 
     @property
     def kind(self) -> int:
-        return Q6_KIND if self.q6k else Q4K_KIND if self.q4k else Q5_KIND if self.q5 else Q8_KIND if self.q8 \
-            else Q4_KIND
+        if self.q4k:
+            return Q5K_KIND if self.q5 else Q4K_KIND
+        return Q6_KIND if self.q6k else Q5_KIND if self.q5 else Q8_KIND if self.q8 else Q4_KIND
 
     def __post_init__(self):
         N, K = self.shape
-        want = (N // TILE, K // int4.GROUP, (Q4_BYTES, Q8_BYTES, Q6_BYTES, Q4K_BYTES, Q5_BYTES)[self.kind])
+        want = (N // TILE, K // int4.GROUP, BYTES[self.kind])
         if not int4.fits(N, K) or self.packed.dtype != torch.uint8 or tuple(self.packed.shape) != want \
                 or not self.packed.is_contiguous() or self.dtype not in ROWS:
             raise HalError(f"weight: expected contiguous uint8 tiles {list(want)} for [{N}, {K}] (N a multiple of "
@@ -205,22 +207,26 @@ def pack_q6k(q: Tensor, d: Tensor, sc: Tensor, dtype: torch.dtype) -> Q4Weight:
     return Q4Weight(packed, (N, K), False, dtype, q6k=True)
 
 
-def pack_q4k(codes: Tensor, d: Tensor, dmin: Tensor, sc: Tensor, mn: Tensor, dtype: torch.dtype) -> Q4Weight:
+def pack_q4k(codes: Tensor, d: Tensor, dmin: Tensor, sc: Tensor, mn: Tensor, dtype: torch.dtype,
+             q5: bool = False) -> Q4Weight:
     """Q4K tiles of Q4_K codes [N, K] (0..15) with, per 32 inputs [N, K/32], the super-block's
-    fp16 ``d`` and ``dmin`` and the sub-block's 6-bit ``sc`` and ``mn``: w = d·sc·q − dmin·mn."""
+    fp16 ``d`` and ``dmin`` and the sub-block's 6-bit ``sc`` and ``mn``: w = d·sc·q − dmin·mn;
+    with ``q5``, Q5K tiles of Q5_K's codes (0..31), their fifth bits after."""
     N, K = codes.shape
     G, NT = K // int4.GROUP, N // TILE
     if not int4.fits(N, K) or any(tuple(t.shape) != (N, G) for t in (d, dmin, sc, mn)) \
-            or not (torch.equal(d.half().float(), d.float()) and torch.equal(dmin.half().float(), dmin.float())):
-        raise HalError(f"weight: expected Q4_K codes [N, K] with fp16 d, dmin and scales, mins [N, K/32], got "
-                       f"{list(codes.shape)}, {list(d.shape)}", arg="weight")
+            or not (torch.equal(d.half().float(), d.float()) and torch.equal(dmin.half().float(), dmin.float())) \
+            or int(codes.min()) < 0 or int(codes.max()) > (31 if q5 else 15):
+        raise HalError(f"weight: expected Q{5 if q5 else 4}_K codes [N, K] in 0..{31 if q5 else 15} with fp16 d, "
+                       f"dmin and scales, mins [N, K/32], got {list(codes.shape)}, {list(d.shape)}", arg="weight")
     c = codes.to(torch.uint8).view(NT, TILE, G, 4, 2, 4)   # as `pack`'s Q4 codes
-    packed = (c[..., 0, :] | (c[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(NT, G, 256)
+    packed = ((c[..., 0, :] & 15) | ((c[..., 1, :] & 15) << 4)).permute(0, 2, 3, 1, 4).reshape(NT, G, 256)
     dm = torch.stack([d.half().view(NT, TILE, G), (-dmin).half().view(NT, TILE, G)], 2)
     dm = dm.permute(0, 3, 2, 1).contiguous().view(torch.uint8).reshape(NT, G, 64)
     smn = torch.stack([sc.to(torch.uint8).view(NT, TILE, G), mn.to(torch.uint8).view(NT, TILE, G)], 2)
     smn = smn.permute(0, 3, 2, 1).reshape(NT, G, 32)
-    return Q4Weight(torch.cat([packed, dm, smn], -1).contiguous(), (N, K), False, dtype, q4k=True)
+    parts = [packed, dm, smn] + ([_fifth_bits(c)] if q5 else [])
+    return Q4Weight(torch.cat(parts, -1).contiguous(), (N, K), False, dtype, q4k=True, q5=q5)
 
 
 def pack_q5(codes: Tensor, d: Tensor, dtype: torch.dtype) -> Q4Weight:
@@ -238,11 +244,16 @@ def pack_q5(codes: Tensor, d: Tensor, dtype: torch.dtype) -> Q4Weight:
     packed = ((c[..., 0, :] & 15) | ((c[..., 1, :] & 15) << 4)).permute(0, 2, 3, 1, 4).reshape(NT, G, 256)
     dm = torch.stack([d.half().view(NT, TILE, G), (-16 * d.float()).half().view(NT, TILE, G)], 2)
     dm = dm.permute(0, 3, 2, 1).contiguous().view(torch.uint8).reshape(NT, G, 64)
-    top = (c >> 4).to(torch.uint8)                          # [NT, 16, G, s, nibble, j]
+    return Q4Weight(torch.cat([packed, dm, _fifth_bits(c)], -1).contiguous(), (N, K), False, dtype, q5=True)
+
+
+def _fifth_bits(c: Tensor) -> Tensor:
+    """The 64 bytes per (tile, group) of 5-bit codes' fifth bits (``c`` uint8 [NT, 16, G, s, nibble,
+    j] in `pack`'s order): bit 2s + nibble of byte 4·lane + j."""
+    NT, _, G = c.shape[:3]
     shift = (2 * torch.arange(4).view(4, 1, 1) + torch.arange(2).view(1, 2, 1)).to(torch.uint8)
-    bits = (top << shift).sum((3, 4), dtype=torch.uint8)    # [NT, 16, G, j]: bit 2s + nibble
-    bits = bits.permute(0, 2, 1, 3).reshape(NT, G, 64)      # byte 4·lane + j
-    return Q4Weight(torch.cat([packed, dm, bits], -1).contiguous(), (N, K), False, dtype, q5=True)
+    bits = ((c >> 4) << shift).sum((3, 4), dtype=torch.uint8)   # [NT, 16, G, j]
+    return bits.permute(0, 2, 1, 3).reshape(NT, G, 64)
 
 
 def random_q5(N: int, K: int, generator: torch.Generator, dtype: torch.dtype) -> Q4Weight:
@@ -251,12 +262,13 @@ def random_q5(N: int, K: int, generator: torch.Generator, dtype: torch.dtype) ->
     return pack_q5(torch.randint(0, 32, (N, K), generator=generator, dtype=torch.uint8), d, dtype)
 
 
-def random_q4k(N: int, K: int, generator: torch.Generator, dtype: torch.dtype) -> Q4Weight:
-    """Random Q4K tiles (a plan's self-check and timing)."""
+def random_q4k(N: int, K: int, generator: torch.Generator, dtype: torch.dtype, q5: bool = False) -> Q4Weight:
+    """Random Q4K (``q5``: Q5K) tiles (a plan's self-check and timing)."""
     G = K // int4.GROUP
     d, dmin = ((torch.rand(N, G, generator=generator) * 1e-3 + 1e-5).half().float() for _ in range(2))
     sc, mn = (torch.randint(0, 64, (N, G), generator=generator, dtype=torch.uint8) for _ in range(2))
-    return pack_q4k(torch.randint(0, 16, (N, K), generator=generator, dtype=torch.uint8), d, dmin, sc, mn, dtype)
+    q = torch.randint(0, 32 if q5 else 16, (N, K), generator=generator, dtype=torch.uint8)
+    return pack_q4k(q, d, dmin, sc, mn, dtype, q5)
 
 
 def q6_scales(d: Tensor, sc: Tensor) -> Tensor:

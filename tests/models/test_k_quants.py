@@ -1,6 +1,6 @@
 """K-quants as stored (issues 67 and 69): the Q6_K lm_head llama-quantize keeps in the Q4_0 and
 Q4_K_M files of Qwen3 and Llama 3.2, a Q6_K file's layers, a Q4_K_M file's layers (Q4_K, with
-Q6_K in attn_v and ffn_down), and Qwen2.5-0.5B's Q4_K_M mix (Q5_0, attn_v Q8_0, ffn_down Q6_K), run as the q4q8 kernel's Q6 and Q4K tiles (`hal.models.q4_rows`,
+Q6_K in attn_v and ffn_down) and a Q5_K_M file's (Q5_K so), and Qwen2.5-0.5B's Q4_K_M mix (Q5_0, attn_v Q8_0, ffn_down Q6_K), run as the q4q8 kernel's Q6 and Q4K tiles (`hal.models.q4_rows`,
 `hal.models.k_quants`: the file's codes and scales, no float copy; a fused linear of both types
 is a `MixedWeight`, which the native loop runs as two parts).
 
@@ -25,7 +25,7 @@ from hal.models.linear_layout import LinearPlan
 from hal.models.loaders import load_gguf
 from hal.models.k_quants import MixedWeight
 from tests.models.runs import prefill_then_verify
-from tests.models.test_q4_rows import random_q4_k, random_q5_0, random_q6_k
+from tests.models.test_q4_rows import random_q4_k, random_q5_0, random_q5_k, random_q6_k
 
 gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.skipif(not q4_rows.available(), reason="no C++ compiler: no q4q8 kernel")
@@ -61,7 +61,7 @@ def write(path, layers: str):
             raw = gguf.quants.quantize((g.standard_normal((n, k)) * 0.05).astype(np.float32),
                                        gguf.GGMLQuantizationType.Q8_0)
         else:
-            raw = {"Q6_K": random_q6_k, "Q4_K": random_q4_k, "Q5_0": random_q5_0}[kind](n, k, seed)
+            raw = {"Q6_K": random_q6_k, "Q4_K": random_q4_k, "Q5_0": random_q5_0, "Q5_K": random_q5_k}[kind](n, k, seed)
         w.add_tensor(name, raw.reshape(n, -1), raw_dtype=gguf.GGMLQuantizationType[kind])
     q6("token_embd.weight", V, H, 1)
     w.add_tensor("output_norm.weight", (1 + 0.1 * g.standard_normal(H)).astype(np.float32))
@@ -71,7 +71,8 @@ def write(path, layers: str):
         for j, (part, (n, k)) in enumerate(PARTS.items()):
             if layers != "q4_0":
                 q6(f"blk.{i}.{part}.weight", n, k, 100 * i + j + 2, "Q6_K" if layers == "q6_k" else
-                   QWEN25_Q4_K_M.get(part, "Q5_0") if layers == "q5_0" else Q4_K_M.get(part, "Q4_K"))
+                   QWEN25_Q4_K_M.get(part, "Q5_0") if layers == "q5_0" else
+                   Q4_K_M.get(part, "Q5_K" if layers == "q5_k_m" else "Q4_K"))
             else:
                 raw = gguf.quants.quantize((g.standard_normal((n, k)) * 0.05).astype(np.float32),
                                            gguf.GGMLQuantizationType.Q4_0)
@@ -94,7 +95,7 @@ def close(a: torch.Tensor, b: torch.Tensor) -> None:
     assert a.isfinite().all() and (a - b).abs().max() <= 0.02 * b.abs().max(), float((a - b).abs().max() / b.abs().max())
 
 
-@pytest.mark.parametrize("layers", ["q4_0", "q6_k", "q4_k_m", "q5_0"])
+@pytest.mark.parametrize("layers", ["q4_0", "q6_k", "q4_k_m", "q5_0", "q5_k_m"])
 def test_a_q6_k_head_and_k_quant_layers_run_as_stored(tmp_path, layers):
     path = write(tmp_path / "m.gguf", layers)
     be = hal.get_backend("cpu")
@@ -102,10 +103,11 @@ def test_a_q6_k_head_and_k_quant_layers_run_as_stored(tmp_path, layers):
     floats, _ = load_gguf(path, be, "float32")
     assert isinstance(stored.head_lin, q4_rows.Q4Weight) and stored.head_lin.q6k
     linears = {k: [stored.w[f"{i}.{k}"] for i in range(LAYERS)] for k in ("wqkv", "wo", "wgu", "wdown")}
-    if layers == "q4_k_m":   # q and k Q4_K, v Q6_K: one fused linear of two tiles; the rest one type each
-        assert all(isinstance(t, MixedWeight) and [p.kind for p in t.parts] == [q4_rows.Q4K_KIND, q4_rows.Q6_KIND]
+    if layers in ("q4_k_m", "q5_k_m"):   # q and k Q4_K (Q5_K), v Q6_K: one linear of two tiles; the rest one type
+        kq = q4_rows.Q4K_KIND if layers == "q4_k_m" else q4_rows.Q5K_KIND
+        assert all(isinstance(t, MixedWeight) and [p.kind for p in t.parts] == [kq, q4_rows.Q6_KIND]
                    for t in linears["wqkv"])
-        assert all(t.q4k for k in ("wo", "wgu") for t in linears[k]) and all(t.q6k for t in linears["wdown"])
+        assert all(t.kind == kq for k in ("wo", "wgu") for t in linears[k]) and all(t.q6k for t in linears["wdown"])
     elif layers == "q5_0":   # Qwen2.5's Q4_K_M: q and k Q5_0, v Q8_0 (two parts); o, gate-up Q5_0; down Q6_K
         assert all(isinstance(t, MixedWeight) and [p.kind for p in t.parts] == [q4_rows.Q5_KIND, q4_rows.Q8_KIND]
                    for t in linears["wqkv"])
@@ -115,7 +117,7 @@ def test_a_q6_k_head_and_k_quant_layers_run_as_stored(tmp_path, layers):
                    for t in ts)
     assert layer_loop.applies(stored) and stored.loop is not None   # two parts of a linear: LayerWeights.rows1
     assert "lm_head Q6_K as stored" in stored.plan.describe()
-    kind = {"q4_0": "Q4_0", "q6_k": "Q6_K", "q4_k_m": "Q4_K", "q5_0": "Q5_0"}[layers]   # the start-up line: how each type runs
+    kind = {"q4_0": "Q4_0", "q6_k": "Q6_K", "q4_k_m": "Q4_K", "q5_0": "Q5_0", "q5_k_m": "Q5_K"}[layers]   # the start-up line: how each type runs
     assert f"{kind} as stored" in stored.tensor_forms and "the lm_head Q6_K as stored" in stored.tensor_forms
     assert f"{kind} dequantized to float32" in floats.tensor_forms, floats.tensor_forms
     close(logits(stored), logits(floats))

@@ -72,7 +72,11 @@ def q5_case(N: int, K: int, seed: int):
 
 
 def make(kind: str, N: int, K: int, dtype: torch.dtype, seed: int = 0):
-    """(weight, reference args) of a random Q4, Q8, Q6, Q4K or Q5 weight."""
+    """(weight, reference args) of a random Q4, Q8, Q6, Q4K, Q5 or Q5K weight."""
+    if kind == "q5k":
+        (q, d, dmin, sc, mn), (_, d1, m1) = q4k_case(N, K, seed)
+        q = q + 16 * torch.randint(0, 2, q.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.uint8)
+        return q4_rows.pack_q4k(q, d, dmin, sc, mn, dtype, q5=True), (q, d1, m1)
     if kind == "q5":
         args, ref = q5_case(N, K, seed)
         return q4_rows.pack_q5(*args, dtype), ref
@@ -97,7 +101,7 @@ def rows(T: int, K: int, seed: int) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("kind", ["q4", "q8", "q6", "q4k", "q5"])
+@pytest.mark.parametrize("kind", ["q4", "q8", "q6", "q4k", "q5", "q5k"])
 @pytest.mark.parametrize("dtype", ROWS, ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("T,N,K", [(1, 48, 64), (3, 960, 576), (8, 32, 1536), (9, 64, 96), (17, 48, 576)])
 def test_products_are_the_reference_arithmetic_bit_for_bit(kind, dtype, T, N, K):
@@ -108,7 +112,7 @@ def test_products_are_the_reference_arithmetic_bit_for_bit(kind, dtype, T, N, K)
     assert torch.equal(got, q4_rows.reference_mm(x.to(dtype).float(), *ref))
 
 
-@pytest.mark.parametrize("kind", ["q4", "q8", "q6", "q4k", "q5"])
+@pytest.mark.parametrize("kind", ["q4", "q8", "q6", "q4k", "q5", "q5k"])
 def test_a_row_never_depends_on_its_batch_mates_order_or_threads(kind):
     w, _ = make(kind, 96, 576, torch.bfloat16, seed=1)
     x = rows(13, 576, seed=2)
@@ -133,7 +137,7 @@ def test_a_non_finite_input_makes_its_own_row_nan_only():
     assert got[0].isnan().all() and got[3].isnan().all() and got[1:3].isfinite().all()
 
 
-@pytest.mark.parametrize("kind", ["q4", "q8", "q6", "q4k", "q5"])
+@pytest.mark.parametrize("kind", ["q4", "q8", "q6", "q4k", "q5", "q5k"])
 def test_products_stay_within_the_row_quantization_bound(kind):
     N, K = 64, 576
     w, (codes, d, m) = make(kind, N, K, torch.float32, seed=4)
@@ -160,7 +164,7 @@ def test_other_code_paths_give_the_same_bits(monkeypatch, march):
     lib = ctypes.CDLL(str(q4_rows.build()))
     lib.q4_mm.argtypes, lib.q4_mm.restype = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] + \
         [ctypes.c_int64] * 3 + [ctypes.c_void_p], ctypes.c_int64
-    for kind in ("q4", "q8", "q6", "q4k", "q5"):
+    for kind in ("q4", "q8", "q6", "q4k", "q5", "q5k"):
         w, _ = make(kind, 96, 576, torch.bfloat16, seed=6)
         x = rows(11, 576, seed=7).bfloat16()
         y = torch.empty(11, 96)
@@ -266,6 +270,32 @@ def test_q5_0_bytes_load_into_tiles_as_gguf_dequantizes_them():
         k_quants.q5_0_codes(raw[:-1], (N, K))
     with pytest.raises(HalError, match="weight"):
         q4_rows.pack_q5(c.q + 1, c.d, torch.float32)   # a code of 32
+
+
+def random_q5_k(N: int, K: int, seed: int) -> np.ndarray:
+    """Random GGUF Q5_K blocks (every code, fifth-bit and scale byte drawn, finite fp16 d and dmin)."""
+    rng = np.random.default_rng(seed)
+    b = rng.integers(0, 256, (N * K // 256, k_quants.Q5K_BLOCK), dtype=np.uint8)
+    b[:, 0:4] = (rng.random((N * K // 256, 2)) * 1e-3 + 1e-5).astype(np.float16).view(np.uint8).reshape(-1, 4)
+    return b.reshape(-1)
+
+
+def test_q5_k_bytes_load_into_tiles_as_gguf_dequantizes_them():
+    """ggml's Q5_K layout read here (Q4_K's fields and qh's bit pairs per 64) gives, as d*sc*q -
+    dmin*min in float32, exactly gguf's dequantization; the tiles' products are the reference."""
+    N, K = 48, 512
+    raw = random_q5_k(N, K, seed=15)
+    dense = torch.from_numpy(quants.dequantize(raw, gguf.GGMLQuantizationType.Q5_K).reshape(N, K).copy())
+    c = k_quants.q5_k_codes(raw, (N, K))
+    assert int(c.q.max()) == 31 and int(c.sc.max()) == 63   # every bit drawn
+    d1, m1 = c.d * c.sc.float(), c.dmin * c.mn.float()
+    assert torch.equal((d1[..., None] * c.q.float().view(N, -1, 32) - m1[..., None]).reshape(N, K), dense)
+    w = c.pack(torch.bfloat16)
+    assert w.kind == q4_rows.Q5K_KIND
+    x = rows(5, K, seed=16)
+    assert torch.equal(w.mm(x), q4_rows.reference_mm(x.bfloat16().float(), c.q, d1, -m1))
+    with pytest.raises(HalError, match="raw"):
+        k_quants.q5_k_codes(raw[:-1], (N, K))
 
 
 def test_bad_input_is_refused_naming_the_argument():
