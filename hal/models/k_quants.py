@@ -22,6 +22,15 @@ Q6K_BYTES, Q4K_BLOCK, Q5K_BLOCK = 210, 144, 176   # a GGUF block of 256 weights:
 Q5_0_BLOCK = 22                    # a GGUF Q5_0 block of 32 weights: fp16 d, 4 bytes of fifth bits, 16 of nibbles
 
 
+def _finite(name: str, *scales: np.ndarray) -> None:
+    """`HalError` naming ``raw`` where a block's fp16 scale is NaN or infinite (its weights would be)."""
+    for a in scales:
+        if not np.isfinite(a).all():
+            i = int(np.flatnonzero(~np.isfinite(a.reshape(-1)))[0])
+            raise HalError(f"raw: expected finite fp16 scales in every {name} block, got {a.reshape(-1)[i]} at block "
+                           f"{i}", arg="raw")
+
+
 @dataclass(frozen=True)
 class Q6Codes:
     """A GGUF Q6_K tensor as stored, unpacked (`q6_k_codes`): ``w = s·q`` per 16 inputs (a layer's
@@ -59,7 +68,9 @@ def q6_k_codes(raw: np.ndarray, shape: tuple[int, int]) -> Q6Codes:
     high = (qh >> np.array([0, 2, 4, 6], dtype=np.int16).reshape(1, 1, 4, 1)) & 3
     q = ((low | (high << 4)) - 32).astype(np.int8).reshape(N, K)
     sc = torch.from_numpy(b[:, 192:208].copy().view(np.int8).reshape(N, K // 16))
-    d = torch.from_numpy(b[:, 208:210].copy().view(np.float16).astype(np.float32)).view(N, K // 256)
+    d = b[:, 208:210].copy().view(np.float16).astype(np.float32)
+    _finite("Q6_K", d)
+    d = torch.from_numpy(d).view(N, K // 256)
     return Q6Codes(torch.from_numpy(q), d.repeat_interleave(8, 1), sc)
 
 
@@ -130,6 +141,7 @@ def q4_k_codes(raw: np.ndarray, shape: tuple[int, int]) -> Q4KCodes:
     b = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, Q4K_BLOCK)
     d = b[:, 0:2].copy().view(np.float16).astype(np.float32)
     dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
+    _finite("Q4_K", d, dmin)
     s = b[:, 4:16].astype(np.int32)
     sc = np.concatenate([s[:, 0:4] & 63, (s[:, 8:12] & 15) | ((s[:, 0:4] >> 6) << 4)], 1)
     mn = np.concatenate([s[:, 4:8] & 63, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)], 1)
@@ -170,6 +182,7 @@ def q5_0_codes(raw: np.ndarray, shape: tuple[int, int]) -> Q5Codes:
                        arg="raw")
     b = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, Q5_0_BLOCK)
     d = b[:, 0:2].copy().view(np.float16).astype(np.float32)
+    _finite("Q5_0", d)
     qh = b[:, 2:6].copy().view("<u4").astype(np.int64)                  # [blocks, 1]
     qs = b[:, 6:].astype(np.int64)
     low = np.concatenate([qs & 15, qs >> 4], 1)                         # [blocks, 32]

@@ -262,11 +262,12 @@ def load_gguf(path: str | Path, backend, dtype: str = "float32", plan_refresh: b
         how = f"as stored, {'Q4 tiles' if plan.weights == 'q4q8' else 'int4pack'}"
         if plan.weights in STORED and t.name in stored:
             arr = int4.from_blocks(data, t.kind, tuple(shape))
-        elif plan.weights == "q4q8" and t.name in stored_q8:   # Q8 tiles once fused (`_fuse`)
-            arr, how = q4_rows.q8_0_blocks(data, tuple(shape)), "as stored, Q8 tiles"
-        elif plan.weights == "q4q8" and t.name in kq:   # Q6 / Q4K / Q5 (/ Q8) tiles once fused
-            read, tiles = k_quants.READERS[t.kind]
-            arr, how = read(data, tuple(shape)), f"as stored, {tiles} tiles"
+        elif plan.weights == "q4q8" and (t.name in stored_q8 or t.name in kq):   # tiles once fused (`_fuse`)
+            read, tiles = k_quants.READERS[t.kind]   # Q8 / Q6 / Q4K / Q5 / Q5K
+            try:
+                arr, how = read(data, tuple(shape)), f"as stored, {tiles} tiles"
+            except HalError as e:   # before anything runs: nothing is half-loaded
+                raise HalError(f"{path}: tensor {t.name} ({t.kind}): {e}", arg="model") from None
         else:
             how = "float32" if t.kind == "F32" else "dequantized, the embedding lookup's" \
                 if t.name == "token_embd.weight" else f"dequantized to {'float32' if len(shape) == 1 else dt}"
@@ -275,6 +276,9 @@ def load_gguf(path: str | Path, backend, dtype: str = "float32", plan_refresh: b
             except (NotImplementedError, KeyError, ValueError) as e:
                 raise HalError(f"{path}: expected tensors of a type gguf can dequantize, got {t.name} of type "
                                f"{t.kind} ({type(e).__name__}: {e})", arg="model") from None
+            if not torch.isfinite(arr).all():   # a NaN or inf scale or value: every product it touches would be
+                raise HalError(f"{path}: tensor {t.name} ({t.kind}): expected finite values, got "
+                               f"{int((~torch.isfinite(arr)).sum())} that are not", arg="model")
         forms[t.kind, how] += 1
         parts = t.name.split(".")
         if parts[0] == "blk":

@@ -181,8 +181,9 @@ def q8_0_blocks(raw: np.ndarray, shape: tuple[int, int]) -> Q8Blocks:
                        f"got {raw.size}", arg="raw")
     blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(N, K // int4.GROUP, int4.Q8_BYTES)
     d = torch.from_numpy(blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32))
-    q = torch.from_numpy(blocks[..., 2:].copy().view(np.int8).reshape(N, K))
-    return Q8Blocks(q, d)
+    if not torch.isfinite(d).all():
+        raise HalError(f"raw: expected finite fp16 scales in every Q8_0 block, got {d[~torch.isfinite(d)][0]}", arg="raw")
+    return Q8Blocks(torch.from_numpy(blocks[..., 2:].copy().view(np.int8).reshape(N, K)), d)
 
 
 def pack_q6k(q: Tensor, d: Tensor, sc: Tensor, dtype: torch.dtype) -> Q4Weight:

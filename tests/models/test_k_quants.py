@@ -153,3 +153,24 @@ def test_the_plan_measures_a_q6_k_head_and_refuses_it_without_q4q8(tmp_path):
         assert any(h["head"] == "q6_k" for h in model.plan_choice.heads), model.plan_choice.heads
     with pytest.raises(HalError, match="q6_k with q4q8"):
         LinearPlan.from_json({"layout": "mm", "dtype": "bfloat16", "widths": [1], "weights": "int4", "head": "q6_k"})
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")   # gguf's inf * 0, dequantizing
+@pytest.mark.parametrize("kind,offset", [("Q4_K", 0), ("Q6_K", 208), ("Q5_0", 0), ("Q5_K", 2)])
+def test_a_non_finite_block_scale_is_refused_naming_the_tensor(tmp_path, kind, offset):
+    """A K-quant (or Q5_0) block whose fp16 d (or dmin) is inf or NaN: a `HalError` naming the
+    tensor before anything runs, not a model whose products are NaN."""
+    from hal.errors import HalError
+    layers = {"Q4_K": "q4_k_m", "Q6_K": "q6_k", "Q5_0": "q5_0", "Q5_K": "q5_k_m"}[kind]
+    path = write(tmp_path / "m.gguf", layers)
+    r = gguf.GGUFReader(str(path))
+    t = next(t for t in r.tensors if t.name == "blk.1.attn_q.weight")
+    assert t.tensor_type.name == kind
+    data = np.memmap(path, mode="r+", dtype=np.uint8)
+    data[t.data_offset + offset:t.data_offset + offset + 2] = np.array([np.inf], dtype=np.float16).view(np.uint8)
+    data.flush()
+    with pytest.raises(HalError, match=r"blk\.1\.attn_q\.weight.*finite"):
+        load_gguf(path, hal.get_backend("cpu"),
+                  plan=LinearPlan("mm", torch.bfloat16, (1, 2, 4, 8), weights="q4q8", head="q6_k"))
+    with pytest.raises(HalError, match=r"blk\.1\.attn_q\.weight.*finite"):   # dequantized: the same
+        load_gguf(path, hal.get_backend("cpu"), "float32")
