@@ -3,8 +3,10 @@
 the float32 greedy continuation is teacher-forced through both (each with the linear plan this
 machine measured for it), and the logits compared row by row; then each generates greedily
 on its own and the outputs are compared token by token. Writes benchmarks/results/dtype.md.
+``--model`` takes another GGUF with a chat vocabulary (a K-quant file: its tensors as stored
+against the same file dequantized to float32).
 
-    python benchmarks/dtype_drift.py [--max-new-tokens 64]
+    python benchmarks/dtype_drift.py [--max-new-tokens 64] [--model FILE.gguf --out ...]
 """
 
 from __future__ import annotations
@@ -72,9 +74,10 @@ HEAD = {"float": "the Q8_0 head dequantized, then in the plan's float dtype",
                 "Q8 tiles, fp16 scales)"}
 
 
-def table(name: str, model, rows) -> list[str]:
-    weights = WEIGHTS[model.plan.weights if name == "stored" else name] + \
-        (HEAD[model.plan.head] if name == "stored" else "")
+def table(name: str, model, rows, bundled: bool = True) -> list[str]:
+    weights = (WEIGHTS[model.plan.weights if name == "stored" else name] + (HEAD[model.plan.head] if name == "stored"
+                                                                              else "")) if bundled else \
+        f"the file's tensors as the start-up line says ({model.tensor_forms})"
     lines = [f"## {name} ({model.plan.describe()})", "", f"Weights: {weights}; embeddings, norms, the residual "
              "stream, attention and the logits stay float32; the KV cache is in the plan's dtype.", "",
              "| prompt | tokens | max abs logit diff | mean abs logit diff | logit std (fp32) | argmax agreement | "
@@ -91,13 +94,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--out", default="benchmarks/results/dtype.md")
+    ap.add_argument("--model", default=None, help="a GGUF file (default: the bundled SmolLM2-135M Q4_1)")
     args = ap.parse_args()
     torch.set_num_threads(2)
-    path, be = fetch("smollm2-135m"), hal.get_backend("cpu")
+    path, be = args.model or fetch("smollm2-135m"), hal.get_backend("cpu")
     fp32, tok = load_gguf(path, be, "float32")
     prompts = [(f"demo: {label}", p) for label, p in DEMO_PROMPTS] + [(label, p) for label, _, p in E2E_PROMPTS]
-    lines = ["# Each dtype against float32 on SmolLM2-135M (GGUF Q4_1)", "",
-             f"Command: `python benchmarks/dtype_drift.py --max-new-tokens {args.max_new_tokens}`; "
+    title = "SmolLM2-135M (GGUF Q4_1)" if args.model is None else Path(args.model).name
+    command = f"--max-new-tokens {args.max_new_tokens}" + (f" --model {args.model} --out {args.out}" if args.model else "")
+    lines = [f"# Each dtype against float32 on {title}", "",
+             f"Command: `python benchmarks/dtype_drift.py {command}`; "
              f"{time.strftime('%Y-%m-%d')}; {machine_line()}; float32 plan {fp32.plan.describe()}.", "",
              "Teacher-forced on the float32 greedy continuation: |logit difference| over the rows that chose each "
              "generated token, and how often the two argmaxes agree; then each dtype's own greedy output.", ""]
@@ -108,7 +114,7 @@ def main() -> None:
             except hal.HalError as e:   # no bf16 unit, or no int4 kernel here: say so
                 lines += [f"## {name}", "", f"Not offered on this machine: {e}", ""]
                 continue
-            lines += table(name, other, drift(fp32, other, tok, prompts, args.max_new_tokens))
+            lines += table(name, other, drift(fp32, other, tok, prompts, args.max_new_tokens), args.model is None)
     publish(lines, args.out)
 
 
