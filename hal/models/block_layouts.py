@@ -21,7 +21,6 @@ the tap `DSparkConfig` names. The mask rows are the embedding of ``mask_token_id
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +28,8 @@ import torch
 from torch import Tensor
 
 from hal.errors import HalError
-from hal.models.dspark import DSparkConfig, DSparkModel, Confidence
+from hal.models.dspark import Confidence, DSparkConfig, DSparkModel
+from hal.models.hf import read_json
 
 DFLASH, DSPARK, OWN = "DFlashDraftModel", "Qwen3DSparkModel", "dspark-block"
 ARCHITECTURES = (DFLASH, DSPARK, OWN)
@@ -57,13 +57,8 @@ class BlockLayout:
 def read_layout(folder: str | Path) -> BlockLayout:
     """The layout of a block drafter's ``folder`` from its config.json alone (no weights)."""
     path = Path(folder) / "config.json"
-    if not path.is_file():
-        raise HalError(f"block drafter: expected a folder with config.json, got {str(folder)!r}")
-    try:
-        c = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise HalError(f"block drafter {str(path)!r}: expected JSON, got {e}") from None
-    arch = c.get("architecture") or (c.get("architectures") or [None])[0] if isinstance(c, dict) else None
+    c = read_json(path, "a block drafter's config.json")
+    arch = c.get("architecture") or (c.get("architectures") or [None])[0]
     if arch not in ARCHITECTURES:
         raise HalError(f"block drafter {str(path)!r}: expected architectures {list(ARCHITECTURES)}, got {arch!r}")
     if arch == OWN:

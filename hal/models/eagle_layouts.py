@@ -18,7 +18,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from torch import Tensor
 
 from hal.errors import HalError
 from hal.models.eagle import EagleConfig, EagleModel
+from hal.models.hf import read_json
 from hal.models.llama import Llama
 
 _LAYER = {"self_attn.q_proj": "wq", "self_attn.k_proj": "wk", "self_attn.v_proj": "wv", "self_attn.o_proj": "wo",
@@ -64,14 +64,7 @@ class EagleLayout:
 
 def read_layout(folder: str | Path) -> EagleLayout:
     path = Path(folder) / "config.json"
-    if not path.is_file():
-        raise HalError(f"head: expected a folder with config.json, got {str(folder)!r}")
-    try:
-        c = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise HalError(f"head {str(path)!r}: expected JSON, got {e}") from None
-    if not isinstance(c, dict):
-        raise HalError(f"head {str(path)!r}: expected a JSON object, got {type(c).__name__}")
+    c = read_json(path, "an EAGLE head's config.json")
     spec = c.get("speculators_model_type")
     if spec is not None:
         if spec != "eagle3" or not isinstance(c.get("transformer_layer_config"), dict):

@@ -58,7 +58,8 @@ FUSED = {"self_attn.qkv_proj.weight": ("wq", "wk", "wv"), "mlp.gate_up_proj.weig
 IGNORED = ("rotary_emb.inv_freq",)   # buffers some checkpoints carry; recomputed
 
 
-def _read_json(path: Path, what: str) -> dict:
+def read_json(path: Path, what: str) -> dict:
+    """A JSON object from ``path`` (a config file), or a `HalError` naming the file and ``what``."""
     try:
         value = json.loads(path.read_text())
     except FileNotFoundError:
@@ -94,7 +95,7 @@ def read_hf_config(folder: str | Path) -> LlamaConfig:
     """The `LlamaConfig` of an HF folder (config.json, and generation_config.json's stop ids)."""
     folder = Path(folder)
     where = folder / "config.json"
-    c = _read_json(where, "a transformers config.json")
+    c = read_json(where, "a transformers config.json")
     kind = c.get("model_type") or ARCHITECTURES.get((c.get("architectures") or [None])[0])
     if kind not in FAMILIES:
         raise HalError(f"{where}: expected model_type one of {', '.join(FAMILIES)} (architectures "
@@ -111,7 +112,7 @@ def read_hf_config(folder: str | Path) -> LlamaConfig:
         window = c.get("sliding_window") if fam.sliding is None or c.get(fam.sliding) else None
         bias = bool(c.get("attention_bias", False)) if fam.qkv_bias is None else fam.qkv_bias
         gen = folder / "generation_config.json"
-        eos = _ids(_read_json(gen, "a generation config").get("eos_token_id")) if gen.is_file() else ()
+        eos = _ids(read_json(gen, "a generation config").get("eos_token_id")) if gen.is_file() else ()
         eos = eos or _ids(c.get("eos_token_id"))
         return LlamaConfig(hidden=hidden, layers=int(c["num_hidden_layers"]), heads=heads,
                            kv_heads=int(c.get("num_key_value_heads") or heads),
@@ -149,7 +150,7 @@ def weight_files(folder: Path) -> list[Path]:
     """The safetensors files: the index's shards, else every ``*.safetensors``."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(_read_json(index, "a safetensors index").get("weight_map", {}).values()))
+        shards = sorted(set(read_json(index, "a safetensors index").get("weight_map", {}).values()))
         missing = [s for s in shards if not (folder / s).is_file()]
         if not shards or missing:
             raise HalError(f"{index}: expected its shards beside it, got {missing or 'an empty weight_map'} missing")

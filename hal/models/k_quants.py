@@ -9,7 +9,7 @@ native layer loop runs one of two parts (`hal.models.layer_loop.LayerWeights.row
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
@@ -31,8 +31,16 @@ def _finite(name: str, *scales: np.ndarray) -> None:
                            f"{i}", arg="raw")
 
 
+class _Rows:
+    """Codes and scales by output row: `cat` joins parts' rows (a fused linear's), field by field."""
+
+    @classmethod
+    def cat(cls, parts: list) -> "_Rows":
+        return cls(*(torch.cat([getattr(p, f.name) for p in parts]) for f in fields(cls)))
+
+
 @dataclass(frozen=True)
-class Q6Codes:
+class Q6Codes(_Rows):
     """A GGUF Q6_K tensor as stored, unpacked (`q6_k_codes`): ``w = s·q`` per 16 inputs (a layer's
     part, kept so until its fused linear is packed: `cat`, then `pack_q6k`)."""
 
@@ -43,10 +51,6 @@ class Q6Codes:
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.q.shape)
-
-    @staticmethod
-    def cat(parts: list["Q6Codes"]) -> "Q6Codes":
-        return Q6Codes(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "d", "sc")))
 
     def pack(self, dtype: torch.dtype) -> q4_rows.Q4Weight:
         return q4_rows.pack_q6k(self.q, self.d, self.sc, dtype)
@@ -80,7 +84,7 @@ def from_q6_k(raw: np.ndarray, shape: tuple[int, int], dtype: torch.dtype) -> q4
 
 
 @dataclass(frozen=True)
-class Q4KCodes:
+class Q4KCodes(_Rows):
     """A GGUF Q4_K tensor as stored, unpacked (`q4_k_codes`): w = d·sc·q − dmin·mn per 32 inputs."""
 
     q: Tensor      # uint8 [N, K] in 0..15
@@ -93,20 +97,12 @@ class Q4KCodes:
     def shape(self) -> tuple[int, int]:
         return tuple(self.q.shape)
 
-    @staticmethod
-    def cat(parts: list["Q4KCodes"]) -> "Q4KCodes":
-        return Q4KCodes(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "d", "dmin", "sc", "mn")))
-
     def pack(self, dtype: torch.dtype) -> q4_rows.Q4Weight:
         return q4_rows.pack_q4k(self.q, self.d, self.dmin, self.sc, self.mn, dtype)
 
 
 class Q5KCodes(Q4KCodes):
     """A GGUF Q5_K tensor as stored (`q5_k_codes`): Q4_K's arithmetic with codes q in 0..31."""
-
-    @staticmethod
-    def cat(parts: list["Q5KCodes"]) -> "Q5KCodes":
-        return Q5KCodes(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "d", "dmin", "sc", "mn")))
 
     def pack(self, dtype: torch.dtype) -> q4_rows.Q4Weight:
         return q4_rows.pack_q4k(self.q, self.d, self.dmin, self.sc, self.mn, dtype, q5=True)
@@ -153,7 +149,7 @@ def q4_k_codes(raw: np.ndarray, shape: tuple[int, int]) -> Q4KCodes:
 
 
 @dataclass(frozen=True)
-class Q5Codes:
+class Q5Codes(_Rows):
     """A GGUF Q5_0 tensor as stored, unpacked (`q5_0_codes`): w = d·(q − 16) per 32 inputs."""
 
     q: Tensor    # uint8 [N, K] in 0..31
@@ -162,10 +158,6 @@ class Q5Codes:
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.q.shape)
-
-    @staticmethod
-    def cat(parts: list["Q5Codes"]) -> "Q5Codes":
-        return Q5Codes(torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]))
 
     def pack(self, dtype: torch.dtype) -> q4_rows.Q4Weight:
         return q4_rows.pack_q5(self.q, self.d, dtype)

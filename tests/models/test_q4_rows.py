@@ -221,29 +221,39 @@ def test_q6_k_bytes_load_into_tiles_as_gguf_dequantizes_them():
         k_quants.q6_k_codes(raw[:-1], (N, K))
 
 
-def random_q4_k(N: int, K: int, seed: int) -> np.ndarray:
-    """Random GGUF Q4_K blocks (every code and scale byte drawn, finite fp16 d and dmin)."""
+def random_q4_k(N: int, K: int, seed: int, kind: str = "Q4_K") -> np.ndarray:
+    """Random GGUF Q4_K (or Q5_K) blocks (every code, fifth-bit and scale byte drawn, finite fp16
+    d and dmin)."""
     rng = np.random.default_rng(seed)
-    b = rng.integers(0, 256, (N * K // 256, k_quants.Q4K_BLOCK), dtype=np.uint8)
+    b = rng.integers(0, 256, (N * K // 256, k_quants.Q4K_BLOCK if kind == "Q4_K" else k_quants.Q5K_BLOCK),
+                     dtype=np.uint8)
     b[:, 0:4] = (rng.random((N * K // 256, 2)) * 1e-3 + 1e-5).astype(np.float16).view(np.uint8).reshape(-1, 4)
     return b.reshape(-1)
 
 
-def test_q4_k_bytes_load_into_tiles_as_gguf_dequantizes_them():
-    """ggml's Q4_K layout read here (6-bit scales and mins, nibbles per 64) gives, as d*sc*q -
-    dmin*min in float32, exactly gguf's dequantization; the tiles' products are the reference."""
+def random_q5_k(N: int, K: int, seed: int) -> np.ndarray:
+    return random_q4_k(N, K, seed, "Q5_K")
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K"])
+def test_q4_k_and_q5_k_bytes_load_into_tiles_as_gguf_dequantizes_them(kind):
+    """ggml's Q4_K layout read here (6-bit scales and mins, nibbles per 64; Q5_K: qh's bit pairs
+    too) gives, as d*sc*q - dmin*min in float32, exactly gguf's dequantization; the tiles'
+    products are the reference arithmetic on them."""
     N, K = 48, 512
-    raw = random_q4_k(N, K, seed=11)
-    dense = torch.from_numpy(quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K).reshape(N, K).copy())
-    c = k_quants.q4_k_codes(raw, (N, K))
-    assert int(c.sc.max()) == 63 and int(c.mn.max()) == 63 and int(c.q.max()) == 15   # every bit drawn
+    raw = random_q4_k(N, K, 11, kind)
+    dense = torch.from_numpy(quants.dequantize(raw, gguf.GGMLQuantizationType[kind]).reshape(N, K).copy())
+    c = (k_quants.q4_k_codes if kind == "Q4_K" else k_quants.q5_k_codes)(raw, (N, K))
+    top = 15 if kind == "Q4_K" else 31
+    assert int(c.sc.max()) == 63 and int(c.mn.max()) == 63 and int(c.q.max()) == top   # every bit drawn
     d1, m1 = c.d * c.sc.float(), c.dmin * c.mn.float()
     assert torch.equal((d1[..., None] * c.q.float().view(N, -1, 32) - m1[..., None]).reshape(N, K), dense)
     w = c.pack(torch.bfloat16)
+    assert w.kind == (q4_rows.Q4K_KIND if kind == "Q4_K" else q4_rows.Q5K_KIND)
     x = rows(5, K, seed=12)
     assert torch.equal(w.mm(x), q4_rows.reference_mm(x.bfloat16().float(), c.q, d1, -m1))
     with pytest.raises(HalError, match="raw"):
-        k_quants.q4_k_codes(raw[:-1], (N, K))
+        (k_quants.q4_k_codes if kind == "Q4_K" else k_quants.q5_k_codes)(raw[:-1], (N, K))
 
 
 def random_q5_0(N: int, K: int, seed: int) -> np.ndarray:
@@ -270,32 +280,6 @@ def test_q5_0_bytes_load_into_tiles_as_gguf_dequantizes_them():
         k_quants.q5_0_codes(raw[:-1], (N, K))
     with pytest.raises(HalError, match="weight"):
         q4_rows.pack_q5(c.q + 1, c.d, torch.float32)   # a code of 32
-
-
-def random_q5_k(N: int, K: int, seed: int) -> np.ndarray:
-    """Random GGUF Q5_K blocks (every code, fifth-bit and scale byte drawn, finite fp16 d and dmin)."""
-    rng = np.random.default_rng(seed)
-    b = rng.integers(0, 256, (N * K // 256, k_quants.Q5K_BLOCK), dtype=np.uint8)
-    b[:, 0:4] = (rng.random((N * K // 256, 2)) * 1e-3 + 1e-5).astype(np.float16).view(np.uint8).reshape(-1, 4)
-    return b.reshape(-1)
-
-
-def test_q5_k_bytes_load_into_tiles_as_gguf_dequantizes_them():
-    """ggml's Q5_K layout read here (Q4_K's fields and qh's bit pairs per 64) gives, as d*sc*q -
-    dmin*min in float32, exactly gguf's dequantization; the tiles' products are the reference."""
-    N, K = 48, 512
-    raw = random_q5_k(N, K, seed=15)
-    dense = torch.from_numpy(quants.dequantize(raw, gguf.GGMLQuantizationType.Q5_K).reshape(N, K).copy())
-    c = k_quants.q5_k_codes(raw, (N, K))
-    assert int(c.q.max()) == 31 and int(c.sc.max()) == 63   # every bit drawn
-    d1, m1 = c.d * c.sc.float(), c.dmin * c.mn.float()
-    assert torch.equal((d1[..., None] * c.q.float().view(N, -1, 32) - m1[..., None]).reshape(N, K), dense)
-    w = c.pack(torch.bfloat16)
-    assert w.kind == q4_rows.Q5K_KIND
-    x = rows(5, K, seed=16)
-    assert torch.equal(w.mm(x), q4_rows.reference_mm(x.bfloat16().float(), c.q, d1, -m1))
-    with pytest.raises(HalError, match="raw"):
-        k_quants.q5_k_codes(raw[:-1], (N, K))
 
 
 def test_bad_input_is_refused_naming_the_argument():
