@@ -43,6 +43,9 @@ import torch
 from torch import nn
 from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from oracle_compat import patch_dynamic_cache_crop  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[2]
 COMMIT = "44947fbf71114e241c96de194f4b382b5dd330d0"
 SEED = 1234
@@ -59,20 +62,6 @@ DRAFT_KW = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden
 PROMPT = [3, 17, 42, 99, 5, 123, 7, 200, 31, 64, 12, 250]
 MAX_NEW = 32
 FORCED_SCHEDULE = [3, 0, 7, 2, 5, 1, 6, 4]  # acceptance lengths forced in the "loop_forced" run
-
-
-def patch_dynamic_cache_crop():
-    """Runtime patch 1: ``DynamicCache.crop(n)`` with n >= 0 keeps the first n tokens, as in 4.57."""
-    remove = DynamicCache.crop
-
-    def crop(self, max_length: int):
-        if max_length < 0:
-            return remove(self, max_length)
-        excess = self.get_seq_length() - max_length
-        if excess > 0:
-            remove(self, -excess)
-
-    DynamicCache.crop = crop
 
 
 def load_reference(src: Path):

@@ -39,6 +39,9 @@ from types import SimpleNamespace
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, Qwen3Config, Qwen3ForCausalLM
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from oracle_compat import patch_dynamic_cache_crop  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[2]
 COMMIT = "afdfa7c9382a3341a3e6f17756dd816da79f132c"
 VOCAB = 256
@@ -50,20 +53,6 @@ TARGET_LAYER_IDS = [0, 2]   # must not contain the last target layer (3)
 DRAFT_LAYERS = 2
 MARKOV_RANK = 8
 MAX_NEW = 24
-
-
-def patch_dynamic_cache_crop():
-    """The runtime patch: ``DynamicCache.crop(n)`` with n >= 0 keeps the first n tokens, as in 5.10.2."""
-    remove = DynamicCache.crop
-
-    def crop(self, max_length: int):
-        if max_length < 0:
-            return remove(self, max_length)
-        excess = self.get_seq_length() - max_length
-        if excess > 0:
-            remove(self, -excess)
-
-    DynamicCache.crop = crop
 
 
 def load_reference(src: Path) -> SimpleNamespace:
