@@ -52,6 +52,8 @@ class SpecDecodeMetrics:
     def __init__(self) -> None:
         self.total = Counters()
         self.requests: dict[Hashable, Counters] = {}
+        self.by_drafter: dict[str, Counters] = {}   # per drafting method (a drafter's ``kind``; NgramOrHead's rows
+        #                                             by the method that drafted them)
         self.ttft: list[float] = []   # seconds from arrival to the first token, per finished request
         self.tpot: list[float] = []   # seconds per output token after the first, per finished request
         self.e2e: list[float] = []    # seconds from arrival to the last token
@@ -90,17 +92,23 @@ class SpecDecodeMetrics:
             self.tpot.append((seconds - first) / (num_tokens - 1))
 
     def observe(self, num_draft_tokens: Iterable[int], num_accepted: Iterable[int],
-                request_ids: Iterable[Hashable] | None = None) -> None:
-        """Record one verify step of a batch (tensors or lists, one entry per request)."""
+                request_ids: Iterable[Hashable] | None = None, drafters: Iterable[str] | None = None) -> None:
+        """Record one verify step of a batch (tensors or lists, one entry per request; ``drafters``:
+        the method that drafted each request's tokens, counted in `by_drafter`)."""
         ks = [int(v) for v in (num_draft_tokens.tolist() if hasattr(num_draft_tokens, "tolist") else num_draft_tokens)]
         acc = [int(v) for v in (num_accepted.tolist() if hasattr(num_accepted, "tolist") else num_accepted)]
         ids = list(request_ids) if request_ids is not None else list(range(len(ks)))
-        if not (len(ks) == len(acc) == len(ids)):
-            raise arg_error("num_accepted", f"one entry per request ({len(ks)})", f"{len(acc)} (ids: {len(ids)})")
-        for rid, k, a in zip(ids, ks, acc):
-            if not 0 <= a <= k:
-                raise arg_error("num_accepted", f"0 <= accepted <= drafts ({k})", a)
+        kinds = list(drafters) if drafters is not None else [None] * len(ks)
+        if not (len(ks) == len(acc) == len(ids) == len(kinds)):
+            raise arg_error("num_accepted", f"one entry per request ({len(ks)})",
+                            f"{len(acc)} (ids: {len(ids)}, drafters: {len(kinds)})")
+        if any(not 0 <= a <= k for k, a in zip(ks, acc)):   # before anything is counted
+            k, a = next((k, a) for k, a in zip(ks, acc) if not 0 <= a <= k)
+            raise arg_error("num_accepted", f"0 <= accepted <= drafts ({k})", a)
+        for rid, k, a, kind in zip(ids, ks, acc, kinds):
             self.total.add(k, a)
+            if kind is not None and k > 0:
+                self.by_drafter.setdefault(kind, Counters()).add(k, a)
             self.requests.setdefault(rid, Counters()).add(k, a)
             if self._keep is not None and len(self.requests) > self._keep:
                 del self.requests[next(iter(self.requests))]   # the oldest
@@ -171,6 +179,14 @@ def prometheus_text(m: SpecDecodeMetrics, prefix: str = "spec_hal") -> str:
     pos = pc.Gauge(f"{prefix}_acceptance_by_position", "P(draft j accepted | proposed)", ["position"], registry=reg)
     for j, a in enumerate(t.acceptance_by_position()):
         pos.labels(str(j)).set(a)
+    drafts = pc.Counter(f"{prefix}_spec_decode_num_drafts", "verify steps with drafts, per drafting method",
+                        ["drafter"], registry=reg)
+    per_pos = pc.Counter(f"{prefix}_spec_decode_num_accepted_tokens_per_pos", "accepted draft tokens by position, "
+                         "per drafting method (vLLM's name)", ["drafter", "position"], registry=reg)
+    for kind, c in sorted(m.by_drafter.items()):
+        drafts.labels(kind).inc(c.num_drafts)
+        for j, n in enumerate(c.accepted_per_position):
+            per_pos.labels(kind, str(j)).inc(n)
     hist = pc.Histogram(f"{prefix}_acceptance_length", "tokens emitted per request per verify step",
                         buckets=[float(b) for b in range(1, 18)], registry=reg)
     for a in m.acceptance_lengths:

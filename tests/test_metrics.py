@@ -18,12 +18,36 @@ def test_counters_match_vllm_definitions():
     assert m.requests["b"].mean_acceptance_length == pytest.approx(1 + 3 / 2)
 
 
-def test_bad_counts_are_errors():
+def test_bad_counts_are_errors_and_count_nothing():
     m = hal.SpecDecodeMetrics()
     with pytest.raises(hal.HalError):
         m.observe([2], [3])
     with pytest.raises(hal.HalError):
         m.observe([2, 1], [1])
+    with pytest.raises(hal.HalError):
+        m.observe([2, 1], [1, 0], drafters=["ngram"])
+    with pytest.raises(hal.HalError):
+        m.observe([2, 2], [1, 3], ["a", "b"])   # the second is bad: the first is not counted either
+    assert m.total.num_drafts == 0 and not m.requests and not m.by_drafter
+
+
+def test_per_position_acceptance_per_drafting_method():
+    """vLLM's per-position counter, per method: a mixed drafter's rows under the method that
+    drafted them; a step without drafts counts for none."""
+    pytest.importorskip("prometheus_client", reason="prometheus-client is the optional metrics extra")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from hal.metrics import prometheus_text
+    m = hal.SpecDecodeMetrics()
+    m.observe([3, 2, 0], [2, 0, 0], ["a", "b", "c"], drafters=["ngram", "eagle3", "eagle3"])
+    m.observe([3], [3], ["a"], drafters=["ngram"])
+    assert m.by_drafter["ngram"].accepted_per_position == [2, 2, 1] and m.by_drafter["ngram"].num_drafts == 2
+    assert m.by_drafter["eagle3"].num_drafts == 1 and m.by_drafter["eagle3"].num_accepted_tokens == 0
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(prometheus_text(m)) for s in f.samples}
+    per_pos = "spec_hal_spec_decode_num_accepted_tokens_per_pos_total"
+    assert samples[(per_pos, (("drafter", "ngram"), ("position", "2")))] == 1
+    assert samples[("spec_hal_spec_decode_num_drafts_total", (("drafter", "eagle3"),))] == 1
 
 
 def test_latency_and_prometheus_export():

@@ -33,6 +33,8 @@ class RemoteDrafter:
     from them and asks for no reply, so it waits for neither the link nor the worker.
     ``wait_offers`` (tests): wait for the worker's last offer of the round before choosing."""
 
+    kind = "remote"   # the per-drafter metrics' label: the method runs on the draft rank
+
     def __init__(self, link: Link | None, vocab: int, device: torch.device, metrics, timeout: float = 30.0,
                  first_timeout: float = 60.0, features: tuple[int, ...] | None = None, rendezvous=None,
                  epoch: int = 0, push: bool = False, wait_offers: bool = False):

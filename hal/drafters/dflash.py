@@ -15,6 +15,8 @@ from hal.models.dspark import Confidence, DSparkModel
 class DFlashDrafter(DSparkDrafter):
     """A `hal.engine.drafting.Drafter` for a block drafter without Markov or confidence heads."""
 
+    kind = "dflash"
+
     def __init__(self, model: DSparkModel, num_blocks: int = 512, block_size: int = 16):
         if model.cfg.rank or model.cfg.confidence != Confidence.NONE:
             raise HalError(f"DFlash drafter: expected a block drafter without Markov or confidence heads, got "

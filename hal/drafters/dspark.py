@@ -35,6 +35,7 @@ class DSparkDrafter:
     worker has no cost model). ``confidences`` holds the last call's predicted acceptances per
     request (host floats: one small readback of [R, proposals] per call, free on CPU)."""
 
+    kind = "dspark"   # the per-drafter metrics' label
     shadow = False   # a block costs a forward: requests routed to k = 0 are probed by the router instead
 
     def __init__(self, model: DSparkModel, num_blocks: int = 512, block_size: int = 16):

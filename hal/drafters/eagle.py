@@ -67,6 +67,11 @@ class EagleDrafter:
     def device(self):
         return self.head.device
 
+    @property
+    def kind(self) -> str:
+        """The per-drafter metrics' label: ``eagle`` or ``eagle3`` (vLLM's method names)."""
+        return "eagle3" if self.head.cfg.version == 3 else "eagle"
+
     def propose(self, batch: DraftBatch) -> Proposal:
         if batch.lengths is None:
             raise HalError("EagleDrafter.propose: expected host lengths (it is not a lookahead drafter), got None")
@@ -288,6 +293,10 @@ class NgramOrHead:
     def features(self) -> tuple[int, ...]:
         return self.head.features
 
+    @property
+    def kind(self) -> str:
+        return f"ngram+{self.head.kind}"
+
     def propose(self, batch: DraftBatch) -> Proposal:
         dev = self.head.device
         lookup = self.ngram.propose(batch)
@@ -320,7 +329,7 @@ class NgramOrHead:
             if at_h:
                 parents[up(at_h)] = head_part.parent_ids.to(dev)
         return Proposal(draft_token_ids=ids, cu_num_draft_tokens=up(cu), draft_probs=probs, num_valid=valid,
-                        parent_ids=parents)
+                        parent_ids=parents, sources=tuple("ngram" if u else self.head.kind for u in use))
 
     def commit(self, rids, kept) -> None:
         self.ngram.commit(rids, kept)

@@ -18,6 +18,7 @@ from hal.models.llama import Llama
 
 
 class ModelDrafter:
+    kind = "draft_model"   # the per-drafter metrics' label (vLLM's method name)
     """A draft model with its own KV pool, on its own backend (device) if wanted.
 
     Its KV holds a prefix of each request's history plus its own drafts; ``propose``

@@ -13,6 +13,7 @@ from hal.errors import HalError
 
 
 class NgramDrafter:
+    kind = "ngram"   # the per-drafter metrics' label (vLLM's method name)
     """Prompt lookup through the backend's ``ngram_propose`` (vLLM semantics).
 
     ``lookahead``: it needs only the device history, so the engine runs it before its
@@ -41,6 +42,7 @@ class NgramDrafter:
 
 
 class NgramTreeDrafter:
+    kind = "ngram"
     """Prompt lookup as a draft tree: the continuations found by each n-gram length
     (``max_n`` down to ``min_n``, each through ``ngram_propose``) are branches of one trie,
     longest match first, up to k nodes per request. Shared prefixes are one node. One host

@@ -78,6 +78,8 @@ class Proposal:
     own_features: Tensor | None = None  # [N, F] float32 from a drafter with ``own_features``: at slot j, its own
     #                                    guess of the target's feature at the position before slot j (the state
     #                                    slot j was drawn from); a later call's `DraftBatch.own_features`
+    sources: tuple[str, ...] | None = None   # [R] the method that drafted each row, where a drafter mixes
+    #                                          methods (`hal.drafters.eagle.NgramOrHead`); None: its ``kind``
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,17 @@ def valid_counts(valid, ks: list[int]) -> list[int]:
     return out
 
 
+def row_kinds(drafter: Drafter | None, drafts: StepDrafts, n: int) -> list[str] | None:
+    """The method that drafted each of the step's ``n`` decoding requests (the metrics' label):
+    the proposal's ``sources`` where the drafter mixes methods, else the drafter's ``kind``."""
+    if drafter is None:
+        return None
+    sources = None if drafts.proposal is None else drafts.proposal.sources
+    if sources is not None and len(sources) == n:
+        return list(sources)
+    return [getattr(drafter, "kind", type(drafter).__name__)] * n
+
+
 def drafts_for(drafter: Drafter | None, scored: set, ahead: Lookahead | None, history: HistoryBuffer,
                live: list[State], ks: list[int], dev, costs=None) -> StepDrafts:
     """The drafts each live request verifies this step (``ks[i]`` allowed to request i).

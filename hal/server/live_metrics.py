@@ -23,8 +23,10 @@ class LiveMetrics:
                                   registry=registry)
         self.num_draft_tokens = Counter(p + "spec_decode_num_draft_tokens", "draft tokens proposed", registry=registry)
         self.num_accepted = Counter(p + "spec_decode_num_accepted_tokens", "draft tokens accepted", registry=registry)
-        self.per_pos = Counter(p + "spec_decode_num_accepted_tokens_per_pos", "accepted draft tokens by position",
-                               ["position"], registry=registry)
+        self.per_pos = Counter(p + "spec_decode_num_accepted_tokens_per_pos", "accepted draft tokens by position, "
+                               "per drafting method", ["drafter", "position"], registry=registry)
+        self.drafts_by = Counter(p + "spec_decode_num_drafts_per_drafter", "verify steps with drafts, per drafting "
+                                 "method (per_pos's denominator)", ["drafter"], registry=registry)
         self.ttft = Histogram(p + "time_to_first_token_seconds", "arrival to the first token", buckets=LATENCY,
                               registry=registry)
         self.tpot = Histogram(p + "time_per_output_token_seconds", "seconds per output token after the first",
@@ -68,7 +70,7 @@ class LiveMetrics:
         self.prompt_tokens = Counter(p + "prompt_tokens", "prompt tokens of finished requests", registry=registry)
         self.generation_tokens = Counter(p + "generation_tokens", "tokens generated", registry=registry)
         self.requests = Counter(p + "request_success", "requests finished", ["finished_reason"], registry=registry)
-        self._last = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "pos": [], "pre": 0, "fail": 0, "stale": 0,
+        self._last = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "pos": {}, "by": {}, "pre": 0, "fail": 0, "stale": 0,
                       "queries": 0, "hits": 0, "lost": 0, "rejoined": 0,
                       "spec_hits": 0, "spec_misses": 0, "fanout": 0, "pushed": 0, "ahead": 0.0, "inline": 0.0}
 
@@ -95,12 +97,16 @@ class LiveMetrics:
             if now > last[name]:
                 counter.inc(now - last[name])
             last[name] = now
-        pos = t.accepted_per_position
-        for j, n in enumerate(pos):
-            before = last["pos"][j] if j < len(last["pos"]) else 0
-            if n > before:
-                self.per_pos.labels(position=str(j)).inc(n - before)
-        last["pos"] = list(pos)
+        for kind, c in m.by_drafter.items():
+            seen = last["pos"].setdefault(kind, [])
+            for j, n in enumerate(c.accepted_per_position):
+                before = seen[j] if j < len(seen) else 0
+                if n > before:
+                    self.per_pos.labels(drafter=kind, position=str(j)).inc(n - before)
+            last["pos"][kind] = list(c.accepted_per_position)
+            if c.num_drafts > last["by"].get(kind, 0):
+                self.drafts_by.labels(drafter=kind).inc(c.num_drafts - last["by"].get(kind, 0))
+            last["by"][kind] = c.num_drafts
         if last["queries"]:
             self.prefix_hit_rate.set(last["hits"] / last["queries"])
         self.gauges(dec)

@@ -118,7 +118,7 @@ def test_too_few_held_back_sequences_are_refused(target, data):
 
 def test_a_folder_that_cannot_be_refitted_is_refused_before_any_work(target, data, tmp_path):
     _, _, cfg, d = data
-    with pytest.raises(HalError, match="expected a folder with config.json"):
+    with pytest.raises(HalError, match="config.json, got no such file"):
         refit_folder(tmp_path / "none", tmp_path / "out")
     m = model_for(target, cfg, d)
     save_block(tmp_path / "b", cfg, m.weights())

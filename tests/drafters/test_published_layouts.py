@@ -334,3 +334,23 @@ def test_deepspecs_confidences_schedule_the_verify_length(targets):
             assert p.num_valid.tolist() == confidence_cut([c], (k,), [len(ids)], COSTS) and len(c) == k
         else:
             assert p.num_valid.tolist() == [k] and drafter.confidences == {}
+
+
+def test_a_mixed_drafters_rows_are_counted_under_the_method_that_drafted_them(targets):
+    """n-gram lookup where it matches, the EAGLE-3 head elsewhere: the per-method counters
+    split the step's rows, and together they are the totals."""
+    from hal.drafters import NgramDrafter
+    from hal.drafters.eagle import NgramOrHead
+    from hal.engine import SpeculativeDecoder
+    from hal.engine.requests import Request
+    target = targets["eagle3"]
+    mixed = NgramOrHead(NgramDrafter(target.be, min_n=2), EagleDrafter(load_eagle(FIX / "eagle3" / "tiny_head",
+                                                                                  target)))
+    assert mixed.kind == "ngram+eagle3"
+    dec = SpeculativeDecoder(target, mixed, max_num_seqs=4)
+    dec.generate([Request([5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6], max_new_tokens=16, k=3),
+                  Request([200, 31, 64, 9], max_new_tokens=16, k=3)])
+    by = dec.metrics.by_drafter
+    assert set(by) == {"ngram", "eagle3"}, by
+    assert sum(c.num_drafts for c in by.values()) == dec.metrics.total.num_drafts
+    assert sum(c.num_accepted_tokens for c in by.values()) == dec.metrics.total.num_accepted_tokens

@@ -488,6 +488,8 @@ def test_metrics_parse_and_move(server, client):
                  "spec_hal:draft_failures_total", "spec_hal:stale_drafts_total"):
         assert any(k[0] == name for k in after), name
     assert ("spec_hal:kv_blocks_free", (("pool", "draft"),)) in after
+    per = [k for k in after if k[0] == "spec_hal:spec_decode_num_drafts_per_drafter_total"]   # by drafting method
+    assert per and all(dict(k[1]).get("drafter") for k in per), per
 
 
 def running(base) -> float:
