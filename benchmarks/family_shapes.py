@@ -114,13 +114,20 @@ def ceiling(ratios: list[float], P: list[float]) -> str:
     return f"{best:.2f}x ({k})"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def shape_args(doc: str) -> argparse.ArgumentParser:
+    """The flags this benchmark and `benchmarks/kquant_costs.py` share: shapes, threads, decode
+    length, rounds and the folder of the made files."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tg", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "hal-family-shapes"))
+    return ap
+
+
+def main() -> None:
+    ap = shape_args(__doc__)
     ap.add_argument("--prompts", type=int, default=8, help="held-out prompts for the bundled model's curves")
     ap.add_argument("--files", default="Q8_0,Q4_0,Q4_K_M", help="which of each shape's files to run")
     ap.add_argument("--out", default=str(OUT))

@@ -18,12 +18,10 @@ values are a requantization's). On each, interleaved ``--rounds`` times, same th
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -31,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hal  # noqa: E402
-from benchmarks.family_shapes import SHAPES, make_files  # noqa: E402
+from benchmarks.family_shapes import make_files, shape_args  # noqa: E402
 from benchmarks.llamacpp import llama_bench, llama_tools, our_decode_rate  # noqa: E402
 from benchmarks.report import publish  # noqa: E402
 from hal.models.machine import cpu_flags, machine_line  # noqa: E402
@@ -68,12 +66,7 @@ def bundled_q4_k_m(work: Path, quantize: str) -> Path:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", default=",".join(SHAPES))
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--tg", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "hal-family-shapes"))
+    ap = shape_args(__doc__)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     bench, quantize = llama_tools()

@@ -22,6 +22,15 @@ Q6K_BYTES, Q4K_BLOCK, Q5K_BLOCK = 210, 144, 176   # a GGUF block of 256 weights:
 Q5_0_BLOCK = 22                    # a GGUF Q5_0 block of 32 weights: fp16 d, 4 bytes of fifth bits, 16 of nibbles
 
 
+def _blocks(raw: np.ndarray, shape: tuple[int, int], kind: str, per: int, nbytes: int) -> np.ndarray:
+    """A tensor's bytes as its blocks [N·K/per, nbytes] (``per`` weights each), or a `HalError`
+    naming ``raw`` when their count is not the logical ``shape``'s."""
+    N, K = shape
+    if K % per or raw.size != N * K // per * nbytes:
+        raise HalError(f"raw: expected {N * K // per * nbytes} bytes for {kind} [{N}, {K}], got {raw.size}", arg="raw")
+    return np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, nbytes)
+
+
 def _finite(name: str, *scales: np.ndarray) -> None:
     """`HalError` naming ``raw`` where a block's fp16 scale is NaN or infinite (its weights would be)."""
     for a in scales:
@@ -63,10 +72,7 @@ def q6_k_codes(raw: np.ndarray, shape: tuple[int, int]) -> Q6Codes:
     of high bit pairs; weight l + 32i (i = 0..3) of the 128 takes the low nibble of byte l (i
     even) or l + 32 (i odd), shifted right by 4 for i >= 2, and bits 2i..2i+1 of its pair byte."""
     N, K = shape
-    if K % 256 or raw.size != N * K // 256 * Q6K_BYTES:
-        raise HalError(f"raw: expected {N * K // 256 * Q6K_BYTES} bytes for Q6_K [{N}, {K}], got {raw.size}",
-                       arg="raw")
-    b = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, Q6K_BYTES)
+    b = _blocks(raw, shape, "Q6_K", 256, Q6K_BYTES)
     ql, qh = b[:, :128].reshape(-1, 2, 64).astype(np.int16), b[:, 128:192].reshape(-1, 2, 1, 32).astype(np.int16)
     low = np.stack([ql[:, :, :32] & 15, ql[:, :, 32:] & 15, ql[:, :, :32] >> 4, ql[:, :, 32:] >> 4], 2)
     high = (qh >> np.array([0, 2, 4, 6], dtype=np.int16).reshape(1, 1, 4, 1)) & 3
@@ -114,10 +120,7 @@ def q5_k_codes(raw: np.ndarray, shape: tuple[int, int]) -> Q5KCodes:
     then 32 bytes qh and 128 bytes of nibbles as Q4_K's; the code of weight l of the 32 low
     (high) nibbles of 64-chunk c takes bit 2c (2c + 1) of qh[l] as its fifth bit."""
     N, K = shape
-    if K % 256 or raw.size != N * K // 256 * Q5K_BLOCK:
-        raise HalError(f"raw: expected {N * K // 256 * Q5K_BLOCK} bytes for Q5_K [{N}, {K}], got {raw.size}",
-                       arg="raw")
-    b = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, Q5K_BLOCK)
+    b = _blocks(raw, shape, "Q5_K", 256, Q5K_BLOCK)
     four = q4_k_codes(np.concatenate([b[:, :16], b[:, 48:]], 1).reshape(-1), shape)   # Q4_K's fields
     qh = b[:, 16:48].astype(np.uint8)[:, None, None, :]                                 # [blocks, 1, 1, 32]
     shift = (2 * np.arange(4).reshape(4, 1, 1) + np.arange(2).reshape(1, 2, 1)).astype(np.uint8)
@@ -131,10 +134,7 @@ def q4_k_codes(raw: np.ndarray, shape: tuple[int, int]) -> Q4KCodes:
     mins (get_scale_min_k4), then 128 bytes: per 64 weights, 32 bytes whose low nibbles are the
     first 32 and high nibbles the next 32."""
     N, K = shape
-    if K % 256 or raw.size != N * K // 256 * Q4K_BLOCK:
-        raise HalError(f"raw: expected {N * K // 256 * Q4K_BLOCK} bytes for Q4_K [{N}, {K}], got {raw.size}",
-                       arg="raw")
-    b = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, Q4K_BLOCK)
+    b = _blocks(raw, shape, "Q4_K", 256, Q4K_BLOCK)
     d = b[:, 0:2].copy().view(np.float16).astype(np.float32)
     dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
     _finite("Q4_K", d, dmin)
@@ -169,10 +169,7 @@ def q5_0_codes(raw: np.ndarray, shape: tuple[int, int]) -> Q5Codes:
     weight j < 16 is qs[j]'s low nibble with bit j of qh, weight j + 16 its high nibble with bit
     j + 16."""
     N, K = shape
-    if K % 32 or raw.size != N * K // 32 * Q5_0_BLOCK:
-        raise HalError(f"raw: expected {N * K // 32 * Q5_0_BLOCK} bytes for Q5_0 [{N}, {K}], got {raw.size}",
-                       arg="raw")
-    b = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, Q5_0_BLOCK)
+    b = _blocks(raw, shape, "Q5_0", 32, Q5_0_BLOCK)
     d = b[:, 0:2].copy().view(np.float16).astype(np.float32)
     _finite("Q5_0", d)
     qh = b[:, 2:6].copy().view("<u4").astype(np.int64)                  # [blocks, 1]

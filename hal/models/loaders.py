@@ -223,27 +223,12 @@ def load_gguf(path: str | Path, backend, dtype: str = "float32", plan_refresh: b
     ``dtype`` on this machine, `hal.models.linear_plan.choose_plan`, its lm_head's form as
     ``lm_head`` pins it, `hal.models.linear_plan.pin_head`) says how the linear
     layers run: weights stored as Q4_0/Q4_1 blocks stay int4 as stored when it runs them so
-    (no float copy is kept; int4pack's form or q4q8 tiles), and a Q8_0 lm_head is packed as
-    stored (two int4 halves, or Q8 tiles) when the plan's ``head`` is ``q8_0`` (the float rows
-    stay for the embedding lookup and the drafters);
+    (no float copy is kept; int4pack's form or q4q8 tiles), Q8_0 and K-quant blocks run as q4q8
+    tiles under a q4q8 plan, and a Q8_0 or Q6_K lm_head is packed as stored when the plan's
+    ``head`` names it (the float rows stay for the embedding lookup and the drafters);
     every other weight is dequantized to fp32, then cast to the plan's dtype (`Llama`)."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
-    from hal.models.tokenizer import from_gguf_fields
-    r = model_file(path)
-    f = r.field
-    cfg = _gguf_config(r)
-    _check_gguf(r, cfg)
-    try:   # before any tensor is read
-        tok = from_gguf_fields(r.fields)
-    except HalError as e:
-        raise HalError(f"{path}: {e}", arg="model") from None
-    except Exception as e:   # the tokenizers library raises plain Exception for a vocabulary it refuses
-        raise HalError(f"{path}: expected a BPE vocabulary and merges tokenizers accepts, got one it refuses ({e})",
-                       arg="model") from None
+    r, cfg, tok = _opened(path)
     sets = _stored(r.tensors, cfg.layers)
-    stored, stored_q8, kq = sets["stored_int4"], sets["stored_q8"], sets["stored_q6"] | sets["stored_q4k"]
     head = _head(r.tensors)
     head_kind = getattr(head, "kind", None)
     choice = None
@@ -256,29 +241,8 @@ def load_gguf(path: str | Path, backend, dtype: str = "float32", plan_refresh: b
         raise HalError(f"plan: expected a file whose lm_head is {plan.head.upper()} for {plan.describe()}, got {head_kind}",
                        arg="plan")
     w, forms = {}, collections.Counter()   # (type, how it runs) -> tensors: the start-up line
-    dt = str(plan.dtype).removeprefix("torch.")
     for t in r.tensors:
-        shape, data = t.shape, r.data(t)
-        how = f"as stored, {'Q4 tiles' if plan.weights == 'q4q8' else 'int4pack'}"
-        if plan.weights in STORED and t.name in stored:
-            arr = int4.from_blocks(data, t.kind, tuple(shape))
-        elif plan.weights == "q4q8" and (t.name in stored_q8 or t.name in kq):   # tiles once fused (`_fuse`)
-            read, tiles = k_quants.READERS[t.kind]   # Q8 / Q6 / Q4K / Q5 / Q5K
-            try:
-                arr, how = read(data, tuple(shape)), f"as stored, {tiles} tiles"
-            except HalError as e:   # before anything runs: nothing is half-loaded
-                raise HalError(f"{path}: tensor {t.name} ({t.kind}): {e}", arg="model") from None
-        else:
-            how = "float32" if t.kind == "F32" else "dequantized, the embedding lookup's" \
-                if t.name == "token_embd.weight" else f"dequantized to {'float32' if len(shape) == 1 else dt}"
-            try:
-                arr = torch.from_numpy(dequantize(data, GGMLQuantizationType[t.kind]).reshape(shape).copy()).float()
-            except (NotImplementedError, KeyError, ValueError) as e:
-                raise HalError(f"{path}: expected tensors of a type gguf can dequantize, got {t.name} of type "
-                               f"{t.kind} ({type(e).__name__}: {e})", arg="model") from None
-            if not torch.isfinite(arr).all():   # a NaN or inf scale or value: every product it touches would be
-                raise HalError(f"{path}: tensor {t.name} ({t.kind}): expected finite values, got "
-                               f"{int((~torch.isfinite(arr)).sum())} that are not", arg="model")
+        arr, how = _tensor(path, r, t, plan, sets)
         forms[t.kind, how] += 1
         parts = t.name.split(".")
         if parts[0] == "blk":
@@ -287,17 +251,68 @@ def load_gguf(path: str | Path, backend, dtype: str = "float32", plan_refresh: b
         elif parts[0] != "rope_freqs":   # read into the config
             w[{"token_embd": "embed", "output_norm": "norm", "output": "head"}[parts[0]]] = arr
     fused = _fuse(w, cfg.layers, plan.dtype, plan.weights)
-    if plan.head == "q6_k":
-        fused["head_stored"] = k_quants.from_q6_k(r.data(head), tuple(head.shape), plan.dtype)
-    elif plan.head == "q8_0" and plan.weights == "q4q8":
-        fused["head_stored"] = q4_rows.from_q8_0(r.data(head), tuple(head.shape), plan.dtype)
-    elif plan.head == "q8_0":
-        fused["head_stored"] = int4.from_q8_0(r.data(head), tuple(head.shape)).pack(plan.dtype, repeat=2)
+    if plan.head != "float":
+        fused["head_stored"] = _stored_head(r, head, plan)
     model = Llama(cfg, fused, backend, plan=plan)
     model.plan_choice = choice
     model.tensor_forms = "; ".join(f"{n} {kind} {how}" for (kind, how), n in sorted(forms.items())) + (
         f"; the lm_head {plan.head.upper()} as stored" if plan.head != "float" else "")
     return model, tok
+
+
+def _opened(path):
+    """(reader, config, tokenizer) of a GGUF file, each checked before any tensor is read."""
+    from hal.models.tokenizer import from_gguf_fields
+    r = model_file(path)
+    cfg = _gguf_config(r)
+    _check_gguf(r, cfg)
+    try:
+        tok = from_gguf_fields(r.fields)
+    except HalError as e:
+        raise HalError(f"{path}: {e}", arg="model") from None
+    except Exception as e:   # the tokenizers library raises plain Exception for a vocabulary it refuses
+        raise HalError(f"{path}: expected a BPE vocabulary and merges tokenizers accepts, got one it refuses ({e})",
+                       arg="model") from None
+    return r, cfg, tok
+
+
+def _tensor(path, r, t, plan: LinearPlan, sets: dict[str, set[str]]):
+    """(tensor ``t`` as the plan runs it, how: the start-up line's words): int4 blocks, q4q8
+    tiles' codes, or floats; a `HalError` naming it where its values are not finite."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+    shape, data = t.shape, r.data(t)
+    if plan.weights in STORED and t.name in sets["stored_int4"]:
+        return int4.from_blocks(data, t.kind, tuple(shape)), \
+            f"as stored, {'Q4 tiles' if plan.weights == 'q4q8' else 'int4pack'}"
+    if plan.weights == "q4q8" and any(t.name in sets[k] for k in ("stored_q8", "stored_q6", "stored_q4k")):
+        read, tiles = k_quants.READERS[t.kind]   # Q8 / Q6 / Q4K / Q5 / Q5K tiles once fused (`_fuse`)
+        try:
+            return read(data, tuple(shape)), f"as stored, {tiles} tiles"
+        except HalError as e:   # before anything runs: nothing is half-loaded
+            raise HalError(f"{path}: tensor {t.name} ({t.kind}): {e}", arg="model") from None
+    dt = str(plan.dtype).removeprefix("torch.")
+    how = "float32" if t.kind == "F32" else "dequantized, the embedding lookup's" \
+        if t.name == "token_embd.weight" else f"dequantized to {'float32' if len(shape) == 1 else dt}"
+    try:
+        arr = torch.from_numpy(dequantize(data, GGMLQuantizationType[t.kind]).reshape(shape).copy()).float()
+    except (NotImplementedError, KeyError, ValueError) as e:
+        raise HalError(f"{path}: expected tensors of a type gguf can dequantize, got {t.name} of type "
+                       f"{t.kind} ({type(e).__name__}: {e})", arg="model") from None
+    if not torch.isfinite(arr).all():   # a NaN or inf scale or value: every product it touches would be
+        raise HalError(f"{path}: tensor {t.name} ({t.kind}): expected finite values, got "
+                       f"{int((~torch.isfinite(arr)).sum())} that are not", arg="model")
+    return arr, how
+
+
+def _stored_head(r, head, plan: LinearPlan):
+    """The lm_head's blocks in the plan's stored form: Q6 or Q8 tiles (q4q8), or two int4 halves."""
+    data, shape = r.data(head), tuple(head.shape)
+    if plan.head == "q6_k":
+        return k_quants.from_q6_k(data, shape, plan.dtype)
+    if plan.weights == "q4q8":
+        return q4_rows.from_q8_0(data, shape, plan.dtype)
+    return int4.from_q8_0(data, shape).pack(plan.dtype, repeat=2)
 
 
 def load_safetensors(folder: str | Path, backend, dtype: str = "float32", plan_refresh: bool = False,
