@@ -192,7 +192,7 @@ def main() -> None:
 
 
 def _interp_draft(table, k):
-    from hal.engine.router import interpolate
+    from hal.engine.costs import interpolate
     return interpolate(table, k) if table else 0.0
 
 

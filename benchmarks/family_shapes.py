@@ -84,7 +84,7 @@ def make_files(name: str, work: Path, quantize: str) -> dict[str, Path]:
 def cost_ratios(model) -> list[float]:
     """``cost(k+1) / cost(1)`` for k = 1..8 from the router's profile in a fresh pool."""
     from hal.engine.memory import target_pool
-    from hal.engine.router import profile_costs, interpolate
+    from hal.engine.costs import profile_costs, interpolate
     costs = profile_costs(model, None, target_pool(model, 64), max_tokens=9, context=128, reps=5)
     one = interpolate(costs.verify, 1)
     return [interpolate(costs.verify, k + 1) / one for k in range(1, 9)]

@@ -50,7 +50,7 @@ def llama_pp(binary: str, gguf: Path, threads: int, n: int, reps: int = 3) -> fl
 def our_costs(model) -> tuple[float, float]:
     """spec-hal's ``cost(5) / cost(1)`` and ``cost(9) / cost(1)`` (the router's profile)."""
     from hal.engine.memory import target_pool
-    from hal.engine.router import interpolate, profile_costs
+    from hal.engine.costs import interpolate, profile_costs
     costs = profile_costs(model, None, target_pool(model, 64), max_tokens=9, context=128, reps=5)
     one = interpolate(costs.verify, 1)
     return interpolate(costs.verify, 5) / one, interpolate(costs.verify, 9) / one

@@ -204,9 +204,9 @@ def cmd_model(args) -> int:
 
 def measured_costs(model, drafter, max_tokens: int):
     """The router's costs for ``drafter`` over ``model``, measured once before anything is
-    timed and shared by the engines of one command (`hal.engine.router.profile_costs`)."""
+    timed and shared by the engines of one command (`hal.engine.costs.profile_costs`)."""
     from hal.engine.memory import target_pool
-    from hal.engine.router import profile_costs
+    from hal.engine.costs import profile_costs
     return profile_costs(model, drafter, target_pool(model, 64), max_tokens=max_tokens, context=128, reps=3)
 
 
@@ -214,7 +214,7 @@ def run_generate(model, tok, prompt: str, draft: str, k: int, temperature: float
                  stream: bool = True, costs=None, model_name: str = "smollm2-135m", template=None):
     """One request: ``prompt`` as one user turn of the model's chat ``template`` (None: as it is,
     `hal.models.tokenizer.prompt_ids`); returns (text, tokens, seconds, metrics). With ``costs``
-    (a `hal.engine.router.CostModel`) a router picks k <= ``k`` per step."""
+    (a `hal.engine.costs.CostModel`) a router picks k <= ``k`` per step."""
     import time
 
     from hal.engine import Request

@@ -7,7 +7,7 @@ import hal.engine.router as R
 from benchmarks.e2e import PROMPTS
 from hal.drafters.kinds import make_drafter, parse_draft
 from hal.engine import Request
-from hal.engine.router import profile_costs
+from hal.engine.costs import profile_costs
 from hal.launch.build import build_engine, target_pool
 from hal.models.fetch import fetch
 from hal.models.loaders import load_gguf

@@ -1,6 +1,6 @@
 """Automatic placement: where the target and the draft go, chosen from measured inputs.
 
-For each device: its free memory and its measured costs (`hal.engine.router.CostModel`: the
+For each device: its free memory and its measured costs (`hal.engine.costs.CostModel`: the
 target's forward over T fed tokens, the drafter's chain of k). For a second rank: the
 measured link (round trip and bandwidth). The candidates are plain decoding, the draft on
 the target's device, on another device in the same process (its work adds to the step), or
@@ -17,14 +17,15 @@ by expected tokens per second at the configured batch and acceptance (Leviathan'
 k up to ``max_k``); one that does not fit in memory is out. `choose` returns the best and the runner-up with
 their predicted throughput; it raises `HalError` naming what is missing when nothing fits.
 
-The inputs are data: `hal.launch.measure` measures them (`hal.engine.router.profile_costs`, the memory plan, a
+The inputs are data: `hal.launch.measure` measures them (`hal.engine.costs.profile_costs`, the memory plan, a
 timed round trip), tests inject them."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hal.engine.router import CostModel, expected_tokens, interpolate
+from hal.engine.costs import CostModel, interpolate
+from hal.engine.router import expected_tokens
 from hal.errors import HalError
 
 

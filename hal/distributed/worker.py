@@ -371,7 +371,7 @@ def serve_draft_rank(rv, drafter, device: torch.device, *, hidden: int, k: int, 
     import torch.distributed as dist
     signal.signal(signal.SIGTERM, _quiet_exit)
     if drafter is not None:   # its first call pays for the kernels' set-up (~1 s): not in the first round
-        from hal.engine.router import profile_drafter
+        from hal.engine.costs import profile_drafter
         # in a thread that ends: the epochs' threads draft, and no OpenMP team stays on this one
         in_a_thread_that_ends(lambda: profile_drafter(drafter, device, hidden, reps=1, points=(1, max(1, k))))
     try:

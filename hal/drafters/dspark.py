@@ -218,7 +218,7 @@ def confidence_cut(conf: list[list[float]], caps: tuple[int, ...], contexts, cos
     ``P[i][j] = conf[i][0] * ... * conf[i][j]``. Positions are taken in descending P (a request's
     earlier positions first), and each is taken while some run of m more positions at its own P
     would raise the predicted tokens per second of the step (``costs``: the router's
-    `hal.engine.router.CostModel`; drafting is already paid). The first that would not stops the cut.
+    `hal.engine.costs.CostModel`; drafting is already paid). The first that would not stops the cut.
 
     Non-anticipating: ``conf[i][j]`` depends on request i's draws before j only, and whether j is
     taken depends on the P ranked above it (its own earlier positions, and other requests',

@@ -288,6 +288,7 @@ class NgramOrHead:
     def __init__(self, ngram, head):
         self.ngram, self.head, self.be = ngram, head, head.be
         self.shadow = head.shadow     # a block drafter's first draft is not free (`hal.drafters.dspark`)
+        self.lookup, self.fallback = ngram.lookup, True   # the router sees where the lookup matches
 
     @property
     def features(self) -> tuple[int, ...]:

@@ -26,6 +26,11 @@ class NgramDrafter:
     def __init__(self, backend, min_n: int = 1, max_n: int = 3):
         self.be, self.min_n, self.max_n = backend, min_n, max_n
 
+    @property
+    def lookup(self) -> tuple[int, int]:
+        """Its drafts are prompt lookup's (`hal.engine.drafting.DrafterCapabilities.lookup`)."""
+        return self.min_n, self.max_n
+
     def propose(self, b: DraftBatch) -> Proposal:
         dev = torch.device(self.be.device_type)
         K = max(b.k, default=0)

@@ -84,16 +84,14 @@ class SpeculativeDecoder:
             if self.prefix_caching and capabilities(drafter).features is not None else None
         self.scheduler = Scheduler(a, max_num_seqs, max_num_batched_tokens, self._preempt,
                                    None if self.cached_features is None else self.cached_features.leading)
-        self.steps = 0
-        self._next_id, self._aborted, self._out = 0, [], StepOutput()
+        self.steps, self._next_id, self._aborted, self._out = 0, 0, [], StepOutput()
         self.history = HistoryBuffer(target.device)
         self._ahead = None   # a lookahead drafter's proposal for the next step (`hal.engine.step_types.Lookahead`)
+        self._ahead_s = 0.0  # seconds the last step spent drafting this one ahead
         self._t0 = time.perf_counter()
 
-    @property
-    def preemptions(self) -> int:
-        """Requests preempted so far (counted once, in ``metrics.preemptions``)."""
-        return self.metrics.preemptions
+    preemptions = property(lambda self: self.metrics.preemptions,
+                           doc="Requests preempted so far (counted once, in ``metrics.preemptions``).")
 
     waiting = property(lambda self: self.scheduler.waiting, doc="Requests not yet admitted (the scheduler's queue).")
     prefilling = property(lambda self: self.scheduler.prefilling, doc="Admitted requests, prompt partly in the KV.")
@@ -153,9 +151,10 @@ class SpeculativeDecoder:
         result = self._execute(plan)
         out = self._postprocess(plan, result)
         if self.router is not None and result is not None:   # what a step with (or without) drafts really costs
-            counts = result.drafts.counts
-            self.router.observe_step(out.num_batched_tokens, sum(counts), max(counts, default=0),
-                                     time.perf_counter() - t0, len(result.drafts.shadow))
+            counts, ahead = result.drafts.counts, result.ahead_seconds   # drafting ahead: the next step's cost
+            took, self._ahead_s = time.perf_counter() - t0 - ahead + self._ahead_s, ahead
+            self.router.observe_step(out.num_batched_tokens, sum(counts), max(counts, default=0), took,
+                                     len(result.drafts.shadow))
         return out
 
     @torch.inference_mode()
@@ -183,9 +182,9 @@ class SpeculativeDecoder:
 
     def profile_costs(self, max_tokens: int = 72, context: int = 512, reps: int = 5,
                       profile_draft: bool = True, progress: bool = False):
-        """A `hal.engine.router.CostModel` measured here and now in this engine's pool
-        (`hal.engine.router.profile_costs`)."""
-        from hal.engine.router import profile_costs
+        """A `hal.engine.costs.CostModel` measured here and now in this engine's pool
+        (`hal.engine.costs.profile_costs`)."""
+        from hal.engine.costs import profile_costs
         return profile_costs(self.target, self.drafter, self.pool, max_tokens, context, reps, profile_draft, progress)
 
     # -- scheduling callbacks ----------------------------------------------------------------------
@@ -233,6 +232,7 @@ class SpeculativeDecoder:
                                       plan.k, dev, None if self.router is None else self.router.costs)
         drafts = grammar.constrain(live, drafts, plan.k)   # deterministic drafts follow each request's grammar
         self._ahead = None
+        plan.ahead = None if self.router is None else self.router.asks_next(live, plan.k)   # whom to draft ahead for
         self._apply_drafts(live, drafts)
         fed, decoding = len(live) + sum(drafts.counts), sum(blocks_for(s, 1 + c) for s, c in zip(live, drafts.counts))
         self._admit(self.scheduler.admit(self.pool.allocator.num_free - decoding))

@@ -33,7 +33,7 @@ class DraftBatch:
     #                                     blocks of prompt (`hal.kv.block_hashes` in blocks of names_block_size), so
     #                                     a drafter with its own pool may cache them too; () when the target does not
     names_block_size: int = 0
-    costs: object = None   # the router's `hal.engine.router.CostModel` when the engine routes (a drafter that
+    costs: object = None   # the router's `hal.engine.costs.CostModel` when the engine routes (a drafter that
     #                        schedules its own verification length reads it); None otherwise
     alternatives: int = 0  # F > 0: also return each slot's F likeliest tokens (`Proposal.top_ids`), if the
     #                        drafter has a distribution there; the draft worker ranks its fan-out by them
@@ -109,6 +109,11 @@ class DrafterCapabilities:
     around timings; None: it runs nothing here (a remote drafter)."""
     pool: object = None
     """Its own KV pool (a `hal.kv.KVPool`), reported with the target's in the metrics."""
+    lookup: tuple[int, int] | None = None
+    """``(min_n, max_n)``: it drafts by prompt lookup first, as `hal.ops.Ops.ngram_propose`
+    finds, so a router can tell on the host whether it has a match (`hal.engine.lookup`)."""
+    fallback: bool = False
+    """With ``lookup``: where the lookup finds nothing it drafts from a model (else nothing)."""
 
 
 def capabilities(drafter) -> DrafterCapabilities:
@@ -120,7 +125,12 @@ def capabilities(drafter) -> DrafterCapabilities:
     return DrafterCapabilities(bool(getattr(drafter, "lookahead", False)), bool(getattr(drafter, "shadow", False)),
                                None if features is None else tuple(features),
                                features is not None and bool(getattr(drafter, "own_features", False)), be,
-                               getattr(drafter, "pool", None))
+                               getattr(drafter, "pool", None), _pair(getattr(drafter, "lookup", None)),
+                               bool(getattr(drafter, "fallback", False)))
+
+
+def _pair(lookup) -> tuple[int, int] | None:
+    return None if lookup is None else (int(lookup[0]), int(lookup[1]))
 
 
 class Drafter(Protocol):

@@ -7,6 +7,8 @@ proposal, and the step's one readback. Changes no request state: the engine appl
 
 from __future__ import annotations
 
+import time
+
 from dataclasses import dataclass
 
 import torch
@@ -66,10 +68,14 @@ def execute(target: Llama, pool: kv.KVPool, history: HistoryBuffer, drafter: Dra
         if want:
             reads.first_logprobs = Logprobs(*_padded(logprob_rows(frows, tok, top_n)))
         history.write([state.rid for state in first], [len(state.tokens) for state in first], reads.first[:, None])
-    ahead = proposals.lookahead(drafter, history, live, first, resumed, reads.accepted, dev, plan.k)
+    t = time.perf_counter()
+    ahead = proposals.lookahead(drafter, history, live, first, resumed, reads.accepted, dev, plan.k,
+                                 plan.ahead)
+    ahead_s = time.perf_counter() - t
     if ahead is not None and ahead.proposal.num_valid is not None:
         reads.lookahead_valid = ahead.proposal.num_valid
-    return StepResult(read_back(reads), hidden, fed, top_n, layers is not None, drafts, ahead)   # the one host sync
+    return StepResult(read_back(reads), hidden, fed, top_n, layers is not None, drafts, ahead,   # the one host sync
+                      ahead_s)
 
 
 def _fed_tokens(plan: StepPlan, drafts: StepDrafts, dev) -> tuple[Tensor, list[int]]:

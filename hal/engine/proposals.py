@@ -129,16 +129,20 @@ def drafts_for(drafter: Drafter | None, scored: set, ahead: Lookahead | None, hi
 
 
 def lookahead(drafter: Drafter | None, history: HistoryBuffer, live: list[State], first: list[State],
-              resumed: list[State], acc: Tensor | None, dev, ks: list[int] | None = None) -> Lookahead | None:
+              resumed: list[State], acc: Tensor | None, dev, ks: list[int] | None = None,
+              asks: set | None = None) -> Lookahead | None:
     """A lookahead drafter drafts the next step now, from the device history, for every
     request running after this step: ``live`` (``acc`` accepted drafts + 1 token each, not
     yet on the host), ``first`` (one token) and ``resumed`` (none). Slots: each request's k.
     ``ks``: this step's k per live request; a sampled request routed to 0 is not drafted for
-    (a router that asks it again next step gets its drafts inline: `drafts_for`)."""
+    (a router that asks it again next step gets its drafts inline: `drafts_for`). ``asks``: where a
+    router forecasts whom it asks next step (`hal.engine.router.Router.asks_next`), only those
+    live requests are drafted for; a request it asks after all is drafted for inline."""
     if drafter is None or not capabilities(drafter).lookahead:
         return None
     if ks is not None and live:
-        keep = [i for i, (state, k) in enumerate(zip(live, ks)) if k or state.req.temperature == 0]
+        keep = [i for i, (state, k) in enumerate(zip(live, ks))
+                if (state.rid in asks if asks is not None else k or state.req.temperature == 0)]
         if len(keep) < len(live):
             live, acc = [live[i] for i in keep], acc[torch.tensor(keep, dtype=torch.long).to(acc.device)]
     states = live + first + resumed

@@ -29,82 +29,16 @@ from __future__ import annotations
 
 import heapq
 import math
-import time
-from bisect import bisect_left
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import torch
-
-from hal.engine.drafting import capabilities
+from hal.engine.costs import CostModel
+from hal.engine.lookup import LookupIndex
 from hal.engine.requests import draft_room
 from hal.errors import arg_error
-from hal.models.progress import NoBar, bar as progress_bar
 
 
-LEARN_SHARE = 0.03   # keeping requests at k = 0 measured (scores, probes) may cost this share of the time
+LEARN_SHARE = 0.01   # keeping requests at k = 0 measured (scores, probes) may cost this share of the time
 QUIET = 8            # while scoring every step, every QUIET-th step scores nothing: a plain step to compare
-
-
-@dataclass
-class CostModel:
-    """Step cost in seconds: ``verify[T]`` for a target forward over T fed tokens (piecewise
-    linear between profiled points), plus ``per_context`` seconds per (fed token x
-    context token) for attention, plus ``draft[k]`` for a draft chain of k tokens."""
-
-    verify: dict[int, float]
-    draft: dict[int, float] = field(default_factory=dict)
-    per_context: float = 0.0
-
-    def __post_init__(self):  # measured tables are noisy: make them non-decreasing
-        for table in (self.verify, self.draft):
-            run = 0.0
-            for x in sorted(table):
-                run = table[x] = max(run, table[x])
-
-    def cost(self, fed: int, fed_x_context: int, chain: int) -> float:
-        """A step feeding ``fed`` tokens with ``fed_x_context`` (fed token x context) pairs
-        and a draft chain of ``chain`` tokens."""
-        draft = interpolate(self.draft, chain) if self.draft and chain else 0.0
-        return interpolate(self.verify, fed) + self.per_context * fed_x_context + draft
-
-    def step(self, ks: list[int], contexts: list[int]) -> float:
-        return self.cost(sum(1 + k for k in ks), sum((1 + k) * c for k, c in zip(ks, contexts)), max(ks, default=0))
-
-
-def interpolate(table: dict[int, float], x: int) -> float:
-    """``table`` at ``x``: piecewise linear, proportional below the first point, the last
-    segment's slope beyond the last."""
-    points = sorted(table)
-    if x <= points[0]:
-        return table[points[0]] * x / points[0] if points[0] else table[points[0]]
-    if x >= points[-1]:  # extrapolate with the last segment's slope
-        a, b = (points[-2], points[-1]) if len(points) > 1 else (0, points[-1])
-        slope = (table[b] - table.get(a, 0.0)) / (b - a)
-        return table[b] + slope * (x - b)
-    i = bisect_left(points, x)
-    a, b = points[i - 1], points[i]
-    return table[a] + (table[b] - table[a]) * (x - a) / (b - a)
-
-
-def profile(fn, points: list[int], reps: int = 3, synchronize=lambda: None, bar=NoBar()) -> dict[int, float]:
-    """Least seconds of ``fn(x)`` over ``reps`` for each x (after one warm-up call each: a
-    compute cost is fixed, and a busy machine only adds to it); ``synchronize``
-    (a backend's) runs before the clock starts and before it stops: device launches are
-    asynchronous, so an unsynchronised timing measures only the launch. ``bar``: advanced
-    once per point."""
-    out = {}
-    for x in points:
-        bar.update()
-        fn(x)
-        ts = []
-        for _ in range(reps):
-            synchronize()
-            t = time.perf_counter()
-            fn(x)
-            synchronize()
-            ts.append(time.perf_counter() - t)
-        out[x] = min(ts)
-    return out
 
 
 @dataclass
@@ -133,7 +67,8 @@ class Router:
 
     def __init__(self, costs: CostModel, max_k: int = 8, prior: float = 0.6, request_decay: float = 0.7,
                  global_decay: float = 0.95, prior_weight: float = 2.0, probe_every: int = 16, margin: float = 0.1,
-                 shadow: bool = False, evidence: int = 2):
+                 shadow: bool = False, evidence: int = 2, lookup: tuple[int, int] | None = None,
+                 fallback: bool = False, memory=None):
         if max_k < 0:
             raise arg_error("max_k", "an int >= 0", max_k)
         if not 0 <= margin < 10:
@@ -156,6 +91,20 @@ class Router:
         # with scored first drafts only [2]
         self.ratio, self.ratio_steps = [0.0, 0.0, 0.0], [0, 0, 0]
         self.steps = 0   # `choose` calls: the phase of `score_every`
+        # a lookup drafter (`hal.engine.drafting.DrafterCapabilities.lookup`): where its host lookup finds a match
+        # this step, a request is routed on the lookup's own acceptance; where it finds none, on the model's
+        # (``fallback``) or not at all (nothing would be drafted, so nothing is asked, scored or probed)
+        self.lookup, self.fallback = lookup, fallback
+        self.index: dict[object, LookupIndex] = {}
+        self.matched: dict[object, int] = {}       # the length of this step's match (0: none)
+        # acceptance of a lookup match's drafts, by match length (a 3-gram match in copied text
+        # is accepted far more often than a 1-gram one in open text)
+        self.found = {n: Ewma(global_decay) for n in range(lookup[0], lookup[1] + 1)} if lookup else {}
+        self.found_per: dict[object, Ewma] = {}
+        self.found_measured: dict[object, int] = {}
+        self.memory = memory   # a `hal.engine.route_memory.RouteMemory`: where this router starts, and keeps
+        if memory is not None:
+            memory.restore(self)
 
     def observe_step(self, fed: int, drafted: int, chain: int, seconds: float, scored: int = 0) -> None:
         """A finished step's wall time: ``fed`` tokens in all (prefill too), ``drafted`` of
@@ -183,14 +132,44 @@ class Router:
     def score_every(self) -> int:
         """Steps between scorings of a greedy request's first draft at k = 0: 1 while scoring is
         unmeasured or as cheap as a plain step (n-gram lookup), else the fewest that keep its
-        measured extra cost within ``LEARN_SHARE`` of the time, at most ``probe_every``."""
+        measured extra cost within ``LEARN_SHARE`` of the time, at most four times ``probe_every``."""
         if min(self.ratio_steps[0], self.ratio_steps[2]) < 4 or self.ratio[0] <= 0:
             return 1
         extra = self.ratio[2] / self.ratio[0] - 1
-        return max(1, min(self.probe_every or 1, math.ceil(extra / LEARN_SHARE - 1e-9)))
+        return max(1, min(4 * (self.probe_every or 1), math.ceil(extra / LEARN_SHARE - 1e-9)))
 
     def acceptance(self, rid) -> float:
-        return self._blend(self.glob, self.per, rid, self.prior)
+        overall, per, _ = self._source(rid)
+        return self._blend(overall, per, rid, self.prior)
+
+    def rates(self) -> dict[str, Ewma]:
+        """The overall rates, by name: the drafter's acceptance (``glob``), its offer rate, and a
+        lookup match's acceptance per match length (``found<n>``); what a route memory keeps."""
+        return {"glob": self.glob, "offers": self.offers, **{f"found{n}": e for n, e in self.found.items()}}
+
+    def _source(self, rid) -> tuple[Ewma, dict, dict]:
+        """The overall and per-request acceptance, and the measured counts, of the method that drafts
+        for ``rid`` this step: the lookup's where it found a match, else the drafter's."""
+        n = self.matched.get(rid)
+        if n:
+            return self.found[n], self.found_per, self.found_measured
+        return self.glob, self.per, self.measured
+
+    def _look(self, states) -> list[bool]:
+        """Whether each request has anything to be drafted from this step: where the drafter looks
+        up first, its host lookup's answer (`hal.engine.lookup`) decides the source."""
+        if self.lookup is None:
+            return [True] * len(states)
+        out = []
+        for state in states:
+            index = self.index.get(state.rid)
+            if index is None:
+                index = self.index[state.rid] = LookupIndex(*self.lookup)
+            index.update(state.tokens)
+            found = index.match(state.tokens)
+            self.matched[state.rid] = 0 if found is None else found[0]
+            out.append(found is not None or self.fallback)
+        return out
 
     def offer_rate(self, rid) -> float:
         """The share of steps on which the drafter offered drafts when asked (1 until measured)."""
@@ -212,7 +191,8 @@ class Router:
         if its predicted rate beats plain decoding's by ``margin`` (the cost model is measured,
         so noisy: a predicted gain smaller than its error is not taken)."""
         n = len(states)
-        caps = [max(0, min(self.max_k, state.req.k, draft_room(state))) for state in states]
+        caps = [max(0, min(self.max_k, state.req.k, draft_room(state))) if has else 0
+                for state, has in zip(states, self._look(states))]
         ctx = [len(state.tokens) for state in states]
         alpha = [self.acceptance(state.rid) for state in states]
         offer = [self.offer_rate(state.rid) for state in states]
@@ -250,8 +230,8 @@ class Router:
         Other drafters' idle requests are probed with one verified draft every `_probe_interval`
         plain steps."""
         self.scored, self.steps = set(), self.steps + 1
-        interval = self.probe_every if self.shadow else self._probe_interval(states, ks, caps)
-        every = self.score_every
+        every = self.score_every   # a shadow drafter's idle request is scored as often as scoring is worth
+        interval = max(self.probe_every, every) if self.shadow else self._probe_interval(states, ks, caps)
         greedy = any(ks) or (self.steps % every == 0 if every > 1 else self.steps % QUIET != 0)
         for i, state in enumerate(states):
             rid = state.rid
@@ -265,6 +245,25 @@ class Router:
                     self.idle[rid] = 0
             elif due and (budget is None or len(states) + sum(ks) < budget):
                 ks[i], self.idle[rid] = 1, 0
+
+    def asks_next(self, states, ks: list[int]) -> set:
+        """The requests of ``states`` (this step's, at ``ks``) that the next `choose` is likely to
+        ask for drafts or a score: those drafted for or scored now (their measures move), and
+        those whose scoring or probe falls due. A lookahead drafter drafts ahead for these only
+        (`hal.engine.proposals.lookahead`): on a step that drafts nothing, nothing is drafted
+        ahead to be thrown away. A forecast, not a promise: a request asked after all is drafted
+        for inline, so a wrong forecast costs time, never output."""
+        nxt, every = self.steps + 1, self.score_every
+        phase = nxt % every == 0 if every > 1 else nxt % QUIET != 0
+        out = set()
+        for state, k in zip(states, ks):
+            rid = state.rid
+            idle = self.idle.get(rid, 0) + 1
+            due = bool(self.probe_every) and idle >= (max(self.probe_every, every) if self.shadow else self.probe_every)
+            if k or (self.lookup is None and (due or (self.shadow and (
+                    not self._known(rid) or (phase and state.req.temperature == 0))))):
+                out.add(rid)   # a lookup drafter's next match is not known yet: it drafts inline
+        return out
 
     def _probe_interval(self, states, ks: list[int], caps: list[int]) -> int:
         """Plain steps between verified probes of an idle request: ``probe_every``, or up to four
@@ -281,22 +280,24 @@ class Router:
 
     def _known(self, rid) -> bool:
         """Whether a request has been measured enough to be drafted for (always, but for a shadow drafter's)."""
-        return self.measured.get(rid, 0) >= self.evidence
+        return self._source(rid)[2].get(rid, 0) >= self.evidence
 
     def observe(self, states, drafted: list[int], accepted: list[int]) -> None:
         for s, d, a in zip(states, drafted, accepted):
             if d:
                 self.idle[s.rid] = 0
-                self.measured[s.rid] = self.measured.get(s.rid, 0) + 1
-                self.per.setdefault(s.rid, Ewma(self.request_decay)).add(d, a)
-                self.glob.add(d, a)
+                overall, per, measured = self._source(s.rid)
+                measured[s.rid] = measured.get(s.rid, 0) + 1
+                per.setdefault(s.rid, Ewma(self.request_decay)).add(d, a)
+                overall.add(d, a)
 
     def observe_scores(self, states, scores: list[float]) -> None:
         """First drafts scored, not verified (`scored`): each accepted with probability ``scores[i]``."""
         for s, p in zip(states, scores):
-            self.measured[s.rid] = self.measured.get(s.rid, 0) + 1
-            self.per.setdefault(s.rid, Ewma(self.request_decay)).score(p)
-            self.glob.score(p)
+            overall, per, measured = self._source(s.rid)
+            measured[s.rid] = measured.get(s.rid, 0) + 1
+            per.setdefault(s.rid, Ewma(self.request_decay)).score(p)
+            overall.score(p)
 
     def observe_offers(self, states, asked: list[int], offered: list[int]) -> None:
         """Where the drafter was asked for ``asked[i]`` > 0 drafts, did it offer any (``offered[i]``)?"""
@@ -310,83 +311,12 @@ class Router:
         self.measured.pop(state.rid, None)
         self.offered.pop(state.rid, None)
         self.idle.pop(state.rid, None)
+        for kept in (self.index, self.matched, self.found_per, self.found_measured):
+            kept.pop(state.rid, None)
+        if self.memory is not None:
+            self.memory.keep(self)
 
 
 def expected_tokens(alpha: float, k: int) -> float:
     """Leviathan's E(k): tokens per verify step at per-token acceptance ``alpha``."""
     return float(k + 1) if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
-
-
-@torch.inference_mode()   # as `SpeculativeDecoder.step` runs, so the costs are the step's
-def profile_costs(target, drafter, pool, max_tokens: int = 72, context: int = 512, reps: int = 5,
-                  profile_draft: bool = True, progress: bool = False):
-    """A `hal.engine.router.CostModel` measured here and now in ``pool`` (a `hal.kv.KVPool` of
-    ``target``'s; what it holds before is left as it was): the target forward over T fed
-    tokens (T = 1 to 9, then either side of each chunk width up to ``max_tokens``, at a short context), the
-    extra cost of ``context`` tokens of attention, and ``drafter``'s chain of k
-    (``profile_draft=False``: not profiled, e.g. a remote drafter whose work overlaps).
-    ``progress``: a bar (tqdm, stderr) over the points measured."""
-    from hal.engine.forward import forward
-    backends = {id(b): b for b in (target.be, capabilities(drafter).be) if b is not None}.values()
-
-    def sync():
-        for b in backends:
-            b.synchronize()
-    bs = pool.allocator.block_size  # stay inside the pool the plan gave us
-    room = (pool.allocator.num_free - 4) * bs
-    max_tokens = max(1, min(max_tokens, room // 2 - 16))
-    context = max(16, min(context, room - max_tokens - 64))
-    seqs = [pool.sequence(), pool.sequence()]
-    try:
-        for q, n in zip(seqs, (16, 16 + context)):
-            forward(target, pool, [q], [[1] * n], False)
-            q.commit(n)
-        fwd = lambda T, q=seqs[0]: forward(target, pool, [q], [[1] * T], True)  # noqa: E731
-        # every count up to 9 and both sides of the chunk widths a linear plan uses (2/4/8/16...): a
-        # step's cost is a staircase, which sparse points would smooth over
-        points = [p for p in (*range(1, 10), 12, 16, 17, 24, 32, 33, 48, 64, 65, 129, 257) if p <= max_tokens]
-        bar = progress_bar(progress, len(points) + 2 + 4 * (drafter is not None and profile_draft),
-                           "routing profile", "point")
-        verify = profile(fwd, points, reps, sync, bar)
-        # attention: the same 9-token verify at a short and a long context (a difference of two
-        # noisy timings: a wide gap keeps it meaningful)
-        n = min(9, max_tokens)
-        long = profile(lambda _: forward(target, pool, [seqs[1]], [[1] * n], True), [1], reps, sync, bar)[1]
-        short = profile(lambda _: forward(target, pool, [seqs[0]], [[1] * n], True), [1], reps, sync, bar)[1]
-        per_context = max(0.0, long - short) / (n * context)
-    finally:
-        for q in seqs:
-            q.free()
-    draft = {}
-    if drafter is not None and profile_draft:
-        draft = profile_drafter(drafter, target.device, target.cfg.hidden, reps, sync, bar)
-    bar.close()
-    return CostModel(verify, draft, per_context)
-
-
-PROFILE_TOKENS = tuple(range(1, 17))   # a drafter profile's request: 16 distinct ids, no n-gram repeats
-
-
-def profile_drafter(drafter, device, hidden: int, reps: int = 5, sync=lambda: None, bar=NoBar(),
-                    points=(1, 2, 4, 8)) -> dict[int, float]:
-    """Seconds of one draft chain of k tokens (k in ``points``) for a request of 16 tokens on
-    ``device`` (``hidden``: the target's width, for a drafter that reads its features).
-    The request's tokens are `PROFILE_TOKENS`, which no n-gram lookup matches: a drafter that
-    looks up first and falls back to a model (``ngram+eagle``) is timed on its model, the
-    dearer path (a history of one repeated token had the lookup match, so the head's chain was
-    costed as the lookup's)."""
-    from hal.engine.drafting import DraftBatch, capabilities
-    from hal.engine.requests import Request
-    req = Request(list(PROFILE_TOKENS))
-    h = torch.zeros(1, hidden, device=device)
-    layers = capabilities(drafter).features
-    feats = None if layers is None else torch.zeros(15, hidden * max(1, len(layers)), device=device)
-    history = torch.tensor([PROFILE_TOKENS], dtype=torch.long, device=device)
-    view = lambda k: DraftBatch(rids=(-1,), params=(req,), history=history,  # noqa: E731
-                                num_tokens=torch.tensor([16], device=device), lengths=(16,), k=(k,), offsets=(0,),
-                                hidden=h, features=feats, num_features=(0,) if feats is None else (15,))
-    try:
-        return profile(lambda k: drafter.propose(view(k)), list(points), reps, sync, bar)
-    finally:
-        drafter.release(-1)
-

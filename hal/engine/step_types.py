@@ -37,6 +37,8 @@ class StepPlan:
     k: list[int]                 # [R] drafts allowed per decoding request (0: plain decoding)
     budget: int                  # tokens this step may feed the target
     prefill: list[PrefillChunk] = field(default_factory=list)  # sized once the drafts are known
+    ahead: set | None = None     # decoding requests a lookahead drafter drafts the next step for (None: the greedy
+                                 # ones and those drafted for now); a router's forecast of whom it asks next
 
     @property
     def first(self) -> list[State]:
@@ -143,3 +145,4 @@ class StepResult:
     features: bool                    # ``hidden`` holds every fed row's features (a feature drafter)
     drafts: StepDrafts                # what was verified
     lookahead: Lookahead | None = None
+    ahead_seconds: float = 0.0        # host time spent drafting the next step ahead (the next step's cost)

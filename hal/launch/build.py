@@ -13,7 +13,9 @@ import sys
 from hal.engine import SpeculativeDecoder
 from hal.engine.memory import GiB, Plan, plan_memory, target_pool
 from hal.engine.drafting import capabilities
-from hal.engine.router import CostModel, Router, profile_costs
+from hal.engine.costs import CostModel, profile_costs
+from hal.engine.route_memory import RouteMemory
+from hal.engine.router import Router
 from hal.launch.config import LaunchConfig
 
 PROBE_EVERY = 16   # a request at k = 0 is measured every this many plain steps (a probe, or a scored draft)
@@ -33,12 +35,14 @@ def serving_budget(device_type: str, max_num_seqs: int) -> int:
     return max(SERVE_BUDGETS.get(device_type, ACCELERATOR_BUDGET), max_num_seqs)
 
 
-def make_router(costs: CostModel, drafter, max_k: int) -> Router:
+def make_router(costs: CostModel, drafter, max_k: int, memory: RouteMemory | None = None) -> Router:
     """The router over ``costs`` for ``drafter``, k capped at ``max_k``; a shadow-scored
     drafter (n-gram lookup) is never probed with a verified draft: its first draft is scored
     unverified, on a greedy request's steps as often as its measured cost allows
     (`Router.score_every`) and every ``PROBE_EVERY`` of a sampled one."""
-    return Router(costs, max_k=max_k, probe_every=PROBE_EVERY, shadow=capabilities(drafter).shadow)
+    caps = capabilities(drafter)
+    return Router(costs, max_k=max_k, probe_every=PROBE_EVERY, shadow=caps.shadow, lookup=caps.lookup,
+                  fallback=caps.fallback, memory=memory)
 
 
 def build_engine(target, drafter=None, *, k: int = 8, route: bool = False, costs: CostModel | None = None,
@@ -47,13 +51,13 @@ def build_engine(target, drafter=None, *, k: int = 8, route: bool = False, costs
     decoding). ``pool``: a planned KV pool (`memory_plan`), else ``num_blocks`` blocks unplanned.
     With ``route`` (and a drafter) a `hal.engine.router.Router` chooses k <= ``k`` per request and
     step, from ``costs`` or, without them, costs profiled now in the pool (``profile``: keyword
-    arguments of `hal.engine.router.profile_costs`). ``engine_kw`` go to `SpeculativeDecoder`."""
+    arguments of `hal.engine.costs.profile_costs`). ``engine_kw`` go to `SpeculativeDecoder`."""
     pool = pool or target_pool(target, num_blocks)
     router = None
     if route and drafter is not None:
         if costs is None:
             costs = profile_costs(target, drafter, pool, **(profile or {}))
-        router = make_router(costs, drafter, k)
+        router = make_router(costs, drafter, k, RouteMemory.for_engine(target, drafter))
     return SpeculativeDecoder(target, drafter, pool=pool, router=router, **engine_kw)
 
 

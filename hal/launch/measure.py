@@ -4,7 +4,7 @@
   highest priority), with its free memory (the backend's ``memory`` hook; on cpu the
   ``--cpu-budget-gib`` budget).
 - **Costs per device**: the target's forward over T fed tokens and the drafter's chain of k
-  (`hal.engine.router.profile_costs`, `profile_drafter`), each model loaded there and
+  (`hal.engine.costs.profile_costs`, `profile_drafter`), each model loaded there and
   timed, then dropped.
 - **The other rank** (two ranks): the draft worker measures its own devices' drafting costs
   and the link as it sees it (round trip and bandwidth to the target's store), and publishes
@@ -65,7 +65,7 @@ def profile_sides(sides: list[Side], path: str, spec, config: LaunchConfig, reps
     from hal.drafters.kinds import HEADS, draft_memory, make_drafter
     from hal.models.fetch import load_model
     from hal.engine.memory import target_pool
-    from hal.engine.router import CostModel, profile_costs, profile_drafter
+    from hal.engine.costs import CostModel, profile_costs, profile_drafter
     out = []
     for s in sides:
         t0 = time.perf_counter()

@@ -12,7 +12,8 @@ import sys
 import pytest
 
 from hal.distributed.auto import DeviceProfile, LinkProfile, choose
-from hal.engine.router import CostModel, expected_tokens
+from hal.engine.costs import CostModel
+from hal.engine.router import expected_tokens
 from hal.errors import HalError
 from tests.launch.test_generate import tiny  # noqa: F401  (the model fixture)
 

@@ -15,7 +15,7 @@ from hal.drafters.dspark import DSparkDrafter, confidence_cut
 from hal.engine import SpeculativeDecoder
 from hal.engine.drafting import DraftBatch
 from hal.engine.requests import Request
-from hal.engine.router import CostModel
+from hal.engine.costs import CostModel
 from hal.errors import HalError
 from hal.models.block_layouts import load_block
 from hal.models.dspark import DSparkConfig, DSparkModel, save_block

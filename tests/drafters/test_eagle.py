@@ -371,7 +371,7 @@ def test_a_lookup_or_head_drafter_is_profiled_on_its_head(target, tmp_path):
     token had the lookup match, and the head's chain was costed as the lookup's)."""
     from hal.drafters import NgramDrafter
     from hal.drafters.eagle import NgramOrHead
-    from hal.engine.router import profile_drafter
+    from hal.engine.costs import profile_drafter
     head = load_eagle(eagle1(tmp_path)[1], target)
     asked = []
 

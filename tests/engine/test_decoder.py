@@ -304,6 +304,6 @@ def test_a_step_runs_in_inference_mode_and_its_tokens_equal_the_steps_without_it
         assert got == singles[0]
         assert seen and set(seen) == {mode}, f"inference mode {mode}: the drafter saw {set(seen)}"
     seen.clear()   # the routing profile times drafts as steps run them (every entry point calls it)
-    hal.engine.router.profile_costs(model, Watching(model.be), engine(model).pool, max_tokens=9, context=16, reps=1)
+    hal.engine.costs.profile_costs(model, Watching(model.be), engine(model).pool, max_tokens=9, context=16, reps=1)
     assert seen and set(seen) == {True}
     assert not torch.is_inference_mode_enabled()

@@ -15,7 +15,7 @@ from hal.drafters import ModelDrafter, NgramDrafter, NgramTreeDrafter
 from hal.drafters.dspark import DSparkDrafter
 from hal.drafters.eagle import EagleDrafter, NgramOrHead
 from hal.engine import Request, SpeculativeDecoder
-from hal.engine.router import CostModel
+from hal.engine.costs import CostModel
 from hal.launch.build import build_engine, make_router
 from hal.models.dspark import DSparkModel
 from hal.models.eagle_layouts import load_eagle

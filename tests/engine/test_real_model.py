@@ -192,7 +192,8 @@ def test_routed_greedy_equals_plain(model, plain):
     """Adaptive k on the real model: still token-for-token plain greedy. The cost table is a
     memory-bound one (a verify of 9 costs 1.1 decodes), not profiled: a profile taken while the
     machine is busy can make drafting look dear, and then nothing would be drafted."""
-    from hal.engine.router import CostModel, Router
+    from hal.engine.costs import CostModel
+    from hal.engine.router import Router
     target, tok = model
     reqs = [Request(tok.encode(chatml(p)).ids, max_new_tokens=20, k=8, stop_ids=(2,)) for p in PROMPTS]
     dec = SpeculativeDecoder(target, NgramDrafter(target.be), num_blocks=128)

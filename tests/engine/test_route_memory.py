@@ -1,0 +1,132 @@
+"""Routing where nothing pays costs nothing: a lookup drafter's request without a match is not
+asked, scored or drafted ahead for; a match is routed on the lookup's own acceptance; and what a
+router learned is kept for the next engine over the same machine, model and drafter
+(`hal.engine.route_memory`), a damaged or foreign record ignored."""
+
+import json
+
+import pytest
+import torch
+
+import hal
+from hal.conformance._helpers import assert_distribution
+from hal.drafters.ngram import NgramDrafter
+from hal.engine.costs import CostModel
+from hal.engine.route_memory import RouteMemory, fingerprint
+from hal.engine.router import Router
+from tests.engine.test_router import P2, _Counted, _S, emitted
+
+COSTS = CostModel({1: 1.0, 2: 1.05, 9: 1.6, 64: 6.0})   # drafts pay from an acceptance of about 0.1
+
+
+def _looked(rid, tokens, **kw):
+    s = _S(rid, **kw)
+    s.tokens = list(tokens)
+    return s
+
+
+def test_a_lookup_drafter_without_a_match_is_not_asked_scored_or_drafted_ahead():
+    r = Router(COSTS, max_k=6, shadow=True, evidence=0, lookup=(1, 3), probe_every=4)
+    none, hit = _looked("none", [1, 2, 3, 4, 5]), _looked("hit", [7, 8, 9, 7, 8])
+    for _ in range(12):
+        ks = r.choose([none, hit])
+        assert ks[0] == 0 and "none" not in r.scored and "none" not in r.asks_next([none, hit], ks)
+    assert ks[1] > 0   # the prior, for the matching one
+
+
+def test_a_match_is_routed_on_the_lookups_acceptance_and_the_rest_on_the_models():
+    r = Router(COSTS, max_k=6, shadow=True, evidence=0, lookup=(1, 3), fallback=True, prior=0.5)
+    hit, miss = _looked("hit", [7, 8, 9, 7, 8]), _looked("miss", [1, 2, 3, 4, 5])
+    r.choose([hit, miss])
+    for _ in range(30):   # lookup matches are accepted, the model's drafts never
+        r.observe([hit, miss], [4, 4], [4, 0])
+    assert r.acceptance("hit") > 0.9 and r.acceptance("miss") < 0.1
+    assert r.choose([hit, miss]) == [6, 0]
+    hit.tokens.append(4)   # no match now: the model's rate routes it
+    assert r.choose([hit])[0] == 0
+
+
+def test_sampled_output_keeps_the_target_law_with_a_lookup_router():
+    be = hal.get_backend("cpu")
+    ngram = _Counted(NgramDrafter(be))
+    router = Router(CostModel({1: 1.0, 2: 1.05, 9: 1.6}), max_k=6, probe_every=16, shadow=True,
+                    lookup=ngram.inner.lookup)
+    out, dec = emitted(be, P2, ngram, router, requests=6, tokens=120)
+    assert_distribution(torch.tensor([t for o in out for t in o]), P2, "lookup-routed")
+    assert dec.metrics.total.num_drafts > 0   # two tokens: the lookup matches, and its drafts are verified
+
+
+def _learned(memory=None, lookup=(1, 3)):
+    r = Router(COSTS, max_k=6, shadow=True, lookup=lookup, fallback=True, memory=memory)
+    a, b = _looked("a", [7, 8, 9, 7, 8]), _looked("b", [1, 2, 3])
+    r.choose([a, b])
+    for _ in range(10):
+        r.observe([a, b], [4, 4], [3, 1])
+        r.observe_step(2, 8, 4, 1.3)
+        r.observe_step(2, 0, 0, 1.0)
+        r.observe_step(2, 0, 0, 1.2, scored=1)
+    return r, a, b
+
+
+def test_what_a_router_learned_is_kept_and_restored(tmp_path):
+    path = tmp_path / "router.json"
+    memory = RouteMemory(path, {"key": 1})
+    r, a, b = _learned(memory)
+    r.release(a)
+    fresh = Router(COSTS, max_k=6, shadow=True, lookup=(1, 3), fallback=True)
+    restored = Router(COSTS, max_k=6, shadow=True, lookup=(1, 3), fallback=True, memory=RouteMemory(path, {"key": 1}))
+    assert set(r.rates()) == {"glob", "offers", "found1", "found2", "found3"}
+    for name, want in r.rates().items():
+        got = restored.rates()[name]
+        assert (got.accepted, got.trials) == pytest.approx((want.accepted, want.trials))
+    assert r.rates()["found2"].trials > 0   # a's match: [7, 8] occurs earlier
+    assert restored.ratio == pytest.approx(r.ratio) and restored.ratio_steps == [8, 8, 8]
+    assert restored.score_every == r.score_every > fresh.score_every == 1
+    assert restored.acceptance("new") == pytest.approx(r.acceptance("new")) != fresh.acceptance("new")
+    other = Router(COSTS, max_k=6, memory=RouteMemory(path, {"key": 2}))   # another machine, model or drafter
+    assert other.glob.trials == 0 and other.ratio_steps == [0, 0, 0]
+
+
+@pytest.mark.parametrize("damage", ["not json", "[]", '{"signature": {"key": 1}, "dtype": "routing"}',
+                                    "trials", "ratio", "steps"])
+def test_a_damaged_record_is_ignored(tmp_path, damage):
+    path = tmp_path / "router.json"
+    r, a, _ = _learned(RouteMemory(path, {"key": 1}))
+    r.release(a)
+    record = json.loads(path.read_text())
+    if damage == "trials":
+        record["rates"]["glob"] = [5.0, 1.0]     # more accepted than tried
+    elif damage == "ratio":
+        record["ratio"] = [float("nan"), 1.0, 1.0]
+    elif damage == "steps":
+        record["ratio_steps"] = [-1, 0, 0]
+    text = json.dumps(record) if damage in ("trials", "ratio", "steps") else damage
+    path.write_text(text)
+    restored = Router(COSTS, max_k=6, memory=RouteMemory(path, {"key": 1}))
+    assert restored.glob.trials == 0 and restored.ratio_steps == [0, 0, 0]
+
+
+def test_an_unwritable_memory_is_skipped(tmp_path):
+    (tmp_path / "file").write_text("")
+    r, a, _ = _learned(RouteMemory(tmp_path / "file" / "router.json", {"key": 1}))
+    r.release(a)   # no error: the next engine learns afresh
+
+
+def test_the_key_tells_models_and_drafters_apart():
+    be = hal.get_backend("cpu")
+    assert fingerprint(NgramDrafter(be, 1, 3)) != fingerprint(NgramDrafter(be, 2, 3))
+
+    class Model:
+        cfg = "cfg"
+
+        def __init__(self, scale):
+            self.w = {"embed": torch.ones(4, 4) * scale}
+    assert fingerprint(Model(1.0)) == fingerprint(Model(1.0)) != fingerprint(Model(2.0))
+
+
+def test_off_and_folder_settings(monkeypatch, tmp_path):
+    be = hal.get_backend("cpu")
+    monkeypatch.setenv("HAL_ROUTE_MEMORY", "0")
+    assert RouteMemory.for_engine(object(), NgramDrafter(be)).path is None
+    monkeypatch.setenv("HAL_ROUTE_MEMORY", str(tmp_path))
+    assert RouteMemory.for_engine(object(), NgramDrafter(be)).path.parent == tmp_path
