@@ -150,11 +150,11 @@ class SpeculativeDecoder:
         plan = self.scheduler.schedule(self._choose_k)
         result = self._execute(plan)
         out = self._postprocess(plan, result)
-        if self.router is not None and result is not None:   # what a step with (or without) drafts really costs
+        if self.router is not None and result is not None:   # what a decode step with (or without) drafts costs
             counts, ahead = result.drafts.counts, result.ahead_seconds   # drafting ahead: the next step's cost
             took, self._ahead_s = time.perf_counter() - t0 - ahead + self._ahead_s, ahead
-            self.router.observe_step(out.num_batched_tokens, sum(counts), max(counts, default=0), took,
-                                     len(result.drafts.shadow))
+            if not plan.prefill:   # a prefill chunk's cost is beyond the profiled counts: it would skew the ratios
+                self.router.observe_step(result.fed, sum(counts), max(counts, default=0), took, len(result.drafts.shadow))
         return out
 
     @torch.inference_mode()

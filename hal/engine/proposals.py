@@ -88,8 +88,8 @@ def row_kinds(drafter: Drafter | None, drafts: StepDrafts, n: int) -> list[str] 
 def drafts_for(drafter: Drafter | None, scored: set, ahead: Lookahead | None, history: HistoryBuffer,
                live: list[State], ks: list[int], dev, costs=None) -> StepDrafts:
     """The drafts each live request verifies this step (``ks[i]`` allowed to request i).
-    ``scored``: the requests routed to k = 0 whose first draft of a free deterministic drafter
-    the router scores (`hal.engine.router.Router.scored`; not verified, only scored against
+    ``scored``: the requests routed to k = 0 whose free deterministic first draft (a shadow
+    drafter's, or a lookup match's) the router scores (`hal.engine.router.Router.scored`; not verified, only scored against
     the step's target row).
     ``costs``: the router's cost model, passed on in the `DraftBatch`.
     Changes no request state: `StepDrafts` says what the engine must advance."""
@@ -97,8 +97,7 @@ def drafts_for(drafter: Drafter | None, scored: set, ahead: Lookahead | None, hi
     none = StepDrafts(nothing, [0] * len(live), None, None, [], None, [0] * len(live))
     if drafter is None or not live:
         return none
-    shadow = {state.rid for state, k in zip(live, ks)
-              if k == 0 and state.rid in scored and draft_room(state) > 0} if capabilities(drafter).shadow else set()
+    shadow = {state.rid for state, k in zip(live, ks) if k == 0 and state.rid in scored and draft_room(state) > 0}
     used, passed = [0] * len(live), False
     want = [1 if state.rid in shadow else k for state, k in zip(live, ks)]   # what the drafter is asked
     if ahead is not None and all(state.rid in ahead.rids for state in live):

@@ -3,8 +3,9 @@
 A fresh engine (``spec-hal generate`` runs one per command; a server restarts) would
 otherwise spend its first requests learning what the last one already knew: how often each
 drafting method's drafts are accepted, and what scoring and drafting cost on this machine
-beyond the profiled forward. `RouteMemory` keeps the router's overall rates (the drafter's,
-a lookup match's, the drafter's offer rate) and its measured step-cost ratios in one JSON
+beyond the profiled forward. `RouteMemory` keeps the router's overall rates (`Router.rates`:
+the drafter's acceptance and offer rate, a lookup match's acceptance per match length) and its
+measured step-cost ratios in one JSON
 record under ``$HAL_CACHE/routing``, keyed as the linear plans are (`hal.models.plan_cache`:
 the CPU signature) plus fingerprints of the target and the drafter (configs, weight shapes
 and a sample of each weight's values). A router restores it when it is built and keeps it

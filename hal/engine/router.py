@@ -31,7 +31,7 @@ import heapq
 import math
 from dataclasses import dataclass
 
-from hal.engine.costs import CostModel
+from hal.engine.costs import CostModel, interpolate
 from hal.engine.lookup import LookupIndex
 from hal.engine.requests import draft_room
 from hal.errors import arg_error
@@ -130,12 +130,16 @@ class Router:
 
     @property
     def score_every(self) -> int:
-        """Steps between scorings of a greedy request's first draft at k = 0: 1 while scoring is
-        unmeasured or as cheap as a plain step (n-gram lookup), else the fewest that keep its
-        measured extra cost within ``LEARN_SHARE`` of the time, at most four times ``probe_every``."""
+        """Steps between scorings of a greedy request's first draft at k = 0: the fewest that keep
+        scoring's extra cost within ``LEARN_SHARE`` of the time, at most four times ``probe_every``
+        (1 where it is as cheap as a plain step: n-gram lookup). The extra cost is measured (scored
+        steps against plain ones), or until both have 4 steps, the profiled cost of a one-draft
+        chain over a one-token step."""
         if min(self.ratio_steps[0], self.ratio_steps[2]) < 4 or self.ratio[0] <= 0:
-            return 1
-        extra = self.ratio[2] / self.ratio[0] - 1
+            c = self.costs   # unmeasured: the profiled chain of one draft over a one-token step
+            extra = interpolate(c.draft, 1) / interpolate(c.verify, 1) if c.draft and c.verify else 0.0
+        else:
+            extra = self.ratio[2] / self.ratio[0] - 1
         return max(1, min(4 * (self.probe_every or 1), math.ceil(extra / LEARN_SHARE - 1e-9)))
 
     def acceptance(self, rid) -> float:
@@ -206,7 +210,8 @@ class Router:
         path, penalty = [], self.draft_penalty
         while heap and (budget is None or fed < budget):
             g, i, k = heapq.heappop(heap)
-            tokens, fed, attn, top = tokens - g, fed + 1, attn + ctx[i], max(top, k)
+            chain = 0 if self.matched.get(states[i].rid) else k   # a lookup match's drafts cost no model chain
+            tokens, fed, attn, top = tokens - g, fed + 1, attn + ctx[i], max(top, chain)
             path.append(i)
             rate = tokens / (c.cost(fed, attn, top) * penalty)
             if rate > best:
@@ -239,7 +244,8 @@ class Router:
             if ks[i] or not caps[i]:
                 continue
             due = bool(self.probe_every) and self.idle[rid] >= interval
-            if self.shadow and ((state.req.temperature == 0 and greedy) or due or not self._known(rid)):
+            if (self.shadow or self.matched.get(rid)) and (   # a lookup match is free to score, whatever the drafter
+                    (state.req.temperature == 0 and greedy) or due or self._wants_evidence(rid)):
                 self.scored.add(rid)
                 if due:
                     self.idle[rid] = 0
@@ -261,7 +267,7 @@ class Router:
             idle = self.idle.get(rid, 0) + 1
             due = bool(self.probe_every) and idle >= (max(self.probe_every, every) if self.shadow else self.probe_every)
             if k or (self.lookup is None and (due or (self.shadow and (
-                    not self._known(rid) or (phase and state.req.temperature == 0))))):
+                    self._wants_evidence(rid) or (phase and state.req.temperature == 0))))):
                 out.add(rid)   # a lookup drafter's next match is not known yet: it drafts inline
         return out
 
@@ -277,6 +283,18 @@ class Router:
             return self.probe_every
         extra = self.costs.cost(fed + 1, 0, max(top, 1)) - base
         return max(self.probe_every, min(4 * self.probe_every, math.ceil(idle * extra / (LEARN_SHARE * base))))
+
+    def _wants_evidence(self, rid) -> bool:
+        """Whether a request not yet `_known` is scored now rather than at the usual cadence: a lookup
+        match's first draft (cheap), or the drafter's while its overall rate is unmeasured or says a
+        first draft may pay. Where the overall rate says it does not, learning the request first
+        would cost more than it could return; it is still scored every `score_every` steps."""
+        if self._known(rid):
+            return False
+        if self.matched.get(rid) or self.glob.trials < 4:
+            return True
+        a, c = self.glob.rate(self.prior, 1.0), self.costs
+        return (1 + a) / (c.cost(2, 0, 1) * self.draft_penalty) > (1 + self.margin) / c.cost(1, 0, 0)
 
     def _known(self, rid) -> bool:
         """Whether a request has been measured enough to be drafted for (always, but for a shadow drafter's)."""
