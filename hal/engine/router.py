@@ -19,6 +19,12 @@ against steps with neither scores nor drafts) and a greedy request's first draft
 every `Router.score_every` steps, all at once (the head then feeds the steps between in one
 ragged forward), as often as keeps that cost within ``LEARN_SHARE`` of the time.
 
+A lookup drafter (n-gram lookup, alone or before a model drafter: ``lookup``, ``fallback``)
+is routed on its host lookup (`hal.engine.lookup`): no match, nothing to offer (alone) or the
+model's acceptance (``fallback``); a match, the acceptance of matches of that length, with no
+model chain to pay and its first draft free to score. What was learned is kept for the next
+engine (``memory``, `hal.engine.route_memory`).
+
 Non-anticipating: `Router.choose` runs before anything is drafted and reads only
 finished steps (EWMA acceptance), prompt and context lengths and the batch size, so
 the choice of k never depends on this step's draws and the output distribution is
