@@ -8,7 +8,6 @@ proposal, and the step's one readback. Changes no request state: the engine appl
 from __future__ import annotations
 
 import time
-
 from dataclasses import dataclass
 
 import torch

@@ -113,7 +113,8 @@ class Router:
             memory.restore(self)
 
     def observe_step(self, fed: int, drafted: int, chain: int, seconds: float, scored: int = 0) -> None:
-        """A finished step's wall time: ``fed`` tokens in all (prefill too), ``drafted`` of
+        """A finished decode step's wall time (the engine passes no step with a prefill chunk:
+        it feeds more tokens than were profiled): ``fed`` tokens in all, ``drafted`` of
         them drafts, the longest chain ``chain``, ``scored`` first drafts scored unverified.
         What drafting costs beyond the profiled forward (verifying more rows, the drafter, its
         host work) shows as steps with drafts running slower than the model says, relative to
@@ -241,9 +242,9 @@ class Router:
         Other drafters' idle requests are probed with one verified draft every `_probe_interval`
         plain steps."""
         self.scored, self.steps = set(), self.steps + 1
-        every = self.score_every   # a shadow drafter's idle request is scored as often as scoring is worth
-        interval = max(self.probe_every, every) if self.shadow else self._probe_interval(states, ks, caps)
-        greedy = any(ks) or (self.steps % every == 0 if every > 1 else self.steps % QUIET != 0)
+        every = self.score_every
+        interval = self._score_interval(every) if self.shadow else self._probe_interval(states, ks, caps)
+        greedy = any(ks) or self._scoring_step(self.steps, every)
         for i, state in enumerate(states):
             rid = state.rid
             self.idle[rid] = 0 if ks[i] else self.idle.get(rid, 0) + 1
@@ -260,22 +261,33 @@ class Router:
 
     def asks_next(self, states, ks: list[int]) -> set:
         """The requests of ``states`` (this step's, at ``ks``) that the next `choose` is likely to
-        ask for drafts or a score: those drafted for or scored now (their measures move), and
+        ask for drafts or a score: those drafted for now, and, for a drafter without a host lookup,
         those whose scoring or probe falls due. A lookahead drafter drafts ahead for these only
         (`hal.engine.proposals.lookahead`): on a step that drafts nothing, nothing is drafted
         ahead to be thrown away. A forecast, not a promise: a request asked after all is drafted
         for inline, so a wrong forecast costs time, never output."""
-        nxt, every = self.steps + 1, self.score_every
-        phase = nxt % every == 0 if every > 1 else nxt % QUIET != 0
+        every = self.score_every
+        phase = self._scoring_step(self.steps + 1, every)
+        interval = self._score_interval(every) if self.shadow else self.probe_every
         out = set()
         for state, k in zip(states, ks):
             rid = state.rid
-            idle = self.idle.get(rid, 0) + 1
-            due = bool(self.probe_every) and idle >= (max(self.probe_every, every) if self.shadow else self.probe_every)
+            due = bool(self.probe_every) and self.idle.get(rid, 0) + 1 >= interval
             if k or (self.lookup is None and (due or (self.shadow and (
                     self._wants_evidence(rid) or (phase and state.req.temperature == 0))))):
                 out.add(rid)   # a lookup drafter's next match is not known yet: it drafts inline
         return out
+
+    def _score_interval(self, every: int) -> int:
+        """Idle steps before a shadow drafter's request is scored whatever the phase: as often as
+        scoring is worth (`score_every`), at least every ``probe_every``."""
+        return max(self.probe_every, every)
+
+    @staticmethod
+    def _scoring_step(step: int, every: int) -> bool:
+        """Whether greedy requests at k = 0 are scored on ``step``: every ``every``-th, or where that
+        is every step, all but every ``QUIET``-th (a plain step to compare)."""
+        return step % every == 0 if every > 1 else step % QUIET != 0
 
     def _probe_interval(self, states, ks: list[int], caps: list[int]) -> int:
         """Plain steps between verified probes of an idle request: ``probe_every``, or up to four
