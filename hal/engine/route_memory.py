@@ -82,7 +82,7 @@ class RouteMemory:
     def restore(self, router) -> bool:
         """Start ``router`` from the record, if there is a valid one for this key."""
         saved = plan_cache.load(self.path, self.key, "routing") if self.path is not None else None
-        state = _valid(saved, router)
+        state = _valid(saved)
         if state is None:
             return False
         for name, ewma in router.rates().items():   # at most the weight its own decayed counts can reach
@@ -95,10 +95,10 @@ class RouteMemory:
         router.ratio_steps = [min(8, n) for n in state["ratio_steps"]]   # a mean no more: new steps weigh in
         return True
 
-    def keep(self, router, now: bool = False) -> None:
-        """Write the router's rates (at most every `KEEP_EVERY` seconds unless ``now``)."""
+    def keep(self, router) -> None:
+        """Write the router's rates (at most every `KEEP_EVERY` seconds)."""
         t = time.monotonic()
-        if self.path is None or (not now and t - self.kept_at < KEEP_EVERY):
+        if self.path is None or t - self.kept_at < KEEP_EVERY:
             return
         self.kept_at = t
         record = {"signature": self.key, "dtype": "routing",
@@ -110,21 +110,22 @@ class RouteMemory:
             pass
 
 
-def _valid(saved, router) -> dict | None:
-    """``saved`` when every field is in range, else None."""
+def _valid(saved) -> dict | None:
+    """``saved`` when every field is a number in range (JSON numbers only: a file is untrusted), else None."""
+    def number(x) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
     try:
         rates, ratio, steps = saved["rates"], saved["ratio"], saved["ratio_steps"]
-        if not isinstance(rates, dict):
+        if not (isinstance(rates, dict) and isinstance(ratio, list) and isinstance(steps, list)):
             return None
         for pair in rates.values():
-            a, n = (float(x) for x in pair)
-            if not (math.isfinite(a) and math.isfinite(n) and 0 <= a <= n + 1e-9):
+            if not (isinstance(pair, list) and len(pair) == 2 and all(map(number, pair))
+                    and 0 <= pair[0] <= pair[1] + 1e-9):
                 return None
-        if len(ratio) != 3 or len(steps) != 3 or any(not (math.isfinite(float(r)) and 0 <= float(r) < 1e3)
-                                                     for r in ratio):
+        if len(ratio) != 3 or len(steps) != 3 or not all(number(r) and 0 <= r < 1e3 for r in ratio):
             return None
         if any(not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in steps):
             return None
-    except (TypeError, KeyError, ValueError):
+    except (TypeError, KeyError):
         return None
     return saved

@@ -88,7 +88,7 @@ def test_what_a_router_learned_is_kept_and_restored(tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["not json", "[]", '{"signature": {"key": 1}, "dtype": "routing"}',
-                                    "trials", "ratio", "steps"])
+                                    "trials", "ratio", "steps", "strings"])
 def test_a_damaged_record_is_ignored(tmp_path, damage):
     path = tmp_path / "router.json"
     r, a, _ = _learned(RouteMemory(path, {"key": 1}))
@@ -100,7 +100,9 @@ def test_a_damaged_record_is_ignored(tmp_path, damage):
         record["ratio"] = [float("nan"), 1.0, 1.0]
     elif damage == "steps":
         record["ratio_steps"] = [-1, 0, 0]
-    text = json.dumps(record) if damage in ("trials", "ratio", "steps") else damage
+    elif damage == "strings":
+        record["rates"]["glob"] = ["1", "2"]     # numbers as text
+    text = json.dumps(record) if damage in ("trials", "ratio", "steps", "strings") else damage
     path.write_text(text)
     restored = Router(COSTS, max_k=6, memory=RouteMemory(path, {"key": 1}))
     assert restored.glob.trials == 0 and restored.ratio_steps == [0, 0, 0]
