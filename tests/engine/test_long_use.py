@@ -16,6 +16,7 @@ from hal.drafters.dspark import DSparkDrafter
 from hal.drafters.eagle import EagleDrafter, NgramOrHead
 from hal.engine import Request, SpeculativeDecoder
 from hal.engine.costs import CostModel
+from hal.engine.route_memory import RouteMemory
 from hal.launch.build import build_engine, make_router
 from hal.models.dspark import DSparkModel
 from hal.models.eagle_layouts import load_eagle
@@ -95,19 +96,28 @@ def test_a_2048_token_answer_and_a_prompt_of_the_whole_pool(target, tmp_path, ki
 
 
 @pytest.mark.parametrize("routed", [True, False])
-def test_200_sequential_requests_of_mixed_lengths_equal_a_fresh_engine(target, routed):  # noqa: F811
+def test_200_sequential_requests_of_mixed_lengths_equal_a_fresh_engine(target, routed, tmp_path):  # noqa: F811
     """One n-gram engine serves 200 requests in turn (prompts 1-400 tokens, answers 1-400), a
     third of them sampled. Each greedy one equals plain greedy on a fresh engine. Unrouted, each
     sampled one equals the same request on a fresh engine too (its randomness is its own seed's and
     its drafts its own history's); routed, k depends on what the router learned before, and a
-    sampled answer only keeps its law (the chi-square tests), so it is checked to complete."""
+    sampled answer only keeps its law (the chi-square tests), so it is checked to complete. Routed,
+    the router keeps what it learned in a route memory as requests finish, and holds nothing of a
+    finished request (its lookup index, rates and counters go with it)."""
     g = random.Random(9)
     reqs = [Request(cyclic(g.choice([1, 3, 40, 300]), i), max_new_tokens=g.choice([1, 7, 40, 300]), k=4,
                     temperature=0.0 if i % 3 else 0.8, seed=i) for i in range(200)]
-    dec = engine(target, NgramDrafter(target.be), routed=routed)
+    drafter = NgramDrafter(target.be)
+    memory = RouteMemory(tmp_path / "router.json", {"key": 1})
+    dec = SpeculativeDecoder(target, drafter, num_blocks=BLOCKS,
+                             router=make_router(COSTS, drafter, 4, memory) if routed else None)
     got = run(dec, reqs)
     assert [len(x) for x in got] == [r.max_new_tokens for r in reqs]
     assert dec.pool.allocator.num_free == dec.pool.allocator.num_blocks
+    if routed:
+        r = dec.router
+        assert not any((r.index, r.matched, r.per, r.measured, r.found_per, r.found_measured, r.idle, r.offered))
+        assert (tmp_path / "router.json").exists()
     # the references: all at once on one fresh engine each (an output does not depend on what else runs)
     greedy = [i for i, r in enumerate(reqs) if r.temperature == 0]
     want = SpeculativeDecoder(target, None, num_blocks=4000).generate([reqs[i] for i in greedy])
