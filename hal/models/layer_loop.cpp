@@ -27,7 +27,7 @@ extern "C" {
 // the norms (float32 [H]); the int4 linears in the plan's form (packed, and scales-zeros for
 // int4pack's form): 0 qkv, 1 o, 2 gate-up, 3 down; the family's extras, NULL where it has none:
 // q/k/v biases (float32 [Hq*D + 2*Hkv*D]), the o bias ([H]), per-head q and k norms ([D]); kind[j]:
-// a q4q8 plan's linear j's tiles (Q4_KIND, Q8_KIND: a file's Q8_0 blocks, Q6_KIND: its Q6_K, Q4K_KIND: its
+// a q4q8 plan's linear j's tiles (q4_rows.c's kinds: Q4_KIND, Q40_KIND: a file's Q4_0, Q8_KIND: its Q8_0, Q6_KIND: its Q6_K, Q4K_KIND: its
 // Q4_K); rows1[j] > 0: linear j is two parts of different tiles (a Q4_K_M file's Q4_K q, k and Q6_K v), its
 // first rows1[j] outputs from packed[j], the rest from packed2[j] (kind2[j]).
 struct LayerWeights {

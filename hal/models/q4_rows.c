@@ -16,8 +16,10 @@
  * - **Q4K tile** (Q4_K: w = d*scale*q - dmin*min per 32 weights, 6-bit scale and min, fp16 d
  *   and dmin): a Q4 tile whose fp16 d and m hold d and -dmin, then 16 u8 scales and 16 u8 mins;
  *   its d and m are formed as d*scale and (-dmin)*min (exact float32 products), then as Q4.
- * - **Q5 tile** (Q5_0: w = d*(q - 16), q in 0..31, fp16 d): a Q4 tile of q's low 4 bits whose d and m
- *   are d and -16d, then 64 bytes of q's fifth bits: bit 2s of byte 4*lane + j is that of the
+ * - **Q40 tile** (Q4_0: w = d*(q - 8)): a Q4 tile without its m; the kernel forms m = d*(-8), the
+ *   float32 value a Q4 tile would store, so the arithmetic and its bits are the Q4 tile's.
+ * - **Q5 tile** (Q5_0: w = d*(q - 16), q in 0..31, fp16 d): a Q40 tile of q's low 4 bits whose m
+ *   is d*(-16), then 64 bytes of q's fifth bits: bit 2s of byte 4*lane + j is that of the
  *   low-nibble code of step s, bit 2s + 1 that of the high-nibble code.
  * - **Q5K tile** (Q5_K: Q4_K's arithmetic with codes 0..31): a Q4K tile, then the fifth bits as a
  *   Q5 tile's.
@@ -50,11 +52,12 @@
 #define Q4_AVX2 1
 #endif
 
-enum { Q4_KIND = 0, Q8_KIND = 1, Q6_KIND = 2, Q4K_KIND = 3, Q5_KIND = 4, Q5K_KIND = 5 };   /* a packed weight's tiles */
+enum { Q4_KIND = 0, Q8_KIND = 1, Q6_KIND = 2, Q4K_KIND = 3, Q5_KIND = 4, Q5K_KIND = 5, Q40_KIND = 6 };   /* a packed weight's tiles */
 #define Q4_TILE_BYTES 320   /* per (tile, group): 256 bytes of codes, 16 fp16 d, 16 fp16 m */
 #define Q8_TILE_BYTES 544   /* per (tile, group): 512 bytes of codes + 128, 16 fp16 d */
 #define Q4K_TILE_BYTES 352  /* per (tile, group): a Q4 tile whose d, m are Q4_K's d and -dmin, then 16 u8 scales, 16 u8 mins */
-#define Q5_TILE_BYTES 384   /* per (tile, group): a Q4 tile (d and -16d), then 64 bytes of fifth bits */
+#define Q5_TILE_BYTES 352   /* per (tile, group): a Q40 tile whose m is -16d, then 64 bytes of fifth bits */
+#define Q40_TILE_BYTES 288  /* per (tile, group): 256 bytes of codes, 16 fp16 d (m = -8d is formed, not stored) */
 #define Q5K_TILE_BYTES 416  /* per (tile, group): a Q4K tile, then 64 bytes of fifth bits */
 #define Q6_TILE_BYTES 448   /* per (tile, group): 256 + 128 bytes of 6-bit codes, 16 fp16 d, 2 x 16 int8 scales */
 /* rows multiplied together per pass over a tile's weights: what the ISA's vector registers hold
@@ -131,7 +134,7 @@ void q4_quantize_rows(const void *x, int is_bf16, int64_t T, int64_t K, int64_t 
 static inline __m512i q5_bit_512(__m512i hb, int b) {   /* bit b of each byte moved to bit 4 */
     return b < 4 ? _mm512_slli_epi16(hb, 4 - b) : b == 4 ? hb : _mm512_srli_epi16(hb, b - 4);
 }
-#define Q4_TILE_OF(NAME, R, BYTES, KQ, Q5)                                                             \
+#define Q4_TILE_OF(NAME, R, BYTES, KQ, Q5, MD)                                                             \
     static void NAME##_##R(const uint8_t *wt, int64_t G, const int8_t *xq, int64_t K, const float *sx,  \
                             const float *xs, float *y, int64_t y_row) {                                \
         const __m512i mask = _mm512_set1_epi8(0x0f), fifth = _mm512_set1_epi8(0x10);                   \
@@ -141,7 +144,7 @@ static inline __m512i q5_bit_512(__m512i hb, int b) {   /* bit b of each byte mo
             const uint8_t *blk = wt + g * BYTES;                                               \
             __m512i acc[R], acc2[R];   /* per row: the hi codes' chain, the lo codes' chain */        \
             for (int r = 0; r < R; r++) acc[r] = acc2[r] = _mm512_setzero_si512();                     \
-            const __m512i hb = Q5 ? _mm512_loadu_si512((const void *)(blk + (KQ ? 352 : 320))) : mask;            \
+            const __m512i hb = Q5 ? _mm512_loadu_si512((const void *)(blk + (KQ ? 352 : 288))) : mask;            \
             for (int s = 0; s < 4; s++) {                                                              \
                 __m512i v = _mm512_loadu_si512((const void *)(blk + 64 * s));                          \
                 __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask); \
@@ -161,7 +164,8 @@ static inline __m512i q5_bit_512(__m512i hb, int b) {   /* bit b of each byte mo
             for (int r = 0; r < R; r++)                                                                \
                 acc[r] = _mm512_add_epi32(_mm512_slli_epi32(acc[r], 7), acc2[r]);   /* 128 hi + lo */  \
             __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 256)));              \
-            __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 288)));              \
+            __m512 m = MD ? _mm512_mul_ps(d, _mm512_set1_ps(-(float)MD))   /* -MD*d: exact */         \
+                          : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 288)));         \
             if (KQ) {   /* Q4_K: d*scale and -dmin*min, exact float32 products */                      \
                 d = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(                          \
                     _mm_loadu_si128((const __m128i *)(blk + 320)))));                                  \
@@ -180,7 +184,7 @@ static inline __m512i q5_bit_512(__m512i hb, int b) {   /* bit b of each byte mo
 static inline __m256i q5_bit_256(__m256i hb, int b) {   /* bit b of each byte moved to bit 4 */
     return b < 4 ? _mm256_slli_epi16(hb, 4 - b) : b == 4 ? hb : _mm256_srli_epi16(hb, b - 4);
 }
-#define Q4_TILE_OF(NAME, R, BYTES, KQ, Q5)                                                             \
+#define Q4_TILE_OF(NAME, R, BYTES, KQ, Q5, MD)                                                             \
     static void NAME##_##R(const uint8_t *wt, int64_t G, const int8_t *xq, int64_t K, const float *sx,  \
                             const float *xs, float *y, int64_t y_row) {                                \
         const __m256i mask = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);                      \
@@ -192,7 +196,7 @@ static inline __m256i q5_bit_256(__m256i hb, int b) {   /* bit b of each byte mo
                 const uint8_t *blk = wt + g * BYTES;                                           \
                 __m256i acc[R], acc2[R];                                                               \
                 for (int r = 0; r < R; r++) acc[r] = acc2[r] = _mm256_setzero_si256();                 \
-                const __m256i hb = Q5 ? _mm256_loadu_si256((const __m256i *)(blk + (KQ ? 352 : 320) + 32 * half)) : mask; \
+                const __m256i hb = Q5 ? _mm256_loadu_si256((const __m256i *)(blk + (KQ ? 352 : 288) + 32 * half)) : mask; \
                 for (int s = 0; s < 4; s++) {                                                          \
                     __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 64 * s + 32 * half));       \
                     __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask); \
@@ -213,7 +217,8 @@ static inline __m256i q5_bit_256(__m256i hb, int b) {   /* bit b of each byte mo
                 }                                                                                      \
                 for (int r = 0; r < R; r++) acc[r] = _mm256_add_epi32(_mm256_slli_epi32(acc[r], 7), acc2[r]); \
                 __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 256 + 16 * half))); \
-                __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 288 + 16 * half))); \
+                __m256 m = MD ? _mm256_mul_ps(d, _mm256_set1_ps(-(float)MD))                          \
+                              : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 288 + 16 * half))); \
                 if (KQ) {                                                                              \
                     d = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(                      \
                         _mm_loadl_epi64((const __m128i *)(blk + 320 + 8 * half)))));                   \
@@ -230,7 +235,7 @@ static inline __m256i q5_bit_256(__m256i hb, int b) {   /* bit b of each byte mo
         }                                                                                              \
     }
 #else
-#define Q4_TILE_OF(NAME, R, BYTES, KQ, Q5)                                                             \
+#define Q4_TILE_OF(NAME, R, BYTES, KQ, Q5, MD)                                                             \
     static void NAME##_##R(const uint8_t *wt, int64_t G, const int8_t *xq, int64_t K, const float *sx,  \
                             const float *xs, float *y, int64_t y_row) {                                \
         for (int r = 0; r < R; r++)                                                                    \
@@ -242,16 +247,16 @@ static inline __m256i q5_bit_256(__m256i hb, int b) {   /* bit b of each byte mo
                     int32_t acc = 0;                                                                   \
                     for (int s = 0; s < 4; s++)                                                        \
                         for (int j = 0; j < 4; j++) {                                                  \
-                            uint8_t c = blk[64 * s + 4 * lane + j], h = Q5 ? blk[(KQ ? 352 : 320) + 4 * lane + j] : 0; \
+                            uint8_t c = blk[64 * s + 4 * lane + j], h = Q5 ? blk[(KQ ? 352 : 288) + 4 * lane + j] : 0; \
                             int k0 = 8 * s + j, k1 = 8 * s + 4 + j;                                    \
                             int c0 = (c & 15) | (((h >> (2 * s)) & 1) << 4), c1 = (c >> 4) | (((h >> (2 * s + 1)) & 1) << 4); \
                             acc += c0 * (128 * x[k0] + xl[k0]) + c1 * (128 * x[k1] + xl[k1]);          \
                         }                                                                              \
                     uint16_t dh, mh;                                                                   \
                     memcpy(&dh, blk + 256 + 2 * lane, 2);                                              \
-                    memcpy(&mh, blk + 288 + 2 * lane, 2);                                              \
+                    if (!MD) memcpy(&mh, blk + 288 + 2 * lane, 2);                                     \
                     float t = sx[r * G + g] * (float)acc;                                              \
-                    float dd = q4_half(dh), mm = q4_half(mh);                                          \
+                    float dd = q4_half(dh), mm = MD ? dd * -(float)MD : q4_half(mh);                   \
                     if (KQ) {                                                                          \
                         dd = dd * (float)blk[320 + lane];                                              \
                         mm = mm * (float)blk[336 + lane];                                              \
@@ -264,10 +269,11 @@ static inline __m256i q5_bit_256(__m256i hb, int b) {   /* bit b of each byte mo
     }
 #endif
 #include "q8_tiles.c"   /* the tiles of one byte a code: Q8 (Q8_0) and Q6 (Q6_K) */
-#define Q4_TILE(R) Q4_TILE_OF(q4_tile, R, Q4_TILE_BYTES, 0, 0)
-#define Q4K_TILE(R) Q4_TILE_OF(q4k_tile, R, Q4K_TILE_BYTES, 1, 0)
-#define Q5_TILE(R) Q4_TILE_OF(q5_tile, R, Q5_TILE_BYTES, 0, 1)
-#define Q5K_TILE(R) Q4_TILE_OF(q5k_tile, R, Q5K_TILE_BYTES, 1, 1)
+#define Q4_TILE(R) Q4_TILE_OF(q4_tile, R, Q4_TILE_BYTES, 0, 0, 0)
+#define Q40_TILE(R) Q4_TILE_OF(q40_tile, R, Q40_TILE_BYTES, 0, 0, 8)
+#define Q4K_TILE(R) Q4_TILE_OF(q4k_tile, R, Q4K_TILE_BYTES, 1, 0, 0)
+#define Q5_TILE(R) Q4_TILE_OF(q5_tile, R, Q5_TILE_BYTES, 0, 1, 16)
+#define Q5K_TILE(R) Q4_TILE_OF(q5k_tile, R, Q5K_TILE_BYTES, 1, 1, 0)
 Q4_TILE(1)
 Q4_TILE(2)
 Q4_TILE(3)
@@ -276,6 +282,14 @@ Q4_TILE(5)
 Q4_TILE(6)
 Q4_TILE(7)
 Q4_TILE(8)
+Q40_TILE(1)
+Q40_TILE(2)
+Q40_TILE(3)
+Q40_TILE(4)
+Q40_TILE(5)
+Q40_TILE(6)
+Q40_TILE(7)
+Q40_TILE(8)
 Q4K_TILE(1)
 Q4K_TILE(2)
 Q4K_TILE(3)
@@ -325,6 +339,8 @@ static const q4_tile_fn q4_tiles[9] = {0, q4_tile_1, q4_tile_2, q4_tile_3, q4_ti
                                                  q4_tile_5, q4_tile_6, q4_tile_7, q4_tile_8};
 static const q8_tile_fn q8_tiles[9] = {0, q8_tile_1, q8_tile_2, q8_tile_3, q8_tile_4,
                                                  q8_tile_5, q8_tile_6, q8_tile_7, q8_tile_8};
+static const q4_tile_fn q40_tiles[9] = {0, q40_tile_1, q40_tile_2, q40_tile_3, q40_tile_4,
+                                                  q40_tile_5, q40_tile_6, q40_tile_7, q40_tile_8};
 static const q4_tile_fn q4k_tiles[9] = {0, q4k_tile_1, q4k_tile_2, q4k_tile_3, q4k_tile_4,
                                                   q4k_tile_5, q4k_tile_6, q4k_tile_7, q4k_tile_8};
 static const q4_tile_fn q5_tiles[9] = {0, q5_tile_1, q5_tile_2, q5_tile_3, q5_tile_4,
@@ -352,7 +368,8 @@ void q4_mm_tiles(const uint8_t *w, int kind, int64_t K, const int8_t *xq, const 
                  int64_t tile1) {
     int64_t G = K / 32, bytes = kind == Q8_KIND ? Q8_TILE_BYTES : kind == Q6_KIND ? Q6_TILE_BYTES
                                 : kind == Q4K_KIND ? Q4K_TILE_BYTES : kind == Q5_KIND ? Q5_TILE_BYTES
-                                : kind == Q5K_KIND ? Q5K_TILE_BYTES : Q4_TILE_BYTES;
+                                : kind == Q5K_KIND ? Q5K_TILE_BYTES : kind == Q40_KIND ? Q40_TILE_BYTES
+                                : Q4_TILE_BYTES;
     for (int64_t t0 = 0, passes = (T + Q4_ROWS - 1) / Q4_ROWS; t0 < T; passes--) {
         int R = (int)((T - t0 + passes - 1) / passes);   /* rows split evenly: 9 = 5 + 4, not 8 + 1 */
         for (int64_t tile = tile0; tile < tile1; tile++) {
@@ -363,7 +380,8 @@ void q4_mm_tiles(const uint8_t *w, int kind, int64_t K, const int8_t *xq, const 
             else if (kind == Q6_KIND)
                 q6_tiles[R](wt, G, xq + t0 * 2 * K, K, sx + t0 * G, qsum16 + t0 * 2 * G, yt, y_row);
             else
-                (kind == Q4K_KIND ? q4k_tiles : kind == Q5_KIND ? q5_tiles : kind == Q5K_KIND ? q5k_tiles : q4_tiles)[R](wt, G, xq + t0 * 2 * K, K, sx + t0 * G, xs + t0 * G, yt,
+                (kind == Q4K_KIND ? q4k_tiles : kind == Q5_KIND ? q5_tiles : kind == Q5K_KIND ? q5k_tiles
+                 : kind == Q40_KIND ? q40_tiles : q4_tiles)[R](wt, G, xq + t0 * 2 * K, K, sx + t0 * G, xs + t0 * G, yt,
                                                              y_row);
         }
         t0 += R;

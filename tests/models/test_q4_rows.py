@@ -41,6 +41,13 @@ def q4_case(N: int, K: int, seed: int):
     return blocks, (blocks.codes, blocks.scales, blocks.zeros - 8 * blocks.scales)
 
 
+def q40_case(N: int, K: int, seed: int):
+    """Int4 blocks of Q4_0 (w = d·(q − 8): m = −8·d), packed as Q40 tiles (m not stored)."""
+    b = q4_rows.random(N, K, torch.Generator().manual_seed(seed))
+    blocks = int4.Int4Blocks(b.codes, b.scales, torch.zeros_like(b.scales))
+    return blocks, (blocks.codes, blocks.scales, -8 * blocks.scales)
+
+
 def q8_case(N: int, K: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     q = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int16).to(torch.int8)
@@ -72,7 +79,7 @@ def q5_case(N: int, K: int, seed: int):
 
 
 def make(kind: str, N: int, K: int, dtype: torch.dtype, seed: int = 0):
-    """(weight, reference args) of a random Q4, Q8, Q6, Q4K, Q5 or Q5K weight."""
+    """(weight, reference args) of a random Q4, Q40, Q8, Q6, Q4K, Q5 or Q5K weight."""
     if kind == "q5k":
         (q, d, dmin, sc, mn), (_, d1, m1) = q4k_case(N, K, seed)
         q = q + 16 * torch.randint(0, 2, q.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.uint8)
@@ -83,9 +90,11 @@ def make(kind: str, N: int, K: int, dtype: torch.dtype, seed: int = 0):
     if kind == "q4k":
         args, ref = q4k_case(N, K, seed)
         return q4_rows.pack_q4k(*args, dtype), ref
-    if kind == "q4":
-        blocks, ref = q4_case(N, K, seed)
-        return q4_rows.pack(blocks, dtype), ref
+    if kind in ("q4", "q40"):
+        blocks, ref = (q4_case if kind == "q4" else q40_case)(N, K, seed)
+        w = q4_rows.pack(blocks, dtype)
+        assert w.kind == (q4_rows.Q4_KIND if kind == "q4" else q4_rows.Q40_KIND)
+        return w, ref
     if kind == "q6":
         (q, d, sc), ref = q6_case(N, K, seed)
         return q4_rows.pack_q6k(q, d, sc, dtype), ref
@@ -101,7 +110,7 @@ def rows(T: int, K: int, seed: int) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("kind", ["q4", "q8", "q6", "q4k", "q5", "q5k"])
+@pytest.mark.parametrize("kind", ["q4", "q40", "q8", "q6", "q4k", "q5", "q5k"])
 @pytest.mark.parametrize("dtype", ROWS, ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("T,N,K", [(1, 48, 64), (3, 960, 576), (8, 32, 1536), (9, 64, 96), (17, 48, 576)])
 def test_products_are_the_reference_arithmetic_bit_for_bit(kind, dtype, T, N, K):
@@ -112,7 +121,7 @@ def test_products_are_the_reference_arithmetic_bit_for_bit(kind, dtype, T, N, K)
     assert torch.equal(got, q4_rows.reference_mm(x.to(dtype).float(), *ref))
 
 
-@pytest.mark.parametrize("kind", ["q4", "q8", "q6", "q4k", "q5", "q5k"])
+@pytest.mark.parametrize("kind", ["q4", "q40", "q8", "q6", "q4k", "q5", "q5k"])
 def test_a_row_never_depends_on_its_batch_mates_order_or_threads(kind):
     w, _ = make(kind, 96, 576, torch.bfloat16, seed=1)
     x = rows(13, 576, seed=2)
@@ -137,7 +146,7 @@ def test_a_non_finite_input_makes_its_own_row_nan_only():
     assert got[0].isnan().all() and got[3].isnan().all() and got[1:3].isfinite().all()
 
 
-@pytest.mark.parametrize("kind", ["q4", "q8", "q6", "q4k", "q5", "q5k"])
+@pytest.mark.parametrize("kind", ["q4", "q40", "q8", "q6", "q4k", "q5", "q5k"])
 def test_products_stay_within_the_row_quantization_bound(kind):
     N, K = 64, 576
     w, (codes, d, m) = make(kind, N, K, torch.float32, seed=4)
@@ -164,7 +173,7 @@ def test_other_code_paths_give_the_same_bits(monkeypatch, march):
     lib = ctypes.CDLL(str(q4_rows.build()))
     lib.q4_mm.argtypes, lib.q4_mm.restype = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] + \
         [ctypes.c_int64] * 3 + [ctypes.c_void_p], ctypes.c_int64
-    for kind in ("q4", "q8", "q6", "q4k", "q5", "q5k"):
+    for kind in ("q4", "q40", "q8", "q6", "q4k", "q5", "q5k"):
         w, _ = make(kind, 96, 576, torch.bfloat16, seed=6)
         x = rows(11, 576, seed=7).bfloat16()
         y = torch.empty(11, 96)
@@ -192,6 +201,8 @@ def test_gguf_bytes_load_into_tiles_exactly(kind):
         b = int4.from_blocks(raw, kind, (N, K))
         w, ref = q4_rows.pack(b, torch.float32), (b.codes, b.scales, b.zeros - 8 * b.scales)
         assert torch.equal(b.dequantize(), dense)
+        assert w.kind == (q4_rows.Q40_KIND if kind == "Q4_0" else q4_rows.Q4_KIND)   # Q4_0: m not stored
+        assert w.nbytes == N * K // 32 * (18 if kind == "Q4_0" else 20)   # the file's bytes, no more
     x = rows(5, K, seed=8)
     assert torch.equal(w.mm(x), q4_rows.reference_mm(x, *ref))
 
