@@ -14,20 +14,23 @@
  * - **Q8 tile** (Q8_0: w = d*q, q in -128..127): per (tile, group), 512 bytes of codes in 8
  *   steps of 64: byte 4*lane + j of step s holds q + 128 for k = 32g + 4s + j; then 16 fp16 d.
  * - **Q4K tile** (Q4_K: w = d*scale*q - dmin*min per 32 weights, 6-bit scale and min, fp16 d
- *   and dmin): a Q4 tile whose fp16 d and m hold d and -dmin, then 16 u8 scales and 16 u8 mins;
- *   its d and m are formed as d*scale and (-dmin)*min (exact float32 products), then as Q4.
+ *   and dmin per super-block of 256 inputs): per (tile, group), a Q4 tile's 256 bytes of codes,
+ *   then 16 u8 scales and 16 u8 mins; per (tile, super-block), before its 8 groups, a head of 16
+ *   fp16 d and 16 fp16 -dmin (as the file keeps them: 4.625 bits a weight). Its d and m are
+ *   formed as d*scale and (-dmin)*min (exact float32 products), then as Q4.
  * - **Q40 tile** (Q4_0: w = d*(q - 8)): a Q4 tile without its m; the kernel forms m = d*(-8), the
  *   float32 value a Q4 tile would store, so the arithmetic and its bits are the Q4 tile's.
  * - **Q5 tile** (Q5_0: w = d*(q - 16), q in 0..31, fp16 d): a Q40 tile of q's low 4 bits whose m
  *   is d*(-16), then 64 bytes of q's fifth bits: bit 2s of byte 4*lane + j is that of the
  *   low-nibble code of step s, bit 2s + 1 that of the high-nibble code.
- * - **Q5K tile** (Q5_K: Q4_K's arithmetic with codes 0..31): a Q4K tile, then the fifth bits as a
- *   Q5 tile's.
+ * - **Q5K tile** (Q5_K: Q4_K's arithmetic with codes 0..31): a Q4K tile whose groups each end
+ *   with the fifth bits as a Q5 tile's.
  * - **Q6 tile** (Q6_K: w = s*q, q = the 6-bit code c - 32, s = d*scale per 16 weights with fp16
  *   d and int8 scale, so s is a float32 value exactly): per (tile, group), 4 nibble blocks of 64
  *   bytes (block p: c's low 4 bits of steps 2p and, high nibble, 2p + 1, in the Q8 tile's byte
  *   order), 2 high blocks of 64 (block h: bits 2i..2i+1 hold c's top 2 bits of step 4h + i),
- *   16 fp16 d, 16 int8 scales of the group's first 16 inputs and 16 of its last 16.
+ *   16 int8 scales of the group's first 16 inputs and 16 of its last 16; per (tile, super-block
+ *   of 256 inputs), before its 8 groups, a head of 16 fp16 d.
  * - **quantized row**: per 32 inputs, amax = max |x|, u = x * (127 / amax), hi = round(u) in
  *   -127..127 and lo = round(128 (u - hi)) in -64..64 (half to even; 0 where amax is 0), so
  *   x ~ unit * (128 hi + lo) with unit = (amax / 127) / 128; qsum = sum(128 hi + lo), xs =
@@ -55,11 +58,21 @@
 enum { Q4_KIND = 0, Q8_KIND = 1, Q6_KIND = 2, Q4K_KIND = 3, Q5_KIND = 4, Q5K_KIND = 5, Q40_KIND = 6 };   /* a packed weight's tiles */
 #define Q4_TILE_BYTES 320   /* per (tile, group): 256 bytes of codes, 16 fp16 d, 16 fp16 m */
 #define Q8_TILE_BYTES 544   /* per (tile, group): 512 bytes of codes + 128, 16 fp16 d */
-#define Q4K_TILE_BYTES 352  /* per (tile, group): a Q4 tile whose d, m are Q4_K's d and -dmin, then 16 u8 scales, 16 u8 mins */
+#define Q4K_TILE_BYTES 288  /* per (tile, group): 256 bytes of codes, 16 u8 scales, 16 u8 mins; d, -dmin per super-block */
 #define Q5_TILE_BYTES 352   /* per (tile, group): a Q40 tile whose m is -16d, then 64 bytes of fifth bits */
 #define Q40_TILE_BYTES 288  /* per (tile, group): 256 bytes of codes, 16 fp16 d (m = -8d is formed, not stored) */
-#define Q5K_TILE_BYTES 416  /* per (tile, group): a Q4K tile, then 64 bytes of fifth bits */
-#define Q6_TILE_BYTES 448   /* per (tile, group): 256 + 128 bytes of 6-bit codes, 16 fp16 d, 2 x 16 int8 scales */
+#define Q5K_TILE_BYTES 352  /* per (tile, group): a Q4K tile's group, then 64 bytes of fifth bits */
+#define Q6_TILE_BYTES 416   /* per (tile, group): 256 + 128 bytes of 6-bit codes, 2 x 16 int8 scales; d per super-block */
+/* The K-quant tiles keep their super-block's fp16 values once per 8 groups (256 inputs), as the
+ * file does: per (tile, super-block), a head (Q4K, Q5K: 16 d, then 16 -dmin, 64 bytes; Q6: 16 d,
+ * 32 bytes) and the 8 groups after it. So K is a multiple of 256 for these kinds. */
+#define Q4K_HEAD 64
+#define Q6_HEAD 32
+#define Q4_GROUP(wt, g, BYTES, KQ) \
+    ((KQ) ? (wt) + ((g) >> 3) * (Q4K_HEAD + 8 * (BYTES)) + Q4K_HEAD + ((g) & 7) * (BYTES) : (wt) + (g) * (BYTES))
+#define Q4K_SUPER(wt, g, BYTES) ((wt) + ((g) >> 3) * (Q4K_HEAD + 8 * (BYTES)))
+#define Q6_GROUP(wt, g) ((wt) + ((g) >> 3) * (Q6_HEAD + 8 * Q6_TILE_BYTES) + Q6_HEAD + ((g) & 7) * Q6_TILE_BYTES)
+#define Q6_SUPER(wt, g) ((wt) + ((g) >> 3) * (Q6_HEAD + 8 * Q6_TILE_BYTES))
 /* rows multiplied together per pass over a tile's weights: what the ISA's vector registers hold
  * (per row: an output and two accumulators; AVX-512 has 32 registers, AVX2 16) */
 #if defined(Q4_AVX512)
@@ -141,10 +154,10 @@ static inline __m512i q5_bit_512(__m512i hb, int b) {   /* bit b of each byte mo
         __m512 out[R];                                                                                 \
         for (int r = 0; r < R; r++) out[r] = _mm512_setzero_ps();                                      \
         for (int64_t g = 0; g < G; g++) {                                                              \
-            const uint8_t *blk = wt + g * BYTES;                                               \
+            const uint8_t *blk = Q4_GROUP(wt, g, BYTES, KQ), *dm = KQ ? Q4K_SUPER(wt, g, BYTES) : blk + 256; \
             __m512i acc[R], acc2[R];   /* per row: the hi codes' chain, the lo codes' chain */        \
             for (int r = 0; r < R; r++) acc[r] = acc2[r] = _mm512_setzero_si512();                     \
-            const __m512i hb = Q5 ? _mm512_loadu_si512((const void *)(blk + (KQ ? 352 : 288))) : mask;            \
+            const __m512i hb = Q5 ? _mm512_loadu_si512((const void *)(blk + 288)) : mask;            \
             for (int s = 0; s < 4; s++) {                                                              \
                 __m512i v = _mm512_loadu_si512((const void *)(blk + 64 * s));                          \
                 __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask); \
@@ -163,14 +176,14 @@ static inline __m512i q5_bit_512(__m512i hb, int b) {   /* bit b of each byte mo
             }                                                                                          \
             for (int r = 0; r < R; r++)                                                                \
                 acc[r] = _mm512_add_epi32(_mm512_slli_epi32(acc[r], 7), acc2[r]);   /* 128 hi + lo */  \
-            __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 256)));              \
+            __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)dm));                       \
             __m512 m = MD ? _mm512_mul_ps(d, _mm512_set1_ps(-(float)MD))   /* -MD*d: exact */         \
-                          : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 288)));         \
+                          : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dm + 32)));           \
             if (KQ) {   /* Q4_K: d*scale and -dmin*min, exact float32 products */                      \
                 d = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(                          \
-                    _mm_loadu_si128((const __m128i *)(blk + 320)))));                                  \
+                    _mm_loadu_si128((const __m128i *)(blk + 256)))));                                  \
                 m = _mm512_mul_ps(m, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(                          \
-                    _mm_loadu_si128((const __m128i *)(blk + 336)))));                                  \
+                    _mm_loadu_si128((const __m128i *)(blk + 272)))));                                  \
             }                                                                                          \
             for (int r = 0; r < R; r++) {                                                              \
                 __m512 t = _mm512_mul_ps(_mm512_set1_ps(sx[r * G + g]), _mm512_cvtepi32_ps(acc[r]));   \
@@ -193,10 +206,10 @@ static inline __m256i q5_bit_256(__m256i hb, int b) {   /* bit b of each byte mo
             __m256 out[R];                                                                             \
             for (int r = 0; r < R; r++) out[r] = _mm256_setzero_ps();                                  \
             for (int64_t g = 0; g < G; g++) {                                                          \
-                const uint8_t *blk = wt + g * BYTES;                                           \
+                const uint8_t *blk = Q4_GROUP(wt, g, BYTES, KQ), *dm = KQ ? Q4K_SUPER(wt, g, BYTES) : blk + 256; \
                 __m256i acc[R], acc2[R];                                                               \
                 for (int r = 0; r < R; r++) acc[r] = acc2[r] = _mm256_setzero_si256();                 \
-                const __m256i hb = Q5 ? _mm256_loadu_si256((const __m256i *)(blk + (KQ ? 352 : 288) + 32 * half)) : mask; \
+                const __m256i hb = Q5 ? _mm256_loadu_si256((const __m256i *)(blk + 288 + 32 * half)) : mask; \
                 for (int s = 0; s < 4; s++) {                                                          \
                     __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 64 * s + 32 * half));       \
                     __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask); \
@@ -216,14 +229,14 @@ static inline __m256i q5_bit_256(__m256i hb, int b) {   /* bit b of each byte mo
                     }                                                                                  \
                 }                                                                                      \
                 for (int r = 0; r < R; r++) acc[r] = _mm256_add_epi32(_mm256_slli_epi32(acc[r], 7), acc2[r]); \
-                __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 256 + 16 * half))); \
+                __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dm + 16 * half)));       \
                 __m256 m = MD ? _mm256_mul_ps(d, _mm256_set1_ps(-(float)MD))                          \
-                              : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 288 + 16 * half))); \
+                              : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dm + 32 + 16 * half))); \
                 if (KQ) {                                                                              \
                     d = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(                      \
-                        _mm_loadl_epi64((const __m128i *)(blk + 320 + 8 * half)))));                   \
+                        _mm_loadl_epi64((const __m128i *)(blk + 256 + 8 * half)))));                   \
                     m = _mm256_mul_ps(m, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(                      \
-                        _mm_loadl_epi64((const __m128i *)(blk + 336 + 8 * half)))));                   \
+                        _mm_loadl_epi64((const __m128i *)(blk + 272 + 8 * half)))));                   \
                 }                                                                                      \
                 for (int r = 0; r < R; r++) {                                                          \
                     __m256 t = _mm256_mul_ps(_mm256_set1_ps(sx[r * G + g]), _mm256_cvtepi32_ps(acc[r])); \
@@ -242,24 +255,24 @@ static inline __m256i q5_bit_256(__m256i hb, int b) {   /* bit b of each byte mo
             for (int lane = 0; lane < 16; lane++) {                                                    \
                 float out = 0.f;                                                                       \
                 for (int64_t g = 0; g < G; g++) {                                                      \
-                    const uint8_t *blk = wt + g * BYTES;                                       \
+                    const uint8_t *blk = Q4_GROUP(wt, g, BYTES, KQ), *dm = KQ ? Q4K_SUPER(wt, g, BYTES) : blk + 256; \
                     const int8_t *x = xq + r * 2 * K + 32 * g, *xl = x + K;                            \
                     int32_t acc = 0;                                                                   \
                     for (int s = 0; s < 4; s++)                                                        \
                         for (int j = 0; j < 4; j++) {                                                  \
-                            uint8_t c = blk[64 * s + 4 * lane + j], h = Q5 ? blk[(KQ ? 352 : 288) + 4 * lane + j] : 0; \
+                            uint8_t c = blk[64 * s + 4 * lane + j], h = Q5 ? blk[288 + 4 * lane + j] : 0; \
                             int k0 = 8 * s + j, k1 = 8 * s + 4 + j;                                    \
                             int c0 = (c & 15) | (((h >> (2 * s)) & 1) << 4), c1 = (c >> 4) | (((h >> (2 * s + 1)) & 1) << 4); \
                             acc += c0 * (128 * x[k0] + xl[k0]) + c1 * (128 * x[k1] + xl[k1]);          \
                         }                                                                              \
                     uint16_t dh, mh;                                                                   \
-                    memcpy(&dh, blk + 256 + 2 * lane, 2);                                              \
-                    if (!MD) memcpy(&mh, blk + 288 + 2 * lane, 2);                                     \
+                    memcpy(&dh, dm + 2 * lane, 2);                                                     \
+                    if (!MD) memcpy(&mh, dm + 32 + 2 * lane, 2);                                       \
                     float t = sx[r * G + g] * (float)acc;                                              \
                     float dd = q4_half(dh), mm = MD ? dd * -(float)MD : q4_half(mh);                   \
                     if (KQ) {                                                                          \
-                        dd = dd * (float)blk[320 + lane];                                              \
-                        mm = mm * (float)blk[336 + lane];                                              \
+                        dd = dd * (float)blk[256 + lane];                                              \
+                        mm = mm * (float)blk[272 + lane];                                              \
                     }                                                                                  \
                     float u = dd * t, w = mm * xs[r * G + g];                                          \
                     out = (out + u) + w;                                                               \
@@ -366,10 +379,10 @@ void q4_half_sums(const int8_t *xq, int64_t T, int64_t K, int32_t *qsum16) {
 void q4_mm_tiles(const uint8_t *w, int kind, int64_t K, const int8_t *xq, const float *sx, const float *xs,
                  const int32_t *qsum, const int32_t *qsum16, int64_t T, float *y, int64_t y_row, int64_t tile0,
                  int64_t tile1) {
-    int64_t G = K / 32, bytes = kind == Q8_KIND ? Q8_TILE_BYTES : kind == Q6_KIND ? Q6_TILE_BYTES
-                                : kind == Q4K_KIND ? Q4K_TILE_BYTES : kind == Q5_KIND ? Q5_TILE_BYTES
-                                : kind == Q5K_KIND ? Q5K_TILE_BYTES : kind == Q40_KIND ? Q40_TILE_BYTES
-                                : Q4_TILE_BYTES;
+    int64_t G = K / 32, bytes = kind == Q8_KIND ? Q8_TILE_BYTES : kind == Q6_KIND ? Q6_TILE_BYTES + Q6_HEAD / 8
+                                : kind == Q4K_KIND ? Q4K_TILE_BYTES + Q4K_HEAD / 8 : kind == Q5_KIND ? Q5_TILE_BYTES
+                                : kind == Q5K_KIND ? Q5K_TILE_BYTES + Q4K_HEAD / 8 : kind == Q40_KIND ? Q40_TILE_BYTES
+                                : Q4_TILE_BYTES;   /* a tile's bytes per group (with its share of the heads) */
     for (int64_t t0 = 0, passes = (T + Q4_ROWS - 1) / Q4_ROWS; t0 < T; passes--) {
         int R = (int)((T - t0 + passes - 1) / passes);   /* rows split evenly: 9 = 5 + 4, not 8 + 1 */
         for (int64_t tile = tile0; tile < tile1; tile++) {

@@ -39,9 +39,11 @@ SOURCE = Path(__file__).with_name("q4_mm.cpp")
 KERNEL = Path(__file__).with_name("q4_rows.c")
 Q8_TILES = Path(__file__).with_name("q8_tiles.c")   # included by q4_rows.c
 TILE = 16                    # outputs per tile
-BYTES = (320, 544, 448, 352, 352, 416, 288)   # per (tile, group of 32 inputs), by kind
+BYTES = (320, 544, 420, 296, 352, 360, 288)   # per (tile, group of 32 inputs), by kind (K-quants: with a share of their heads)
 Q4_BYTES, Q8_BYTES, Q6_BYTES, Q4K_BYTES, Q5_BYTES, Q5K_BYTES, Q40_BYTES = BYTES
 Q4_KIND, Q8_KIND, Q6_KIND, Q4K_KIND, Q5_KIND, Q5K_KIND, Q40_KIND = range(7)   # a packed weight's tiles, as q4_rows.c numbers them
+SUPER = 8                    # groups per K-quant super-block (256 inputs): Q6, Q4K and Q5K tiles keep its d (dmin) once
+SUPER_KINDS = (Q6_KIND, Q4K_KIND, Q5K_KIND)
 ROWS = (torch.float32, torch.bfloat16)
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
@@ -53,7 +55,7 @@ class Q4Weight:
     codes, fp16 d and int8 scale per 16). ``dtype``: the plan's row dtype, rows are cast to it before they are quantized (so a
     row is quantized from the values the int4pack form would multiply)."""
 
-    packed: Tensor            # uint8 [N/16, K/32, BYTES[kind]]
+    packed: Tensor            # uint8 [N/16, K/32, BYTES[kind]]; K-quant kinds: [N/16, K/256, 8·BYTES[kind]]
     shape: tuple[int, int]    # the logical [N, K]
     q8: bool
     dtype: torch.dtype
@@ -71,7 +73,8 @@ class Q4Weight:
 
     def __post_init__(self):
         N, K = self.shape
-        want = (N // TILE, K // int4.GROUP, BYTES[self.kind])
+        per = SUPER if self.kind in SUPER_KINDS else 1
+        want = (N // TILE, K // int4.GROUP // per, per * BYTES[self.kind])
         if not int4.fits(N, K) or self.packed.dtype != torch.uint8 or tuple(self.packed.shape) != want \
                 or not self.packed.is_contiguous() or self.dtype not in ROWS:
             raise HalError(f"weight: expected contiguous uint8 tiles {list(want)} for [{N}, {K}] (N a multiple of "
@@ -194,24 +197,41 @@ def q8_0_blocks(raw: np.ndarray, shape: tuple[int, int]) -> Q8Blocks:
 
 def pack_q6k(q: Tensor, d: Tensor, sc: Tensor, dtype: torch.dtype) -> Q4Weight:
     """Q6 tiles of codes ``q`` [N, K] in -32..31 with w = d·sc·q: ``d`` [N, K/32] fp16 values, ``sc``
-    [N, K/16] int8 (Q6_K's super-block d, given per group, and its scale per 16)."""
+    [N, K/16] int8 (Q6_K's super-block d, given per group, so the same for each 8 groups, and its
+    scale per 16)."""
     N, K = q.shape
-    if not int4.fits(N, K) or tuple(d.shape) != (N, K // 32) or tuple(sc.shape) != (N, K // 16) \
+    if not int4.fits(N, K) or K % 256 or tuple(d.shape) != (N, K // 32) or tuple(sc.shape) != (N, K // 16) \
             or q.dtype != torch.int8 or sc.dtype != torch.int8 or not torch.equal(d.half().float(), d.float()) \
-            or bool(((q < -32) | (q > 31)).any()):
-        raise HalError(f"weight: expected Q6_K codes [N, K] int8 in -32..31 (N a multiple of 16, K of 32), fp16 d "
-                       f"[N, K/32] and int8 scales [N, K/16], got {q.dtype} {list(q.shape)}, {list(d.shape)} and "
-                       f"{sc.dtype} {list(sc.shape)}", arg="weight")
+            or not _per_super(d) or bool(((q < -32) | (q > 31)).any()):
+        raise HalError(f"weight: expected Q6_K codes [N, K] int8 in -32..31 (N a multiple of 16, K of 256), fp16 d "
+                       f"[N, K/32] the same across each super-block's 8 groups and int8 scales [N, K/16], got "
+                       f"{q.dtype} {list(q.shape)}, {list(d.shape)} and {sc.dtype} {list(sc.shape)}", arg="weight")
     NT, G = N // TILE, K // int4.GROUP
     u = (q.to(torch.int16) + 32).to(torch.uint8).view(NT, TILE, G, 8, 4)   # k = 32g + 4s + j
     u = u.permute(0, 2, 3, 1, 4).reshape(NT, G, 8, 64)   # per step s, the Q8 tile's byte order
     nib = (u[:, :, 0::2] & 15) | ((u[:, :, 1::2] & 15) << 4)                 # blocks p: steps 2p, 2p + 1
     hi = (u >> 4).view(NT, G, 2, 4, 64)
     top = hi[:, :, :, 0] | (hi[:, :, :, 1] << 2) | (hi[:, :, :, 2] << 4) | (hi[:, :, :, 3] << 6)   # blocks h
-    d16 = d.half().view(NT, TILE, G).permute(0, 2, 1).contiguous().view(torch.uint8).reshape(NT, G, 32)
     scb = sc.view(NT, TILE, G, 2).permute(0, 2, 3, 1).contiguous().view(torch.uint8).reshape(NT, G, 32)
-    packed = torch.cat([nib.reshape(NT, G, 256), top.reshape(NT, G, 128), d16, scb], -1).contiguous()
+    groups = torch.cat([nib.reshape(NT, G, 256), top.reshape(NT, G, 128), scb], -1)
+    head = _super_heads([d])   # [NT, G/8, 32]
+    packed = torch.cat([head, groups.reshape(NT, G // SUPER, -1)], -1).contiguous()
     return Q4Weight(packed, (N, K), False, dtype, q6k=True)
+
+
+def _per_super(d: Tensor) -> bool:
+    """Whether ``d`` [N, K/32] is the same across each super-block's 8 groups."""
+    v = d.reshape(d.shape[0], -1, SUPER)
+    return torch.equal(v, v[..., :1].expand_as(v))
+
+
+def _super_heads(values: list[Tensor]) -> Tensor:
+    """The tiles' super-block heads: per (tile, super-block), each of ``values`` ([N, K/32], one
+    value per super-block, given per group) as 16 fp16, one per output: uint8 [N/16, K/256, 32·len]."""
+    N, G = values[0].shape
+    NT = N // TILE
+    v = torch.stack([x.reshape(N, G // SUPER, SUPER)[..., 0].half().view(NT, TILE, G // SUPER) for x in values], 2)
+    return v.permute(0, 3, 2, 1).contiguous().view(torch.uint8).reshape(NT, G // SUPER, 32 * len(values))
 
 
 def pack_q4k(codes: Tensor, d: Tensor, dmin: Tensor, sc: Tensor, mn: Tensor, dtype: torch.dtype,
@@ -221,19 +241,19 @@ def pack_q4k(codes: Tensor, d: Tensor, dmin: Tensor, sc: Tensor, mn: Tensor, dty
     with ``q5``, Q5K tiles of Q5_K's codes (0..31), their fifth bits after."""
     N, K = codes.shape
     G, NT = K // int4.GROUP, N // TILE
-    if not int4.fits(N, K) or any(tuple(t.shape) != (N, G) for t in (d, dmin, sc, mn)) \
+    if not int4.fits(N, K) or K % 256 or any(tuple(t.shape) != (N, G) for t in (d, dmin, sc, mn)) \
             or not (torch.equal(d.half().float(), d.float()) and torch.equal(dmin.half().float(), dmin.float())) \
-            or int(codes.min()) < 0 or int(codes.max()) > (31 if q5 else 15):
-        raise HalError(f"weight: expected Q{5 if q5 else 4}_K codes [N, K] in 0..{31 if q5 else 15} with fp16 d, "
-                       f"dmin and scales, mins [N, K/32], got {list(codes.shape)}, {list(d.shape)}", arg="weight")
+            or not (_per_super(d) and _per_super(dmin)) or int(codes.min()) < 0 or int(codes.max()) > (31 if q5 else 15):
+        raise HalError(f"weight: expected Q{5 if q5 else 4}_K codes [N, K] in 0..{31 if q5 else 15} (K a multiple of "
+                       f"256) with fp16 d, dmin (the same across each super-block's 8 groups) and scales, mins "
+                       f"[N, K/32], got {list(codes.shape)}, {list(d.shape)}", arg="weight")
     c = codes.to(torch.uint8).view(NT, TILE, G, 4, 2, 4)   # as `pack`'s Q4 codes
     packed = ((c[..., 0, :] & 15) | ((c[..., 1, :] & 15) << 4)).permute(0, 2, 3, 1, 4).reshape(NT, G, 256)
-    dm = torch.stack([d.half().view(NT, TILE, G), (-dmin).half().view(NT, TILE, G)], 2)
-    dm = dm.permute(0, 3, 2, 1).contiguous().view(torch.uint8).reshape(NT, G, 64)
     smn = torch.stack([sc.to(torch.uint8).view(NT, TILE, G), mn.to(torch.uint8).view(NT, TILE, G)], 2)
     smn = smn.permute(0, 3, 2, 1).reshape(NT, G, 32)
-    parts = [packed, dm, smn] + ([_fifth_bits(c)] if q5 else [])
-    return Q4Weight(torch.cat(parts, -1).contiguous(), (N, K), False, dtype, q4k=True, q5=q5)
+    groups = torch.cat([packed, smn] + ([_fifth_bits(c)] if q5 else []), -1).reshape(NT, G // SUPER, -1)
+    head = _super_heads([d, -dmin])   # [NT, G/8, 64]
+    return Q4Weight(torch.cat([head, groups], -1).contiguous(), (N, K), False, dtype, q4k=True, q5=q5)
 
 
 def pack_q5(codes: Tensor, d: Tensor, dtype: torch.dtype) -> Q4Weight:
@@ -271,7 +291,8 @@ def random_q5(N: int, K: int, generator: torch.Generator, dtype: torch.dtype) ->
 def random_q4k(N: int, K: int, generator: torch.Generator, dtype: torch.dtype, q5: bool = False) -> Q4Weight:
     """Random Q4K (``q5``: Q5K) tiles (a plan's self-check and timing)."""
     G = K // int4.GROUP
-    d, dmin = ((torch.rand(N, G, generator=generator) * 1e-3 + 1e-5).half().float() for _ in range(2))
+    d, dmin = ((torch.rand(N, G // SUPER, generator=generator) * 1e-3 + 1e-5).half().float().repeat_interleave(SUPER, 1)
+               for _ in range(2))
     sc, mn = (torch.randint(0, 64, (N, G), generator=generator, dtype=torch.uint8) for _ in range(2))
     q = torch.randint(0, 32 if q5 else 16, (N, K), generator=generator, dtype=torch.uint8)
     return pack_q4k(q, d, dmin, sc, mn, dtype, q5)
@@ -285,7 +306,7 @@ def q6_scales(d: Tensor, sc: Tensor) -> Tensor:
 def random_q6k(N: int, K: int, generator: torch.Generator, dtype: torch.dtype) -> Q4Weight:
     """Random Q6 tiles (a plan's self-check and timing)."""
     q = torch.randint(-32, 32, (N, K), generator=generator, dtype=torch.int16).to(torch.int8)
-    d = (torch.rand(N, K // 32, generator=generator) * 1e-4 + 1e-5).half().float()
+    d = (torch.rand(N, K // 256, generator=generator) * 1e-4 + 1e-5).half().float().repeat_interleave(SUPER, 1)
     sc = torch.randint(-128, 128, (N, K // 16), generator=generator, dtype=torch.int16).to(torch.int8)
     return pack_q6k(q, d, sc, dtype)
 

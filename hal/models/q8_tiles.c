@@ -106,8 +106,8 @@ static inline void q8_step_avx2(__m256i w, const int8_t *xr, int64_t K, __m256i 
         __m512 out[R];                                                                                 \
         for (int r = 0; r < R; r++) out[r] = _mm512_setzero_ps();                                      \
         for (int64_t g = 0; g < G; g++) {                                                              \
-            const uint8_t *blk = wt + g * Q6_TILE_BYTES;                                               \
-            __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 384)));              \
+            const uint8_t *blk = Q6_GROUP(wt, g);                                                      \
+            __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)Q6_SUPER(wt, g)));          \
             for (int h = 0; h < 2; h++) {                                                              \
                 __m512i hb = _mm512_loadu_si512((const void *)(blk + 256 + 64 * h));                   \
                 __m512i acc[R], acc2[R];                                                               \
@@ -125,7 +125,7 @@ static inline void q8_step_avx2(__m256i w, const int8_t *xr, int64_t K, __m256i 
                     }                                                                                  \
                 }                                                                                      \
                 __m512 sc = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(                 \
-                    _mm_loadu_si128((const __m128i *)(blk + 416 + 16 * h)))));   /* d * scale: exact */ \
+                    _mm_loadu_si128((const __m128i *)(blk + 384 + 16 * h)))));   /* d * scale: exact */ \
                 for (int r = 0; r < R; r++) {                                                          \
                     __m512i isum = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(acc[r], 7), acc2[r]), \
                                                     _mm512_set1_epi32(32 * qsum16[r * 2 * G + 2 * g + h])); \
@@ -147,8 +147,8 @@ static inline void q8_step_avx2(__m256i w, const int8_t *xr, int64_t K, __m256i 
             __m256 out[R];                                                                             \
             for (int r = 0; r < R; r++) out[r] = _mm256_setzero_ps();                                  \
             for (int64_t g = 0; g < G; g++) {                                                          \
-                const uint8_t *blk = wt + g * Q6_TILE_BYTES;                                           \
-                __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 384 + 16 * half))); \
+                const uint8_t *blk = Q6_GROUP(wt, g);                                                  \
+                __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(Q6_SUPER(wt, g) + 16 * half))); \
                 for (int h = 0; h < 2; h++) {   /* the group's inputs 0..15, then 16..31 */           \
                     __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 256 + 64 * h + 32 * half));  \
                     __m256i acc[R], acc2[R];                                                           \
@@ -163,7 +163,7 @@ static inline void q8_step_avx2(__m256i w, const int8_t *xr, int64_t K, __m256i 
                             q8_step_avx2(w, xq + r * 2 * K + 32 * g + 4 * s, K, &acc[r], &acc2[r]);    \
                     }                                                                                  \
                     __m256 sc = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(              \
-                        _mm_loadl_epi64((const __m128i *)(blk + 416 + 16 * h + 8 * half)))));          \
+                        _mm_loadl_epi64((const __m128i *)(blk + 384 + 16 * h + 8 * half)))));          \
                     for (int r = 0; r < R; r++) {                                                      \
                         __m256i isum = _mm256_add_epi32(_mm256_slli_epi32(acc[r], 7), acc2[r]);        \
                         __m256 t = _mm256_mul_ps(_mm256_set1_ps(sx[r * G + g]), _mm256_cvtepi32_ps(isum)); \
@@ -183,10 +183,10 @@ static inline void q8_step_avx2(__m256i w, const int8_t *xr, int64_t K, __m256i 
             for (int lane = 0; lane < 16; lane++) {                                                    \
                 float out = 0.f;                                                                       \
                 for (int64_t g = 0; g < G; g++) {                                                      \
-                    const uint8_t *blk = wt + g * Q6_TILE_BYTES;                                       \
+                    const uint8_t *blk = Q6_GROUP(wt, g);                                              \
                     const int8_t *x = xq + r * 2 * K + 32 * g, *xl = x + K;                            \
                     uint16_t dh;                                                                       \
-                    memcpy(&dh, blk + 384 + 2 * lane, 2);                                              \
+                    memcpy(&dh, Q6_SUPER(wt, g) + 2 * lane, 2);                                        \
                     for (int h = 0; h < 2; h++) {                                                      \
                         int32_t acc = 0;                                                               \
                         for (int i = 0; i < 4; i++)                                                    \
@@ -196,7 +196,7 @@ static inline void q8_step_avx2(__m256i w, const int8_t *xr, int64_t K, __m256i 
                                 int hi = (blk[256 + 64 * h + b] >> (2 * i)) & 3;                       \
                                 acc += ((lo | (hi << 4)) - 32) * (128 * x[4 * s + j] + xl[4 * s + j]); \
                             }                                                                          \
-                        float sc = q4_half(dh) * (float)(int8_t)blk[416 + 16 * h + lane];              \
+                        float sc = q4_half(dh) * (float)(int8_t)blk[384 + 16 * h + lane];              \
                         float t = sx[r * G + g] * (float)acc;                                          \
                         out = out + sc * t;                                                            \
                     }                                                                                  \

@@ -32,7 +32,7 @@ LAYERS, V = 3, 512
 def _weights(dtype: torch.dtype, seed: int = 0, form: str = "int4",
              extras: bool = False, q8: bool | str = False) -> tuple[LlamaConfig, dict]:
     """``extras``: the families' additions too (q/k/v and o biases as Llama's attention_bias, Qwen3's q/k norms);
-    ``q8``: qkv and down in Q8 tiles (a file's Q8_0 layers), the others Q4; ``"mixed"``: Q4_K_M's tiles."""
+    ``q8``: qkv and down in Q8 tiles (a file's Q8_0 layers), the others Q4; ``"mixed"``: a K-quant file's tiles (Q5, Q8, Q4K, Q6)."""
     g = torch.Generator().manual_seed(seed)
     cfg = LlamaConfig(hidden=576, layers=LAYERS, heads=9, kv_heads=3, head_dim=64, ffn=1536, vocab=V,
                       rope_base=10000.0, eps=1e-5, rope_interleaved=not extras, qkv_bias=extras, o_bias=extras,
@@ -42,9 +42,12 @@ def _weights(dtype: torch.dtype, seed: int = 0, form: str = "int4",
         w[f"{i}.attn_norm"] = 1 + 0.1 * torch.randn(576, generator=g)
         w[f"{i}.ffn_norm"] = 1 + 0.1 * torch.randn(576, generator=g)
         for name, (n, k) in {"wqkv": (960, 576), "wo": (576, 576), "wgu": (3072, 576), "wdown": (576, 1536)}.items():
-            if q8 == "mixed":   # a Q4_K_M file's: Q4K tiles, v and down in Q6 tiles (qkv: two parts)
-                w[f"{i}.{name}"] = MixedWeight((q4_rows.random_q4k(768, k, g, dtype), q4_rows.random_q6k(192, k, g, dtype))) \
-                    if name == "wqkv" else (q4_rows.random_q6k if name == "wdown" else q4_rows.random_q4k)(n, k, g, dtype)
+            if q8 == "mixed":   # a K-quant file's: rows of 576 (not K-quants) in Q5 and Q8 tiles, as llama-quantize
+                # leaves them (qkv: two parts), down's rows of 1536 in Q4K and Q6 tiles (two parts)
+                w[f"{i}.{name}"] = MixedWeight((q4_rows.random_q5(768, k, g, dtype), q4_rows.random_q8(192, k, g, dtype))) \
+                    if name == "wqkv" else MixedWeight((q4_rows.random_q4k(384, k, g, dtype),
+                                                        q4_rows.random_q6k(192, k, g, dtype))) \
+                    if name == "wdown" else q4_rows.random_q5(n, k, g, dtype)
             elif q8 and name in ("wqkv", "wdown"):   # a file's Q8_0 layers: q4q8's Q8 tiles beside Q4 ones
                 w[f"{i}.{name}"] = q4_rows.random_q8(n, k, g, dtype)
             else:

@@ -58,7 +58,7 @@ def q8_case(N: int, K: int, seed: int):
 def q6_case(N: int, K: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     q = torch.randint(-32, 32, (N, K), generator=g, dtype=torch.int16).to(torch.int8)
-    d = (torch.rand(N, K // 32, generator=g) * 1e-3 + 1e-5).half().float()
+    d = (torch.rand(N, K // 256, generator=g) * 1e-3 + 1e-5).half().float().repeat_interleave(8, 1)   # per super-block
     sc = torch.randint(-128, 128, (N, K // 16), generator=g, dtype=torch.int16).to(torch.int8)
     return (q, d, sc), (q, q4_rows.q6_scales(d, sc), None)
 
@@ -66,7 +66,8 @@ def q6_case(N: int, K: int, seed: int):
 def q4k_case(N: int, K: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 16, (N, K), generator=g, dtype=torch.uint8)
-    d, dmin = ((torch.rand(N, K // 32, generator=g) * 1e-3 + 1e-5).half().float() for _ in range(2))
+    d, dmin = ((torch.rand(N, K // 256, generator=g) * 1e-3 + 1e-5).half().float().repeat_interleave(8, 1)
+               for _ in range(2))   # per super-block of 256 inputs, as a file keeps them
     sc, mn = (torch.randint(0, 64, (N, K // 32), generator=g, dtype=torch.uint8) for _ in range(2))
     return (q, d, dmin, sc, mn), (q, d * sc.float(), -dmin * mn.float())   # Q4_K's d*sc and -dmin*min: exact
 
@@ -76,6 +77,11 @@ def q5_case(N: int, K: int, seed: int):
     q = torch.randint(0, 32, (N, K), generator=g, dtype=torch.uint8)
     d = (torch.rand(N, K // 32, generator=g) * 1e-3 + 1e-5).half().float()
     return (q, d), (q, d, -16 * d)   # Q5_0: w = d·(q − 16)
+
+
+def dims(kind: str, K: int) -> int:
+    """K for a kind: a K-quant's (Q6, Q4K, Q5K: super-blocks of 256) rounded up to a multiple of 256."""
+    return -(-K // 256) * 256 if kind in ("q6", "q4k", "q5k") else K
 
 
 def make(kind: str, N: int, K: int, dtype: torch.dtype, seed: int = 0):
@@ -114,6 +120,7 @@ def rows(T: int, K: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", ROWS, ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("T,N,K", [(1, 48, 64), (3, 960, 576), (8, 32, 1536), (9, 64, 96), (17, 48, 576)])
 def test_products_are_the_reference_arithmetic_bit_for_bit(kind, dtype, T, N, K):
+    K = dims(kind, K)
     w, ref = make(kind, N, K, dtype)
     x = rows(T, K, seed=T)
     got = w.mm(x)
@@ -123,8 +130,8 @@ def test_products_are_the_reference_arithmetic_bit_for_bit(kind, dtype, T, N, K)
 
 @pytest.mark.parametrize("kind", ["q4", "q40", "q8", "q6", "q4k", "q5", "q5k"])
 def test_a_row_never_depends_on_its_batch_mates_order_or_threads(kind):
-    w, _ = make(kind, 96, 576, torch.bfloat16, seed=1)
-    x = rows(13, 576, seed=2)
+    w, _ = make(kind, 96, dims(kind, 576), torch.bfloat16, seed=1)
+    x = rows(13, dims(kind, 576), seed=2)
     whole = w.mm(x)
     perm = torch.randperm(13, generator=torch.Generator().manual_seed(0))
     assert torch.equal(w.mm(x[perm]), whole[perm])
@@ -148,7 +155,7 @@ def test_a_non_finite_input_makes_its_own_row_nan_only():
 
 @pytest.mark.parametrize("kind", ["q4", "q40", "q8", "q6", "q4k", "q5", "q5k"])
 def test_products_stay_within_the_row_quantization_bound(kind):
-    N, K = 64, 576
+    N, K = 64, dims(kind, 576)
     w, (codes, d, m) = make(kind, N, K, torch.float32, seed=4)
     x = rows(6, K, seed=5)
     per = K // d.shape[1]   # inputs per scale: 32, or Q6's 16
@@ -174,10 +181,11 @@ def test_other_code_paths_give_the_same_bits(monkeypatch, march):
     lib.q4_mm.argtypes, lib.q4_mm.restype = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] + \
         [ctypes.c_int64] * 3 + [ctypes.c_void_p], ctypes.c_int64
     for kind in ("q4", "q40", "q8", "q6", "q4k", "q5", "q5k"):
-        w, _ = make(kind, 96, 576, torch.bfloat16, seed=6)
-        x = rows(11, 576, seed=7).bfloat16()
+        K = dims(kind, 576)
+        w, _ = make(kind, 96, K, torch.bfloat16, seed=6)
+        x = rows(11, K, seed=7).bfloat16()
         y = torch.empty(11, 96)
-        assert lib.q4_mm(w.packed.data_ptr(), w.kind, 96, 576, x.data_ptr(), 1, 11, 576, y.data_ptr()) == 0
+        assert lib.q4_mm(w.packed.data_ptr(), w.kind, 96, K, x.data_ptr(), 1, 11, K, y.data_ptr()) == 0
         assert torch.equal(y, w.mm(x)), kind
 
 
@@ -310,13 +318,23 @@ def test_bad_input_is_refused_naming_the_argument():
                     (lambda: q4_rows.pack(blocks, torch.float32).mm(torch.zeros(2, 32)), "x"),
                     (lambda: q4_rows.pack(blocks, torch.float32).mm(torch.zeros(2, 64, dtype=torch.int32)), "x"),
                     (lambda: q4_rows.pack(blocks, torch.float32).to("meta"), "device"),
-                    (lambda: q4_rows.pack_q6k(torch.full((48, 64), 40, dtype=torch.int8), torch.ones(48, 2),
-                                              torch.ones(48, 4, dtype=torch.int8), torch.float32), "weight"),  # code > 31
-                    (lambda: q4_rows.pack_q6k(torch.zeros(48, 64, dtype=torch.int8), torch.ones(48, 2),
+                    (lambda: q4_rows.pack_q6k(torch.full((48, 256), 40, dtype=torch.int8), torch.ones(48, 8),
+                                              torch.ones(48, 16, dtype=torch.int8), torch.float32), "weight"),  # code > 31
+                    (lambda: q4_rows.pack_q6k(torch.zeros(48, 256, dtype=torch.int8), torch.ones(48, 8),
                                               torch.ones(48, 3, dtype=torch.int8), torch.float32), "weight"),
-                    (lambda: q4_rows.pack_q4k(torch.zeros(48, 64, dtype=torch.uint8), torch.full((48, 2), 1e-9),
+                    (lambda: q4_rows.pack_q6k(torch.zeros(48, 64, dtype=torch.int8), torch.ones(48, 2),
+                                              torch.ones(48, 4, dtype=torch.int8), torch.float32), "weight"),  # K % 256
+                    (lambda: q4_rows.pack_q6k(torch.zeros(48, 256, dtype=torch.int8), torch.arange(8.).expand(48, 8),
+                                              torch.ones(48, 16, dtype=torch.int8), torch.float32), "weight"),  # d varies in a super-block
+                    (lambda: q4_rows.pack_q4k(torch.zeros(48, 256, dtype=torch.uint8), torch.full((48, 8), 1e-9),
+                                              torch.ones(48, 8), torch.ones(48, 8), torch.ones(48, 8),
+                                              torch.float32), "weight"),   # d fp16 would round
+                    (lambda: q4_rows.pack_q4k(torch.zeros(48, 256, dtype=torch.uint8), torch.ones(48, 8),
+                                              torch.arange(8.).expand(48, 8), torch.ones(48, 8), torch.ones(48, 8),
+                                              torch.float32), "weight"),   # dmin varies in a super-block
+                    (lambda: q4_rows.pack_q4k(torch.zeros(48, 64, dtype=torch.uint8), torch.ones(48, 2),
                                               torch.ones(48, 2), torch.ones(48, 2), torch.ones(48, 2),
-                                              torch.float32), "weight")):   # d fp16 would round
+                                              torch.float32), "weight")):   # K % 256
         with pytest.raises(HalError) as e:
             fn()
         assert e.value.arg == arg
