@@ -21,7 +21,7 @@ namespace q4 {
 inline void linear(const uint8_t *w, int kind, int64_t N, int64_t K, const void *x, int is_bf16, int64_t T,
                    int64_t x_row, float *y, int64_t y_row = 0) {
     int64_t G = K / 32;
-    std::vector<int8_t> xq(T * 2 * K);   // per row: the hi codes, then the lo codes
+    std::vector<int8_t> xq(T * 2 * K);   // per row and group of 32: the hi codes, then the lo codes
     std::vector<float> sx(T * G), xs(T * G);
     std::vector<int32_t> qsum(T * G), qsum16(kind == Q6_KIND ? T * 2 * G : 0);
     q4_quantize_rows(x, is_bf16, T, K, x_row, xq.data(), sx.data(), xs.data(), qsum.data());

@@ -101,8 +101,8 @@ static inline float q4_half(uint16_t h) {
 }
 
 /* Quantize T rows x [T, K] (float32, or bfloat16 where is_bf16; row stride x_row elements)
- * per 32 (see "quantized row"): xq [T, 2K] int8 (per row: the K hi codes, then the K lo
- * codes); s, xs [T, G] float32; qsum [T, G] int32. */
+ * per 32 (see "quantized row"): xq [T, 2K] int8 (per row and group: its 32 hi codes, then its
+ * 32 lo codes, so a tile reads one stream of them); s, xs [T, G] float32; qsum [T, G] int32. */
 void q4_quantize_rows(const void *x, int is_bf16, int64_t T, int64_t K, int64_t x_row, int8_t *xq, float *sx,
                       float *xs, int32_t *qsum) {
     int64_t G = K / 32;
@@ -123,7 +123,7 @@ void q4_quantize_rows(const void *x, int is_bf16, int64_t T, int64_t K, int64_t 
                 bad |= !isfinite(v[j]);
             }
             float inv = amax > 0.f && !bad ? 127.f / amax : 0.f;
-            int8_t *hi = xq + t * 2 * K + g * 32, *lo = hi + K;
+            int8_t *hi = xq + t * 2 * K + g * 64, *lo = hi + 32;
             int32_t sum = 0;
             for (int j = 0; j < 32; j++) {
                 float u = bad ? 0.f : v[j] * inv;
@@ -167,11 +167,11 @@ static inline __m512i q5_bit_512(__m512i hb, int b) {   /* bit b of each byte mo
                     hi = _mm512_or_si512(hi, _mm512_and_si512(q5_bit_512(hb, 2 * s + 1), fifth));    \
                 }                                                                                      \
                 for (int r = 0; r < R; r++) {                                                          \
-                    const int8_t *xr = xq + r * 2 * K + 32 * g + 8 * s;                                \
+                    const int8_t *xr = xq + r * 2 * K + 64 * g + 8 * s;                                \
                     acc[r] = _mm512_dpbusd_epi32(acc[r], lo, _mm512_set1_epi32(q4_x4(xr)));                    \
-                    acc2[r] = _mm512_dpbusd_epi32(acc2[r], lo, _mm512_set1_epi32(q4_x4(xr + K)));              \
+                    acc2[r] = _mm512_dpbusd_epi32(acc2[r], lo, _mm512_set1_epi32(q4_x4(xr + 32)));              \
                     acc[r] = _mm512_dpbusd_epi32(acc[r], hi, _mm512_set1_epi32(q4_x4(xr + 4)));                \
-                    acc2[r] = _mm512_dpbusd_epi32(acc2[r], hi, _mm512_set1_epi32(q4_x4(xr + K + 4)));          \
+                    acc2[r] = _mm512_dpbusd_epi32(acc2[r], hi, _mm512_set1_epi32(q4_x4(xr + 36)));          \
                 }                                                                                      \
             }                                                                                          \
             for (int r = 0; r < R; r++)                                                                \
@@ -218,12 +218,12 @@ static inline __m256i q5_bit_256(__m256i hb, int b) {   /* bit b of each byte mo
                         hi = _mm256_or_si256(hi, _mm256_and_si256(q5_bit_256(hb, 2 * s + 1), fifth)); \
                     }                                                                                  \
                     for (int r = 0; r < R; r++) {                                                      \
-                        const int8_t *xr = xq + r * 2 * K + 32 * g + 8 * s;                            \
+                        const int8_t *xr = xq + r * 2 * K + 64 * g + 8 * s;                            \
                         /* |each 16-bit pair sum| <= 2 * 15 * 127, their sum <= 4 * 15 * 127: exact */ \
                         __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(q4_x4(xr))),   \
                                                      _mm256_maddubs_epi16(hi, _mm256_set1_epi32(q4_x4(xr + 4)))); \
-                        __m256i q = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(q4_x4(xr + K))), \
-                                                     _mm256_maddubs_epi16(hi, _mm256_set1_epi32(q4_x4(xr + K + 4)))); \
+                        __m256i q = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(q4_x4(xr + 32))), \
+                                                     _mm256_maddubs_epi16(hi, _mm256_set1_epi32(q4_x4(xr + 36)))); \
                         acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(p, ones));                 \
                         acc2[r] = _mm256_add_epi32(acc2[r], _mm256_madd_epi16(q, ones));               \
                     }                                                                                  \
@@ -256,7 +256,7 @@ static inline __m256i q5_bit_256(__m256i hb, int b) {   /* bit b of each byte mo
                 float out = 0.f;                                                                       \
                 for (int64_t g = 0; g < G; g++) {                                                      \
                     const uint8_t *blk = Q4_GROUP(wt, g, BYTES, KQ), *dm = KQ ? Q4K_SUPER(wt, g, BYTES) : blk + 256; \
-                    const int8_t *x = xq + r * 2 * K + 32 * g, *xl = x + K;                            \
+                    const int8_t *x = xq + r * 2 * K + 64 * g, *xl = x + 32;                            \
                     int32_t acc = 0;                                                                   \
                     for (int s = 0; s < 4; s++)                                                        \
                         for (int j = 0; j < 4; j++) {                                                  \
@@ -368,7 +368,7 @@ void q4_half_sums(const int8_t *xq, int64_t T, int64_t K, int32_t *qsum16) {
     for (int64_t t = 0; t < T; t++)
         for (int64_t h = 0; h < K / 16; h++) {
             int32_t sum = 0;
-            for (int j = 0; j < 16; j++) sum += 128 * xq[t * 2 * K + 16 * h + j] + xq[t * 2 * K + K + 16 * h + j];
+            for (int j = 0; j < 16; j++) sum += 128 * xq[t * 2 * K + 64 * (h >> 1) + 16 * (h & 1) + j] + xq[t * 2 * K + 64 * (h >> 1) + 32 + 16 * (h & 1) + j];
             qsum16[t * (K / 16) + h] = sum;
         }
 }

@@ -15,9 +15,9 @@
             for (int s = 0; s < 8; s++) {                                                              \
                 __m512i v = _mm512_loadu_si512((const void *)(blk + 64 * s));   /* q + 128 */          \
                 for (int r = 0; r < R; r++) {                                                          \
-                    const int8_t *xr = xq + r * 2 * K + 32 * g + 4 * s;                                \
+                    const int8_t *xr = xq + r * 2 * K + 64 * g + 4 * s;                                \
                     acc[r] = _mm512_dpbusd_epi32(acc[r], v, _mm512_set1_epi32(q4_x4(xr)));                     \
-                    acc2[r] = _mm512_dpbusd_epi32(acc2[r], v, _mm512_set1_epi32(q4_x4(xr + K)));               \
+                    acc2[r] = _mm512_dpbusd_epi32(acc2[r], v, _mm512_set1_epi32(q4_x4(xr + 32)));               \
                 }                                                                                      \
             }                                                                                          \
             for (int r = 0; r < R; r++)   /* sum (q + 128)(128 hi + lo), exact in int32 */            \
@@ -32,13 +32,13 @@
         for (int r = 0; r < R; r++) _mm512_storeu_ps(y + r * y_row, out[r]);                          \
     }
 #elif defined(Q4_AVX2)
-/* One step of signed codes w (one per byte) times a row's hi and lo codes (xr, xr + K: four each,
+/* One step of signed codes w (one per byte) times a row's hi and lo codes (xr, xr + 32: four each,
  * broadcast), added into acc and acc2. AVX2 has no signed-by-signed byte product, so |q| times
  * sign(q)·x: each 16-bit pair sum <= 2 * 128 * 127, no saturation. */
-static inline void q8_step_avx2(__m256i w, const int8_t *xr, int64_t K, __m256i *acc, __m256i *acc2) {
+static inline void q8_step_avx2(__m256i w, const int8_t *xr, __m256i *acc, __m256i *acc2) {
     const __m256i ones = _mm256_set1_epi16(1), aw = _mm256_sign_epi8(w, w);
     __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(_mm256_set1_epi32(q4_x4(xr)), w));
-    __m256i pl = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(_mm256_set1_epi32(q4_x4(xr + K)), w));
+    __m256i pl = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(_mm256_set1_epi32(q4_x4(xr + 32)), w));
     *acc = _mm256_add_epi32(*acc, _mm256_madd_epi16(p, ones));
     *acc2 = _mm256_add_epi32(*acc2, _mm256_madd_epi16(pl, ones));
 }
@@ -58,7 +58,7 @@ static inline void q8_step_avx2(__m256i w, const int8_t *xr, int64_t K, __m256i 
                     __m256i w = _mm256_xor_si256(                                                      \
                         _mm256_loadu_si256((const __m256i *)(blk + 64 * s + 32 * half)), flip);  /* q */ \
                     for (int r = 0; r < R; r++)                                                        \
-                        q8_step_avx2(w, xq + r * 2 * K + 32 * g + 4 * s, K, &acc[r], &acc2[r]);        \
+                        q8_step_avx2(w, xq + r * 2 * K + 64 * g + 4 * s, &acc[r], &acc2[r]);        \
                 }                                                                                      \
                 for (int r = 0; r < R; r++) acc[r] = _mm256_add_epi32(_mm256_slli_epi32(acc[r], 7), acc2[r]); \
                 __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 512 + 16 * half))); \
@@ -80,7 +80,7 @@ static inline void q8_step_avx2(__m256i w, const int8_t *xr, int64_t K, __m256i 
                 float out = 0.f;                                                                       \
                 for (int64_t g = 0; g < G; g++) {                                                      \
                     const uint8_t *blk = wt + g * Q8_TILE_BYTES;                                       \
-                    const int8_t *x = xq + r * 2 * K + 32 * g, *xl = x + K;                            \
+                    const int8_t *x = xq + r * 2 * K + 64 * g, *xl = x + 32;                            \
                     int32_t acc = 0;                                                                   \
                     for (int s = 0; s < 8; s++)                                                        \
                         for (int j = 0; j < 4; j++)                                                    \
@@ -119,9 +119,9 @@ static inline void q8_step_avx2(__m256i w, const int8_t *xr, int64_t K, __m256i 
                     __m512i hi = _mm512_and_si512(_mm512_srl_epi16(hb, _mm_cvtsi32_si128(2 * i)), m2);  \
                     __m512i v = _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4));   /* the code, 0..63 */ \
                     for (int r = 0; r < R; r++) {                                                      \
-                        const int8_t *xr = xq + r * 2 * K + 32 * g + 4 * s;                            \
+                        const int8_t *xr = xq + r * 2 * K + 64 * g + 4 * s;                            \
                         acc[r] = _mm512_dpbusd_epi32(acc[r], v, _mm512_set1_epi32(q4_x4(xr)));                 \
-                        acc2[r] = _mm512_dpbusd_epi32(acc2[r], v, _mm512_set1_epi32(q4_x4(xr + K)));           \
+                        acc2[r] = _mm512_dpbusd_epi32(acc2[r], v, _mm512_set1_epi32(q4_x4(xr + 32)));           \
                     }                                                                                  \
                 }                                                                                      \
                 __m512 sc = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(                 \
@@ -160,7 +160,7 @@ static inline void q8_step_avx2(__m256i w, const int8_t *xr, int64_t K, __m256i 
                         __m256i hi = _mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * i)), m2); \
                         __m256i w = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), c32);  /* q */ \
                         for (int r = 0; r < R; r++)                                                    \
-                            q8_step_avx2(w, xq + r * 2 * K + 32 * g + 4 * s, K, &acc[r], &acc2[r]);    \
+                            q8_step_avx2(w, xq + r * 2 * K + 64 * g + 4 * s, &acc[r], &acc2[r]);    \
                     }                                                                                  \
                     __m256 sc = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(              \
                         _mm_loadl_epi64((const __m128i *)(blk + 384 + 16 * h + 8 * half)))));          \
@@ -184,7 +184,7 @@ static inline void q8_step_avx2(__m256i w, const int8_t *xr, int64_t K, __m256i 
                 float out = 0.f;                                                                       \
                 for (int64_t g = 0; g < G; g++) {                                                      \
                     const uint8_t *blk = Q6_GROUP(wt, g);                                              \
-                    const int8_t *x = xq + r * 2 * K + 32 * g, *xl = x + K;                            \
+                    const int8_t *x = xq + r * 2 * K + 64 * g, *xl = x + 32;                            \
                     uint16_t dh;                                                                       \
                     memcpy(&dh, Q6_SUPER(wt, g) + 2 * lane, 2);                                        \
                     for (int h = 0; h < 2; h++) {                                                      \
