@@ -22,12 +22,12 @@ inline void linear(const uint8_t *w, int kind, int64_t N, int64_t K, const void 
                    int64_t x_row, float *y, int64_t y_row = 0) {
     int64_t G = K / 32;
     std::vector<int8_t> xq(T * 2 * K);   // per row and group of 32: the hi codes, then the lo codes
-    std::vector<float> sx(T * G), xs(T * G);
+    std::vector<float> sxs(T * G * 2);
     std::vector<int32_t> qsum(T * G), qsum16(kind == Q6_KIND ? T * 2 * G : 0);
-    q4_quantize_rows(x, is_bf16, T, K, x_row, xq.data(), sx.data(), xs.data(), qsum.data());
+    q4_quantize_rows(x, is_bf16, T, K, x_row, xq.data(), sxs.data(), qsum.data());
     if (kind == Q6_KIND) q4_half_sums(xq.data(), T, K, qsum16.data());
     at::parallel_for(0, N / 16, 1, [&](int64_t begin, int64_t end) {
-        q4_mm_tiles(w, kind, K, xq.data(), sx.data(), xs.data(), qsum.data(), qsum16.data(), T, y, y_row ? y_row : N,
+        q4_mm_tiles(w, kind, K, xq.data(), sxs.data(), qsum.data(), qsum16.data(), T, y, y_row ? y_row : N,
                     begin, end);
     });
 }

@@ -102,9 +102,10 @@ static inline float q4_half(uint16_t h) {
 
 /* Quantize T rows x [T, K] (float32, or bfloat16 where is_bf16; row stride x_row elements)
  * per 32 (see "quantized row"): xq [T, 2K] int8 (per row and group: its 32 hi codes, then its
- * 32 lo codes, so a tile reads one stream of them); s, xs [T, G] float32; qsum [T, G] int32. */
-void q4_quantize_rows(const void *x, int is_bf16, int64_t T, int64_t K, int64_t x_row, int8_t *xq, float *sx,
-                      float *xs, int32_t *qsum) {
+ * 32 lo codes, so a tile reads one stream of them); sxs [T, G, 2] float32: each group's unit and
+ * xs side by side (one stream again); qsum [T, G] int32. */
+void q4_quantize_rows(const void *x, int is_bf16, int64_t T, int64_t K, int64_t x_row, int8_t *xq, float *sxs,
+                      int32_t *qsum) {
     int64_t G = K / 32;
     for (int64_t t = 0; t < T; t++)
         for (int64_t g = 0; g < G; g++) {
@@ -135,8 +136,8 @@ void q4_quantize_rows(const void *x, int is_bf16, int64_t T, int64_t K, int64_t 
                 sum += 128 * hi[j] + lo[j];
             }
             float unit = bad ? NAN : amax / 127.f * 0.0078125f;   /* the step of lo: (amax / 127) / 128 */
-            sx[t * G + g] = unit;
-            xs[t * G + g] = unit * (float)sum;
+            sxs[2 * (t * G + g)] = unit;
+            sxs[2 * (t * G + g) + 1] = unit * (float)sum;
             qsum[t * G + g] = sum;
         }
 }
@@ -148,8 +149,8 @@ static inline __m512i q5_bit_512(__m512i hb, int b) {   /* bit b of each byte mo
     return b < 4 ? _mm512_slli_epi16(hb, 4 - b) : b == 4 ? hb : _mm512_srli_epi16(hb, b - 4);
 }
 #define Q4_TILE_OF(NAME, R, BYTES, KQ, Q5, MD)                                                             \
-    static void NAME##_##R(const uint8_t *wt, int64_t G, const int8_t *xq, int64_t K, const float *sx,  \
-                            const float *xs, float *y, int64_t y_row) {                                \
+    static void NAME##_##R(const uint8_t *wt, int64_t G, const int8_t *xq, int64_t K, const float *sxs, \
+                            float *y, int64_t y_row) {                                                 \
         const __m512i mask = _mm512_set1_epi8(0x0f), fifth = _mm512_set1_epi8(0x10);                   \
         __m512 out[R];                                                                                 \
         for (int r = 0; r < R; r++) out[r] = _mm512_setzero_ps();                                      \
@@ -186,8 +187,8 @@ static inline __m512i q5_bit_512(__m512i hb, int b) {   /* bit b of each byte mo
                     _mm_loadu_si128((const __m128i *)(blk + 272)))));                                  \
             }                                                                                          \
             for (int r = 0; r < R; r++) {                                                              \
-                __m512 t = _mm512_mul_ps(_mm512_set1_ps(sx[r * G + g]), _mm512_cvtepi32_ps(acc[r]));   \
-                __m512 u = _mm512_mul_ps(d, t), w = _mm512_mul_ps(m, _mm512_set1_ps(xs[r * G + g]));   \
+                __m512 t = _mm512_mul_ps(_mm512_set1_ps(sxs[2 * (r * G + g)]), _mm512_cvtepi32_ps(acc[r]));   \
+                __m512 u = _mm512_mul_ps(d, t), w = _mm512_mul_ps(m, _mm512_set1_ps(sxs[2 * (r * G + g) + 1]));   \
                 out[r] = _mm512_add_ps(_mm512_add_ps(out[r], u), w);                                  \
             }                                                                                          \
         }                                                                                              \
@@ -198,8 +199,8 @@ static inline __m256i q5_bit_256(__m256i hb, int b) {   /* bit b of each byte mo
     return b < 4 ? _mm256_slli_epi16(hb, 4 - b) : b == 4 ? hb : _mm256_srli_epi16(hb, b - 4);
 }
 #define Q4_TILE_OF(NAME, R, BYTES, KQ, Q5, MD)                                                             \
-    static void NAME##_##R(const uint8_t *wt, int64_t G, const int8_t *xq, int64_t K, const float *sx,  \
-                            const float *xs, float *y, int64_t y_row) {                                \
+    static void NAME##_##R(const uint8_t *wt, int64_t G, const int8_t *xq, int64_t K, const float *sxs, \
+                            float *y, int64_t y_row) {                                                 \
         const __m256i mask = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);                      \
         const __m256i fifth = _mm256_set1_epi8(0x10);                                                  \
         for (int half = 0; half < 2; half++) {                                                         \
@@ -239,8 +240,8 @@ static inline __m256i q5_bit_256(__m256i hb, int b) {   /* bit b of each byte mo
                         _mm_loadl_epi64((const __m128i *)(blk + 272 + 8 * half)))));                   \
                 }                                                                                      \
                 for (int r = 0; r < R; r++) {                                                          \
-                    __m256 t = _mm256_mul_ps(_mm256_set1_ps(sx[r * G + g]), _mm256_cvtepi32_ps(acc[r])); \
-                    __m256 u = _mm256_mul_ps(d, t), w = _mm256_mul_ps(m, _mm256_set1_ps(xs[r * G + g])); \
+                    __m256 t = _mm256_mul_ps(_mm256_set1_ps(sxs[2 * (r * G + g)]), _mm256_cvtepi32_ps(acc[r])); \
+                    __m256 u = _mm256_mul_ps(d, t), w = _mm256_mul_ps(m, _mm256_set1_ps(sxs[2 * (r * G + g) + 1])); \
                     out[r] = _mm256_add_ps(_mm256_add_ps(out[r], u), w);                               \
                 }                                                                                      \
             }                                                                                          \
@@ -249,8 +250,8 @@ static inline __m256i q5_bit_256(__m256i hb, int b) {   /* bit b of each byte mo
     }
 #else
 #define Q4_TILE_OF(NAME, R, BYTES, KQ, Q5, MD)                                                             \
-    static void NAME##_##R(const uint8_t *wt, int64_t G, const int8_t *xq, int64_t K, const float *sx,  \
-                            const float *xs, float *y, int64_t y_row) {                                \
+    static void NAME##_##R(const uint8_t *wt, int64_t G, const int8_t *xq, int64_t K, const float *sxs, \
+                            float *y, int64_t y_row) {                                                 \
         for (int r = 0; r < R; r++)                                                                    \
             for (int lane = 0; lane < 16; lane++) {                                                    \
                 float out = 0.f;                                                                       \
@@ -268,13 +269,13 @@ static inline __m256i q5_bit_256(__m256i hb, int b) {   /* bit b of each byte mo
                     uint16_t dh, mh;                                                                   \
                     memcpy(&dh, dm + 2 * lane, 2);                                                     \
                     if (!MD) memcpy(&mh, dm + 32 + 2 * lane, 2);                                       \
-                    float t = sx[r * G + g] * (float)acc;                                              \
+                    float t = sxs[2 * (r * G + g)] * (float)acc;                                              \
                     float dd = q4_half(dh), mm = MD ? dd * -(float)MD : q4_half(mh);                   \
                     if (KQ) {                                                                          \
                         dd = dd * (float)blk[256 + lane];                                              \
                         mm = mm * (float)blk[272 + lane];                                              \
                     }                                                                                  \
-                    float u = dd * t, w = mm * xs[r * G + g];                                          \
+                    float u = dd * t, w = mm * sxs[2 * (r * G + g) + 1];                                          \
                     out = (out + u) + w;                                                               \
                 }                                                                                      \
                 y[r * y_row + lane] = out;                                                             \
@@ -344,8 +345,7 @@ Q6_TILE(6)
 Q6_TILE(7)
 Q6_TILE(8)
 
-typedef void (*q4_tile_fn)(const uint8_t *, int64_t, const int8_t *, int64_t, const float *, const float *, float *,
-                           int64_t);
+typedef void (*q4_tile_fn)(const uint8_t *, int64_t, const int8_t *, int64_t, const float *, float *, int64_t);
 typedef void (*q8_tile_fn)(const uint8_t *, int64_t, const int8_t *, int64_t, const float *, const int32_t *,
                            float *, int64_t);
 static const q4_tile_fn q4_tiles[9] = {0, q4_tile_1, q4_tile_2, q4_tile_3, q4_tile_4,
@@ -374,10 +374,9 @@ void q4_half_sums(const int8_t *xq, int64_t T, int64_t K, int32_t *qsum16) {
 }
 
 /* Output tiles [tile0, tile1) of y [T, N] (float32, row stride y_row) for the quantized rows
- * (xq [T, K]; sx, xs, qsum [T, G]; qsum16 [T, 2G], read for Q6 only) and the packed weight w
+ * (xq [T, 2K]; sxs [T, G, 2]; qsum [T, G]; qsum16 [T, 2G], read for Q6 only) and the packed weight w
  * (tiles x groups x the kind's tile bytes; kind: Q4_KIND, Q8_KIND, Q6_KIND, Q4K_KIND, Q5_KIND or Q5K_KIND). */
-void q4_mm_tiles(const uint8_t *w, int kind, int64_t K, const int8_t *xq, const float *sx, const float *xs,
-                 const int32_t *qsum, const int32_t *qsum16, int64_t T, float *y, int64_t y_row, int64_t tile0,
+void q4_mm_tiles(const uint8_t *w, int kind, int64_t K, const int8_t *xq, const float *sxs, const int32_t *qsum, const int32_t *qsum16, int64_t T, float *y, int64_t y_row, int64_t tile0,
                  int64_t tile1) {
     int64_t G = K / 32, bytes = kind == Q8_KIND ? Q8_TILE_BYTES : kind == Q6_KIND ? Q6_TILE_BYTES + Q6_HEAD / 8
                                 : kind == Q4K_KIND ? Q4K_TILE_BYTES + Q4K_HEAD / 8 : kind == Q5_KIND ? Q5_TILE_BYTES
@@ -389,12 +388,12 @@ void q4_mm_tiles(const uint8_t *w, int kind, int64_t K, const int8_t *xq, const 
             const uint8_t *wt = w + tile * G * bytes;
             float *yt = y + t0 * y_row + 16 * tile;
             if (kind == Q8_KIND)
-                q8_tiles[R](wt, G, xq + t0 * 2 * K, K, sx + t0 * G, qsum + t0 * G, yt, y_row);
+                q8_tiles[R](wt, G, xq + t0 * 2 * K, K, sxs + 2 * t0 * G, qsum + t0 * G, yt, y_row);
             else if (kind == Q6_KIND)
-                q6_tiles[R](wt, G, xq + t0 * 2 * K, K, sx + t0 * G, qsum16 + t0 * 2 * G, yt, y_row);
+                q6_tiles[R](wt, G, xq + t0 * 2 * K, K, sxs + 2 * t0 * G, qsum16 + t0 * 2 * G, yt, y_row);
             else
                 (kind == Q4K_KIND ? q4k_tiles : kind == Q5_KIND ? q5_tiles : kind == Q5K_KIND ? q5k_tiles
-                 : kind == Q40_KIND ? q40_tiles : q4_tiles)[R](wt, G, xq + t0 * 2 * K, K, sx + t0 * G, xs + t0 * G, yt,
+                 : kind == Q40_KIND ? q40_tiles : q4_tiles)[R](wt, G, xq + t0 * 2 * K, K, sxs + 2 * t0 * G, yt,
                                                              y_row);
         }
         t0 += R;

@@ -4,7 +4,7 @@
 /* One tile's 16 outputs of a Q8 weight for R rows: y[r][lane] over every group in order. */
 #if defined(Q4_AVX512)
 #define Q8_TILE(R)                                                                                     \
-    static void q8_tile_##R(const uint8_t *wt, int64_t G, const int8_t *xq, int64_t K, const float *sx, \
+    static void q8_tile_##R(const uint8_t *wt, int64_t G, const int8_t *xq, int64_t K, const float *sxs, \
                             const int32_t *qsum, float *y, int64_t y_row) {                            \
         __m512 out[R];                                                                                 \
         for (int r = 0; r < R; r++) out[r] = _mm512_setzero_ps();                                      \
@@ -25,7 +25,7 @@
             __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 512)));              \
             for (int r = 0; r < R; r++) {                                                              \
                 __m512i isum = _mm512_sub_epi32(acc[r], _mm512_set1_epi32(128 * qsum[r * G + g]));     \
-                __m512 t = _mm512_mul_ps(_mm512_set1_ps(sx[r * G + g]), _mm512_cvtepi32_ps(isum));     \
+                __m512 t = _mm512_mul_ps(_mm512_set1_ps(sxs[2 * (r * G + g)]), _mm512_cvtepi32_ps(isum));     \
                 out[r] = _mm512_add_ps(out[r], _mm512_mul_ps(d, t));                                   \
             }                                                                                          \
         }                                                                                              \
@@ -43,7 +43,7 @@ static inline void q8_step_avx2(__m256i w, const int8_t *xr, __m256i *acc, __m25
     *acc2 = _mm256_add_epi32(*acc2, _mm256_madd_epi16(pl, ones));
 }
 #define Q8_TILE(R)                                                                                     \
-    static void q8_tile_##R(const uint8_t *wt, int64_t G, const int8_t *xq, int64_t K, const float *sx, \
+    static void q8_tile_##R(const uint8_t *wt, int64_t G, const int8_t *xq, int64_t K, const float *sxs, \
                             const int32_t *qsum, float *y, int64_t y_row) {                            \
         const __m256i flip = _mm256_set1_epi8((char)0x80);                                             \
         (void)qsum;                                                                                    \
@@ -63,7 +63,7 @@ static inline void q8_step_avx2(__m256i w, const int8_t *xr, __m256i *acc, __m25
                 for (int r = 0; r < R; r++) acc[r] = _mm256_add_epi32(_mm256_slli_epi32(acc[r], 7), acc2[r]); \
                 __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 512 + 16 * half))); \
                 for (int r = 0; r < R; r++) {                                                          \
-                    __m256 t = _mm256_mul_ps(_mm256_set1_ps(sx[r * G + g]), _mm256_cvtepi32_ps(acc[r])); \
+                    __m256 t = _mm256_mul_ps(_mm256_set1_ps(sxs[2 * (r * G + g)]), _mm256_cvtepi32_ps(acc[r])); \
                     out[r] = _mm256_add_ps(out[r], _mm256_mul_ps(d, t));                               \
                 }                                                                                      \
             }                                                                                          \
@@ -72,7 +72,7 @@ static inline void q8_step_avx2(__m256i w, const int8_t *xr, __m256i *acc, __m25
     }
 #else
 #define Q8_TILE(R)                                                                                     \
-    static void q8_tile_##R(const uint8_t *wt, int64_t G, const int8_t *xq, int64_t K, const float *sx, \
+    static void q8_tile_##R(const uint8_t *wt, int64_t G, const int8_t *xq, int64_t K, const float *sxs, \
                             const int32_t *qsum, float *y, int64_t y_row) {                            \
         (void)qsum;                                                                                    \
         for (int r = 0; r < R; r++)                                                                    \
@@ -87,7 +87,7 @@ static inline void q8_step_avx2(__m256i w, const int8_t *xr, __m256i *acc, __m25
                             acc += ((int)blk[64 * s + 4 * lane + j] - 128) * (128 * x[4 * s + j] + xl[4 * s + j]); \
                     uint16_t dh;                                                                       \
                     memcpy(&dh, blk + 512 + 2 * lane, 2);                                              \
-                    float t = sx[r * G + g] * (float)acc;                                              \
+                    float t = sxs[2 * (r * G + g)] * (float)acc;                                              \
                     out = out + q4_half(dh) * t;                                                       \
                 }                                                                                      \
                 y[r * y_row + lane] = out;                                                             \
@@ -100,7 +100,7 @@ static inline void q8_step_avx2(__m256i w, const int8_t *xr, __m256i *acc, __m25
  * 2i..2i+1 of high block s / 4 (i = s % 4). */
 #if defined(Q4_AVX512)
 #define Q6_TILE(R)                                                                                     \
-    static void q6_tile_##R(const uint8_t *wt, int64_t G, const int8_t *xq, int64_t K, const float *sx, \
+    static void q6_tile_##R(const uint8_t *wt, int64_t G, const int8_t *xq, int64_t K, const float *sxs, \
                             const int32_t *qsum16, float *y, int64_t y_row) {                          \
         const __m512i m4 = _mm512_set1_epi8(0x0f), m2 = _mm512_set1_epi8(0x03);                       \
         __m512 out[R];                                                                                 \
@@ -129,7 +129,7 @@ static inline void q8_step_avx2(__m256i w, const int8_t *xr, __m256i *acc, __m25
                 for (int r = 0; r < R; r++) {                                                          \
                     __m512i isum = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(acc[r], 7), acc2[r]), \
                                                     _mm512_set1_epi32(32 * qsum16[r * 2 * G + 2 * g + h])); \
-                    __m512 t = _mm512_mul_ps(_mm512_set1_ps(sx[r * G + g]), _mm512_cvtepi32_ps(isum)); \
+                    __m512 t = _mm512_mul_ps(_mm512_set1_ps(sxs[2 * (r * G + g)]), _mm512_cvtepi32_ps(isum)); \
                     out[r] = _mm512_add_ps(out[r], _mm512_mul_ps(sc, t));                              \
                 }                                                                                      \
             }                                                                                          \
@@ -138,7 +138,7 @@ static inline void q8_step_avx2(__m256i w, const int8_t *xr, __m256i *acc, __m25
     }
 #elif defined(Q4_AVX2)
 #define Q6_TILE(R)                                                                                     \
-    static void q6_tile_##R(const uint8_t *wt, int64_t G, const int8_t *xq, int64_t K, const float *sx, \
+    static void q6_tile_##R(const uint8_t *wt, int64_t G, const int8_t *xq, int64_t K, const float *sxs, \
                             const int32_t *qsum16, float *y, int64_t y_row) {                          \
         const __m256i m4 = _mm256_set1_epi8(0x0f), m2 = _mm256_set1_epi8(0x03);                        \
         const __m256i c32 = _mm256_set1_epi8(32);                                                      \
@@ -166,7 +166,7 @@ static inline void q8_step_avx2(__m256i w, const int8_t *xr, __m256i *acc, __m25
                         _mm_loadl_epi64((const __m128i *)(blk + 384 + 16 * h + 8 * half)))));          \
                     for (int r = 0; r < R; r++) {                                                      \
                         __m256i isum = _mm256_add_epi32(_mm256_slli_epi32(acc[r], 7), acc2[r]);        \
-                        __m256 t = _mm256_mul_ps(_mm256_set1_ps(sx[r * G + g]), _mm256_cvtepi32_ps(isum)); \
+                        __m256 t = _mm256_mul_ps(_mm256_set1_ps(sxs[2 * (r * G + g)]), _mm256_cvtepi32_ps(isum)); \
                         out[r] = _mm256_add_ps(out[r], _mm256_mul_ps(sc, t));                          \
                     }                                                                                  \
                 }                                                                                      \
@@ -176,7 +176,7 @@ static inline void q8_step_avx2(__m256i w, const int8_t *xr, __m256i *acc, __m25
     }
 #else
 #define Q6_TILE(R)                                                                                     \
-    static void q6_tile_##R(const uint8_t *wt, int64_t G, const int8_t *xq, int64_t K, const float *sx, \
+    static void q6_tile_##R(const uint8_t *wt, int64_t G, const int8_t *xq, int64_t K, const float *sxs, \
                             const int32_t *qsum16, float *y, int64_t y_row) {                          \
         (void)qsum16;                                                                                  \
         for (int r = 0; r < R; r++)                                                                    \
@@ -197,7 +197,7 @@ static inline void q8_step_avx2(__m256i w, const int8_t *xr, __m256i *acc, __m25
                                 acc += ((lo | (hi << 4)) - 32) * (128 * x[4 * s + j] + xl[4 * s + j]); \
                             }                                                                          \
                         float sc = q4_half(dh) * (float)(int8_t)blk[384 + 16 * h + lane];              \
-                        float t = sx[r * G + g] * (float)acc;                                          \
+                        float t = sxs[2 * (r * G + g)] * (float)acc;                                          \
                         out = out + sc * t;                                                            \
                     }                                                                                  \
                 }                                                                                      \
