@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from hal.conformance._helpers import host, put, ragged
+from hal.errors import HalError
 
 pytestmark = pytest.mark.hal_op("verify_greedy")
 V = 8
@@ -99,3 +100,23 @@ def test_reference_matches_plain_loop(oracle):
         assert out[r].tolist() == want + [-1] * (6 - len(want))
         assert int(n[r]) == len(want) - 1
         row += len(d) + 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_rows_is_verify_greedy_without_drafts(backend, oracle, dtype):
+    """`Backend.greedy_rows` (a step that drafted nothing) emits what the oracle's verify_greedy
+    emits with every k = 0, ties included; its value check and shape check refuse as the op's do."""
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(29, 1000, generator=g) * 3).to(dtype).round()   # coarse values: exact ties
+    logits[4] = 1.0                                                        # a row all tied: token 0
+    ids, cu = ragged([[] for _ in range(29)])
+    want = oracle.verify_greedy(ids, cu, logits, 0)[0]
+    got = host(backend.greedy_rows(put(backend, logits)))
+    assert got.dtype == torch.int32 and torch.equal(got, want)
+    with pytest.raises(HalError, match="target_logits"):
+        backend.greedy_rows(put(backend, logits[0]))   # not [R, V]
+    if backend.check_values:
+        bad = logits.float().clone()
+        bad[7, 3] = float("nan")
+        with pytest.raises(HalError, match="row 7"):
+            backend.greedy_rows(put(backend, bad))

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from hal import checks, kv
+from hal import kv
 from hal.ops import cumulative
 from hal.engine.forward import sampling_args, target_probs
 
@@ -105,13 +105,9 @@ def verify(backend, live, counts: list[int], ids: Tensor, q: Tensor | None, logi
 
 
 def plain_greedy(backend, logits: Tensor) -> VerifyOutput:
-    """A greedy step that drafted nothing: each row's argmax, what `verify_greedy` emits with
-    no drafts (``out`` [R, 1] int32, ``accepted`` [R] zeros; ties to the lowest id), without
-    its ragged bookkeeping (about 0.6 ms a step on a CPU). The backend's value check of the
-    logits still runs where it is on (NaN or +inf raise as they would there)."""
-    if backend.check_values:
-        checks.logits_values("target_logits", logits)
-    out = logits.float().argmax(-1, keepdim=True).int()
+    """A greedy step that drafted nothing: `hal.backend.Backend.greedy_rows` (what
+    `verify_greedy` emits with no drafts, without its ragged bookkeeping), nothing accepted."""
+    out = backend.greedy_rows(logits)
     return VerifyOutput(out, torch.zeros(out.shape[0], dtype=torch.int32, device=logits.device), None)
 
 
