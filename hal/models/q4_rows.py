@@ -14,7 +14,7 @@ for int4pack's bfloat16 rows). The integer sums are exact, and the float steps (
 product and two adds per group, in group order, no contraction) are the same on every code
 path and for every row count: a row's bits never depend on its batch-mates, the thread count
 or the CPU's vector width (`tests/models/test_q4_rows.py` compares all three, and the bits
-against `reference_mm`, this module's torch statement of the arithmetic).
+against `hal.models.q4_reference.reference_mm`, the torch statement of the arithmetic).
 
 Glossary: see `q4_rows.c` (tile, Q8 tile, quantized row) and `hal.models.int4` (blocks)."""
 
@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from hal.errors import HalError
-from hal.models import int4, native
+from hal.models import huge_pages, int4, native
 
 SOURCE = Path(__file__).with_name("q4_mm.cpp")
 KERNEL = Path(__file__).with_name("q4_rows.c")
@@ -132,7 +132,8 @@ def pack(blocks: int4.Int4Blocks, dtype: torch.dtype) -> Q4Weight:
     q40 = torch.equal(m, -8 * d)
     dm = torch.stack([d16.view(NT, TILE, G)] + ([] if q40 else [m16.view(NT, TILE, G)]), 2)   # [NT, 16, 1 or 2, G]
     dm = dm.permute(0, 3, 2, 1).contiguous().view(torch.uint8).reshape(NT, G, 32 if q40 else 64)
-    return Q4Weight(torch.cat([codes, dm], -1).contiguous(), (N, K), False, dtype, q40=q40)
+    packed = huge_pages.resident(torch.cat([codes, dm], -1).contiguous())
+    return Q4Weight(packed, (N, K), False, dtype, q40=q40)
 
 
 def pack_q8(q: Tensor, d: Tensor, dtype: torch.dtype) -> Q4Weight:
@@ -145,7 +146,7 @@ def pack_q8(q: Tensor, d: Tensor, dtype: torch.dtype) -> Q4Weight:
     u = (q.to(torch.int16) + 128).to(torch.uint8).view(NT, TILE, G, 8, 4)   # k = 32g + 4s + j
     codes = u.permute(0, 2, 3, 1, 4).reshape(NT, G, 512)
     ds = d.half().view(NT, TILE, G).permute(0, 2, 1).contiguous().view(torch.uint8).reshape(NT, G, 32)
-    return Q4Weight(torch.cat([codes, ds], -1).contiguous(), (N, K), True, dtype)
+    return Q4Weight(huge_pages.resident(torch.cat([codes, ds], -1).contiguous()), (N, K), True, dtype)
 
 
 def quantize_q8(w: Tensor, dtype: torch.dtype) -> Q4Weight:
@@ -216,7 +217,7 @@ def pack_q6k(q: Tensor, d: Tensor, sc: Tensor, dtype: torch.dtype) -> Q4Weight:
     groups = torch.cat([nib.reshape(NT, G, 256), top.reshape(NT, G, 128), scb], -1)
     head = _super_heads([d])   # [NT, G/8, 32]
     packed = torch.cat([head, groups.reshape(NT, G // SUPER, -1)], -1).contiguous()
-    return Q4Weight(packed, (N, K), False, dtype, q6k=True)
+    return Q4Weight(huge_pages.resident(packed), (N, K), False, dtype, q6k=True)
 
 
 def _per_super(d: Tensor) -> bool:
@@ -253,7 +254,8 @@ def pack_q4k(codes: Tensor, d: Tensor, dmin: Tensor, sc: Tensor, mn: Tensor, dty
     smn = smn.permute(0, 3, 2, 1).reshape(NT, G, 32)
     groups = torch.cat([packed, smn] + ([_fifth_bits(c)] if q5 else []), -1).reshape(NT, G // SUPER, -1)
     head = _super_heads([d, -dmin])   # [NT, G/8, 64]
-    return Q4Weight(torch.cat([head, groups], -1).contiguous(), (N, K), False, dtype, q4k=True, q5=q5)
+    packed = huge_pages.resident(torch.cat([head, groups], -1).contiguous())
+    return Q4Weight(packed, (N, K), False, dtype, q4k=True, q5=q5)
 
 
 def pack_q5(codes: Tensor, d: Tensor, dtype: torch.dtype) -> Q4Weight:
@@ -270,7 +272,8 @@ def pack_q5(codes: Tensor, d: Tensor, dtype: torch.dtype) -> Q4Weight:
     c = codes.to(torch.uint8).view(NT, TILE, G, 4, 2, 4)   # k = 32g + 8s + 4·nibble + j, as `pack`'s
     packed = ((c[..., 0, :] & 15) | ((c[..., 1, :] & 15) << 4)).permute(0, 2, 3, 1, 4).reshape(NT, G, 256)
     ds = d.half().view(NT, TILE, G).permute(0, 2, 1).contiguous().view(torch.uint8).reshape(NT, G, 32)
-    return Q4Weight(torch.cat([packed, ds, _fifth_bits(c)], -1).contiguous(), (N, K), False, dtype, q5=True)
+    packed = huge_pages.resident(torch.cat([packed, ds, _fifth_bits(c)], -1).contiguous())
+    return Q4Weight(packed, (N, K), False, dtype, q5=True)
 
 
 def _fifth_bits(c: Tensor) -> Tensor:
@@ -328,60 +331,6 @@ def random_q8(N: int, K: int, generator: torch.Generator, dtype: torch.dtype) ->
     q = torch.randint(-128, 128, (N, K), generator=generator, dtype=torch.int16).to(torch.int8)
     d = (torch.rand(N, K // int4.GROUP, generator=generator) * 1e-3 + 1e-4).half().float()
     return pack_q8(q, d, dtype)
-
-
-def reference_mm(x: Tensor, codes: Tensor, d: Tensor, m: Tensor | None) -> Tensor:
-    """The kernel's arithmetic in torch, step by step (the oracle of the tests): ``x`` [T, K]
-    float32 (already in the row dtype's values), ``codes`` [N, K] (Q4: 0..15; Q8: -128..127;
-    Q6: -32..31), ``d``/``m`` [N, K/32] (``m`` None for Q8), or for Q6 ``d`` the scales
-    [N, K/16] (and ``m`` None). float32 [T, N]."""
-    T, K = x.shape
-    if d.shape[1] == K // 16:
-        return _reference_q6(x, codes, d)
-    return _reference_q4q8(x, codes, d, m)
-
-
-def _reference_q6(x: Tensor, codes: Tensor, s: Tensor) -> Tensor:
-    """Q6: per group, y = y + s0*(unit*isum0); y = y + s1*(unit*isum1) over its two halves."""
-    T, K = x.shape
-    G = K // int4.GROUP
-    xq, unit = _quantized(x)
-    isum = torch.einsum("tgk,ngk->tng", xq.double().view(T, 2 * G, 16), codes.view(-1, 2 * G, 16).double()).float()
-    y = torch.zeros(T, codes.shape[0])
-    for h in range(2 * G):
-        y = y + s[:, h] * (unit[:, h // 2:h // 2 + 1] * isum[:, :, h])
-    return y
-
-
-def _quantized(x: Tensor) -> tuple[Tensor, Tensor]:
-    """A row quantized as the kernel quantizes it: (128 hi + lo [T, G, 32], unit [T, G])."""
-    T, K = x.shape
-    G = K // int4.GROUP
-    xv = x.float().view(T, G, int4.GROUP)
-    amax = xv.abs().amax(-1)
-    bad = ~torch.isfinite(xv).all(-1)
-    c127 = torch.full_like(amax, 127.0)   # tensor / tensor: a true division (a scalar may become a reciprocal)
-    inv = torch.where((amax > 0) & ~bad, c127 / torch.where(bad | (amax == 0), 1.0, amax), torch.zeros_like(amax))
-    u = torch.where(bad[..., None], 0.0, xv) * inv[..., None]
-    hi = torch.round(u).clamp(-127, 127)
-    lo = torch.round((u - hi) * 128)
-    xq = 128 * hi + lo                                                  # the row in units of `unit`
-    unit = torch.where(bad, float("nan"), amax / c127 * 0.0078125)
-    return xq, unit
-
-
-def _reference_q4q8(x, codes, d, m):
-    T, K = x.shape
-    G = K // int4.GROUP
-    xq, unit = _quantized(x)
-    xs = unit * xq.sum(-1)
-    isum = torch.einsum("tgk,ngk->tng", xq.double(), codes.view(-1, G, int4.GROUP).double()).float()   # exact, rounded once
-    y = torch.zeros(T, codes.shape[0])
-    for g in range(G):
-        y = y + d[:, g] * (unit[:, g:g + 1] * isum[:, :, g])
-        if m is not None:
-            y = y + m[:, g] * xs[:, g:g + 1]
-    return y
 
 
 def build(compiler: str | None = None) -> Path:

@@ -26,7 +26,7 @@ import torch
 from gguf import quants
 
 from hal.errors import HalError
-from hal.models import int4, k_quants, plan_check, q4_rows
+from hal.models import int4, k_quants, plan_check, q4_reference, q4_rows
 from hal.models.linear_plan import choose_plan
 from hal.models.machine import cpu_flags
 from tests.models.compilers import plant_failing_compiler
@@ -125,7 +125,7 @@ def test_products_are_the_reference_arithmetic_bit_for_bit(kind, dtype, T, N, K)
     x = rows(T, K, seed=T)
     got = w.mm(x)
     assert got.dtype == torch.float32 and got.shape == (T, N)
-    assert torch.equal(got, q4_rows.reference_mm(x.to(dtype).float(), *ref))
+    assert torch.equal(got, q4_reference.reference_mm(x.to(dtype).float(), *ref))
 
 
 @pytest.mark.parametrize("kind", ["q4", "q40", "q8", "q6", "q4k", "q5", "q5k"])
@@ -212,7 +212,7 @@ def test_gguf_bytes_load_into_tiles_exactly(kind):
         assert w.kind == (q4_rows.Q40_KIND if kind == "Q4_0" else q4_rows.Q4_KIND)   # Q4_0: m not stored
         assert w.nbytes == N * K // 32 * (18 if kind == "Q4_0" else 20)   # the file's bytes, no more
     x = rows(5, K, seed=8)
-    assert torch.equal(w.mm(x), q4_rows.reference_mm(x, *ref))
+    assert torch.equal(w.mm(x), q4_reference.reference_mm(x, *ref))
 
 
 def random_q6_k(N: int, K: int, seed: int) -> np.ndarray:
@@ -235,7 +235,7 @@ def test_q6_k_bytes_load_into_tiles_as_gguf_dequantizes_them():
     assert torch.equal((q.float().view(N, -1, 16) * s[..., None]).reshape(N, K), dense)
     w = k_quants.from_q6_k(raw, (N, K), torch.bfloat16)
     x = rows(5, K, seed=10)
-    assert torch.equal(w.mm(x), q4_rows.reference_mm(x.bfloat16().float(), q, s, None))
+    assert torch.equal(w.mm(x), q4_reference.reference_mm(x.bfloat16().float(), q, s, None))
     with pytest.raises(HalError, match="raw"):
         k_quants.q6_k_codes(raw[:-1], (N, K))
 
@@ -270,7 +270,7 @@ def test_q4_k_and_q5_k_bytes_load_into_tiles_as_gguf_dequantizes_them(kind):
     w = c.pack(torch.bfloat16)
     assert w.kind == (q4_rows.Q4K_KIND if kind == "Q4_K" else q4_rows.Q5K_KIND)
     x = rows(5, K, seed=12)
-    assert torch.equal(w.mm(x), q4_rows.reference_mm(x.bfloat16().float(), c.q, d1, -m1))
+    assert torch.equal(w.mm(x), q4_reference.reference_mm(x.bfloat16().float(), c.q, d1, -m1))
     with pytest.raises(HalError, match="raw"):
         (k_quants.q4_k_codes if kind == "Q4_K" else k_quants.q5_k_codes)(raw[:-1], (N, K))
 
@@ -294,7 +294,7 @@ def test_q5_0_bytes_load_into_tiles_as_gguf_dequantizes_them():
     assert torch.equal((c.d[..., None] * (c.q.float().view(N, -1, 32) - 16)).reshape(N, K), dense)
     w = c.pack(torch.bfloat16)
     x = rows(5, K, seed=14)
-    assert torch.equal(w.mm(x), q4_rows.reference_mm(x.bfloat16().float(), c.q, c.d, -16 * c.d))
+    assert torch.equal(w.mm(x), q4_reference.reference_mm(x.bfloat16().float(), c.q, c.d, -16 * c.d))
     with pytest.raises(HalError, match="raw"):
         k_quants.q5_0_codes(raw[:-1], (N, K))
     with pytest.raises(HalError, match="weight"):
@@ -410,4 +410,4 @@ def test_q4_1_mins_are_packed_as_stored_even_where_float32_sums_round_them():
     assert not torch.equal(b.zeros - 8 * b.scales, b.mins)   # the float32 sum lost the min
     w = q4_rows.pack(b, torch.float32)
     x = rows(3, K, seed=9)
-    assert torch.equal(w.mm(x), q4_rows.reference_mm(x, b.codes, b.scales, b.mins))
+    assert torch.equal(w.mm(x), q4_reference.reference_mm(x, b.codes, b.scales, b.mins))
