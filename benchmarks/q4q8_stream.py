@@ -63,15 +63,16 @@ def main() -> None:
                     for w in ws:
                         w.mm(x)
                     best = min(best, time.perf_counter() - t)
-                cells.append(f"{sum(w.nbytes for w in ws) / best / 1e9:.1f}")
-            rows.append(f"| {kind} | {K} | {(1 << 24) // K} | {ws[0].nbytes * 8 / ((1 << 24)):.3f} | " + " | ".join(cells) + " |")
+                cells.append(f"{sum(w.nbytes for w in ws) / best / 1e9:.1f} ({8 * (1 << 24) / best / 1e9:.1f})")
+            bits = ws[0].nbytes * 8 / (1 << 24)
+            rows.append(f"| {kind} | {K} | {(1 << 24) // K} | {bits:.3f} | " + " | ".join(cells) + " |")
             print(rows[-1], flush=True)
-    head = " | ".join(f"GB/s, {t} thread{'s' if t != '1' else ''}" for t in args.threads.split(","))
+    head = " | ".join(f"GB/s (G weights/s), {t} thread{'s' if t != '1' else ''}" for t in args.threads.split(","))
     publish(["# The q4q8 kernel's decode streaming rate by row length", "",
              f"`python benchmarks/q4q8_stream.py --threads {args.threads} --kinds {args.kinds} --ks {args.ks} "
              f"--reps {args.reps}`", "", machine_line(), "",
              f"Checkout: {args.checkout}. One bfloat16 row times 8 weights of N x K in turn (16.8M weights each), "
-             f"stored bytes over the least time of {args.reps} passes.", "",
+             f"stored bytes (and weights) over the least time of {args.reps} passes.", "",
              f"| kind | K | N | bits a weight | {head} |", "|---|---|---|---|" + "---|" * len(args.threads.split(",")),
              *rows], Path(args.out))
 
