@@ -67,6 +67,7 @@ def bundled_q4_k_m(work: Path, quantize: str) -> Path:
 
 def main() -> None:
     ap = shape_args(__doc__)
+    ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     bench, quantize = llama_tools()
@@ -103,7 +104,7 @@ def main() -> None:
              "| file (Q4_K_M) | spec-hal tok/s | llama.cpp tok/s | ratio | spec-hal cost(5)/cost(1) | "
              "llama.cpp's | spec-hal cost(9)/cost(1) | llama.cpp's | spec-hal's layers |",
              "|---|---|---|---|---|---|---|---|---|", *rows]
-    publish(lines, OUT)
+    publish(lines, Path(args.out))
 
 
 if __name__ == "__main__":

@@ -172,9 +172,10 @@ class Backend:
         if target_logits.dim() != 2 or not target_logits.is_floating_point():
             raise arg_error("target_logits", "float logits [R, V]",
                                    f"{target_logits.dtype} {list(target_logits.shape)}")
+        top, at = target_logits.float().max(-1, keepdim=True)   # one pass: the first maximal index, NaN propagated
         if self.check_values:
-            checks.logits_values("target_logits", target_logits)
-        return target_logits.float().argmax(-1, keepdim=True).int()
+            checks.logits_values("target_logits", target_logits, top[:, 0])
+        return at.int()
 
     def verify_rejection(self, draft_token_ids: Tensor, cu_num_draft_tokens: Tensor,
                          draft_probs: Tensor | None, target_probs: Tensor, seeds: Tensor,

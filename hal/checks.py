@@ -89,11 +89,12 @@ def _first_bad(mask: Tensor) -> int:
     return int(mask.reshape(-1).nonzero()[0, 0]) if mask.dim() else 0
 
 
-def logits_values(name: str, t: Tensor) -> Tensor | None:
-    """No NaN or +inf (one pass: max propagates NaN); returns the row maxima (None when empty)."""
+def logits_values(name: str, t: Tensor, maxima: Tensor | None = None) -> Tensor | None:
+    """No NaN or +inf (one pass: max propagates NaN); returns the row maxima (None when empty).
+    ``maxima``: the rows' maxima where the caller has them already (``t.amax(-1)``'s values)."""
     if t.numel() == 0:
         return None
-    mx = t.amax(-1)
+    mx = t.amax(-1) if maxima is None else maxima
     bad = torch.isnan(mx) | (mx == math.inf)
     if bool(bad.any()):
         raise arg_error(name, "no NaN or +inf (-inf marks masked tokens)", f"NaN/+inf in row {_first_bad(bad)}")
