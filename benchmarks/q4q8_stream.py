@@ -14,6 +14,7 @@ this one's), for a before and after.
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,6 +28,12 @@ def weights(q4_rows, int4, kind: str, N: int, K: int, g):
         b = q4_rows.random(N, K, g)
         return q4_rows.pack(int4.Int4Blocks(b.codes, b.scales, torch.zeros_like(b.scales)), torch.bfloat16)
     return (q4_rows.random_q4k if kind == "Q4_K" else q4_rows.random_q6k)(N, K, g, torch.bfloat16)
+
+
+def commit(checkout: Path) -> str:
+    """The checkout's commit (short), with "+ changes" where its tree differs from it."""
+    run = lambda *a: subprocess.run(["git", *a], cwd=checkout, capture_output=True, text=True).stdout.strip()  # noqa: E731
+    return run("rev-parse", "--short", "HEAD") + (" + changes" if run("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def main() -> None:
@@ -71,7 +78,7 @@ def main() -> None:
     publish(["# The q4q8 kernel's decode streaming rate by row length", "",
              f"`python benchmarks/q4q8_stream.py --threads {args.threads} --kinds {args.kinds} --ks {args.ks} "
              f"--reps {args.reps}`", "", machine_line(), "",
-             f"Checkout: {args.checkout}. One bfloat16 row times 8 weights of N x K in turn (16.8M weights each), "
+             f"Checkout: {commit(Path(args.checkout))}. One bfloat16 row times 8 weights of N x K in turn (16.8M weights each), "
              f"stored bytes (and weights) over the least time of {args.reps} passes.", "",
              f"| kind | K | N | bits a weight | {head} |", "|---|---|---|---|" + "---|" * len(args.threads.split(",")),
              *rows], Path(args.out))
