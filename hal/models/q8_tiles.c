@@ -102,7 +102,7 @@ static inline void q8_step_avx2(__m256i w, const int8_t *xr, __m256i *acc, __m25
 #define Q6_TILE(R)                                                                                     \
     static void q6_tile_##R(const uint8_t *wt, int64_t G, const int8_t *xq, int64_t K, const float *sxs, \
                             const int32_t *qsum16, float *y, int64_t y_row) {                          \
-        const __m512i m4 = _mm512_set1_epi8(0x0f), m2 = _mm512_set1_epi8(0x03);                       \
+        const __m512i m4 = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);                      \
         __m512 out[R];                                                                                 \
         for (int r = 0; r < R; r++) out[r] = _mm512_setzero_ps();                                      \
         for (int64_t g = 0; g < G; g++) {                                                              \
@@ -116,8 +116,11 @@ static inline void q8_step_avx2(__m256i w, const int8_t *xr, __m256i *acc, __m25
                     int s = 4 * h + i;                                                                 \
                     __m512i nb = _mm512_loadu_si512((const void *)(blk + 64 * (s >> 1)));              \
                     __m512i lo = _mm512_and_si512(s & 1 ? _mm512_srli_epi16(nb, 4) : nb, m4);          \
-                    __m512i hi = _mm512_and_si512(_mm512_srl_epi16(hb, _mm_cvtsi32_si128(2 * i)), m2);  \
-                    __m512i v = _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4));   /* the code, 0..63 */ \
+                    /* bits 2i..2i+1 of each byte moved to bits 4-5 (16-bit shifts: what crosses bytes \
+                     * lands outside them), then lo | (that & 0x30) in one ternary-logic op */          \
+                    __m512i top = i == 0 ? _mm512_slli_epi16(hb, 4) : i == 1 ? _mm512_slli_epi16(hb, 2)  \
+                                : i == 2 ? hb : _mm512_srli_epi16(hb, 2);                              \
+                    __m512i v = _mm512_ternarylogic_epi32(lo, top, m30, 0xF8);   /* the code, 0..63 */ \
                     for (int r = 0; r < R; r++) {                                                      \
                         const int8_t *xr = xq + r * 2 * K + 64 * g + 4 * s;                            \
                         acc[r] = _mm512_dpbusd_epi32(acc[r], v, _mm512_set1_epi32(q4_x4(xr)));                 \
