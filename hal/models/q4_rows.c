@@ -66,8 +66,7 @@ enum { Q4_KIND = 0, Q8_KIND = 1, Q6_KIND = 2, Q4K_KIND = 3, Q5_KIND = 4, Q5K_KIN
 /* The K-quant tiles keep their super-block's fp16 values once per 8 groups (256 inputs), as the
  * file does: per (tile, super-block), a head (Q4K, Q5K: 16 d, then 16 -dmin, 64 bytes; Q6: 16 d,
  * 32 bytes) and the 8 groups after it. So K is a multiple of 256 for these kinds. */
-#define Q4K_HEAD 64
-#define Q6_HEAD 32
+enum { Q4K_HEAD = 64, Q6_HEAD = 32 };   /* a super-block head's bytes */
 #define Q4_GROUP(wt, g, BYTES, KQ) \
     ((KQ) ? (wt) + ((g) >> 3) * (Q4K_HEAD + 8 * (BYTES)) + Q4K_HEAD + ((g) & 7) * (BYTES) : (wt) + (g) * (BYTES))
 #define Q4K_SUPER(wt, g, BYTES) ((wt) + ((g) >> 3) * (Q4K_HEAD + 8 * (BYTES)))
