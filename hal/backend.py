@@ -165,13 +165,12 @@ class Backend:
 
     def greedy_rows(self, target_logits: Tensor) -> Tensor:
         """What `verify_greedy` emits where nothing was drafted (every ``k`` 0): each row's
-        argmax (ties to the lowest id), ``[R, 1]`` int32, with its value check where checks
+        first maximal index (its argmax; ties to the lowest id), ``[R, 1]`` int32, with its value check where checks
         are on (NaN or +inf raise `HalError` as there), and none of its ragged bookkeeping:
         a plain decode step's verify, about 0.6 ms less on a CPU. Not an `Ops` op: torch's
         argmax on the backend's device is the whole of it."""
         if target_logits.dim() != 2 or not target_logits.is_floating_point():
-            raise arg_error("target_logits", "float logits [R, V]",
-                                   f"{target_logits.dtype} {list(target_logits.shape)}")
+            raise arg_error("target_logits", "float logits [R, V]", f"{target_logits.dtype} {list(target_logits.shape)}")
         top, at = target_logits.float().max(-1, keepdim=True)   # one pass: the first maximal index, NaN propagated
         if self.check_values:
             checks.logits_values("target_logits", target_logits, top[:, 0])

@@ -22,7 +22,7 @@ from hal.engine.forward import sampling_args, target_probs
 
 @dataclass
 class VerifyOutput:
-    out: Tensor              # [R, max_k + 1] int64: accepted drafts, then the bonus/resampled token
+    out: Tensor              # [R, max_k + 1] int32: accepted drafts, then the bonus/resampled token, -1 padded
     accepted: Tensor         # [R] accepted drafts per request
     nodes: Tensor | None     # [R, max_k] the accepted path's nodes (trees), -1 padded; None for chains
 

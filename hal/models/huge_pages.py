@@ -6,7 +6,8 @@ and its TLB misses every 4 KB. llama.cpp maps its file, which the page cache may
 pages; our packed tiles are anonymous memory, 4 KB pages unless asked
 (``/sys/kernel/mm/transparent_hugepage/enabled`` is ``madvise`` on most distributions).
 `resident` copies a packed weight into a 2 MB-aligned buffer marked ``MADV_HUGEPAGE`` before
-it is written, so its pages are huge from the first touch. The hint changes no value: where
+it is written: a fresh allocation (the large ones are fresh mappings) gets huge pages at its
+first touch; memory the allocator reuses is left to the kernel's background collapse. The hint changes no value: where
 the kernel refuses it or the platform has no ``madvise`` (not Linux), the copy is a plain one
 (benchmarks/q4q8_stream.py measures the difference)."""
 

@@ -52,7 +52,7 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 class Q4Weight:
     """A linear weight ``[N, K]`` in tiles (`q4_rows.c`): Q4 (codes, fp16 d and m; ``q40``: a
     Q4_0 weight's, m = −8·d not stored), Q8 (codes + 128, fp16 d) or Q6 (``q6k``: Q6_K's 6-bit
-    codes, fp16 d and int8 scale per 16). ``dtype``: the plan's row dtype, rows are cast to it before they are quantized (so a
+    codes, int8 scale per 16, fp16 d per super-block of 256; K-quant tiles keep d once per super-block). ``dtype``: the plan's row dtype, rows are cast to it before they are quantized (so a
     row is quantized from the values the int4pack form would multiply)."""
 
     packed: Tensor            # uint8 [N/16, K/32, BYTES[kind]]; K-quant kinds: [N/16, K/256, 8·BYTES[kind]]
@@ -122,17 +122,14 @@ def pack(blocks: int4.Int4Blocks, dtype: torch.dtype) -> Q4Weight:
     N, K = blocks.codes.shape
     d = blocks.scales
     m = blocks.zeros - 8 * blocks.scales if blocks.mins is None else blocks.mins
-    d16, m16 = d.half(), m.half()
-    if not (torch.equal(d16.float(), d) and torch.equal(m16.float(), m)):
+    if not (torch.equal(d.half().float(), d) and torch.equal(m.half().float(), m)):
         raise HalError("weight: expected int4 blocks whose scales and mins are fp16 values (as stored in a GGUF "
                        "file), got values fp16 would round", arg="weight")
     NT, G = N // TILE, K // int4.GROUP
     c = blocks.codes.to(torch.uint8).view(NT, TILE, G, 4, 2, 4)   # k = 32g + 8s + 4·nibble + j
     codes = (c[..., 0, :] | (c[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(NT, G, 256)
     q40 = torch.equal(m, -8 * d)
-    dm = torch.stack([d16.view(NT, TILE, G)] + ([] if q40 else [m16.view(NT, TILE, G)]), 2)   # [NT, 16, 1 or 2, G]
-    dm = dm.permute(0, 3, 2, 1).contiguous().view(torch.uint8).reshape(NT, G, 32 if q40 else 64)
-    packed = huge_pages.resident(torch.cat([codes, dm], -1).contiguous())
+    packed = huge_pages.resident(torch.cat([codes, _lanes([d] if q40 else [d, m])], -1).contiguous())
     return Q4Weight(packed, (N, K), False, dtype, q40=q40)
 
 
@@ -145,8 +142,7 @@ def pack_q8(q: Tensor, d: Tensor, dtype: torch.dtype) -> Q4Weight:
     NT, G = N // TILE, K // int4.GROUP
     u = (q.to(torch.int16) + 128).to(torch.uint8).view(NT, TILE, G, 8, 4)   # k = 32g + 4s + j
     codes = u.permute(0, 2, 3, 1, 4).reshape(NT, G, 512)
-    ds = d.half().view(NT, TILE, G).permute(0, 2, 1).contiguous().view(torch.uint8).reshape(NT, G, 32)
-    return Q4Weight(huge_pages.resident(torch.cat([codes, ds], -1).contiguous()), (N, K), True, dtype)
+    return Q4Weight(huge_pages.resident(torch.cat([codes, _lanes([d])], -1).contiguous()), (N, K), True, dtype)
 
 
 def quantize_q8(w: Tensor, dtype: torch.dtype) -> Q4Weight:
@@ -227,12 +223,18 @@ def _per_super(d: Tensor) -> bool:
 
 
 def _super_heads(values: list[Tensor]) -> Tensor:
-    """The tiles' super-block heads: per (tile, super-block), each of ``values`` ([N, K/32], one
-    value per super-block, given per group) as 16 fp16, one per output: uint8 [N/16, K/256, 32·len]."""
-    N, G = values[0].shape
-    NT = N // TILE
-    v = torch.stack([x.reshape(N, G // SUPER, SUPER)[..., 0].half().view(NT, TILE, G // SUPER) for x in values], 2)
-    return v.permute(0, 3, 2, 1).contiguous().view(torch.uint8).reshape(NT, G // SUPER, 32 * len(values))
+    """The tiles' super-block heads: `_lanes` of ``values`` ([N, K/32], one value per super-block,
+    given per group) taken once per super-block: uint8 [N/16, K/256, 32·len]."""
+    return _lanes([x.reshape(x.shape[0], -1, SUPER)[..., 0] for x in values])
+
+
+def _lanes(values: list[Tensor]) -> Tensor:
+    """Per-output fp16 values as the tiles keep them: for each of ``values`` ([N, n], fp16 values),
+    per (tile, column) its 16 outputs' values in lane order, one value after another: uint8
+    [N/16, n, 32·len(values)]."""
+    N, n = values[0].shape
+    v = torch.stack([x.half().view(N // TILE, TILE, n) for x in values], 2)   # [NT, 16, len, n]
+    return v.permute(0, 3, 2, 1).contiguous().view(torch.uint8).reshape(N // TILE, n, 32 * len(values))
 
 
 def pack_q4k(codes: Tensor, d: Tensor, dmin: Tensor, sc: Tensor, mn: Tensor, dtype: torch.dtype,
@@ -271,8 +273,7 @@ def pack_q5(codes: Tensor, d: Tensor, dtype: torch.dtype) -> Q4Weight:
                        f"got {codes.dtype} {list(codes.shape)}, d {list(d.shape)}", arg="weight")
     c = codes.to(torch.uint8).view(NT, TILE, G, 4, 2, 4)   # k = 32g + 8s + 4·nibble + j, as `pack`'s
     packed = ((c[..., 0, :] & 15) | ((c[..., 1, :] & 15) << 4)).permute(0, 2, 3, 1, 4).reshape(NT, G, 256)
-    ds = d.half().view(NT, TILE, G).permute(0, 2, 1).contiguous().view(torch.uint8).reshape(NT, G, 32)
-    packed = huge_pages.resident(torch.cat([packed, ds, _fifth_bits(c)], -1).contiguous())
+    packed = huge_pages.resident(torch.cat([packed, _lanes([d]), _fifth_bits(c)], -1).contiguous())
     return Q4Weight(packed, (N, K), False, dtype, q5=True)
 
 
