@@ -29,12 +29,23 @@ class CostModel:
             run = 0.0
             for x in sorted(table):
                 run = table[x] = max(run, table[x])
+        # the router asks for the same few points every step: each is interpolated once (the
+        # tables are not changed after construction)
+        self._verify_at: dict[int, float] = {}
+        self._draft_at: dict[int, float] = {}
 
     def cost(self, fed: int, fed_x_context: int, chain: int) -> float:
         """A step feeding ``fed`` tokens with ``fed_x_context`` (fed token x context) pairs
         and a draft chain of ``chain`` tokens."""
-        draft = interpolate(self.draft, chain) if self.draft and chain else 0.0
-        return interpolate(self.verify, fed) + self.per_context * fed_x_context + draft
+        verify = self._verify_at.get(fed)
+        if verify is None:
+            verify = self._verify_at[fed] = interpolate(self.verify, fed)
+        if not chain or not self.draft:
+            return verify + self.per_context * fed_x_context
+        draft = self._draft_at.get(chain)
+        if draft is None:
+            draft = self._draft_at[chain] = interpolate(self.draft, chain)
+        return verify + self.per_context * fed_x_context + draft
 
     def step(self, ks: list[int], contexts: list[int]) -> float:
         return self.cost(sum(1 + k for k in ks), sum((1 + k) * c for k, c in zip(ks, contexts)), max(ks, default=0))

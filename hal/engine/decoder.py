@@ -65,8 +65,7 @@ class SpeculativeDecoder:
                  max_num_batched_tokens: int | None = None, max_num_seqs: int = 256,
                  enable_prefix_caching: bool | None = None, grammar: GrammarCompiler | None = None,
                  feature_cache_bytes: int = feature_cache.CACHE_BYTES):
-        self.target, self.drafter, self.on_tokens, self.router = target, drafter, on_tokens, router
-        self.grammar = grammar
+        self.target, self.drafter, self.on_tokens, self.router, self.grammar = target, drafter, on_tokens, router, grammar
         self.pool = pool or target_pool(target, num_blocks, block_size)
         self.metrics = metrics or SpecDecodeMetrics()
         if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:
@@ -79,9 +78,10 @@ class SpeculativeDecoder:
         self.pool.allocator.caching = self.prefix_caching = prefix.enabled(enable_prefix_caching)
         feature_cache.bound(feature_cache_bytes)
         a = self.pool.allocator
+        self.drafter_caps = capabilities(drafter)   # read once: each step reads them
         self.cached_features = feature_cache.FeatureCache(a.block_size, a.num_blocks, feature_cache_bytes,
                                                           lambda name: bool(a.match([name]))) \
-            if self.prefix_caching and capabilities(drafter).features is not None else None
+            if self.prefix_caching and self.drafter_caps.features is not None else None
         self.scheduler = Scheduler(a, max_num_seqs, max_num_batched_tokens, self._preempt,
                                    None if self.cached_features is None else self.cached_features.leading)
         self.steps, self._next_id, self._aborted, self._out = 0, 0, [], StepOutput()
@@ -105,10 +105,9 @@ class SpeculativeDecoder:
 
     @torch.inference_mode()
     def add(self, req: Request) -> int:
-        """Queue a `Request` (prompt and parameters together); returns its id. Nothing changes
-        if it raises. Like every entry point that changes engine state (`step`, `abort`), it runs
-        in inference mode: the tensors a step makes (and keeps: the history, pools, drafters'
-        state) may then be updated in place here too."""
+        """Queue a `Request` (prompt and parameters together); returns its id. Nothing changes if it raises.
+        Like every entry point that changes engine state (`step`, `abort`), it runs in inference mode:
+        the tensors a step makes (and keeps: history, pools, drafters' state) may be updated in place here."""
         check_request(req, self.target.cfg.vocab, self.pool.allocator)
         matcher = None
         if req.structured is not None:
@@ -142,9 +141,9 @@ class SpeculativeDecoder:
 
     @torch.inference_mode()
     def step(self) -> StepOutput:
-        """One scheduling round: decode the running requests (drafts within the budget),
-        then prefill waiting ones with the budget left. Returns what it produced. In inference mode
-        (benchmarks/inference_mode.py): the tensors it makes are updated in place only inside a step."""
+        """One scheduling round: decode the running requests (drafts within the budget), then prefill waiting
+        ones with the budget left. Returns what it produced. In inference mode (benchmarks/inference_mode.py):
+        the tensors it makes are updated in place only inside a step."""
         self._out = StepOutput(finished=self._aborted)
         self._aborted, t0 = [], time.perf_counter()
         plan = self.scheduler.schedule(self._choose_k)
@@ -242,7 +241,7 @@ class SpeculativeDecoder:
         sampled = any(state.req.temperature > 0 for state in live)
         offsets = Offsets([state.next_offset() for state in live] if live and sampled else None,
                           [state.next_offset() for state in plan.first])
-        return execute(self.target, self.pool, self.history, self.drafter, plan, drafts, offsets)
+        return execute(self.target, self.pool, self.history, self.drafter, plan, drafts, offsets, self.drafter_caps)
 
     def _admit(self, admitted: list[State]) -> None:
         """Start newly admitted requests on their cached blocks (prefix caching), and a feature
@@ -337,7 +336,8 @@ class SpeculativeDecoder:
             path = range(row, row + accepted[i] + 1) if reads.nodes is None else \
                 [row] + [row + 1 + int(n) for n in reads.nodes[i * max_k:i * max_k + accepted[i]]]
             if result.features:   # the rows that produced the accepted drafts and the bonus token
-                state.features.append(result.hidden[list(path)])
+                state.features.append(result.hidden[row:row + accepted[i] + 1] if reads.nodes is None
+                                      else result.hidden[list(path)])
                 at = len(state.tokens) - 1
             else:
                 state.last_hidden = result.hidden[path[-1]]

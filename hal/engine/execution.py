@@ -19,7 +19,7 @@ from hal.engine import grammar, proposals, trees
 from hal.engine.forward import forward_tokens, logprob_rows, sampling_args, sampling_tensors, target_probs
 from hal.engine.history import HistoryBuffer
 from hal.engine.processors import processor_args
-from hal.engine.drafting import Drafter, capabilities
+from hal.engine.drafting import Drafter, DrafterCapabilities, capabilities
 from hal.engine.step_types import Logprobs, StepDrafts, StepPlan, StepReads, StepResult, read_back
 from hal.models.llama import Llama
 from hal.ops import cumulative
@@ -34,8 +34,10 @@ class Offsets:
 
 
 def execute(target: Llama, pool: kv.KVPool, history: HistoryBuffer, drafter: Drafter | None, plan: StepPlan,
-            drafts: StepDrafts, offsets: Offsets) -> StepResult:
-    """Run ``plan`` with ``drafts``; everything stays on the device until one readback."""
+            drafts: StepDrafts, offsets: Offsets, caps: DrafterCapabilities | None = None) -> StepResult:
+    """Run ``plan`` with ``drafts``; everything stays on the device until one readback.
+    ``caps``: the drafter's `capabilities` (the engine reads them once; None: read here)."""
+    caps = capabilities(drafter) if caps is None else caps
     backend, dev = target.be, target.device
     live, counts, chunks = plan.decode, drafts.counts, plan.prefill
     first, resumed = plan.first, plan.resumed
@@ -43,7 +45,7 @@ def execute(target: Llama, pool: kv.KVPool, history: HistoryBuffer, drafter: Dra
     tokens, lens = _fed_tokens(plan, drafts, dev)
     ends = torch.tensor(lens).cumsum(0)
     rows = torch.cat([torch.arange(fed), ends[len(live):] - 1])
-    layers = capabilities(drafter).features   # a feature drafter reads every fed row's feature
+    layers = caps.features   # a feature drafter reads every fed row's feature
     depth, mask = (None, None) if drafts.parent_ids is None else trees.layout(
         drafts.parent_ids, counts, [c.num_tokens for c in chunks], dev)
     logits, hidden = forward_tokens(target, pool, [state.seq for state in live] + [c.state.seq for c in chunks], lens,
@@ -68,8 +70,8 @@ def execute(target: Llama, pool: kv.KVPool, history: HistoryBuffer, drafter: Dra
             reads.first_logprobs = Logprobs(*_padded(logprob_rows(frows, tok, top_n)))
         history.write([state.rid for state in first], [len(state.tokens) for state in first], reads.first[:, None])
     t = time.perf_counter()
-    ahead = proposals.lookahead(drafter, history, live, first, resumed, reads.accepted, dev, plan.k,
-                                 plan.ahead)
+    ahead = None if not caps.lookahead else proposals.lookahead(
+        drafter, history, live, first, resumed, reads.accepted, dev, plan.k, plan.ahead)
     ahead_s = time.perf_counter() - t
     if ahead is not None and ahead.proposal.num_valid is not None:
         reads.lookahead_valid = ahead.proposal.num_valid

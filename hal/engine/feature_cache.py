@@ -48,7 +48,7 @@ class FeatureCache:
                  cached: Callable[[bytes], bool] = lambda name: True):
         self.block_size, self.max_blocks, self.max_bytes, self.cached = block_size, max_blocks, max_bytes, cached
         self._rows: OrderedDict[bytes, Tensor] = OrderedDict()   # least recently used first
-        self._tails: dict[int, tuple[int, list[Tensor]]] = {}    # rid -> (position of its first row, rows)
+        self._tails: dict[int, tuple[int, list[Tensor], int]] = {}   # rid -> (position of its first row, rows, count)
         self._used: dict[int, list[bytes]] = {}                   # rid -> the blocks it started on or saved
         self.bytes = 0
         self.evictions = 0
@@ -71,7 +71,7 @@ class FeatureCache:
     def resume(self, rid: int, names: Seq[bytes]) -> list[Tensor]:
         """Request ``rid`` starts on blocks ``names`` (each held: see `leading`): their rows, as a
         list for its pending features ([] for none), and its tail begins where they end."""
-        self._tails[rid], self._used[rid] = (len(names) * self.block_size, []), list(names)
+        self._tails[rid], self._used[rid] = (len(names) * self.block_size, [], 0), list(names)
         return [self.take(names)] if names else []
 
     def add(self, rid: int, position: int, rows: Tensor, names: Seq[bytes]) -> None:
@@ -79,12 +79,12 @@ class FeatureCache:
         (``names``: its sequence's block names so far) that its tail covers are cached, and the
         tail keeps what follows. Rows that do not continue the tail (it started elsewhere) begin
         a new one there."""
-        at, tail = self._tails.get(rid, (position, []))
-        if at + sum(len(r) for r in tail) != position:
-            at, tail = position, []
-        tail = tail + [rows]
+        at, tail, count = self._tails.get(rid, (position, [], 0))
+        if at + count != position:
+            at, tail, count = position, [], 0
+        tail, count = tail + [rows], count + rows.shape[0]
         bs = self.block_size
-        first, last = -(-at // bs), min(len(names), (at + sum(len(r) for r in tail)) // bs)
+        first, last = -(-at // bs), min(len(names), (at + count) // bs)
         if last > first:
             whole = torch.cat(tail)
             for b in range(first, last):
@@ -92,7 +92,8 @@ class FeatureCache:
             self._used.setdefault(rid, []).extend(names[first:last])
             self._refresh(names[:last])
             at, tail = last * bs, [whole[last * bs - at:].clone()]   # not a view that keeps the chunk alive
-        self._tails[rid] = (at, tail)
+            count = tail[0].shape[0]
+        self._tails[rid] = (at, tail, count)
 
     def release(self, rid: int) -> None:
         """Request ``rid`` is done (or preempted): its blocks become the most recently used, its first

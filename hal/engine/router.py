@@ -97,6 +97,7 @@ class Router:
         # with scored first drafts only [2]
         self.ratio, self.ratio_steps = [0.0, 0.0, 0.0], [0, 0, 0]
         self.steps = 0   # `choose` calls: the phase of `score_every`
+        self._every = 1  # `score_every` as the last `choose` found it
         # a lookup drafter (`hal.engine.drafting.DrafterCapabilities.lookup`): where its host lookup finds a match
         # this step, a request is routed on the lookup's own acceptance; where it finds none, on the model's
         # (``fallback``) or not at all (nothing would be drafted, so nothing is asked, scored or probed)
@@ -242,7 +243,7 @@ class Router:
         Other drafters' idle requests are probed with one verified draft every `_probe_interval`
         plain steps."""
         self.scored, self.steps = set(), self.steps + 1
-        every = self.score_every
+        every = self._every = self.score_every   # asks_next reads it on the same step
         interval = self._score_interval(every) if self.shadow else self._probe_interval(states, ks, caps)
         greedy = any(ks) or self._scoring_step(self.steps, every)
         for i, state in enumerate(states):
@@ -266,7 +267,7 @@ class Router:
         (`hal.engine.proposals.lookahead`): on a step that drafts nothing, nothing is drafted
         ahead to be thrown away. A forecast, not a promise: a request asked after all is drafted
         for inline, so a wrong forecast costs time, never output."""
-        every = self.score_every
+        every = self._every
         phase = self._scoring_step(self.steps + 1, every)
         interval = self._score_interval(every) if self.shadow else self.probe_every
         out = set()

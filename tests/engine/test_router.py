@@ -363,3 +363,17 @@ def test_sampled_requests_of_a_scored_drafter_are_measured_without_verifying():
     assert dec.metrics.total.num_draft_tokens == 0
     assert len(seen) >= 4 and all(min(abs(s - 0.7), abs(s - 0.3)) < 1e-5 for s in seen), seen
     assert router.glob.trials > 0
+
+
+def test_the_cost_model_remembers_points_it_interpolated_without_changing_them():
+    """`CostModel.cost` keeps each interpolated point (the router asks for the same few every step):
+    the values are the table's, first call or later, in range, between points and past the last."""
+    from hal.engine.costs import interpolate
+    verify, draft = {1: 1.0, 4: 1.6, 9: 3.0}, {1: 0.2, 4: 0.5}
+    c = CostModel(dict(verify), dict(draft), per_context=0.01)
+    for _ in range(2):
+        for fed in (1, 2, 3, 4, 7, 9, 12):
+            for chain in (0, 1, 3, 6):
+                want = interpolate(verify, fed) + 0.01 * 5 * fed + (interpolate(draft, chain) if chain else 0.0)
+                assert c.cost(fed, 5 * fed, chain) == pytest.approx(want, rel=0, abs=1e-12)
+    assert CostModel({1: 1.0}).cost(3, 0, 2) == 3.0   # no draft table: a chain adds nothing
