@@ -67,11 +67,23 @@ def pick_rows(t: Tensor, rows: list[int]) -> Tensor:
 
 def widen(batch: DraftBatch, keep: list[int], part: Proposal | None, dev) -> Proposal:
     """A `Proposal` for all of ``b`` from one for its rows ``keep``: the others get their
-    ``k`` slots as filler (``num_valid`` 0)."""
+    ``k`` slots as filler (``num_valid`` 0; in a tree, children of the root); the kept rows keep
+    their own ``num_valid`` (a tree's or a confidence cut's) and parents."""
     cu = cumulative(batch.k)
     at = torch.tensor([cu[i] + j for i in keep for j in range(batch.k[i])], dtype=torch.long).to(dev)
     ids = torch.zeros(cu[-1], dtype=torch.long, device=dev)
-    probs = own = top = None
+    probs = own = top = par = None
+    kept = set(keep)
+    valid = torch.tensor([k if i in kept else 0 for i, k in enumerate(batch.k)])
+    if part is not None and part.num_valid is not None and keep:   # the kept rows' own counts (a tree's, a cut's)
+        valid = valid.to(part.num_valid.device)
+        valid[torch.tensor(keep, dtype=torch.long).to(valid.device)] = part.num_valid.long()
+    elif part is not None and all(k == 0 for i, k in enumerate(batch.k) if i not in kept):
+        valid = None   # no filler slots (the other rows asked for none): every slot is valid, nothing to read
+    if part is not None and part.parent_ids is not None:   # a tree: filler slots are children of the root
+        par = torch.full((cu[-1],), -1, dtype=torch.long, device=dev)
+        if len(at):
+            par[at] = part.parent_ids.to(dev).long()
     if part is not None and len(at):
         ids[at] = part.draft_token_ids
         if part.draft_probs is not None:
@@ -84,9 +96,8 @@ def widen(batch: DraftBatch, keep: list[int], part: Proposal | None, dev) -> Pro
         if part.top_ids is not None:   # filler slots: token 0 at probability 0
             top = [t.new_zeros(cu[-1], t.shape[1]) for t in (part.top_ids, part.top_probs)]
             top[0][at], top[1][at] = part.top_ids, part.top_probs
-    kept = set(keep)
     return Proposal(draft_token_ids=ids, cu_num_draft_tokens=torch.tensor(cu).to(dev), draft_probs=probs,
-                    num_valid=torch.tensor([k if i in kept else 0 for i, k in enumerate(batch.k)]),
+                    num_valid=valid, parent_ids=par,
                     top_ids=None if top is None else top[0], top_probs=None if top is None else top[1],
                     own_features=own)
 

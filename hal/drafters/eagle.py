@@ -28,7 +28,9 @@ class EagleDrafter:
     steps, feeds the new pairs in one ragged forward (the last one again when nothing is
     new), then drafts ``k`` tokens, each step feeding the head's own output back. A request
     whose features it missed (its KV was dropped while the request kept running) gets no
-    drafts again (``lost`` counts them).
+    drafts again (``lost`` counts them). A request asked for no drafts (``k`` 0: n-gram lookup
+    covers it, `NgramOrHead`, or a batch-mate drafts) has its new features held, up to `HOLD`
+    rows, and fed with its next draft: a step that drafts nothing from the head runs no head forward.
 
     ``tree=(topk, depth)``: EAGLE-2's dynamic tree instead of a chain (`_tree`), for greedy and
     sampled requests alike (siblings are deterministic, so sampled ones verify exactly).
@@ -56,6 +58,7 @@ class EagleDrafter:
                               device=head.device)
         self.draft_kv = DraftKV(self.pool)         # valid: pairs from target features in each request's KV (0..valid-1)
         self.last: dict[int, Tensor] = {}    # rid -> the newest target feature passed (position valid - 1)
+        self.held: dict[int, list[Tensor]] = {}   # rid -> features passed, not yet fed (positions from valid_len)
         self.lost_rids: set[int] = set()
         self.lost = 0
 
@@ -87,8 +90,12 @@ class EagleDrafter:
             K = self.tree[0] * (self.tree[1] - 1)
         need = 0
         for i, (rid, length) in enumerate(zip(batch.rids, batch.lengths)):
-            n, m = cu[i + 1] - cu[i], own[i]
-            start, v = length - 1 - n - m, self.draft_kv.valid_len(rid)
+            n, m, held = cu[i + 1] - cu[i], own[i], sum(len(f) for f in self.held.get(rid, ()))
+            start, v = length - 1 - n - m, self.draft_kv.valid_len(rid) + held
+            if (batch.k[i] == 0 and not m and start <= v and rid not in self.lost_rids
+                    and held + n - max(0, v - start) <= HOLD and (n or held or rid in self.last)):
+                self._hold(rid, batch.features[cu[i] + max(0, v - start):cu[i + 1]] if n > v - start else None)
+                continue
             grow = self.draft_kv.blocks_needed(rid, length - 1 + K)
             if m and (start > v or need + grow > self.draft_kv.num_free):
                 continue                      # a tail drafted ahead that does not fit: no drafts, nothing lost
@@ -99,8 +106,10 @@ class EagleDrafter:
                 continue
             keep.append(i)
             plan.append((rid, length, max(0, v - start), m))   # skip features it already has
-        if not keep:
-            return empty(len(batch.rids), dev) if not any(batch.k) else widen(batch, [], None, dev)
+        if not keep:   # nothing drafted (a tree head's answer is a tree of no nodes)
+            out = empty(len(batch.rids), dev) if not any(batch.k) else widen(batch, [], None, dev)
+            return out if self.tree is None or out.parent_ids is not None else replace(
+                out, parent_ids=torch.zeros(0, dtype=torch.long, device=dev))
         sub = batch if len(keep) == len(batch.rids) else subset(batch, keep)
         part = self._propose(sub, plan)
         return part if sub is batch else widen(batch, keep, part, dev)
@@ -132,8 +141,9 @@ class EagleDrafter:
             a, z, end = end + skip, end + n, end + n    # this request's rows of b.features, minus those it has
             seq = self.draft_kv.sequence(rid)
             x = None                      # m > 0 with nothing new: the tail's pairs alone
-            if z > a:                     # new target features: positions L-1-(z-a) .. L-2 (L: committed)
-                x = feats[a:z]
+            held = [f.to(dev, torch.float32) for f in self.held.pop(rid, ())] + ([feats[a:z]] if z > a else [])
+            if held:                      # new target features (held ones first): positions L-1-len .. L-2
+                x = torch.cat(held) if len(held) > 1 else held[0]
                 self.last[rid] = x[-1]
             elif not m:                   # nothing new: feed the newest pair again
                 x = self.last[rid][None]
@@ -263,6 +273,11 @@ class EagleDrafter:
         return Proposal(draft_token_ids=toks_c.reshape(-1)[idx], cu_num_draft_tokens=cu,
                         num_valid=torch.tensor([min(n, N) for n in batch.k]), parent_ids=par.reshape(-1)[idx])
 
+    def _hold(self, rid: int, feats: Tensor | None) -> None:
+        """Keep request ``rid``'s new features (positions up to its length - 2) for its next draft."""
+        if feats is not None and len(feats):
+            self.held.setdefault(rid, []).append(feats)
+
     def _lose(self, rid: int) -> None:
         if rid not in self.lost_rids:
             self.release(rid)
@@ -275,7 +290,11 @@ class EagleDrafter:
     def release(self, rid) -> None:
         self.draft_kv.release(rid)
         self.last.pop(rid, None)
+        self.held.pop(rid, None)
         self.lost_rids.discard(rid)   # a preempted request comes back with all its features
+
+
+HOLD = 64   # feature rows a request asked for no drafts may have held, then fed (as `hal.drafters.dspark.HOLD`)
 
 
 class NgramOrHead:
@@ -283,7 +302,9 @@ class NgramOrHead:
     text), the head's elsewhere (open-ended text; a chain or, from a tree head, a tree; the head
     is a `EagleDrafter` or a `hal.drafters.dspark.DSparkDrafter`).
     One extra host read per step (whether the lookup matched); the head is always passed its
-    features, drafting 0 tokens for the rows the lookup covers. ``shadow`` as for the head."""
+    features, drafting 0 tokens for the rows the lookup covers: it holds them (no forward) until it
+    drafts for the request again (`EagleDrafter`, `hal.drafters.dspark.DSparkDrafter`). ``shadow`` as
+    for the head."""
 
     def __init__(self, ngram, head):
         self.ngram, self.head, self.be = ngram, head, head.be
