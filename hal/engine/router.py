@@ -206,16 +206,17 @@ class Router:
         caps = [max(0, min(self.max_k, state.req.k, draft_room(state))) if has else 0
                 for state, has in zip(states, self._look(states))]
         ctx = [len(state.tokens) for state in states]
-        alpha = [self.acceptance(state.rid) for state in states]
-        offer = [self.offer_rate(state.rid) for state in states]
         c = self.costs
         fed, attn, top = n, sum(ctx), 0
         tokens = float(n)
         best, best_at = tokens / c.cost(fed, attn, top), 0
         plain = best
-        heap = [(-offer[i] * alpha[i], i, 1) for i in range(n) if caps[i] and self._known(states[i].rid)]
-        heapq.heapify(heap)
+        can = [i for i in range(n) if caps[i] and self._known(states[i].rid)]
+        alpha, offer = {i: self.acceptance(states[i].rid) for i in can}, {i: self.offer_rate(states[i].rid) for i in can}
         path, penalty = [], self.draft_penalty
+        heap = [(-offer[i] * alpha[i], i, 1) for i in can] if can and self._may_pay(
+            states, can, caps, ctx, alpha, offer, plain, penalty) else []
+        heapq.heapify(heap)
         while heap and (budget is None or fed < budget):
             g, i, k = heapq.heappop(heap)
             chain = 0 if self.matched.get(states[i].rid) else k   # a lookup match's drafts cost no model chain
@@ -233,6 +234,18 @@ class Router:
             ks[i] += 1
         self._keep_learning(states, ks, caps, budget)
         return ks
+
+    def _may_pay(self, states, can: list[int], caps: list[int], ctx: list[int], alpha: dict, offer: dict,
+                 plain: float, penalty: float) -> bool:
+        """Whether any draft path of `choose` could beat plain decoding by ``margin``: every draft
+        offered and accepted up to each cap, over the cheapest step with a draft (the cost model is
+        non-decreasing in each argument), is a bound on every path's rate. False: `choose`'s walk
+        would draft nothing, so it is skipped (a step that drafts nothing costs no walk)."""
+        gain = sum(offer[i] * sum(alpha[i] ** j for j in range(1, caps[i] + 1)) for i in can)
+        chain = 0 if any(self.matched.get(states[i].rid) for i in can) else 1
+        n = len(states)
+        cheapest = self.costs.cost(n + 1, sum(ctx) + min(ctx[i] for i in can), chain) * penalty
+        return (n + gain) / cheapest * (1 + 1e-9) >= plain * (1 + self.margin)
 
     def _keep_learning(self, states, ks: list[int], caps: list[int], budget: int | None) -> None:
         """Requests at k = 0 keep being measured. A ``shadow`` drafter's first draft is scored by
