@@ -131,8 +131,9 @@ class Router:
     @property
     def draft_penalty(self) -> float:
         """How much slower than modelled a step with drafts runs, relative to one without
-        (>= 1: it only ever makes drafting look dearer; 1 until both have 4 steps measured)."""
-        if min(self.ratio_steps) < 4 or self.ratio[0] <= 0:
+        (>= 1: it only ever makes drafting look dearer; 1 until both have 4 steps measured; steps that
+        only scored do not count: a drafter that is never scored has none)."""
+        if min(self.ratio_steps[0], self.ratio_steps[1]) < 4 or self.ratio[0] <= 0:
             return 1.0
         return max(1.0, self.ratio[1] / self.ratio[0])
 
@@ -313,7 +314,7 @@ class Router:
         base = self.costs.cost(fed, 0, top)
         if not self.probe_every or not idle or base <= 0:
             return self.probe_every
-        extra = self.costs.cost(fed + 1, 0, max(top, 1)) - base
+        extra = self.costs.cost(fed + 1, 0, max(top, 1)) * self.draft_penalty - base   # as measured to run
         return max(self.probe_every, min(4 * self.probe_every, math.ceil(idle * extra / (LEARN_SHARE * base))))
 
     def _wants_evidence(self, rid) -> bool:

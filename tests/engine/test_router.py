@@ -412,3 +412,17 @@ def test_skipping_the_walk_where_no_draft_can_pay_changes_no_choice():
         r, states, can, caps, ctx, alpha, {i: 0.0 for i in offer}, plain, penalty))
     assert any(choices(None, s) != choices(forgetful, s) for s in seeds)
     assert sum(map(any, choices(None, seeds[0]))) > 30   # the cases draft often enough to matter
+
+
+def test_a_drafter_that_is_never_scored_still_pays_its_measured_draft_penalty():
+    """Steps with drafts that run 1.5x slower than modelled, against plain steps as modelled, make
+    drafting 1.5x dearer in the router's model, whether or not the drafter is ever scored (a block
+    drafter is not: its steps that only score are none); and its idle requests are probed less often."""
+    costs = CostModel({1: 1.0, 2: 1.05, 9: 1.6}, {1: 0.2})
+    r = Router(costs, max_k=4, probe_every=16)
+    probes = r._probe_interval([_S("a")], [0], [4])
+    for _ in range(6):
+        r.observe_step(1, 0, 0, costs.cost(1, 0, 0))
+        r.observe_step(3, 2, 2, 1.5 * costs.cost(3, 0, 2))
+    assert r.ratio_steps[2] == 0 and r.draft_penalty == pytest.approx(1.5)
+    assert r._probe_interval([_S("a")], [0], [4]) > probes
