@@ -1,0 +1,72 @@
+"""The router's cost of deciding: the cost model's remembered points, the bound that skips the
+walk where no draft can pay (the same choices), and the measured draft penalty of a drafter that
+is never scored."""
+
+import pytest
+
+from hal.engine.costs import CostModel
+from hal.engine.router import Router
+from tests.engine.test_router import _S
+
+
+def test_the_cost_model_remembers_points_it_interpolated_without_changing_them():
+    """`CostModel.cost` keeps each interpolated point (the router asks for the same few every step):
+    the values are the table's, first call or later, in range, between points and past the last."""
+    from hal.engine.costs import interpolate
+    verify, draft = {1: 1.0, 4: 1.6, 9: 3.0}, {1: 0.2, 4: 0.5}
+    c = CostModel(dict(verify), dict(draft), per_context=0.01)
+    for _ in range(2):
+        for fed in (1, 2, 3, 4, 7, 9, 12):
+            for chain in (0, 1, 3, 6):
+                want = interpolate(verify, fed) + 0.01 * 5 * fed + (interpolate(draft, chain) if chain else 0.0)
+                assert c.cost(fed, 5 * fed, chain) == pytest.approx(want, rel=0, abs=1e-12)
+    assert CostModel({1: 1.0}).cost(3, 0, 2) == 3.0   # no draft table: a chain adds nothing
+
+
+def test_skipping_the_walk_where_no_draft_can_pay_changes_no_choice():
+    """`Router._may_pay` bounds every draft path's rate: where it says no path beats plain by the
+    margin, the walk is skipped. On random cost models, acceptances, caps and batches the choices
+    equal those of the walk always taken; a bound that forgets the offers' gains (a planted
+    mutant) changes some."""
+    import random
+    rng = random.Random(5)
+
+    def choices(may_pay, seed):
+        g = random.Random(seed)
+        out = []
+        for _ in range(300):
+            pts = sorted(g.sample(range(2, 40), 3))
+            verify = {1: 1.0, **{p: 1.0 + g.uniform(0.02, 0.3) * (p - 1) for p in pts}}
+            draft = {1: g.uniform(0.0, 0.6), 4: g.uniform(0.6, 1.5)}
+            r = Router(CostModel(verify, draft, g.uniform(0, 1e-4)), max_k=g.randint(1, 8), probe_every=0,
+                       prior=g.uniform(0.05, 0.95), margin=g.choice([0.0, 0.1]))
+            if may_pay is not None:
+                r._may_pay = may_pay(r)
+            states = [_S(i, k=g.randint(0, 8), ctx=g.randint(1, 300), left=g.randint(1, 20)) for i in range(g.randint(1, 6))]
+            for s in states:
+                d = g.randint(1, 6)
+                for _ in range(g.randint(0, 4)):
+                    r.observe([s], [d], [g.randint(0, d)])
+            out.append(r.choose(states))
+        return out
+    seeds = [rng.randrange(1 << 30) for _ in range(3)]
+    for seed in seeds:
+        assert choices(None, seed) == choices(lambda r: (lambda *a: True), seed)
+    forgetful = lambda r: (lambda states, can, caps, ctx, alpha, offer, plain, penalty: Router._may_pay(   # noqa: E731
+        r, states, can, caps, ctx, alpha, {i: 0.0 for i in offer}, plain, penalty))
+    assert any(choices(None, s) != choices(forgetful, s) for s in seeds)
+    assert sum(map(any, choices(None, seeds[0]))) > 30   # the cases draft often enough to matter
+
+
+def test_a_drafter_that_is_never_scored_still_pays_its_measured_draft_penalty():
+    """Steps with drafts that run 1.5x slower than modelled, against plain steps as modelled, make
+    drafting 1.5x dearer in the router's model, whether or not the drafter is ever scored (a block
+    drafter is not: its steps that only score are none); and its idle requests are probed less often."""
+    costs = CostModel({1: 1.0, 2: 1.05, 9: 1.6}, {1: 0.2})
+    r = Router(costs, max_k=4, probe_every=16)
+    probes = r._probe_interval([_S("a")], [0], [4])
+    for _ in range(6):
+        r.observe_step(1, 0, 0, costs.cost(1, 0, 0))
+        r.observe_step(3, 2, 2, 1.5 * costs.cost(3, 0, 2))
+    assert r.ratio_steps[2] == 0 and r.draft_penalty == pytest.approx(1.5)
+    assert r._probe_interval([_S("a")], [0], [4]) > probes
