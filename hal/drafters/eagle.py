@@ -106,10 +106,10 @@ class EagleDrafter:
                 continue
             keep.append(i)
             plan.append((rid, length, max(0, v - start), m))   # skip features it already has
-        if not keep:   # nothing drafted (a tree head's answer is a tree of no nodes)
+        if not keep:   # nothing drafted (a tree head's filler slots are children of the root, as `widen`'s)
             out = empty(len(batch.rids), dev) if not any(batch.k) else widen(batch, [], None, dev)
-            return out if self.tree is None or out.parent_ids is not None else replace(
-                out, parent_ids=torch.zeros(0, dtype=torch.long, device=dev))
+            return out if self.tree is None else replace(
+                out, parent_ids=torch.full((out.draft_token_ids.numel(),), -1, dtype=torch.long, device=dev))
         sub = batch if len(keep) == len(batch.rids) else subset(batch, keep)
         part = self._propose(sub, plan)
         return part if sub is batch else widen(batch, keep, part, dev)

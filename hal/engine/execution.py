@@ -19,7 +19,7 @@ from hal.engine import grammar, proposals, trees
 from hal.engine.forward import forward_tokens, logprob_rows, sampling_args, sampling_tensors, target_probs
 from hal.engine.history import HistoryBuffer
 from hal.engine.processors import processor_args
-from hal.engine.drafting import Drafter, DrafterCapabilities, capabilities
+from hal.engine.drafting import Drafter, DrafterCapabilities
 from hal.engine.step_types import Logprobs, StepDrafts, StepPlan, StepReads, StepResult, read_back
 from hal.models.llama import Llama
 from hal.ops import cumulative
@@ -34,10 +34,9 @@ class Offsets:
 
 
 def execute(target: Llama, pool: kv.KVPool, history: HistoryBuffer, drafter: Drafter | None, plan: StepPlan,
-            drafts: StepDrafts, offsets: Offsets, caps: DrafterCapabilities | None = None) -> StepResult:
+            drafts: StepDrafts, offsets: Offsets, caps: DrafterCapabilities) -> StepResult:
     """Run ``plan`` with ``drafts``; everything stays on the device until one readback.
-    ``caps``: the drafter's `capabilities` (the engine reads them once; None: read here)."""
-    caps = capabilities(drafter) if caps is None else caps
+    ``caps``: the drafter's `capabilities` (the engine reads them once)."""
     backend, dev = target.be, target.device
     live, counts, chunks = plan.decode, drafts.counts, plan.prefill
     first, resumed = plan.first, plan.resumed

@@ -47,3 +47,17 @@ def test_a_head_asked_for_nothing_holds_its_features_and_drafts_as_if_fed_every_
     d.propose(view(20, slice(17, 19), 0))
     d.release(0)
     assert 0 not in d.held and d.draft_kv.valid_len(0) == 0
+
+
+def test_a_tree_head_that_drafts_nothing_answers_a_tree_of_filler_slots(target, tmp_path):
+    """A tree head whose only request lost its features (a gap before the new ones) drafts nothing:
+    its k slots are filler, every one a child of the root, none valid."""
+    from hal.engine.drafting import DraftBatch
+    d = EagleDrafter(load_eagle(eagle1(tmp_path)[1], target), tree=(2, 2))
+    ids = [(11 * i + 5) % V for i in range(12)]
+    f = target_features(target, ids, d.head.feature_layers)
+    p = d.propose(DraftBatch(rids=(0,), params=(Request(ids[:10], k=3),), history=torch.tensor([ids]),
+                             num_tokens=torch.tensor([10]), lengths=(10,), k=(3,), offsets=(0,), features=f[5:9],
+                             num_features=(4,)))
+    assert d.lost == 1 and p.draft_token_ids.numel() == 3
+    assert p.parent_ids.tolist() == [-1, -1, -1] and p.num_valid.tolist() == [0]
