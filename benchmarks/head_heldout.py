@@ -54,10 +54,11 @@ def main() -> None:
         target.batch_invariant = False
         seqs = eagle_data.generate(target, tok, texts, args.max_new_tokens)
         target.batch_invariant = True
-        feats = eagle_data.features(target, seqs)
         lens = [len(tok.encode(chatml(t)).ids) for t in texts]
-        heads = args.heads or [str(shipped_head("smollm2-135m"))]
-        rows = [(h, *agreement(load_eagle(h, target), seqs, feats, lens)) for h in heads]
+        heads = [load_eagle(h, target) for h in args.heads or [str(shipped_head("smollm2-135m"))]]
+        feats = {taps: eagle_data.features(target, seqs, layers=taps) for taps in {h.feature_layers for h in heads}}
+        rows = [(h, *agreement(head, seqs, feats[head.feature_layers], lens))
+                for h, head in zip(args.heads or ["shipped"], heads)]
     lines = ["# EAGLE head: top-1 agreement with the target on unseen text", "",
              f"Command: `python benchmarks/head_heldout.py --prompts {args.prompts}`; {time.strftime('%Y-%m-%d')}; "
              f"{len(texts)} prompts ({args.prompts} on held-out topics + {len(EXTRA)} benchmark-like chat prompts), "

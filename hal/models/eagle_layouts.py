@@ -178,3 +178,45 @@ def load_eagle(path: str | Path, target: Llama, backend=None, device=None) -> Ea
         raise HalError(f"head {str(folder)!r} eagle_aux_hidden_state_layer_ids: expected layers in [0, "
                        f"{target.cfg.layers}] of the target, got taps {list(cfg.feature_layers)}")
     return EagleModel(cfg, w, target, backend, device)
+
+
+_WRITE_LAYER = {"wo": "self_attn.o_proj", "wdown": "mlp.down_proj", "attn_norm": "input_layernorm",
+                "hidden_norm": "hidden_norm", "ffn_norm": "post_attention_layernorm"}
+
+
+def write_eagle3(out: str | Path, cfg: EagleConfig, w: dict[str, Tensor], vocab: int, layers: int) -> None:
+    """``out``/{config.json, model.safetensors}: an EAGLE-3 head (internal names, with
+    ``draft_ids``) in SafeAILab's original layout, fp16, as its published heads are written
+    (``LlamaForCausalLMEagle3``, ``midlayer.*``, ``d2t``/``t2d``, no RoPE keys: base 10000).
+    ``vocab`` and ``layers``: the target's. Taps other than its (2, L//2, L-3) are written as
+    ModelOpt's ``eagle_config`` ids (layer outputs: each tap minus one)."""
+    import json
+
+    from safetensors.torch import save_file
+    if cfg.version != 3 or cfg.qk_norm or cfg.norm_before_residual or cfg.rope_base != 10000.0 or cfg.rope_scaling:
+        raise HalError(f"write_eagle3: expected a plain EAGLE-3 head (RoPE base 10000, no q/k norms), got {cfg}")
+    nq, nk = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    ids = w["draft_ids"].long()
+    q, k, v = w["wqkv"].split([nq, nk, nk])
+    gate, up = w["wgu"].split(cfg.ffn)
+    t = {"midlayer.self_attn.q_proj.weight": q, "midlayer.self_attn.k_proj.weight": k,
+         "midlayer.self_attn.v_proj.weight": v, "midlayer.mlp.gate_proj.weight": gate,
+         "midlayer.mlp.up_proj.weight": up, "fc.weight": w["fc"], "norm.weight": w["norm"],
+         "lm_head.weight": w["head"]}
+    t |= {f"midlayer.{name}.weight": w[key] for key, name in _WRITE_LAYER.items()}
+    t = {n: x.detach().half().contiguous() for n, x in t.items()}
+    t["d2t"] = (ids - torch.arange(len(ids))).contiguous()
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[ids] = True
+    t["t2d"] = t2d
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "hidden_act": "silu", "hidden_size": cfg.hidden,
+              "intermediate_size": cfg.ffn, "model_type": "llama", "num_attention_heads": cfg.heads,
+              "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "num_hidden_layers": 1,
+              "rms_norm_eps": cfg.eps, "tie_word_embeddings": False, "torch_dtype": "float16", "vocab_size": vocab,
+              "draft_vocab_size": len(ids)}
+    if tuple(cfg.feature_layers) != (2, layers // 2, layers - 3):
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in cfg.feature_layers]}
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(t, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")

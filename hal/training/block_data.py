@@ -17,8 +17,8 @@ from torch import Tensor
 
 from hal.errors import HalError
 
-CANDIDATE_TAPS = (1, 4, 8, 12, 16, 20, 24, 27, 29, 30)   # layer inputs recorded (30: SmolLM2-135M's last
-#                                                          layer's output); a drafter taps a subset
+CANDIDATE_TAPS = (1, 2, 4, 8, 12, 15, 16, 20, 24, 27, 29, 30)   # layer inputs recorded (30: SmolLM2-135M's
+#   last layer's output; 2, 15, 27: EAGLE-3's default taps (2, L//2, L-3)); a drafter taps a subset
 
 
 def cache_paths(model: str) -> tuple[Path, Path]:

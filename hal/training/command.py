@@ -23,7 +23,6 @@ def taps_flag(value: str) -> tuple[int, ...]:
 def cmd_train_head(args) -> int:
     from pathlib import Path
 
-    from hal.training.train import build_data, train
     if args.refit_confidence:   # no training: the confidence head of a trained drafter
         out = Path(args.out or f"{Path(args.refit_confidence).name}-refit")
         r = refit_folder(args.refit_confidence, out, args.model)
@@ -41,12 +40,13 @@ def cmd_train_head(args) -> int:
         print(f"block drafter written to {out}/ (model.safetensors, config.json, loss.png, train.json): "
               f"{s['steps']} steps, validation tau {s['val']['tau']:.3f}, top-1 {s['val']['top1']:.3f}")
         return 0
-    data = build_data(args.model, args.max_new_tokens, args.limit)
-    out = Path(args.out or f"{Path(args.model).stem}-eagle")
-    summary = train(args.model, out, args.minutes, args.draft_vocab, batch=args.batch, lr=args.lr, seed=args.seed,
-                    data=data)
-    print(f"head written to {out}/ (model.safetensors, config.json, loss.png, train.json): "
-          f"{summary['steps']} steps, {summary['epochs']} epochs, validation top-1 {summary['val_top1']:.3f}")
+    from hal.training.train import run_eagle
+    out = Path(args.out or f"{Path(args.model).stem}-eagle3")
+    s = run_eagle(args.model, out, args.minutes, draft_size=args.draft_vocab, sets=args.prompt_sets,
+                  max_new_tokens=args.max_new_tokens, limit=args.limit, batch=args.batch, lr=args.lr, seed=args.seed)
+    print(f"EAGLE-3 head written to {out}/ (model.safetensors and config.json in SafeAILab's layout, loss.png, "
+          f"train.json): {s['steps']} steps, validation top-1 {[round(x, 3) for x in s['val']['top1']]}, "
+          f"tau {s['val']['tau']:.3f}")
     return 0
 
 
@@ -55,7 +55,8 @@ def add_train_head(sub) -> None:
     th = sub.add_parser("train-head", help="train an EAGLE head or a DSpark block drafter by self-distillation "
                                            "(CPU; needs tqdm and matplotlib: pip install 'spec-hal[train]')")
     th.add_argument("--kind", choices=("eagle", "dspark"), default="eagle",
-                    help="eagle: a one-layer EAGLE head; dspark: a block drafter (data cached under $HAL_CACHE/dspark)")
+                    help="eagle: a one-layer EAGLE-3 head, written in SafeAILab's layout; dspark: a block drafter "
+                         "(data for both cached under $HAL_CACHE/dspark)")
     th.add_argument("--block", type=bounded(int, 2, 64), default=8, help="dspark: the block size B (B - 1 proposals)")
     th.add_argument("--layers", type=bounded(int, 1, 8), default=2, help="dspark: draft layers")
     th.add_argument("--taps", type=taps_flag, default=(1, 8, 16, 24, 29),  # the layer count: the last layer's output
@@ -68,12 +69,12 @@ def add_train_head(sub) -> None:
                     help="dspark: no training; refit FOLDER's confidence head on its held-back sequences, to --out")
     th.add_argument("--model", default="smollm2-135m", help="a fetchable name or a .gguf path")
     th.add_argument("--minutes", type=float, default=40.0, help="training time (data made first, cached in $HAL_CACHE)")
-    th.add_argument("--out", help="output folder (default: <model>-eagle or <model>-dspark)")
+    th.add_argument("--out", help="output folder (default: <model>-eagle3 or <model>-dspark)")
     th.add_argument("--draft-vocab", type=int, default=8192, help="the head's vocabulary: the N most frequent ids")
     th.add_argument("--max-new-tokens", type=int, default=128, help="response length when generating the data")
     th.add_argument("--limit", type=int, help="only the first N prompts (a quick run)")
     th.add_argument("--prompt-sets", type=int, choices=(1, 2, 3), default=2,
-                    help="dspark: how many of hal.training.data's prompt sets (the cache is extended)")
+                    help="how many of hal.training.data's prompt sets (the cache is extended)")
     th.add_argument("--batch", type=int, default=8, help="sequences per step")
     th.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW; warm-up, then cosine)")
     th.add_argument("--seed", type=int, default=0)

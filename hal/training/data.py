@@ -163,9 +163,10 @@ def generate(target, tok, texts: list[str], max_new_tokens: int = 160, batch: in
     return out
 
 
-def features(target, seqs: list[list[int]], progress=None) -> list[Tensor]:
-    """The target's final normed hidden state at every position of each sequence ([L, H]
-    fp16 each), from one forward per sequence."""
+def features(target, seqs: list[list[int]], progress=None, layers: tuple[int, ...] = ()) -> list[Tensor]:
+    """The target's final normed hidden state (or, with ``layers``, the residual streams
+    entering those layers, concatenated) at every position of each sequence ([L, H] or
+    [L, len(layers)·H] fp16 each), from one forward per sequence."""
     from hal import kv
     from hal.engine.forward import forward_tokens
     out = []
@@ -175,7 +176,7 @@ def features(target, seqs: list[list[int]], progress=None) -> list[Tensor]:
         seq = pool.sequence()
         rows = torch.arange(len(ids))
         _, h = forward_tokens(target, pool, [seq], [len(ids)], torch.tensor(ids).to(target.device),
-                              rows=rows[-1:], hidden_rows=rows)
+                              rows=rows[-1:], hidden_rows=rows, feature_layers=layers)
         seq.free()
         out.append(h.half().cpu())
         if progress is not None:

@@ -1,188 +1,171 @@
-"""``python -m hal train-head``: train an EAGLE head for a model by self-distillation.
+"""``spec-hal train-head --kind eagle``: an EAGLE-3 head trained by self-distillation, written in
+SafeAILab's original EAGLE-3 layout (`hal.models.eagle_layouts.write_eagle3`: what SafeAILab's
+code, vLLM and SGLang load).
 
-1. The target answers the project's prompt set (`hal.training.data`), greedily.
-2. One batch-invariant forward per prompt + response records its features.
-3. The head learns EAGLE's loss: regression of the next feature (smooth L1) plus cross-entropy
-   against the target's own next-token distribution over the head's draft vocabulary.
-
-Steps 1-2 are cached under ``$HAL_CACHE/eagle/``; the head is written as safetensors in the
-published EAGLE layout (plus ``d2t``), with a loss curve as PNG."""
+1. Data (`hal.training.block_data`, shared with the block drafter): the target's greedy answers
+   to the prompt set and the residual streams entering recorded layers, cached under
+   ``$HAL_CACHE/dspark/``.
+2. The head reads the streams entering layers (2, L//2, L-3), fused by ``fc``, as EAGLE-3 does.
+   It learns cross-entropy against the target's next-token distribution over the draft
+   vocabulary (from the last layer's output through the target's final norm and lm_head rows),
+   at its first step and at ``TTT - 1`` chained steps that read its own previous output, weighted
+   ``0.8^j`` (EAGLE-3's training-time test). Step j at anchor t sits at position t + j and sees
+   the first step's keys of anchors <= t and its own chain's keys at anchor t, the keys the
+   engine's draft chain sees (`hal.models.eagle.EagleModel`: committed pairs, then scratch)."""
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from hal.errors import HalError
+from hal.models.eagle import EagleConfig
+
+TTT = 3          # unrolled draft steps per anchor
+STEP_WEIGHT = 0.8
 
 
-def data_path(model: str) -> Path:
-    from hal.models.cache_dir import cache_dir
-    return cache_dir() / "eagle" / f"{Path(model).name}-data.pt"
+def eagle3_taps(layers: int) -> tuple[int, ...]:
+    """EAGLE-3's taps: the streams entering layers (2, L//2, L-3) (SafeAILab's target code)."""
+    return (2, layers // 2, layers - 3)
 
-
-def build_data(model: str, max_new_tokens: int = 128, limit: int | None = None, out: Path | None = None) -> Path:
-    """Generate responses and record features (cached: a second call reads the file)."""
-    from tqdm import tqdm
-
-    from hal.training import data as eagle_data
-    from hal.models.fetch import load_model
-    from hal.models.tokenizer import chatml
-    from hal.registry import get_backend
-    out = out or data_path(model)
-    texts = eagle_data.prompts()[:limit]
-    old = torch.load(str(out), weights_only=False) if out.exists() else None
-    if old is not None and len(old["ids"]) >= len(texts):
-        return out
-    be = get_backend("cpu")
-    target, tok = load_model(model, be)
-    if tok is None:
-        raise HalError(f"--model: expected a GGUF model with its tokenizer, got {model!r}")
-    have = 0 if old is None else len(old["ids"])    # a cache of a prefix of the prompts is extended
-    todo = texts[have:]
-    seqs = eagle_data.generate(target, tok, todo, max_new_tokens)
-    target.batch_invariant = True            # features exactly as the engine computes them
-    with tqdm(total=len(seqs), desc="features", unit="seq") as bar:
-        feats = eagle_data.features(target, seqs, progress=bar.update)
-    prompt_lens = [len(tok.encode(chatml(t)).ids) for t in todo]
-    if old is not None:
-        seqs, feats, prompt_lens = old["ids"] + seqs, old["features"] + feats, old["prompt_lens"] + prompt_lens
-    out.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"model": model, "ids": seqs, "features": feats, "prompt_lens": prompt_lens,
-                "texts": texts[:len(seqs)], "made": time.strftime("%Y-%m-%d %H:%M:%S")}, str(out) + ".part")
-    Path(str(out) + ".part").rename(out)
-    return out
-
-
-# -- the head, as a trainable module (the same maths as `hal.models.eagle.EagleModel`, EAGLE-1 layout) ------
 
 class EagleTrain(torch.nn.Module):
-    """EAGLE-1's layer (no input norm) over full causal sequences, for training; `weights`
-    returns its tensors under the published names."""
+    """An EAGLE-3 head (one layer, q/k/v over ``[norm(embed), hidden_norm(h)]``) over whole
+    sequences with its training-time-test chain; `weights` gives its tensors under the internal
+    names `hal.models.eagle.EagleModel` runs."""
 
-    def __init__(self, H: int, heads: int, kv_heads: int, ffn: int, rope_base: float, eps: float):
+    def __init__(self, cfg: EagleConfig, embed: Tensor, head_rows: Tensor, seed: int = 0):
+        """``embed``: the target's embeddings; ``head_rows``: its lm_head rows of the draft
+        vocabulary (the teacher's, and the head's own lm_head at the start)."""
         super().__init__()
-        nn = torch.nn
-        self.H, self.heads, self.kv_heads, self.D, self.eps = H, heads, kv_heads, H // heads, eps
-        self.fc = nn.Linear(2 * H, H)
-        self.q, self.k, self.v = (nn.Linear(H, n * self.D, bias=False) for n in (heads, kv_heads, kv_heads))
-        self.o = nn.Linear(heads * self.D, H, bias=False)
-        self.gate, self.up = nn.Linear(H, ffn, bias=False), nn.Linear(H, ffn, bias=False)
-        self.down = nn.Linear(ffn, H, bias=False)
-        self.ffn_norm = nn.Parameter(torch.ones(H))
-        for m in (self.q, self.k, self.v, self.o, self.gate, self.up, self.down):
-            nn.init.normal_(m.weight, std=0.02)
+        g = torch.Generator().manual_seed(seed)
+        H, D, nf = cfg.hidden, cfg.head_dim, len(cfg.feature_layers)
+        self.cfg = cfg
+        shapes = {"fc": (H, nf * H), "wqkv": ((cfg.heads + 2 * cfg.kv_heads) * D, 2 * H), "wo": (H, cfg.heads * D),
+                  "wgu": (2 * cfg.ffn, H), "wdown": (H, cfg.ffn)}
+        self.p = torch.nn.ParameterDict({n: torch.nn.Parameter(torch.randn(s, generator=g) * 0.02)
+                                         for n, s in shapes.items()})
+        for n in ("attn_norm", "hidden_norm", "ffn_norm", "norm"):
+            self.p[n] = torch.nn.Parameter(torch.ones(H))
+        self.p["head"] = torch.nn.Parameter(head_rows.float().clone())    # [Vd, H], from the target's lm_head
+        self.register_buffer("embed", embed.float(), persistent=False)
+        self.register_buffer("teacher", head_rows.float().clone(), persistent=False)
         from hal.models.rope import Rope
-        self.rope = Rope(self.D, rope_base, False)
-
-    def forward(self, emb, feat):
-        """emb, feat [B, T, H] (pairs (f_t, x_{t+1}) at positions t) -> next features [B, T, H]."""
-        import torch.nn.functional as F
-        B, T, H = emb.shape
-        h = self.fc(torch.cat([emb, feat], -1))
-        rot = self.rope(torch.arange(T))
-        q = self.rope.apply(self.q(h).view(B * T, self.heads, self.D), rot.repeat(B, 1))
-        k = self.rope.apply(self.k(h).view(B * T, self.kv_heads, self.D), rot.repeat(B, 1))
-        q = q.view(B, T, self.heads, self.D).transpose(1, 2)
-        k = k.view(B, T, self.kv_heads, self.D).transpose(1, 2)
-        v = self.v(h).view(B, T, self.kv_heads, self.D).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        h = h + self.o(o.transpose(1, 2).reshape(B, T, -1))
-        x = F.rms_norm(h, (H,), self.ffn_norm, self.eps)
-        return h + self.down(F.silu(self.gate(x)) * self.up(x))
+        self.rope = Rope(D, cfg.rope_base, False)
 
     def weights(self) -> dict[str, Tensor]:
-        p = "layers.0."
-        return {"fc.weight": self.fc.weight, "fc.bias": self.fc.bias, p + "self_attn.q_proj.weight": self.q.weight,
-                p + "self_attn.k_proj.weight": self.k.weight, p + "self_attn.v_proj.weight": self.v.weight,
-                p + "self_attn.o_proj.weight": self.o.weight, p + "mlp.gate_proj.weight": self.gate.weight,
-                p + "mlp.up_proj.weight": self.up.weight, p + "mlp.down_proj.weight": self.down.weight,
-                p + "post_attention_layernorm.weight": self.ffn_norm}
+        return {n: t.detach().clone() for n, t in self.p.items()}
 
-
-def draft_vocab(seqs: list[list[int]], size: int, keep: tuple[int, ...] = ()) -> Tensor:
-    """The ``size`` most frequent ids of the data (ties and unseen slots: lower ids first,
-    BPE's merge order), always including ``keep``; sorted."""
-    counts = torch.zeros(max(max(s) for s in seqs) + 1 + size, dtype=torch.long)
-    for s in seqs:
-        counts.index_add_(0, torch.tensor(s), torch.ones(len(s), dtype=torch.long))
-    for t in keep:
-        counts[t] += 1 << 40
-    order = sorted(range(len(counts)), key=lambda i: (-int(counts[i]), i))
-    return torch.tensor(sorted(order[:size]))
-
-
-def config_json(cfg, ffn: int, draft_size: int) -> dict:
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": cfg.hidden,
-            "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
-            "intermediate_size": ffn, "num_hidden_layers": 1, "rms_norm_eps": cfg.eps, "rope_theta": 10000.0,
-            "vocab_size": cfg.vocab, "draft_vocab_size": draft_size, "bias": True, "torch_dtype": "float16"}
+    def forward(self, feats: Tensor, ids: Tensor, steps: int = TTT) -> list[Tensor]:
+        """feats [B, T, n·H] (the taps at positions t), ids [B, T] -> draft-vocabulary logits
+        [B, T, Vd] of each chained step j: anchor t's proposal for position t + j + 2, having read
+        the tokens t + 1 .. t + j + 1 (ids past the end: anything; their rows are masked)."""
+        cfg, p = self.cfg, self.p
+        B, T, H = ids.shape[0], ids.shape[1], cfg.hidden
+        nq, nk, D = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.head_dim
+        groups = cfg.heads // cfg.kv_heads
+        h = feats @ p["fc"].T
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        keys: list[tuple[Tensor, Tensor]] = []
+        out = []
+        for j in range(steps):
+            nxt = torch.cat([ids[:, j + 1:], ids.new_zeros(B, j + 1)], 1)       # the token each anchor reads
+            hn = F.rms_norm(h, (H,), p["hidden_norm"], cfg.eps)
+            inp = torch.cat([F.rms_norm(self.embed[nxt], (H,), p["attn_norm"], cfg.eps), hn], -1)
+            qkv = inp @ p["wqkv"].T
+            rot = self.rope(torch.arange(T) + j).repeat(B, 1)
+            q = self.rope.apply(qkv[..., :nq].reshape(B * T, cfg.heads, D), rot).view(B, T, cfg.heads, D)
+            k = self.rope.apply(qkv[..., nq:nq + nk].reshape(B * T, cfg.kv_heads, D), rot)
+            k = k.view(B, T, cfg.kv_heads, D).repeat_interleave(groups, 2)
+            v = qkv[..., nq + nk:].reshape(B, T, cfg.kv_heads, D).repeat_interleave(groups, 2)
+            keys.append((k, v))
+            q = q.transpose(1, 2) * D ** -0.5                                  # [B, heads, T, D]
+            k0, v0 = keys[0][0].transpose(1, 2), keys[0][1].transpose(1, 2)
+            s0 = (q @ k0.transpose(-1, -2)).masked_fill(~causal, float("-inf"))  # first-step keys, anchors <= t
+            own = [(q * ki.transpose(1, 2)).sum(-1, keepdim=True) for ki, _ in keys[1:]]   # chain keys at t
+            a = torch.softmax(torch.cat([s0] + own, -1), -1)
+            o = a[..., :T] @ v0
+            for i, (_, vi) in enumerate(keys[1:]):
+                o = o + a[..., T + i:T + i + 1] * vi.transpose(1, 2)
+            h = h + o.transpose(1, 2).reshape(B, T, nq) @ p["wo"].T
+            gate, up = (F.rms_norm(h, (H,), p["ffn_norm"], cfg.eps) @ p["wgu"].T).split(cfg.ffn, -1)
+            h = h + (F.silu(gate) * up) @ p["wdown"].T
+            out.append(F.rms_norm(h, (H,), p["norm"], cfg.eps) @ p["head"].T)
+        return out
 
 
 @dataclass
 class HeadData:
-    """What a head trains on: each kept sequence's ids and target features, the draft vocabulary
-    (``ids``) and its frozen lm_head rows (``W``), the target's embeddings, and the split."""
+    """Sequences with their taps and last-layer outputs, the draft vocabulary and the split."""
 
-    seqs: list
+    ids: list
     feats: list
-    ids: Tensor
-    W: Tensor
-    embed: Tensor
-    hidden: int
+    last: list
+    draft_ids: Tensor
     tr: list[int]
     val: list[int]
 
-
-def load_head_data(blob: dict, target, draft_size: int) -> HeadData:
-    """The data `train` uses from the cached ``blob`` (prompts the data excludes are dropped);
-    draws the validation split from torch's generator (seeded by the caller)."""
-    from hal.training import data as eagle_data
-    cfg = target.cfg
-    texts = blob.get("texts")           # data without its prompt texts (a test's): all of it
-    keep = [i for i in range(len(blob["ids"]))
-            if texts is None or not any(w in texts[i].lower() for w in eagle_data.EXCLUDE)]
-    seqs, feats = [blob["ids"][i] for i in keep], [blob["features"][i] for i in keep]
-    ids = draft_vocab(seqs, draft_size, cfg.stop_ids)
-    n_val = max(1, len(seqs) // 20)
-    order = torch.randperm(len(seqs)).tolist()
-    return HeadData(seqs, feats, ids, target.head[ids].contiguous(), target.embed, cfg.hidden,
-                    order[n_val:], order[:n_val])
+    def batch(self, idx: list[int]):
+        """(features [B, T, n·H], ids [B, T], last-layer outputs [B, T, H], lengths [B])."""
+        T = max(len(self.ids[i]) for i in idx)
+        f = torch.zeros(len(idx), T, self.feats[idx[0]].shape[1])
+        last = torch.zeros(len(idx), T, self.last[idx[0]].shape[1])
+        ids = torch.zeros(len(idx), T, dtype=torch.long)
+        for j, i in enumerate(idx):
+            n = len(self.ids[i])
+            f[j, :n], last[j, :n], ids[j, :n] = self.feats[i].float(), self.last[i].float(), self.ids[i]
+        return f, ids, last, torch.tensor([len(self.ids[i]) for i in idx])
 
 
-def batch_of(d: HeadData, idx: list[int]):
-    """Inputs of one batch: the next tokens' embeddings, the features (in and out) and the mask."""
-    T = max(len(d.seqs[i]) for i in idx) - 1
-    emb = torch.zeros(len(idx), T, d.hidden)
-    f = torch.zeros(len(idx), T + 1, d.hidden)
-    mask = torch.zeros(len(idx), T)
-    for j, i in enumerate(idx):
-        s = torch.tensor(d.seqs[i])
-        n = len(s) - 1
-        emb[j, :n] = d.embed[s[1:]]
-        f[j, :n + 1] = d.feats[i].float()
-        mask[j, :n - 1] = 1                            # pair t predicts f_{t+1}, which must exist
-    return emb, f[:, :-1], f[:, 1:], mask
+def head_data(blob: dict, feats: list[Tensor], taps: tuple[int, ...], layers: int, draft_size: int, stop_ids,
+              seed: int) -> HeadData:
+    """The data of `hal.training.block_data` for a head tapping ``taps`` (its validation split:
+    the block trainer's, for the same seed)."""
+    from hal.training.block_data import CANDIDATE_TAPS
+    from hal.training.block_train import BlockData
+    missing = [t for t in (*taps, layers) if t not in CANDIDATE_TAPS]
+    if missing:
+        raise HalError(f"taps: expected layers the data records ({list(CANDIDATE_TAPS)}), got {missing} "
+                       f"(the head's taps {list(taps)} and the last layer's output, tap {layers})")
+    d = BlockData(blob, feats, [CANDIDATE_TAPS.index(t) for t in taps], draft_size, stop_ids, seed,
+                  CANDIDATE_TAPS.index(layers))
+    return HeadData(d.ids, d.feats, d.last, d.draft_ids, d.tr, d.val)
 
 
-def loss_of(d: HeadData, head, idx: list[int], noise: bool):
-    """(feature regression, distillation cross-entropy, top-1 agreement) on a batch."""
-    import torch.nn.functional as F
-    emb, x, y, mask = batch_of(d, idx)
+def losses(head: EagleTrain, d: HeadData, idx: list[int], target_norm: Tensor, eps: float, noise: bool = False):
+    """(weighted cross-entropy, per-step cross-entropy [TTT], per-step top-1 [TTT], teacher-forced
+    accepted length) of a batch."""
+    f, ids, last, lens = d.batch(idx)
     if noise:
-        x = x + (torch.rand_like(x) - 0.5) * 0.2       # EAGLE's U(-0.1, 0.1) feature noise
-    pred = head(emb, x)
-    m = mask.bool()
-    reg = F.smooth_l1_loss(pred[m], y[m])
-    p = torch.softmax(y[m] @ d.W.T, -1)
-    logq = torch.log_softmax(pred[m] @ d.W.T, -1)
-    ce = -(p * logq).sum(-1).mean()
-    acc = (logq.argmax(-1) == p.argmax(-1)).float().mean()
-    return reg, ce, acc
+        f = f + (torch.rand_like(f) - 0.5) * 0.2 * f.abs().mean()
+    with torch.no_grad():
+        p = torch.softmax(F.rms_norm(last, (last.shape[-1],), target_norm, eps) @ head.teacher.T, -1)
+    out = head(f, ids)
+    pos = torch.arange(ids.shape[1])
+    ce, total, each, top1, run = 0.0, 0.0, [], [], None
+    for j, logits in enumerate(out):
+        m = pos[None] + j + 1 < lens[:, None]               # the teacher at position t + j + 1 exists
+        want = torch.cat([p[:, j + 1:], p.new_zeros(p.shape[0], j + 1, p.shape[2])], 1)
+        logq = torch.log_softmax(logits[m], -1)
+        each.append(-(want[m] * logq).sum(-1).mean())
+        ce = ce + STEP_WEIGHT ** j * each[-1]
+        total += STEP_WEIGHT ** j
+        hit = torch.zeros_like(m)
+        hit[m] = logq.argmax(-1) == want[m].argmax(-1)
+        top1.append(hit[m].float().mean())
+        run = hit if run is None else run & hit
+        if j == 0:
+            base, accepted = m, hit.float()
+        else:
+            accepted = accepted + run.float()
+    return ce / total, torch.stack(each).detach(), torch.stack(top1), accepted[base].mean()
 
 
 @dataclass
@@ -202,102 +185,96 @@ class Run:
 
     def rate(self) -> float:
         """Warm-up, then cosine to a tenth over the estimated steps."""
-        import math
         if self.est_steps is None and self.steps == 5:
             self.est_steps = self.max_steps or int(self.budget / ((time.time() - self.t0) / 5))
         frac = 0.0 if self.est_steps is None else min(1.0, self.steps / self.est_steps)
         return self.lr * min(1.0, (self.steps + 1) / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
-def train_epoch(d: HeadData, head, opt, run: Run, batch: int, bar, epoch: int) -> None:
-    """One pass over the training split in a random order (or until the run is done)."""
-    perm = [d.tr[i] for i in torch.randperm(len(d.tr)).tolist()]
-    for b0 in range(0, len(perm), batch):
-        if run.done():
-            break
-        rate = run.rate()
-        for g in opt.param_groups:
-            g["lr"] = rate
-        reg, ce, acc = loss_of(d, head, perm[b0:b0 + batch], True)
-        loss = reg + 0.1 * ce
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
-        opt.step()
-        run.steps += 1
-        run.curve.append((time.time() - run.t0, run.steps, reg.item(), ce.item(), acc.item(), None))
-        bar.n = int(min(run.budget, time.time() - run.t0))
-        c = run.curve[-1]
-        bar.set_postfix(epoch=epoch, reg=f"{c[2]:.3f}", ce=f"{c[3]:.2f}", acc=f"{c[4]:.2f}")
-        bar.refresh()
-
-
-def validate(d: HeadData, head, batch: int) -> dict:
-    """The head's validation scores, as the block trainer's `hal.training.block_train.validate`
-    reports them: {"top1": the share of next tokens whose draft is the target's}."""
+def validate(head: EagleTrain, d: HeadData, target_norm: Tensor, eps: float, batch: int) -> dict:
+    """{"top1": per-step top-1 on the held-back split, "tau": teacher-forced accepted length}."""
     with torch.no_grad():
-        vs = [loss_of(d, head, d.val[i:i + batch], False) for i in range(0, len(d.val), batch)]
-    return {"top1": sum(float(a) for _, _, a in vs) / len(vs)}
+        vs = [losses(head, d, d.val[i:i + batch], target_norm, eps) for i in range(0, len(d.val), batch)]
+    return {"top1": [float(sum(v[2][j] for v in vs) / len(vs)) for j in range(TTT)],
+            "tau": float(sum(v[3] for v in vs) / len(vs))}
 
 
-def train(model: str, out: Path, minutes: float = 40.0, draft_size: int = 8192, ffn: int | None = None,
-          batch: int = 8, lr: float = 1e-3, seed: int = 0, data: Path | None = None, target=None,
-          max_steps: int | None = None) -> dict:
-    """Train a head on the cached data for ``minutes`` (or ``max_steps``); write
-    ``out``/{config.json, model.safetensors, loss.png, train.json}. Returns the summary (also
-    in train.json). ``target``: the loaded model (else ``model`` is loaded)."""
-    from tqdm import tqdm
-
-    blob = torch.load(str(data or data_path(model)), weights_only=False)
-    if target is None:
-        from hal.models.fetch import load_model
-        from hal.registry import get_backend
-        target, _ = load_model(model, get_backend("cpu"))
-    cfg = target.cfg
+def train_eagle(target, blob: dict, feats: list[Tensor], minutes: float, *, draft_size: int = 8192,
+                batch: int = 8, lr: float = 1e-3, seed: int = 0, max_steps: int | None = None, say=print) -> dict:
+    """Train for ``minutes`` (or ``max_steps``): {"config", "weights" (best validation tau; with
+    ``draft_ids``), "summary", "curve"}."""
+    c = target.cfg
+    cfg = EagleConfig(version=3, hidden=c.hidden, heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim, ffn=c.ffn,
+                      rope_base=10000.0, eps=c.eps, feature_layers=eagle3_taps(c.layers), draft_vocab=draft_size)
     torch.manual_seed(seed)
-    d = load_head_data(blob, target, draft_size)
-    head = EagleTrain(cfg.hidden, cfg.heads, cfg.kv_heads, ffn or cfg.ffn, 10000.0, cfg.eps)
+    d = head_data(blob, feats, cfg.feature_layers, c.layers, draft_size, c.stop_ids, seed)
+    head = EagleTrain(cfg, target.embed, target.head[d.draft_ids], seed)
+    norm = target.w["norm"].float()
     opt = torch.optim.AdamW(head.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-    run, best, epoch = Run(minutes * 60, lr, max_steps), (-1.0, None), 0
-    bar = tqdm(total=int(run.budget), desc="train", unit="s")
+    run, best, epoch = Run(minutes * 60, lr, max_steps), (-1.0, None, None), 0
+    g = torch.Generator().manual_seed(seed)
     while not run.done():
-        train_epoch(d, head, opt, run, batch, bar, epoch)
+        perm = [d.tr[i] for i in torch.randperm(len(d.tr), generator=g).tolist()]
+        for b0 in range(0, len(perm), batch):
+            if run.done():
+                break
+            for group in opt.param_groups:
+                group["lr"] = run.rate()
+            ce, each, top1, _ = losses(head, d, perm[b0:b0 + batch], norm, c.eps, noise=True)
+            opt.zero_grad()
+            ce.backward()
+            torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
+            opt.step()
+            run.steps += 1
+            run.curve.append((time.time() - run.t0, run.steps, float(each[0]), float(each[-1]), float(top1[0]), None))
         epoch += 1
-        vacc = validate(d, head, batch)["top1"]
-        run.curve[-1] = run.curve[-1][:5] + (vacc,)
-        if vacc > best[0]:
-            best = (vacc, {n: t.detach().clone() for n, t in head.weights().items()})
-    bar.close()
-    curve = run.curve
-    summary = {"model": model, "minutes": minutes, "first_loss": curve[0][2] + 0.1 * curve[0][3],
-               "last_loss": sum(c[2] + 0.1 * c[3] for c in curve[-5:]) / len(curve[-5:]), "steps": run.steps,
-               "epochs": epoch, "sequences": len(d.tr), "val_sequences": len(d.val),
-               "train_tokens": sum(len(d.seqs[i]) for i in d.tr), "draft_vocab": len(d.ids), "val_top1": best[0],
-               "seed": seed, "lr": lr, "batch": batch, "data_made": blob.get("made")}
-    write_head(out, best[1], d.ids, config_json(cfg, ffn or cfg.ffn, len(d.ids)), summary, curve)
+        v = validate(head, d, norm, c.eps, batch)
+        run.curve[-1] = run.curve[-1][:5] + (v["tau"],)
+        say(f"epoch {epoch}, step {run.steps} ({time.time() - run.t0:.0f} s): ce {run.curve[-1][2]:.3f}, "
+            f"val top-1 {[round(x, 3) for x in v['top1']]}, tau {v['tau']:.3f}")
+        if v["tau"] > best[0]:
+            best = (v["tau"], head.weights(), v)
+    weights = {n: t for n, t in best[1].items()} | {"draft_ids": d.draft_ids}
+    summary = {"steps": run.steps, "epochs": epoch, "minutes": minutes, "seconds": time.time() - run.t0,
+               "val": best[2], "sequences": len(d.tr), "val_sequences": len(d.val), "draft_vocab": len(d.draft_ids),
+               "ttt": TTT, "seed": seed, "lr": lr, "batch": batch, "data_made": blob.get("made")}
+    return {"config": cfg, "weights": weights, "summary": summary, "curve": run.curve}
+
+
+def run_eagle(model: str, out: Path, minutes: float = 40.0, *, draft_size: int = 8192, sets: int = 2,
+              max_new_tokens: int = 128, limit: int | None = None, **kw) -> dict:
+    """``spec-hal train-head --kind eagle``: data (cached), training, and the folder ``out`` in
+    the EAGLE-3 layout with train.json and loss.png. Returns the summary."""
+    import json
+
+    from hal.models.eagle_layouts import write_eagle3
+    from hal.training import block_data
+    blob = block_data.responses(model, max_new_tokens, limit, sets=sets)
+    feats = block_data.tapped(model, blob)
+    target, _ = block_data.load_target(model, None, None)
+    got = train_eagle(target, blob, feats, minutes, draft_size=draft_size, **kw)
+    summary = {"model": model, **got["summary"], "prompt_sets": sets, "tokens": sum(len(s) for s in blob["ids"])}
+    write_eagle3(Path(out), got["config"], got["weights"], target.cfg.vocab, target.cfg.layers)
+    (Path(out) / "train.json").write_text(json.dumps(summary, indent=1) + "\n")
+    plot(got["curve"], Path(out) / "loss.png", ("cross-entropy vs target, step 1", f"cross-entropy, step {TTT}",
+                                                 "train top-1, step 1", "validation tau"))
     return summary
 
 
-def write_head(out: Path, weights: dict, ids: Tensor, config: dict, summary: dict, curve) -> None:
-    """``out``/{model.safetensors, config.json, train.json, loss.png}."""
-    import json
-
-    from safetensors.torch import save_file
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = {n: t.half().contiguous() for n, t in weights.items()}
-    tensors["d2t"] = (ids - torch.arange(len(ids))).contiguous()   # EAGLE-3's draft -> target offsets
-    save_file(tensors, str(out / "model.safetensors"))
-    (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
-    (out / "train.json").write_text(json.dumps(summary, indent=1) + "\n")
-    plot(curve, out / "loss.png")
+def draft_vocab(seqs: list[list[int]], size: int, keep: tuple[int, ...] = ()) -> Tensor:
+    """The ``size`` most frequent ids of the data (ties and unseen slots: lower ids first,
+    BPE's merge order), always including ``keep``; sorted."""
+    counts = torch.zeros(max(max(s) for s in seqs) + 1 + size, dtype=torch.long)
+    for s in seqs:
+        counts.index_add_(0, torch.tensor(s), torch.ones(len(s), dtype=torch.long))
+    for t in keep:
+        counts[t] += 1 << 40
+    order = sorted(range(len(counts)), key=lambda i: (-int(counts[i]), i))
+    return torch.tensor(sorted(order[:size]))
 
 
-EAGLE_LABELS = ("feature regression (smooth L1)", "cross-entropy vs target", "train top-1 (noisy features)",
-                "validation top-1")
-
-
-def plot(curve, path: Path, labels: tuple[str, str, str, str] = EAGLE_LABELS) -> None:
-    """Rows (seconds, step, loss a, loss b, train metric, validation metric or None) as a PNG."""
+def plot(curve, path: Path, labels: tuple[str, str, str, str]) -> None:
+    """Rows (seconds, step, loss, second curve, train metric, validation metric or None) as a PNG."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -124,10 +124,10 @@ def test_a_folder_that_cannot_be_refitted_is_refused_before_any_work(target, dat
     save_block(tmp_path / "b", cfg, m.weights())
     with pytest.raises(HalError, match="--refit-confidence: expected a trained drafter's folder with train.json"):
         refit_folder(tmp_path / "b", tmp_path / "out")
-    odd = replace(cfg, taps=(CANDIDATE_TAPS[0], 2))   # layer 2's input is not in the data cache
+    odd = replace(cfg, taps=(CANDIDATE_TAPS[0], 3))   # layer 3's input is not in the data cache
     save_block(tmp_path / "c", odd, m.weights())
     (tmp_path / "c" / "train.json").write_text('{"seed": 0}')
-    with pytest.raises(HalError, match=r"--refit-confidence: expected taps the data records \(\[1, 4, .*got \[1, 2\]"):
+    with pytest.raises(HalError, match=r"--refit-confidence: expected taps the data records \(\[1, 2, 4, .*got \[1, 3\]"):
         refit_folder(tmp_path / "c", tmp_path / "out")
     assert not (tmp_path / "out").exists()
 

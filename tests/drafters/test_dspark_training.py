@@ -39,7 +39,7 @@ def test_training_learns_a_predictable_continuation_and_writes_a_loadable_drafte
     feats = []
     for s in seqs:   # the data's layout: every candidate tap; this test's target fills the first two
         f = torch.zeros(len(s), len(CANDIDATE_TAPS), H)
-        f[:, :2] = target_features(target, s, (1, 4)).view(len(s), 2, H)
+        f[:, :2] = target_features(target, s, CANDIDATE_TAPS[:2]).view(len(s), 2, H)
         feats.append(f.half())
     blob = {"ids": seqs, "prompt_lens": [8] * len(seqs), "texts": ["x"] * len(seqs)}
     cfg = DSparkConfig(hidden=H, heads=HEADS, kv_heads=KV, head_dim=D, ffn=FFN, layers=1, taps=CANDIDATE_TAPS[:2],

@@ -16,11 +16,11 @@ from hal import kv
 from hal.engine import SpeculativeDecoder
 from hal.models.eagle_layouts import load_eagle
 from hal.drafters.eagle import EagleDrafter
-from hal.training.train import EagleTrain
 from hal.errors import HalError
 from hal.engine.forward import forward_tokens, make_batch
 from hal.engine.requests import Request
 from hal.models.llama import random_llama
+from tests.drafters.eagle1_module import Eagle1Module
 
 H, HEADS, KV, D, FFN, V, LAYERS = 64, 4, 2, 16, 128, 96, 8
 
@@ -42,7 +42,7 @@ DRAFT = torch.tensor(sorted(set(range(0, V, 2)) | {1, 3, 5}))   # a reduced draf
 def eagle1(tmp_path, seed=0, draft=True):
     """A random EAGLE-1 head in the published layout (+ FR-Spec's d2t), via the training module."""
     torch.manual_seed(seed)
-    head = EagleTrain(H, HEADS, KV, FFN, 10000.0, 1e-5)
+    head = Eagle1Module(H, HEADS, KV, FFN, 10000.0, 1e-5)
     with torch.no_grad():
         for p in head.parameters():
             p.add_(torch.randn_like(p) * 0.1)
@@ -262,19 +262,6 @@ def test_bad_heads_are_refused(target, tmp_path):
     save_file(t, str(path / "model.safetensors"))
     with pytest.raises(HalError, match="hidden_norm"):
         load_eagle(path, target)
-
-
-def test_train_head_learns_and_writes_a_loadable_head(target, tmp_path):
-    from hal.training import data as eagle_data
-    from hal.training.train import train
-    seqs = [[(3 * i + j * j) % V for j in range(40)] for i in range(12)]
-    torch.save({"ids": seqs, "features": eagle_data.features(target, seqs)}, tmp_path / "data.pt")
-    s = train("tiny", tmp_path / "head", minutes=5, draft_size=48, batch=4, lr=3e-3, data=tmp_path / "data.pt",
-              target=target, max_steps=60)
-    assert s["steps"] == 60 and s["last_loss"] < 0.5 * s["first_loss"], s
-    head = load_eagle(tmp_path / "head", target)     # fp16 weights in the EAGLE-1 layout, with d2t
-    assert head.cfg.draft_vocab == 48 and (tmp_path / "head" / "loss.png").stat().st_size > 1000
-    lossless(target, EagleDrafter(head), PROMPTS)
 
 
 def test_llama3_rope_scaling_matches_transformers():
