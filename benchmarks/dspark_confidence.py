@@ -24,7 +24,8 @@ from hal.models.fetch import load_model
 from hal.models.machine import machine_line
 from hal.training import block_data, data
 from hal.training.block_data import CANDIDATE_TAPS, to_draft_of
-from hal.training.block_train import BlockData, from_weights
+from hal.training.block_data import BlockData
+from hal.training.block_train import from_weights
 from hal.training.confidence import samples
 
 BINS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)

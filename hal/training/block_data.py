@@ -139,3 +139,46 @@ def load_target(model: str, target, tok):
     if tok is None:
         raise HalError(f"--model: expected a GGUF model with its tokenizer, got {model!r}", arg="--model")
     return target, tok
+
+
+def draft_vocab(seqs: list[list[int]], size: int, keep: tuple[int, ...] = ()) -> Tensor:
+    """The ``size`` most frequent ids of the data (ties and unseen slots: lower ids first,
+    BPE's merge order), always including ``keep``; sorted."""
+    counts = torch.zeros(max(max(s) for s in seqs) + 1 + size, dtype=torch.long)
+    for s in seqs:
+        counts.index_add_(0, torch.tensor(s), torch.ones(len(s), dtype=torch.long))
+    for t in keep:
+        counts[t] += 1 << 40
+    order = sorted(range(len(counts)), key=lambda i: (-int(counts[i]), i))
+    return torch.tensor(sorted(order[:size]))
+
+
+class BlockData:
+    """Sequences (ids, tapped features) split into training and validation, the draft vocabulary."""
+
+    def __init__(self, blob: dict, feats: list[Tensor], tap_index: list[int], draft_size: int, stop_ids, seed: int,
+                 last_index: int | None = None):
+        from hal.training import data as prompt_data
+        texts = blob["texts"]
+        keep = [i for i in range(len(blob["ids"])) if not any(w in texts[i].lower() for w in prompt_data.EXCLUDE)]
+        self.ids = [torch.tensor(blob["ids"][i]) for i in keep]
+        self.feats = [feats[i][:, tap_index].flatten(1) for i in keep]
+        self.last = None if last_index is None else [feats[i][:, last_index] for i in keep]   # soft labels' source
+        self.starts = torch.tensor([blob["prompt_lens"][i] - 1 for i in keep])
+        self.draft_ids = draft_vocab([blob["ids"][i] for i in keep], draft_size, tuple(stop_ids))
+        order = torch.randperm(len(keep), generator=torch.Generator().manual_seed(seed)).tolist()
+        n_val = max(1, len(keep) // 20)
+        self.val, self.tr = order[:n_val], order[n_val:]
+
+    def batch(self, idx: list[int]):
+        """(features [S, T, taps * H], ids [S, T], starts [S], lengths [S], last-layer outputs [S, T, H] or None)."""
+        T = max(len(self.ids[i]) for i in idx)
+        ids = torch.zeros(len(idx), T, dtype=torch.long)
+        feats = torch.zeros(len(idx), T, self.feats[idx[0]].shape[1])
+        last = None if self.last is None else torch.zeros(len(idx), T, self.last[idx[0]].shape[1])
+        for j, i in enumerate(idx):
+            ids[j, :len(self.ids[i])] = self.ids[i]
+            feats[j, :len(self.ids[i])] = self.feats[i].float()
+            if last is not None:
+                last[j, :len(self.ids[i])] = self.last[i].float()
+        return feats, ids, self.starts[idx], torch.tensor([len(self.ids[i]) for i in idx]), last

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from hal.errors import HalError
 from hal.models.dspark import DSparkConfig
-from hal.training.block_data import block_targets, to_draft_of
+from hal.training.block_data import BlockData, block_targets, to_draft_of
 
 DECAY = 4.0   # position j's loss weight exp(-(j - 1) / DECAY)
 
@@ -172,38 +172,6 @@ def now() -> float:
 
 # -- the run ---------------------------------------------------------------------------------------------------
 
-class BlockData:
-    """Sequences (ids, tapped features) split into training and validation, the draft vocabulary."""
-
-    def __init__(self, blob: dict, feats: list[Tensor], tap_index: list[int], draft_size: int, stop_ids, seed: int,
-                 last_index: int | None = None):
-        from hal.training import data as prompt_data
-        from hal.training.train import draft_vocab
-        texts = blob["texts"]
-        keep = [i for i in range(len(blob["ids"])) if not any(w in texts[i].lower() for w in prompt_data.EXCLUDE)]
-        self.ids = [torch.tensor(blob["ids"][i]) for i in keep]
-        self.feats = [feats[i][:, tap_index].flatten(1) for i in keep]
-        self.last = None if last_index is None else [feats[i][:, last_index] for i in keep]   # soft labels' source
-        self.starts = torch.tensor([blob["prompt_lens"][i] - 1 for i in keep])
-        self.draft_ids = draft_vocab([blob["ids"][i] for i in keep], draft_size, tuple(stop_ids))
-        order = torch.randperm(len(keep), generator=torch.Generator().manual_seed(seed)).tolist()
-        n_val = max(1, len(keep) // 20)
-        self.val, self.tr = order[:n_val], order[n_val:]
-
-    def batch(self, idx: list[int]):
-        """(features [S, T, taps * H], ids [S, T], starts [S], lengths [S], last-layer outputs [S, T, H] or None)."""
-        T = max(len(self.ids[i]) for i in idx)
-        ids = torch.zeros(len(idx), T, dtype=torch.long)
-        feats = torch.zeros(len(idx), T, self.feats[idx[0]].shape[1])
-        last = None if self.last is None else torch.zeros(len(idx), T, self.last[idx[0]].shape[1])
-        for j, i in enumerate(idx):
-            ids[j, :len(self.ids[i])] = self.ids[i]
-            feats[j, :len(self.ids[i])] = self.feats[i].float()
-            if last is not None:
-                last[j, :len(self.ids[i])] = self.last[i].float()
-        return feats, ids, self.starts[idx], torch.tensor([len(self.ids[i]) for i in idx]), last
-
-
 def train_block(cfg: DSparkConfig, blob: dict, feats: list[Tensor], target, minutes: float, *, batch: int = 8,
                 anchors: int = 16, lr: float = 1e-3, seed: int = 0, max_steps: int | None = None, distill: float = 0.0,
                 refit_confidence: bool = True, say=print) -> dict:
@@ -308,7 +276,7 @@ def run(model: str, out, minutes: float, *, block: int = 8, layers: int = 2, tap
 
     from hal.models.dspark import save_block
     from hal.training import block_data
-    from hal.training.train import plot
+    from hal.training.curves import plot
     blob = block_data.responses(model, max_new_tokens, limit, sets=sets)
     feats = block_data.tapped(model, blob)
     target, _ = block_data.load_target(model, None, None)

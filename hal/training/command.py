@@ -98,7 +98,8 @@ def refit_folder(folder, out, model: str = "smollm2-135m") -> dict:
     from hal.training import block_data
     from hal.errors import HalError
     from hal.training.block_data import CANDIDATE_TAPS, to_draft_of
-    from hal.training.block_train import BlockData, refit_on
+    from hal.training.block_data import BlockData
+    from hal.training.block_train import refit_on
     from hal.training.confidence import readme_line
     folder, out = Path(folder), Path(out)
     cfg = read_config(folder)

@@ -128,8 +128,7 @@ def head_data(blob: dict, feats: list[Tensor], taps: tuple[int, ...], layers: in
               seed: int) -> HeadData:
     """The data of `hal.training.block_data` for a head tapping ``taps`` (its validation split:
     the block trainer's, for the same seed)."""
-    from hal.training.block_data import CANDIDATE_TAPS
-    from hal.training.block_train import BlockData
+    from hal.training.block_data import CANDIDATE_TAPS, BlockData
     missing = [t for t in (*taps, layers) if t not in CANDIDATE_TAPS]
     if missing:
         raise HalError(f"taps: expected layers the data records ({list(CANDIDATE_TAPS)}), got {missing} "
@@ -249,6 +248,7 @@ def run_eagle(model: str, out: Path, minutes: float = 40.0, *, draft_size: int =
 
     from hal.models.eagle_layouts import write_eagle3
     from hal.training import block_data
+    from hal.training.curves import plot
     blob = block_data.responses(model, max_new_tokens, limit, sets=sets)
     feats = block_data.tapped(model, blob)
     target, _ = block_data.load_target(model, None, None)
@@ -259,36 +259,3 @@ def run_eagle(model: str, out: Path, minutes: float = 40.0, *, draft_size: int =
     plot(got["curve"], Path(out) / "loss.png", ("cross-entropy vs target, step 1", f"cross-entropy, step {TTT}",
                                                  "train top-1, step 1", "validation tau"))
     return summary
-
-
-def draft_vocab(seqs: list[list[int]], size: int, keep: tuple[int, ...] = ()) -> Tensor:
-    """The ``size`` most frequent ids of the data (ties and unseen slots: lower ids first,
-    BPE's merge order), always including ``keep``; sorted."""
-    counts = torch.zeros(max(max(s) for s in seqs) + 1 + size, dtype=torch.long)
-    for s in seqs:
-        counts.index_add_(0, torch.tensor(s), torch.ones(len(s), dtype=torch.long))
-    for t in keep:
-        counts[t] += 1 << 40
-    order = sorted(range(len(counts)), key=lambda i: (-int(counts[i]), i))
-    return torch.tensor(sorted(order[:size]))
-
-
-def plot(curve, path: Path, labels: tuple[str, str, str, str]) -> None:
-    """Rows (seconds, step, loss, second curve, train metric, validation metric or None) as a PNG."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(1, 2, figsize=(10, 3.5))
-    s = [c[1] for c in curve]
-    ax[0].plot(s, [c[2] for c in curve], label=labels[0])
-    ax[0].plot(s, [c[3] for c in curve], label=labels[1])
-    ax[0].set_yscale("log")
-    ax[0].set_xlabel("step")
-    ax[0].legend()
-    ax[1].plot(s, [c[4] for c in curve], alpha=0.4, label=labels[2])
-    v = [(c[1], c[5]) for c in curve if c[5] is not None]
-    ax[1].plot([a for a, _ in v], [b for _, b in v], "o-", label=labels[3])
-    ax[1].set_xlabel("step")
-    ax[1].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)

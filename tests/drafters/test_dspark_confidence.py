@@ -15,7 +15,8 @@ from hal.errors import HalError
 from hal.models.dspark import DSparkConfig, save_block
 from hal.models.llama import random_llama
 from hal.training.block_data import CANDIDATE_TAPS, to_draft_of
-from hal.training.block_train import BlockData, DSparkTrain
+from hal.training.block_data import BlockData
+from hal.training.block_train import DSparkTrain
 from hal.training.command import refit_folder
 from hal.training.confidence import bce, fit, refit, samples
 from tests.drafters.test_eagle import D, FFN, H, HEADS, KV, LAYERS, V, target_features
