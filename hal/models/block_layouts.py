@@ -195,3 +195,61 @@ def load_block(folder: str | Path, target, backend=None, device=None) -> DSparkM
     w["mask"] = embed[layout.mask_token].float()
     w["draft_ids"] = torch.arange(vocab)
     return DSparkModel(layout.cfg, w, target, backend, device)
+
+
+def write_block(out: str | Path, cfg: DSparkConfig, w: dict[str, Tensor], mask_token: int, target_layers: int,
+                copies: tuple[Tensor, Tensor] | None = None) -> str:
+    """``out``/{config.json, model.safetensors}: a block drafter (internal names) in the published
+    layout its config can be written in, fp16: DeepSpec's ``Qwen3DSparkModel`` where the anchor's
+    row proposes (``copies``: the embeddings and lm_head it ships, the target's), else z-lab's
+    ``DFlashDraftModel`` (no Markov or confidence head; the target's embeddings and lm_head).
+    The mask rows must be ``mask_token``'s embedding. Returns the architecture written."""
+    import json
+
+    from safetensors.torch import save_file
+    arch = DSPARK if cfg.anchor_predicts else DFLASH
+    why = [what for what, bad in (
+        ("Qwen3 layers (per-head q/k norms)", not cfg.qk_norm), ("no direct path", cfg.direct),
+        ("the whole vocabulary", not torch.equal(w["draft_ids"].long(), torch.arange(cfg.draft_vocab))),
+        ("a Markov table by token", cfg.rank and not cfg.markov_table),
+        ("a confidence head over the hidden state or [h, markov_w1]", cfg.confidence == Confidence.TOP),
+        ("DFlash: no Markov or confidence head", arch == DFLASH and (cfg.rank or cfg.confidence != Confidence.NONE)),
+        ("DSpark: copies of the embeddings and lm_head", arch == DSPARK and copies is None))
+        if bad]
+    if why:
+        raise HalError(f"write_block: expected a drafter the published layouts hold ({'; '.join(why)}), got {cfg}")
+    t = {"fc.weight": w["fc"], "hidden_norm.weight": w["hidden_norm"], "norm.weight": w["norm"]}
+    nq, nk = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    for i in range(cfg.layers):
+        q, k, v = w[f"{i}.wqkv"].split([nq, nk, nk])
+        gate, up = w[f"{i}.wgu"].split(cfg.ffn)
+        t |= {f"layers.{i}.self_attn.q_proj.weight": q, f"layers.{i}.self_attn.k_proj.weight": k,
+              f"layers.{i}.self_attn.v_proj.weight": v, f"layers.{i}.mlp.gate_proj.weight": gate,
+              f"layers.{i}.mlp.up_proj.weight": up}
+        t |= {f"layers.{i}.{name}": w[f"{i}.{key}"] for name, key in _LAYER.items()}
+    if arch == DSPARK:
+        t |= {"embed_tokens.weight": copies[0], "lm_head.weight": copies[1]}
+        if cfg.rank:
+            t |= {"markov_head.markov_w1.weight": w["markov_w1"], "markov_head.markov_w2.weight": w["markov_out"]}
+        if cfg.confidence != Confidence.NONE:
+            t |= {"confidence_head.proj.weight": w["conf"][None], "confidence_head.proj.bias": w["conf_bias"]}
+    t = {n: x.detach().half().contiguous() for n, x in t.items()}
+    c = {"architectures": [arch], "model_type": "qwen3", "attention_bias": False, "hidden_act": "silu",
+         "hidden_size": cfg.hidden, "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_heads,
+         "head_dim": cfg.head_dim, "intermediate_size": cfg.ffn, "num_hidden_layers": cfg.layers,
+         "layer_types": ["full_attention"] * cfg.layers, "rms_norm_eps": cfg.eps, "vocab_size": cfg.draft_vocab,
+         "tie_word_embeddings": False, "block_size": cfg.block, "num_target_layers": target_layers}
+    ids = [tap - 1 for tap in cfg.taps]            # the published ids name layer outputs
+    if arch == DFLASH:   # transformers-4 style, as z-lab writes its configs
+        c |= {"rope_theta": cfg.rope_base, "torch_dtype": "float16",
+              "dflash_config": {"target_layer_ids": ids, "mask_token_id": mask_token}}
+    else:                # transformers-5 style, as DeepSpec writes its configs
+        c |= {"rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_base}, "dtype": "float16",
+              "target_layer_ids": ids, "mask_token_id": mask_token, "markov_rank": cfg.rank,
+              "markov_head_type": "vanilla", "enable_confidence_head": cfg.confidence != Confidence.NONE,
+              "confidence_head_with_markov": cfg.confidence == Confidence.MARKOV}
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(t, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(c, indent=1) + "\n")
+    return arch

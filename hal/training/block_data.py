@@ -110,10 +110,11 @@ def record(target, seqs: list[list[int]], batch: int = 8) -> list[torch.Tensor]:
     return out
 
 
-def block_targets(ids: Tensor, anchors: Tensor, lengths: Tensor, B: int, to_draft: Tensor):
-    """(previous tokens [S, N, B-1], draft-vocabulary labels [S, N, B-1] (-1: outside it), valid
-    positions [S, N, B-1]) of each block."""
-    j = torch.arange(1, B)
+def block_targets(ids: Tensor, anchors: Tensor, lengths: Tensor, P: int, to_draft: Tensor):
+    """(previous tokens [S, N, P], draft-vocabulary labels [S, N, P] (-1: outside it), valid
+    positions [S, N, P]) of each block's P proposals (`DSparkConfig.proposals`: positions
+    anchor + 1 .. anchor + P)."""
+    j = torch.arange(1, P + 1)
     at = anchors[:, :, None] + j                                     # positions proposed
     valid = at < lengths[:, None, None]
     safe = at.clamp(max=ids.shape[1] - 1)

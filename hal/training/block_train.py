@@ -19,28 +19,33 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from hal.errors import HalError
-from hal.models.dspark import DSparkConfig
+from hal.models.dspark import Confidence, DSparkConfig
 from hal.training.block_data import BlockData, block_targets, to_draft_of
 
 DECAY = 4.0   # position j's loss weight exp(-(j - 1) / DECAY)
+LAYOUTS = {"dspark-block": "dspark-block", "dspark": "Qwen3DSparkModel", "dflash": "DFlashDraftModel"}   # --layout:
+#   the architectures of `hal.models.block_layouts` (OWN, DSPARK, DFLASH) train-head writes
 
 
 class DSparkTrain(torch.nn.Module):
     """A block drafter's parameters (internal names, `DSparkConfig.shapes`) and its training forward."""
 
     def __init__(self, cfg: DSparkConfig, embed: Tensor, head: Tensor, draft_ids: Tensor, seed: int = 0,
-                 final_norm: Tensor | None = None):
+                 final_norm: Tensor | None = None, mask_token: int | None = None):
+        """``mask_token``: the mask rows are that token's embedding, frozen (the published
+        layouts'); else a learned vector (dspark-block's)."""
         super().__init__()
         g = torch.Generator().manual_seed(seed)
         self.cfg = cfg
         self.p = torch.nn.ParameterDict()
-        for name, shape in cfg.shapes().items():
+        for name, shape in cfg.shapes(embed.shape[0]).items():
             if name.endswith("norm"):
                 t = torch.ones(shape)
             elif name in ("conf", "conf_bias"):
@@ -50,6 +55,8 @@ class DSparkTrain(torch.nn.Module):
             else:
                 t = torch.randn(shape, generator=g) * 0.02
             self.p[name.replace(".", "_")] = torch.nn.Parameter(t)
+        if mask_token is not None:
+            self.p["mask"] = torch.nn.Parameter(embed[mask_token].float().clone(), requires_grad=False)
         self.register_buffer("embed", embed.float(), persistent=False)
         self.register_buffer("head", head.float()[draft_ids].contiguous(), persistent=False)
         self.register_buffer("draft_ids", draft_ids.long(), persistent=False)
@@ -61,11 +68,11 @@ class DSparkTrain(torch.nn.Module):
         return self.p[name.replace(".", "_")]
 
     def weights(self) -> dict[str, Tensor]:
-        return {name: self.w(name).detach() for name in self.cfg.shapes()} | {"draft_ids": self.draft_ids}
+        return {name: self.w(name).detach() for name in self.cfg.shapes(len(self.embed))} | {"draft_ids": self.draft_ids}
 
     def forward(self, feats: Tensor, ids: Tensor, anchors: Tensor) -> tuple[Tensor, Tensor]:
         """feats [S, T, len(taps) * H], ids [S, T], anchors [S, N] (positions) -> base logits
-        [S, N, B - 1, Vd] and hidden states [S, N, B - 1, H]."""
+        [S, N, P, Vd] and hidden states [S, N, P, H] of the P = `DSparkConfig.proposals` rows."""
         c = self.cfg
         S, T = ids.shape
         N, B, D = anchors.shape[1], c.block, c.head_dim
@@ -90,8 +97,9 @@ class DSparkTrain(torch.nn.Module):
             qkv = x @ self.w(f"{i}.wqkv").T
             kv = ctx @ self.w(f"{i}.wqkv")[nq:].T
             rope = lambda t, rot, n: self.rope.apply(t.reshape(-1, n, D), rot).view(S, -1, n, D)  # noqa: E731
-            q = rope(qkv[..., :nq], rot_blk, c.heads)
-            k = torch.cat([rope(kv[..., :nk], rot_ctx, c.kv_heads), rope(qkv[..., nq:nq + nk], rot_blk, c.kv_heads)], 1)
+            q = rope(self.qk_norm(qkv[..., :nq], i, "q"), rot_blk, c.heads)
+            k = torch.cat([rope(self.qk_norm(kv[..., :nk], i, "k"), rot_ctx, c.kv_heads),
+                           rope(self.qk_norm(qkv[..., nq:nq + nk], i, "k"), rot_blk, c.kv_heads)], 1)
             v = torch.cat([kv[..., nk:], qkv[..., nq + nk:]], 1).view(S, -1, c.kv_heads, D)
             o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                attn_mask=mask, enable_gqa=True)
@@ -99,11 +107,23 @@ class DSparkTrain(torch.nn.Module):
             gate, up = (F.rms_norm(h, (c.hidden,), self.w(f"{i}.ffn_norm"), c.eps) @ self.w(f"{i}.wgu").T
                         ).split(c.ffn, -1)
             h = h + (F.silu(gate) * up) @ self.w(f"{i}.wdown").T
-        out = F.rms_norm(h.view(S, N, B, -1)[:, :, 1:], (c.hidden,), self.w("norm"), c.eps)
+        out = F.rms_norm(h.view(S, N, B, -1)[:, :, B - c.proposals:], (c.hidden,), self.w("norm"), c.eps)
         return out @ self.head.T, out
 
+    def qk_norm(self, x: Tensor, i: int, which: str) -> Tensor:
+        """Layer i's per-head RMSNorm of q or k ([..., heads * D]) where the layout has them."""
+        c = self.cfg
+        if not c.qk_norm:
+            return x
+        return F.rms_norm(x.unflatten(-1, (-1, c.head_dim)), (c.head_dim,), self.w(f"{i}.{which}_norm"),
+                          c.eps).flatten(-2)
+
     def markov(self, prev: Tensor) -> Tensor:
-        return (self.embed[prev] @ self.w("markov_in").T) @ self.w("markov_out").T
+        """The Markov head's bias for the positions after tokens ``prev`` (0 without a head)."""
+        if not self.cfg.rank:
+            return torch.zeros((), dtype=self.head.dtype)
+        first = self.w("markov_w1")[prev] if self.cfg.markov_table else self.embed[prev] @ self.w("markov_in").T
+        return first @ self.w("markov_out").T
 
     def teacher(self, last: Tensor) -> Tensor:
         """The target's next-token distribution over the draft vocabulary from its last layer's
@@ -111,9 +131,16 @@ class DSparkTrain(torch.nn.Module):
         x = F.rms_norm(last, (self.cfg.hidden,), self.final_norm, self.cfg.eps)
         return torch.softmax(x @ self.head.T, -1)
 
-    def confidence(self, h: Tensor, row: Tensor) -> Tensor:
-        """Logits of the confidence (the model applies the sigmoid)."""
-        return h @ self.w("conf")[:-1] + self.row_statistic(row) * self.w("conf")[-1] + self.w("conf_bias")
+    def confidence(self, h: Tensor, row: Tensor, prev: Tensor | None = None) -> Tensor:
+        """Logits of the confidence (the model applies the sigmoid), from the inputs its
+        `Confidence` kind reads; zeros without a head."""
+        kind = self.cfg.confidence
+        if kind == Confidence.NONE:
+            return torch.zeros(h.shape[:-1])
+        if kind == Confidence.TOP:
+            return h @ self.w("conf")[:-1] + self.row_statistic(row) * self.w("conf")[-1] + self.w("conf_bias")
+        x = h if kind == Confidence.HIDDEN else torch.cat([h, self.w("markov_w1")[prev]], -1)
+        return x @ self.w("conf") + self.w("conf_bias")
 
     @staticmethod
     def row_statistic(row: Tensor) -> Tensor:
@@ -122,12 +149,12 @@ class DSparkTrain(torch.nn.Module):
 
 
 def soft_labels(model: DSparkTrain, last: Tensor, anchors: Tensor) -> Tensor:
-    """The target's distributions [S, N, B - 1, Vd] over each block's proposed positions, from its
+    """The target's distributions [S, N, P, Vd] over each block's P proposed positions, from its
     last-layer outputs ``last`` [S, T, H] at the positions before them (``anchors`` [S, N])."""
     S, N = anchors.shape
-    B = model.cfg.block
-    at = (anchors[:, :, None] + torch.arange(B - 1)).clamp(max=last.shape[1] - 1)   # row a + j - 1 predicts a + j
-    return model.teacher(last.gather(1, at.reshape(S, -1, 1).expand(-1, -1, last.shape[-1])).view(S, N, B - 1, -1))
+    P = model.cfg.proposals
+    at = (anchors[:, :, None] + torch.arange(P)).clamp(max=last.shape[1] - 1)   # position a + j predicts a + j + 1
+    return model.teacher(last.gather(1, at.reshape(S, -1, 1).expand(-1, -1, last.shape[-1])).view(S, N, P, -1))
 
 
 def losses(model: DSparkTrain, feats: Tensor, ids: Tensor, anchors: Tensor, lengths: Tensor, to_draft: Tensor,
@@ -135,11 +162,11 @@ def losses(model: DSparkTrain, feats: Tensor, ids: Tensor, anchors: Tensor, leng
     """(weighted cross-entropy, confidence BCE, accepted-length tau, top-1) on a batch; tau is
     the mean count of leading positions whose Markov-chained greedy draft equals the target's.
     ``last`` [S, T, H]: the target's last-layer outputs, for the ``distill`` share of soft labels."""
-    B = model.cfg.block
+    P = model.cfg.proposals
     base, h = model(feats, ids, anchors)
-    prev, label, valid = block_targets(ids, anchors, lengths, B, to_draft)
+    prev, label, valid = block_targets(ids, anchors, lengths, P, to_draft)
     rows = base + model.markov(prev)
-    weight = torch.exp(-torch.arange(B - 1) / DECAY).expand_as(label)
+    weight = torch.exp(-torch.arange(P) / DECAY).expand_as(label)
     hit = valid & (label >= 0)
     ce = F.cross_entropy(rows[hit], label[hit], reduction="none")
     ce = (ce * weight[hit]).sum() / weight[hit].sum().clamp(min=1e-6)
@@ -148,7 +175,7 @@ def losses(model: DSparkTrain, feats: Tensor, ids: Tensor, anchors: Tensor, leng
         soft = -(p[valid] * torch.log_softmax(rows[valid], -1)).sum(-1)
         ce = (1 - distill) * ce + distill * (soft * weight[valid]).sum() / weight[valid].sum().clamp(min=1e-6)
     right = (rows.argmax(-1) == label) & hit
-    conf = model.confidence(h.detach(), rows.detach())
+    conf = model.confidence(h.detach(), rows.detach(), prev)
     bce = F.binary_cross_entropy_with_logits(conf[valid], right[valid].float())
     tau = right.long().cumprod(-1).sum(-1).float()
     return ce, bce, tau.mean(), right[hit].float().mean()
@@ -174,10 +201,11 @@ def now() -> float:
 
 def train_block(cfg: DSparkConfig, blob: dict, feats: list[Tensor], target, minutes: float, *, batch: int = 8,
                 anchors: int = 16, lr: float = 1e-3, seed: int = 0, max_steps: int | None = None, distill: float = 0.0,
-                refit_confidence: bool = True, say=print) -> dict:
+                refit_confidence: bool = True, mask_token: int | None = None, say=print) -> dict:
     """Train for ``minutes`` (or ``max_steps``); returns {"weights": best by validation tau, "summary"}.
     ``distill``: the share of the cross-entropy against the target's soft labels (0 to 1).
-    ``refit_confidence``: fit the confidence head again on the validation split at the end."""
+    ``refit_confidence``: fit the confidence head (the dspark-block kind, `Confidence.TOP`) again on
+    the validation split at the end. ``mask_token``: the mask rows are its embedding, frozen."""
     from hal.training.block_data import CANDIDATE_TAPS
     if not 0 <= distill <= 1:
         raise HalError(f"distill: expected a share in [0, 1], got {distill}")
@@ -190,8 +218,9 @@ def train_block(cfg: DSparkConfig, blob: dict, feats: list[Tensor], target, minu
     d = BlockData(blob, feats, [CANDIDATE_TAPS.index(t) for t in cfg.taps], cfg.draft_vocab, target.cfg.stop_ids,
                   seed, CANDIDATE_TAPS.index(target.cfg.layers) if distill > 0 else None)
     to_draft = to_draft_of(d.draft_ids, target.cfg.vocab)
-    model = DSparkTrain(cfg, target.embed, target.head, d.draft_ids, seed, target.w["norm"])
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+    model = DSparkTrain(cfg, target.embed, target.head, d.draft_ids, seed, target.w["norm"], mask_token)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, betas=(0.9, 0.95),
+                            weight_decay=0.01)
     g = torch.Generator().manual_seed(seed)
     t0, step, est, best, curve = now(), 0, max_steps, (-1.0, None), []
     budget = minutes * 60
@@ -221,7 +250,7 @@ def train_block(cfg: DSparkConfig, blob: dict, feats: list[Tensor], target, minu
             best = (v["tau"], model.weights(), v)
     weights = {n: t.clone() for n, t in best[1].items()}
     report = None
-    if refit_confidence:   # on the validation split, which no step trained on (hal.training.confidence)
+    if refit_confidence and cfg.confidence == Confidence.TOP:   # on the validation split, which no step trained on (hal.training.confidence)
         try:
             weights["conf"], weights["conf_bias"], report = refit_on(cfg, weights, d, to_draft, target)
             say(f"confidence head refitted: BCE {report['bce_out_of_fold']:.3f} out of fold, "
@@ -248,7 +277,7 @@ def from_weights(cfg: DSparkConfig, weights: dict, target) -> DSparkTrain:
     """The training module of a drafter's ``weights`` (internal names and ``draft_ids``) for ``target``."""
     m = DSparkTrain(cfg, target.embed, target.head, weights["draft_ids"], 0, target.w["norm"])
     with torch.no_grad():
-        for name in cfg.shapes():
+        for name in cfg.shapes(len(target.embed)):
             m.w(name).copy_(weights[name])
     return m
 
@@ -268,12 +297,17 @@ def validate(model: DSparkTrain, d: BlockData, to_draft: Tensor, batch: int, anc
 
 def run(model: str, out, minutes: float, *, block: int = 8, layers: int = 2, taps: tuple[int, ...] = (1, 8, 16, 24, 29),
         rank: int = 32, draft_size: int = 8192, seed: int = 0, max_new_tokens: int = 128, limit: int | None = None,
-        direct: bool = False, sets: int = 2, **kw) -> dict:
+        direct: bool = False, sets: int = 2, layout: str = "dspark-block", mask_token: int | None = None,
+        **kw) -> dict:
     """``spec-hal train-head --kind dspark``: data (cached), training, and the folder
-    ``out``/{config.json, model.safetensors, train.json, loss.png}. Returns the summary."""
+    ``out``/{config.json, model.safetensors, train.json, loss.png}. Returns the summary.
+    ``layout`` (a key of `LAYOUTS`): the architecture trained and the folder written. The published two are Qwen3 layers over the whole vocabulary,
+    their mask rows ``mask_token``'s embedding (default: the target's first stop id); DSpark's
+    anchor row proposes too, its Markov head is a table, its confidence head reads [h, markov_w1]."""
     import json
     from pathlib import Path
 
+    from hal.models.block_layouts import DSPARK, OWN, write_block
     from hal.models.dspark import save_block
     from hal.training import block_data
     from hal.training.curves import plot
@@ -281,14 +315,31 @@ def run(model: str, out, minutes: float, *, block: int = 8, layers: int = 2, tap
     feats = block_data.tapped(model, blob)
     target, _ = block_data.load_target(model, None, None)
     c = target.cfg
+    arch = LAYOUTS.get(layout)
+    if arch is None or arch != OWN and direct:
+        raise HalError(f"--layout: expected one of {list(LAYOUTS)} (--direct: dspark-block only), got {layout!r}"
+                       + (" with --direct" if direct else ""), arg="--layout")
+    mask_token = c.stop_ids[0] if mask_token is None else mask_token
+    if not 0 <= mask_token < c.vocab:
+        raise HalError(f"--mask-token: expected an id in [0, {c.vocab}), got {mask_token}", arg="--mask-token")
     cfg = DSparkConfig(hidden=c.hidden, heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim, ffn=c.ffn,
                       layers=layers, taps=tuple(taps), block=block, rank=rank, draft_vocab=draft_size, eps=c.eps,
                       direct=direct)
-    got = train_block(cfg, blob, feats, target, minutes, seed=seed, **kw)
+    if arch != OWN:
+        cfg = replace(cfg, draft_vocab=c.vocab, qk_norm=True, anchor_predicts=arch == DSPARK, markov_table=True,
+                      rank=rank if arch == DSPARK else 0,
+                      confidence=Confidence.MARKOV if arch == DSPARK and rank else
+                      Confidence.HIDDEN if arch == DSPARK else Confidence.NONE)
+    got = train_block(cfg, blob, feats, target, minutes, seed=seed, mask_token=None if arch == OWN else mask_token,
+                      **kw)
     out = Path(out)
-    summary = {"model": model, **got["summary"], "prompt_sets": sets}
+    summary = {"model": model, **got["summary"], "prompt_sets": sets, "layout": layout}
     curve = summary.pop("curve")
-    save_block(out, cfg, got["weights"])
+    if arch == OWN:
+        save_block(out, cfg, got["weights"])
+    else:
+        write_block(out, cfg, got["weights"], mask_token, c.layers,
+                    (target.embed, target.head) if arch == DSPARK else None)
     summary["tokens"] = sum(len(s) for s in blob["ids"])
     (out / "train.json").write_text(json.dumps(summary, indent=1) + "\n")
     (out / "README.md").write_text(readme(model, cfg, summary, out))
@@ -305,12 +356,15 @@ def readme(model: str, cfg: DSparkConfig, s: dict, out) -> str:
     sha = hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
     n = sum(math.prod(shape) for shape in cfg.shapes().values())
     v = s["val"]
-    return (f"# DSpark block drafter for {model}\n\n"
+    layout = s.get("layout", "dspark-block")
+    vocab = (f"the target's lm_head restricted to a {cfg.draft_vocab}-token draft vocabulary (`draft_ids`)"
+             if layout == "dspark-block" else "the target's whole vocabulary and lm_head")
+    return (f"# DSpark block drafter for {model} (layout `{layout}`)\n\n"
             f"- Shape: {cfg.layers} draft layer{'s' if cfg.layers > 1 else ''} (hidden {cfg.hidden}, {cfg.heads} heads, {cfg.kv_heads} KV heads, "
             f"ffn {cfg.ffn}){', direct path' if cfg.direct else ''}, block {cfg.block} "
-            f"({cfg.block - 1} proposals per forward), context features from the "
-            f"inputs of target layers {list(cfg.taps)}, Markov head rank {cfg.rank}, confidence head; the "
-            f"target's lm_head restricted to a {cfg.draft_vocab}-token draft vocabulary (`draft_ids`). "
+            f"({cfg.proposals} proposals per forward), context features from the "
+            f"inputs of target layers {list(cfg.taps)}, Markov head rank {cfg.rank}, confidence head "
+            f"{cfg.confidence.name.lower()}; {vocab}. "
             f"fp16, {n / 1e6:.1f} M parameters.\n"
             f"- `model.safetensors` sha256 `{sha}`.\n"
             f"- Made by: `python -m hal train-head --kind dspark --model {model} --minutes {s['minutes']:g} "
@@ -318,6 +372,7 @@ def readme(model: str, cfg: DSparkConfig, s: dict, out) -> str:
             f"--batch {s['batch']} --lr {s['lr']:g} --seed {s['seed']}" + (" --direct" if cfg.direct else "")
             + (f" --distill {s['distill']:g}" if s.get("distill") else "")
             + (f" --prompt-sets {s['prompt_sets']}" if s.get("prompt_sets", 2) != 2 else "")
+            + (f" --layout {layout}" if layout != "dspark-block" else "")
             + f"` ({time.strftime('%Y-%m-%d')}, torch "
             f"{torch.__version__}).\n"
             f"  - Data (`hal/training/block_data.py`): the target's greedy answers to the project's prompt set "

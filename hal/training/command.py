@@ -36,7 +36,8 @@ def cmd_train_head(args) -> int:
         s = run(args.model, out, args.minutes, block=args.block, layers=args.layers, taps=args.taps, rank=args.rank,
                 draft_size=args.draft_vocab, seed=args.seed, max_new_tokens=args.max_new_tokens, limit=args.limit,
                 sets=args.prompt_sets,
-                batch=args.batch, lr=args.lr, distill=args.distill, direct=args.direct)
+                batch=args.batch, lr=args.lr, distill=args.distill, direct=args.direct, layout=args.layout,
+                mask_token=args.mask_token)
         print(f"block drafter written to {out}/ (model.safetensors, config.json, loss.png, train.json): "
               f"{s['steps']} steps, validation tau {s['val']['tau']:.3f}, top-1 {s['val']['top1']:.3f}")
         return 0
@@ -62,6 +63,12 @@ def add_train_head(sub) -> None:
     th.add_argument("--taps", type=taps_flag, default=(1, 8, 16, 24, 29),  # the layer count: the last layer's output
                     help="dspark: increasing target layers (of block_data.CANDIDATE_TAPS) whose inputs are features")
     th.add_argument("--rank", type=bounded(int, 1, 512), default=32, help="dspark: the Markov head's rank")
+    th.add_argument("--layout", choices=("dspark-block", "dspark", "dflash"), default="dspark-block",  # block_train.LAYOUTS
+                    help="dspark: the architecture trained and written: spec-hal's own (a draft vocabulary, a learned "
+                         "mask, --direct), DeepSpec's published DSpark (Qwen3DSparkModel) or z-lab's DFlash "
+                         "(DFlashDraftModel), both Qwen3 layers over the whole vocabulary")
+    th.add_argument("--mask-token", type=int, help="dspark, dflash: the token whose embedding the mask rows are "
+                                                   "(default: the target's first stop id)")
     th.add_argument("--direct", action="store_true", help="dspark: mask rows also read [anchor, last context feature]")
     th.add_argument("--distill", type=bounded(float, 0.0, 1.0), default=0.0,
                     help="dspark: the cross-entropy's share against the target's soft labels, not its greedy token")

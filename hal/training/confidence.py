@@ -44,7 +44,7 @@ def samples(model, d, idx: list[int], to_draft: Tensor) -> tuple[Tensor, Tensor]
             if anchors.numel() == 0:
                 continue
             base, h = model(feats, ids, anchors)
-            prev, label, valid = block_targets(ids, anchors, lens, model.cfg.block, to_draft)
+            prev, label, valid = block_targets(ids, anchors, lens, model.cfg.proposals, to_draft)
             rows = base + model.markov(prev)
             top = model.row_statistic(rows)
             right = (rows.argmax(-1) == label) & (label >= 0)
