@@ -198,12 +198,13 @@ def load_block(folder: str | Path, target, backend=None, device=None) -> DSparkM
 
 
 def write_block(out: str | Path, cfg: DSparkConfig, w: dict[str, Tensor], mask_token: int, target_layers: int,
-                copies: tuple[Tensor, Tensor] | None = None) -> str:
+                copies: tuple[Tensor, Tensor] | None = None, anchors: int = 16) -> str:
     """``out``/{config.json, model.safetensors}: a block drafter (internal names) in the published
     layout its config can be written in, fp16: DeepSpec's ``Qwen3DSparkModel`` where the anchor's
     row proposes (``copies``: the embeddings and lm_head it ships, the target's), else z-lab's
     ``DFlashDraftModel`` (no Markov or confidence head; the target's embeddings and lm_head).
-    The mask rows must be ``mask_token``'s embedding. Returns the architecture written."""
+    The mask rows must be ``mask_token``'s embedding; ``anchors``: the blocks per sequence it
+    trained on (DeepSpec's constructor requires ``num_anchors``). Returns the architecture written."""
     import json
 
     from safetensors.torch import save_file
@@ -245,7 +246,7 @@ def write_block(out: str | Path, cfg: DSparkConfig, w: dict[str, Tensor], mask_t
               "dflash_config": {"target_layer_ids": ids, "mask_token_id": mask_token}}
     else:                # transformers-5 style, as DeepSpec writes its configs
         c |= {"rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_base}, "dtype": "float16",
-              "target_layer_ids": ids, "mask_token_id": mask_token, "markov_rank": cfg.rank,
+              "target_layer_ids": ids, "mask_token_id": mask_token, "num_anchors": anchors, "markov_rank": cfg.rank,
               "markov_head_type": "vanilla", "enable_confidence_head": cfg.confidence != Confidence.NONE,
               "confidence_head_with_markov": cfg.confidence == Confidence.MARKOV}
     out = Path(out)

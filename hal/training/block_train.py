@@ -339,7 +339,7 @@ def run(model: str, out, minutes: float, *, block: int = 8, layers: int = 2, tap
         save_block(out, cfg, got["weights"])
     else:
         write_block(out, cfg, got["weights"], mask_token, c.layers,
-                    (target.embed, target.head) if arch == DSPARK else None)
+                    (target.embed, target.head) if arch == DSPARK else None, kw.get("anchors", 16))
     summary["tokens"] = sum(len(s) for s in blob["ids"])
     (out / "train.json").write_text(json.dumps(summary, indent=1) + "\n")
     (out / "README.md").write_text(readme(model, cfg, summary, out))
