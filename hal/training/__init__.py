@@ -1,4 +1,5 @@
-"""Training an EAGLE head or a DSpark block drafter by self-distillation (``spec-hal train-head``,
-`command`): the prompt set and feature extraction (`data`, `block_data`), the training loops
-(`train`, `block_train`) and the block drafter's confidence head refitted on held-back sequences
-(`confidence`)."""
+"""Training drafters by self-distillation (``spec-hal train-head``, `command`), written in the
+layouts their authors publish: an EAGLE-3 head (`train`, SafeAILab's layout), a DSpark or DFlash
+block drafter (`block_train`, DeepSpec's and z-lab's layouts, or spec-hal's own ``dspark-block``).
+The prompt set and the recorded features (`data`, `block_data`), the block drafter's confidence
+head refitted on held-back sequences (`confidence`), the loss curves (`curves`)."""
