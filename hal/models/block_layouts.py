@@ -21,7 +21,7 @@ the tap `DSparkConfig` names. The mask rows are the embedding of ``mask_token_id
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -32,6 +32,7 @@ from hal.models.dspark import Confidence, DSparkConfig, DSparkModel
 from hal.models.hf import read_json
 
 DFLASH, DSPARK, OWN = "DFlashDraftModel", "Qwen3DSparkModel", "dspark-block"
+TOKEN_MAP = "token_map.pt"   # a published drafter's draft vocabulary (FR-Spec's hot tokens; SGLang's token map)
 ARCHITECTURES = (DFLASH, DSPARK, OWN)
 _LAYER = {"input_layernorm.weight": "attn_norm", "post_attention_layernorm.weight": "ffn_norm",
           "self_attn.o_proj.weight": "wo", "self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm",
@@ -193,25 +194,54 @@ def load_block(folder: str | Path, target, backend=None, device=None) -> DSparkM
         raise HalError(f"block drafter {str(folder)!r} target_layer_ids: expected ids below the target's "
                        f"{target.cfg.layers} layers, got {[t - 1 for t in layout.cfg.taps]}")
     w["mask"] = embed[layout.mask_token].float()
-    w["draft_ids"] = torch.arange(vocab)
-    return DSparkModel(layout.cfg, w, target, backend, device)
+    ids = token_map(folder, vocab)
+    cfg = layout.cfg if ids is None else replace(layout.cfg, draft_vocab=len(ids))
+    w["draft_ids"] = torch.arange(vocab) if ids is None else ids
+    if ids is not None and "markov_out" in w:
+        w["markov_out"] = w["markov_out"][ids]
+    return DSparkModel(cfg, w, target, backend, device)
+
+
+def token_map(folder: Path, vocab: int) -> Tensor | None:
+    """The draft vocabulary of ``folder``'s `TOKEN_MAP` (sorted distinct ids of the target's
+    ``vocab``), or None without one. The file is untrusted: loaded as plain tensors only."""
+    path = folder / TOKEN_MAP
+    if not path.exists():
+        return None
+    try:
+        ids = torch.as_tensor(torch.load(str(path), map_location="cpu", weights_only=True))
+    except Exception as e:   # torch's own errors for a corrupt or unsafe file
+        raise HalError(f"block drafter {str(path)!r}: expected a tensor of token ids, got {type(e).__name__}: {e}"
+                       ) from None
+    if ids.dim() != 1 or not len(ids) or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool \
+            or ids.min() < 0 or ids.max() >= vocab or len(ids.unique()) != len(ids):
+        raise HalError(f"block drafter {str(path)!r}: expected distinct token ids in [0, {vocab}), got "
+                       f"{ids.dtype} of shape {list(ids.shape)}")
+    return ids.long().sort().values
 
 
 def write_block(out: str | Path, cfg: DSparkConfig, w: dict[str, Tensor], mask_token: int, target_layers: int,
-                copies: tuple[Tensor, Tensor] | None = None, anchors: int = 16) -> str:
+                copies: tuple[Tensor, Tensor] | None = None, anchors: int = 16, vocab: int | None = None) -> str:
     """``out``/{config.json, model.safetensors}: a block drafter (internal names) in the published
     layout its config can be written in, fp16: DeepSpec's ``Qwen3DSparkModel`` where the anchor's
     row proposes (``copies``: the embeddings and lm_head it ships, the target's), else z-lab's
     ``DFlashDraftModel`` (no Markov or confidence head; the target's embeddings and lm_head).
     The mask rows must be ``mask_token``'s embedding; ``anchors``: the blocks per sequence it
-    trained on (DeepSpec's constructor requires ``num_anchors``). Returns the architecture written."""
+    trained on (DeepSpec's constructor requires ``num_anchors``). A drafter over a draft
+    vocabulary (``w["draft_ids"]``, of the target's ``vocab``) is written over the whole vocabulary
+    (``markov_w2`` rows outside it zero) with its ids in `TOKEN_MAP`, as SGLang's
+    ``--speculative-token-map`` reads them. Returns the architecture written."""
     import json
 
     from safetensors.torch import save_file
     arch = DSPARK if cfg.anchor_predicts else DFLASH
+    ids = w["draft_ids"].long()
+    vocab = cfg.draft_vocab if vocab is None else vocab
+    whole = torch.equal(ids, torch.arange(vocab))
     why = [what for what, bad in (
         ("Qwen3 layers (per-head q/k norms)", not cfg.qk_norm), ("no direct path", cfg.direct),
-        ("the whole vocabulary", not torch.equal(w["draft_ids"].long(), torch.arange(cfg.draft_vocab))),
+        ("draft ids of the target's vocabulary", len(ids) != cfg.draft_vocab or len(ids.unique()) != len(ids)
+         or not whole and (ids.min() < 0 or ids.max() >= vocab)),
         ("a Markov table by token", cfg.rank and not cfg.markov_table),
         ("a confidence head over the hidden state or [h, markov_w1]", cfg.confidence == Confidence.TOP),
         ("DFlash: no Markov or confidence head", arch == DFLASH and (cfg.rank or cfg.confidence != Confidence.NONE)),
@@ -231,26 +261,29 @@ def write_block(out: str | Path, cfg: DSparkConfig, w: dict[str, Tensor], mask_t
     if arch == DSPARK:
         t |= {"embed_tokens.weight": copies[0], "lm_head.weight": copies[1]}
         if cfg.rank:
-            t |= {"markov_head.markov_w1.weight": w["markov_w1"], "markov_head.markov_w2.weight": w["markov_out"]}
+            w2 = w["markov_out"].new_zeros(vocab, cfg.rank).index_copy(0, ids, w["markov_out"])
+            t |= {"markov_head.markov_w1.weight": w["markov_w1"], "markov_head.markov_w2.weight": w2}
         if cfg.confidence != Confidence.NONE:
             t |= {"confidence_head.proj.weight": w["conf"][None], "confidence_head.proj.bias": w["conf_bias"]}
     t = {n: x.detach().half().contiguous() for n, x in t.items()}
     c = {"architectures": [arch], "model_type": "qwen3", "attention_bias": False, "hidden_act": "silu",
          "hidden_size": cfg.hidden, "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_heads,
          "head_dim": cfg.head_dim, "intermediate_size": cfg.ffn, "num_hidden_layers": cfg.layers,
-         "layer_types": ["full_attention"] * cfg.layers, "rms_norm_eps": cfg.eps, "vocab_size": cfg.draft_vocab,
+         "layer_types": ["full_attention"] * cfg.layers, "rms_norm_eps": cfg.eps, "vocab_size": vocab,
          "tie_word_embeddings": False, "block_size": cfg.block, "num_target_layers": target_layers}
-    ids = [tap - 1 for tap in cfg.taps]            # the published ids name layer outputs
+    layer_ids = [tap - 1 for tap in cfg.taps]      # the published ids name layer outputs
     if arch == DFLASH:   # transformers-4 style, as z-lab writes its configs
         c |= {"rope_theta": cfg.rope_base, "torch_dtype": "float16",
-              "dflash_config": {"target_layer_ids": ids, "mask_token_id": mask_token}}
+              "dflash_config": {"target_layer_ids": layer_ids, "mask_token_id": mask_token}}
     else:                # transformers-5 style, as DeepSpec writes its configs
         c |= {"rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_base}, "dtype": "float16",
-              "target_layer_ids": ids, "mask_token_id": mask_token, "num_anchors": anchors, "markov_rank": cfg.rank,
+              "target_layer_ids": layer_ids, "mask_token_id": mask_token, "num_anchors": anchors, "markov_rank": cfg.rank,
               "markov_head_type": "vanilla", "enable_confidence_head": cfg.confidence != Confidence.NONE,
               "confidence_head_with_markov": cfg.confidence == Confidence.MARKOV}
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     save_file(t, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(c, indent=1) + "\n")
+    if not whole:
+        torch.save(ids.clone(), out / TOKEN_MAP)
     return arch

@@ -326,7 +326,8 @@ def run(model: str, out, minutes: float, *, block: int = 8, layers: int = 2, tap
                       layers=layers, taps=tuple(taps), block=block, rank=rank, draft_vocab=draft_size, eps=c.eps,
                       direct=direct)
     if arch != OWN:
-        cfg = replace(cfg, draft_vocab=c.vocab, qk_norm=True, anchor_predicts=arch == DSPARK, markov_table=True,
+        cfg = replace(cfg, draft_vocab=min(draft_size, c.vocab), qk_norm=True, anchor_predicts=arch == DSPARK,
+                      markov_table=True,
                       rank=rank if arch == DSPARK else 0,
                       confidence=Confidence.MARKOV if arch == DSPARK and rank else
                       Confidence.HIDDEN if arch == DSPARK else Confidence.NONE)
@@ -339,7 +340,7 @@ def run(model: str, out, minutes: float, *, block: int = 8, layers: int = 2, tap
         save_block(out, cfg, got["weights"])
     else:
         write_block(out, cfg, got["weights"], mask_token, c.layers,
-                    (target.embed, target.head) if arch == DSPARK else None, kw.get("anchors", 16))
+                    (target.embed, target.head) if arch == DSPARK else None, kw.get("anchors", 16), c.vocab)
     summary["tokens"] = sum(len(s) for s in blob["ids"])
     (out / "train.json").write_text(json.dumps(summary, indent=1) + "\n")
     (out / "README.md").write_text(readme(model, cfg, summary, out))

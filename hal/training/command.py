@@ -66,7 +66,8 @@ def add_train_head(sub) -> None:
     th.add_argument("--layout", choices=("dspark-block", "dspark", "dflash"), default="dspark-block",  # block_train.LAYOUTS
                     help="dspark: the architecture trained and written: spec-hal's own (a draft vocabulary, a learned "
                          "mask, --direct), DeepSpec's published DSpark (Qwen3DSparkModel) or z-lab's DFlash "
-                         "(DFlashDraftModel), both Qwen3 layers over the whole vocabulary")
+                         "(DFlashDraftModel), both Qwen3 layers (a --draft-vocab below the target's is written as "
+                         "token_map.pt, as SGLang's --speculative-token-map reads it)")
     th.add_argument("--mask-token", type=int, help="dspark, dflash: the token whose embedding the mask rows are "
                                                    "(default: the target's first stop id)")
     th.add_argument("--direct", action="store_true", help="dspark: mask rows also read [anchor, last context feature]")

@@ -114,7 +114,7 @@ def test_what_the_published_layouts_cannot_hold_is_refused_by_name(target, tmp_p
     with pytest.raises(HalError, match="Qwen3 layers"):
         write_block(tmp_path, replace(m.cfg, qk_norm=False), m.weights(), MASK, LAYERS, (target.embed, target.head))
     own = DSparkTrain(config(), target.embed, target.head, torch.arange(0, V, 2), 0)
-    with pytest.raises(HalError, match="the whole vocabulary.*a Markov table.*DFlash: no Markov"):
+    with pytest.raises(HalError, match="draft ids of the target.s vocabulary.*a Markov table.*DFlash: no Markov"):
         write_block(tmp_path, replace(own.cfg, qk_norm=True), own.weights(), MASK, LAYERS)
     assert not (tmp_path / "config.json").exists()
 
@@ -151,3 +151,58 @@ def test_training_in_a_published_layout_learns_and_drafts_losslessly(target, tmp
     assert torch.equal(got["weights"]["mask"], target.embed[MASK].float()) and "confidence" not in got["summary"]
     write_block(tmp_path, cfg, got["weights"], MASK, LAYERS, (target.embed, target.head) if arch == DSPARK else None)
     lossless(target, DSparkDrafter(load_block(tmp_path, target)), [s[:12] for s in seqs[-3:]], k=cfg.proposals)
+
+
+DRAFT = torch.tensor(sorted(set(range(0, V, 2)) | {1, 3, 5}))
+
+
+@pytest.mark.parametrize("arch", [DSPARK, DFLASH])
+def test_a_draft_vocabulary_is_written_as_a_token_map_and_drafts_as_trained(target, tmp_path, arch):
+    """A drafter over a draft vocabulary (FR-Spec's hot tokens): the folder holds the whole
+    vocabulary (``markov_w2`` zero outside the map) and `TOKEN_MAP`; spec-hal reads it back to
+    the same drafts and probabilities over the map."""
+    from hal.models.block_layouts import TOKEN_MAP
+    embed, head = copies(target, arch)
+    m = DSparkTrain(replace(published(arch), draft_vocab=len(DRAFT)), embed, head, DRAFT, 0, mask_token=MASK)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in m.p.items():
+            if name != "mask":
+                p.add_(torch.randn(p.shape, generator=g) * (0.3 if any(w in name for w in ("norm", "markov")) else 0.05))
+                p.copy_(p.half().float())
+        m.p["norm"].mul_(0.05)
+    write_block(tmp_path, m.cfg, m.weights(), MASK, LAYERS, (embed, head) if arch == DSPARK else None, vocab=V)
+    assert torch.equal(torch.load(tmp_path / TOKEN_MAP, weights_only=True), DRAFT)
+    raw = load_file(str(tmp_path / "model.safetensors"))
+    if arch == DSPARK:
+        w2 = raw["markov_head.markov_w2.weight"]
+        assert w2.shape == (V, m.cfg.rank) and not w2[~torch.isin(torch.arange(V), DRAFT)].any()
+    assert read_layout(tmp_path).cfg.draft_vocab == V          # what a peer reads: the whole vocabulary
+    model = load_block(tmp_path, target)
+    assert torch.equal(model.draft_ids, DRAFT) and model.cfg == m.cfg
+    drafter = DSparkDrafter(model)
+    ids = [(7 * i + 3) % V for i in range(20)]
+    f = target_features(target, ids, m.cfg.taps)
+    p = drafter.propose(view(ids, 12, f[:11], k=m.cfg.proposals, temperature=0.7))
+    prev = torch.tensor([ids[11]] + p.draft_token_ids.tolist()[:-1])
+    with torch.no_grad():
+        base, _ = m(f[None], torch.tensor(ids)[None], torch.tensor([[11]]))
+        rows = base[0, 0] + m.markov(prev)
+    full = torch.full((len(rows), V), float("-inf"))
+    full[:, DRAFT] = rows
+    torch.testing.assert_close(p.draft_probs, torch.softmax(full / 0.7, -1), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (torch.tensor([3, 3, 5]), "distinct token ids"), (torch.tensor([1, V]), r"distinct token ids in \[0, 96\)"),
+    (torch.tensor([[1, 2]]), "shape"), (torch.tensor([0.5]), "float32"), ("not a tensor file", "expected a tensor")])
+def test_a_bad_token_map_is_refused_by_name(target, tmp_path, bad, match):
+    from hal.models.block_layouts import TOKEN_MAP
+    m = module(target, DFLASH)
+    write_block(tmp_path, m.cfg, m.weights(), MASK, LAYERS)
+    if isinstance(bad, str):
+        (tmp_path / TOKEN_MAP).write_text(bad)
+    else:
+        torch.save(bad, tmp_path / TOKEN_MAP)
+    with pytest.raises(HalError, match=f"token_map.pt.*{match}"):
+        load_block(tmp_path, target)
