@@ -97,7 +97,8 @@ def main() -> None:
              "Greedy outputs equal plain's for every row (asserted). Speed: plain's time over the row's (geometric "
              "mean over the group's prompts; the least of the reps). Tokens per step: (accepted + 1) per target "
              "verify with a draft. Acceptance per chain position: accepted there over proposed there.", "",
-             "| group | engine | speed vs plain | tokens per step | acceptance per position |", "|---|---|---:|---:|---|"]
+             "| group | engine | speed vs plain | tokens per step | acceptance per position |",
+             "|---|---|---:|---:|---|"]
     for (group, name), r in rows.items():
         geo = math.exp(sum(math.log(x) for x in r["ratio"]) / len(r["ratio"]))
         if name == "plain":

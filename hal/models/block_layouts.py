@@ -277,7 +277,8 @@ def write_block(out: str | Path, cfg: DSparkConfig, w: dict[str, Tensor], mask_t
               "dflash_config": {"target_layer_ids": layer_ids, "mask_token_id": mask_token}}
     else:                # transformers-5 style, as DeepSpec writes its configs
         c |= {"rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_base}, "dtype": "float16",
-              "target_layer_ids": layer_ids, "mask_token_id": mask_token, "num_anchors": anchors, "markov_rank": cfg.rank,
+              "target_layer_ids": layer_ids, "mask_token_id": mask_token, "num_anchors": anchors,
+              "markov_rank": cfg.rank,
               "markov_head_type": "vanilla", "enable_confidence_head": cfg.confidence != Confidence.NONE,
               "confidence_head_with_markov": cfg.confidence == Confidence.MARKOV}
     out = Path(out)

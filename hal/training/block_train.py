@@ -68,7 +68,8 @@ class DSparkTrain(torch.nn.Module):
         return self.p[name.replace(".", "_")]
 
     def weights(self) -> dict[str, Tensor]:
-        return {name: self.w(name).detach() for name in self.cfg.shapes(len(self.embed))} | {"draft_ids": self.draft_ids}
+        shapes = self.cfg.shapes(len(self.embed))
+        return {name: self.w(name).detach() for name in shapes} | {"draft_ids": self.draft_ids}
 
     def forward(self, feats: Tensor, ids: Tensor, anchors: Tensor) -> tuple[Tensor, Tensor]:
         """feats [S, T, len(taps) * H], ids [S, T], anchors [S, N] (positions) -> base logits

@@ -63,7 +63,7 @@ def add_train_head(sub) -> None:
     th.add_argument("--taps", type=taps_flag, default=(1, 8, 16, 24, 29),  # the layer count: the last layer's output
                     help="dspark: increasing target layers (of block_data.CANDIDATE_TAPS) whose inputs are features")
     th.add_argument("--rank", type=bounded(int, 1, 512), default=32, help="dspark: the Markov head's rank")
-    th.add_argument("--layout", choices=("dspark-block", "dspark", "dflash"), default="dspark-block",  # block_train.LAYOUTS
+    th.add_argument("--layout", choices=("dspark-block", "dspark", "dflash"), default="dspark-block",  # LAYOUTS
                     help="dspark: the architecture trained and written: spec-hal's own (a draft vocabulary, a learned "
                          "mask, --direct), DeepSpec's published DSpark (Qwen3DSparkModel) or z-lab's DFlash "
                          "(DFlashDraftModel), both Qwen3 layers (a --draft-vocab below the target's is written as "

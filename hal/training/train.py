@@ -256,6 +256,38 @@ def run_eagle(model: str, out: Path, minutes: float = 40.0, *, draft_size: int =
     summary = {"model": model, **got["summary"], "prompt_sets": sets, "tokens": sum(len(s) for s in blob["ids"])}
     write_eagle3(Path(out), got["config"], got["weights"], target.cfg.vocab, target.cfg.layers)
     (Path(out) / "train.json").write_text(json.dumps(summary, indent=1) + "\n")
+    (Path(out) / "README.md").write_text(readme(got["config"], summary, Path(out)))
     plot(got["curve"], Path(out) / "loss.png", ("cross-entropy vs target, step 1", f"cross-entropy, step {TTT}",
                                                  "train top-1, step 1", "validation tau"))
     return summary
+
+
+def readme(cfg: EagleConfig, s: dict, out: Path) -> str:
+    """The folder's README: what it is, how it was made, what it scored (from the run itself)."""
+    import hashlib
+    sha = hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
+    H, D = cfg.hidden, cfg.head_dim
+    n = H * len(cfg.feature_layers) * H + (cfg.heads + 2 * cfg.kv_heads) * D * 2 * H + H * cfg.heads * D \
+        + 3 * H * cfg.ffn + s["draft_vocab"] * H
+    v = s["val"]
+    return (f"# EAGLE-3 head for {s['model']}\n\n"
+            f"- Layout: SafeAILab's original EAGLE-3 (`LlamaForCausalLMEagle3`: `fc.weight [{H}, "
+            f"{len(cfg.feature_layers) * H}]` over the residual streams entering target layers "
+            f"{list(cfg.feature_layers)}, `midlayer.*` with q/k/v over `[norm(embed), hidden_norm(h)]`, `norm`, "
+            f"`lm_head [{s['draft_vocab']}, {H}]`, `d2t`/`t2d`; no RoPE keys: base 10000), as "
+            f"`hal.models.eagle_layouts.write_eagle3` writes it. fp16, {n / 1e6:.1f} M parameters.\n"
+            f"- `model.safetensors` sha256 `{sha}`.\n"
+            f"- Made by: `python -m hal train-head --kind eagle --model {s['model']} --minutes {s['minutes']:g} "
+            f"--prompt-sets {s['prompt_sets']} --batch {s['batch']} --lr {s['lr']:g} --seed {s['seed']}` "
+            f"({time.strftime('%Y-%m-%d')}, torch {torch.__version__}).\n"
+            f"  - Data (`hal/training/block_data.py`): the target's greedy answers to the project's prompt set "
+            f"(`hal/training/data.py`; held-out topics and benchmark-like prompts excluded), {s['tokens']:,} "
+            f"tokens, made {s['data_made']}.\n"
+            f"  - Training (`hal/training/train.py`): cross-entropy against the target's next-token distribution "
+            f"over the draft vocabulary at the first step and {TTT - 1} chained steps (weights 0.8^j), "
+            f"{s['steps']} steps over {s['sequences']} sequences, {s['seconds'] / 60:.1f} min; the checkpoint "
+            f"with the best validation tau over {s['val_sequences']} held-back sequences is kept.\n"
+            f"- Validation (teacher-forced): top-1 per chained step "
+            f"{', '.join(f'{x:.3f}' for x in v['top1'])}; tau (the chain's accepted length, of {TTT}) "
+            f"**{v['tau']:.3f}**. `loss.png` is the curve.\n")
+

@@ -168,7 +168,8 @@ def test_a_draft_vocabulary_is_written_as_a_token_map_and_drafts_as_trained(targ
     with torch.no_grad():
         for name, p in m.p.items():
             if name != "mask":
-                p.add_(torch.randn(p.shape, generator=g) * (0.3 if any(w in name for w in ("norm", "markov")) else 0.05))
+                big = any(w in name for w in ("norm", "markov"))
+                p.add_(torch.randn(p.shape, generator=g) * (0.3 if big else 0.05))
                 p.copy_(p.half().float())
         m.p["norm"].mul_(0.05)
     write_block(tmp_path, m.cfg, m.weights(), MASK, LAYERS, (embed, head) if arch == DSPARK else None, vocab=V)

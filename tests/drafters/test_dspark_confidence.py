@@ -128,7 +128,8 @@ def test_a_folder_that_cannot_be_refitted_is_refused_before_any_work(target, dat
     odd = replace(cfg, taps=(CANDIDATE_TAPS[0], 3))   # layer 3's input is not in the data cache
     save_block(tmp_path / "c", odd, m.weights())
     (tmp_path / "c" / "train.json").write_text('{"seed": 0}')
-    with pytest.raises(HalError, match=r"--refit-confidence: expected taps the data records \(\[1, 2, 4, .*got \[1, 3\]"):
+    with pytest.raises(HalError, match=r"--refit-confidence: expected taps the data records \(\[1, 2, 4, .*"
+                                       r"got \[1, 3\]"):
         refit_folder(tmp_path / "c", tmp_path / "out")
     assert not (tmp_path / "out").exists()
 

@@ -92,7 +92,8 @@ def test_the_layout_is_safeailabs(target, tmp_path):
     assert {n: t.dtype for n, t in ours.items()} == {n: theirs[n].dtype for n in ours}
     c, ref = json.loads((tmp_path / "config.json").read_text()), json.loads((FIXTURE / "config.json").read_text())
     assert c["architectures"] == ref["architectures"] and "rope_theta" not in c and "eagle_config" not in c
-    assert torch.equal(ours["t2d"].nonzero()[:, 0], DRAFT) and torch.equal(ours["d2t"] + torch.arange(len(DRAFT)), DRAFT)
+    assert torch.equal(ours["t2d"].nonzero()[:, 0], DRAFT)
+    assert torch.equal(ours["d2t"] + torch.arange(len(DRAFT)), DRAFT)
     other = EagleConfig(**{**config().__dict__, "feature_layers": (1, 15, 29)})
     write_eagle3(tmp_path / "o", other, m.weights() | {"draft_ids": DRAFT}, V, LAYERS)
     assert load_eagle(tmp_path / "o", target).feature_layers == (1, 15, 29)
