@@ -143,10 +143,9 @@ def _weights(raw: dict[str, Tensor], layout: EagleLayout, folder: Path) -> dict[
     return w
 
 
-def load_eagle(path: str | Path, target: Llama, backend=None, device=None) -> EagleModel:
-    """An EAGLE-1 or EAGLE-3 head from a folder in a published layout (config.json +
-    safetensors or pytorch_model.bin), for ``target`` (its embeddings and lm_head, unless the
-    head has its own), on ``backend`` / ``device`` (default: the target's)."""
+def read_head(path: str | Path, target_layers: int) -> tuple[EagleConfig, dict[str, Tensor]]:
+    """A head folder's config and weights (internal names, ``draft_ids``) for a target of
+    ``target_layers`` layers, as `load_eagle` runs them; `HalError` naming what does not fit."""
     folder = Path(path)
     layout = read_layout(folder)
     hp = layout.hp
@@ -166,7 +165,7 @@ def load_eagle(path: str | Path, target: Llama, backend=None, device=None) -> Ea
                           kv_heads=hp.get("num_key_value_heads", heads),
                           head_dim=hp.get("head_dim") or hp["hidden_size"] // heads, ffn=hp["intermediate_size"],
                           rope_base=float(rope.get("rope_theta", hp.get("rope_theta", 10000.0))),
-                          eps=float(hp.get("rms_norm_eps", 1e-5)), feature_layers=layout.taps(target.cfg.layers),
+                          eps=float(hp.get("rms_norm_eps", 1e-5)), feature_layers=layout.taps(target_layers),
                           draft_vocab=(layout.config.get("draft_vocab_size") or hp.get("draft_vocab_size"))
                           if "draft_ids" in w or "head" in w else None,
                           rope_scaling=scaling, qk_norm="q_norm" in w,
@@ -174,9 +173,17 @@ def load_eagle(path: str | Path, target: Llama, backend=None, device=None) -> Ea
     except (KeyError, TypeError, ValueError) as e:
         raise HalError(f"head {str(folder)!r}: expected the head's hidden_size, num_attention_heads and "
                        f"intermediate_size in its config, got {type(e).__name__}: {e}") from None
-    if any(not 0 <= t <= target.cfg.layers for t in cfg.feature_layers):
+    if any(not 0 <= t <= target_layers for t in cfg.feature_layers):
         raise HalError(f"head {str(folder)!r} eagle_aux_hidden_state_layer_ids: expected layers in [0, "
-                       f"{target.cfg.layers}] of the target, got taps {list(cfg.feature_layers)}")
+                       f"{target_layers}] of the target, got taps {list(cfg.feature_layers)}")
+    return cfg, w
+
+
+def load_eagle(path: str | Path, target: Llama, backend=None, device=None) -> EagleModel:
+    """An EAGLE-1 or EAGLE-3 head from a folder in a published layout (config.json +
+    safetensors or pytorch_model.bin), for ``target`` (its embeddings and lm_head, unless the
+    head has its own), on ``backend`` / ``device`` (default: the target's)."""
+    cfg, w = read_head(path, target.cfg.layers)
     return EagleModel(cfg, w, target, backend, device)
 
 

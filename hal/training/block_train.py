@@ -298,7 +298,7 @@ def validate(model: DSparkTrain, d: BlockData, to_draft: Tensor, batch: int, anc
 
 def run(model: str, out, minutes: float, *, block: int = 8, layers: int = 2, taps: tuple[int, ...] = (1, 8, 16, 24, 29),
         rank: int = 32, draft_size: int = 8192, seed: int = 0, max_new_tokens: int = 128, limit: int | None = None,
-        direct: bool = False, sets: int = 2, layout: str = "dspark-block", mask_token: int | None = None,
+        direct: bool = False, sets: int = 2, layout: str = "dspark", mask_token: int | None = None,
         **kw) -> dict:
     """``spec-hal train-head --kind dspark``: data (cached), training, and the folder
     ``out``/{config.json, model.safetensors, train.json, loss.png}. Returns the summary.
@@ -312,14 +312,14 @@ def run(model: str, out, minutes: float, *, block: int = 8, layers: int = 2, tap
     from hal.models.dspark import save_block
     from hal.training import block_data
     from hal.training.curves import plot
-    blob = block_data.responses(model, max_new_tokens, limit, sets=sets)
-    feats = block_data.tapped(model, blob)
-    target, _ = block_data.load_target(model, None, None)
-    c = target.cfg
     arch = LAYOUTS.get(layout)
     if arch is None or arch != OWN and direct:
         raise HalError(f"--layout: expected one of {list(LAYOUTS)} (--direct: dspark-block only), got {layout!r}"
                        + (" with --direct" if direct else ""), arg="--layout")
+    blob = block_data.responses(model, max_new_tokens, limit, sets=sets)
+    feats = block_data.tapped(model, blob)
+    target, _ = block_data.load_target(model, None, None)
+    c = target.cfg
     mask_token = c.stop_ids[0] if mask_token is None else mask_token
     if not 0 <= mask_token < c.vocab:
         raise HalError(f"--mask-token: expected an id in [0, {c.vocab}), got {mask_token}", arg="--mask-token")

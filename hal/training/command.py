@@ -63,11 +63,12 @@ def add_train_head(sub) -> None:
     th.add_argument("--taps", type=taps_flag, default=(1, 8, 16, 24, 29),  # the layer count: the last layer's output
                     help="dspark: increasing target layers (of block_data.CANDIDATE_TAPS) whose inputs are features")
     th.add_argument("--rank", type=bounded(int, 1, 512), default=32, help="dspark: the Markov head's rank")
-    th.add_argument("--layout", choices=("dspark-block", "dspark", "dflash"), default="dspark-block",  # LAYOUTS
-                    help="dspark: the architecture trained and written: spec-hal's own (a draft vocabulary, a learned "
-                         "mask, --direct), DeepSpec's published DSpark (Qwen3DSparkModel) or z-lab's DFlash "
-                         "(DFlashDraftModel), both Qwen3 layers (a --draft-vocab below the target's is written as "
-                         "token_map.pt, as SGLang's --speculative-token-map reads it)")
+    th.add_argument("--layout", choices=("dspark", "dflash", "dspark-block"), default="dspark",  # LAYOUTS
+                    help="dspark: the architecture trained and written: DeepSpec's published DSpark (Qwen3DSparkModel) "
+                         "or z-lab's DFlash (DFlashDraftModel), both Qwen3 layers (a --draft-vocab below the target's "
+                         "is written as token_map.pt, as SGLang's --speculative-token-map reads it); dspark-block: "
+                         "spec-hal's own legacy layout (the shipped SmolLM2 drafter's; a learned mask, --direct), which "
+                         "no peer reads")
     th.add_argument("--mask-token", type=int, help="dspark, dflash: the token whose embedding the mask rows are "
                                                    "(default: the target's first stop id)")
     th.add_argument("--direct", action="store_true", help="dspark: mask rows also read [anchor, last context feature]")
@@ -102,6 +103,7 @@ def refit_folder(folder, out, model: str = "smollm2-135m") -> dict:
     from safetensors.torch import load_file
 
     from hal.models.block_layouts import read_config
+    from hal.models.dspark import Confidence
     from hal.models.dspark import save_block
     from hal.training import block_data
     from hal.errors import HalError
@@ -111,6 +113,10 @@ def refit_folder(folder, out, model: str = "smollm2-135m") -> dict:
     from hal.training.confidence import readme_line
     folder, out = Path(folder), Path(out)
     cfg = read_config(folder)
+    if cfg.confidence != Confidence.TOP:
+        raise HalError(f"--refit-confidence: expected a dspark-block drafter (its confidence head reads the row's "
+                       f"top probability), got {str(folder)!r} with a {cfg.confidence.name.lower()} confidence head",
+                       arg="--refit-confidence")
     if any(t not in CANDIDATE_TAPS for t in cfg.taps):
         raise HalError(f"--refit-confidence: expected taps the data records ({list(CANDIDATE_TAPS)}), got "
                        f"{list(cfg.taps)}", arg="--refit-confidence")

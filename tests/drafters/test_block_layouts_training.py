@@ -207,3 +207,18 @@ def test_a_bad_token_map_is_refused_by_name(target, tmp_path, bad, match):
         torch.save(bad, tmp_path / TOKEN_MAP)
     with pytest.raises(HalError, match=f"token_map.pt.*{match}"):
         load_block(tmp_path, target)
+
+
+def test_options_the_published_layouts_cannot_take_are_refused_before_any_work(target, tmp_path):
+    """`train-head --kind dspark`: an unknown layout, or --direct with a published one, is refused
+    before data or a model is touched; a confidence refit is for dspark-block drafters only."""
+    from hal.training.block_train import run
+    from hal.training.command import refit_folder
+    for layout, direct in (("eagle", False), ("dspark", True), ("dflash", True)):
+        with pytest.raises(HalError, match="--layout: expected one of"):
+            run("no-such-model", tmp_path / "x", 1.0, layout=layout, direct=direct)
+    m = module(target, DSPARK)
+    write_block(tmp_path / "d", m.cfg, m.weights(), MASK, LAYERS, copies(target, DSPARK))
+    with pytest.raises(HalError, match="--refit-confidence: expected a dspark-block drafter"):
+        refit_folder(tmp_path / "d", tmp_path / "out")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "x").exists()
