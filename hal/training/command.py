@@ -44,7 +44,8 @@ def cmd_train_head(args) -> int:
     from hal.training.train import run_eagle
     out = Path(args.out or f"{Path(args.model).stem}-eagle3")
     s = run_eagle(args.model, out, args.minutes, draft_size=args.draft_vocab, sets=args.prompt_sets,
-                  max_new_tokens=args.max_new_tokens, limit=args.limit, batch=args.batch, lr=args.lr, seed=args.seed)
+                  max_new_tokens=args.max_new_tokens, limit=args.limit, batch=args.batch, lr=args.lr, seed=args.seed,
+                  init=args.init)
     print(f"EAGLE-3 head written to {out}/ (model.safetensors and config.json in SafeAILab's layout, loss.png, "
           f"train.json): {s['steps']} steps, validation top-1 {[round(x, 3) for x in s['val']['top1']]}, "
           f"tau {s['val']['tau']:.3f}")
@@ -58,7 +59,7 @@ def add_train_head(sub) -> None:
     th.add_argument("--kind", choices=("eagle", "dspark"), default="eagle",
                     help="eagle: a one-layer EAGLE-3 head, written in SafeAILab's layout; dspark: a block drafter "
                          "(data for both cached under $HAL_CACHE/dspark)")
-    th.add_argument("--block", type=bounded(int, 2, 64), default=8, help="dspark: the block size B (B - 1 proposals)")
+    th.add_argument("--block", type=bounded(int, 2, 64), default=8, help="dspark: the block size B (B proposals in DeepSpec's layout, B - 1 in the others)")
     th.add_argument("--layers", type=bounded(int, 1, 8), default=2, help="dspark: draft layers")
     th.add_argument("--taps", type=taps_flag, default=(1, 8, 16, 24, 29),  # the layer count: the last layer's output
                     help="dspark: increasing target layers (of block_data.CANDIDATE_TAPS) whose inputs are features")
@@ -69,9 +70,11 @@ def add_train_head(sub) -> None:
                          "is written as token_map.pt, as SGLang's --speculative-token-map reads it); dspark-block: "
                          "spec-hal's own legacy layout (the shipped SmolLM2 drafter's; a learned mask, --direct), which "
                          "no peer reads")
+    th.add_argument("--init", metavar="FOLDER", help="eagle: continue training the EAGLE-3 head in FOLDER")
     th.add_argument("--mask-token", type=int, help="dspark, dflash: the token whose embedding the mask rows are "
                                                    "(default: the target's first stop id)")
-    th.add_argument("--direct", action="store_true", help="dspark: mask rows also read [anchor, last context feature]")
+    th.add_argument("--direct", action="store_true",
+                    help="dspark-block: mask rows also read [anchor, last context feature]")
     th.add_argument("--distill", type=bounded(float, 0.0, 1.0), default=0.0,
                     help="dspark: the cross-entropy's share against the target's soft labels, not its greedy token")
     th.add_argument("--refit-confidence", metavar="FOLDER",

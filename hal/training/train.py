@@ -199,15 +199,25 @@ def validate(head: EagleTrain, d: HeadData, target_norm: Tensor, eps: float, bat
 
 
 def train_eagle(target, blob: dict, feats: list[Tensor], minutes: float, *, draft_size: int = 8192,
-                batch: int = 8, lr: float = 1e-3, seed: int = 0, max_steps: int | None = None, say=print) -> dict:
+                batch: int = 8, lr: float = 1e-3, seed: int = 0, max_steps: int | None = None,
+                init: dict[str, Tensor] | None = None, say=print) -> dict:
     """Train for ``minutes`` (or ``max_steps``): {"config", "weights" (best validation tau; with
-    ``draft_ids``), "summary", "curve"}."""
+    ``draft_ids``), "summary", "curve"}. ``init``: a head's weights (`hal.models.eagle_layouts.read_head`)
+    to continue from; its draft vocabulary must be this data's."""
     c = target.cfg
     cfg = EagleConfig(version=3, hidden=c.hidden, heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim, ffn=c.ffn,
                       rope_base=10000.0, eps=c.eps, feature_layers=eagle3_taps(c.layers), draft_vocab=draft_size)
     torch.manual_seed(seed)
     d = head_data(blob, feats, cfg.feature_layers, c.layers, draft_size, c.stop_ids, seed)
     head = EagleTrain(cfg, target.embed, target.head[d.draft_ids], seed)
+    if init is not None:
+        if not torch.equal(init["draft_ids"].long(), d.draft_ids) or any(
+                tuple(init.get(n, torch.empty(0)).shape) != tuple(p.shape) for n, p in head.p.items()):
+            raise HalError("--init: expected a head of this target and data (the same draft vocabulary and shapes), "
+                           "got one that differs")
+        with torch.no_grad():
+            for n, p in head.p.items():
+                p.copy_(init[n].float())
     norm = target.w["norm"].float()
     opt = torch.optim.AdamW(head.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     run, best, epoch = Run(minutes * 60, lr, max_steps), (-1.0, None, None), 0
@@ -241,9 +251,10 @@ def train_eagle(target, blob: dict, feats: list[Tensor], minutes: float, *, draf
 
 
 def run_eagle(model: str, out: Path, minutes: float = 40.0, *, draft_size: int = 8192, sets: int = 2,
-              max_new_tokens: int = 128, limit: int | None = None, **kw) -> dict:
-    """``spec-hal train-head --kind eagle``: data (cached), training, and the folder ``out`` in
-    the EAGLE-3 layout with train.json and loss.png. Returns the summary."""
+              max_new_tokens: int = 128, limit: int | None = None, init: str | Path | None = None, **kw) -> dict:
+    """``spec-hal train-head --kind eagle``: data (cached), training (continued from the head in
+    folder ``init``, if given), and the folder ``out`` in the EAGLE-3 layout with train.json,
+    README.md and loss.png. Returns the summary."""
     import json
 
     from hal.models.eagle_layouts import write_eagle3
@@ -252,8 +263,14 @@ def run_eagle(model: str, out: Path, minutes: float = 40.0, *, draft_size: int =
     blob = block_data.responses(model, max_new_tokens, limit, sets=sets)
     feats = block_data.tapped(model, blob)
     target, _ = block_data.load_target(model, None, None)
-    got = train_eagle(target, blob, feats, minutes, draft_size=draft_size, **kw)
+    start = None
+    if init is not None:
+        from hal.models.eagle_layouts import read_head
+        start = read_head(init, target.cfg.layers)[1]
+    got = train_eagle(target, blob, feats, minutes, draft_size=draft_size, init=start, **kw)
     summary = {"model": model, **got["summary"], "prompt_sets": sets, "tokens": sum(len(s) for s in blob["ids"])}
+    if init is not None:
+        summary["init"] = str(init)
     write_eagle3(Path(out), got["config"], got["weights"], target.cfg.vocab, target.cfg.layers)
     (Path(out) / "train.json").write_text(json.dumps(summary, indent=1) + "\n")
     (Path(out) / "README.md").write_text(readme(got["config"], summary, Path(out)))
@@ -278,7 +295,8 @@ def readme(cfg: EagleConfig, s: dict, out: Path) -> str:
             f"`hal.models.eagle_layouts.write_eagle3` writes it. fp16, {n / 1e6:.1f} M parameters.\n"
             f"- `model.safetensors` sha256 `{sha}`.\n"
             f"- Made by: `python -m hal train-head --kind eagle --model {s['model']} --minutes {s['minutes']:g} "
-            f"--prompt-sets {s['prompt_sets']} --batch {s['batch']} --lr {s['lr']:g} --seed {s['seed']}` "
+            f"--prompt-sets {s['prompt_sets']} --batch {s['batch']} --lr {s['lr']:g} --seed {s['seed']}"
+            + (f" --init {s['init']}" if s.get("init") else "") + "` "
             f"({time.strftime('%Y-%m-%d')}, torch {torch.__version__}).\n"
             f"  - Data (`hal/training/block_data.py`): the target's greedy answers to the project's prompt set "
             f"(`hal/training/data.py`; held-out topics and benchmark-like prompts excluded), {s['tokens']:,} "

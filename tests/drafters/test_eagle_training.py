@@ -130,3 +130,28 @@ def test_taps_the_data_does_not_record_are_refused_by_name(target):
     blob = {"ids": [[2, 9, 5, 7]] * 4, "prompt_lens": [2] * 4, "texts": ["x"] * 4}
     with pytest.raises(HalError, match=r"taps: expected layers the data records .* got \[5\]"):
         train_eagle(small, blob, [torch.zeros(4, 12, H).half()] * 4, 1.0, draft_size=16, max_steps=1)
+
+
+def test_training_continues_from_a_written_head_and_refuses_one_of_other_data(target, tmp_path):
+    """``--init``: a run continued from a written head starts where it ended (its first step's
+    loss is the written head's, not a fresh one's); a head of another draft vocabulary is refused."""
+    from hal.engine import SpeculativeDecoder
+    from hal.engine.requests import Request
+    from hal.models.eagle_layouts import read_head
+    from hal.training import block_data
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, V, (6,), generator=g).tolist() for _ in range(24)]
+    answers = SpeculativeDecoder(target, None).generate([Request(p, max_new_tokens=20, k=0) for p in prompts])
+    seqs = [p + a for p, a in zip(prompts, answers)]
+    feats = block_data.record(target, seqs)
+    blob = {"ids": seqs, "prompt_lens": [6] * len(seqs), "texts": ["x"] * len(seqs)}
+    kw = dict(draft_size=64, batch=8, lr=3e-3, say=lambda _: None)
+    first = train_eagle(target, blob, feats, 10.0, max_steps=60, **kw)
+    write_eagle3(tmp_path, first["config"], first["weights"], V, LAYERS)
+    start = read_head(tmp_path, LAYERS)[1]
+    again = train_eagle(target, blob, feats, 10.0, max_steps=1, init=start, **kw)
+    fresh = train_eagle(target, blob, feats, 10.0, max_steps=1, **kw)
+    assert again["curve"][0][2] < 0.5 * fresh["curve"][0][2], (again["curve"][0], fresh["curve"][0])
+    other = dict(start, draft_ids=start["draft_ids"].flip(0))
+    with pytest.raises(HalError, match="--init: expected a head of this target and data"):
+        train_eagle(target, blob, feats, 10.0, max_steps=1, init=other, **kw)
