@@ -165,7 +165,7 @@ class EagleModel:
 # -- heads shipped with the package ----------------------------------------------------------------
 
 SHIPPED = {   # model name -> (folder under hal/models/heads, sha256 of its model.safetensors)
-    "smollm2-135m": ("smollm2-135m-eagle", "a324b230a2c5912621fbd105f18366daba17446053a93468739090178ee42918"),
+    "smollm2-135m": ("smollm2-135m-eagle", "6dd3b8cb86e80a88c42265a680428865fc8576d014194282f293d25e232e1ca6"),
 }
 
 
