@@ -17,8 +17,6 @@ Reference: z-lab/dflash @ 44947fbf71114e241c96de194f4b382b5dd330d0 (as `dflash_r
 
 from __future__ import annotations
 
-import argparse
-import sys
 import tempfile
 import time
 from dataclasses import replace
@@ -26,28 +24,19 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(Path(__file__).parent))
+__import__("sys").path.insert(0, str(Path(__file__).parent))
 
 import dflash_reference as ref  # noqa: E402
+from written_common import REPO, block_proposal, parse, report  # noqa: E402
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--src", type=Path, required=True, help="checkout of z-lab/dflash (contains dflash/)")
-    ap.add_argument("--out", type=Path, default=REPO / "benchmarks/results/dflash-written-check.md")
-    args = ap.parse_args()
-    torch.set_num_threads(1)
+    args = parse(__doc__, "dflash-written-check", "checkout of z-lab/dflash (contains dflash/)")
     r = ref.load_reference(args.src)
     from transformers import Qwen3ForCausalLM
 
     import hal
-    from hal import kv
     from hal.drafters.dspark import DSparkDrafter
-    from hal.engine.drafting import DraftBatch
-    from hal.engine.forward import forward_tokens
-    from hal.engine.requests import Request
     from hal.models.block_layouts import DFLASH, load_block, write_block
     from hal.models.dspark import Confidence, DSparkConfig
     from hal.models.fetch import load_model
@@ -75,18 +64,8 @@ def main():
         draft = r.DFlashDraftModel.from_pretrained(folder, dtype=torch.float32).eval()
         theirs = ref.stateless_draft(r, draft, hf, seq, P)
         model = load_block(folder, ours)
-    ids = ref.PROMPT
-    pool = kv.KVPool(ours.be, 8, 16, c.kv_heads, c.head_dim, num_layers=ours.num_layers)
-    rows = torch.arange(P)
-    feats = forward_tokens(ours, pool, [pool.sequence()], [P], seq[0, :P], rows=rows[-1:], hidden_rows=rows,
-                           feature_layers=cfg.taps)[1]
-    got = {}
-    for temp in (0.0, 1.0):
-        drafter = DSparkDrafter(model)
-        got[temp] = drafter.propose(DraftBatch(
-            rids=(0,), params=(Request(ids, k=ref.BLOCK_SIZE - 1, temperature=temp, seed=5),),
-            history=torch.tensor([ids]), num_tokens=torch.tensor([P + 1]), lengths=(P + 1,),
-            k=(ref.BLOCK_SIZE - 1,), offsets=(0,), features=feats, num_features=(P,)))
+    got = {temp: block_proposal(DSparkDrafter(model), ours, ref.PROMPT, P, cfg.taps, ref.BLOCK_SIZE - 1, temp)
+           for temp in (0.0, 1.0)}
     mine, want = got[0.0].draft_token_ids.tolist(), theirs["draft_tokens"][0].tolist()
     dq = (got[1.0].draft_probs - torch.softmax(theirs["draft_logits"][0], -1)).abs().max().item()
     ok = mine == want and dq < 1e-5
@@ -101,10 +80,7 @@ def main():
              f"| z-lab `DFlashDraftModel` | {want} | |",
              f"| spec-hal `DSparkModel` | {mine} | {dq:.2e} |", "",
              f"Result: {'same block' if ok else 'DIFFERENT'} (probabilities within 1e-5).", ""]
-    args.out.write_text("\n".join(lines))
-    print("\n".join(lines))
-    if not ok:
-        sys.exit(1)
+    report(args.out, lines, ok)
 
 
 if __name__ == "__main__":

@@ -16,8 +16,6 @@ Reference: deepseek-ai/DeepSpec @ afdfa7c9382a3341a3e6f17756dd816da79f132c (as `
 
 from __future__ import annotations
 
-import argparse
-import sys
 import tempfile
 import time
 from dataclasses import replace
@@ -25,28 +23,19 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(Path(__file__).parent))
+__import__("sys").path.insert(0, str(Path(__file__).parent))
 
 import dspark_reference as ref  # noqa: E402
+from written_common import REPO, block_proposal, parse, report  # noqa: E402
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--src", type=Path, required=True, help="checkout of deepseek-ai/DeepSpec (contains deepspec/)")
-    ap.add_argument("--out", type=Path, default=REPO / "benchmarks/results/dspark-written-check.md")
-    args = ap.parse_args()
-    torch.set_num_threads(1)
+    args = parse(__doc__, "dspark-written-check", "checkout of deepseek-ai/DeepSpec (contains deepspec/)")
     r = ref.load_reference(args.src)
     from transformers import AutoModelForCausalLM
 
     import hal
     from hal.drafters.dspark import DSparkDrafter
-    from hal.engine.drafting import DraftBatch
-    from hal.engine.forward import forward_tokens
-    from hal.engine.requests import Request
-    from hal import kv
     from hal.models.block_layouts import DSPARK, load_block, write_block
     from hal.models.dspark import Confidence, DSparkConfig
     from hal.models.fetch import load_model
@@ -77,14 +66,8 @@ def main():
         model = load_block(folder, ours)
     n, anchor = prompt.shape[1], int(theirs["anchor_token"])
     ids = prompt[0].tolist() + [anchor]
-    pool = kv.KVPool(ours.be, 8, 16, c.kv_heads, c.head_dim, num_layers=ours.num_layers)
-    rows = torch.arange(n)
-    feats = forward_tokens(ours, pool, [pool.sequence()], [n], prompt[0], rows=rows[-1:], hidden_rows=rows,
-                           feature_layers=cfg.taps)[1]
     drafter = DSparkDrafter(model)
-    p = drafter.propose(DraftBatch(rids=(0,), params=(Request(ids, k=ref.BLOCK),), history=torch.tensor([ids]),
-                                   num_tokens=torch.tensor([n + 1]), lengths=(n + 1,), k=(ref.BLOCK,), offsets=(0,),
-                                   features=feats, num_features=(n,)))
+    p = block_proposal(drafter, ours, ids, n, cfg.taps, ref.BLOCK)
     mine, want = p.draft_token_ids.tolist(), theirs["draft_tokens"][0].tolist()
     conf = torch.tensor(drafter.confidences[0])
     dconf = (conf - theirs["confidence"][0]).abs().max().item()
@@ -100,10 +83,7 @@ def main():
              f"| DeepSpec `Qwen3DSparkModel` | {want} | {[round(x, 4) for x in theirs['confidence'][0].tolist()]} | |",
              f"| spec-hal `DSparkModel` | {mine} | {[round(x, 4) for x in conf.tolist()]} | {dconf:.2e} |", "",
              f"Result: {'same block' if ok else 'DIFFERENT'} (confidences within 1e-4).", ""]
-    args.out.write_text("\n".join(lines))
-    print("\n".join(lines))
-    if not ok:
-        sys.exit(1)
+    report(args.out, lines, ok)
 
 
 if __name__ == "__main__":

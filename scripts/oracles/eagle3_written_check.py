@@ -17,27 +17,20 @@ Reference: SafeAILab/EAGLE @ cb7e0841fe0c206c6ed74a197ad5e2a1f13f5a2b (as `eagle
 
 from __future__ import annotations
 
-import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(Path(__file__).parent))
+__import__("sys").path.insert(0, str(Path(__file__).parent))
 
 import eagle3_reference as ref  # noqa: E402
+from written_common import REPO, parse, report  # noqa: E402
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--src", type=Path, required=True, help="checkout of SafeAILab/EAGLE (contains eagle/model/)")
-    ap.add_argument("--out", type=Path, default=REPO / "benchmarks/results/eagle3-written-check.md")
-    args = ap.parse_args()
-    torch.set_num_threads(1)
+    args = parse(__doc__, "eagle3-written-check", "checkout of SafeAILab/EAGLE (contains eagle/model/)")
     torch.set_grad_enabled(False)
     cnets, EConfig = ref.load_reference(args.src)
     from safetensors.torch import load_file
@@ -104,10 +97,7 @@ def main():
              f"| SafeAILab `cnets.Model` | {draft} | |",
              f"| spec-hal `EagleModel` | {tokens} | {diff:.2e} |", "",
              f"Result: {'same chain' if ok else 'DIFFERENT'} (tolerance 1e-4 on fp32 logits).", ""]
-    args.out.write_text("\n".join(lines))
-    print("\n".join(lines))
-    if not ok:
-        sys.exit(1)
+    report(args.out, lines, ok)
 
 
 if __name__ == "__main__":

@@ -127,21 +127,8 @@ def test_training_in_a_published_layout_learns_and_drafts_losslessly(target, tmp
     folder drafts losslessly."""
     from hal.training.block_data import CANDIDATE_TAPS
     from hal.training.block_train import train_block
-    g = torch.Generator().manual_seed(0)
-    perm = torch.randperm(V - 1, generator=g) + 1
-    seqs = []
-    for _ in range(48):
-        t, s = int(torch.randint(1, V, (1,), generator=g)), [2, 9]
-        for _ in range(30):
-            s.append(t)
-            t = int(perm[t - 1])
-        seqs.append(s)
-    feats = []
-    for s in seqs:   # the data's layout: every candidate tap; this test's target fills the first two
-        f = torch.zeros(len(s), len(CANDIDATE_TAPS), H)
-        f[:, :2] = target_features(target, s, CANDIDATE_TAPS[:2]).view(len(s), 2, H)
-        feats.append(f.half())
-    blob = {"ids": seqs, "prompt_lens": [8] * len(seqs), "texts": ["x"] * len(seqs)}
+    from tests.drafters.test_dspark_training import permutation_data
+    seqs, feats, blob = permutation_data(target)
     cfg = replace(published(arch), layers=1, taps=CANDIDATE_TAPS[:2], rank=8 if arch == DSPARK else 0,
                   block=3 if arch == DSPARK else 4)   # 3 proposals each: positions anchor + 1 .. anchor + 3
     got = train_block(cfg, blob, feats, target, 10.0, batch=8, anchors=8, lr=1e-2, max_steps=200, mask_token=MASK,

@@ -22,26 +22,33 @@ def target():
     return random_llama(H, LAYERS, HEADS, KV, D, FFN, V, seed=7, scale=0.15)   # test_dspark's target
 
 
+def permutation_data(target, n: int = 48, length: int = 30):
+    """(sequences, features, blob) in the data cache's layout: ``n`` sequences that follow a fixed
+    permutation of the vocabulary, every candidate tap recorded (this target fills the first two)."""
+    from hal.training.block_data import CANDIDATE_TAPS
+    g = torch.Generator().manual_seed(0)
+    perm = torch.randperm(V - 1, generator=g) + 1
+    seqs = []
+    for _ in range(n):
+        t, s = int(torch.randint(1, V, (1,), generator=g)), [2, 9]
+        for _ in range(length):
+            s.append(t)
+            t = int(perm[t - 1])
+        seqs.append(s)
+    feats = []
+    for s in seqs:
+        f = torch.zeros(len(s), len(CANDIDATE_TAPS), H)
+        f[:, :2] = target_features(target, s, CANDIDATE_TAPS[:2]).view(len(s), 2, H)
+        feats.append(f.half())
+    return seqs, feats, {"ids": seqs, "prompt_lens": [8] * len(seqs), "texts": ["x"] * len(seqs)}
+
+
 def test_training_learns_a_predictable_continuation_and_writes_a_loadable_drafter(target, tmp_path):
     """Sequences that follow a fixed permutation of the vocabulary: a block drafter trained for
     200 steps proposes the whole block (validation tau near B - 1 = 3; untrained, near 0)."""
     from hal.training.block_data import CANDIDATE_TAPS
     from hal.training.block_train import train_block
-    g = torch.Generator().manual_seed(0)
-    perm = torch.randperm(V - 1, generator=g) + 1
-    seqs = []
-    for _ in range(48):
-        t, s = int(torch.randint(1, V, (1,), generator=g)), [2, 9]
-        for _ in range(30):
-            s.append(t)
-            t = int(perm[t - 1])
-        seqs.append(s)
-    feats = []
-    for s in seqs:   # the data's layout: every candidate tap; this test's target fills the first two
-        f = torch.zeros(len(s), len(CANDIDATE_TAPS), H)
-        f[:, :2] = target_features(target, s, CANDIDATE_TAPS[:2]).view(len(s), 2, H)
-        feats.append(f.half())
-    blob = {"ids": seqs, "prompt_lens": [8] * len(seqs), "texts": ["x"] * len(seqs)}
+    seqs, feats, blob = permutation_data(target)
     cfg = DSparkConfig(hidden=H, heads=HEADS, kv_heads=KV, head_dim=D, ffn=FFN, layers=1, taps=CANDIDATE_TAPS[:2],
                       block=4, rank=8, draft_vocab=V)
     got = train_block(cfg, blob, feats, target, 10.0, batch=8, anchors=8, lr=3e-3, max_steps=200, say=lambda _: None)

@@ -54,6 +54,19 @@ def taps_of(target, ids):
                           hidden_rows=rows, feature_layers=eagle3_taps(LAYERS))[1]
 
 
+def answers_data(target, n: int, new: int, seed: int):
+    """(sequences, features, blob) as `block_data` records them: the target's greedy answers
+    (``new`` tokens) to ``n`` random 6-token prompts."""
+    from hal.engine import SpeculativeDecoder
+    from hal.engine.requests import Request
+    from hal.training import block_data
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, V, (6,), generator=g).tolist() for _ in range(n)]
+    answers = SpeculativeDecoder(target, None).generate([Request(p, max_new_tokens=new, k=0) for p in prompts])
+    seqs = [p + a for p, a in zip(prompts, answers)]
+    return seqs, block_data.record(target, seqs), {"ids": seqs, "prompt_lens": [6] * n, "texts": ["x"] * n}
+
+
 def test_the_written_head_is_the_training_module_at_every_position_and_chained_step(target, tmp_path):
     m = random_module(target)
     write_eagle3(tmp_path, m.cfg, m.weights() | {"draft_ids": DRAFT}, V, LAYERS)
@@ -106,15 +119,7 @@ def test_training_learns_the_targets_answers_and_writes_a_head_that_drafts_them(
     the cross-entropy falls tenfold and every chained step's held-back top-1 rises from chance
     (1%) past 15% (a random 30-layer target is hard to imitate from 38 sequences: measured 18-24%),
     and the written head drafts losslessly, some drafts accepted."""
-    from hal.engine import SpeculativeDecoder
-    from hal.engine.requests import Request
-    from hal.training import block_data
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, V, (6,), generator=g).tolist() for _ in range(40)]
-    answers = SpeculativeDecoder(target, None).generate([Request(p, max_new_tokens=30, k=0) for p in prompts])
-    seqs = [p + a for p, a in zip(prompts, answers)]
-    feats = block_data.record(target, seqs)
-    blob = {"ids": seqs, "prompt_lens": [6] * len(seqs), "texts": ["x"] * len(seqs)}
+    seqs, feats, blob = answers_data(target, 40, 30, seed=0)
     got = train_eagle(target, blob, feats, 10.0, draft_size=64, batch=8, lr=3e-3, max_steps=150, say=lambda _: None)
     s = got["summary"]
     first, last = got["curve"][0], got["curve"][-1]
@@ -135,16 +140,8 @@ def test_taps_the_data_does_not_record_are_refused_by_name(target):
 def test_training_continues_from_a_written_head_and_refuses_one_of_other_data(target, tmp_path):
     """``--init``: a run continued from a written head starts where it ended (its first step's
     loss is the written head's, not a fresh one's); a head of another draft vocabulary is refused."""
-    from hal.engine import SpeculativeDecoder
-    from hal.engine.requests import Request
     from hal.models.eagle_layouts import read_head
-    from hal.training import block_data
-    g = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(3, V, (6,), generator=g).tolist() for _ in range(24)]
-    answers = SpeculativeDecoder(target, None).generate([Request(p, max_new_tokens=20, k=0) for p in prompts])
-    seqs = [p + a for p, a in zip(prompts, answers)]
-    feats = block_data.record(target, seqs)
-    blob = {"ids": seqs, "prompt_lens": [6] * len(seqs), "texts": ["x"] * len(seqs)}
+    seqs, feats, blob = answers_data(target, 24, 20, seed=2)
     kw = dict(draft_size=64, batch=8, lr=3e-3, say=lambda _: None)
     first = train_eagle(target, blob, feats, 10.0, max_steps=60, **kw)
     write_eagle3(tmp_path, first["config"], first["weights"], V, LAYERS)
