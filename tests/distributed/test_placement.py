@@ -102,7 +102,7 @@ def test_a_feature_drafters_cached_rows_are_planned_with_the_target_kv():
     cfg = read_config(fetch("smollm2-135m"))
     args = lambda caching: SimpleNamespace(model="smollm2-135m", enable_prefix_caching=caching)  # noqa: E731
     assert _feature_bytes(args(None), parse_draft("dspark"), cfg) == 3 * 576 * 4   # taps 1/16/29
-    assert _feature_bytes(args(None), parse_draft("eagle"), cfg) == 576 * 4        # the last hidden state
+    assert _feature_bytes(args(None), parse_draft("eagle"), cfg) == 3 * 576 * 4    # EAGLE-3: taps 2/15/27
     assert _feature_bytes(args(False), parse_draft("eagle"), cfg) == 0
     assert _feature_bytes(args(None), parse_draft("ngram"), cfg) == 0
 
