@@ -316,13 +316,13 @@ def run(model: str, out, minutes: float, *, block: int = 8, layers: int = 2, tap
     if arch is None or arch != OWN and direct:
         raise HalError(f"--layout: expected one of {list(LAYOUTS)} (--direct: dspark-block only), got {layout!r}"
                        + (" with --direct" if direct else ""), arg="--layout")
-    blob = block_data.responses(model, max_new_tokens, limit, sets=sets)
-    feats = block_data.tapped(model, blob)
-    target, _ = block_data.load_target(model, None, None)
+    target, tok = block_data.load_target(model, None, None)
     c = target.cfg
     mask_token = c.stop_ids[0] if mask_token is None else mask_token
-    if not 0 <= mask_token < c.vocab:
+    if not 0 <= mask_token < c.vocab:   # before any data is made
         raise HalError(f"--mask-token: expected an id in [0, {c.vocab}), got {mask_token}", arg="--mask-token")
+    blob = block_data.responses(model, max_new_tokens, limit, target, tok, sets=sets)
+    feats = block_data.tapped(model, blob, target)
     cfg = DSparkConfig(hidden=c.hidden, heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim, ffn=c.ffn,
                       layers=layers, taps=tuple(taps), block=block, rank=rank, draft_vocab=draft_size, eps=c.eps,
                       direct=direct)

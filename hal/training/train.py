@@ -26,6 +26,7 @@ from torch import Tensor
 
 from hal.errors import HalError
 from hal.models.eagle import EagleConfig
+from hal.training.block_data import BlockData
 
 TTT = 3          # unrolled draft steps per anchor
 STEP_WEIGHT = 0.8
@@ -101,47 +102,23 @@ class EagleTrain(torch.nn.Module):
         return out
 
 
-@dataclass
-class HeadData:
-    """Sequences with their taps and last-layer outputs, the draft vocabulary and the split."""
-
-    ids: list
-    feats: list
-    last: list
-    draft_ids: Tensor
-    tr: list[int]
-    val: list[int]
-
-    def batch(self, idx: list[int]):
-        """(features [B, T, n·H], ids [B, T], last-layer outputs [B, T, H], lengths [B])."""
-        T = max(len(self.ids[i]) for i in idx)
-        f = torch.zeros(len(idx), T, self.feats[idx[0]].shape[1])
-        last = torch.zeros(len(idx), T, self.last[idx[0]].shape[1])
-        ids = torch.zeros(len(idx), T, dtype=torch.long)
-        for j, i in enumerate(idx):
-            n = len(self.ids[i])
-            f[j, :n], last[j, :n], ids[j, :n] = self.feats[i].float(), self.last[i].float(), self.ids[i]
-        return f, ids, last, torch.tensor([len(self.ids[i]) for i in idx])
-
-
 def head_data(blob: dict, feats: list[Tensor], taps: tuple[int, ...], layers: int, draft_size: int, stop_ids,
-              seed: int) -> HeadData:
-    """The data of `hal.training.block_data` for a head tapping ``taps`` (its validation split:
-    the block trainer's, for the same seed)."""
-    from hal.training.block_data import CANDIDATE_TAPS, BlockData
+              seed: int) -> BlockData:
+    """The data of `hal.training.block_data` for a head tapping ``taps``, with the last layer's
+    outputs (the teacher's input; its validation split: the block trainer's, for the same seed)."""
+    from hal.training.block_data import CANDIDATE_TAPS
     missing = [t for t in (*taps, layers) if t not in CANDIDATE_TAPS]
     if missing:
         raise HalError(f"taps: expected layers the data records ({list(CANDIDATE_TAPS)}), got {missing} "
                        f"(the head's taps {list(taps)} and the last layer's output, tap {layers})")
-    d = BlockData(blob, feats, [CANDIDATE_TAPS.index(t) for t in taps], draft_size, stop_ids, seed,
-                  CANDIDATE_TAPS.index(layers))
-    return HeadData(d.ids, d.feats, d.last, d.draft_ids, d.tr, d.val)
+    return BlockData(blob, feats, [CANDIDATE_TAPS.index(t) for t in taps], draft_size, stop_ids, seed,
+                     CANDIDATE_TAPS.index(layers))
 
 
-def losses(head: EagleTrain, d: HeadData, idx: list[int], target_norm: Tensor, eps: float, noise: bool = False):
+def losses(head: EagleTrain, d: BlockData, idx: list[int], target_norm: Tensor, eps: float, noise: bool = False):
     """(weighted cross-entropy, per-step cross-entropy [TTT], per-step top-1 [TTT], teacher-forced
     accepted length) of a batch."""
-    f, ids, last, lens = d.batch(idx)
+    f, ids, _, lens, last = d.batch(idx)
     if noise:
         f = f + (torch.rand_like(f) - 0.5) * 0.2 * f.abs().mean()
     with torch.no_grad():
@@ -190,7 +167,7 @@ class Run:
         return self.lr * min(1.0, (self.steps + 1) / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
-def validate(head: EagleTrain, d: HeadData, target_norm: Tensor, eps: float, batch: int) -> dict:
+def validate(head: EagleTrain, d: BlockData, target_norm: Tensor, eps: float, batch: int) -> dict:
     """{"top1": per-step top-1 on the held-back split, "tau": teacher-forced accepted length}."""
     with torch.no_grad():
         vs = [losses(head, d, d.val[i:i + batch], target_norm, eps) for i in range(0, len(d.val), batch)]

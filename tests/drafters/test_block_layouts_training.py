@@ -209,3 +209,12 @@ def test_options_the_published_layouts_cannot_take_are_refused_before_any_work(t
     with pytest.raises(HalError, match="--refit-confidence: expected a dspark-block drafter"):
         refit_folder(tmp_path / "d", tmp_path / "out")
     assert not (tmp_path / "out").exists() and not (tmp_path / "x").exists()
+
+
+def test_a_mask_token_outside_the_vocabulary_is_refused_before_any_data_is_made(tmp_path, monkeypatch):
+    from hal.training import block_data
+    from hal.training.block_train import run
+    monkeypatch.setattr(block_data, "responses", lambda *a, **k: pytest.fail("data made before the check"))
+    with pytest.raises(HalError, match=r"--mask-token: expected an id in \[0, 49152\), got 49152"):
+        run("smollm2-135m", tmp_path / "x", 1.0, layout="dspark", mask_token=49152)
+    assert not (tmp_path / "x").exists()
