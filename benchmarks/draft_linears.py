@@ -62,11 +62,9 @@ def block_step(drafter, R: int):
     empty = torch.zeros(0, dtype=torch.long)
     rows = torch.arange(R * B)
 
-    prev = torch.zeros(R, len(m.cfg.taps) * m.cfg.hidden) if m.cfg.direct else None   # the direct path's input
-
     def once():
         b = make_batch(m.be, m.device, pool, seqs, [B] * R, torch.zeros(R * B, dtype=torch.long), all_rows=True)
-        m.forward(b, pool.k, pool.v, feats, empty, rows, anchors, b, prev)
+        m.forward(b, pool.k, pool.v, feats, empty, rows, anchors, b)
     return once
 
 

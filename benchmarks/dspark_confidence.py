@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 import hal
-from hal.models.block_layouts import read_config
+from hal.models.block_layouts import read_block
 from hal.models.dspark import shipped_block
 from hal.models.fetch import load_model
 from hal.models.machine import machine_line
@@ -40,11 +40,11 @@ def auc(p: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def scores(folder: Path, target, blob: dict, feats) -> tuple[dict, list]:
-    from safetensors.torch import load_file
-    cfg, w = read_config(folder), load_file(str(folder / "model.safetensors"))
+    layout, cfg, w = read_block(folder, target)
     d = BlockData(blob, feats, [CANDIDATE_TAPS.index(t) for t in cfg.taps], cfg.draft_vocab, target.cfg.stop_ids, 0)
     d.val = d.val + d.tr                     # every held-out answer is scored
-    x, y = samples(from_weights(cfg, w, target), d, d.val, to_draft_of(w["draft_ids"], target.cfg.vocab))
+    model = from_weights(cfg, w, target, layout.mask_token)
+    x, y = samples(model, d, d.val, to_draft_of(w["draft_ids"], target.cfg.vocab))
     logit = x @ w["conf"].double() + w["conf_bias"].double()
     p = torch.sigmoid(logit)
     out = {"positions": len(y), "right": float(y.mean()), "predicted": float(p.mean()),

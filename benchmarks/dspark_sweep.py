@@ -4,7 +4,7 @@ then scored two ways:
 - validation tau: the mean accepted length of the Markov-chained greedy block at random anchors
   of held-out training sequences (teacher-forced: exact up to the first miss);
 - held-out engine acceptance: greedy decoding of prompts on topics never trained on
-  (`hal.training.data.HELDOUT_TOPICS`) with the drafter verifying every proposal (k = B - 1), as
+  (`hal.training.data.HELDOUT_TOPICS`) with the drafter verifying every proposal (k = its proposals), as
   the engine's mean acceptance length (tokens per verify step) and its acceptance by position.
 
     python benchmarks/dspark_sweep.py [--minutes 5] [--prompts 8] [--only NAME ...]
@@ -36,12 +36,12 @@ CONFIGS = {   # name -> train-head --kind dspark options
     "B8 L1 taps 1/16/29/30": dict(block=8, layers=1, taps=(1, 16, 29, 30)),
     "B8 L1 taps 1/16/30 distill": dict(block=8, layers=1, taps=(1, 16, 30), distill=1.0),
     "B8 L1 taps 1/16/30 distill 0.5": dict(block=8, layers=1, taps=(1, 16, 30), distill=0.5),
-    "B8 L1 taps3 direct": dict(block=8, layers=1, taps=(1, 16, 29), direct=True),
-}
+}   # (stop 79: DSparkConfig's defaults are DeepSpec's DSpark layout; the results before it trained spec-hal's
+#      retired dspark-block layout, whose anchor row did not propose)
 
 
 def heldout(target, tok, model, prompts: list[str], max_new_tokens: int) -> dict:
-    """The engine's acceptance with ``model`` on ``prompts`` (greedy, k = B - 1, no router)."""
+    """The engine's acceptance with ``model`` on ``prompts`` (greedy, k = its proposals, no router)."""
     from hal.drafters.dspark import DSparkDrafter
     from hal.engine import SpeculativeDecoder
     from hal.engine.requests import Request
@@ -83,9 +83,10 @@ def main() -> None:
         cfg = DSparkConfig(hidden=c.hidden, heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim, ffn=c.ffn,
                           rank=32, draft_vocab=8192, eps=c.eps, **shape)
         got = train_block(cfg, blob, feats, target, args.minutes, distill=opts.get("distill", 0.0),
-                          say=lambda line, n=name: print(n, line, flush=True))
-        from hal.models.dspark import save_block
-        save_block(Path(args.keep) / name.replace(" ", "-"), cfg, got["weights"])
+                          mask_token=c.stop_ids[0], say=lambda line, n=name: print(n, line, flush=True))
+        from hal.models.block_layouts import write_block
+        write_block(Path(args.keep) / name.replace(" ", "-"), cfg, got["weights"], c.stop_ids[0], c.layers,
+                    (target.embed, target.head), vocab=c.vocab)
         with torch.inference_mode():
             held = heldout(target, tok, DSparkModel(cfg, got["weights"], target), prompts, args.max_new_tokens)
         rows.append({"name": name, **opts, "steps": got["summary"]["steps"], "val": got["summary"]["val"], **held})

@@ -206,6 +206,11 @@ def demo_ops() -> int:
 
 
 def cmd_model(args) -> int:
+    if args.model_cmd == "export-drafter":
+        import hal
+        from hal.models.export import export_drafter
+        print(export_drafter(args.kind, args.model, args.out, hal.get_backend()))
+        return 0
     from hal.models.fetch import fetch
     print(fetch(args.name))
     return 0
@@ -329,6 +334,12 @@ def main(argv: list[str] | None = None) -> int:
     mo_sub = mo.add_subparsers(dest="model_cmd", required=True)
     mf = mo_sub.add_parser("fetch", help="download and verify a model into $HAL_CACHE")
     mf.add_argument("name")
+    me = mo_sub.add_parser("export-drafter", help="write a shipped drafter whole in its published layout (EAGLE-3: "
+                                                  "SafeAILab's; dspark: DeepSpec's, with the target's embeddings and "
+                                                  "lm_head), for vLLM, SGLang or the authors' code")
+    me.add_argument("kind", choices=("eagle", "dspark"))
+    me.add_argument("--model", default="smollm2-135m", type=model_flag, help="the target it was trained for")
+    me.add_argument("--out", required=True, help="a new or empty folder")
     g = sub.add_parser("generate", help="generate text with speculative decoding")
     add_dtype_args(g)
     g.add_argument("--model", default="smollm2-135m", type=model_flag, help="a fetchable name or a .gguf path")

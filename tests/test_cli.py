@@ -164,3 +164,19 @@ def test_info_says_what_the_plan_did_not_use_and_why(monkeypatch, capsys):
     choice.heads = []
     cli.print_plan("smollm2-135m", "auto", False, "stored")   # refused: said, not raised
     assert "--lm-head: expected an lm_head stored as Q8_0" in capsys.readouterr().out
+
+
+def test_export_drafter_writes_the_eagle_head_and_refuses_a_folder_in_use(tmp_path, capsys):
+    """``model export-drafter``: the shipped EAGLE-3 head as shipped (the DSpark one, with the
+    target's copies: tests/drafters/test_shipped_layouts.py); a folder with files in it is
+    refused in one line, nothing written."""
+    from hal.cli import main
+    from hal.models.eagle import shipped_head
+    assert main(["model", "export-drafter", "eagle", "--out", str(tmp_path / "e")]) == 0
+    for name in ("config.json", "model.safetensors"):
+        assert (tmp_path / "e" / name).read_bytes() == (shipped_head("smollm2-135m") / name).read_bytes()
+    capsys.readouterr()
+    assert main(["model", "export-drafter", "dspark", "--out", str(tmp_path / "e")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--out: expected a new or empty folder" in err and "Traceback" not in err
+    assert sorted(p.name for p in (tmp_path / "e").iterdir()) == ["config.json", "model.safetensors"]

@@ -47,7 +47,6 @@ class DSparkDrafter:
         self.lost_rids: set[int] = set()
         self.lost = 0
         self.confidences: dict[int, list[float]] = {}
-        self.last: dict[int, tuple[int, Tensor]] = {}   # rid -> (position, features) passed last (cfg.direct)
         self.held: dict[int, list[Tensor]] = {}   # rid -> features passed, not yet written (positions from valid_len)
 
     @property
@@ -70,12 +69,12 @@ class DSparkDrafter:
             held = sum(len(f) for f in self.held.get(rid, ()))
             start, v = length - 1 - (cu[i + 1] - cu[i]), self.draft_kv.valid_len(rid) + held
             need += self.draft_kv.blocks_needed(rid, length - 1 + B)
-            if start > v or rid in self.lost_rids or need > self.draft_kv.num_free or self._no_prev(batch, i, cu):
+            if start > v or rid in self.lost_rids or need > self.draft_kv.num_free:
                 self._lose(rid)   # features it missed: no drafts for this request again
                 continue
             skip = max(0, v - start)   # the features it already has
             if batch.k[i] == 0 and held + cu[i + 1] - cu[i] - skip <= HOLD:
-                self._hold(rid, length, batch.features[cu[i] + skip:cu[i + 1]] if cu[i + 1] > cu[i] else None)
+                self._hold(rid, batch.features[cu[i] + skip:cu[i + 1]] if cu[i + 1] > cu[i] else None)
                 continue
             keep.append(i)        # k = 0 past HOLD too: its features go into the context cache now or never
             plan.append((rid, length, skip))
@@ -91,7 +90,6 @@ class DSparkDrafter:
         m, dev, B = self.model, self.model.device, self.model.cfg.block
         feats = None if b.features is None else b.features.to(dev)
         seqs, ctx_rows, blk_rows, parts, drafting, at, end, row = [], [], [], [], [], [], 0, 0
-        prev = []
         for i, ((rid, length, skip), n) in enumerate(zip(plan, b.num_features or (0,) * len(plan))):
             a, end = end + skip, end + n
             held = [f.to(dev) for f in self.held.pop(rid, ())]
@@ -103,12 +101,9 @@ class DSparkDrafter:
             ctx_rows += range(row, row + c)
             blk_rows += range(row + c, row + c + block)
             row += c + block
-            if m.cfg.direct and n:           # the last passed row is position length - 2
-                self.last[rid] = (length - 2, feats[end - 1])
             if block:
                 drafting.append(i)
                 at.append(len(seqs))         # its row of the batch's block tables
-                prev.append(self._prev(rid, length) if m.cfg.direct else None)
             if c + block:
                 seqs.append((rid, length, seq, c + block))
         if not seqs:
@@ -120,8 +115,7 @@ class DSparkDrafter:
         blocks = replace(batch, block_tables=batch.block_tables[up(at)], seq_lens=batch.seq_lens[up(at)],
                          query_start_loc=up([B * i for i in range(len(drafting) + 1)]))   # the block queries
         ctx = torch.cat(parts).float() if parts else torch.zeros(0, m.w["fc"].shape[1], device=dev)
-        prev = torch.stack(prev).float() if m.cfg.direct and drafting else None
-        base, h = m.forward(batch, self.pool.k, self.pool.v, ctx, up(ctx_rows), up(blk_rows), anchors, blocks, prev)
+        base, h = m.forward(batch, self.pool.k, self.pool.v, ctx, up(ctx_rows), up(blk_rows), anchors, blocks)
         for rid, length, seq, n in seqs:
             seq.commit(n)
             self.draft_kv.mark_valid(rid, length - 1)
@@ -146,7 +140,7 @@ class DSparkDrafter:
         def row(prev: Tensor, j: int) -> Tensor:
             r, bias = base[:, j].float(), m.markov(prev)
             r = r if bias is None else r + bias
-            c = m.confidence(h[:, j].float(), r, prev)
+            c = m.confidence(h[:, j].float(), prev)
             if c is not None:
                 conf.append(c)
             return r
@@ -164,29 +158,10 @@ class DSparkDrafter:
             else list(capped.k)
         return pad(part, capped.k, b.k, valid, dev)
 
-    def _hold(self, rid: int, length: int, feats: Tensor | None) -> None:
-        """Keep request ``rid``'s new features (positions up to ``length - 2``) for its next block."""
+    def _hold(self, rid: int, feats: Tensor | None) -> None:
+        """Keep request ``rid``'s new features for its next block."""
         if feats is not None and len(feats):
             self.held.setdefault(rid, []).append(feats)
-            if self.model.cfg.direct:        # the last passed row is position length - 2
-                self.last[rid] = (length - 2, feats[-1])
-
-    def _no_prev(self, b: DraftBatch, i: int, cu) -> bool:
-        """Whether request i drafts with the direct path but its features of position L - 2
-        were neither passed now nor kept from its last call."""
-        length, rid = b.lengths[i], b.rids[i]
-        return (self.model.cfg.direct and b.k[i] > 0 and length >= 2 and cu[i + 1] == cu[i]
-                and self.last.get(rid, (None,))[0] != length - 2)
-
-    def _prev(self, rid: int, length: int) -> Tensor:
-        """The features of position ``length - 2`` (zeros when there is none), for the direct path."""
-        if length < 2:
-            return torch.zeros(self.model.w["fc"].shape[1], device=self.model.device)
-        pos, f = self.last.get(rid, (None, None))
-        if pos != length - 2:
-            raise HalError(f"DSparkDrafter: expected the features of position {length - 2} for request {rid}, "
-                           f"got {'none' if pos is None else f'position {pos}'}")
-        return f
 
     def _lose(self, rid: int) -> None:
         if rid not in self.lost_rids:
@@ -201,7 +176,6 @@ class DSparkDrafter:
         self.draft_kv.release(rid)
         self.lost_rids.discard(rid)
         self.confidences.pop(rid, None)
-        self.last.pop(rid, None)
         self.held.pop(rid, None)
 
 

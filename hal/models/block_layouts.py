@@ -1,4 +1,4 @@
-"""Block drafters' folders, read by their config: the published layouts and spec-hal's own.
+"""Block drafters' folders in the published layouts, read by their config.
 
 - **DFlash** (z-lab, ``"architectures": ["DFlashDraftModel"]``): Qwen3 layers (``layers.*``,
   with per-head q/k norms), ``fc`` [H, n·H], ``hidden_norm``, ``norm``; the target's embeddings
@@ -11,9 +11,12 @@
   top level (``block_size``, ``target_layer_ids``, ``mask_token_id``, ``markov_rank``,
   ``markov_head_type``, ``enable_confidence_head``, ``confidence_head_with_markov``). Every row,
   the anchor's too, proposes the token one past its position: B proposals. DeepSpec's "DFlash"
-  checkpoints are this class with ``markov_rank`` 0 and no confidence head.
-- **dspark-block**: spec-hal's own layout (``"architecture": "dspark-block"``, `DSparkConfig`'s
-  fields, internal weight names), read for the shipped SmolLM2-135M drafter.
+  checkpoints are this class with ``markov_rank`` 0 and no confidence head. A DSpark folder
+  without the two copies (`without_copies`: the shipped SmolLM2-135M drafter's form) reads the
+  target's own; `with_copies` writes them back.
+
+spec-hal's own ``dspark-block`` layout (``"architecture": "dspark-block"``, shipped until stop 78)
+is retired: such a folder is refused by name.
 
 Both published layouts name the target layer whose **output** they read (``hidden_states[id +
 1]`` in transformers; -1: the embeddings), which is the residual stream entering layer id + 1,
@@ -31,9 +34,9 @@ from hal.errors import HalError
 from hal.models.dspark import Confidence, DSparkConfig, DSparkModel
 from hal.models.hf import read_json
 
-DFLASH, DSPARK, OWN = "DFlashDraftModel", "Qwen3DSparkModel", "dspark-block"
+DFLASH, DSPARK = "DFlashDraftModel", "Qwen3DSparkModel"
 TOKEN_MAP = "token_map.pt"   # a published drafter's draft vocabulary (FR-Spec's hot tokens; SGLang's token map)
-ARCHITECTURES = (DFLASH, DSPARK, OWN)
+ARCHITECTURES = (DFLASH, DSPARK)
 _LAYER = {"input_layernorm.weight": "attn_norm", "post_attention_layernorm.weight": "ffn_norm",
           "self_attn.o_proj.weight": "wo", "self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm",
           "mlp.down_proj.weight": "wdown"}
@@ -48,27 +51,23 @@ _TOP = {"fc.weight": "fc", "hidden_norm.weight": "hidden_norm", "norm.weight": "
 @dataclass(frozen=True)
 class BlockLayout:
     """A block drafter folder's config: which layout, the drafter's `DSparkConfig` and the token
-    whose embedding the mask rows are (None: the dspark-block layout's own ``mask`` weight)."""
+    whose embedding the mask rows are."""
 
     architecture: str
     cfg: DSparkConfig
-    mask_token: int | None
+    mask_token: int
 
 
 def read_layout(folder: str | Path) -> BlockLayout:
     """The layout of a block drafter's ``folder`` from its config.json alone (no weights)."""
     path = Path(folder) / "config.json"
     c = read_json(path, "a block drafter's config.json")
-    arch = c.get("architecture") or (c.get("architectures") or [None])[0]
+    if c.get("architecture") == "dspark-block":
+        raise HalError(f"block drafter {str(path)!r}: expected architectures {list(ARCHITECTURES)}, got spec-hal's "
+                       f"retired dspark-block layout (retrain it: spec-hal train-head --kind dspark)")
+    arch = (c.get("architectures") or [None])[0]
     if arch not in ARCHITECTURES:
         raise HalError(f"block drafter {str(path)!r}: expected architectures {list(ARCHITECTURES)}, got {arch!r}")
-    if arch == OWN:
-        names = DSparkConfig.__dataclass_fields__
-        try:
-            return BlockLayout(arch, DSparkConfig(**{**{k: v for k, v in c.items() if k in names},
-                                                    "taps": tuple(c["taps"])}), None)
-        except (KeyError, TypeError, ValueError) as e:
-            raise HalError(f"block drafter {str(folder)!r}: expected the DSparkConfig fields, got {e}") from None
     return _published(path, c, arch)
 
 
@@ -115,7 +114,7 @@ def _published(path: Path, c: dict, arch: str) -> BlockLayout:
                           taps=tuple(i + 1 for i in ids), block=key("block_size"), rank=rank,
                           draft_vocab=key("vocab_size"), rope_base=float(theta), eps=float(key("rms_norm_eps", 1e-6,
                                                                                               None)),
-                          qk_norm=True, anchor_predicts=arch == DSPARK, markov_table=True, confidence=conf)
+                          anchor_predicts=arch == DSPARK, confidence=conf)
     except (TypeError, ValueError) as e:
         raise HalError(f"block drafter {str(path)!r}: expected a Qwen3 config, got {e}") from None
     return BlockLayout(arch, cfg, key("mask_token_id"))
@@ -126,7 +125,7 @@ def read_config(folder: str | Path) -> DSparkConfig:
     return read_layout(folder).cfg
 
 
-def _tensors(folder: Path) -> dict[str, Tensor]:
+def read_tensors(folder: Path) -> dict[str, Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
     files = sorted(folder.glob("*.safetensors"))
@@ -169,13 +168,18 @@ def published_weights(raw: dict[str, Tensor], cfg: DSparkConfig, folder: Path) -
 
 
 def load_block(folder: str | Path, target, backend=None, device=None) -> DSparkModel:
-    """A block drafter from ``folder`` in any layout above, for ``target``."""
+    """A block drafter from ``folder`` in either layout above, for ``target``."""
+    _, cfg, w = read_block(folder, target)
+    return DSparkModel(cfg, w, target, backend, device)
+
+
+def read_block(folder: str | Path, target) -> tuple[BlockLayout, DSparkConfig, dict[str, Tensor]]:
+    """(layout, config, weights under `DSparkModel`'s names) of the block drafter ``folder``,
+    checked against ``target``: the mask row is ``mask_token_id``'s embedding, a token map gives
+    ``draft_ids`` (else the whole vocabulary)."""
     folder = Path(folder)
     layout = read_layout(folder)
-    raw = _tensors(folder)
-    if layout.architecture == OWN:
-        return DSparkModel(layout.cfg, raw, target, backend, device)
-    w = published_weights(raw, layout.cfg, folder)
+    w = published_weights(read_tensors(folder), layout.cfg, folder)
     vocab = target.cfg.vocab
     if layout.cfg.hidden != target.cfg.hidden:
         raise HalError(f"block drafter {str(folder)!r} hidden_size: expected the target's {target.cfg.hidden}, got "
@@ -186,6 +190,10 @@ def load_block(folder: str | Path, target, backend=None, device=None) -> DSparkM
     if not 0 <= layout.mask_token < vocab:
         raise HalError(f"block drafter {str(folder)!r} mask_token_id: expected an id in [0, {vocab}), got "
                        f"{layout.mask_token}")
+    if ("embed" in w) != ("head" in w):
+        raise HalError(f"block drafter {str(folder)!r}: expected both embed_tokens and lm_head (a DSpark checkpoint's "
+                       f"copies of the target's) or neither (the target's own), got only "
+                       f"{'embed_tokens' if 'embed' in w else 'lm_head'}")
     embed = w.get("embed", target.embed)
     if tuple(embed.shape) != (vocab, layout.cfg.hidden):
         raise HalError(f"block drafter {str(folder)!r} embed_tokens: expected [{vocab}, {layout.cfg.hidden}], got "
@@ -199,7 +207,7 @@ def load_block(folder: str | Path, target, backend=None, device=None) -> DSparkM
     w["draft_ids"] = torch.arange(vocab) if ids is None else ids
     if ids is not None and "markov_out" in w:
         w["markov_out"] = w["markov_out"][ids]
-    return DSparkModel(cfg, w, target, backend, device)
+    return layout, cfg, w
 
 
 def token_map(folder: Path, vocab: int) -> Tensor | None:
@@ -224,7 +232,8 @@ def write_block(out: str | Path, cfg: DSparkConfig, w: dict[str, Tensor], mask_t
                 copies: tuple[Tensor, Tensor] | None = None, anchors: int = 16, vocab: int | None = None) -> str:
     """``out``/{config.json, model.safetensors}: a block drafter (internal names) in the published
     layout its config can be written in, fp16: DeepSpec's ``Qwen3DSparkModel`` where the anchor's
-    row proposes (``copies``: the embeddings and lm_head it ships, the target's), else z-lab's
+    row proposes (``copies``: the embeddings and lm_head it ships, the target's, kept in their own
+    dtype), else z-lab's
     ``DFlashDraftModel`` (no Markov or confidence head; the target's embeddings and lm_head).
     The mask rows must be ``mask_token``'s embedding; ``anchors``: the blocks per sequence it
     trained on (DeepSpec's constructor requires ``num_anchors``). A drafter over a draft
@@ -239,11 +248,8 @@ def write_block(out: str | Path, cfg: DSparkConfig, w: dict[str, Tensor], mask_t
     vocab = cfg.draft_vocab if vocab is None else vocab
     whole = torch.equal(ids, torch.arange(vocab))
     why = [what for what, bad in (
-        ("Qwen3 layers (per-head q/k norms)", not cfg.qk_norm), ("no direct path", cfg.direct),
         ("draft ids of the target's vocabulary", len(ids) != cfg.draft_vocab or len(ids.unique()) != len(ids)
          or not whole and (ids.min() < 0 or ids.max() >= vocab)),
-        ("a Markov table by token", cfg.rank and not cfg.markov_table),
-        ("a confidence head over the hidden state or [h, markov_w1]", cfg.confidence == Confidence.TOP),
         ("DFlash: no Markov or confidence head", arch == DFLASH and (cfg.rank or cfg.confidence != Confidence.NONE)),
         ("DSpark: copies of the embeddings and lm_head", arch == DSPARK and copies is None))
         if bad]
@@ -259,13 +265,14 @@ def write_block(out: str | Path, cfg: DSparkConfig, w: dict[str, Tensor], mask_t
               f"layers.{i}.mlp.up_proj.weight": up}
         t |= {f"layers.{i}.{name}": w[f"{i}.{key}"] for name, key in _LAYER.items()}
     if arch == DSPARK:
-        t |= {"embed_tokens.weight": copies[0], "lm_head.weight": copies[1]}
         if cfg.rank:
             w2 = w["markov_out"].new_zeros(vocab, cfg.rank).index_copy(0, ids, w["markov_out"])
             t |= {"markov_head.markov_w1.weight": w["markov_w1"], "markov_head.markov_w2.weight": w2}
         if cfg.confidence != Confidence.NONE:
             t |= {"confidence_head.proj.weight": w["conf"][None], "confidence_head.proj.bias": w["conf_bias"]}
     t = {n: x.detach().half().contiguous() for n, x in t.items()}
+    if arch == DSPARK:   # the target's values as they are (fp16 would round a dequantized GGUF's)
+        t |= {"embed_tokens.weight": copies[0].detach().clone(), "lm_head.weight": copies[1].detach().clone()}
     c = {"architectures": [arch], "model_type": "qwen3", "attention_bias": False, "hidden_act": "silu",
          "hidden_size": cfg.hidden, "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_heads,
          "head_dim": cfg.head_dim, "intermediate_size": cfg.ffn, "num_hidden_layers": cfg.layers,
@@ -288,3 +295,41 @@ def write_block(out: str | Path, cfg: DSparkConfig, w: dict[str, Tensor], mask_t
     if not whole:
         torch.save(ids.clone(), out / TOKEN_MAP)
     return arch
+
+
+def rewrite(folder: Path, out: Path, tensors: dict[str, Tensor]) -> None:
+    """``out``: ``folder``'s config (and token map) with ``tensors`` as its model.safetensors."""
+    import shutil
+
+    from safetensors.torch import save_file
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"))
+    for name in ("config.json", TOKEN_MAP):
+        if (folder / name).exists():
+            shutil.copyfile(folder / name, out / name)
+
+
+def without_copies(folder: str | Path, out: str | Path, target) -> None:
+    """``out``: the DSpark checkpoint ``folder`` without its embed_tokens and lm_head, which must
+    be ``target``'s at their own precision (a shipped drafter's form: `load_block` reads the
+    target's own, and `with_copies` writes them back)."""
+    folder, raw = Path(folder), read_tensors(Path(folder))
+    for name, mine in (("embed_tokens.weight", target.embed), ("lm_head.weight", target.head)):
+        if name not in raw or not torch.equal(raw[name], mine.to(raw[name].dtype)):
+            raise HalError(f"block drafter {str(folder)!r} {name}: expected a copy of the target's, got "
+                           f"{'nothing' if name not in raw else 'other values'}")
+        del raw[name]
+    rewrite(folder, Path(out), raw)
+
+
+def with_copies(folder: str | Path, out: str | Path, target) -> None:
+    """``out``: the block drafter ``folder`` whole, as its authors' loaders read it: a DSpark
+    checkpoint that borrows the target's embeddings and lm_head gets copies of ``target``'s (its
+    own values, float32); other layouts are copied as they are. ``folder`` loads for ``target``
+    first, so nothing is written for a drafter that does not fit it."""
+    folder = Path(folder)
+    load_block(folder, target)
+    raw = read_tensors(folder)
+    if read_layout(folder).architecture == DSPARK and "embed_tokens.weight" not in raw:
+        raw |= {"embed_tokens.weight": target.embed.float().clone(), "lm_head.weight": target.head.float().clone()}
+    rewrite(folder, Path(out), raw)

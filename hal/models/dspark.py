@@ -1,36 +1,35 @@
-"""A DSpark block drafter: a few transformer layers that propose a whole block in one forward
-pass (DFlash), a low-rank Markov head that links the block's positions left to right, and a
-confidence head that predicts each position's acceptance (DSpark, arXiv 2607.05147).
+"""A block drafter in the published architectures (`hal.models.block_layouts` reads their
+folders): Qwen3 layers that propose a whole block in one forward pass (z-lab's DFlash) and, in
+DeepSeek's DSpark (arXiv 2607.05147), a low-rank Markov head that links the block's positions
+left to right and a confidence head that predicts each position's acceptance.
 
 Glossary:
 - anchor: the last committed token (position ``L - 1`` of a request with ``L`` tokens); the
-  block is ``[anchor, mask x (B - 1)]`` at positions ``L - 1 .. L + B - 2``, and row j >= 1 of
-  its output proposes the token at position ``L - 1 + j``.
+  block is ``[anchor, mask x (B - 1)]`` at positions ``L - 1 .. L + B - 2`` (the mask rows: the
+  embedding of the layout's ``mask_token_id``). In DFlash row j >= 1 proposes the token at
+  position ``L - 1 + j`` (B - 1 proposals); in DSpark (``anchor_predicts``) row j proposes
+  position ``L + j``, the anchor's row too (B proposals).
 - context features: the residual streams entering the target layers ``taps`` at positions
   ``0 .. L - 2`` (the rows the target has verified; tap ``layers``, the target's layer count, is
   the last layer's output), fused by ``fc`` and ``hidden_norm``; each draft layer projects them
   with its own k/v weights into its KV (positions as in the target). Only these are kept per
   request (the drafter's context cache); the block's own K/V are scratch, dropped at the next
   call, so a rejection needs no rollback.
-- direct path (``cfg.direct``): every mask row also starts with ``direct @ [embed(anchor),
-  fused features of position L - 2]``, the pair an EAGLE head reads, so the first proposal does
-  not depend on one attention read to find them (measured: *Benchmarks*, DSpark).
-- base logits: ``lm_head(norm(h_j))`` over the draft vocabulary (the target's lm_head rows
-  ``draft_ids``), from one forward for every position at once.
-- Markov bias: ``markov_out @ (markov_in @ embed[x_{j-1}])``, rank r, added to position j's base
-  logits once the token before it (x_0 = the anchor) is drawn: the draft is sampled left to
-  right from these rows, and exactly these rows are its q.
-- confidence: ``sigmoid(conf . [h_j, log max softmax(row_j)] + conf_bias)``, the predicted
-  chance that position j is accepted given that every position before it was. It reads row j,
-  which depends on the tokens before j only, never on the token drawn at j.
+- base logits: ``lm_head(norm(h_j))`` over the draft vocabulary (the lm_head rows ``draft_ids``:
+  a token map's, else the whole vocabulary), from one forward for every position at once.
+- Markov bias: ``markov_out @ markov_w1[x_{j-1}]``, rank r (a table by token), added to
+  position j's base logits once the token before it (x_0 = the anchor) is drawn: the draft is
+  sampled left to right from these rows, and exactly these rows are its q.
+- confidence: ``sigmoid(conf . [h_j, markov_w1[x_{j-1}]] + conf_bias)`` (or of h_j alone), the
+  predicted chance that position j is accepted given that every position before it was. It
+  reads the tokens before j only, never the token drawn at j.
 
 Attention: block queries see every context position and the whole block (non-causal, a
 tree mask of ones over the block)."""
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
 
@@ -47,9 +46,8 @@ from hal.models.rope import Rope
 class Confidence(IntEnum):
     """What the confidence head reads besides the position's hidden state h_j."""
     NONE = 0     # no confidence head (DFlash): every proposal is offered to the router
-    TOP = 1      # [h_j, log max softmax(row_j)] -> conf [H + 1] (the dspark-block layout)
-    MARKOV = 2   # [h_j, markov_w1[x_{j-1}]] -> conf [H + r] (DeepSpec, confidence_head_with_markov)
-    HIDDEN = 3   # h_j alone -> conf [H] (DeepSpec without the Markov input)
+    MARKOV = 1   # [h_j, markov_w1[x_{j-1}]] -> conf [H + r] (DeepSpec, confidence_head_with_markov)
+    HIDDEN = 2   # h_j alone -> conf [H] (DeepSpec without the Markov input)
 
 
 @dataclass(frozen=True)
@@ -66,14 +64,10 @@ class DSparkConfig:
     rank: int                  # the Markov head's rank r (0: none)
     draft_vocab: int
     rope_base: float = 10000.0
-    eps: float = 1e-5
-    direct: bool = False       # the mask rows also read the anchor and the last context feature
-    qk_norm: bool = False      # per-head RMSNorm of q and k (``{i}.q_norm``, ``{i}.k_norm``: Qwen3 layers)
-    anchor_predicts: bool = False   # row j proposes position L + j, the anchor's row too (B proposals:
-    #                                 DeepSpec's layout), else row j >= 1 proposes L - 1 + j (B - 1)
-    markov_table: bool = False      # the Markov head's first factor is a table ``markov_w1`` [V, r] by
-    #                                 target id (DeepSpec), else ``markov_in`` [r, H] of the token's embedding
-    confidence: Confidence = Confidence.TOP
+    eps: float = 1e-6
+    anchor_predicts: bool = True    # row j proposes position L + j, the anchor's row too (B proposals:
+    #                                 DeepSpec's DSpark), else row j >= 1 proposes L - 1 + j (B - 1: DFlash)
+    confidence: Confidence = Confidence.MARKOV
 
     def __post_init__(self):
         object.__setattr__(self, "confidence", Confidence(self.confidence))
@@ -88,18 +82,14 @@ class DSparkConfig:
         H, nq, nk, r = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.rank
         out = {"fc": (H, len(self.taps) * H), "hidden_norm": (H,), "mask": (H,), "norm": (H,)}
         if r:
-            out.update({"markov_w1": (vocab, r)} if self.markov_table else {"markov_in": (r, H)})
-            out["markov_out"] = (self.draft_vocab, r)
+            out.update({"markov_w1": (vocab, r), "markov_out": (self.draft_vocab, r)})
         if self.confidence != Confidence.NONE:
-            out["conf"] = (H + {Confidence.TOP: 1, Confidence.MARKOV: r, Confidence.HIDDEN: 0}[self.confidence],)
+            out["conf"] = (H + (r if self.confidence == Confidence.MARKOV else 0),)
             out["conf_bias"] = (1,)
-        if self.direct:
-            out["direct"] = (H, 2 * H)
         for i in range(self.layers):
             out.update({f"{i}.attn_norm": (H,), f"{i}.wqkv": (nq + 2 * nk, H), f"{i}.wo": (H, nq),
-                        f"{i}.ffn_norm": (H,), f"{i}.wgu": (2 * self.ffn, H), f"{i}.wdown": (H, self.ffn)})
-            if self.qk_norm:
-                out.update({f"{i}.q_norm": (self.head_dim,), f"{i}.k_norm": (self.head_dim,)})
+                        f"{i}.ffn_norm": (H,), f"{i}.wgu": (2 * self.ffn, H), f"{i}.wdown": (H, self.ffn),
+                        f"{i}.q_norm": (self.head_dim,), f"{i}.k_norm": (self.head_dim,)})
         return out
 
 
@@ -144,7 +134,7 @@ class DSparkModel:
             self.w[f"{i}.wkv"] = self.w[f"{i}.wqkv"][nq:]   # the context rows' keys and values alone
             for name in (*LINEAR, "wkv"):
                 self.w[f"{i}.{name}"] = target.draft_weight(self.w[f"{i}.{name}"], self.device)
-        for name in ("fc", "head") + (("direct",) if cfg.direct else ()):
+        for name in ("fc", "head"):
             self.w[name] = target.draft_weight(self.w[name], self.device)
         self.rope = Rope(cfg.head_dim, cfg.rope_base, False).to(self.device)
         self.linear, self.head_mm, self.linears = target.draft_linears(self.device)
@@ -157,8 +147,7 @@ class DSparkModel:
         return self.cfg.proposals
 
     def forward(self, batch: Batch, k_caches: list[Tensor], v_caches: list[Tensor], feats: Tensor,
-                ctx_rows: Tensor, block_rows: Tensor, anchors: Tensor, block_batch: Batch,
-                prev: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                ctx_rows: Tensor, block_rows: Tensor, anchors: Tensor, block_batch: Batch) -> tuple[Tensor, Tensor]:
         """Base logits [R, P, Vd] and hidden states [R, P, H] of each drafting request's block's
         P = `proposals` proposing rows.
 
@@ -167,9 +156,7 @@ class DSparkModel:
         ``block_rows`` index them (``feats`` [len(ctx_rows), len(taps) * H] are the context rows'
         features, ``anchors`` [R] the blocks' first tokens). ``block_batch``: the attention
         metadata of the R blocks' queries alone (B each, a tree mask of ones). With R = 0 only
-        the context is written (a request routed to k = 0 keeps its cache for later).
-        ``prev`` [R, len(taps) * H]: each block's last context position's features (zeros where
-        it has none), read when ``cfg.direct``."""
+        the context is written (a request routed to k = 0 keeps its cache for later)."""
         cfg, w, lin = self.cfg, self.w, self.linear
         nq, nk, D = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.head_dim
         R, B = anchors.shape[0], cfg.block
@@ -177,13 +164,7 @@ class DSparkModel:
         if R == 0:
             return self._write_context(batch, k_caches, v_caches, ctx)
         first = self.embed[anchors]
-        masks = w["mask"].expand(R, B - 1, cfg.hidden)
-        if cfg.direct:
-            if prev is None or tuple(prev.shape) != (R, w["fc"].shape[1]):
-                raise HalError(f"block drafter prev: expected [{R}, {w['fc'].shape[1]}] features, got "
-                               f"{None if prev is None else list(prev.shape)}")
-            masks = masks + self.direct(first, prev)[:, None]
-        h = torch.cat([first[:, None], masks], 1).reshape(R * B, -1)
+        h = torch.cat([first[:, None], w["mask"].expand(R, B - 1, cfg.hidden)], 1).reshape(R * B, -1)
         rot = self.rope(batch.positions, batch.max_position)
         rot_blk = rot[block_rows]
         T = batch.positions.shape[0]
@@ -210,8 +191,8 @@ class DSparkModel:
         return self.head_mm(out.reshape(R * P, -1), w["head"]).view(R, P, -1), out
 
     def _norm(self, x: Tensor, i: int, which: str) -> Tensor:
-        """Layer i's per-head RMSNorm of q or k ([T, heads, D]) where the layout has them."""
-        return _rms_norm(x, self.w[f"{i}.{which}_norm"], self.cfg.eps) if self.cfg.qk_norm else x
+        """Layer i's per-head RMSNorm of q or k ([T, heads, D])."""
+        return _rms_norm(x, self.w[f"{i}.{which}_norm"], self.cfg.eps)
 
     def _attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, blocks: Batch, ones: Tensor,
                    slots: Tensor) -> Tensor:
@@ -241,31 +222,19 @@ class DSparkModel:
         none = torch.zeros(0, cfg.proposals, 1, device=self.device)
         return none.expand(0, cfg.proposals, cfg.draft_vocab), none.expand(0, cfg.proposals, cfg.hidden)
 
-    def direct(self, first: Tensor, prev: Tensor) -> Tensor:
-        """The mask rows' direct input [R, H]: ``direct @ [anchor embedding, fused prev]`` (zero
-        features, a block with no context, fuse to zero)."""
-        cfg, w, lin = self.cfg, self.w, self.linear
-        fused = _rms_norm(lin(prev, w["fc"]), w["hidden_norm"], cfg.eps)
-        return lin(torch.cat([first, fused.to(first.dtype)], -1), w["direct"]).to(first.dtype)
-
     def markov(self, prev: Tensor) -> Tensor | None:
         """The Markov head's logit bias [R, Vd] for the positions after tokens ``prev`` [R]
         (target ids); None without a Markov head (rank 0)."""
         if not self.cfg.rank:
             return None
-        first = self.w["markov_w1"][prev] if self.cfg.markov_table else self.embed[prev] @ self.w["markov_in"].T
-        return first @ self.w["markov_out"].T
+        return self.w["markov_w1"][prev] @ self.w["markov_out"].T
 
-    def confidence(self, h: Tensor, row: Tensor, prev: Tensor) -> Tensor | None:
-        """Predicted acceptance [R] of a position from its hidden state [R, H], its final
-        draft-vocabulary logits [R, Vd] (temperature 1; never the token drawn from them) or the
-        token before it ``prev`` [R] (`Confidence`); None without a confidence head."""
+    def confidence(self, h: Tensor, prev: Tensor) -> Tensor | None:
+        """Predicted acceptance [R] of a position from its hidden state [R, H] and the token
+        before it ``prev`` [R] (`Confidence`); None without a confidence head."""
         c, w = self.cfg.confidence, self.w
         if c == Confidence.NONE:
             return None
-        if c == Confidence.TOP:
-            top = torch.log_softmax(row.float(), -1).max(-1).values
-            return torch.sigmoid(h @ w["conf"][:-1] + top * w["conf"][-1] + w["conf_bias"])
         x = h if c == Confidence.HIDDEN else torch.cat([h, w["markov_w1"][prev]], -1)
         return torch.sigmoid(x @ w["conf"] + w["conf_bias"])
 
@@ -276,20 +245,8 @@ class DSparkModel:
         return out
 
 
-# -- spec-hal's own folder layout (read by `hal.models.block_layouts`): config.json (DSparkConfig's fields) +
-# model.safetensors (internal names)
-
-def save_block(folder: Path, cfg: DSparkConfig, w: dict[str, Tensor], extra: dict | None = None) -> None:
-    from safetensors.torch import save_file
-    folder.mkdir(parents=True, exist_ok=True)
-    tensors = {n: (t.long() if n == "draft_ids" else t.half()).contiguous() for n, t in w.items()}
-    save_file(tensors, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps({"architecture": "dspark-block", **asdict(cfg), **(extra or {})},
-                                                   indent=1) + "\n")
-
-
 SHIPPED = {   # model name -> (folder under hal/models/heads, sha256 of its model.safetensors)
-    "smollm2-135m": ("smollm2-135m-dspark", "a5fec3a8817765f8c761a28b3eef68e4e0ee06e1ed08bb0196553451f124e01a"),
+    "smollm2-135m": ("smollm2-135m-dspark", "621bc8bc73f90448727b6c1995b81a6ee4a9e258ecd0b0f33653968a55c340d5"),
 }
 
 

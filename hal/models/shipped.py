@@ -26,3 +26,4 @@ def shipped_folder(table: dict[str, tuple[str, str]], model: str, kind: str, wha
     if got != sha:
         raise HalError(f"{what} {folder}: expected model.safetensors with sha256 {sha}, got {got}")
     return path
+

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -30,17 +29,16 @@ from hal.models.dspark import Confidence, DSparkConfig
 from hal.training.block_data import BlockData, block_targets, to_draft_of
 
 DECAY = 4.0   # position j's loss weight exp(-(j - 1) / DECAY)
-LAYOUTS = {"dspark-block": "dspark-block", "dspark": "Qwen3DSparkModel", "dflash": "DFlashDraftModel"}   # --layout:
-#   the architectures of `hal.models.block_layouts` (OWN, DSPARK, DFLASH) train-head writes
+LAYOUTS = {"dspark": "Qwen3DSparkModel", "dflash": "DFlashDraftModel"}   # --layout: the architectures of
+#   `hal.models.block_layouts` (DSPARK, DFLASH) train-head writes
 
 
 class DSparkTrain(torch.nn.Module):
     """A block drafter's parameters (internal names, `DSparkConfig.shapes`) and its training forward."""
 
-    def __init__(self, cfg: DSparkConfig, embed: Tensor, head: Tensor, draft_ids: Tensor, seed: int = 0,
-                 final_norm: Tensor | None = None, mask_token: int | None = None):
-        """``mask_token``: the mask rows are that token's embedding, frozen (the published
-        layouts'); else a learned vector (dspark-block's)."""
+    def __init__(self, cfg: DSparkConfig, embed: Tensor, head: Tensor, draft_ids: Tensor, mask_token: int,
+                 seed: int = 0, final_norm: Tensor | None = None):
+        """``mask_token``: the mask rows are that token's embedding, frozen."""
         super().__init__()
         g = torch.Generator().manual_seed(seed)
         self.cfg = cfg
@@ -51,12 +49,10 @@ class DSparkTrain(torch.nn.Module):
             elif name in ("conf", "conf_bias"):
                 t = torch.zeros(shape)
             elif name == "mask":
-                t = torch.randn(shape, generator=g) * float(embed.std())
+                t = embed[mask_token].float().clone()
             else:
                 t = torch.randn(shape, generator=g) * 0.02
-            self.p[name.replace(".", "_")] = torch.nn.Parameter(t)
-        if mask_token is not None:
-            self.p["mask"] = torch.nn.Parameter(embed[mask_token].float().clone(), requires_grad=False)
+            self.p[name.replace(".", "_")] = torch.nn.Parameter(t, requires_grad=name != "mask")
         self.register_buffer("embed", embed.float(), persistent=False)
         self.register_buffer("head", head.float()[draft_ids].contiguous(), persistent=False)
         self.register_buffer("draft_ids", draft_ids.long(), persistent=False)
@@ -80,12 +76,7 @@ class DSparkTrain(torch.nn.Module):
         nq, nk = c.heads * D, c.kv_heads * D
         ctx = F.rms_norm(feats @ self.w("fc").T, (c.hidden,), self.w("hidden_norm"), c.eps)
         first = self.embed[ids.gather(1, anchors)]                                       # [S, N, H]
-        masks = self.w("mask").expand(S, N, B - 1, c.hidden)
-        if c.direct:   # [anchor, features of the position before it] (zero when there is none)
-            prev = ctx.gather(1, (anchors - 1).clamp(min=0)[..., None].expand(-1, -1, c.hidden))
-            prev = prev * (anchors > 0)[..., None]
-            masks = masks + (torch.cat([first, prev], -1) @ self.w("direct").T)[:, :, None]
-        h = torch.cat([first[:, :, None], masks], 2).reshape(S, N * B, -1)
+        h = torch.cat([first[:, :, None], self.w("mask").expand(S, N, B - 1, c.hidden)], 2).reshape(S, N * B, -1)
         pos_blk = (anchors[:, :, None] + torch.arange(B)).reshape(S, N * B)
         rot_blk = self.rope(pos_blk.reshape(-1))
         rot_ctx = self.rope(torch.arange(T).repeat(S))
@@ -112,10 +103,8 @@ class DSparkTrain(torch.nn.Module):
         return out @ self.head.T, out
 
     def qk_norm(self, x: Tensor, i: int, which: str) -> Tensor:
-        """Layer i's per-head RMSNorm of q or k ([..., heads * D]) where the layout has them."""
+        """Layer i's per-head RMSNorm of q or k ([..., heads * D])."""
         c = self.cfg
-        if not c.qk_norm:
-            return x
         return F.rms_norm(x.unflatten(-1, (-1, c.head_dim)), (c.head_dim,), self.w(f"{i}.{which}_norm"),
                           c.eps).flatten(-2)
 
@@ -123,8 +112,7 @@ class DSparkTrain(torch.nn.Module):
         """The Markov head's bias for the positions after tokens ``prev`` (0 without a head)."""
         if not self.cfg.rank:
             return torch.zeros((), dtype=self.head.dtype)
-        first = self.w("markov_w1")[prev] if self.cfg.markov_table else self.embed[prev] @ self.w("markov_in").T
-        return first @ self.w("markov_out").T
+        return self.w("markov_w1")[prev] @ self.w("markov_out").T
 
     def teacher(self, last: Tensor) -> Tensor:
         """The target's next-token distribution over the draft vocabulary from its last layer's
@@ -132,21 +120,16 @@ class DSparkTrain(torch.nn.Module):
         x = F.rms_norm(last, (self.cfg.hidden,), self.final_norm, self.cfg.eps)
         return torch.softmax(x @ self.head.T, -1)
 
-    def confidence(self, h: Tensor, row: Tensor, prev: Tensor | None = None) -> Tensor:
-        """Logits of the confidence (the model applies the sigmoid), from the inputs its
-        `Confidence` kind reads; zeros without a head."""
-        kind = self.cfg.confidence
-        if kind == Confidence.NONE:
-            return torch.zeros(h.shape[:-1])
-        if kind == Confidence.TOP:
-            return h @ self.w("conf")[:-1] + self.row_statistic(row) * self.w("conf")[-1] + self.w("conf_bias")
-        x = h if kind == Confidence.HIDDEN else torch.cat([h, self.w("markov_w1")[prev]], -1)
-        return x @ self.w("conf") + self.w("conf_bias")
+    def confidence_inputs(self, h: Tensor, prev: Tensor) -> Tensor:
+        """What the confidence head reads at a position: its hidden state ``h`` [..., H], and with
+        `Confidence.MARKOV` the Markov table's row of the token before it ``prev``."""
+        return h if self.cfg.confidence != Confidence.MARKOV else torch.cat([h, self.w("markov_w1")[prev]], -1)
 
-    @staticmethod
-    def row_statistic(row: Tensor) -> Tensor:
-        """The confidence head's input from a final row: its log max softmax."""
-        return torch.log_softmax(row, -1).max(-1).values
+    def confidence(self, h: Tensor, prev: Tensor) -> Tensor:
+        """Logits of the confidence (the model applies the sigmoid); zeros without a head."""
+        if self.cfg.confidence == Confidence.NONE:
+            return torch.zeros(h.shape[:-1])
+        return self.confidence_inputs(h, prev) @ self.w("conf") + self.w("conf_bias")
 
 
 def soft_labels(model: DSparkTrain, last: Tensor, anchors: Tensor) -> Tensor:
@@ -176,7 +159,7 @@ def losses(model: DSparkTrain, feats: Tensor, ids: Tensor, anchors: Tensor, leng
         soft = -(p[valid] * torch.log_softmax(rows[valid], -1)).sum(-1)
         ce = (1 - distill) * ce + distill * (soft * weight[valid]).sum() / weight[valid].sum().clamp(min=1e-6)
     right = (rows.argmax(-1) == label) & hit
-    conf = model.confidence(h.detach(), rows.detach(), prev)
+    conf = model.confidence(h.detach(), prev)
     bce = F.binary_cross_entropy_with_logits(conf[valid], right[valid].float())
     tau = right.long().cumprod(-1).sum(-1).float()
     return ce, bce, tau.mean(), right[hit].float().mean()
@@ -202,11 +185,11 @@ def now() -> float:
 
 def train_block(cfg: DSparkConfig, blob: dict, feats: list[Tensor], target, minutes: float, *, batch: int = 8,
                 anchors: int = 16, lr: float = 1e-3, seed: int = 0, max_steps: int | None = None, distill: float = 0.0,
-                refit_confidence: bool = True, mask_token: int | None = None, say=print) -> dict:
+                refit_confidence: bool = False, mask_token: int = 0, say=print) -> dict:
     """Train for ``minutes`` (or ``max_steps``); returns {"weights": best by validation tau, "summary"}.
     ``distill``: the share of the cross-entropy against the target's soft labels (0 to 1).
-    ``refit_confidence``: fit the confidence head (the dspark-block kind, `Confidence.TOP`) again on
-    the validation split at the end. ``mask_token``: the mask rows are its embedding, frozen."""
+    ``refit_confidence``: fit the confidence head again on the validation split at the end
+    (`hal.training.confidence`). ``mask_token``: the mask rows are its embedding, frozen."""
     from hal.training.block_data import CANDIDATE_TAPS
     if not 0 <= distill <= 1:
         raise HalError(f"distill: expected a share in [0, 1], got {distill}")
@@ -219,7 +202,7 @@ def train_block(cfg: DSparkConfig, blob: dict, feats: list[Tensor], target, minu
     d = BlockData(blob, feats, [CANDIDATE_TAPS.index(t) for t in cfg.taps], cfg.draft_vocab, target.cfg.stop_ids,
                   seed, CANDIDATE_TAPS.index(target.cfg.layers) if distill > 0 else None)
     to_draft = to_draft_of(d.draft_ids, target.cfg.vocab)
-    model = DSparkTrain(cfg, target.embed, target.head, d.draft_ids, seed, target.w["norm"], mask_token)
+    model = DSparkTrain(cfg, target.embed, target.head, d.draft_ids, mask_token, seed, target.w["norm"])
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, betas=(0.9, 0.95),
                             weight_decay=0.01)
     g = torch.Generator().manual_seed(seed)
@@ -251,9 +234,9 @@ def train_block(cfg: DSparkConfig, blob: dict, feats: list[Tensor], target, minu
             best = (v["tau"], model.weights(), v)
     weights = {n: t.clone() for n, t in best[1].items()}
     report = None
-    if refit_confidence and cfg.confidence == Confidence.TOP:   # on the validation split, which no step trained on (hal.training.confidence)
+    if refit_confidence and cfg.confidence != Confidence.NONE:   # on the validation split, which no step trained on
         try:
-            weights["conf"], weights["conf_bias"], report = refit_on(cfg, weights, d, to_draft, target)
+            weights["conf"], weights["conf_bias"], report = refit_on(cfg, weights, d, to_draft, target, mask_token)
             say(f"confidence head refitted: BCE {report['bce_out_of_fold']:.3f} out of fold, "
                 f"{report['bce_joint_head']:.3f} trained with the drafter ({report['inputs']})")
         except HalError as e:
@@ -268,15 +251,15 @@ def train_block(cfg: DSparkConfig, blob: dict, feats: list[Tensor], target, minu
     return {"weights": weights, "summary": summary}
 
 
-def refit_on(cfg: DSparkConfig, weights: dict, d: BlockData, to_draft: Tensor, target):
+def refit_on(cfg: DSparkConfig, weights: dict, d: BlockData, to_draft: Tensor, target, mask_token: int):
     """`hal.training.confidence.refit` of the drafter ``weights``: (conf, conf_bias, report)."""
     from hal.training.confidence import refit
-    return refit(from_weights(cfg, weights, target), d, to_draft)
+    return refit(from_weights(cfg, weights, target, mask_token), d, to_draft)
 
 
-def from_weights(cfg: DSparkConfig, weights: dict, target) -> DSparkTrain:
+def from_weights(cfg: DSparkConfig, weights: dict, target, mask_token: int) -> DSparkTrain:
     """The training module of a drafter's ``weights`` (internal names and ``draft_ids``) for ``target``."""
-    m = DSparkTrain(cfg, target.embed, target.head, weights["draft_ids"], 0, target.w["norm"])
+    m = DSparkTrain(cfg, target.embed, target.head, weights["draft_ids"], mask_token, 0, target.w["norm"])
     with torch.no_grad():
         for name in cfg.shapes(len(target.embed)):
             m.w(name).copy_(weights[name])
@@ -298,24 +281,21 @@ def validate(model: DSparkTrain, d: BlockData, to_draft: Tensor, batch: int, anc
 
 def run(model: str, out, minutes: float, *, block: int = 8, layers: int = 2, taps: tuple[int, ...] = (1, 8, 16, 24, 29),
         rank: int = 32, draft_size: int = 8192, seed: int = 0, max_new_tokens: int = 128, limit: int | None = None,
-        direct: bool = False, sets: int = 2, layout: str = "dspark", mask_token: int | None = None,
-        **kw) -> dict:
+        sets: int = 2, layout: str = "dspark", mask_token: int | None = None, **kw) -> dict:
     """``spec-hal train-head --kind dspark``: data (cached), training, and the folder
     ``out``/{config.json, model.safetensors, train.json, loss.png}. Returns the summary.
-    ``layout`` (a key of `LAYOUTS`): the architecture trained and the folder written. The published two are Qwen3 layers over the whole vocabulary,
-    their mask rows ``mask_token``'s embedding (default: the target's first stop id); DSpark's
+    ``layout`` (a key of `LAYOUTS`): the architecture trained and the folder written, Qwen3 layers
+    whose mask rows are ``mask_token``'s embedding (default: the target's first stop id); DSpark's
     anchor row proposes too, its Markov head is a table, its confidence head reads [h, markov_w1]."""
     import json
     from pathlib import Path
 
-    from hal.models.block_layouts import DSPARK, OWN, write_block
-    from hal.models.dspark import save_block
+    from hal.models.block_layouts import DSPARK, write_block
     from hal.training import block_data
     from hal.training.curves import plot
     arch = LAYOUTS.get(layout)
-    if arch is None or arch != OWN and direct:
-        raise HalError(f"--layout: expected one of {list(LAYOUTS)} (--direct: dspark-block only), got {layout!r}"
-                       + (" with --direct" if direct else ""), arg="--layout")
+    if arch is None:
+        raise HalError(f"--layout: expected one of {list(LAYOUTS)}, got {layout!r}", arg="--layout")
     target, tok = block_data.load_target(model, None, None)
     c = target.cfg
     mask_token = c.stop_ids[0] if mask_token is None else mask_token
@@ -324,57 +304,50 @@ def run(model: str, out, minutes: float, *, block: int = 8, layers: int = 2, tap
     blob = block_data.responses(model, max_new_tokens, limit, target, tok, sets=sets)
     feats = block_data.tapped(model, blob, target)
     cfg = DSparkConfig(hidden=c.hidden, heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim, ffn=c.ffn,
-                      layers=layers, taps=tuple(taps), block=block, rank=rank, draft_vocab=draft_size, eps=c.eps,
-                      direct=direct)
-    if arch != OWN:
-        cfg = replace(cfg, draft_vocab=min(draft_size, c.vocab), qk_norm=True, anchor_predicts=arch == DSPARK,
-                      markov_table=True,
-                      rank=rank if arch == DSPARK else 0,
-                      confidence=Confidence.MARKOV if arch == DSPARK and rank else
-                      Confidence.HIDDEN if arch == DSPARK else Confidence.NONE)
-    got = train_block(cfg, blob, feats, target, minutes, seed=seed, mask_token=None if arch == OWN else mask_token,
-                      **kw)
+                      layers=layers, taps=tuple(taps), block=block, rank=rank if arch == DSPARK else 0,
+                      draft_vocab=min(draft_size, c.vocab), eps=c.eps, anchor_predicts=arch == DSPARK,
+                      confidence=Confidence.NONE if arch != DSPARK else
+                      Confidence.MARKOV if rank else Confidence.HIDDEN)
+    got = train_block(cfg, blob, feats, target, minutes, seed=seed, mask_token=mask_token, **kw)
     out = Path(out)
     summary = {"model": model, **got["summary"], "prompt_sets": sets, "layout": layout}
     curve = summary.pop("curve")
-    if arch == OWN:
-        save_block(out, cfg, got["weights"])
-    else:
-        write_block(out, cfg, got["weights"], mask_token, c.layers,
-                    (target.embed, target.head) if arch == DSPARK else None, kw.get("anchors", 16), c.vocab)
+    write_block(out, cfg, got["weights"], mask_token, c.layers,
+                (target.embed, target.head) if arch == DSPARK else None, kw.get("anchors", 16), c.vocab)
     summary["tokens"] = sum(len(s) for s in blob["ids"])
     (out / "train.json").write_text(json.dumps(summary, indent=1) + "\n")
-    (out / "README.md").write_text(readme(model, cfg, summary, out))
+    (out / "README.md").write_text(readme(model, cfg, summary, out, c.vocab))
     plot(curve, out / "loss.png", ("weighted cross-entropy vs target", "confidence BCE",
                                     "train tau (accepted length)", "validation tau"))
     return summary
 
 
-def readme(model: str, cfg: DSparkConfig, s: dict, out) -> str:
+def readme(model: str, cfg: DSparkConfig, s: dict, out, vocab: int) -> str:
     """The folder's README: what it is, how it was made, what it scored (from the run itself)."""
     import hashlib
 
     from hal.training.confidence import readme_line
+    from hal.models.block_layouts import TOKEN_MAP
     sha = hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
-    n = sum(math.prod(shape) for shape in cfg.shapes().values())
+    n = sum(math.prod(shape) for name, shape in cfg.shapes(vocab).items() if name != "mask")
     v = s["val"]
-    layout = s.get("layout", "dspark-block")
-    vocab = (f"the target's lm_head restricted to a {cfg.draft_vocab}-token draft vocabulary (`draft_ids`)"
-             if layout == "dspark-block" else "the target's whole vocabulary and lm_head")
-    return (f"# DSpark block drafter for {model} (layout `{layout}`)\n\n"
+    layout = s["layout"]
+    words = (f"the target's lm_head rows of a {cfg.draft_vocab}-token draft vocabulary (`{TOKEN_MAP}`)"
+             if cfg.draft_vocab < vocab else "the target's whole vocabulary and lm_head")
+    return (f"# Block drafter for {model} (layout `{layout}`: {LAYOUTS[layout]})\n\n"
             f"- Shape: {cfg.layers} draft layer{'s' if cfg.layers > 1 else ''} (hidden {cfg.hidden}, {cfg.heads} heads, {cfg.kv_heads} KV heads, "
-            f"ffn {cfg.ffn}){', direct path' if cfg.direct else ''}, block {cfg.block} "
+            f"ffn {cfg.ffn}), block {cfg.block} "
             f"({cfg.proposals} proposals per forward), context features from the "
             f"inputs of target layers {list(cfg.taps)}, Markov head rank {cfg.rank}, confidence head "
-            f"{cfg.confidence.name.lower()}; {vocab}. "
-            f"fp16, {n / 1e6:.1f} M parameters.\n"
+            f"{cfg.confidence.name.lower()}; {words}. "
+            f"fp16, {n / 1e6:.1f} M parameters of its own.\n"
             f"- `model.safetensors` sha256 `{sha}`.\n"
             f"- Made by: `python -m hal train-head --kind dspark --model {model} --minutes {s['minutes']:g} "
             f"--block {cfg.block} --layers {cfg.layers} --taps {','.join(map(str, cfg.taps))} --rank {cfg.rank} "
-            f"--batch {s['batch']} --lr {s['lr']:g} --seed {s['seed']}" + (" --direct" if cfg.direct else "")
+            f"--batch {s['batch']} --lr {s['lr']:g} --seed {s['seed']} --draft-vocab {cfg.draft_vocab}"
             + (f" --distill {s['distill']:g}" if s.get("distill") else "")
             + (f" --prompt-sets {s['prompt_sets']}" if s.get("prompt_sets", 2) != 2 else "")
-            + (f" --layout {layout}" if layout != "dspark-block" else "")
+            + f" --layout {layout}"
             + f"` ({time.strftime('%Y-%m-%d')}, torch "
             f"{torch.__version__}).\n"
             f"  - Data (`hal/training/block_data.py`): the target's greedy answers to the project's prompt set "

@@ -36,8 +36,7 @@ def cmd_train_head(args) -> int:
         s = run(args.model, out, args.minutes, block=args.block, layers=args.layers, taps=args.taps, rank=args.rank,
                 draft_size=args.draft_vocab, seed=args.seed, max_new_tokens=args.max_new_tokens, limit=args.limit,
                 sets=args.prompt_sets,
-                batch=args.batch, lr=args.lr, distill=args.distill, direct=args.direct, layout=args.layout,
-                mask_token=args.mask_token)
+                batch=args.batch, lr=args.lr, distill=args.distill, layout=args.layout, mask_token=args.mask_token)
         print(f"block drafter written to {out}/ (model.safetensors, config.json, loss.png, train.json): "
               f"{s['steps']} steps, validation tau {s['val']['tau']:.3f}, top-1 {s['val']['top1']:.3f}")
         return 0
@@ -64,21 +63,18 @@ def add_train_head(sub) -> None:
     th.add_argument("--taps", type=taps_flag, default=(1, 8, 16, 24, 29),  # the layer count: the last layer's output
                     help="dspark: increasing target layers (of block_data.CANDIDATE_TAPS) whose inputs are features")
     th.add_argument("--rank", type=bounded(int, 1, 512), default=32, help="dspark: the Markov head's rank")
-    th.add_argument("--layout", choices=("dspark", "dflash", "dspark-block"), default="dspark",  # LAYOUTS
+    th.add_argument("--layout", choices=("dspark", "dflash"), default="dspark",  # block_train.LAYOUTS
                     help="dspark: the architecture trained and written: DeepSpec's published DSpark (Qwen3DSparkModel) "
                          "or z-lab's DFlash (DFlashDraftModel), both Qwen3 layers (a --draft-vocab below the target's "
-                         "is written as token_map.pt, as SGLang's --speculative-token-map reads it); dspark-block: "
-                         "spec-hal's own legacy layout (the shipped SmolLM2 drafter's; a learned mask, --direct), which "
-                         "no peer reads")
+                         "is written as token_map.pt, as SGLang's --speculative-token-map reads it)")
     th.add_argument("--init", metavar="FOLDER", help="eagle: continue training the EAGLE-3 head in FOLDER")
     th.add_argument("--mask-token", type=int, help="dspark, dflash: the token whose embedding the mask rows are "
                                                    "(default: the target's first stop id)")
-    th.add_argument("--direct", action="store_true",
-                    help="dspark-block: mask rows also read [anchor, last context feature]")
     th.add_argument("--distill", type=bounded(float, 0.0, 1.0), default=0.0,
                     help="dspark: the cross-entropy's share against the target's soft labels, not its greedy token")
     th.add_argument("--refit-confidence", metavar="FOLDER",
-                    help="dspark: no training; refit FOLDER's confidence head on its held-back sequences, to --out")
+                    help="dspark: no training; refit the confidence head of FOLDER (a DSpark drafter train-head wrote) "
+                         "on its held-back sequences, to --out")
     th.add_argument("--model", default="smollm2-135m", help="a fetchable name or a .gguf path")
     th.add_argument("--minutes", type=float, default=40.0, help="training time (data made first, cached in $HAL_CACHE)")
     th.add_argument("--out", help="output folder (default: <model>-eagle3 or <model>-dspark)")
@@ -93,33 +89,33 @@ def add_train_head(sub) -> None:
 
 
 def refit_folder(folder, out, model: str = "smollm2-135m") -> dict:
-    """``spec-hal train-head --kind dspark --refit-confidence FOLDER``: the drafter of ``folder``
-    with its confidence head refitted on its own validation split (the data cache of
+    """``spec-hal train-head --kind dspark --refit-confidence FOLDER``: the DSpark drafter of
+    ``folder`` with its confidence head refitted on its own validation split (the data cache of
     `hal.training.block_data` and the seed in its train.json, so the same sequences its
-    training held back), written to ``out`` (config.json, model.safetensors, train.json with
-    the report under "confidence"; README.md and loss.png copied). Returns the report."""
+    training held back), written to ``out`` in the same layout (config.json, model.safetensors,
+    token map, train.json with the report under "confidence"; README.md and loss.png copied).
+    Returns the report."""
     import hashlib
     import json
     import shutil
     from pathlib import Path
 
-    from safetensors.torch import load_file
-
-    from hal.models.block_layouts import read_config
-    from hal.models.dspark import Confidence
-    from hal.models.dspark import save_block
-    from hal.training import block_data
     from hal.errors import HalError
-    from hal.training.block_data import CANDIDATE_TAPS, to_draft_of
-    from hal.training.block_data import BlockData
+    from hal.models.block_layouts import read_block, read_layout, read_tensors, rewrite
+    from hal.models.dspark import Confidence
+    from hal.training import block_data
+    from hal.training.block_data import CANDIDATE_TAPS, BlockData, to_draft_of
     from hal.training.block_train import refit_on
     from hal.training.confidence import readme_line
     folder, out = Path(folder), Path(out)
-    cfg = read_config(folder)
-    if cfg.confidence != Confidence.TOP:
-        raise HalError(f"--refit-confidence: expected a dspark-block drafter (its confidence head reads the row's "
-                       f"top probability), got {str(folder)!r} with a {cfg.confidence.name.lower()} confidence head",
-                       arg="--refit-confidence")
+    try:
+        cfg = read_layout(folder).cfg
+    except HalError as e:
+        raise HalError(f"--refit-confidence: expected a DSpark drafter's folder, got {e}", arg="--refit-confidence"
+                       ) from None
+    if cfg.confidence == Confidence.NONE:
+        raise HalError(f"--refit-confidence: expected a drafter with a confidence head, got {str(folder)!r} without "
+                       f"one", arg="--refit-confidence")
     if any(t not in CANDIDATE_TAPS for t in cfg.taps):
         raise HalError(f"--refit-confidence: expected taps the data records ({list(CANDIDATE_TAPS)}), got "
                        f"{list(cfg.taps)}", arg="--refit-confidence")
@@ -128,18 +124,20 @@ def refit_folder(folder, out, model: str = "smollm2-135m") -> dict:
         raise HalError(f"--refit-confidence: expected a trained drafter's folder with train.json (its seed), got "
                        f"{str(folder)!r}", arg="--refit-confidence")
     summary = json.loads(meta.read_text())
-    w = load_file(str(folder / "model.safetensors"))
-    blob = block_data.responses(model, 128, None, sets=int(summary.get("prompt_sets", 2)))
-    feats = block_data.tapped(model, blob)
-    target, _ = block_data.load_target(model, None, None)
+    target, tok = block_data.load_target(model, None, None)
+    layout, cfg, w = read_block(folder, target)
+    blob = block_data.responses(model, 128, None, target, tok, sets=int(summary.get("prompt_sets", 2)))
+    feats = block_data.tapped(model, blob, target)
     d = BlockData(blob, feats, [CANDIDATE_TAPS.index(t) for t in cfg.taps], cfg.draft_vocab, target.cfg.stop_ids,
                   int(summary.get("seed", 0)))
-    conf, bias, report = refit_on(cfg, w, d, to_draft_of(w["draft_ids"], target.cfg.vocab), target)
+    conf, bias, report = refit_on(cfg, w, d, to_draft_of(w["draft_ids"], target.cfg.vocab), target,
+                                  layout.mask_token)
     report["data_made"] = blob.get("made")
     sha = hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()
     readme = (folder / "README.md").read_text() if (folder / "README.md").is_file() else None
-    save_block(out, cfg, {n: t.float() if n != "draft_ids" else t for n, t in w.items()}
-               | {"conf": conf, "conf_bias": bias})
+    raw = read_tensors(folder)
+    rewrite(folder, out, raw | {"confidence_head.proj.weight": conf[None].to(raw["confidence_head.proj.weight"].dtype),
+                                "confidence_head.proj.bias": bias.to(raw["confidence_head.proj.bias"].dtype)})
     (out / "train.json").write_text(json.dumps({**summary, "confidence": report}, indent=1) + "\n")
     if (folder / "loss.png").is_file() and folder.resolve() != out.resolve():
         shutil.copy(folder / "loss.png", out / "loss.png")

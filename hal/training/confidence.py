@@ -1,19 +1,18 @@
-"""Refitting a block drafter's confidence head on held-back sequences (issue 35 item 3).
+"""Refitting a DSpark drafter's confidence head on held-back sequences (issue 35 item 3).
 
 The confidence head trains with the drafter (`hal.training.block_train.losses`), on the
 sequences the drafter fits. There the drafter is right more often than on text it has not
-seen, so the head learns to be sure of itself: on the shipped drafter's held-back sequences it
-scored a BCE barely under a constant's, and a routed cut that trusts it verifies what does not
-pay. This module fits the head again, the drafter frozen, on sequences the drafter never took
-a gradient from (its validation split): an L2-regularised logistic regression on the head's own
-inputs, the inputs and strength chosen by cross-validation between two halves of those
-sequences. On the shipped drafter the row's log max softmax alone won: with 61 held-back
-sequences the hidden state's 576 weights overfit (*Benchmarks*, DSpark).
+seen, so the head can learn to be sure of itself, and a routed cut that trusts it verifies what
+does not pay. This module fits the head again, the drafter frozen, on sequences the drafter
+never took a gradient from (its validation split): an L2-regularised logistic regression on the
+head's own inputs, the inputs and strength chosen by cross-validation between two halves of
+those sequences. (On the retired dspark-block drafter, whose head also read the row's log max
+softmax, that input alone won: *Benchmarks*, DSpark.)
 
 Glossary:
-- inputs of a proposed position j: ``[h_j, log max softmax(row_j)]`` (`DSparkTrain.confidence`'s),
-  row j being the base logits plus the Markov bias of the token before it (teacher-forced: the
-  target's own token, which is the drafted one whenever position j is reached);
+- inputs of a proposed position j: ``[h_j, markov_w1[x_{j-1}]]`` or ``h_j``
+  (`DSparkTrain.confidence_inputs`), x_{j-1} the token before it (teacher-forced: the target's
+  own token, which is the drafted one whenever position j is reached);
 - label: whether row j's argmax is the target's token there (a token outside the draft
   vocabulary is a miss);
 - dense anchors: every response position anchors a block, so each held-back sequence gives
@@ -32,7 +31,7 @@ L2 = (1e-4, 1e-3, 1e-2, 1e-1)   # strengths tried (on the mean BCE; the bias is 
 
 
 def samples(model, d, idx: list[int], to_draft: Tensor) -> tuple[Tensor, Tensor]:
-    """The confidence head's inputs [n, H + 1] and labels [n] (float 0/1) at every valid proposed
+    """The confidence head's inputs [n, width] and labels [n] (float 0/1) at every valid proposed
     position of blocks anchored at every response position of sequences ``idx`` of ``d``
     (a `hal.training.block_train.BlockData`), in float64."""
     from hal.training.block_data import block_targets
@@ -46,22 +45,21 @@ def samples(model, d, idx: list[int], to_draft: Tensor) -> tuple[Tensor, Tensor]
             base, h = model(feats, ids, anchors)
             prev, label, valid = block_targets(ids, anchors, lens, model.cfg.proposals, to_draft)
             rows = base + model.markov(prev)
-            top = model.row_statistic(rows)
             right = (rows.argmax(-1) == label) & (label >= 0)
-            xs.append(torch.cat([h, top[..., None]], -1)[valid].double())
+            xs.append(model.confidence_inputs(h, prev)[valid].double())
             ys.append(right[valid].double())
-    H = model.cfg.hidden
-    return (torch.cat(xs) if xs else torch.zeros(0, H + 1, dtype=torch.float64),
+    width = model.w("conf").shape[0]
+    return (torch.cat(xs) if xs else torch.zeros(0, width, dtype=torch.float64),
             torch.cat(ys) if ys else torch.zeros(0, dtype=torch.float64))
 
 
 def bce(x: Tensor, y: Tensor, w: Tensor) -> float:
-    """Mean BCE of the head ``w`` ([H + 2]: the weights, then the bias) on inputs ``x``, labels ``y``."""
+    """Mean BCE of the head ``w`` ([width + 1]: the weights, then the bias) on inputs ``x``, labels ``y``."""
     return float(F.binary_cross_entropy_with_logits(x @ w[:-1] + w[-1], y))
 
 
 def fit(x: Tensor, y: Tensor, l2: float, init: Tensor | None = None, steps: int = 200) -> Tensor:
-    """The head [H + 2] minimising mean BCE + ``l2`` * |weights|^2 on (``x``, ``y``) (L-BFGS, float64;
+    """The head [width + 1] minimising mean BCE + ``l2`` * |weights|^2 on (``x``, ``y``) (L-BFGS, float64;
     the objective is convex, so ``init`` changes the time, not the answer)."""
     w = (init.clone().double() if init is not None else torch.zeros(x.shape[1] + 1, dtype=torch.float64))
     w.requires_grad_(True)
@@ -86,10 +84,10 @@ def _cv(xa: Tensor, ya: Tensor, xb: Tensor, yb: Tensor, cols: list[int], l2: flo
 
 
 def refit(model, d, to_draft: Tensor, grid: tuple[float, ...] = L2) -> tuple[Tensor, Tensor, dict]:
-    """(conf [H + 1], conf_bias [1], report) of the confidence head refitted on ``d.val`` only.
+    """(conf [width], conf_bias [1], report) of the confidence head refitted on ``d.val`` only.
 
-    Two input sets are tried, the row's log max softmax alone (the hidden state's weights left at
-    zero) and the head's every input, each at every strength of ``grid``; the pair with the least
+    The input sets tried: the hidden state alone, and with `Confidence.MARKOV` the Markov row
+    alone and both (weights outside a set left at zero), each at every strength of ``grid``; the pair with the least
     BCE out of fold (two halves of the held-back sequences, each fitted on the other) is then
     fitted on both halves. The report gives that BCE beside the joint head's and a constant's on
     the same sequences (the joint head never saw them either)."""
@@ -102,11 +100,13 @@ def refit(model, d, to_draft: Tensor, grid: tuple[float, ...] = L2) -> tuple[Ten
                        f"{len(d.val)} sequence(s), {len(ya)} + {len(yb)} positions")
     x, y = torch.cat([xa, xb]), torch.cat([ya, yb])
     joint = torch.cat([model.w("conf").detach(), model.w("conf_bias").detach()]).double()
-    sets = {"row": [H], "hidden and row": list(range(H + 1))}
+    width = x.shape[1]
+    sets = {"hidden": list(range(H))} | ({"markov row": list(range(H, width)), "hidden and markov row":
+                                          list(range(width))} if width > H else {})
     scores = {(name, l2): _cv(xa, ya, xb, yb, cols, l2, joint) for name, cols in sets.items() for l2 in grid}
     name, l2 = min(scores, key=scores.get)
     cols = sets[name]
-    w = torch.zeros(H + 2, dtype=torch.float64)
+    w = torch.zeros(width + 1, dtype=torch.float64)
     w[cols + [-1]] = fit(x[:, cols], y, l2, joint[cols + [-1]])
     rate = float(y.mean().clamp(1e-6, 1 - 1e-6))
     report = {"sequences": len(d.val), "positions": len(y), "accept_rate": rate, "inputs": name, "l2": l2,

@@ -49,7 +49,7 @@ def main():
     cfg = DSparkConfig(hidden=c.hidden, heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim, ffn=96,
                        layers=2, taps=tuple(i + 1 for i in ref.TARGET_LAYER_IDS), block=ref.BLOCK_SIZE, rank=0,
                        draft_vocab=c.vocab, rope_base=10000.0, eps=c.eps)
-    cfg = replace(cfg, qk_norm=True, markov_table=True, confidence=Confidence.NONE)
+    cfg = replace(cfg, anchor_predicts=False, confidence=Confidence.NONE)
     m = DSparkTrain(cfg, ours.embed, ours.head, torch.arange(c.vocab), seed=3, mask_token=ref.MASK_TOKEN_ID)
     g = torch.Generator().manual_seed(4)
     with torch.no_grad():

@@ -48,7 +48,7 @@ def main():
     cfg = DSparkConfig(hidden=c.hidden, heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim, ffn=c.ffn,
                        layers=ref.DRAFT_LAYERS, taps=tuple(i + 1 for i in ref.TARGET_LAYER_IDS), block=ref.BLOCK,
                        rank=ref.MARKOV_RANK, draft_vocab=c.vocab, rope_base=10000.0, eps=c.eps)
-    cfg = replace(cfg, qk_norm=True, anchor_predicts=True, markov_table=True, confidence=Confidence.MARKOV)
+    cfg = replace(cfg, anchor_predicts=True, confidence=Confidence.MARKOV)
     embed, head = ours.embed.half().float(), ours.head.half().float()   # the copies a DSpark folder ships (fp16)
     m = DSparkTrain(cfg, embed, head, torch.arange(c.vocab), seed=3, mask_token=ref.MASK_ID)
     g = torch.Generator().manual_seed(4)

@@ -19,7 +19,7 @@ from hal.models.block_layouts import DFLASH, DSPARK, load_block, published_weigh
 from hal.models.dspark import Confidence
 from hal.models.llama import random_llama
 from hal.training.block_train import DSparkTrain
-from tests.drafters.test_dspark import config, lossless, train_rows, view
+from tests.drafters.test_dspark import config, lossless, view
 from tests.drafters.test_eagle import D, FFN, H, HEADS, KV, LAYERS, V, target_features
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "drafters"
@@ -32,10 +32,10 @@ def target():
 
 
 def published(arch: str):
-    base = replace(config(block=4), draft_vocab=V, qk_norm=True, markov_table=True)
+    base = replace(config(block=4), draft_vocab=V)
     if arch == DSPARK:
         return replace(base, anchor_predicts=True, confidence=Confidence.MARKOV)
-    return replace(base, rank=0, confidence=Confidence.NONE)
+    return replace(base, rank=0, confidence=Confidence.NONE, anchor_predicts=False)
 
 
 def copies(target, arch: str):
@@ -45,7 +45,7 @@ def copies(target, arch: str):
 
 def module(target, arch: str, seed=0) -> DSparkTrain:
     embed, head = copies(target, arch)
-    m = DSparkTrain(published(arch), embed, head, torch.arange(V), seed, mask_token=MASK)
+    m = DSparkTrain(published(arch), embed, head, torch.arange(V), MASK, seed)
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():   # every weight away from its initial value, rounded through fp16 (as written)
         for name, p in m.p.items():
@@ -57,6 +57,29 @@ def module(target, arch: str, seed=0) -> DSparkTrain:
     return m
 
 
+def disagreements(m: DSparkTrain, drafter: DSparkDrafter, target) -> list[str]:
+    """Where ``drafter`` does not draft as the training module ``m``: greedy drafts, sampled
+    rows (Markov bias and all) and DSpark's confidences, from scratch and after its cache grew."""
+    ids = [(7 * i + 3) % V for i in range(30)]
+    f = target_features(target, ids, m.cfg.taps)
+    P, out = m.cfg.proposals, []
+    for L, new, temp in ((12, slice(0, 11), 0.0), (17, slice(11, 16), 0.7)):
+        p = drafter.propose(view(ids, L, f[new], k=P, temperature=temp))
+        drafts = p.draft_token_ids.tolist()
+        prev = torch.tensor([ids[L - 1]] + drafts[:-1])
+        with torch.no_grad():
+            base, h = m(f[None], torch.tensor(ids)[None], torch.tensor([[L - 1]]))
+            rows = base[0, 0] + m.markov(prev)
+        if temp and not torch.allclose(p.draft_probs, torch.softmax(rows / temp, -1), atol=1e-5, rtol=1e-4):
+            out.append(f"sampled rows at {L}")
+        if not temp and drafts != rows.argmax(-1).tolist():   # Markov-chained greedy, left to right
+            out.append(f"greedy drafts at {L}")
+        if m.cfg.confidence != Confidence.NONE and not torch.allclose(
+                torch.tensor(drafter.confidences[0]), torch.sigmoid(m.confidence(h[0, 0], prev)), atol=1e-5, rtol=1e-5):
+            out.append(f"confidences at {L}")
+    return out
+
+
 @pytest.mark.parametrize("arch", [DSPARK, DFLASH])
 def test_the_written_folder_drafts_as_the_training_module(target, tmp_path, arch):
     m = module(target, arch)
@@ -65,30 +88,25 @@ def test_the_written_folder_drafts_as_the_training_module(target, tmp_path, arch
         == arch
     layout = read_layout(tmp_path)
     assert layout.architecture == arch and layout.cfg == m.cfg and layout.mask_token == MASK
-    drafter = DSparkDrafter(load_block(tmp_path, target))
-    ids = [(7 * i + 3) % V for i in range(30)]
-    f = target_features(target, ids, m.cfg.taps)
-    P = m.cfg.proposals
-    for L, new, temp in ((12, slice(0, 11), 0.0), (17, slice(11, 16), 0.7)):
-        p = drafter.propose(view(ids, L, f[new], k=P, temperature=temp))
-        drafts = p.draft_token_ids.tolist()
-        prev = torch.tensor([ids[L - 1]] + drafts[:-1])
-        with torch.no_grad():
-            base, h = m(f[None], torch.tensor(ids)[None], torch.tensor([[L - 1]]))
-            rows = base[0, 0] + m.markov(prev)
-        if temp:   # the rows the drafts were drawn from, Markov bias and all
-            torch.testing.assert_close(p.draft_probs, torch.softmax(rows / temp, -1), atol=1e-5, rtol=1e-4)
-        else:      # Markov-chained greedy, left to right
-            assert drafts == rows.argmax(-1).tolist()
-        if arch == DSPARK:
-            conf = torch.sigmoid(m.confidence(h[0, 0], rows, prev))
-            torch.testing.assert_close(torch.tensor(drafter.confidences[0]), conf, atol=1e-5, rtol=1e-5)
+    assert disagreements(m, DSparkDrafter(load_block(tmp_path, target)), target) == []
+
+
+@pytest.mark.parametrize("mutant, what", [
+    ("_norm", lambda self, x, i, which: x),   # Qwen3's per-head q/k norms dropped
+    ("markov", lambda self, prev: self.w["markov_w1"][(prev + 1) % V] @ self.w["markov_out"].T)])   # the wrong token
+def test_planted_mutants_of_the_drafter_are_caught(target, tmp_path, monkeypatch, mutant, what):
+    from hal.models.dspark import DSparkModel
+    m = module(target, DSPARK)
+    write_block(tmp_path, m.cfg, m.weights(), MASK, LAYERS, copies(target, DSPARK))
+    monkeypatch.setattr(DSparkModel, mutant, what)
+    assert disagreements(m, DSparkDrafter(load_block(tmp_path, target)), target)
 
 
 @pytest.mark.parametrize("arch, folder", [(DSPARK, "dspark/tiny_dspark"), (DFLASH, "dflash/tiny_dflash")])
 def test_the_authors_fixtures_are_written_back_as_they_are(tmp_path, arch, folder):
     """Read with spec-hal's reader, written with `write_block`: the same tensors under the same
-    names (fp16 of the authors' fp32), and a config that reads back to the same drafter."""
+    names (fp16 of the authors' fp32; DSpark's copies of the target's as they are), and a config
+    that reads back to the same drafter."""
     src = FIXTURES / folder
     layout = read_layout(src)
     raw = load_file(str(src / "model.safetensors"))
@@ -98,7 +116,7 @@ def test_the_authors_fixtures_are_written_back_as_they_are(tmp_path, arch, folde
     ours = load_file(str(tmp_path / "model.safetensors"))
     assert set(ours) == set(raw)
     for name, t in raw.items():
-        assert torch.equal(ours[name], t.half()), name
+        assert torch.equal(ours[name], t if name in ("embed_tokens.weight", "lm_head.weight") else t.half()), name
     again = read_layout(tmp_path)
     assert again.cfg == layout.cfg and again.mask_token == layout.mask_token and again.architecture == arch
     theirs = json.loads((src / "config.json").read_text())
@@ -111,11 +129,9 @@ def test_what_the_published_layouts_cannot_hold_is_refused_by_name(target, tmp_p
     m = module(target, DSPARK)
     with pytest.raises(HalError, match="copies of the embeddings"):
         write_block(tmp_path, m.cfg, m.weights(), MASK, LAYERS)
-    with pytest.raises(HalError, match="Qwen3 layers"):
-        write_block(tmp_path, replace(m.cfg, qk_norm=False), m.weights(), MASK, LAYERS, (target.embed, target.head))
-    own = DSparkTrain(config(), target.embed, target.head, torch.arange(0, V, 2), 0)
-    with pytest.raises(HalError, match="draft ids of the target.s vocabulary.*a Markov table.*DFlash: no Markov"):
-        write_block(tmp_path, replace(own.cfg, qk_norm=True), own.weights(), MASK, LAYERS)
+    own = DSparkTrain(replace(config(), anchor_predicts=False), target.embed, target.head, torch.arange(0, V, 2), MASK)
+    with pytest.raises(HalError, match="draft ids of the target.s vocabulary.*DFlash: no Markov"):
+        write_block(tmp_path, own.cfg, own.weights(), MASK, LAYERS)
     assert not (tmp_path / "config.json").exists()
 
 
@@ -150,7 +166,7 @@ def test_a_draft_vocabulary_is_written_as_a_token_map_and_drafts_as_trained(targ
     the same drafts and probabilities over the map."""
     from hal.models.block_layouts import TOKEN_MAP
     embed, head = copies(target, arch)
-    m = DSparkTrain(replace(published(arch), draft_vocab=len(DRAFT)), embed, head, DRAFT, 0, mask_token=MASK)
+    m = DSparkTrain(replace(published(arch), draft_vocab=len(DRAFT)), embed, head, DRAFT, MASK)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in m.p.items():
@@ -197,18 +213,17 @@ def test_a_bad_token_map_is_refused_by_name(target, tmp_path, bad, match):
 
 
 def test_options_the_published_layouts_cannot_take_are_refused_before_any_work(target, tmp_path):
-    """`train-head --kind dspark`: an unknown layout, or --direct with a published one, is refused
-    before data or a model is touched; a confidence refit is for dspark-block drafters only."""
+    """`train-head --kind dspark`: an unknown layout (the retired dspark-block included) is refused
+    before data or a model is touched, and so is a folder in that layout."""
     from hal.training.block_train import run
-    from hal.training.command import refit_folder
-    for layout, direct in (("eagle", False), ("dspark", True), ("dflash", True)):
-        with pytest.raises(HalError, match="--layout: expected one of"):
-            run("no-such-model", tmp_path / "x", 1.0, layout=layout, direct=direct)
-    m = module(target, DSPARK)
-    write_block(tmp_path / "d", m.cfg, m.weights(), MASK, LAYERS, copies(target, DSPARK))
-    with pytest.raises(HalError, match="--refit-confidence: expected a dspark-block drafter"):
-        refit_folder(tmp_path / "d", tmp_path / "out")
-    assert not (tmp_path / "out").exists() and not (tmp_path / "x").exists()
+    for layout in ("eagle", "dspark-block"):
+        with pytest.raises(HalError, match=r"--layout: expected one of \['dspark', 'dflash'\]"):
+            run("no-such-model", tmp_path / "x", 1.0, layout=layout)
+    assert not (tmp_path / "x").exists()
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "config.json").write_text('{"architecture": "dspark-block", "hidden": 64}')
+    with pytest.raises(HalError, match="retired dspark-block layout"):
+        load_block(tmp_path / "old", target)
 
 
 def test_a_mask_token_outside_the_vocabulary_is_refused_before_any_data_is_made(tmp_path, monkeypatch):

@@ -17,14 +17,15 @@ from hal.engine.drafting import DraftBatch
 from hal.engine.requests import Request
 from hal.engine.costs import CostModel
 from hal.errors import HalError
-from hal.models.block_layouts import load_block
-from hal.models.dspark import DSparkConfig, DSparkModel, save_block
+from hal.models.block_layouts import load_block, write_block
+from hal.models.dspark import DSparkConfig, DSparkModel
 from hal.models.llama import random_llama
 from hal.training.block_train import DSparkTrain
 from tests.drafters.test_eagle import D, FFN, H, HEADS, KV, LAYERS, V, target_features
 
 TAPS = (1, 4, 6)
 DRAFT = torch.tensor(sorted(set(range(0, V, 2)) | {1, 3, 5}))
+MASK = 5   # the mask rows are this token's embedding
 
 
 @pytest.fixture(scope="module")
@@ -32,16 +33,18 @@ def target():
     return random_llama(H, LAYERS, HEADS, KV, D, FFN, V, seed=7, scale=0.15)
 
 
-def config(block=4, layers=2, direct=False) -> DSparkConfig:
+def config(block=4, layers=2, anchor_predicts=True) -> DSparkConfig:
+    """DeepSpec's DSpark (the anchor's row proposes too: B proposals), or with ``anchor_predicts``
+    False z-lab's DFlash rows (B - 1) under the same heads."""
     return DSparkConfig(hidden=H, heads=HEADS, kv_heads=KV, head_dim=D, ffn=FFN, layers=layers, taps=TAPS, block=block,
-                       rank=4, draft_vocab=len(DRAFT), direct=direct)
+                       rank=4, draft_vocab=len(DRAFT), anchor_predicts=anchor_predicts)
 
 
 def trained(target, seed=0, **kw) -> DSparkTrain:
-    m = DSparkTrain(config(**kw), target.embed, target.head, DRAFT, seed)
+    m = DSparkTrain(config(**kw), target.embed, target.head, DRAFT, MASK, seed)
     with torch.no_grad():   # non-trivial norms, Markov and confidence weights
         for name, p in m.p.items():
-            if name.endswith("norm") or name in ("markov_in", "markov_out", "conf", "conf_bias", "direct"):
+            if name.endswith("norm") or name in ("markov_w1", "markov_out", "conf", "conf_bias"):
                 p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.3)
     return m
 
@@ -53,16 +56,18 @@ def view(ids, L, feats, k, rid=0, temperature=0.0, costs=None):
 
 
 def train_rows(train, f, ids, anchor, prev):
-    """The training module's final rows [B-1, Vd] at ``anchor`` with the Markov head fed ``prev``."""
+    """The training module's final rows [len(prev), Vd] at ``anchor`` with the Markov head fed
+    ``prev``, their hidden states, and their confidences."""
     with torch.no_grad():
         base, h = train(f[None], torch.tensor(ids)[None], torch.tensor([[anchor]]))
-        return base[0, 0] + train.markov(torch.tensor(prev)), h[0, 0]
+        n, prev = len(prev), torch.tensor(prev)
+        return base[0, 0, :n] + train.markov(prev), h[0, 0, :n], torch.sigmoid(train.confidence(h[0, 0, :n], prev))
 
 
-@pytest.mark.parametrize("direct", [False, True])
-def test_the_drafter_equals_the_training_module_from_scratch_and_incrementally(target, direct):
-    """With the direct path too: a call that passes no new features drafts from the kept ones."""
-    train = trained(target, direct=direct)
+@pytest.mark.parametrize("anchor_predicts", [True, False])
+def test_the_drafter_equals_the_training_module_from_scratch_and_incrementally(target, anchor_predicts):
+    """Both row layouts; a call that passes no new features drafts from the kept ones."""
+    train = trained(target, anchor_predicts=anchor_predicts)
     model = DSparkModel(train.cfg, train.weights(), target)
     drafter = DSparkDrafter(model)
     ids = [(7 * i + 3) % V for i in range(30)]
@@ -75,9 +80,8 @@ def test_the_drafter_equals_the_training_module_from_scratch_and_incrementally(t
             assert sum(len(x) for x in drafter.held[0]) == 3
             continue
         drafts = p.draft_token_ids.tolist()
-        rows, h = train_rows(train, f, ids, L - 1, [ids[L - 1]] + drafts[:-1])
+        rows, h, conf = train_rows(train, f, ids, L - 1, [ids[L - 1]] + drafts[:-1])
         assert drafts == DRAFT[rows.argmax(-1)].tolist()          # Markov-chained greedy, left to right
-        conf = torch.sigmoid(train.confidence(h, rows))
         torch.testing.assert_close(torch.tensor(drafter.confidences[0]), conf[:3], atol=1e-5, rtol=1e-5)
         assert p.num_valid.tolist() == [3]
 
@@ -100,9 +104,8 @@ def test_held_features_past_the_bound_are_written_and_drafts_do_not_change(targe
     drafter.propose(view(ids, 16, f[14:15], k=0))
     assert len(drafter.held[0]) == 2
     p = drafter.propose(view(ids, 18, f[15:17], k=3))
-    rows, h = train_rows(train, f, ids, 17, [ids[17]] + p.draft_token_ids.tolist()[:-1])
+    rows, h, conf = train_rows(train, f, ids, 17, [ids[17]] + p.draft_token_ids.tolist()[:-1])
     assert p.draft_token_ids.tolist() == DRAFT[rows.argmax(-1)].tolist()
-    conf = torch.sigmoid(train.confidence(h, rows))
     torch.testing.assert_close(torch.tensor(drafter.confidences[0]), conf[:3], atol=1e-5, rtol=1e-5)
     drafter.propose(view(ids, 20, f[17:19], k=0))
     drafter.release(0)
@@ -114,13 +117,13 @@ def test_sampled_drafts_carry_exactly_the_rows_they_were_drawn_from(target):
     drafter = DSparkDrafter(DSparkModel(train.cfg, train.weights(), target))
     ids = [(5 * i + 1) % V for i in range(20)]
     f = target_features(target, ids, TAPS)
-    p = drafter.propose(view(ids, 14, f[:13], k=5, temperature=0.7))   # k > B - 1: filler after 3
-    assert p.num_valid.tolist() == [3] and p.draft_probs.shape == (5, V)
-    drafts = p.draft_token_ids[:3].tolist()
-    rows, _ = train_rows(train, f, ids, 13, [ids[13]] + drafts[:2])
-    full = torch.full((3, V), float("-inf"))
+    p = drafter.propose(view(ids, 14, f[:13], k=6, temperature=0.7))   # k > B: filler after 4
+    assert p.num_valid.tolist() == [4] and p.draft_probs.shape == (6, V)
+    drafts = p.draft_token_ids[:4].tolist()
+    rows, _, _ = train_rows(train, f, ids, 13, [ids[13]] + drafts[:3])
+    full = torch.full((4, V), float("-inf"))
     full[:, DRAFT] = rows
-    torch.testing.assert_close(p.draft_probs[:3], torch.softmax(full / 0.7, -1), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(p.draft_probs[:4], torch.softmax(full / 0.7, -1), atol=1e-5, rtol=1e-4)
     assert all(p.draft_probs[j, t] > 0 for j, t in enumerate(drafts))
 
 
@@ -138,7 +141,7 @@ def test_greedy_output_with_the_block_drafter_equals_plain_greedy(target):
     model = DSparkModel(trained(target).cfg, trained(target).weights(), target)
     dec = lossless(target, DSparkDrafter(model), PROMPTS, max_num_batched_tokens=16, max_num_seqs=4)
     assert dec.metrics.total.num_draft_tokens > 0
-    lossless(target, DSparkDrafter(model), PROMPTS, k=6, num_blocks=7, max_num_seqs=4)   # preemption; k > B - 1
+    lossless(target, DSparkDrafter(model), PROMPTS, k=6, num_blocks=7, max_num_seqs=4)   # preemption; k > B
     small = DSparkDrafter(model, num_blocks=2)
     lossless(target, small, PROMPTS)
     assert small.lost > 0                      # a full context cache means no drafts, not wrong ones
@@ -157,11 +160,11 @@ def test_greedy_output_with_the_block_drafter_equals_plain_greedy(target):
     assert runs[0] == runs[1] and all(len(r) == 16 for r in runs[0])
 
 
-def test_a_saved_block_drafter_loads_and_bad_ones_are_refused(target, tmp_path):
+def test_a_written_block_drafter_loads_and_bad_ones_are_refused(target, tmp_path):
     train = trained(target)
-    save_block(tmp_path / "b", train.cfg, train.weights())
+    write_block(tmp_path / "b", train.cfg, train.weights(), MASK, LAYERS, (target.embed, target.head), vocab=V)
     model = load_block(tmp_path / "b", target)
-    assert model.cfg == train.cfg and torch.equal(model.draft_ids, DRAFT)
+    assert model.cfg == replace(train.cfg, eps=model.cfg.eps) and torch.equal(model.draft_ids, DRAFT)
     w = train.weights()
     with pytest.raises(HalError, match="weight 0.wqkv: expected shape"):
         DSparkModel(train.cfg, {**w, "0.wqkv": w["0.wqkv"][:-1]}, target)
@@ -327,7 +330,7 @@ def test_the_shipped_block_drafter_is_checked_and_named():
     from hal.models.dspark import shipped_block
     path = shipped_block("smollm2-135m")
     cfg = read_config(path)
-    assert (cfg.hidden, cfg.taps, cfg.block, cfg.layers, cfg.direct) == (576, (1, 16, 29), 8, 1, True)
+    assert (cfg.hidden, cfg.taps, cfg.block, cfg.layers, cfg.anchor_predicts) == (576, (1, 16, 29), 7, 1, True)
     with pytest.raises(HalError, match="shipped block drafter"):
         shipped_block("other-model")
 
@@ -362,20 +365,8 @@ def test_the_block_drafter_runs_its_linears_through_the_targets_plan(target):
     ids = [(7 * i + 3) % V for i in range(30)]
     f = target_features(target, ids, TAPS)
     p = drafter.propose(view(ids, 12, f[:11], k=3))
-    rows, _ = train_rows(train, f, ids, 11, [ids[11]] + p.draft_token_ids.tolist()[:-1])
+    rows, _, _ = train_rows(train, f, ids, 11, [ids[11]] + p.draft_token_ids.tolist()[:-1])
     assert p.draft_token_ids.tolist() == DRAFT[rows.argmax(-1)].tolist()
     shapes = {s for _, s in calls}
     assert (len(DRAFT), H) in shapes and (H, len(TAPS) * H) in shapes and len(shapes) >= 5
     assert {m for m, _ in calls} <= {1, 8}
-
-
-def test_the_direct_path_loses_a_request_whose_last_features_it_lacks(target):
-    """A call whose features of position L - 2 were neither passed nor kept (the request shrank)
-    drafts nothing for that request and counts it lost, never guessing them."""
-    train = trained(target, direct=True)
-    ids = [(5 * i + 2) % V for i in range(30)]
-    f = target_features(target, ids, TAPS)
-    drafter = DSparkDrafter(DSparkModel(train.cfg, train.weights(), target))
-    assert drafter.propose(view(ids, 17, f[:16], k=3)).num_valid.tolist() == [3]
-    p = drafter.propose(view(ids, 16, f[:0], k=3))
-    assert p.num_valid.tolist() == [0] and drafter.lost == 1

@@ -1,5 +1,5 @@
-"""Refitting a block drafter's confidence head on held-back sequences
-(`hal.training.confidence`, `hal.training.command.refit_folder`): the fit is the regularised logistic regression's minimum, the
+"""Refitting a DSpark drafter's confidence head on held-back sequences (`hal.training.confidence`,
+`hal.training.command.refit_folder`): the fit is the regularised logistic regression's minimum, the
 refit reads the validation split only and every proposed position of it, it mends an
 overconfident head, and a folder it cannot refit is refused before any work."""
 
@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from hal.errors import HalError
-from hal.models.dspark import DSparkConfig, save_block
+from hal.models.block_layouts import write_block
+from hal.models.dspark import Confidence, DSparkConfig
 from hal.models.llama import random_llama
 from hal.training.block_data import CANDIDATE_TAPS, to_draft_of
 from hal.training.block_data import BlockData
@@ -32,7 +33,7 @@ def target():
 @pytest.fixture(scope="module")
 def data(target):
     """40 sequences in the data cache's layout (the target fills the first two candidate taps)
-    and a block drafter of random weights for them."""
+    and a DSpark drafter of random weights for them (over a draft vocabulary: a token map)."""
     g = torch.Generator().manual_seed(3)
     seqs = [torch.randint(1, V, (14 + i % 5,), generator=g).tolist() for i in range(40)]
     feats = []
@@ -48,7 +49,7 @@ def data(target):
 
 
 def model_for(target, cfg, d, conf_bias=0.0):
-    m = DSparkTrain(cfg, target.embed, target.head, d.draft_ids, seed=1)
+    m = DSparkTrain(cfg, target.embed, target.head, d.draft_ids, 0, seed=1)
     with torch.no_grad():
         m.w("conf_bias").fill_(conf_bias)
     return m
@@ -82,9 +83,9 @@ def test_refit_reads_every_proposed_position_of_the_held_back_sequences_only(tar
     want = 0
     for i in d.val:
         n, start = len(d.ids[i]), int(d.starts[i])
-        want += sum(1 for a in range(start, n - 1) for j in range(1, B) if a + j < n)
+        want += sum(1 for a in range(start, n - 1) for j in range(1, B + 1) if a + j < n)
     x, y = samples(m, d, d.val, to_draft)
-    assert x.shape == (want, H + 1) and y.shape == (want,)
+    assert x.shape == (want, H + cfg.rank) and y.shape == (want,)   # [h, markov_w1[prev]]
     conf, bias, report = refit(m, d, to_draft)
     assert report["positions"] == want and report["sequences"] == len(d.val)
     assert report["bce_out_of_fold"] == min(report["bce_by_choice"].values())
@@ -122,11 +123,23 @@ def test_a_folder_that_cannot_be_refitted_is_refused_before_any_work(target, dat
     with pytest.raises(HalError, match="config.json, got no such file"):
         refit_folder(tmp_path / "none", tmp_path / "out")
     m = model_for(target, cfg, d)
-    save_block(tmp_path / "b", cfg, m.weights())
+    write = lambda out, c: write_block(tmp_path / out, c, m.weights(), 0, LAYERS,  # noqa: E731
+                                       (target.embed, target.head), vocab=V)
+    write("b", cfg)
     with pytest.raises(HalError, match="--refit-confidence: expected a trained drafter's folder with train.json"):
         refit_folder(tmp_path / "b", tmp_path / "out")
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "config.json").write_text('{"architecture": "dspark-block"}')
+    with pytest.raises(HalError, match="--refit-confidence: expected a DSpark drafter's folder, got .*retired "
+                                       "dspark-block layout"):
+        refit_folder(tmp_path / "old", tmp_path / "out")
+    plain = replace(cfg, rank=0, confidence=Confidence.NONE, anchor_predicts=False)   # DFlash: no head to refit
+    w = {n: t for n, t in m.weights().items() if n in plain.shapes(V) or n == "draft_ids"}
+    write_block(tmp_path / "f", plain, w, 0, LAYERS, vocab=V)
+    with pytest.raises(HalError, match="--refit-confidence: expected a drafter with a confidence head"):
+        refit_folder(tmp_path / "f", tmp_path / "out")
     odd = replace(cfg, taps=(CANDIDATE_TAPS[0], 3))   # layer 3's input is not in the data cache
-    save_block(tmp_path / "c", odd, m.weights())
+    write("c", odd)
     (tmp_path / "c" / "train.json").write_text('{"seed": 0}')
     with pytest.raises(HalError, match=r"--refit-confidence: expected taps the data records \(\[1, 2, 4, .*"
                                        r"got \[1, 3\]"):

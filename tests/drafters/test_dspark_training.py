@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from hal.errors import HalError
-from hal.models.block_layouts import load_block
-from hal.models.dspark import DSparkConfig, save_block
+from hal.models.block_layouts import load_block, write_block
+from hal.models.dspark import DSparkConfig
 from hal.drafters.dspark import DSparkDrafter
 from hal.training.block_train import DSparkTrain
 from hal.models.llama import random_llama
-from tests.drafters.test_dspark import DRAFT, TAPS, config, lossless, trained
+from tests.drafters.test_dspark import DRAFT, MASK, TAPS, config, lossless, trained
 from tests.drafters.test_eagle import D, FFN, H, HEADS, KV, LAYERS, V, target_features
 
 
@@ -44,20 +44,24 @@ def permutation_data(target, n: int = 48, length: int = 30):
 
 
 def test_training_learns_a_predictable_continuation_and_writes_a_loadable_drafter(target, tmp_path):
-    """Sequences that follow a fixed permutation of the vocabulary: a block drafter trained for
-    200 steps proposes the whole block (validation tau near B - 1 = 3; untrained, near 0)."""
+    """Sequences that follow a fixed permutation of the vocabulary: a DSpark drafter trained for
+    200 steps proposes the whole block (validation tau near B = 4; untrained, near 0), and its
+    confidence head refitted on the held-back sequences is the one written."""
     from hal.training.block_data import CANDIDATE_TAPS
     from hal.training.block_train import train_block
     seqs, feats, blob = permutation_data(target)
     cfg = DSparkConfig(hidden=H, heads=HEADS, kv_heads=KV, head_dim=D, ffn=FFN, layers=1, taps=CANDIDATE_TAPS[:2],
                       block=4, rank=8, draft_vocab=V)
-    got = train_block(cfg, blob, feats, target, 10.0, batch=8, anchors=8, lr=3e-3, max_steps=200, say=lambda _: None)
+    got = train_block(cfg, blob, feats, target, 10.0, batch=8, anchors=8, lr=1e-2, max_steps=200, say=lambda _: None,
+                      refit_confidence=True)
     first, last = got["summary"]["curve"][0], got["summary"]["val"]
-    assert first[4] < 0.5 and last["tau"] > 2.5 and last["top1"] > 0.9, (first, last)
+    assert first[4] < 0.5 and last["tau"] > 3.0 and last["top1"] > 0.8, (first, last)
     refit = got["summary"]["confidence"]   # on the 2 held-back sequences: the head saved is the refitted one
     assert refit["positions"] > 0 and refit["bce_out_of_fold"] == min(refit["bce_by_choice"].values())
-    assert bool(got["weights"]["conf"][:-1].any()) == (refit["inputs"] != "row")   # "row": hidden weights zero
-    save_block(tmp_path / "b", cfg, got["weights"])
+    conf = got["weights"]["conf"]
+    assert bool(conf[:H].any()) == (refit["inputs"] != "markov row")   # weights outside the chosen set: zero
+    assert bool(conf[H:].any()) == (refit["inputs"] != "hidden")
+    write_block(tmp_path / "b", cfg, got["weights"], 0, LAYERS, (target.embed, target.head), vocab=V)
     drafter = DSparkDrafter(load_block(tmp_path / "b", target))
     dec = lossless(target, drafter, [s[:12] for s in seqs[-3:]])
     assert dec.metrics.total.num_draft_tokens > 0
@@ -78,11 +82,11 @@ def test_the_last_layers_output_is_a_tap_and_its_soft_labels_are_the_targets_gre
     assert torch.equal(both[:, H:], last) and torch.equal(both[:, :H], target_features(target, ids, (4,)))
     with pytest.raises(HalError, match="feature_layers: expected distinct layer indices"):
         target_features(target, ids, (LAYERS, 4))
-    model = DSparkTrain(config(), target.embed, target.head, DRAFT, 0, target.w["norm"])
+    model = DSparkTrain(config(), target.embed, target.head, DRAFT, MASK, 0, target.w["norm"])
     torch.testing.assert_close(model.teacher(last), torch.softmax(logits[:, DRAFT], -1), atol=1e-5, rtol=1e-5)
     anchors = torch.tensor([[3, 10, 20]])
-    p = soft_labels(model, last[None], anchors)                        # [1, 3, B - 1, Vd]
-    at = anchors[0, :, None] + torch.arange(1, model.cfg.block)
+    p = soft_labels(model, last[None], anchors)                        # [1, 3, P, Vd]
+    at = anchors[0, :, None] + torch.arange(1, model.cfg.proposals + 1)
     want = torch.tensor(ids)[at]
     inside = torch.isin(want, DRAFT)
     assert inside.sum() >= 4
@@ -114,11 +118,11 @@ def test_the_distilled_loss_mixes_hard_and_soft_labels_over_every_valid_position
     half = losses(model, f, ids, anchors, lens, to_draft, last, 0.5)[0]
     with torch.no_grad():
         base, _ = model(f, ids, anchors)
-        at = anchors[0, :, None] + torch.arange(1, 4)
+        at = anchors[0, :, None] + torch.arange(1, 5)   # the anchor's row proposes too: 4 rows
         rows = base[0] + model.markov(ids[0][at - 1])
         valid = at < 24
         p = soft_labels(model, last, anchors)[0]
-        w = torch.exp(-torch.arange(3) / DECAY).expand_as(at)
+        w = torch.exp(-torch.arange(4) / DECAY).expand_as(at)
         want = ((-(p * torch.log_softmax(rows, -1)).sum(-1) * w)[valid].sum() / w[valid].sum())
     torch.testing.assert_close(soft, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(half, (hard + soft) / 2, atol=1e-5, rtol=1e-5)

@@ -354,3 +354,33 @@ def test_a_mixed_drafters_rows_are_counted_under_the_method_that_drafted_them(ta
     assert set(by) == {"ngram", "eagle3"}, by
     assert sum(c.num_drafts for c in by.values()) == dec.metrics.total.num_drafts
     assert sum(c.num_accepted_tokens for c in by.values()) == dec.metrics.total.num_accepted_tokens
+
+
+def test_a_dspark_checkpoint_without_its_copies_borrows_the_targets(targets, tmp_path):
+    """DeepSpec's checkpoints carry copies of the target's embeddings and lm_head. Without them
+    (`without_copies`: the shipped drafter's form) the target's own are read, and the drafts and
+    confidences are the same; `with_copies` writes them back as they were. One copy alone, or
+    copies that are not the target's, are refused."""
+    from safetensors.torch import load_file, save_file
+
+    from hal.models.block_layouts import with_copies, without_copies
+    target, ref = targets["dspark"], reference("dspark")
+    src = FIX / "dspark" / "tiny_dspark"
+    without_copies(src, tmp_path / "bare", target)
+    bare = load_file(str(tmp_path / "bare" / "model.safetensors"))
+    assert "embed_tokens.weight" not in bare and "lm_head.weight" not in bare
+    ids, start = ref["greedy_loop"]["output_ids"][0].tolist(), int(ref["greedy_loop"]["rounds"][0]["start"])
+    got = [block_step(load_block(f, target), target, ids, start) for f in (src, tmp_path / "bare")]
+    assert got[0][1].draft_token_ids.tolist() == got[1][1].draft_token_ids.tolist()
+    assert got[0][0].confidences == got[1][0].confidences
+    with_copies(tmp_path / "bare", tmp_path / "whole", target)
+    whole, orig = load_file(str(tmp_path / "whole" / "model.safetensors")), load_file(str(src / "model.safetensors"))
+    assert set(whole) == set(orig) and all(torch.equal(whole[n], orig[n]) for n in orig)
+    save_file({**bare, "lm_head.weight": orig["lm_head.weight"]}, str(tmp_path / "bare" / "model.safetensors"))
+    with pytest.raises(hal.HalError, match="expected both embed_tokens and lm_head .* got only lm_head"):
+        load_block(tmp_path / "bare", target)
+    odd = {**orig, "lm_head.weight": orig["lm_head.weight"] + 1}
+    save_file(odd, str(tmp_path / "bare" / "model.safetensors"))
+    with pytest.raises(hal.HalError, match="lm_head.weight: expected a copy of the target's, got other values"):
+        without_copies(tmp_path / "bare", tmp_path / "again", target)
+    assert not (tmp_path / "again").exists()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -26,3 +27,42 @@ def test_the_shipped_eagle_head_round_trips_through_the_published_layout(tmp_pat
     assert set(ours) == set(shipped)
     assert all(ours[n].dtype == shipped[n].dtype and torch.equal(ours[n], shipped[n]) for n in shipped)
     assert json.loads((tmp_path / "config.json").read_text()) == config
+
+
+def test_the_shipped_dspark_drafter_exported_whole_drafts_what_it_drafts(tmp_path):
+    """The shipped block drafter is DeepSpec's ``Qwen3DSparkModel`` layout less its copies of the
+    target's embeddings and lm_head; ``spec-hal model export-drafter dspark`` writes them back
+    (DeepSpec's own loader reads that: `scripts/oracles/dspark_written_check.py`). The exported
+    folder proposes what the shipped one does, token for token and probability for probability,
+    and greedy decoding with it equals plain decoding."""
+    import hal
+    from hal.drafters.dspark import DSparkDrafter
+    from hal.engine import Request, SpeculativeDecoder
+    from hal.models.block_layouts import load_block
+    from hal.models.dspark import shipped_block
+    from hal.models.export import export_drafter
+    from tests.engine.test_real_model import load_real
+    target, tok = load_real()
+    folder = shipped_block("smollm2-135m")
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3DSparkModel"] and config["block_size"] == 7
+    shipped = load_file(str(folder / "model.safetensors"))
+    assert "embed_tokens.weight" not in shipped and "lm_head.weight" not in shipped
+    out = export_drafter("dspark", "smollm2-135m", tmp_path / "whole", hal.get_backend("cpu"))
+    whole = load_file(str(out / "model.safetensors"))
+    assert torch.equal(whole.pop("embed_tokens.weight"), target.embed)
+    assert torch.equal(whole.pop("lm_head.weight"), target.head)
+    assert set(whole) == set(shipped) and all(torch.equal(whole[n], shipped[n]) for n in shipped)
+    assert json.loads((out / "config.json").read_text()) == config
+    assert torch.equal(torch.load(out / "token_map.pt"), torch.load(folder / "token_map.pt"))
+    ids = tok.encode("<|im_start|>user\nTell me about the history of the bicycle.<|im_end|>\n"
+                     "<|im_start|>assistant\n").ids
+    runs = []
+    for drafter in (None, DSparkDrafter(load_block(folder, target)), DSparkDrafter(load_block(out, target))):
+        dec = SpeculativeDecoder(target, drafter, num_blocks=64)
+        got = dec.generate([Request(ids, max_new_tokens=32, k=7 if drafter else 0, stop_ids=(2,))])[0]
+        runs.append((got, dec.metrics.total.accepted_per_position, dec.metrics.total.drafts_per_position))
+    assert runs[1] == runs[2] and runs[1][0] == runs[0][0]
+    assert sum(runs[1][1]) > 0   # it drafts something the target takes
+    with pytest.raises(hal.HalError, match="--out: expected a new or empty folder"):
+        export_drafter("dspark", "smollm2-135m", out, hal.get_backend("cpu"))
