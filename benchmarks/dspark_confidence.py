@@ -25,7 +25,7 @@ from hal.models.machine import machine_line
 from hal.training import block_data, data
 from hal.training.block_data import CANDIDATE_TAPS, to_draft_of
 from hal.training.block_data import BlockData
-from hal.training.block_train import from_weights
+from hal.training.dspark_train import from_weights
 from hal.training.confidence import samples
 
 BINS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)

@@ -10,7 +10,7 @@ then scored two ways:
     python benchmarks/dspark_sweep.py [--minutes 5] [--prompts 8] [--only NAME ...]
 
 A config's ``distill`` is the share of the cross-entropy taken against the target's soft labels
-(`hal.training.block_train.losses`; 0 when absent).
+(`hal.training.dspark_train.losses`; 0 when absent).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def main() -> None:
     torch.set_num_threads(2)
     from hal.models.dspark import DSparkConfig, DSparkModel
     from hal.training import block_data, data
-    from hal.training.block_train import train_block
+    from hal.training.dspark_train import train_block
     blob = block_data.responses("smollm2-135m")
     feats = block_data.tapped("smollm2-135m", blob)
     target, tok = block_data.load_target("smollm2-135m", None, None)

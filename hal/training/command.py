@@ -31,7 +31,7 @@ def cmd_train_head(args) -> int:
               f"before, {r['bce_constant']:.3f} for a constant")
         return 0
     if args.kind == "dspark":
-        from hal.training.block_train import run
+        from hal.training.dspark_train import run
         out = Path(args.out or f"{Path(args.model).stem}-dspark")
         s = run(args.model, out, args.minutes, block=args.block, layers=args.layers, taps=args.taps, rank=args.rank,
                 draft_size=args.draft_vocab, seed=args.seed, max_new_tokens=args.max_new_tokens, limit=args.limit,
@@ -40,7 +40,7 @@ def cmd_train_head(args) -> int:
         print(f"block drafter written to {out}/ (model.safetensors, config.json, loss.png, train.json): "
               f"{s['steps']} steps, validation tau {s['val']['tau']:.3f}, top-1 {s['val']['top1']:.3f}")
         return 0
-    from hal.training.train import run_eagle
+    from hal.training.eagle_train import run_eagle
     out = Path(args.out or f"{Path(args.model).stem}-eagle3")
     s = run_eagle(args.model, out, args.minutes, draft_size=args.draft_vocab, sets=args.prompt_sets,
                   max_new_tokens=args.max_new_tokens, limit=args.limit, batch=args.batch, lr=args.lr, seed=args.seed,
@@ -63,7 +63,7 @@ def add_train_head(sub) -> None:
     th.add_argument("--taps", type=taps_flag, default=(1, 8, 16, 24, 29),  # the layer count: the last layer's output
                     help="dspark: increasing target layers (of block_data.CANDIDATE_TAPS) whose inputs are features")
     th.add_argument("--rank", type=bounded(int, 1, 512), default=32, help="dspark: the Markov head's rank")
-    th.add_argument("--layout", choices=("dspark", "dflash"), default="dspark",  # block_train.LAYOUTS
+    th.add_argument("--layout", choices=("dspark", "dflash"), default="dspark",  # dspark_train.LAYOUTS
                     help="dspark: the architecture trained and written: DeepSpec's published DSpark (Qwen3DSparkModel) "
                          "or z-lab's DFlash (DFlashDraftModel), both Qwen3 layers (a --draft-vocab below the target's "
                          "is written as token_map.pt, as SGLang's --speculative-token-map reads it)")
@@ -105,7 +105,7 @@ def refit_folder(folder, out, model: str = "smollm2-135m") -> dict:
     from hal.models.dspark import Confidence
     from hal.training import block_data
     from hal.training.block_data import CANDIDATE_TAPS, BlockData, to_draft_of
-    from hal.training.block_train import refit_on
+    from hal.training.dspark_train import refit_on
     from hal.training.confidence import readme_line
     folder, out = Path(folder), Path(out)
     try:

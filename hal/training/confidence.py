@@ -1,6 +1,6 @@
 """Refitting a DSpark drafter's confidence head on held-back sequences (issue 35 item 3).
 
-The confidence head trains with the drafter (`hal.training.block_train.losses`), on the
+The confidence head trains with the drafter (`hal.training.dspark_train.losses`), on the
 sequences the drafter fits. There the drafter is right more often than on text it has not
 seen, so the head can learn to be sure of itself, and a routed cut that trusts it verifies what
 does not pay. This module fits the head again, the drafter frozen, on sequences the drafter
@@ -33,7 +33,7 @@ L2 = (1e-4, 1e-3, 1e-2, 1e-1)   # strengths tried (on the mean BCE; the bias is 
 def samples(model, d, idx: list[int], to_draft: Tensor) -> tuple[Tensor, Tensor]:
     """The confidence head's inputs [n, width] and labels [n] (float 0/1) at every valid proposed
     position of blocks anchored at every response position of sequences ``idx`` of ``d``
-    (a `hal.training.block_train.BlockData`), in float64."""
+    (a `hal.training.dspark_train.BlockData`), in float64."""
     from hal.training.block_data import block_targets
     xs, ys = [], []
     with torch.no_grad():

@@ -1,7 +1,7 @@
 """Does z-lab's own code read the DFlash drafters spec-hal writes (`write_block`, what
 ``train-head --kind dspark --layout dflash`` writes), and draft what spec-hal drafts?
 
-A drafter with random weights (`hal.training.block_train.DSparkTrain` in DFlash's architecture:
+A drafter with random weights (`hal.training.dspark_train.DSparkTrain` in DFlash's architecture:
 2 Qwen3 layers, block 8, mask id 255, taps of target layers [0, 2, 4], no Markov or confidence
 head) for the DFlash fixture's tiny Qwen3 target (`tests/fixtures/drafters/dflash/tiny_target`) is
 written to a temporary folder. z-lab's ``DFlashDraftModel.from_pretrained`` loads it and drafts one
@@ -40,7 +40,7 @@ def main():
     from hal.models.block_layouts import DFLASH, load_block, write_block
     from hal.models.dspark import Confidence, DSparkConfig
     from hal.models.fetch import load_model
-    from hal.training.block_train import DSparkTrain
+    from hal.training.dspark_train import DSparkTrain
 
     target_dir = REPO / "tests/fixtures/drafters/dflash/tiny_target"
     hf = Qwen3ForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()

@@ -1,7 +1,7 @@
 """Does DeepSpec's own code read the DSpark drafters spec-hal writes (`write_block`, what
 ``train-head --kind dspark --layout dspark`` writes), and propose what spec-hal proposes?
 
-A drafter with random weights (`hal.training.block_train.DSparkTrain` in the published
+A drafter with random weights (`hal.training.dspark_train.DSparkTrain` in the published
 architecture: 2 Qwen3 layers, block 7, mask id 250, taps of target layers [0, 2], a Markov table of
 rank 8, a confidence head over [h, markov_w1]) for the DSpark fixture's tiny Qwen3 target
 (`tests/fixtures/drafters/dspark/tiny_target`) is written to a temporary folder. DeepSpec's
@@ -39,7 +39,7 @@ def main():
     from hal.models.block_layouts import DSPARK, load_block, write_block
     from hal.models.dspark import Confidence, DSparkConfig
     from hal.models.fetch import load_model
-    from hal.training.block_train import DSparkTrain
+    from hal.training.dspark_train import DSparkTrain
 
     target_dir = REPO / "tests/fixtures/drafters/dspark/tiny_target"
     hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32, attn_implementation="sdpa").eval()

@@ -1,7 +1,7 @@
 """Does SafeAILab's own code read the EAGLE-3 heads spec-hal writes (`write_eagle3`, what
 ``train-head --kind eagle`` writes), and draft what spec-hal drafts from them?
 
-A head with random weights (`hal.training.train.EagleTrain`, every norm away from 1) for the
+A head with random weights (`hal.training.eagle_train.EagleTrain`, every norm away from 1) for the
 EAGLE-3 fixture's tiny Llama target (`tests/fixtures/drafters/eagle3/tiny_target`, 8 layers, taps
 (2, 4, 5)) is written to a temporary folder as model.safetensors + config.json. The authors'
 ``cnets.Model`` loads it as ``eagle/model/ea_model.py`` does (config by ``EConfig``, embeddings
@@ -42,7 +42,7 @@ def main():
     from hal.models.eagle import EagleConfig
     from hal.models.eagle_layouts import load_eagle, write_eagle3
     from hal.models.fetch import load_model
-    from hal.training.train import EagleTrain, eagle3_taps
+    from hal.training.eagle_train import EagleTrain, eagle3_taps
 
     target_dir = REPO / "tests/fixtures/drafters/eagle3/tiny_target"
     hf = LlamaForCausalLM.from_pretrained(target_dir).float().eval()

@@ -18,7 +18,7 @@ from hal.errors import HalError
 from hal.models.block_layouts import DFLASH, DSPARK, load_block, published_weights, read_layout, write_block
 from hal.models.dspark import Confidence
 from hal.models.llama import random_llama
-from hal.training.block_train import DSparkTrain
+from hal.training.dspark_train import DSparkTrain
 from tests.drafters.test_dspark import config, lossless, view
 from tests.drafters.test_eagle import D, FFN, H, HEADS, KV, LAYERS, V, target_features
 
@@ -142,7 +142,7 @@ def test_training_in_a_published_layout_learns_and_drafts_losslessly(target, tmp
     starts from the anchor's large random embedding, had learned 44%: measured); the written
     folder drafts losslessly."""
     from hal.training.block_data import CANDIDATE_TAPS
-    from hal.training.block_train import train_block
+    from hal.training.dspark_train import train_block
     from tests.drafters.test_dspark_training import permutation_data
     seqs, feats, blob = permutation_data(target)
     cfg = replace(published(arch), layers=1, taps=CANDIDATE_TAPS[:2], rank=8 if arch == DSPARK else 0,
@@ -215,7 +215,7 @@ def test_a_bad_token_map_is_refused_by_name(target, tmp_path, bad, match):
 def test_options_the_published_layouts_cannot_take_are_refused_before_any_work(target, tmp_path):
     """`train-head --kind dspark`: an unknown layout (the retired dspark-block included) is refused
     before data or a model is touched, and so is a folder in that layout."""
-    from hal.training.block_train import run
+    from hal.training.dspark_train import run
     for layout in ("eagle", "dspark-block"):
         with pytest.raises(HalError, match=r"--layout: expected one of \['dspark', 'dflash'\]"):
             run("no-such-model", tmp_path / "x", 1.0, layout=layout)
@@ -228,7 +228,7 @@ def test_options_the_published_layouts_cannot_take_are_refused_before_any_work(t
 
 def test_a_mask_token_outside_the_vocabulary_is_refused_before_any_data_is_made(tmp_path, monkeypatch):
     from hal.training import block_data
-    from hal.training.block_train import run
+    from hal.training.dspark_train import run
     monkeypatch.setattr(block_data, "responses", lambda *a, **k: pytest.fail("data made before the check"))
     with pytest.raises(HalError, match=r"--mask-token: expected an id in \[0, 49152\), got 49152"):
         run("smollm2-135m", tmp_path / "x", 1.0, layout="dspark", mask_token=49152)

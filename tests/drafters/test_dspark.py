@@ -20,7 +20,7 @@ from hal.errors import HalError
 from hal.models.block_layouts import load_block, write_block
 from hal.models.dspark import DSparkConfig, DSparkModel
 from hal.models.llama import random_llama
-from hal.training.block_train import DSparkTrain
+from hal.training.dspark_train import DSparkTrain
 from tests.drafters.test_eagle import D, FFN, H, HEADS, KV, LAYERS, V, target_features
 
 TAPS = (1, 4, 6)
@@ -261,7 +261,7 @@ def distilled(target):
     """A block drafter self-distilled on this target's own greedy continuations (200 steps), so
     its sampled drafts are accepted often enough to test the law."""
     from hal.training.block_data import CANDIDATE_TAPS
-    from hal.training.block_train import train_block
+    from hal.training.dspark_train import train_block
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(1, V, (4,), generator=g).tolist() for _ in range(48)]
     outs = SpeculativeDecoder(target, None).generate([Request(p, max_new_tokens=28, k=0) for p in prompts])

@@ -17,7 +17,7 @@ from hal.models.dspark import Confidence, DSparkConfig
 from hal.models.llama import random_llama
 from hal.training.block_data import CANDIDATE_TAPS, to_draft_of
 from hal.training.block_data import BlockData
-from hal.training.block_train import DSparkTrain
+from hal.training.dspark_train import DSparkTrain
 from hal.training.command import refit_folder
 from hal.training.confidence import bce, fit, refit, samples
 from tests.drafters.test_eagle import D, FFN, H, HEADS, KV, LAYERS, V, target_features

@@ -1,4 +1,4 @@
-"""Training a block drafter (`hal.training.block_train`): it learns a predictable continuation
+"""Training a block drafter (`hal.training.dspark_train`): it learns a predictable continuation
 and writes a loadable drafter; the last layer's output as a tap, the soft labels it gives, and
 the loss that mixes them with the hard labels."""
 
@@ -11,7 +11,7 @@ from hal.errors import HalError
 from hal.models.block_layouts import load_block, write_block
 from hal.models.dspark import DSparkConfig
 from hal.drafters.dspark import DSparkDrafter
-from hal.training.block_train import DSparkTrain
+from hal.training.dspark_train import DSparkTrain
 from hal.models.llama import random_llama
 from tests.drafters.test_dspark import DRAFT, MASK, TAPS, config, lossless, trained
 from tests.drafters.test_eagle import D, FFN, H, HEADS, KV, LAYERS, V, target_features
@@ -48,7 +48,7 @@ def test_training_learns_a_predictable_continuation_and_writes_a_loadable_drafte
     200 steps proposes the whole block (validation tau near B = 4; untrained, near 0), and its
     confidence head refitted on the held-back sequences is the one written."""
     from hal.training.block_data import CANDIDATE_TAPS
-    from hal.training.block_train import train_block
+    from hal.training.dspark_train import train_block
     seqs, feats, blob = permutation_data(target)
     cfg = DSparkConfig(hidden=H, heads=HEADS, kv_heads=KV, head_dim=D, ffn=FFN, layers=1, taps=CANDIDATE_TAPS[:2],
                       block=4, rank=8, draft_vocab=V)
@@ -72,7 +72,7 @@ def test_the_last_layers_output_is_a_tap_and_its_soft_labels_are_the_targets_gre
     rows it gives the target's own next-token distribution over the draft vocabulary (1e-5), and
     on the target's greedy continuation the soft labels of each block position peak at the
     token that follows (row a + j - 1 predicts position a + j: an off-by-one fails)."""
-    from hal.training.block_train import soft_labels
+    from hal.training.dspark_train import soft_labels
     ids = [2, 9, 5]
     while len(ids) < 26:   # the target's greedy continuation, one full forward a token
         ids.append(int(target_logits(target, ids)[-1].argmax()))
@@ -104,7 +104,7 @@ def target_logits(target, ids: list[int]) -> torch.Tensor:
 def test_the_distilled_loss_mixes_hard_and_soft_labels_over_every_valid_position(target):
     """``distill`` = 1 is the weighted soft cross-entropy over every valid position (a label
     outside the draft vocabulary included); 0.5 is the mean of it and the hard one."""
-    from hal.training.block_train import DECAY, losses, soft_labels
+    from hal.training.dspark_train import DECAY, losses, soft_labels
     ids = torch.tensor([[(7 * i + 3) % V for i in range(24)]])
     f = target_features(target, ids[0].tolist(), TAPS)[None]
     last = target_features(target, ids[0].tolist(), (LAYERS,))[None]
@@ -136,7 +136,7 @@ def test_the_distilled_loss_mixes_hard_and_soft_labels_over_every_valid_position
 def test_bad_training_options_are_refused_before_training(target, taps, distill, match):
     """A share of soft labels outside [0, 1], or a tap the data does not record, is a HalError
     naming the option before any step."""
-    from hal.training.block_train import train_block
+    from hal.training.dspark_train import train_block
     blob = {"ids": [[2, 9, 5, 7]] * 4, "prompt_lens": [2] * 4, "texts": ["x"] * 4}
     cfg = DSparkConfig(**{**config().__dict__, "taps": taps})
     with pytest.raises(HalError, match=match):

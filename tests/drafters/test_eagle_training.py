@@ -18,7 +18,7 @@ from hal.errors import HalError
 from hal.models.eagle import EagleConfig
 from hal.models.eagle_layouts import load_eagle, write_eagle3
 from hal.models.llama import random_llama
-from hal.training.train import EagleTrain, eagle3_taps, train_eagle
+from hal.training.eagle_train import EagleTrain, eagle3_taps, train_eagle
 from tests.drafters.test_eagle import lossless
 
 H, HEADS, KV, D, FFN, V, LAYERS = 64, 4, 2, 16, 128, 96, 30   # 30 layers: the taps SmolLM2-135M's data records

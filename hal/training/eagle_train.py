@@ -278,7 +278,7 @@ def readme(cfg: EagleConfig, s: dict, out: Path) -> str:
             f"  - Data (`hal/training/block_data.py`): the target's greedy answers to the project's prompt set "
             f"(`hal/training/data.py`; held-out topics and benchmark-like prompts excluded), {s['tokens']:,} "
             f"tokens, made {s['data_made']}.\n"
-            f"  - Training (`hal/training/train.py`): cross-entropy against the target's next-token distribution "
+            f"  - Training (`hal/training/eagle_train.py`): cross-entropy against the target's next-token distribution "
             f"over the draft vocabulary at the first step and {TTT - 1} chained steps (weights 0.8^j), "
             f"{s['steps']} steps over {s['sequences']} sequences, {s['seconds'] / 60:.1f} min; the checkpoint "
             f"with the best validation tau over {s['val_sequences']} held-back sequences is kept.\n"

@@ -353,7 +353,7 @@ def readme(model: str, cfg: DSparkConfig, s: dict, out, vocab: int) -> str:
             f"  - Data (`hal/training/block_data.py`): the target's greedy answers to the project's prompt set "
             f"(`hal/training/data.py`; held-out topics and benchmark-like prompts excluded), {s['tokens']:,} "
             f"tokens, made {s['data_made']}.\n"
-            f"  - Training (`hal/training/block_train.py`): {s['steps']} steps over {s['sequences']} sequences "
+            f"  - Training (`hal/training/dspark_train.py`): {s['steps']} steps over {s['sequences']} sequences "
             f"({s['anchors']} random anchors each per step), {s['seconds'] / 60:.1f} min; the checkpoint with the "
             f"best validation tau over {s['val_sequences']} held-back sequences is kept.\n"
             f"- Validation: tau (mean accepted length of the greedy block, teacher-forced) **{v['tau']:.3f}**, "
