@@ -128,9 +128,9 @@ def check_hidden_state_convention(target, prompt):
 
 
 @torch.inference_mode()
-def single_block(ref, target, draft, prompt):
+def single_block(ref, target, draft, prompt, mask_id=MASK_ID, block=BLOCK):
     """One DSpark proposal right after prefill, exactly as Qwen3DSparkEvaluator does."""
-    ops, n = ref.draft_ops, prompt.shape[1]
+    ops, n, BLOCK, MASK_ID = ref.draft_ops, prompt.shape[1], block, mask_id  # noqa: N806
     position_ids = torch.arange(n + 64).unsqueeze(0)
     out = target(input_ids=prompt, position_ids=position_ids[:, :n], past_key_values=DynamicCache(),
                  use_cache=True, output_hidden_states=True, logits_to_keep=1)
