@@ -91,8 +91,10 @@ class RouteMemory:
             accepted, trials = state["rates"][name]
             scale = min(1.0, (router.max_k + 1) / (1.0 - ewma.decay) / trials) if trials > 0 else 1.0
             ewma.accepted, ewma.trials = accepted * scale, trials * scale
-        router.ratio = list(state["ratio"])
-        router.ratio_steps = [min(8, n) for n in state["ratio_steps"]]   # a mean no more: new steps weigh in
+        pad = 4 - len(state["ratio"])   # a record from before lookup steps were measured apart (stop 79)
+        router.ratio = list(state["ratio"]) + [0.0] * pad
+        # counts cut to 8: a mean no more, new steps weigh in
+        router.ratio_steps = [min(8, n) for n in state["ratio_steps"]] + [0] * pad
         return True
 
     def keep(self, router) -> None:
@@ -122,7 +124,7 @@ def _valid(saved) -> dict | None:
             if not (isinstance(pair, list) and len(pair) == 2 and all(map(number, pair))
                     and 0 <= pair[0] <= pair[1] + 1e-9):
                 return None
-        if len(ratio) != 3 or len(steps) != 3 or not all(number(r) and 0 <= r < 1e3 for r in ratio):
+        if len(ratio) not in (3, 4) or len(steps) != len(ratio) or not all(number(r) and 0 <= r < 1e3 for r in ratio):
             return None
         if any(not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in steps):
             return None

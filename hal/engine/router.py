@@ -93,9 +93,11 @@ class Router:
         self.evidence = evidence if shadow else 0   # a shadow drafter's request drafts after this many measured
         self.measured: dict[object, int] = {}       # ... first drafts of its own (scored or verified)
         self.idle: dict[object, int] = {}
-        # measured step time over the cost model's: steps without drafts or scores [0], with drafts [1],
-        # with scored first drafts only [2]
-        self.ratio, self.ratio_steps = [0.0, 0.0, 0.0], [0, 0, 0]
+        # measured step time over the cost model's: steps without drafts or scores [0], with drafts [1]
+        # (a model's among them), with scored first drafts only [2], with lookup matches' drafts only [3]
+        self.ratio, self.ratio_steps = [0.0, 0.0, 0.0, 0.0], [0, 0, 0, 0]
+        self._lookup_only = False   # the last `choose` drafted only where the lookup matched
+        self._free_scores = False   # ... and scored only lookup matches' first drafts (as cheap as a plain step)
         self.steps = 0   # `choose` calls: the phase of `score_every`
         self._every = 1  # `score_every` as the last `choose` found it
         # a lookup drafter (`hal.engine.drafting.DrafterCapabilities.lookup`): where its host lookup finds a match
@@ -120,10 +122,13 @@ class Router:
         What drafting costs beyond the profiled forward (verifying more rows, the drafter, its
         host work) shows as steps with drafts running slower than the model says, relative to
         steps without (a busy machine slows both alike); `draft_penalty` is that ratio, and
-        `score_every` follows from the same for steps that only scored."""
-        predicted = self.costs.cost(max(fed, 1), 0, chain)
+        `score_every` follows from the same for steps that only scored. Steps whose drafts were
+        all lookup matches' (no model chain; the last `choose` says) are measured apart
+        (`lookup_penalty`): a model's dear drafts never make free lookups look dear."""
+        lookup = drafted > 0 and self._lookup_only
+        predicted = self.costs.cost(max(fed, 1), 0, 0 if lookup else chain)
         if predicted > 0 and seconds > 0:
-            i = 1 if drafted > 0 else 2 if scored > 0 else 0
+            i = 3 if lookup else 1 if drafted > 0 else 2 if scored > 0 and not self._free_scores else 0
             a = 0.9 if self.ratio_steps[i] >= 8 else 1.0 - 1.0 / (self.ratio_steps[i] + 1)   # a mean, then an EWMA
             self.ratio[i] = a * self.ratio[i] + (1 - a) * seconds / predicted
             self.ratio_steps[i] += 1
@@ -136,6 +141,14 @@ class Router:
         if min(self.ratio_steps[0], self.ratio_steps[1]) < 4 or self.ratio[0] <= 0:
             return 1.0
         return max(1.0, self.ratio[1] / self.ratio[0])
+
+    @property
+    def lookup_penalty(self) -> float:
+        """`draft_penalty` of steps whose drafts were all lookup matches' (1 until both that kind and
+        plain steps have 4 measured)."""
+        if min(self.ratio_steps[0], self.ratio_steps[3]) < 4 or self.ratio[0] <= 0:
+            return 1.0
+        return max(1.0, self.ratio[3] / self.ratio[0])
 
     @property
     def score_every(self) -> int:
@@ -214,7 +227,7 @@ class Router:
         plain = best
         can = [i for i in range(n) if caps[i] and self._known(states[i].rid)]
         alpha, offer = {i: self.acceptance(states[i].rid) for i in can}, {i: self.offer_rate(states[i].rid) for i in can}
-        path, penalty = [], self.draft_penalty
+        path, penalty, free = [], self.draft_penalty, self.lookup_penalty
         heap = [(-offer[i] * alpha[i], i, 1) for i in can] if can and self._may_pay(
             states, can, caps, ctx, alpha, offer, plain, penalty) else []
         heapq.heapify(heap)
@@ -223,7 +236,7 @@ class Router:
             chain = 0 if self.matched.get(states[i].rid) else k   # a lookup match's drafts cost no model chain
             tokens, fed, attn, top = tokens - g, fed + 1, attn + ctx[i], max(top, chain)
             path.append(i)
-            rate = tokens / (c.cost(fed, attn, top) * penalty)
+            rate = tokens / (c.cost(fed, attn, top) * (penalty if top else free))   # top 0: lookup drafts alone
             if rate > best:
                 best, best_at = rate, len(path)
             if k < caps[i]:
@@ -234,6 +247,8 @@ class Router:
         for i in path[:best_at]:
             ks[i] += 1
         self._keep_learning(states, ks, caps, budget)
+        self._lookup_only = any(ks) and all(self.matched.get(states[i].rid) for i in range(n) if ks[i])
+        self._free_scores = bool(self.scored) and all(self.matched.get(rid) for rid in self.scored)
         return ks
 
     def _may_pay(self, states, can: list[int], caps: list[int], ctx: list[int], alpha: dict, offer: dict,
@@ -244,6 +259,8 @@ class Router:
         would draft nothing, so it is skipped (a step that drafts nothing costs no walk)."""
         gain = sum(offer[i] * sum(alpha[i] ** j for j in range(1, caps[i] + 1)) for i in can)
         chain = 0 if any(self.matched.get(states[i].rid) for i in can) else 1
+        if not chain:   # a lookup-only path pays the lookup steps' penalty, if that is the smaller
+            penalty = min(penalty, self.lookup_penalty)
         n = len(states)
         cheapest = self.costs.cost(n + 1, sum(ctx) + min(ctx[i] for i in can), chain) * penalty
         return (n + gain) / cheapest * (1 + 1e-9) >= plain * (1 + self.margin)
@@ -253,8 +270,9 @@ class Router:
         the decoder without verifying it (`scored`): a greedy request's every `score_every` steps
         (all at once; when that is every step, all but every ``QUIET``-th, a plain step that keeps
         the comparison measured) and on any step that drafts for another request (the drafter
-        runs then anyway), a sampled one's when a probe is due, and any while not yet `_known`.
-        Other drafters' idle requests are probed with one verified draft every `_probe_interval`
+        runs then anyway), a sampled one's when a probe is due, and any while not yet `_known`. A
+        greedy request whose lookup matched is scored every step: no drafter runs for it, and a
+        step that scores only such drafts is measured as a plain one. Other drafters' idle requests are probed with one verified draft every `_probe_interval`
         plain steps."""
         self.scored, self.steps = set(), self.steps + 1
         every = self._every = self.score_every   # asks_next reads it on the same step
@@ -266,8 +284,9 @@ class Router:
             if ks[i] or not caps[i]:
                 continue
             due = bool(self.probe_every) and self.idle[rid] >= interval
-            if (self.shadow or self.matched.get(rid)) and (   # a lookup match is free to score, whatever the drafter
-                    (state.req.temperature == 0 and greedy) or due or self._wants_evidence(rid)):
+            matched = self.matched.get(rid)   # a lookup match is free to score (no drafter runs): every step
+            if (self.shadow or matched) and (
+                    (state.req.temperature == 0 and (greedy or matched)) or due or self._wants_evidence(rid)):
                 self.scored.add(rid)
                 if due:
                     self.idle[rid] = 0

@@ -80,11 +80,16 @@ def test_what_a_router_learned_is_kept_and_restored(tmp_path):
         got = restored.rates()[name]
         assert (got.accepted, got.trials) == pytest.approx((want.accepted, want.trials))
     assert r.rates()["found2"].trials > 0   # a's match: [7, 8] occurs earlier
-    assert restored.ratio == pytest.approx(r.ratio) and restored.ratio_steps == [8, 8, 8]
+    assert restored.ratio == pytest.approx(r.ratio) and restored.ratio_steps == [min(8, n) for n in r.ratio_steps]
+    assert restored.ratio_steps[:3] == [8, 8, 8]
     assert restored.score_every == r.score_every > fresh.score_every == 1
     assert restored.acceptance("new") == pytest.approx(r.acceptance("new")) != fresh.acceptance("new")
     other = Router(COSTS, max_k=6, memory=RouteMemory(path, {"key": 2}))   # another machine, model or drafter
-    assert other.glob.trials == 0 and other.ratio_steps == [0, 0, 0]
+    assert other.glob.trials == 0 and other.ratio_steps == [0, 0, 0, 0]
+    record = json.loads(path.read_text())   # a record from before lookup steps were measured apart
+    path.write_text(json.dumps({**record, "ratio": record["ratio"][:3], "ratio_steps": record["ratio_steps"][:3]}))
+    old = Router(COSTS, max_k=6, memory=RouteMemory(path, {"key": 1}))
+    assert old.ratio[:3] == pytest.approx(r.ratio[:3]) and old.ratio[3] == 0.0 and old.ratio_steps[3] == 0
 
 
 @pytest.mark.parametrize("damage", ["not json", "[]", '{"signature": {"key": 1}, "dtype": "routing"}',
@@ -105,7 +110,7 @@ def test_a_damaged_record_is_ignored(tmp_path, damage):
     text = json.dumps(record) if damage in ("trials", "ratio", "steps", "strings") else damage
     path.write_text(text)
     restored = Router(COSTS, max_k=6, memory=RouteMemory(path, {"key": 1}))
-    assert restored.glob.trials == 0 and restored.ratio_steps == [0, 0, 0]
+    assert restored.glob.trials == 0 and restored.ratio_steps == [0, 0, 0, 0]
 
 
 def test_an_unwritable_memory_is_skipped(tmp_path):

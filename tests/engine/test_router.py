@@ -210,7 +210,7 @@ def test_scoring_that_costs_is_spread_over_steps_and_free_scoring_is_not():
             seen.append(len(r.scored))
         assert seen == want, (extra, seen)
     r = Router(CostModel({1: 1.0, 2: 1.5, 9: 5.0, 64: 40.0}), max_k=4, shadow=True, evidence=0)   # pays at a > 0.5
-    r.steps, r.ratio, r.ratio_steps = 1, [1.0, 0.0, 1.5], [8, 0, 8]   # scoring measured dear: every 50th step
+    r.steps, r.ratio, r.ratio_steps = 1, [1.0, 0.0, 1.5, 0.0], [8, 0, 8, 0]   # scoring measured dear: every 50th step
     good, poor = _S("good"), _S("poor")
     for _ in range(20):
         r.observe([good], [4], [4])

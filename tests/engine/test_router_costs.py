@@ -70,3 +70,55 @@ def test_a_drafter_that_is_never_scored_still_pays_its_measured_draft_penalty():
         r.observe_step(3, 2, 2, 1.5 * costs.cost(3, 0, 2))
     assert r.ratio_steps[2] == 0 and r.draft_penalty == pytest.approx(1.5)
     assert r._probe_interval([_S("a")], [0], [4]) > probes
+
+
+def test_lookup_matches_pay_the_penalty_measured_on_their_own_steps():
+    """Steps whose drafts were all a lookup's matches are measured apart from steps with a model's
+    drafts: a model's drafts measured 2x dearer than modelled (the drafter's forward beyond its
+    profile) leave matched drafts at their own measured cost, so a well-accepted match is still
+    drafted while the model's drafts at about the same acceptance are not (before stop 79 one penalty
+    for both kept a copy-heavy request of ``ngram+eagle`` from drafting at all)."""
+    costs = CostModel({1: 1.0, 2: 1.05, 9: 1.6}, {1: 0.2, 4: 0.5})
+    r = Router(costs, max_k=4, probe_every=0, lookup=(2, 3), fallback=True)
+    copy = _S("copy")
+    copy.tokens = [5, 6, 7, 8, 9] * 20            # the last tokens occurred before: a lookup match
+    fresh = _S("fresh")
+    fresh.tokens = list(range(100, 200))          # no match: the model would draft
+    for _ in range(8):
+        assert sum(r.choose([copy])) > 0 and r._lookup_only   # drafts where the lookup matched
+        r.observe_step(5, 4, 4, costs.cost(5, 0, 0))
+        r.choose([fresh])
+        r.observe_step(5, 4, 4, 2.0 * costs.cost(5, 0, 4))
+        r.observe_step(1, 0, 0, costs.cost(1, 0, 0))
+        r.observe([copy], [4], [1])
+    assert r.lookup_penalty == pytest.approx(1.0) and r.draft_penalty == pytest.approx(2.0, rel=0.01)
+    for _ in range(20):
+        r.observe([fresh], [4], [1])
+    assert r.acceptance("fresh") == pytest.approx(r.acceptance("copy"), abs=0.05)   # the same acceptance
+    assert sum(r.choose([copy])) > 0 and r.choose([fresh]) == [0]
+
+
+def test_a_lookup_match_is_scored_every_step_and_such_steps_count_as_plain():
+    """Scoring a lookup match's first draft runs no drafter, so a greedy request whose lookup
+    matched is scored on every step at k = 0, however dear the model's scoring was measured
+    (`score_every`), and a step that scores only such drafts is measured as a plain step.
+    (Before stop 79 the demo's copy-heavy request under ``ngram+eagle`` drafted nothing after one
+    rejected lookup draft: the head's scoring had set `score_every` to 64, and the matched request,
+    at k = 0, was not measured again.)"""
+    costs = CostModel({1: 1.0, 2: 2.0, 9: 9.0})   # drafts never pay: k = 0 throughout
+    r = Router(costs, max_k=4, shadow=True, evidence=0, probe_every=16, lookup=(2, 3), fallback=True)
+    plain = costs.cost(2, 0, 0)
+    for _ in range(4):
+        r.observe_step(2, 0, 0, plain)
+        r.observe_step(2, 0, 0, 1.5 * plain, scored=2)   # the model's scoring: half a step more
+    every = r.score_every
+    assert every > 8
+    copy, fresh = _S("copy"), _S("fresh")
+    copy.tokens, fresh.tokens = [5, 6, 7, 8, 9] * 20, list(range(100, 200))   # a match; none
+    before, dear = r.ratio_steps[2], 0
+    for _ in range(every):
+        assert r.choose([copy, fresh]) == [0, 0]
+        assert "copy" in r.scored
+        dear += "fresh" in r.scored
+        r.observe_step(2, 0, 0, plain, scored=len(r.scored))
+    assert dear <= 2 and r.ratio_steps[2] - before == dear   # its phase, or a probe fallen due
