@@ -169,7 +169,7 @@ def test_info_says_what_the_plan_did_not_use_and_why(monkeypatch, capsys):
 def test_export_drafter_writes_the_eagle_head_and_refuses_a_folder_in_use(tmp_path, capsys):
     """``model export-drafter``: the shipped EAGLE-3 head as shipped (the DSpark one, with the
     target's copies: tests/drafters/test_shipped_layouts.py); a folder with files in it is
-    refused in one line, nothing written."""
+    refused in one line, nothing written, and so is a model with no shipped drafter."""
     from hal.cli import main
     from hal.models.eagle import shipped_head
     assert main(["model", "export-drafter", "eagle", "--out", str(tmp_path / "e")]) == 0
@@ -180,3 +180,9 @@ def test_export_drafter_writes_the_eagle_head_and_refuses_a_folder_in_use(tmp_pa
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--out: expected a new or empty folder" in err and "Traceback" not in err
     assert sorted(p.name for p in (tmp_path / "e").iterdir()) == ["config.json", "model.safetensors"]
+    (tmp_path / "other.gguf").write_bytes(b"")   # a model file of its own: nothing is shipped for it
+    other = str(tmp_path / "other.gguf")
+    assert main(["model", "export-drafter", "dspark", "--model", other, "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--model: expected a model with a shipped dspark drafter, got {other!r}" in err
+    assert not (tmp_path / "o").exists()

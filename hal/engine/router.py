@@ -272,8 +272,8 @@ class Router:
         the comparison measured) and on any step that drafts for another request (the drafter
         runs then anyway), a sampled one's when a probe is due, and any while not yet `_known`. A
         greedy request whose lookup matched is scored every step: no drafter runs for it, and a
-        step that scores only such drafts is measured as a plain one. Other drafters' idle requests are probed with one verified draft every `_probe_interval`
-        plain steps."""
+        step that scores only such drafts is measured as a plain one. Other drafters' idle
+        requests are probed with one verified draft every `_probe_interval` plain steps."""
         self.scored, self.steps = set(), self.steps + 1
         every = self._every = self.score_every   # asks_next reads it on the same step
         interval = self._score_interval(every) if self.shadow else self._probe_interval(states, ks, caps)

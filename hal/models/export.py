@@ -15,20 +15,23 @@ def export_drafter(kind: str, model: str, out: str | Path, backend) -> Path:
     without them, and `hal.models.block_layouts.load_block` borrows the target's)."""
     import shutil
 
+    from hal.models.dspark import shipped_block
+    from hal.models.eagle import shipped_head
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise HalError(f"--out: expected a new or empty folder, got {str(out)!r} with files in it", arg="--out")
+    try:
+        src = (shipped_head if kind == "eagle" else shipped_block)(model)
+    except HalError as e:
+        raise HalError(f"--model: expected a model with a shipped {kind} drafter, got {model!r} ({e})",
+                       arg="--model") from None
     if kind == "eagle":
-        from hal.models.eagle import shipped_head
-        src = shipped_head(model)
         out.mkdir(parents=True, exist_ok=True)
         for name in ("config.json", "model.safetensors"):
             shutil.copyfile(src / name, out / name)
         return out
     from hal.models.block_layouts import with_copies
-    from hal.models.dspark import shipped_block
     from hal.models.fetch import load_model
-    src = shipped_block(model)
     target, _ = load_model(model, backend)
     with_copies(src, out, target)
     return out

@@ -33,7 +33,7 @@ L2 = (1e-4, 1e-3, 1e-2, 1e-1)   # strengths tried (on the mean BCE; the bias is 
 def samples(model, d, idx: list[int], to_draft: Tensor) -> tuple[Tensor, Tensor]:
     """The confidence head's inputs [n, width] and labels [n] (float 0/1) at every valid proposed
     position of blocks anchored at every response position of sequences ``idx`` of ``d``
-    (a `hal.training.dspark_train.BlockData`), in float64."""
+    (a `hal.training.block_data.BlockData`), in float64."""
     from hal.training.block_data import block_targets
     xs, ys = [], []
     with torch.no_grad():
