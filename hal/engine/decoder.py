@@ -226,9 +226,9 @@ class SpeculativeDecoder:
         """Draft, size the prefill chunks with the budget left, and run the step (None: nothing to run)."""
         live, dev = plan.decode, self.target.device
         self._out.k = {state.rid: k for state, k in zip(live, plan.k)}
-        drafts = proposals.drafts_for(self.drafter, set() if self.router is None else self.router.scored,
-                                      self._ahead, self.history, live,
-                                      plan.k, dev, None if self.router is None else self.router.costs)
+        r = self.router
+        drafts = proposals.drafts_for(self.drafter, set() if r is None else r.scored, self._ahead, self.history, live,
+                                      plan.k, dev, None if r is None else r.costs, None if r is None else r.continuation)
         drafts = grammar.constrain(live, drafts, plan.k)   # deterministic drafts follow each request's grammar
         self._ahead = None
         plan.ahead = None if self.router is None else self.router.asks_next(live, plan.k)   # whom to draft ahead for

@@ -86,12 +86,13 @@ def row_kinds(drafter: Drafter | None, drafts: StepDrafts, n: int) -> list[str] 
 
 
 def drafts_for(drafter: Drafter | None, scored: set, ahead: Lookahead | None, history: HistoryBuffer,
-               live: list[State], ks: list[int], dev, costs=None) -> StepDrafts:
+               live: list[State], ks: list[int], dev, costs=None, host=None) -> StepDrafts:
     """The drafts each live request verifies this step (``ks[i]`` allowed to request i).
     ``scored``: the requests routed to k = 0 whose free deterministic first draft (a shadow
     drafter's, or a lookup match's) the router scores (`hal.engine.router.Router.scored`; not
     verified, only scored against the step's target row).
     ``costs``: the router's cost model, passed on in the `DraftBatch`.
+    ``host``: where a router looked up the requests this step, its answer (`host_drafts`).
     Changes no request state: `StepDrafts` says what the engine must advance."""
     nothing = torch.zeros(0, dtype=torch.long, device=dev)
     none = StepDrafts(nothing, [0] * len(live), None, None, [], None, [0] * len(live))
@@ -106,9 +107,12 @@ def drafts_for(drafter: Drafter | None, scored: set, ahead: Lookahead | None, hi
     else:
         if not any(want):
             return none
-        prop = drafter.propose(view(history, live, want, costs=costs))
+        prop = host_drafts(drafter, host, live, want, dev)
+        passed = prop is None   # drafted on the host: the drafter is not called, its features wait
+        if passed:
+            prop = drafter.propose(view(history, live, want, costs=costs))
         check_proposal(prop, want)
-        used, passed = want, True
+        used = want
         # a variable-count drafter outside the lookahead: read its counts (free where they are on the host)
         valid = want if prop.num_valid is None else valid_counts(readback(prop.num_valid)[0], want)
         where = {state.rid: (start, v) for state, start, v in zip(live, cumulative(want), valid)}
@@ -125,6 +129,26 @@ def drafts_for(drafter: Drafter | None, scored: set, ahead: Lookahead | None, hi
         if prop.parent_ids is not None:   # a prefix of a row's slots is a tree: local parents stay valid
             par = transfer(prop.parent_ids[idx.to(prop.parent_ids.device)], dev).long()
     return StepDrafts(ids, counts, q, par, guesses, prop, used, passed, asked=want)
+
+
+def host_drafts(drafter: Drafter, host, live: list[State], want: list[int], dev) -> Proposal | None:
+    """The drafter's proposal read on the host, where it needs no drafter call: it drafts by
+    prompt lookup first (`hal.engine.drafting.DrafterCapabilities.lookup`) and ``host(state, k)``,
+    a router's host lookup of this step (`hal.engine.router.Router.continuation`), found a match
+    for every request asked for ``want[i] > 0`` drafts; there the drafter drafts the lookup's
+    continuation, the same tokens (tests/engine/test_lookup.py). None otherwise."""
+    if host is None or capabilities(drafter).lookup is None:
+        return None
+    found = []
+    for state, k in zip(live, want):
+        tokens = host(state, k) if k else []
+        if tokens is None:
+            return None
+        found.append(tokens)
+    ids = [t for tokens, k in zip(found, want) for t in tokens + [-1] * (k - len(tokens))]   # -1: filler slots
+    return Proposal(draft_token_ids=torch.tensor(ids, dtype=torch.long).to(dev),
+                    cu_num_draft_tokens=torch.tensor(cumulative(want)).to(dev),
+                    num_valid=torch.tensor([len(tokens) for tokens in found]), sources=("ngram",) * len(live))
 
 
 def lookahead(drafter: Drafter | None, history: HistoryBuffer, live: list[State], first: list[State],

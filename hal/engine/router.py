@@ -106,6 +106,7 @@ class Router:
         self.lookup, self.fallback = lookup, fallback
         self.index: dict[object, LookupIndex] = {}
         self.matched: dict[object, int] = {}       # the length of this step's match (0: none)
+        self.match_at: dict[object, tuple[int, int]] = {}   # (tokens looked up, end of the match) where it matched
         # acceptance of a lookup match's drafts, by match length (a 3-gram match in copied text
         # is accepted far more often than a 1-gram one in open text)
         self.found = {n: Ewma(global_decay) for n in range(lookup[0], lookup[1] + 1)} if lookup else {}
@@ -194,8 +195,19 @@ class Router:
             index.update(state.tokens)
             found = index.match(state.tokens)
             self.matched[state.rid] = 0 if found is None else found[0]
+            if found is not None:
+                self.match_at[state.rid] = (len(state.tokens), found[1])
             out.append(found is not None or self.fallback)
         return out
+
+    def continuation(self, state, k: int) -> list[int] | None:
+        """The drafts a lookup drafter proposes for ``state`` this step, up to ``k`` (the tokens after
+        the match the last `choose` found, as `hal.ops.Ops.ngram_propose` drafts them), read on the
+        host; None where that lookup found no match, or for tokens other than those it looked up."""
+        if not self.matched.get(state.rid):
+            return None
+        n, end = self.match_at[state.rid]
+        return state.tokens[end + 1:end + 1 + k] if n == len(state.tokens) else None
 
     def offer_rate(self, rid) -> float:
         """The share of steps on which the drafter offered drafts when asked (1 until measured)."""
@@ -295,11 +307,14 @@ class Router:
 
     def asks_next(self, states, ks: list[int]) -> set:
         """The requests of ``states`` (this step's, at ``ks``) that the next `choose` is likely to
-        ask for drafts or a score: those drafted for now, and, for a drafter without a host lookup,
-        those whose scoring or probe falls due. A lookahead drafter drafts ahead for these only
-        (`hal.engine.proposals.lookahead`): on a step that drafts nothing, nothing is drafted
-        ahead to be thrown away. A forecast, not a promise: a request asked after all is drafted
-        for inline, so a wrong forecast costs time, never output."""
+        ask for drafts or a score: those drafted for now, and those whose scoring or probe falls
+        due. A lookahead drafter drafts ahead for these only (`hal.engine.proposals.lookahead`): on
+        a step that drafts nothing, nothing is drafted ahead to be thrown away. None for a drafter
+        with a host lookup: where the next step's lookup matches, its drafts are read on the host
+        (`continuation`), and what it finds is not known yet. A forecast, not a promise: a request
+        asked after all is drafted for inline, so a wrong forecast costs time, never output."""
+        if self.lookup is not None:
+            return set()
         every = self._every
         phase = self._scoring_step(self.steps + 1, every)
         interval = self._score_interval(every) if self.shadow else self.probe_every
@@ -307,9 +322,8 @@ class Router:
         for state, k in zip(states, ks):
             rid = state.rid
             due = bool(self.probe_every) and self.idle.get(rid, 0) + 1 >= interval
-            if k or (self.lookup is None and (due or (self.shadow and (
-                    self._wants_evidence(rid) or (phase and state.req.temperature == 0))))):
-                out.add(rid)   # a lookup drafter's next match is not known yet: it drafts inline
+            if k or due or (self.shadow and (self._wants_evidence(rid) or (phase and state.req.temperature == 0))):
+                out.add(rid)
         return out
 
     def _score_interval(self, every: int) -> int:
@@ -381,7 +395,7 @@ class Router:
         self.measured.pop(state.rid, None)
         self.offered.pop(state.rid, None)
         self.idle.pop(state.rid, None)
-        for kept in (self.index, self.matched, self.found_per, self.found_measured):
+        for kept in (self.index, self.matched, self.match_at, self.found_per, self.found_measured):
             kept.pop(state.rid, None)
         if self.memory is not None:
             self.memory.keep(self)

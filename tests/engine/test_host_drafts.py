@@ -1,0 +1,99 @@
+"""A lookup drafter's drafts read on the host (`hal.engine.proposals.host_drafts`, from the
+router's host lookup, `hal.engine.router.Router.continuation`) are the drafts the drafter's
+backend op proposes; a step that drafts only lookup matches calls no drafter."""
+
+import random
+
+import torch
+
+import hal
+from hal.drafters.ngram import NgramDrafter
+from hal.engine.costs import CostModel
+from hal.engine.drafting import DraftBatch
+from hal.engine.proposals import host_drafts
+from hal.engine.requests import Request, State
+from hal.engine.router import Router
+from hal.kv import BlockAllocator, Sequence
+
+
+def _states(rng, vocab):
+    alloc = BlockAllocator(64, 16)
+    out = []
+    for rid in range(rng.randint(1, 4)):
+        tokens = [rng.randrange(vocab) for _ in range(rng.randint(1, 40))]
+        out.append(State(Request(list(tokens), k=8), rid, tokens, Sequence(alloc)))
+    return out
+
+
+def _op_drafts(be, states, want):
+    """What `NgramDrafter` (the backend's ``ngram_propose``) drafts: each row's valid drafts."""
+    L = max(len(s.tokens) for s in states)
+    history = torch.tensor([s.tokens + [0] * (L - len(s.tokens)) for s in states])
+    lens = tuple(len(s.tokens) for s in states)
+    batch = DraftBatch(rids=tuple(s.rid for s in states), params=tuple(s.req for s in states), history=history,
+                       num_tokens=torch.tensor(lens), lengths=lens, k=tuple(want), offsets=(0,) * len(states))
+    prop = NgramDrafter(be, 1, 3).propose(batch)
+    ids, valid = prop.draft_token_ids.tolist(), want if prop.num_valid is None else prop.num_valid.tolist()
+    at = [sum(want[:i]) for i in range(len(want))]
+    return [ids[a:a + v] for a, v in zip(at, valid)]
+
+
+def test_host_drafts_equal_the_backend_ops_where_the_router_matched():
+    be, rng = hal.get_backend("cpu"), random.Random(7)
+    drafter = NgramDrafter(be, 1, 3)
+    compared = refused = 0
+    for trial in range(200):
+        states = _states(rng, rng.choice([2, 3, 6, 40]))
+        router = Router(CostModel({1: 1.0, 9: 2.0}), max_k=8, shadow=True, lookup=(1, 3))
+        router._look(states)   # what `choose` does first each step
+        want = [rng.choice([0, 1, 3, 8]) for _ in states]
+        prop = host_drafts(drafter, router.continuation, states, want, torch.device("cpu"))
+        matched = [bool(router.matched.get(s.rid)) for s in states]
+        if not all(m for m, w in zip(matched, want) if w):
+            assert prop is None   # an asked request without a match: the drafter drafts
+            refused += 1
+            continue
+        assert prop is not None and prop.cu_num_draft_tokens.tolist() == [sum(want[:i]) for i in range(len(want) + 1)]
+        ids, valid = prop.draft_token_ids.tolist(), prop.num_valid.tolist()
+        at = [sum(want[:i]) for i in range(len(want))]
+        ours = [ids[a:a + v] for a, v in zip(at, valid)]
+        ref = _op_drafts(be, states, want)
+        assert ours == ref, (trial, [s.tokens for s in states], want)
+        compared += 1
+    assert compared > 50 and refused > 20   # both sides were exercised
+
+
+def test_a_continuation_is_only_for_the_tokens_looked_up():
+    router = Router(CostModel({1: 1.0}), lookup=(1, 2))
+    state = State(Request([1, 2, 3, 1]), 0, [1, 2, 3, 1], Sequence(BlockAllocator(4, 4)))
+    router._look([state])
+    assert router.continuation(state, 2) == [2, 3]
+    state.tokens.append(2)   # committed after the lookup: not what it found
+    assert router.continuation(state, 2) is None
+
+
+def test_a_lookup_only_step_calls_no_drafter():
+    """On a copy of its own prompt a routed n-gram engine drafts from lookup matches; every step
+    that drafts only those reads them on the host (the drafter is asked only for lookahead, never
+    inline), and greedy output equals plain decoding's."""
+    from hal.engine import Request as Req, SpeculativeDecoder
+    from hal.launch.build import make_router
+    from hal.models.llama import random_llama
+    be = hal.get_backend("cpu")
+    model = random_llama(32, 2, 4, 2, 8, 64, 64, seed=3, scale=0.15)
+
+    class Counting(NgramDrafter):
+        calls = 0
+
+        def propose(self, b):
+            Counting.calls += b.lengths is not None   # inline (a lookahead call has no host lengths)
+            return super().propose(b)
+
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12] * 4
+    plain = SpeculativeDecoder(model, None).generate([Req(prompt, max_new_tokens=24, k=0)])[0]
+    drafter = Counting(be, 1, 3)
+    costs = CostModel({1: 1.0, 2: 1.01, 9: 1.05})   # drafts pay: the router drafts on every match
+    dec = SpeculativeDecoder(model, drafter, router=make_router(costs, drafter, 4))
+    out = dec.generate([Req(prompt, max_new_tokens=24, k=4)])[0]
+    assert out == plain
+    assert dec.metrics.total.num_draft_tokens > 0 and Counting.calls == 0, (dec.metrics.total, Counting.calls)
