@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hal.engine.costs import CostModel, interpolate
-from hal.engine.router import expected_tokens
+from hal.engine.acceptance import expected_tokens
 from hal.errors import HalError
 
 

@@ -317,8 +317,8 @@ class SpeculativeDecoder:
         width = len(reads.out) // len(live)
         out = [[int(t) for t in reads.out[i * width:(i + 1) * width]] for i in range(len(live))]
         accepted = [int(a) for a in reads.accepted]
-        self.metrics.observe(counts, accepted, [state.rid for state in live],
-                             proposals.row_kinds(self.drafter, result.drafts, len(live)))
+        self.metrics.observe(counts, accepted, [state.rid for state in live],   # kinds label drafted rows only
+                             proposals.row_kinds(self.drafter, result.drafts, len(live)) if any(counts) else None)
         if self.drafter is not None:
             rids = [state.rid for state in live]
             self.drafter.commit(rids, [len(state.tokens) + a for state, a in zip(live, accepted)])

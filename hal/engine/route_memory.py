@@ -26,6 +26,7 @@ import hashlib
 import json
 import math
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -68,6 +69,7 @@ class RouteMemory:
 
     def __init__(self, path: Path | None, key: dict):
         self.path, self.key, self.kept_at = path, key, -math.inf
+        self._writer: threading.Thread | None = None
 
     @classmethod
     def for_engine(cls, target, drafter) -> RouteMemory:
@@ -98,7 +100,8 @@ class RouteMemory:
         return True
 
     def keep(self, router) -> None:
-        """Write the router's rates (at most every `KEEP_EVERY` seconds)."""
+        """Write the router's rates (at most every `KEEP_EVERY` seconds), on a thread of its own:
+        the file system's time (0.3-2 ms here) is not the engine step's. `flush` waits for it."""
         t = time.monotonic()
         if self.path is None or t - self.kept_at < KEEP_EVERY:
             return
@@ -106,6 +109,17 @@ class RouteMemory:
         record = {"signature": self.key, "dtype": "routing",
                   "rates": {name: [e.accepted, e.trials] for name, e in router.rates().items()},
                   "ratio": list(router.ratio), "ratio_steps": list(router.ratio_steps)}
+        self.flush()   # one write at a time, in order
+        self._writer = threading.Thread(target=self._write, args=(record,), name="route-memory")
+        self._writer.start()   # not a daemon: an exiting process still writes what it learned
+
+    def flush(self) -> None:
+        """Wait for the last `keep`'s write."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+
+    def _write(self, record: dict) -> None:
         try:
             plan_cache.store(self.path, record)
         except OSError:   # a read-only cache: the next engine learns afresh

@@ -1,42 +1,38 @@
 """Routing and adaptive k: per request, speculate or not, and how many drafts.
 
 Leviathan et al.: with per-token acceptance a, k drafts yield E(k) = (1 - a^(k+1)) / (1 - a)
-tokens per verify step, and the (k+1)-th draft adds a^(k+1). A step's cost is the
-target forward over all fed tokens (profiled at start-up) plus the draft chain. The
-router adds drafts one at a time, to the request with the largest marginal gain, while
-batch tokens per second ``sum E / cost`` still rises; so k shrinks smoothly as the
-batch grows (no threshold cliff). A drafter that often has nothing to offer (n-gram lookup
-on open-ended text finds no match on most steps) gains only at its measured offer rate r:
-draft j is worth r * a^j, so a lookup that rarely matches is not asked, except by a probe.
-A probe of a free deterministic (``shadow``) drafter verifies nothing: the decoder scores its
-first draft against the step's own target row, as the emitted token (greedy) or as its
-acceptance probability p(draft) (sampled), so measuring a request at k = 0 costs no verify.
-So a shadow drafter's request is drafted for only once its own first drafts have been
-measured (``evidence`` of them, scored or verified): the prior is never spent on a verify.
-Scoring is free for n-gram lookup but not for an EAGLE head (its feed and first draft: see
-docs/benchmarks.md, "Scoring a head's first drafts"), so its cost is measured (steps with scores only
-against steps with neither scores nor drafts) and a greedy request's first draft is scored
-every `Router.score_every` steps, all at once (the head then feeds the steps between in one
-ragged forward), as often as keeps that cost within ``LEARN_SHARE`` of the time.
+tokens per verify step. A step's cost is the target forward over all fed tokens (profiled at
+start-up) plus the draft chain. The router adds drafts one at a time, to the request with the
+largest marginal gain, while batch tokens per second ``sum E / cost`` still rises; so k
+shrinks smoothly as the batch grows (no threshold cliff). A drafter that often offers nothing
+gains only at its measured offer rate r: draft j is worth r * a^j.
+A free deterministic (``shadow``) drafter's request at k = 0 is measured without a verify: the
+decoder scores its first draft against the step's own target row, as the emitted token
+(greedy) or as p(draft) (sampled); it is drafted for only once ``evidence`` of its own first
+drafts were measured, so the prior is never spent on a verify. Scoring is free for n-gram
+lookup but not for an EAGLE head (docs/benchmarks.md, "Scoring a head's first drafts"): its
+cost is measured, and a greedy request's first draft is scored every `Router.score_every`
+steps, as often as keeps that cost within ``LEARN_SHARE`` of the time.
 
 A lookup drafter (n-gram lookup, alone or before a model drafter: ``lookup``, ``fallback``)
 is routed on its host lookup (`hal.engine.lookup`): no match, nothing to offer (alone) or the
 model's acceptance (``fallback``); a match, the acceptance of matches of that length, with no
-model chain to pay and its first draft free to score. What was learned is kept for the next
-engine (``memory``, `hal.engine.route_memory`).
+model chain to pay, its first draft free to score, and its drafts read on the host
+(`Router.continuation`). What was learned is kept for the next engine (``memory``,
+`hal.engine.route_memory`).
 
-Non-anticipating: `Router.choose` runs before anything is drafted and reads only
-finished steps (EWMA acceptance), prompt and context lengths and the batch size, so
-the choice of k never depends on this step's draws and the output distribution is
-unchanged (tests/engine/test_router.py, with the DSpark counterexample).
+Non-anticipating: `Router.choose` runs before anything is drafted and reads only finished
+steps (EWMA acceptance), prompt and context lengths and the batch size, so the choice of k
+never depends on this step's draws and the output distribution is unchanged
+(tests/engine/test_router.py, with the DSpark counterexample).
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass
 
+from hal.engine.acceptance import Ewma
 from hal.engine.costs import CostModel, interpolate
 from hal.engine.lookup import LookupIndex
 from hal.engine.requests import draft_room
@@ -45,27 +41,6 @@ from hal.errors import arg_error
 
 LEARN_SHARE = 0.01   # keeping requests at k = 0 measured (scores, probes) may cost this share of the time
 QUIET = 8            # while scoring every step, every QUIET-th step scores nothing: a plain step to compare
-
-
-@dataclass
-class Ewma:
-    """Acceptance as decayed counts: accepted drafts over (accepted + first rejections)."""
-
-    decay: float
-    accepted: float = 0.0
-    trials: float = 0.0
-
-    def add(self, drafted: int, accepted: int) -> None:
-        self.accepted = self.decay * self.accepted + accepted
-        self.trials = self.decay * self.trials + accepted + (accepted < drafted)
-
-    def score(self, p: float) -> None:
-        """One first draft scored, not verified: accepted with probability ``p`` (its expectation)."""
-        self.accepted = self.decay * self.accepted + p
-        self.trials = self.decay * self.trials + 1.0
-
-    def rate(self, prior: float, weight: float) -> float:
-        return (self.accepted + weight * prior) / (self.trials + weight)
 
 
 class Router:
@@ -231,13 +206,16 @@ class Router:
         n = len(states)
         caps = [max(0, min(self.max_k, state.req.k, draft_room(state))) if has else 0
                 for state, has in zip(states, self._look(states))]
+        can = [i for i in range(n) if caps[i] and self._known(states[i].rid)]
+        ks = [0] * n
+        if not can:   # nobody to draft for: no walk (a step that drafts nothing costs next to nothing)
+            return self._learned(states, ks, caps, budget)
         ctx = [len(state.tokens) for state in states]
         c = self.costs
         fed, attn, top = n, sum(ctx), 0
         tokens = float(n)
         best, best_at = tokens / c.cost(fed, attn, top), 0
         plain = best
-        can = [i for i in range(n) if caps[i] and self._known(states[i].rid)]
         alpha, offer = {i: self.acceptance(states[i].rid) for i in can}, {i: self.offer_rate(states[i].rid) for i in can}
         path, penalty, free = [], self.draft_penalty, self.lookup_penalty
         heap = [(-offer[i] * alpha[i], i, 1) for i in can] if can and self._may_pay(
@@ -253,13 +231,16 @@ class Router:
                 best, best_at = rate, len(path)
             if k < caps[i]:
                 heapq.heappush(heap, (-offer[i] * alpha[i] ** (k + 1), i, k + 1))
-        ks = [0] * n
         if best < plain * (1 + self.margin):
             best_at = 0
         for i in path[:best_at]:
             ks[i] += 1
+        return self._learned(states, ks, caps, budget)
+
+    def _learned(self, states, ks: list[int], caps: list[int], budget: int | None) -> list[int]:
+        """``ks`` once `_keep_learning` has had its say, and what `observe_step` reads of them."""
         self._keep_learning(states, ks, caps, budget)
-        self._lookup_only = any(ks) and all(self.matched.get(states[i].rid) for i in range(n) if ks[i])
+        self._lookup_only = any(ks) and all(self.matched.get(states[i].rid) for i in range(len(ks)) if ks[i])
         self._free_scores = bool(self.scored) and all(self.matched.get(rid) for rid in self.scored)
         return ks
 
@@ -285,17 +266,21 @@ class Router:
         runs then anyway), a sampled one's when a probe is due, and any while not yet `_known`. A
         greedy request whose lookup matched is scored every step: no drafter runs for it, and a
         step that scores only such drafts is measured as a plain one. Other drafters' idle
-        requests are probed with one verified draft every `_probe_interval` plain steps."""
+        requests are probed with one verified draft every `_probe_interval` plain steps. Scorings at
+        the cadence and probes are for requests with at least a cadence's tokens left (`draft_room`):
+        what they measure pays only over the tokens left to use it on."""
         self.scored, self.steps = set(), self.steps + 1
-        every = self._every = self.score_every   # asks_next reads it on the same step
+        every = self._every = self.score_every if self.shadow else 1   # asks_next reads it on the same step
         interval = self._score_interval(every) if self.shadow else self._probe_interval(states, ks, caps)
-        greedy = any(ks) or self._scoring_step(self.steps, every)
+        drafting, phase = any(ks), self._scoring_step(self.steps, every)
         for i, state in enumerate(states):
             rid = state.rid
             self.idle[rid] = 0 if ks[i] else self.idle.get(rid, 0) + 1
             if ks[i] or not caps[i]:
                 continue
-            due = bool(self.probe_every) and self.idle[rid] >= interval
+            left = draft_room(state)
+            due = bool(self.probe_every) and self.idle[rid] >= interval and left >= interval
+            greedy = drafting or (phase and left >= every)
             matched = self.matched.get(rid)   # a lookup match is free to score (no drafter runs): every step
             if (self.shadow or matched) and (
                     (state.req.temperature == 0 and (greedy or matched)) or due or self._wants_evidence(rid)):
@@ -321,8 +306,10 @@ class Router:
         out = set()
         for state, k in zip(states, ks):
             rid = state.rid
-            due = bool(self.probe_every) and self.idle.get(rid, 0) + 1 >= interval
-            if k or due or (self.shadow and (self._wants_evidence(rid) or (phase and state.req.temperature == 0))):
+            left = draft_room(state) - 1   # after this step
+            due = bool(self.probe_every) and self.idle.get(rid, 0) + 1 >= interval and left >= interval
+            if k or due or (self.shadow and (self._wants_evidence(rid) or (
+                    phase and left >= every and state.req.temperature == 0))):
                 out.add(rid)
         return out
 
@@ -399,8 +386,3 @@ class Router:
             kept.pop(state.rid, None)
         if self.memory is not None:
             self.memory.keep(self)
-
-
-def expected_tokens(alpha: float, k: int) -> float:
-    """Leviathan's E(k): tokens per verify step at per-token acceptance ``alpha``."""
-    return float(k + 1) if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)

@@ -51,7 +51,7 @@ extern "C" {
 // (row stride rs); the per-row indices (`hal.models.invariant.KeyLists`); the plan's chunk
 // widths; each layer's weights (layers[i]) and caches (k_caches[i], v_caches[i], contiguous
 // [nblocks, bs, Hkv, D]); taps: increasing layer indices whose entering h is copied to tap_out
-// [ntaps, T, H] (the layer count: h after the last).
+// [T, ntaps, H] (the layer count: h after the last), each row's taps side by side.
 struct LoopCall {
     int64_t T, H, Hq, Hkv, D, F, nblocks, bs, R, nb, bts, E;
     int64_t act_bf16, cache_bf16, interleaved, q4;
@@ -131,6 +131,12 @@ int64_t parallel_attention(const float *q, const void *k_cache, const void *v_ca
     return failed;
 }
 
+// h [T, H] as tap j of tap_out [T, ntaps, H]: each row's taps side by side, the drafter's feature layout
+void copy_tap(float *tap_out, int64_t j, int64_t ntaps, const float *h, int64_t T, int64_t H) {
+    for (int64_t t = 0; t < T; t++)
+        memcpy(tap_out + (t * ntaps + j) * H, h + t * H, sizeof(float) * H);
+}
+
 // one layer: h += d (undefined d: nothing to add, the first layer); attention block; h += its
 // output; the MLP's output returned (not added)
 at::Tensor layer(float *h, const at::Tensor &d, const LayerWeights &lw, int64_t i, const Step &s,
@@ -141,7 +147,7 @@ at::Tensor layer(float *h, const at::Tensor &d, const LayerWeights &lw, int64_t 
     add_norm(h, s.H, d.defined() ? d.data_ptr() : nullptr, s.H, s.act_bf16, lw.attn_norm, s.eps, x.data_ptr(), s.H,
              s.act_bf16, s.T, s.H);
     for (int64_t j = 0; j < ntaps; j++)
-        if (taps[j] == i) memcpy(tap_out + j * s.T * s.H, h, sizeof(float) * s.T * s.H);
+        if (taps[j] == i) copy_tap(tap_out, j, ntaps, h, s.T, s.H);
     int64_t nq = s.Hq * s.D, nk = s.Hkv * s.D, nqkv = nq + 2 * nk;
     at::Tensor qkv = stored_mm(x, lw, 0, nqkv, s);
     if (lw.bqkv)   // the family's extras, as `hal.models.families.qkv_extras`
@@ -189,7 +195,7 @@ int64_t layer_loop(int64_t first, int64_t last, float *h, const void *d, const L
         add_norm(h, s.H, dd.defined() ? dd.data_ptr() : nullptr, s.H, (int)s.act_bf16, nullptr, s.eps, nullptr, s.H,
                  (int)s.act_bf16, s.T, s.H);
         for (int64_t j = 0; j < s.ntaps; j++)
-            if (s.taps[j] == last) memcpy(s.tap_out + j * s.T * s.H, h, sizeof(float) * s.T * s.H);
+            if (s.taps[j] == last) copy_tap(s.tap_out, j, s.ntaps, h, s.T, s.H);
         return 0;
     } catch (const std::exception &e) {
         std::strncpy(err, e.what(), errlen - 1);

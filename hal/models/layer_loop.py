@@ -145,10 +145,11 @@ class LayerLoop:
         self.act = model.plan.dtype
 
     def run(self, h: Tensor, keys: KeyLists, rot: Tensor, widths: list[int], k_caches: list[Tensor],
-            v_caches: list[Tensor], taps: tuple[int, ...], eps: float, scale: float) -> list[Tensor]:
+            v_caches: list[Tensor], taps: tuple[int, ...], eps: float, scale: float) -> Tensor:
         """Every layer of a forward: ``h`` [T, H] float32, the embedding, written in place; the
-        last layer's output is added too. Returns h entering each layer of ``taps``, in order
-        (the layer count: h at the end)."""
+        last layer's output is added too. Returns [T, len(taps) * H]: each row's h entering each
+        layer of ``taps``, in order (the layer count: h at the end), side by side (a feature
+        drafter's layout)."""
         cfg, (T, H) = self.cfg, h.shape
         if h.dtype != torch.float32 or not h.is_contiguous():
             raise HalError(f"h: expected a contiguous float32 [T, H], got {h.dtype} strides {h.stride()}", arg="h")
@@ -165,7 +166,7 @@ class LayerLoop:
                                arg="k_caches")
         cs = torch.view_as_real(rot.contiguous())
         tap_layers = list(taps)
-        tap_out = torch.empty(len(tap_layers), T, H)
+        tap_out = torch.empty(T, len(tap_layers), H)
         kept = [(ctypes.c_int64 * len(widths))(*widths), _pointers(k_caches[:self.layers]),
                 _pointers(v_caches[:self.layers]), (ctypes.c_int64 * max(len(tap_layers), 1))(*tap_layers)]
         bt = keys.block_tables
@@ -183,7 +184,7 @@ class LayerLoop:
         rc = self.lib.layer_loop(0, self.layers, h.data_ptr(), None, ctypes.byref(call), err, 512)
         if rc:
             raise HalError(f"batch: expected a forward the layer loop can run, got: {err.value.decode()}", arg="batch")
-        return list(tap_out.unbind(0))
+        return tap_out.view(T, -1)
 
 
 def _check_metadata(keys: KeyLists, rot: Tensor, widths: list[int], T: int, D: int) -> None:

@@ -300,6 +300,7 @@ class Llama:
                                  batch.feature_layers, cfg.eps, scale)
         else:
             h, taps = self._layers(h, rot, k_caches, v_caches, batch, plan, tree_mask)
+            taps = torch.cat(taps, -1) if taps else None   # [T, len(taps) * H], as the native loop's
         _, out = self.rows.add_norm(h[batch.logits_rows], None, self.w["norm"], cfg.eps)
         if inv:
             logits = self.plan.linear(out, self.head_lin)
@@ -309,7 +310,7 @@ class Llama:
             logits = plain_linear(out, self.head_lin)
         rows = batch.logits_rows if batch.hidden_rows is None else batch.hidden_rows
         if batch.feature_layers:
-            out = torch.cat([t[rows] for t in taps], -1)
+            out = taps[rows]
         elif batch.hidden_rows is not None:
             _, out = self.rows.add_norm(h[rows], None, self.w["norm"], cfg.eps)
         return logits, out

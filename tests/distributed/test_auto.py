@@ -13,7 +13,7 @@ import pytest
 
 from hal.distributed.auto import DeviceProfile, LinkProfile, choose
 from hal.engine.costs import CostModel
-from hal.engine.router import expected_tokens
+from hal.engine.acceptance import expected_tokens
 from hal.errors import HalError
 from tests.launch.test_generate import tiny  # noqa: F401  (the model fixture)
 

@@ -73,6 +73,7 @@ def test_what_a_router_learned_is_kept_and_restored(tmp_path):
     memory = RouteMemory(path, {"key": 1})
     r, a, b = _learned(memory)
     r.release(a)
+    memory.flush()   # written on a thread of its own
     fresh = Router(COSTS, max_k=6, shadow=True, lookup=(1, 3), fallback=True)
     restored = Router(COSTS, max_k=6, shadow=True, lookup=(1, 3), fallback=True, memory=RouteMemory(path, {"key": 1}))
     assert set(r.rates()) == {"glob", "offers", "found1", "found2", "found3"}
@@ -98,6 +99,7 @@ def test_a_damaged_record_is_ignored(tmp_path, damage):
     path = tmp_path / "router.json"
     r, a, _ = _learned(RouteMemory(path, {"key": 1}))
     r.release(a)
+    r.memory.flush()
     record = json.loads(path.read_text())
     if damage == "trials":
         record["rates"]["glob"] = [5.0, 1.0]     # more accepted than tried
@@ -117,6 +119,8 @@ def test_an_unwritable_memory_is_skipped(tmp_path):
     (tmp_path / "file").write_text("")
     r, a, _ = _learned(RouteMemory(tmp_path / "file" / "router.json", {"key": 1}))
     r.release(a)   # no error: the next engine learns afresh
+    r.memory.flush()
+    assert not (tmp_path / "file").read_text()
 
 
 def test_the_key_tells_models_and_drafters_apart():

@@ -13,7 +13,8 @@ from hal.conformance._helpers import assert_distribution
 from hal.engine import Request, SpeculativeDecoder
 from tests.drafters.toy_heads import ToyEagleDrafter
 from hal.engine.costs import CostModel
-from hal.engine.router import Router, expected_tokens
+from hal.engine.acceptance import expected_tokens
+from hal.engine.router import Router
 
 
 @dataclass

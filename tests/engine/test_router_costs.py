@@ -122,3 +122,28 @@ def test_a_lookup_match_is_scored_every_step_and_such_steps_count_as_plain():
         dear += "fresh" in r.scored
         r.observe_step(2, 0, 0, plain, scored=len(r.scored))
     assert dear <= 2 and r.ratio_steps[2] - before == dear   # its phase, or a probe fallen due
+
+
+def test_no_probe_or_cadence_scoring_without_the_tokens_left_to_use_it_on():
+    """A probe (or a scoring at the cadence) measures a request for the steps after it: a request
+    with fewer tokens left than the interval is not probed or scored, one with more is."""
+    from tests.engine.test_router import _S
+    costs = CostModel({1: 1.0, 2: 1.001})   # probes cheap: every probe_every = 4 steps
+    for left, probed in ((100, True), (4, False)):   # room: left - 1 drafts
+        r = Router(costs, max_k=4, probe_every=4)
+        s = _S("x", left=left)
+        for _ in range(10):
+            r.observe([s], [4], [0])
+        assert any(r.choose([s])[0] for _ in range(8)) == probed, left
+    dear = CostModel({1: 1.0, 2: 2.0, 9: 9.0})   # scoring measured at 5%: every 5th step
+    for left, scored in ((100, True), (3, False)):
+        r = Router(dear, max_k=4, shadow=True, evidence=0, probe_every=64)
+        for _ in range(4):
+            r.observe_step(2, 0, 0, dear.cost(2, 0, 0))
+            r.observe_step(2, 0, 0, 1.05 * dear.cost(2, 0, 0), scored=2)
+        assert r.score_every == 5
+        seen = 0
+        for _ in range(10):
+            r.choose([_S("a", left=left), _S("b", left=left)])
+            seen += len(r.scored)
+        assert (seen > 0) == scored, left
