@@ -224,14 +224,14 @@ class SpeculativeDecoder:
 
     def _execute(self, plan: StepPlan) -> StepResult | None:
         """Draft, size the prefill chunks with the budget left, and run the step (None: nothing to run)."""
-        live, dev = plan.decode, self.target.device
+        live, dev, r = plan.decode, self.target.device, self.router
         self._out.k = {state.rid: k for state, k in zip(live, plan.k)}
-        r = self.router
-        drafts = proposals.drafts_for(self.drafter, set() if r is None else r.scored, self._ahead, self.history, live,
-                                      plan.k, dev, None if r is None else r.costs, None if r is None else r.continuation)
+        drafts = proposals.drafts_for(self.drafter, set() if r is None else r.scored, self._ahead, self.history,
+                                      live, plan.k, dev, None if r is None else r.costs,
+                                      None if r is None else r.continuation)
         drafts = grammar.constrain(live, drafts, plan.k)   # deterministic drafts follow each request's grammar
         self._ahead = None
-        plan.ahead = None if self.router is None else self.router.asks_next(live, plan.k)   # whom to draft ahead for
+        plan.ahead = None if r is None else r.asks_next(live, plan.k)   # whom to draft ahead for
         self._apply_drafts(live, drafts)
         fed, decoding = len(live) + sum(drafts.counts), sum(blocks_for(s, 1 + c) for s, c in zip(live, drafts.counts))
         self._admit(self.scheduler.admit(self.pool.allocator.num_free - decoding))
