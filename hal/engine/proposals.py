@@ -131,13 +131,21 @@ def drafts_for(drafter: Drafter | None, scored: set, ahead: Lookahead | None, hi
     return StepDrafts(ids, counts, q, par, guesses, prop, used, passed, asked=want)
 
 
+PASS_BYTES = 4 << 20   # pending feature bytes a request keeps with the engine on steps drafted on the host
+
+
 def host_drafts(drafter: Drafter, host, live: list[State], want: list[int], dev) -> Proposal | None:
     """The drafter's proposal read on the host, where it needs no drafter call: it drafts by
     prompt lookup first (`hal.engine.drafting.DrafterCapabilities.lookup`) and ``host(state, k)``,
     a router's host lookup of this step (`hal.engine.router.Router.continuation`), found a match
     for every request asked for ``want[i] > 0`` drafts; there the drafter drafts the lookup's
-    continuation, the same tokens (tests/engine/test_lookup.py). None otherwise."""
+    continuation, the same tokens (tests/engine/test_lookup.py). None otherwise, and where a
+    request has `PASS_BYTES` of features pending: the drafter holds or feeds them (a request the
+    lookup covers for long would otherwise keep its features here without bound). Below that
+    they wait: a request that ends before the drafter needs them never costs its catch-up."""
     if host is None or capabilities(drafter).lookup is None:
+        return None
+    if any(sum(f.numel() * f.element_size() for f in state.features) >= PASS_BYTES for state in live):
         return None
     found = []
     for state, k in zip(live, want):

@@ -97,3 +97,18 @@ def test_a_lookup_only_step_calls_no_drafter():
     out = dec.generate([Req(prompt, max_new_tokens=24, k=4)])[0]
     assert out == plain
     assert dec.metrics.total.num_draft_tokens > 0 and Counting.calls == 0, (dec.metrics.total, Counting.calls)
+
+
+def test_a_request_with_many_pending_features_calls_the_drafter():
+    """Features the drafter was not passed wait with the engine; past `PASS_BYTES` a lookup step
+    calls the drafter after all (it holds or feeds them), so they never pile up without bound."""
+    from hal.engine.proposals import PASS_BYTES
+    be = hal.get_backend("cpu")
+    state = State(Request([1, 2, 3, 1, 2]), 0, [1, 2, 3, 1, 2], Sequence(BlockAllocator(4, 4)))
+    router = Router(CostModel({1: 1.0}), lookup=(1, 3))
+    router._look([state])
+    drafter = NgramDrafter(be, 1, 3)
+    state.features = [torch.zeros(PASS_BYTES // 16 - 1, 4)]   # float32 rows of 16 bytes
+    assert host_drafts(drafter, router.continuation, [state], [2], torch.device("cpu")) is not None
+    state.features.append(torch.zeros(1, 4))
+    assert host_drafts(drafter, router.continuation, [state], [2], torch.device("cpu")) is None
