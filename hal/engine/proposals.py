@@ -139,13 +139,15 @@ def host_drafts(drafter: Drafter, host, live: list[State], want: list[int], dev)
     prompt lookup first (`hal.engine.drafting.DrafterCapabilities.lookup`) and ``host(state, k)``,
     a router's host lookup of this step (`hal.engine.router.Router.continuation`), found a match
     for every request asked for ``want[i] > 0`` drafts; there the drafter drafts the lookup's
-    continuation, the same tokens (tests/engine/test_lookup.py). None otherwise, and where a
-    request has `PASS_BYTES` of features pending: the drafter holds or feeds them (a request the
-    lookup covers for long would otherwise keep its features here without bound). Below that
-    they wait: a request that ends before the drafter needs them never costs its catch-up."""
+    continuation, the same tokens (tests/engine/test_lookup.py, tests/engine/test_host_drafts.py).
+    None otherwise, and where a request has `PASS_BYTES` of features pending, counted a row per
+    step (no walk over them on every step): the drafter holds or feeds them (a request the lookup
+    covers for long would otherwise keep its features here without bound). Below that they wait:
+    a request that ends before the drafter needs them never costs its catch-up."""
     if host is None or capabilities(drafter).lookup is None:
         return None
-    if any(sum(f.numel() * f.element_size() for f in state.features) >= PASS_BYTES for state in live):
+    if any(s.features and len(s.features) * s.features[-1][0].numel() * s.features[-1].element_size() >= PASS_BYTES
+           for s in live):
         return None
     found = []
     for state, k in zip(live, want):

@@ -108,7 +108,7 @@ def test_a_request_with_many_pending_features_calls_the_drafter():
     router = Router(CostModel({1: 1.0}), lookup=(1, 3))
     router._look([state])
     drafter = NgramDrafter(be, 1, 3)
-    state.features = [torch.zeros(PASS_BYTES // 16 - 1, 4)]   # float32 rows of 16 bytes
+    state.features = [torch.zeros(1, 4)] * (PASS_BYTES // 16 - 1)   # a float32 row of 16 bytes per step
     assert host_drafts(drafter, router.continuation, [state], [2], torch.device("cpu")) is not None
     state.features.append(torch.zeros(1, 4))
     assert host_drafts(drafter, router.continuation, [state], [2], torch.device("cpu")) is None
