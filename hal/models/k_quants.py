@@ -208,6 +208,13 @@ class MixedWeight:
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
 
+    @property
+    def codes(self) -> int:
+        return self.parts[0].codes   # every part's (`with_codes`)
+
+    def with_codes(self, codes: int) -> "MixedWeight":
+        return MixedWeight(tuple(p.with_codes(codes) for p in self.parts))
+
     def mm(self, x: Tensor) -> Tensor:
         return torch.cat([p.mm(x) for p in self.parts], 1)
 

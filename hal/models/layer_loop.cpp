@@ -29,18 +29,19 @@ extern "C" {
 // q/k/v biases (float32 [Hq*D + 2*Hkv*D]), the o bias ([H]), per-head q and k norms ([D]); kind[j]:
 // a q4q8 plan's linear j's tiles (q4_rows.c's kinds: Q4_KIND, Q40_KIND: a file's Q4_0, Q8_KIND: its Q8_0, Q6_KIND: its Q6_K, Q4K_KIND: its
 // Q4_K); rows1[j] > 0: linear j is two parts of different tiles (a Q4_K_M file's Q4_K q, k and Q6_K v), its
-// first rows1[j] outputs from packed[j], the rest from packed2[j] (kind2[j]).
+// first rows1[j] outputs from packed[j], the rest from packed2[j] (kind2[j]); codes[j]: int8 codes per
+// input of the rows linear j quantizes (`hal.models.q4_rows.Q4Weight.codes`: 2, or llama.cpp's 1).
 struct LayerWeights {
     const float *attn_norm, *ffn_norm;
     void *packed[4], *sz[4];
     const float *bqkv, *bo, *q_norm, *k_norm;
     int64_t kind[4];
     void *packed2[4];
-    int64_t kind2[4], rows1[4];
+    int64_t kind2[4], rows1[4], codes[4];
 };
 }
-static_assert(sizeof(LayerWeights) == 18 * sizeof(void *) + 12 * sizeof(int64_t),
-              "LayerWeights: 18 pointers and 12 int64, as its ctypes mirror");
+static_assert(sizeof(LayerWeights) == 18 * sizeof(void *) + 16 * sizeof(int64_t),
+              "LayerWeights: 18 pointers and 16 int64, as its ctypes mirror");
 
 extern "C" {
 // One forward's shapes, metadata and buffers, shared by every layer, by name (mirrored by
@@ -104,11 +105,12 @@ at::Tensor stored_mm(const at::Tensor &x, const LayerWeights &lw, int j, int64_t
     if (!s.q4) return int4_mm(x, lw.packed[j], lw.sz[j], N, s);
     auto y = at::empty({s.T, N}, at::TensorOptions().dtype(at::kFloat));
     int64_t n1 = lw.rows1[j] ? lw.rows1[j] : N;
-    q4::linear((const uint8_t *)lw.packed[j], (int)lw.kind[j], n1, x.size(1), x.data_ptr(), s.act_bf16, s.T, x.size(1),
-               y.data_ptr<float>(), N);
+    int codes = (int)lw.codes[j];
+    q4::linear((const uint8_t *)lw.packed[j], (int)lw.kind[j], codes, n1, x.size(1), x.data_ptr(), s.act_bf16, s.T,
+               x.size(1), y.data_ptr<float>(), N);
     if (lw.rows1[j])   // the second part's outputs, beside the first's
-        q4::linear((const uint8_t *)lw.packed2[j], (int)lw.kind2[j], N - n1, x.size(1), x.data_ptr(), s.act_bf16, s.T,
-                   x.size(1), y.data_ptr<float>() + n1, N);
+        q4::linear((const uint8_t *)lw.packed2[j], (int)lw.kind2[j], codes, N - n1, x.size(1), x.data_ptr(),
+                   s.act_bf16, s.T, x.size(1), y.data_ptr<float>() + n1, N);
     return s.act_bf16 ? y.to(at::kBFloat16) : y;
 }
 

@@ -35,14 +35,15 @@ class LayerWeights(ctypes.Structure):
     """One layer's weights as the native loop reads them (``LayerWeights`` in layer_loop.cpp,
     which asserts the same size): norms, the four linears as stored (packed, scales-zeros),
     the family's extras (q/k/v biases, o bias, q and k norms; NULL where it has none), and
-    each linear's tiles (`hal.models.q4_rows.Q4Weight.kind`; int4pack's form: 0)."""
+    each linear's tiles (`hal.models.q4_rows.Q4Weight.kind`; int4pack's form: 0) and its rows'
+    codes per input (`Q4Weight.codes`)."""
 
     _fields_ = [("attn_norm", _P), ("ffn_norm", _P), ("packed", _P * 4), ("sz", _P * 4), ("bqkv", _P), ("bo", _P),
                 ("q_norm", _P), ("k_norm", _P), ("kind", _I * 4),
-                ("packed2", _P * 4), ("kind2", _I * 4), ("rows1", _I * 4)]
+                ("packed2", _P * 4), ("kind2", _I * 4), ("rows1", _I * 4), ("codes", _I * 4)]
 
 
-assert ctypes.sizeof(LayerWeights) == 18 * ctypes.sizeof(_P) + 12 * ctypes.sizeof(_I)
+assert ctypes.sizeof(LayerWeights) == 18 * ctypes.sizeof(_P) + 16 * ctypes.sizeof(_I)
 
 
 class LoopCall(ctypes.Structure):
@@ -139,6 +140,7 @@ class LayerLoop:
                 lw.packed[j] = first.packed.data_ptr()
                 lw.sz[j] = (first.packed if self.q4 else first.scales_zeros).data_ptr()   # q4q8: unused
                 lw.kind[j] = first.kind if self.q4 else 0
+                lw.codes[j] = w.codes if self.q4 else 0
                 if second:   # two parts of different tiles (`LayerWeights.rows1`)
                     lw.packed2[j], lw.kind2[j], lw.rows1[j] = second[0].packed.data_ptr(), second[0].kind, first.shape[0]
             lw.bqkv, lw.bo, lw.q_norm, lw.k_norm = ptr("bqkv"), ptr("bo"), ptr("q_norm"), ptr("k_norm")

@@ -30,6 +30,11 @@ def form_of(w) -> str | None:
     """The `STORED` form a packed weight runs in (None: a float tensor)."""
     return "q4q8" if isinstance(w, (q4_rows.Q4Weight, k_quants.MixedWeight)) else \
         "int4" if isinstance(w, int4.Int4Weight) else None
+def coded(w, codes: int):
+    """A q4q8 weight multiplying rows of ``codes`` int8 codes per input (its tiles shared); else ``w``."""
+    return w.with_codes(codes) if form_of(w) == "q4q8" and w.codes != codes else w
+
+
 HEADS = ("float", "q8_0", "q6_k")        # how an lm_head stored as Q8_0 / Q6_K runs (`LinearPlan.head`)
 
 
@@ -48,10 +53,15 @@ class LinearPlan:
     head: str = "float"      # q8_0 / q6_k: the lm_head's codes as stored (int4: two int4 halves; q4q8: Q8 / Q6 tiles)
     costs: tuple[float, ...] = field(default=(), compare=False)   # ms of one chunk of each width (measured):
     #                                                               rows then go in the cheapest chunks (`chunks`)
+    codes: int = 2           # q4q8: int8 codes per input of a quantized row (`hal.models.q4_rows.Q4Weight.codes`):
+    #                          2 (value and residual, ~15 bits) or 1 (llama.cpp's int8 rows); a loader's choice
+    #                          for its file (`hal.models.loaders.load_gguf`), not measured nor cached
 
     def __post_init__(self):
         if self.costs and len(self.costs) != len(self.widths):
             raise HalError(f"costs: expected none or one per width {self.widths}, got {self.costs}", arg="costs")
+        if self.codes not in q4_rows.CODES:
+            raise HalError(f"codes: expected int8 codes per input in {q4_rows.CODES}, got {self.codes!r}", arg="codes")
 
     def linear(self, x: Tensor, w: Tensor | int4.Int4Weight, out_dtype: torch.dtype = torch.float32) -> Tensor:
         """``x @ w.T`` for ``x`` [T, K] (any float dtype), computed in ``w``'s dtype (the model
@@ -87,8 +97,9 @@ class LinearPlan:
         dt, widths = str(self.dtype).removeprefix("torch."), "/".join(map(str, self.widths))
         head = f"; lm_head {self.head.upper()} as stored" if self.head != "float" else ""
         if self.weights == "q4q8":
-            return (f"Q4_0/Q4_1, Q5_0, Q8_0, Q4_K, Q5_K and Q6_K weights as stored times {dt} rows quantized per 32 to int8 value and residual codes "
-                    f"(q4q8{head}; other weights {dt} {name} in chunks of {widths})")
+            codes = "value and residual codes" if self.codes == 2 else "one code per input (llama.cpp's int8 rows)"
+            return (f"Q4_0/Q4_1, Q5_0, Q8_0, Q4_K, Q5_K and Q6_K weights as stored times {dt} rows quantized per 32 "
+                    f"to int8 {codes} (q4q8{head}; other weights {dt} {name} in chunks of {widths})")
         if self.weights == "int4":
             return f"int4 weights as stored ({dt} rows{head}; other weights {dt} {name}) in chunks of {widths}"
         return f"{dt} {name} in chunks of {widths}"

@@ -18,7 +18,7 @@ from torch import Tensor
 from hal.errors import HalError
 from hal.models import int4, invariant, k_quants, layer_loop, q4_rows, row_kernels
 from hal.models.families import qkv_extras, within_window
-from hal.models.linear_layout import DTYPES, STORED_TYPES, LinearPlan, chunks, form_of
+from hal.models.linear_layout import DTYPES, STORED_TYPES, LinearPlan, chunks, coded, form_of
 from hal.models.linear_plan import choose_plan
 from hal.models.rope import Rope
 
@@ -153,6 +153,7 @@ class Llama:
                         raise HalError(f"weights[{key!r}]: expected float weights or ones packed for {dtype} rows "
                                        f"in the plan's form ({self.plan.weights}), got {form_of(self.w[key])} "
                                        f"({self.w[key].dtype}) under {self.plan.describe()}", arg="weights")
+                    self.w[key] = coded(self.w[key], self.plan.codes)
                 elif self.w[key].dtype != dtype:
                     self.w[key] = self.w[key].to(dtype)
         if self.plan.head != "float":   # the loader packed the file's head as stored (`hal.models.loaders.load_gguf`)
@@ -160,7 +161,7 @@ class Llama:
             if form_of(packed) != self.plan.weights or packed.dtype != dtype:
                 raise HalError(f"weights['head_stored']: expected the lm_head's stored codes packed for {dtype} rows "
                                f"under {self.plan.describe()}, got {getattr(packed, 'dtype', packed)}", arg="weights")
-            self.head_lin = packed
+            self.head_lin = self.w["head_stored"] = coded(packed, self.plan.codes)
             return
         if self.w.get("head_lin") is None or self.w["head_lin"].dtype != dtype:
             self.w["head_lin"] = self.head if dtype == self.head.dtype else self.head.to(dtype)
@@ -187,7 +188,7 @@ class Llama:
         cast to the plan's dtype."""
         if self.plan.weights == "q4q8" and self.batch_invariant and torch.device(device) == self.device \
                 and int4.fits(*w.shape):
-            return q4_rows.quantize_q8(w, self.plan.dtype)
+            return coded(q4_rows.quantize_q8(w, self.plan.dtype), self.plan.codes)
         return w.to(self.dtype)
 
     def layer_view(self, num_layers: int) -> "Llama":

@@ -7,7 +7,7 @@ alone (`read_config`), which linears a file stores in each form that runs as sto
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -91,6 +91,7 @@ GGUF_FAMILIES = {"llama": GGUFFamily(True), "qwen2": GGUFFamily(False, qkv_bias=
 FUSED_GGUF = {"attn_qkv": ("attn_q", "attn_k", "attn_v"), "ffn_up": ("ffn_gate", "ffn_up")}   # phi3's, by rows
 GGUF_PRE = tuple(PRE)   # the pre-tokenizers `hal.models.tokenizer.from_gguf_fields` builds as their tokenizer.json
 REQUIRED = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count")
+K_QUANT_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K")   # a file with any of these runs rows of one code
 
 
 def _gguf_config(r: GGUFFile) -> LlamaConfig:
@@ -218,7 +219,7 @@ def read_config(path: str | Path) -> LlamaConfig:
 
 
 def load_gguf(path: str | Path, backend, dtype: str = "float32", plan_refresh: bool = False,
-              plan: LinearPlan | None = None, lm_head: str = "auto"):
+              plan: LinearPlan | None = None, lm_head: str = "auto", row_codes: int | None = None):
     """(Llama, tokenizer) from a llama-architecture GGUF file. ``plan`` (None: measured for
     ``dtype`` on this machine, `hal.models.linear_plan.choose_plan`, its lm_head's form as
     ``lm_head`` pins it, `hal.models.linear_plan.pin_head`) says how the linear
@@ -226,7 +227,9 @@ def load_gguf(path: str | Path, backend, dtype: str = "float32", plan_refresh: b
     (no float copy is kept; int4pack's form or q4q8 tiles), Q8_0 and K-quant blocks run as q4q8
     tiles under a q4q8 plan, and a Q8_0 or Q6_K lm_head is packed as stored when the plan's
     ``head`` names it (the float rows stay for the embedding lookup and the drafters);
-    every other weight is dequantized to fp32, then cast to the plan's dtype (`Llama`)."""
+    every other weight is dequantized to fp32, then cast to the plan's dtype (`Llama`).
+    ``row_codes`` (None: `file_row_codes`) sets how a q4q8 plan quantizes rows: 1 or 2 int8
+    codes per input (`LinearPlan.codes`)."""
     r, cfg, tok = _opened(path)
     sets = _stored(r.tensors, cfg.layers)
     head = _head(r.tensors)
@@ -237,6 +240,8 @@ def load_gguf(path: str | Path, backend, dtype: str = "float32", plan_refresh: b
                              q8_head=head_kind == "Q8_0", q6k_head=head_kind == "Q6_K",
                              **{k: _mask(v, cfg.layers) for k, v in sets.items()})
         plan = pin_head(choice, lm_head)
+    if plan.weights == "q4q8":
+        plan = replace(plan, codes=file_row_codes(r.tensors) if row_codes is None else row_codes)
     if plan.head != "float" and head_kind != plan.head.upper():   # refused before anything is read
         raise HalError(f"plan: expected a file whose lm_head is {plan.head.upper()} for {plan.describe()}, got {head_kind}",
                        arg="plan")
@@ -258,6 +263,14 @@ def load_gguf(path: str | Path, backend, dtype: str = "float32", plan_refresh: b
     model.tensor_forms = "; ".join(f"{n} {kind} {how}" for (kind, how), n in sorted(forms.items())) + (
         f"; the lm_head {plan.head.upper()} as stored" if plan.head != "float" else "")
     return model, tok
+
+
+def file_row_codes(tensors) -> int:
+    """The int8 codes per input a q4q8 plan quantizes a file's rows to: one (llama.cpp's int8
+    rows, half the integer work of a verify's rows) where any tensor is a K-quant, as llama.cpp
+    runs such a file; else two (value and residual: about 15 bits a row), the form the legacy
+    Q4_0/Q4_1/Q8_0 files have always run in here."""
+    return 1 if any(t.kind in K_QUANT_TYPES for t in tensors) else 2
 
 
 def _opened(path):

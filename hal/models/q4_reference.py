@@ -11,22 +11,23 @@ from torch import Tensor
 from hal.models import int4
 
 
-def reference_mm(x: Tensor, codes: Tensor, d: Tensor, m: Tensor | None) -> Tensor:
+def reference_mm(x: Tensor, codes: Tensor, d: Tensor, m: Tensor | None, row_codes: int = 2) -> Tensor:
     """The kernel's arithmetic in torch, step by step (the oracle of the tests): ``x`` [T, K]
     float32 (already in the row dtype's values), ``codes`` [N, K] (Q4: 0..15; Q8: -128..127;
     Q6: -32..31), ``d``/``m`` [N, K/32] (``m`` None for Q8), or for Q6 ``d`` the scales
-    [N, K/16] (and ``m`` None). float32 [T, N]."""
+    [N, K/16] (and ``m`` None); ``row_codes``: the rows' int8 codes per input (2: hi and lo; 1: hi,
+    lo = 0). float32 [T, N]."""
     T, K = x.shape
     if d.shape[1] == K // 16:
-        return _reference_q6(x, codes, d)
-    return _reference_q4q8(x, codes, d, m)
+        return _reference_q6(x, codes, d, row_codes)
+    return _reference_q4q8(x, codes, d, m, row_codes)
 
 
-def _reference_q6(x: Tensor, codes: Tensor, s: Tensor) -> Tensor:
+def _reference_q6(x: Tensor, codes: Tensor, s: Tensor, row_codes: int) -> Tensor:
     """Q6: per group, y = y + s0*(unit*isum0); y = y + s1*(unit*isum1) over its two halves."""
     T, K = x.shape
     G = K // int4.GROUP
-    xq, unit = _quantized(x)
+    xq, unit = _quantized(x, row_codes)
     isum = torch.einsum("tgk,ngk->tng", xq.double().view(T, 2 * G, 16), codes.view(-1, 2 * G, 16).double()).float()
     y = torch.zeros(T, codes.shape[0])
     for h in range(2 * G):
@@ -34,8 +35,9 @@ def _reference_q6(x: Tensor, codes: Tensor, s: Tensor) -> Tensor:
     return y
 
 
-def _quantized(x: Tensor) -> tuple[Tensor, Tensor]:
-    """A row quantized as the kernel quantizes it: (128 hi + lo [T, G, 32], unit [T, G])."""
+def _quantized(x: Tensor, row_codes: int) -> tuple[Tensor, Tensor]:
+    """A row quantized as the kernel quantizes it: (128 hi + lo [T, G, 32], unit [T, G]); lo = 0
+    for rows of one code."""
     T, K = x.shape
     G = K // int4.GROUP
     xv = x.float().view(T, G, int4.GROUP)
@@ -45,16 +47,16 @@ def _quantized(x: Tensor) -> tuple[Tensor, Tensor]:
     inv = torch.where((amax > 0) & ~bad, c127 / torch.where(bad | (amax == 0), 1.0, amax), torch.zeros_like(amax))
     u = torch.where(bad[..., None], 0.0, xv) * inv[..., None]
     hi = torch.round(u).clamp(-127, 127)
-    lo = torch.round((u - hi) * 128)
+    lo = torch.round((u - hi) * 128) if row_codes == 2 else torch.zeros_like(hi)
     xq = 128 * hi + lo                                                  # the row in units of `unit`
     unit = torch.where(bad, float("nan"), amax / c127 * 0.0078125)
     return xq, unit
 
 
-def _reference_q4q8(x, codes, d, m):
+def _reference_q4q8(x, codes, d, m, row_codes):
     T, K = x.shape
     G = K // int4.GROUP
-    xq, unit = _quantized(x)
+    xq, unit = _quantized(x, row_codes)
     xs = unit * xq.sum(-1)
     isum = torch.einsum("tgk,ngk->tng", xq.double(), codes.view(-1, G, int4.GROUP).double()).float()   # exact, rounded once
     y = torch.zeros(T, codes.shape[0])

@@ -34,7 +34,10 @@
  * - **quantized row**: per 32 inputs, amax = max |x|, u = x * (127 / amax), hi = round(u) in
  *   -127..127 and lo = round(128 (u - hi)) in -64..64 (half to even; 0 where amax is 0), so
  *   x ~ unit * (128 hi + lo) with unit = (amax / 127) / 128; qsum = sum(128 hi + lo), xs =
- *   unit * qsum. A group with an inf or NaN gets unit = NaN: its products are NaN.
+ *   unit * qsum. A group with an inf or NaN gets unit = NaN: its products are NaN. A row of **one
+ *   code** (llama.cpp's int8 rows: `Q4Weight.codes` 1) has lo = 0: the same steps, and the tiles
+ *   leave the lo chains out (half the integer dot products), so its bits are what the two-code
+ *   arithmetic gives for it.
  *
  * Q4: y[n] = sum over g, in order, of: y = y + d*(unit*isum); y = y + m*xs. Q8: y = y +
  * d*(unit*isum). Q6: y = y + s0*(unit*isum0); y = y + s1*(unit*isum1), over the group's two
@@ -103,8 +106,8 @@ static inline float q4_half(uint16_t h) {
  * per 32 (see "quantized row"): xq [T, 2K] int8 (per row and group: its 32 hi codes, then its
  * 32 lo codes, so a tile reads one stream of them); sxs [T, G, 2] float32: each group's unit and
  * xs side by side (one stream again); qsum [T, G] int32. */
-void q4_quantize_rows(const void *x, int is_bf16, int64_t T, int64_t K, int64_t x_row, int8_t *xq, float *sxs,
-                      int32_t *qsum) {
+void q4_quantize_rows(const void *x, int is_bf16, int64_t T, int64_t K, int64_t x_row, int one_code, int8_t *xq,
+                      float *sxs, int32_t *qsum) {
     int64_t G = K / 32;
     for (int64_t t = 0; t < T; t++)
         for (int64_t g = 0; g < G; g++) {
@@ -129,7 +132,7 @@ void q4_quantize_rows(const void *x, int is_bf16, int64_t T, int64_t K, int64_t 
                 float u = bad ? 0.f : v[j] * inv;
                 float h = nearbyintf(u);   /* the default rounding: half to even */
                 h = h > 127.f ? 127.f : (h < -127.f ? -127.f : h);
-                float l = nearbyintf((u - h) * 128.f);   /* |u - h| <= 1/2 (exact): -64..64 */
+                float l = one_code ? 0.f : nearbyintf((u - h) * 128.f);   /* |u - h| <= 1/2 (exact): -64..64 */
                 hi[j] = (int8_t)h;
                 lo[j] = (int8_t)l;
                 sum += 128 * hi[j] + lo[j];
@@ -147,7 +150,7 @@ void q4_quantize_rows(const void *x, int is_bf16, int64_t T, int64_t K, int64_t 
 static inline __m512i q5_bit_512(__m512i hb, int b) {   /* bit b of each byte moved to bit 4 */
     return b < 4 ? _mm512_slli_epi16(hb, 4 - b) : b == 4 ? hb : _mm512_srli_epi16(hb, b - 4);
 }
-#define Q4_TILE_OF(NAME, R, BYTES, KQ, Q5, MD)                                                             \
+#define Q4_TILE_OF(NAME, R, BYTES, KQ, Q5, MD, LO)                                                         \
     static void NAME##_##R(const uint8_t *wt, int64_t G, const int8_t *xq, int64_t K, const float *sxs, \
                             float *y, int64_t y_row) {                                                 \
         const __m512i mask = _mm512_set1_epi8(0x0f), fifth = _mm512_set1_epi8(0x10);                   \
@@ -169,9 +172,9 @@ static inline __m512i q5_bit_512(__m512i hb, int b) {   /* bit b of each byte mo
                 for (int r = 0; r < R; r++) {                                                          \
                     const int8_t *xr = xq + r * 2 * K + 64 * g + 8 * s;                                \
                     acc[r] = _mm512_dpbusd_epi32(acc[r], lo, _mm512_set1_epi32(q4_x4(xr)));                    \
-                    acc2[r] = _mm512_dpbusd_epi32(acc2[r], lo, _mm512_set1_epi32(q4_x4(xr + 32)));              \
+                    if (LO) acc2[r] = _mm512_dpbusd_epi32(acc2[r], lo, _mm512_set1_epi32(q4_x4(xr + 32)));      \
                     acc[r] = _mm512_dpbusd_epi32(acc[r], hi, _mm512_set1_epi32(q4_x4(xr + 4)));                \
-                    acc2[r] = _mm512_dpbusd_epi32(acc2[r], hi, _mm512_set1_epi32(q4_x4(xr + 36)));          \
+                    if (LO) acc2[r] = _mm512_dpbusd_epi32(acc2[r], hi, _mm512_set1_epi32(q4_x4(xr + 36)));  \
                 }                                                                                      \
             }                                                                                          \
             for (int r = 0; r < R; r++)                                                                \
@@ -197,7 +200,7 @@ static inline __m512i q5_bit_512(__m512i hb, int b) {   /* bit b of each byte mo
 static inline __m256i q5_bit_256(__m256i hb, int b) {   /* bit b of each byte moved to bit 4 */
     return b < 4 ? _mm256_slli_epi16(hb, 4 - b) : b == 4 ? hb : _mm256_srli_epi16(hb, b - 4);
 }
-#define Q4_TILE_OF(NAME, R, BYTES, KQ, Q5, MD)                                                             \
+#define Q4_TILE_OF(NAME, R, BYTES, KQ, Q5, MD, LO)                                                         \
     static void NAME##_##R(const uint8_t *wt, int64_t G, const int8_t *xq, int64_t K, const float *sxs, \
                             float *y, int64_t y_row) {                                                 \
         const __m256i mask = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);                      \
@@ -222,10 +225,13 @@ static inline __m256i q5_bit_256(__m256i hb, int b) {   /* bit b of each byte mo
                         /* |each 16-bit pair sum| <= 2 * 15 * 127, their sum <= 4 * 15 * 127: exact */ \
                         __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(q4_x4(xr))),   \
                                                      _mm256_maddubs_epi16(hi, _mm256_set1_epi32(q4_x4(xr + 4)))); \
-                        __m256i q = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(q4_x4(xr + 32))), \
-                                                     _mm256_maddubs_epi16(hi, _mm256_set1_epi32(q4_x4(xr + 36)))); \
                         acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(p, ones));                 \
-                        acc2[r] = _mm256_add_epi32(acc2[r], _mm256_madd_epi16(q, ones));               \
+                        if (LO) {                                                                      \
+                            __m256i q = _mm256_add_epi16(                                              \
+                                _mm256_maddubs_epi16(lo, _mm256_set1_epi32(q4_x4(xr + 32))),           \
+                                _mm256_maddubs_epi16(hi, _mm256_set1_epi32(q4_x4(xr + 36))));          \
+                            acc2[r] = _mm256_add_epi32(acc2[r], _mm256_madd_epi16(q, ones));           \
+                        }                                                                              \
                     }                                                                                  \
                 }                                                                                      \
                 for (int r = 0; r < R; r++) acc[r] = _mm256_add_epi32(_mm256_slli_epi32(acc[r], 7), acc2[r]); \
@@ -248,7 +254,7 @@ static inline __m256i q5_bit_256(__m256i hb, int b) {   /* bit b of each byte mo
         }                                                                                              \
     }
 #else
-#define Q4_TILE_OF(NAME, R, BYTES, KQ, Q5, MD)                                                             \
+#define Q4_TILE_OF(NAME, R, BYTES, KQ, Q5, MD, LO)   /* LO unread: a one-code row's lo codes are 0 */     \
     static void NAME##_##R(const uint8_t *wt, int64_t G, const int8_t *xq, int64_t K, const float *sxs, \
                             float *y, int64_t y_row) {                                                 \
         for (int r = 0; r < R; r++)                                                                    \
@@ -282,85 +288,38 @@ static inline __m256i q5_bit_256(__m256i hb, int b) {   /* bit b of each byte mo
     }
 #endif
 #include "q8_tiles.c"   /* the tiles of one byte a code: Q8 (Q8_0) and Q6 (Q6_K) */
-#define Q4_TILE(R) Q4_TILE_OF(q4_tile, R, Q4_TILE_BYTES, 0, 0, 0)
-#define Q40_TILE(R) Q4_TILE_OF(q40_tile, R, Q40_TILE_BYTES, 0, 0, 8)
-#define Q4K_TILE(R) Q4_TILE_OF(q4k_tile, R, Q4K_TILE_BYTES, 1, 0, 0)
-#define Q5_TILE(R) Q4_TILE_OF(q5_tile, R, Q5_TILE_BYTES, 0, 1, 16)
-#define Q5K_TILE(R) Q4_TILE_OF(q5k_tile, R, Q5K_TILE_BYTES, 1, 1, 0)
-Q4_TILE(1)
-Q4_TILE(2)
-Q4_TILE(3)
-Q4_TILE(4)
-Q4_TILE(5)
-Q4_TILE(6)
-Q4_TILE(7)
-Q4_TILE(8)
-Q40_TILE(1)
-Q40_TILE(2)
-Q40_TILE(3)
-Q40_TILE(4)
-Q40_TILE(5)
-Q40_TILE(6)
-Q40_TILE(7)
-Q40_TILE(8)
-Q4K_TILE(1)
-Q4K_TILE(2)
-Q4K_TILE(3)
-Q4K_TILE(4)
-Q4K_TILE(5)
-Q4K_TILE(6)
-Q4K_TILE(7)
-Q4K_TILE(8)
-Q5_TILE(1)
-Q5_TILE(2)
-Q5_TILE(3)
-Q5_TILE(4)
-Q5_TILE(5)
-Q5_TILE(6)
-Q5_TILE(7)
-Q5_TILE(8)
-Q5K_TILE(1)
-Q5K_TILE(2)
-Q5K_TILE(3)
-Q5K_TILE(4)
-Q5K_TILE(5)
-Q5K_TILE(6)
-Q5K_TILE(7)
-Q5K_TILE(8)
-Q8_TILE(1)
-Q8_TILE(2)
-Q8_TILE(3)
-Q8_TILE(4)
-Q8_TILE(5)
-Q8_TILE(6)
-Q8_TILE(7)
-Q8_TILE(8)
-Q6_TILE(1)
-Q6_TILE(2)
-Q6_TILE(3)
-Q6_TILE(4)
-Q6_TILE(5)
-Q6_TILE(6)
-Q6_TILE(7)
-Q6_TILE(8)
+/* Each kind's tile for R = 1..8 rows, twice: for rows of two codes (hi and lo: NAME) and of one
+ * (lo all 0, its chains left out: NAME1, the same bits for such rows as NAME's). */
+#define Q4_R(M) M(1) M(2) M(3) M(4) M(5) M(6) M(7) M(8)
+#define Q4_FNS(NAME) {0, NAME##_1, NAME##_2, NAME##_3, NAME##_4, NAME##_5, NAME##_6, NAME##_7, NAME##_8}
+#define Q4_BOTH(NAME, R, BYTES, KQ, Q5, MD) \
+    Q4_TILE_OF(NAME, R, BYTES, KQ, Q5, MD, 1) Q4_TILE_OF(NAME##1, R, BYTES, KQ, Q5, MD, 0)
+#define Q4_TILE(R) Q4_BOTH(q4_tile, R, Q4_TILE_BYTES, 0, 0, 0)
+#define Q40_TILE(R) Q4_BOTH(q40_tile, R, Q40_TILE_BYTES, 0, 0, 8)
+#define Q4K_TILE(R) Q4_BOTH(q4k_tile, R, Q4K_TILE_BYTES, 1, 0, 0)
+#define Q5_TILE(R) Q4_BOTH(q5_tile, R, Q5_TILE_BYTES, 0, 1, 16)
+#define Q5K_TILE(R) Q4_BOTH(q5k_tile, R, Q5K_TILE_BYTES, 1, 1, 0)
+#define Q8_TILE(R) Q8_TILE_OF(q8_tile, R, 1) Q8_TILE_OF(q8_tile1, R, 0)
+#define Q6_TILE(R) Q6_TILE_OF(q6_tile, R, 1) Q6_TILE_OF(q6_tile1, R, 0)
+Q4_R(Q4_TILE)
+Q4_R(Q40_TILE)
+Q4_R(Q4K_TILE)
+Q4_R(Q5_TILE)
+Q4_R(Q5K_TILE)
+Q4_R(Q8_TILE)
+Q4_R(Q6_TILE)
 
 typedef void (*q4_tile_fn)(const uint8_t *, int64_t, const int8_t *, int64_t, const float *, float *, int64_t);
 typedef void (*q8_tile_fn)(const uint8_t *, int64_t, const int8_t *, int64_t, const float *, const int32_t *,
                            float *, int64_t);
-static const q4_tile_fn q4_tiles[9] = {0, q4_tile_1, q4_tile_2, q4_tile_3, q4_tile_4,
-                                                 q4_tile_5, q4_tile_6, q4_tile_7, q4_tile_8};
-static const q8_tile_fn q8_tiles[9] = {0, q8_tile_1, q8_tile_2, q8_tile_3, q8_tile_4,
-                                                 q8_tile_5, q8_tile_6, q8_tile_7, q8_tile_8};
-static const q4_tile_fn q40_tiles[9] = {0, q40_tile_1, q40_tile_2, q40_tile_3, q40_tile_4,
-                                                  q40_tile_5, q40_tile_6, q40_tile_7, q40_tile_8};
-static const q4_tile_fn q4k_tiles[9] = {0, q4k_tile_1, q4k_tile_2, q4k_tile_3, q4k_tile_4,
-                                                  q4k_tile_5, q4k_tile_6, q4k_tile_7, q4k_tile_8};
-static const q4_tile_fn q5_tiles[9] = {0, q5_tile_1, q5_tile_2, q5_tile_3, q5_tile_4,
-                                                 q5_tile_5, q5_tile_6, q5_tile_7, q5_tile_8};
-static const q4_tile_fn q5k_tiles[9] = {0, q5k_tile_1, q5k_tile_2, q5k_tile_3, q5k_tile_4,
-                                                  q5k_tile_5, q5k_tile_6, q5k_tile_7, q5k_tile_8};
-static const q8_tile_fn q6_tiles[9] = {0, q6_tile_1, q6_tile_2, q6_tile_3, q6_tile_4,
-                                                 q6_tile_5, q6_tile_6, q6_tile_7, q6_tile_8};
+/* [two codes][R] */
+static const q4_tile_fn q4_tiles[2][9] = {Q4_FNS(q4_tile1), Q4_FNS(q4_tile)};
+static const q8_tile_fn q8_tiles[2][9] = {Q4_FNS(q8_tile1), Q4_FNS(q8_tile)};
+static const q4_tile_fn q40_tiles[2][9] = {Q4_FNS(q40_tile1), Q4_FNS(q40_tile)};
+static const q4_tile_fn q4k_tiles[2][9] = {Q4_FNS(q4k_tile1), Q4_FNS(q4k_tile)};
+static const q4_tile_fn q5_tiles[2][9] = {Q4_FNS(q5_tile1), Q4_FNS(q5_tile)};
+static const q4_tile_fn q5k_tiles[2][9] = {Q4_FNS(q5k_tile1), Q4_FNS(q5k_tile)};
+static const q8_tile_fn q6_tiles[2][9] = {Q4_FNS(q6_tile1), Q4_FNS(q6_tile)};
 
 /* Each half-group's sum of (128 hi + lo) of T quantized rows xq [T, 2K]: qsum16 [T, 2G]. */
 void q4_half_sums(const int8_t *xq, int64_t T, int64_t K, int32_t *qsum16) {
@@ -375,8 +334,10 @@ void q4_half_sums(const int8_t *xq, int64_t T, int64_t K, int32_t *qsum16) {
 /* Output tiles [tile0, tile1) of y [T, N] (float32, row stride y_row) for the quantized rows
  * (xq [T, 2K]; sxs [T, G, 2]; qsum [T, G]; qsum16 [T, 2G], read for Q6 only) and the packed weight w
  * (tiles x groups x the kind's tile bytes; kind: Q4_KIND, Q8_KIND, Q6_KIND, Q4K_KIND, Q5_KIND or Q5K_KIND). */
-void q4_mm_tiles(const uint8_t *w, int kind, int64_t K, const int8_t *xq, const float *sxs, const int32_t *qsum, const int32_t *qsum16, int64_t T, float *y, int64_t y_row, int64_t tile0,
+void q4_mm_tiles(const uint8_t *w, int kind, int one_code, int64_t K, const int8_t *xq, const float *sxs,
+                 const int32_t *qsum, const int32_t *qsum16, int64_t T, float *y, int64_t y_row, int64_t tile0,
                  int64_t tile1) {
+    int two = !one_code;
     int64_t G = K / 32, bytes = kind == Q8_KIND ? Q8_TILE_BYTES : kind == Q6_KIND ? Q6_TILE_BYTES + Q6_HEAD / 8
                                 : kind == Q4K_KIND ? Q4K_TILE_BYTES + Q4K_HEAD / 8 : kind == Q5_KIND ? Q5_TILE_BYTES
                                 : kind == Q5K_KIND ? Q5K_TILE_BYTES + Q4K_HEAD / 8 : kind == Q40_KIND ? Q40_TILE_BYTES
@@ -387,12 +348,12 @@ void q4_mm_tiles(const uint8_t *w, int kind, int64_t K, const int8_t *xq, const 
             const uint8_t *wt = w + tile * G * bytes;
             float *yt = y + t0 * y_row + 16 * tile;
             if (kind == Q8_KIND)
-                q8_tiles[R](wt, G, xq + t0 * 2 * K, K, sxs + 2 * t0 * G, qsum + t0 * G, yt, y_row);
+                q8_tiles[two][R](wt, G, xq + t0 * 2 * K, K, sxs + 2 * t0 * G, qsum + t0 * G, yt, y_row);
             else if (kind == Q6_KIND)
-                q6_tiles[R](wt, G, xq + t0 * 2 * K, K, sxs + 2 * t0 * G, qsum16 + t0 * 2 * G, yt, y_row);
+                q6_tiles[two][R](wt, G, xq + t0 * 2 * K, K, sxs + 2 * t0 * G, qsum16 + t0 * 2 * G, yt, y_row);
             else
                 (kind == Q4K_KIND ? q4k_tiles : kind == Q5_KIND ? q5_tiles : kind == Q5K_KIND ? q5k_tiles
-                 : kind == Q40_KIND ? q40_tiles : q4_tiles)[R](wt, G, xq + t0 * 2 * K, K, sxs + 2 * t0 * G, yt,
+                 : kind == Q40_KIND ? q40_tiles : q4_tiles)[two][R](wt, G, xq + t0 * 2 * K, K, sxs + 2 * t0 * G, yt,
                                                              y_row);
         }
         t0 += R;

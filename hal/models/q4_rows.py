@@ -7,10 +7,11 @@ Why: PyTorch's int4pack kernel costs about 2.5x at 8 rows what it costs at one, 
 of k drafts costs several decodes and speculation cannot pay on a CPU. Integer dot products
 put the cost in the weight reads, which every row shares.
 
-What changes in the numbers: each row is quantized to int8 per 32 inputs (a scale per 32, as
-llama.cpp does before every quantized matmul), so a product is off by about half a step of
-that scale per input (relative error ~5e-3 against the float product here, against ~3.5e-3
-for int4pack's bfloat16 rows). The integer sums are exact, and the float steps (one scale
+What changes in the numbers: each row is quantized per 32 inputs (a scale per 32, as
+llama.cpp does before every quantized matmul) to two int8 codes per input, a value and its
+residual (``codes`` 2: about 15 bits), or to one (``codes`` 1: llama.cpp's int8 rows, half the
+integer dot products; what a K-quant file runs, `hal.models.loaders.file_row_codes`), so a
+product is off by about half a step of that scale per input. The integer sums are exact, and the float steps (one scale
 product and two adds per group, in group order, no contraction) are the same on every code
 path and for every row count: a row's bits never depend on its batch-mates, the thread count
 or the CPU's vector width (`tests/models/test_q4_rows.py` compares all three, and the bits
@@ -25,7 +26,7 @@ import os
 import shutil
 import threading
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +46,7 @@ Q4_KIND, Q8_KIND, Q6_KIND, Q4K_KIND, Q5_KIND, Q5K_KIND, Q40_KIND = range(7)   # 
 SUPER = 8                    # groups per K-quant super-block (256 inputs): Q6, Q4K and Q5K tiles keep its d (dmin) once
 SUPER_KINDS = (Q6_KIND, Q4K_KIND, Q5K_KIND)
 ROWS = (torch.float32, torch.bfloat16)
+CODES = (1, 2)               # int8 codes per input of a quantized row (`Q4Weight.codes`)
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -63,6 +65,7 @@ class Q4Weight:
     q4k: bool = False
     q5: bool = False          # codes of 5 bits: a Q4 (Q5_0) or, with q4k, Q4K (Q5_K) tile and their fifth bits
     q40: bool = False         # a Q4 tile without m: w = d·(q − 8), Q4_0 as stored (4.5 bits a weight, not 5)
+    codes: int = 2            # int8 codes per input of a quantized row: 2 (hi and lo, ~15 bits) or 1 (llama.cpp's int8)
 
     @property
     def kind(self) -> int:
@@ -76,10 +79,10 @@ class Q4Weight:
         per = SUPER if self.kind in SUPER_KINDS else 1
         want = (N // TILE, K // int4.GROUP // per, per * BYTES[self.kind])
         if not int4.fits(N, K) or self.packed.dtype != torch.uint8 or tuple(self.packed.shape) != want \
-                or not self.packed.is_contiguous() or self.dtype not in ROWS:
+                or not self.packed.is_contiguous() or self.dtype not in ROWS or self.codes not in CODES:
             raise HalError(f"weight: expected contiguous uint8 tiles {list(want)} for [{N}, {K}] (N a multiple of "
-                           f"16, K of 32) and rows in {ROWS}, got {self.packed.dtype} {list(self.packed.shape)}, "
-                           f"rows {self.dtype}", arg="weight")
+                           f"16, K of 32), rows in {ROWS} of {CODES} codes, got {self.packed.dtype} "
+                           f"{list(self.packed.shape)}, rows {self.dtype} of {self.codes}", arg="weight")
 
     @property
     def device(self) -> torch.device:
@@ -100,11 +103,15 @@ class Q4Weight:
             x = x.contiguous()
         T = x.shape[0]
         y = torch.empty(T, N)
-        if T and library().q4_mm(self.packed.data_ptr(), self.kind, N, K, x.data_ptr(),
+        if T and library().q4_mm(self.packed.data_ptr(), self.kind, self.codes, N, K, x.data_ptr(),
                                  int(self.dtype == torch.bfloat16), T, x.stride(0), y.data_ptr()):
             raise HalError(f"x: expected rows the q4q8 kernel can multiply, got a failed call for {list(x.shape)}",
                            arg="x")
         return y
+
+    def with_codes(self, codes: int) -> "Q4Weight":
+        """This weight (its tiles shared) multiplying rows of ``codes`` int8 codes per input."""
+        return replace(self, codes=codes)
 
     def to(self, device) -> "Q4Weight":
         if torch.device(device).type != "cpu":
@@ -352,7 +359,7 @@ def available() -> bool:
         if "lib" not in _loaded:
             try:
                 lib = ctypes.CDLL(str(build()))
-                lib.q4_mm.argtypes, lib.q4_mm.restype = [_P, _I, _I, _I, _P, _I, _I, _I, _P], _I
+                lib.q4_mm.argtypes, lib.q4_mm.restype = [_P, _I, _I, _I, _I, _P, _I, _I, _I, _P], _I
                 _loaded["lib"] = lib
             except (HalError, OSError) as e:
                 warnings.warn(f"spec-hal: the q4q8 kernel did not build, so plans run int4 weights on int4pack: {e}",

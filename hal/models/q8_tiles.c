@@ -3,8 +3,8 @@
  * macros, so the same vector path is compiled (AVX-512 VNNI, AVX2 or C). */
 /* One tile's 16 outputs of a Q8 weight for R rows: y[r][lane] over every group in order. */
 #if defined(Q4_AVX512)
-#define Q8_TILE(R)                                                                                     \
-    static void q8_tile_##R(const uint8_t *wt, int64_t G, const int8_t *xq, int64_t K, const float *sxs, \
+#define Q8_TILE_OF(NAME, R, LO)                                                                        \
+    static void NAME##_##R(const uint8_t *wt, int64_t G, const int8_t *xq, int64_t K, const float *sxs, \
                             const int32_t *qsum, float *y, int64_t y_row) {                            \
         __m512 out[R];                                                                                 \
         for (int r = 0; r < R; r++) out[r] = _mm512_setzero_ps();                                      \
@@ -17,7 +17,7 @@
                 for (int r = 0; r < R; r++) {                                                          \
                     const int8_t *xr = xq + r * 2 * K + 64 * g + 4 * s;                                \
                     acc[r] = _mm512_dpbusd_epi32(acc[r], v, _mm512_set1_epi32(q4_x4(xr)));                     \
-                    acc2[r] = _mm512_dpbusd_epi32(acc2[r], v, _mm512_set1_epi32(q4_x4(xr + 32)));               \
+                    if (LO) acc2[r] = _mm512_dpbusd_epi32(acc2[r], v, _mm512_set1_epi32(q4_x4(xr + 32)));       \
                 }                                                                                      \
             }                                                                                          \
             for (int r = 0; r < R; r++)   /* sum (q + 128)(128 hi + lo), exact in int32 */            \
@@ -35,15 +35,17 @@
 /* One step of signed codes w (one per byte) times a row's hi and lo codes (xr, xr + 32: four each,
  * broadcast), added into acc and acc2. AVX2 has no signed-by-signed byte product, so |q| times
  * sign(q)·x: each 16-bit pair sum <= 2 * 128 * 127, no saturation. */
-static inline void q8_step_avx2(__m256i w, const int8_t *xr, __m256i *acc, __m256i *acc2) {
+static inline void q8_step_avx2(__m256i w, const int8_t *xr, __m256i *acc, __m256i *acc2, int lo) {
     const __m256i ones = _mm256_set1_epi16(1), aw = _mm256_sign_epi8(w, w);
     __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(_mm256_set1_epi32(q4_x4(xr)), w));
-    __m256i pl = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(_mm256_set1_epi32(q4_x4(xr + 32)), w));
     *acc = _mm256_add_epi32(*acc, _mm256_madd_epi16(p, ones));
-    *acc2 = _mm256_add_epi32(*acc2, _mm256_madd_epi16(pl, ones));
+    if (lo) {   /* (a one-code row's lo codes are 0: left out) */
+        __m256i pl = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(_mm256_set1_epi32(q4_x4(xr + 32)), w));
+        *acc2 = _mm256_add_epi32(*acc2, _mm256_madd_epi16(pl, ones));
+    }
 }
-#define Q8_TILE(R)                                                                                     \
-    static void q8_tile_##R(const uint8_t *wt, int64_t G, const int8_t *xq, int64_t K, const float *sxs, \
+#define Q8_TILE_OF(NAME, R, LO)                                                                        \
+    static void NAME##_##R(const uint8_t *wt, int64_t G, const int8_t *xq, int64_t K, const float *sxs, \
                             const int32_t *qsum, float *y, int64_t y_row) {                            \
         const __m256i flip = _mm256_set1_epi8((char)0x80);                                             \
         (void)qsum;                                                                                    \
@@ -58,7 +60,7 @@ static inline void q8_step_avx2(__m256i w, const int8_t *xr, __m256i *acc, __m25
                     __m256i w = _mm256_xor_si256(                                                      \
                         _mm256_loadu_si256((const __m256i *)(blk + 64 * s + 32 * half)), flip);  /* q */ \
                     for (int r = 0; r < R; r++)                                                        \
-                        q8_step_avx2(w, xq + r * 2 * K + 64 * g + 4 * s, &acc[r], &acc2[r]);        \
+                        q8_step_avx2(w, xq + r * 2 * K + 64 * g + 4 * s, &acc[r], &acc2[r], LO);    \
                 }                                                                                      \
                 for (int r = 0; r < R; r++) acc[r] = _mm256_add_epi32(_mm256_slli_epi32(acc[r], 7), acc2[r]); \
                 __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 512 + 16 * half))); \
@@ -71,8 +73,8 @@ static inline void q8_step_avx2(__m256i w, const int8_t *xr, __m256i *acc, __m25
         }                                                                                              \
     }
 #else
-#define Q8_TILE(R)                                                                                     \
-    static void q8_tile_##R(const uint8_t *wt, int64_t G, const int8_t *xq, int64_t K, const float *sxs, \
+#define Q8_TILE_OF(NAME, R, LO)                                                                        \
+    static void NAME##_##R(const uint8_t *wt, int64_t G, const int8_t *xq, int64_t K, const float *sxs, \
                             const int32_t *qsum, float *y, int64_t y_row) {                            \
         (void)qsum;                                                                                    \
         for (int r = 0; r < R; r++)                                                                    \
@@ -99,8 +101,8 @@ static inline void q8_step_avx2(__m256i w, const int8_t *xr, __m256i *acc, __m25
  * are the low nibbles of nibble block s / 2 (s odd: its high nibbles) with, as bits 4-5, bits
  * 2i..2i+1 of high block s / 4 (i = s % 4). */
 #if defined(Q4_AVX512)
-#define Q6_TILE(R)                                                                                     \
-    static void q6_tile_##R(const uint8_t *wt, int64_t G, const int8_t *xq, int64_t K, const float *sxs, \
+#define Q6_TILE_OF(NAME, R, LO)                                                                        \
+    static void NAME##_##R(const uint8_t *wt, int64_t G, const int8_t *xq, int64_t K, const float *sxs, \
                             const int32_t *qsum16, float *y, int64_t y_row) {                          \
         const __m512i m4 = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);                      \
         __m512 out[R];                                                                                 \
@@ -124,7 +126,7 @@ static inline void q8_step_avx2(__m256i w, const int8_t *xr, __m256i *acc, __m25
                     for (int r = 0; r < R; r++) {                                                      \
                         const int8_t *xr = xq + r * 2 * K + 64 * g + 4 * s;                            \
                         acc[r] = _mm512_dpbusd_epi32(acc[r], v, _mm512_set1_epi32(q4_x4(xr)));                 \
-                        acc2[r] = _mm512_dpbusd_epi32(acc2[r], v, _mm512_set1_epi32(q4_x4(xr + 32)));           \
+                        if (LO) acc2[r] = _mm512_dpbusd_epi32(acc2[r], v, _mm512_set1_epi32(q4_x4(xr + 32)));   \
                     }                                                                                  \
                 }                                                                                      \
                 __m512 sc = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(                 \
@@ -140,8 +142,8 @@ static inline void q8_step_avx2(__m256i w, const int8_t *xr, __m256i *acc, __m25
         for (int r = 0; r < R; r++) _mm512_storeu_ps(y + r * y_row, out[r]);                          \
     }
 #elif defined(Q4_AVX2)
-#define Q6_TILE(R)                                                                                     \
-    static void q6_tile_##R(const uint8_t *wt, int64_t G, const int8_t *xq, int64_t K, const float *sxs, \
+#define Q6_TILE_OF(NAME, R, LO)                                                                        \
+    static void NAME##_##R(const uint8_t *wt, int64_t G, const int8_t *xq, int64_t K, const float *sxs, \
                             const int32_t *qsum16, float *y, int64_t y_row) {                          \
         const __m256i m4 = _mm256_set1_epi8(0x0f), m2 = _mm256_set1_epi8(0x03);                        \
         const __m256i c32 = _mm256_set1_epi8(32);                                                      \
@@ -163,7 +165,7 @@ static inline void q8_step_avx2(__m256i w, const int8_t *xr, __m256i *acc, __m25
                         __m256i hi = _mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * i)), m2); \
                         __m256i w = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), c32);  /* q */ \
                         for (int r = 0; r < R; r++)                                                    \
-                            q8_step_avx2(w, xq + r * 2 * K + 64 * g + 4 * s, &acc[r], &acc2[r]);    \
+                            q8_step_avx2(w, xq + r * 2 * K + 64 * g + 4 * s, &acc[r], &acc2[r], LO);\
                     }                                                                                  \
                     __m256 sc = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(              \
                         _mm_loadl_epi64((const __m128i *)(blk + 384 + 16 * h + 8 * half)))));          \
@@ -178,8 +180,8 @@ static inline void q8_step_avx2(__m256i w, const int8_t *xr, __m256i *acc, __m25
         }                                                                                              \
     }
 #else
-#define Q6_TILE(R)                                                                                     \
-    static void q6_tile_##R(const uint8_t *wt, int64_t G, const int8_t *xq, int64_t K, const float *sxs, \
+#define Q6_TILE_OF(NAME, R, LO)                                                                        \
+    static void NAME##_##R(const uint8_t *wt, int64_t G, const int8_t *xq, int64_t K, const float *sxs, \
                             const int32_t *qsum16, float *y, int64_t y_row) {                          \
         (void)qsum16;                                                                                  \
         for (int r = 0; r < R; r++)                                                                    \

@@ -16,6 +16,7 @@ quantized to int8 per 32.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
 import shutil
 
@@ -116,22 +117,43 @@ def rows(T: int, K: int, seed: int) -> torch.Tensor:
     return x
 
 
+@pytest.mark.parametrize("codes", q4_rows.CODES, ids=["one-code", "two-codes"])
 @pytest.mark.parametrize("kind", ["q4", "q40", "q8", "q6", "q4k", "q5", "q5k"])
 @pytest.mark.parametrize("dtype", ROWS, ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("T,N,K", [(1, 48, 64), (3, 960, 576), (8, 32, 1536), (9, 64, 96), (17, 48, 576),
                                    (40, 32, 256)])   # 40: five passes of 8 rows (AVX-512)
-def test_products_are_the_reference_arithmetic_bit_for_bit(kind, dtype, T, N, K):
+def test_products_are_the_reference_arithmetic_bit_for_bit(kind, dtype, T, N, K, codes):
     K = dims(kind, K)
     w, ref = make(kind, N, K, dtype)
+    w = w.with_codes(codes)
     x = rows(T, K, seed=T)
     got = w.mm(x)
     assert got.dtype == torch.float32 and got.shape == (T, N)
-    assert torch.equal(got, q4_reference.reference_mm(x.to(dtype).float(), *ref))
+    assert torch.equal(got, q4_reference.reference_mm(x.to(dtype).float(), *ref, row_codes=codes))
 
 
+def test_one_code_rows_are_two_code_rows_without_their_residual():
+    """One code a row is the hi code alone: nearer llama.cpp's int8 rows than the two-code
+    product, and farther from the float product (the bound below is the hi code's half step)."""
+    N, K = 64, 512
+    w, (codes, d, m) = make("q4k", N, K, torch.float32, seed=8)
+    x = rows(5, K, seed=9)
+    one, two = w.with_codes(1).mm(x), w.mm(x)
+    dense = (codes.double().view(N, K // 32, 32) * d.double()[..., None] + m.double()[..., None]).reshape(N, K)
+    exact = x.double() @ dense.T
+    step = x.view(5, K // 32, 32).abs().amax(-1).double() / 127      # each group's hi step
+    bound = 0.5 * torch.einsum("tg,ngk->tn", step, dense.abs().view(N, K // 32, 32)) \
+        + 1e-5 * (x.double().abs() @ dense.abs().T)
+    assert ((one.double() - exact).abs() <= bound).all()
+    assert (one.double() - exact).abs().mean() > 4 * (two.double() - exact).abs().mean()
+    assert w.with_codes(1).packed is w.packed and w.with_codes(1).codes == 1
+
+
+@pytest.mark.parametrize("codes", q4_rows.CODES, ids=["one-code", "two-codes"])
 @pytest.mark.parametrize("kind", ["q4", "q40", "q8", "q6", "q4k", "q5", "q5k"])
-def test_a_row_never_depends_on_its_batch_mates_order_or_threads(kind):
+def test_a_row_never_depends_on_its_batch_mates_order_or_threads(kind, codes):
     w, _ = make(kind, 96, dims(kind, 576), torch.bfloat16, seed=1)
+    w = w.with_codes(codes)
     x = rows(13, dims(kind, 576), seed=2)
     whole = w.mm(x)
     perm = torch.randperm(13, generator=torch.Generator().manual_seed(0))
@@ -179,15 +201,16 @@ def test_other_code_paths_give_the_same_bits(monkeypatch, march):
         pytest.skip("this CPU cannot run AVX2 code")
     monkeypatch.setenv("HAL_MARCH", march)
     lib = ctypes.CDLL(str(q4_rows.build()))
-    lib.q4_mm.argtypes, lib.q4_mm.restype = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] + \
+    lib.q4_mm.argtypes, lib.q4_mm.restype = [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p] + \
         [ctypes.c_int64] * 3 + [ctypes.c_void_p], ctypes.c_int64
-    for kind in ("q4", "q40", "q8", "q6", "q4k", "q5", "q5k"):
+    for kind, codes in itertools.product(("q4", "q40", "q8", "q6", "q4k", "q5", "q5k"), q4_rows.CODES):
         K = dims(kind, 576)
         w, _ = make(kind, 96, K, torch.bfloat16, seed=6)
+        w = w.with_codes(codes)
         x = rows(21, K, seed=7).bfloat16()   # AVX2: 6 passes of 4 or 3 rows
         y = torch.empty(21, 96)
-        assert lib.q4_mm(w.packed.data_ptr(), w.kind, 96, K, x.data_ptr(), 1, 21, K, y.data_ptr()) == 0
-        assert torch.equal(y, w.mm(x)), kind
+        assert lib.q4_mm(w.packed.data_ptr(), w.kind, codes, 96, K, x.data_ptr(), 1, 21, K, y.data_ptr()) == 0
+        assert torch.equal(y, w.mm(x)), (kind, codes)
 
 
 KINDS = {"Q4_0": gguf.GGMLQuantizationType.Q4_0, "Q4_1": gguf.GGMLQuantizationType.Q4_1,
