@@ -13,6 +13,10 @@ values are a requantization's). On each, interleaved ``--rounds`` times, same th
   ``5 · tg / pp5`` and ``9 · tg / pp9`` (``llama-bench -p 5`` / ``-p 9``: tokens per second of
   a 5- or 9-token batch on an empty context, against its tg rate).
 
+spec-hal runs these files' rows as one int8 code per input (llama.cpp's int8 rows,
+`hal.models.loaders.file_row_codes`); the same file loaded with two codes (value and residual,
+``row_codes=2``) is measured beside it, interleaved.
+
     python benchmarks/kquant_costs.py [--shapes qwen2.5-0.5b,qwen3-0.6b,llama3.2-1b] [--rounds 2]
 """
 
@@ -79,31 +83,37 @@ def main() -> None:
     rows = []
     for name, path in files.items():
         model, _ = load_gguf(path, hal.get_backend("cpu"), "auto")
-        got = {k: [] for k in ("ours", "theirs", "o5", "o9", "t5", "t9")}
+        two, _ = load_gguf(path, hal.get_backend("cpu"), plan=model.plan, row_codes=2)
+        got = {k: [] for k in ("ours", "ours2", "theirs", "o5", "o9", "p5", "p9", "t5", "t9")}
         for _ in range(args.rounds):   # interleaved
             got["ours"].append(our_decode_rate(model, args.tg))
+            got["ours2"].append(our_decode_rate(two, args.tg))
             tg = llama_bench(bench, path, args.threads, args.tg)
             got["theirs"].append(tg)
-            o5, o9 = our_costs(model)
-            got["o5"].append(o5)
-            got["o9"].append(o9)
+            for key, m in (("o", model), ("p", two)):
+                c5, c9 = our_costs(m)
+                got[key + "5"].append(c5)
+                got[key + "9"].append(c9)
             got["t5"].append(5 * tg / llama_pp(bench, path, args.threads, 5))
             got["t9"].append(9 * tg / llama_pp(bench, path, args.threads, 9))
         m = {k: statistics.median(v) for k, v in got.items()}
-        rows.append(f"| {name} | {m['ours']:.1f} | {m['theirs']:.1f} | {m['ours'] / m['theirs']:.2f}x | "
-                    f"{m['o5']:.2f} | {m['t5']:.2f} | {m['o9']:.2f} | {m['t9']:.2f} | "
+        rows.append(f"| {name} | {m['ours']:.1f} | {m['ours2']:.1f} | {m['theirs']:.1f} | "
+                    f"{m['ours'] / m['theirs']:.2f}x | {m['o5']:.2f} | {m['p5']:.2f} | {m['t5']:.2f} | "
+                    f"{m['o9']:.2f} | {m['p9']:.2f} | {m['t9']:.2f} | "
                     f"{'native' if model.loop is not None else 'Python'} |")
-        print(rows[-1], model.tensor_forms, sep="\n", flush=True)
-        del model
+        print(rows[-1], model.tensor_forms, model.plan.describe(), sep="\n", flush=True)
+        del model, two
     lines = ["# Q4_K_M files against llama.cpp: plain decode and a verify's cost", "",
              f"`python benchmarks/kquant_costs.py --shapes {args.shapes} --threads {args.threads} --tg {args.tg} "
              f"--rounds {args.rounds}`", "", machine_line(), "",
              "Decode: tokens/s of a plain decode (spec-hal best of 3, llama-bench tg mean of 3). cost(n)/cost(1): a "
              "forward over n tokens against one token's (spec-hal: the router's profile at a context of 128; "
-             "llama.cpp: n · tg / pp_n from llama-bench on an empty context). Medians over the rounds.", "",
-             "| file (Q4_K_M) | spec-hal tok/s | llama.cpp tok/s | ratio | spec-hal cost(5)/cost(1) | "
-             "llama.cpp's | spec-hal cost(9)/cost(1) | llama.cpp's | spec-hal's layers |",
-             "|---|---|---|---|---|---|---|---|---|", *rows]
+             "llama.cpp: n · tg / pp_n from llama-bench on an empty context). Medians over the rounds. spec-hal "
+             "runs these files' rows as one int8 code per input (its default for a file with K-quants); "
+             "\"two codes\": the same file with rows of value and residual codes (`row_codes=2`), interleaved.", "",
+             "| file (Q4_K_M) | spec-hal tok/s | two codes | llama.cpp tok/s | ratio | spec-hal cost(5)/cost(1) | "
+             "two codes | llama.cpp's | spec-hal cost(9)/cost(1) | two codes | llama.cpp's | spec-hal's layers |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|", *rows]
     publish(lines, Path(args.out))
 
 

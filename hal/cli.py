@@ -123,7 +123,8 @@ def _load(name: str, backend, args):
     `HalError` if it has no tokenizer (the CLI takes text)."""
     from hal.models.fetch import model_path
     from hal.models.tokenizer import chat_template_of
-    model, tok = load_model(name, backend, args.dtype, plan_refresh=args.plan_refresh, lm_head=args.lm_head)
+    model, tok = load_model(name, backend, args.dtype, plan_refresh=args.plan_refresh, lm_head=args.lm_head,
+                            row_codes=args.row_codes)
     if tok is None:
         raise HalError(f"--model: expected a model with a tokenizer (a GGUF, or an HF folder with tokenizer.json), "
                        f"got {name}", arg="--model")

@@ -83,8 +83,11 @@ class Router:
         self.matched: dict[object, int] = {}       # the length of this step's match (0: none)
         self.match_at: dict[object, tuple[int, int]] = {}   # (tokens looked up, end of the match) where it matched
         # acceptance of a lookup match's drafts, by match length (a 3-gram match in copied text
-        # is accepted far more often than a 1-gram one in open text)
+        # is accepted far more often than a 1-gram one in open text), greedy requests' and sampled
+        # ones' apart (a sampled request keeps a match's token with the target's probability of it)
         self.found = {n: Ewma(global_decay) for n in range(lookup[0], lookup[1] + 1)} if lookup else {}
+        self.found_sampled = {n: Ewma(global_decay) for n in self.found}
+        self.sampled: dict[object, bool] = {}   # a matched request samples (temperature > 0)
         self.found_per: dict[object, Ewma] = {}
         self.found_measured: dict[object, int] = {}
         self.memory = memory   # a `hal.engine.route_memory.RouteMemory`: where this router starts, and keeps
@@ -146,15 +149,17 @@ class Router:
 
     def rates(self) -> dict[str, Ewma]:
         """The overall rates, by name: the drafter's acceptance (``glob``), its offer rate, and a
-        lookup match's acceptance per match length (``found<n>``); what a route memory keeps."""
-        return {"glob": self.glob, "offers": self.offers, **{f"found{n}": e for n, e in self.found.items()}}
+        lookup match's acceptance per match length (``found<n>``; sampled requests': ``sampled<n>``);
+        what a route memory keeps."""
+        return {"glob": self.glob, "offers": self.offers, **{f"found{n}": e for n, e in self.found.items()},
+                **{f"sampled{n}": e for n, e in self.found_sampled.items()}}
 
     def _source(self, rid) -> tuple[Ewma, dict, dict]:
         """The overall and per-request acceptance, and the measured counts, of the method that drafts
         for ``rid`` this step: the lookup's where it found a match, else the drafter's."""
         n = self.matched.get(rid)
         if n:
-            return self.found[n], self.found_per, self.found_measured
+            return (self.found_sampled if self.sampled.get(rid) else self.found)[n], self.found_per, self.found_measured
         return self.glob, self.per, self.measured
 
     def _look(self, states) -> list[bool]:
@@ -172,6 +177,7 @@ class Router:
             self.matched[state.rid] = 0 if found is None else found[0]
             if found is not None:
                 self.match_at[state.rid] = (len(state.tokens), found[1])
+                self.sampled[state.rid] = state.req.temperature > 0
             out.append(found is not None or self.fallback)
         return out
 
@@ -382,7 +388,7 @@ class Router:
         self.measured.pop(state.rid, None)
         self.offered.pop(state.rid, None)
         self.idle.pop(state.rid, None)
-        for kept in (self.index, self.matched, self.match_at, self.found_per, self.found_measured):
+        for kept in (self.index, self.matched, self.match_at, self.sampled, self.found_per, self.found_measured):
             kept.pop(state.rid, None)
         if self.memory is not None:
             self.memory.keep(self)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 
 from hal.errors import HalError
 
+ROW_CODES = ("auto", "1", "2")   # --row-codes (`hal.models.loaders.file_row_codes`)
 SERVE_BUDGET = "auto"   # max_num_batched_tokens: `hal.launch.build.serving_budget` chooses (serve's flag unset)
 
 
@@ -23,6 +24,7 @@ class LaunchConfig:
     model: str
     dtype: str
     lm_head: str
+    row_codes: str                    # auto, 1 or 2: int8 codes per input of a q4q8 plan's rows (--row-codes)
     plan_refresh: bool
     # the draft and the router
     draft: str
@@ -54,6 +56,8 @@ class LaunchConfig:
         if not (b is None or b == SERVE_BUDGET or (isinstance(b, int) and not isinstance(b, bool) and b >= 1)):
             raise HalError(f"max_num_batched_tokens: expected None, {SERVE_BUDGET!r} or an int >= 1, got {b!r}",
                            arg="max_num_batched_tokens")
+        if self.row_codes not in ROW_CODES:
+            raise HalError(f"row_codes: expected one of {ROW_CODES}, got {self.row_codes!r}", arg="row_codes")
         if self.draft_thread not in ("auto", "on", "off"):
             raise HalError(f"draft_thread: expected auto, on or off, got {self.draft_thread!r}", arg="draft_thread")
 

@@ -71,7 +71,8 @@ def profile_sides(sides: list[Side], path: str, spec, config: LaunchConfig, reps
         t0 = time.perf_counter()
         model = None
         if with_target or spec.kind in HEADS:
-            model = load_model(path, s.backend, config.dtype, lm_head=config.lm_head)[0].to(s.device)
+            model = load_model(path, s.backend, config.dtype, lm_head=config.lm_head,
+                               row_codes=config.row_codes)[0].to(s.device)
         _, dpath = draft_memory(spec, path, shares_target=with_target)
         drafter = make_drafter(spec, s.backend, target=model, path=config.model if spec.kind in HEADS else dpath,
                                device=s.device)

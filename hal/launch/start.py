@@ -114,7 +114,7 @@ def _target_rank(config: LaunchConfig, me: Rank, phases: Phases) -> Target:
     from hal.metrics import SpecDecodeMetrics
     from hal.models.linear_plan import choose_plan, pin_head
     from hal.models.llama import linear_shapes
-    from hal.models.loaders import head_q8, read_config, stored_masks
+    from hal.models.loaders import coded_plan, head_q8, model_file, read_config, stored_masks
     spec, world = me.spec, me.world
     target_side = resolve_side(me.placement.target, "target")
     draft_side = resolve_side(me.placement.draft, "draft") if world == 1 else None
@@ -129,6 +129,8 @@ def _target_rank(config: LaunchConfig, me: Rank, phases: Phases) -> Target:
                              progress=phases.bars, **stored_masks(me.path, cfg), q8_head=head_q8(me.path),
                              q6k_head=head_q8(me.path, "Q6_K"))
         plan = pin_head(choice, config.lm_head)
+        if plan.weights == "q4q8" and not os.path.isdir(me.path):   # its rows' codes, said below (`file_row_codes`)
+            plan = coded_plan(plan, model_file(me.path).tensors, config.row_codes)
     phases.say(f"linear plan: {plan.describe()} ({'cached' if choice.from_cache else 'now'}; "
                f"{choice.conditions()})")
     with phases("memory plan"):
@@ -137,7 +139,7 @@ def _target_rank(config: LaunchConfig, me: Rank, phases: Phases) -> Target:
         mplan = memory_plan(config, tmem, target_side, dmem, draft_side, config.max_num_seqs)
         pool = mplan.allocate("target")  # nothing was allocated before the plan passed
     with phases(f"load {config.model}"):
-        model, tok = load_model(me.path, target_side.backend, plan=plan)
+        model, tok = load_model(me.path, target_side.backend, plan=plan, row_codes=str(plan.codes))
         model.batch_invariant = config.batch_invariant
         model.to(target_side.device)
     if getattr(model, "tensor_forms", None):   # a GGUF: how each tensor type runs
@@ -217,7 +219,8 @@ def _draft_rank(config: LaunchConfig, me: Rank) -> None:
 
     def load():   # a head shares the target's embeddings and lm_head: this rank loads the weights for them
         pool = plan.allocate("draft") if plan is not None else None
-        tw = load_model(me.path, draft_side.backend, config.dtype, lm_head=config.lm_head)[0].to(draft_side.device) \
+        tw = load_model(me.path, draft_side.backend, config.dtype, lm_head=config.lm_head,
+                        row_codes=config.row_codes)[0].to(draft_side.device) \
             if head else None
         return tw, make_drafter(me.spec, draft_side.backend, target=tw, path=config.model if head else dpath,
                                 pool=pool, device=draft_side.device)

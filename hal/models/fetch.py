@@ -76,12 +76,12 @@ def model_path(name: str) -> Path:
 
 
 def load_model(name: str, backend, dtype: str = "float32", plan=None, plan_refresh: bool = False,
-               lm_head: str = "auto"):
+               lm_head: str = "auto", row_codes: str = "auto"):
     """(Llama, tokenizer) for a fetchable model name, a .gguf path or an HF folder (config.json,
     safetensors, and tokenizer.json: without one the tokenizer is None). ``dtype``/``plan``: the linear layers' plan
     (`hal.models.linear_plan`; ``auto`` measures float32 against bfloat16 here); ``lm_head``:
     a GGUF head's form, `hal.models.linear_plan.pin_head` (an HF folder's head is float:
-    only ``auto`` or ``float``)."""
+    only ``auto`` or ``float``); ``row_codes``: ``--row-codes`` (`hal.models.loaders.file_row_codes`)."""
     from hal.models.loaders import load_gguf, load_safetensors
     path = model_path(name)
     if path.is_dir():
@@ -90,4 +90,4 @@ def load_model(name: str, backend, dtype: str = "float32", plan=None, plan_refre
                            f"{lm_head!r}", arg="--lm-head")
         from hal.models.hf import hf_tokenizer
         return load_safetensors(path, backend, dtype, plan_refresh, plan), hf_tokenizer(path)
-    return load_gguf(path, backend, dtype, plan_refresh, plan, lm_head)
+    return load_gguf(path, backend, dtype, plan_refresh, plan, lm_head, None if row_codes == "auto" else int(row_codes))

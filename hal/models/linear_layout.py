@@ -97,9 +97,8 @@ class LinearPlan:
         dt, widths = str(self.dtype).removeprefix("torch."), "/".join(map(str, self.widths))
         head = f"; lm_head {self.head.upper()} as stored" if self.head != "float" else ""
         if self.weights == "q4q8":
-            codes = "value and residual codes" if self.codes == 2 else "one code per input (llama.cpp's int8 rows)"
             return (f"Q4_0/Q4_1, Q5_0, Q8_0, Q4_K, Q5_K and Q6_K weights as stored times {dt} rows quantized per 32 "
-                    f"to int8 {codes} (q4q8{head}; other weights {dt} {name} in chunks of {widths})")
+                    f"to {q4_rows.ROW_WORDS[self.codes]} (q4q8{head}; other weights {dt} {name} in chunks of {widths})")
         if self.weights == "int4":
             return f"int4 weights as stored ({dt} rows{head}; other weights {dt} {name}) in chunks of {widths}"
         return f"{dt} {name} in chunks of {widths}"

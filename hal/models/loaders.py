@@ -240,8 +240,7 @@ def load_gguf(path: str | Path, backend, dtype: str = "float32", plan_refresh: b
                              q8_head=head_kind == "Q8_0", q6k_head=head_kind == "Q6_K",
                              **{k: _mask(v, cfg.layers) for k, v in sets.items()})
         plan = pin_head(choice, lm_head)
-    if plan.weights == "q4q8":
-        plan = replace(plan, codes=file_row_codes(r.tensors) if row_codes is None else row_codes)
+    plan = coded_plan(plan, r.tensors, "auto" if row_codes is None else str(row_codes))
     if plan.head != "float" and head_kind != plan.head.upper():   # refused before anything is read
         raise HalError(f"plan: expected a file whose lm_head is {plan.head.upper()} for {plan.describe()}, got {head_kind}",
                        arg="plan")
@@ -261,7 +260,8 @@ def load_gguf(path: str | Path, backend, dtype: str = "float32", plan_refresh: b
     model = Llama(cfg, fused, backend, plan=plan)
     model.plan_choice = choice
     model.tensor_forms = "; ".join(f"{n} {kind} {how}" for (kind, how), n in sorted(forms.items())) + (
-        f"; the lm_head {plan.head.upper()} as stored" if plan.head != "float" else "")
+        f"; the lm_head {plan.head.upper()} as stored" if plan.head != "float" else "") + (
+        f"; rows quantized per 32 to {q4_rows.ROW_WORDS[plan.codes]}" if plan.weights == "q4q8" else "")
     return model, tok
 
 
@@ -271,6 +271,14 @@ def file_row_codes(tensors) -> int:
     runs such a file; else two (value and residual: about 15 bits a row), the form the legacy
     Q4_0/Q4_1/Q8_0 files have always run in here."""
     return 1 if any(t.kind in K_QUANT_TYPES for t in tensors) else 2
+
+
+def coded_plan(plan: LinearPlan, tensors, row_codes: str = "auto") -> LinearPlan:
+    """``plan`` with its rows' codes for a file of ``tensors`` (a q4q8 plan: ``row_codes``, or by
+    `file_row_codes` where ``auto``; other plans unchanged)."""
+    if plan.weights != "q4q8":
+        return plan
+    return replace(plan, codes=file_row_codes(tensors) if row_codes == "auto" else int(row_codes))
 
 
 def _opened(path):

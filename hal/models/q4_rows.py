@@ -47,6 +47,7 @@ SUPER = 8                    # groups per K-quant super-block (256 inputs): Q6, 
 SUPER_KINDS = (Q6_KIND, Q4K_KIND, Q5K_KIND)
 ROWS = (torch.float32, torch.bfloat16)
 CODES = (1, 2)               # int8 codes per input of a quantized row (`Q4Weight.codes`)
+ROW_WORDS = {1: "one int8 code per input (llama.cpp's int8 rows)", 2: "int8 value and residual codes"}
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 

@@ -56,6 +56,23 @@ def test_sampled_output_keeps_the_target_law_with_a_lookup_router():
     assert dec.metrics.total.num_drafts > 0   # two tokens: the lookup matches, and its drafts are verified
 
 
+def test_sampled_requests_matches_are_measured_apart_from_greedy_ones():
+    """A sampled request keeps a match's token with the target's probability of it, a greedy one
+    whenever it is the argmax: pooled, greedy matches' rates would draft for sampled requests
+    where nothing pays."""
+    r = Router(COSTS, max_k=6, shadow=True, evidence=0, lookup=(1, 3), prior=0.5)
+    greedy, sampled = _looked("g", [7, 8, 9, 7, 8]), _looked("s", [7, 8, 9, 7, 8], temperature=0.8)
+    r.choose([greedy, sampled])
+    for _ in range(30):
+        r.observe([greedy, sampled], [4, 4], [4, 0])
+    assert r.rates()["found2"].rate(0.5, 1.0) > 0.95 and r.rates()["sampled2"].rate(0.5, 1.0) < 0.05
+    assert r.choose([greedy, sampled]) == [6, 0]
+    fresh = _looked("s2", [7, 8, 9, 7, 8], temperature=0.8)   # a new sampled request: the sampled rate
+    assert r.choose([fresh]) == [0] and r.acceptance("s2") < 0.1
+    r.release(sampled)
+    assert "s" not in r.sampled
+
+
 def _learned(memory=None, lookup=(1, 3)):
     r = Router(COSTS, max_k=6, shadow=True, lookup=lookup, fallback=True, memory=memory)
     a, b = _looked("a", [7, 8, 9, 7, 8]), _looked("b", [1, 2, 3])
@@ -76,7 +93,7 @@ def test_what_a_router_learned_is_kept_and_restored(tmp_path):
     memory.flush()   # written on a thread of its own
     fresh = Router(COSTS, max_k=6, shadow=True, lookup=(1, 3), fallback=True)
     restored = Router(COSTS, max_k=6, shadow=True, lookup=(1, 3), fallback=True, memory=RouteMemory(path, {"key": 1}))
-    assert set(r.rates()) == {"glob", "offers", "found1", "found2", "found3"}
+    assert set(r.rates()) == {"glob", "offers", "found1", "found2", "found3", "sampled1", "sampled2", "sampled3"}
     for name, want in r.rates().items():
         got = restored.rates()[name]
         assert (got.accepted, got.trials) == pytest.approx((want.accepted, want.trials))

@@ -123,7 +123,7 @@ def test_a_q6_k_head_and_k_quant_layers_run_as_stored(tmp_path, layers):
     assert f"{kind} as stored" in stored.tensor_forms and "the lm_head Q6_K as stored" in stored.tensor_forms
     assert f"{kind} dequantized to float32" in floats.tensor_forms, floats.tensor_forms
     # a file with K-quants (every one here: a Q6_K head) runs llama.cpp's int8 rows, every linear
-    assert stored.plan.codes == 1 and "one code per input" in stored.plan.describe()
+    assert stored.plan.codes == 1 and "one int8 code per input" in stored.plan.describe()
     assert all(t.codes == 1 for ts in linears.values() for t in ts) and stored.head_lin.codes == 1
     want = logits(floats)
     close(logits(stored), want, 0.04)
@@ -140,6 +140,10 @@ def test_generate_says_how_each_tensor_type_runs(tmp_path, capsys):
                  "--dtype", "stored"]) == 0
     err = capsys.readouterr().err
     assert "tensors: " in err and "Q4_K as stored, Q4K tiles" in err and "Q6_K as stored, Q6 tiles" in err, err
+    assert "rows quantized per 32 to one int8 code per input (llama.cpp's int8 rows)" in err, err
+    assert main(["generate", "--model", str(path), "--prompt", "x1x1", "--max-tokens", "4", "--draft", "none",
+                 "--dtype", "stored", "--row-codes", "2"]) == 0   # the override: value and residual
+    assert "rows quantized per 32 to int8 value and residual codes" in capsys.readouterr().err
 
 
 def test_greedy_speculation_on_a_q4_k_m_file_equals_plain_greedy(tmp_path):
