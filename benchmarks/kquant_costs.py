@@ -13,6 +13,10 @@ values are a requantization's). On each, interleaved ``--rounds`` times, same th
   ``5 · tg / pp5`` and ``9 · tg / pp9`` (``llama-bench -p 5`` / ``-p 9``: tokens per second of
   a 5- or 9-token batch on an empty context, against its tg rate).
 
+* the server's rate: a plain greedy request of ``--tg`` tokens (a 32-token prompt) through
+  spec-hal's engine and through ``llama-server``, alternating request by request
+  (`benchmarks.llamacpp.plain_rounds`, tokens/s each, medians).
+
 spec-hal runs these files' rows as one int8 code per input (llama.cpp's int8 rows,
 `hal.models.loaders.file_row_codes`); the same file loaded with two codes (value and residual,
 ``row_codes=2``) is measured beside it, interleaved.
@@ -34,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hal  # noqa: E402
 from benchmarks.family_shapes import make_files, shape_args  # noqa: E402
-from benchmarks.llamacpp import llama_bench, llama_tools, our_decode_rate  # noqa: E402
+from benchmarks.llamacpp import llama_bench, llama_tools, our_decode_rate, plain_rounds, server_binary  # noqa: E402
 from benchmarks.report import publish  # noqa: E402
 from hal.models.machine import cpu_flags, machine_line  # noqa: E402
 
@@ -96,10 +100,14 @@ def main() -> None:
                 got[key + "9"].append(c9)
             got["t5"].append(5 * tg / llama_pp(bench, path, args.threads, 5))
             got["t9"].append(9 * tg / llama_pp(bench, path, args.threads, 9))
+        served = plain_rounds(server_binary(), path, args.threads, model, list(range(100, 132)), args.tg,
+                              args.rounds)
+        got["served"], got["server"] = served if served else ([float("nan")], [float("nan")])
         m = {k: statistics.median(v) for k, v in got.items()}
         rows.append(f"| {name} | {m['ours']:.1f} | {m['ours2']:.1f} | {m['theirs']:.1f} | "
                     f"{m['ours'] / m['theirs']:.2f}x | {m['o5']:.2f} | {m['p5']:.2f} | {m['t5']:.2f} | "
                     f"{m['o9']:.2f} | {m['p9']:.2f} | {m['t9']:.2f} | "
+                    f"{m['served']:.1f} | {m['server']:.1f} | {m['served'] / m['server']:.2f}x | "
                     f"{'native' if model.loop is not None else 'Python'} |")
         print(rows[-1], model.tensor_forms, model.plan.describe(), sep="\n", flush=True)
         del model, two
@@ -110,10 +118,13 @@ def main() -> None:
              "forward over n tokens against one token's (spec-hal: the router's profile at a context of 128; "
              "llama.cpp: n · tg / pp_n from llama-bench on an empty context). Medians over the rounds. spec-hal "
              "runs these files' rows as one int8 code per input (its default for a file with K-quants); "
-             "\"two codes\": the same file with rows of value and residual codes (`row_codes=2`), interleaved.", "",
+             "\"two codes\": the same file with rows of value and residual codes (`row_codes=2`), interleaved. "
+             "Served: a plain greedy request of the same tokens through spec-hal's engine and llama-server, "
+             "alternating request by request (a 32-token prompt; tokens/s of each, medians).", "",
              "| file (Q4_K_M) | spec-hal tok/s | two codes | llama.cpp tok/s | ratio | spec-hal cost(5)/cost(1) | "
-             "two codes | llama.cpp's | spec-hal cost(9)/cost(1) | two codes | llama.cpp's | spec-hal's layers |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|", *rows]
+             "two codes | llama.cpp's | spec-hal cost(9)/cost(1) | two codes | llama.cpp's | spec-hal request "
+             "tok/s | llama-server tok/s | ratio | spec-hal's layers |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|", *rows]
     publish(lines, Path(args.out))
 
 
