@@ -182,10 +182,9 @@ class Llama:
         return plain_linear, lm_head, f"plain F.linear ({why})"
 
     def draft_weight(self, w: Tensor, device: torch.device):
-        """A drafter's linear weight in the form its draft linears (`draft_linears`) run
-        fastest: under a q4q8 plan on the drafter's device, Q8 tiles (quantized as Q8_0 is,
-        `hal.models.q4_rows.quantize_q8`; a shape the kernel does not take stays float); else
-        cast to the plan's dtype."""
+        """A drafter's linear weight in the form its draft linears (`draft_linears`) run fastest: under a
+        q4q8 plan on the drafter's device, Q8 tiles (quantized as Q8_0 is, `hal.models.q4_rows.quantize_q8`,
+        rows of the plan's codes; a shape the kernel does not take stays float); else in the plan's dtype."""
         if self.plan.weights == "q4q8" and self.batch_invariant and torch.device(device) == self.device \
                 and int4.fits(*w.shape):
             return coded(q4_rows.quantize_q8(w, self.plan.dtype), self.plan.codes)
