@@ -2,7 +2,7 @@
  * 32 (`hal.models.q4_rows`), as integer dot products (AVX-512 VNNI, else AVX2, else plain C):
  * llama.cpp's arithmetic for Q4_1 x Q8_1 and Q8_0 x Q8_0, with a second int8 code per input for
  * the residual, so a row keeps about 15 bits instead of 8. The weights are read once for up to
- * 8 rows (AVX-512; 12 rows of one code), so 8 rows cost a few times one row instead of eight.
+ * 8 rows, so 8 rows cost a few times one row instead of eight.
  *
  * Glossary (shapes: a weight [N, K], N a multiple of 16, K of 32; G = K / 32 groups):
  * - **codes** q in 0..15 and fp16 ``d``, ``m`` per 32 weights of an output row: w = d*q + m
@@ -79,10 +79,8 @@ enum { Q4K_HEAD = 64, Q6_HEAD = 32 };   /* a super-block head's bytes */
  * (per row: an output and two accumulators; AVX-512 has 32 registers, AVX2 16) */
 #if defined(Q4_AVX512)
 #define Q4_ROWS 8
-#define Q4_ROWS1 12   /* rows of one code: no lo chains, so an output and one accumulator a row */
 #else
 #define Q4_ROWS 4
-#define Q4_ROWS1 4
 #endif
 
 /* four int8 codes as one int32 (a broadcast feeds each lane's 4-byte dot product) */
@@ -291,13 +289,9 @@ static inline __m256i q5_bit_256(__m256i hb, int b) {   /* bit b of each byte mo
 #endif
 #include "q8_tiles.c"   /* the tiles of one byte a code: Q8 (Q8_0) and Q6 (Q6_K) */
 /* Each kind's tile for R = 1..8 rows, twice: for rows of two codes (hi and lo: NAME) and of one
- * (lo all 0, its chains left out: NAME1, the same bits for such rows as NAME's); NAME1 also for
- * R = 9..12 (a one-code row needs an output and one accumulator: 12 rows fit AVX-512's registers). */
+ * (lo all 0, its chains left out: NAME1, the same bits for such rows as NAME's). */
 #define Q4_R(M) M(1) M(2) M(3) M(4) M(5) M(6) M(7) M(8)
-#define Q4_R1(M) M(9) M(10) M(11) M(12)   /* one-code tiles only (Q4_ROWS1) */
-#define Q4_FNS(NAME) {0, NAME##_1, NAME##_2, NAME##_3, NAME##_4, NAME##_5, NAME##_6, NAME##_7, NAME##_8, 0, 0, 0, 0}
-#define Q4_FNS1(NAME) {0, NAME##_1, NAME##_2, NAME##_3, NAME##_4, NAME##_5, NAME##_6, NAME##_7, NAME##_8, \
-                       NAME##_9, NAME##_10, NAME##_11, NAME##_12}
+#define Q4_FNS(NAME) {0, NAME##_1, NAME##_2, NAME##_3, NAME##_4, NAME##_5, NAME##_6, NAME##_7, NAME##_8}
 #define Q4_BOTH(NAME, R, BYTES, KQ, Q5, MD) \
     Q4_TILE_OF(NAME, R, BYTES, KQ, Q5, MD, 1) Q4_TILE_OF(NAME##1, R, BYTES, KQ, Q5, MD, 0)
 #define Q4_TILE(R) Q4_BOTH(q4_tile, R, Q4_TILE_BYTES, 0, 0, 0)
@@ -307,13 +301,6 @@ static inline __m256i q5_bit_256(__m256i hb, int b) {   /* bit b of each byte mo
 #define Q5K_TILE(R) Q4_BOTH(q5k_tile, R, Q5K_TILE_BYTES, 1, 1, 0)
 #define Q8_TILE(R) Q8_TILE_OF(q8_tile, R, 1) Q8_TILE_OF(q8_tile1, R, 0)
 #define Q6_TILE(R) Q6_TILE_OF(q6_tile, R, 1) Q6_TILE_OF(q6_tile1, R, 0)
-#define Q4_TILE1(R) Q4_TILE_OF(q4_tile1, R, Q4_TILE_BYTES, 0, 0, 0, 0)
-#define Q40_TILE1(R) Q4_TILE_OF(q40_tile1, R, Q40_TILE_BYTES, 0, 0, 8, 0)
-#define Q4K_TILE1(R) Q4_TILE_OF(q4k_tile1, R, Q4K_TILE_BYTES, 1, 0, 0, 0)
-#define Q5_TILE1(R) Q4_TILE_OF(q5_tile1, R, Q5_TILE_BYTES, 0, 1, 16, 0)
-#define Q5K_TILE1(R) Q4_TILE_OF(q5k_tile1, R, Q5K_TILE_BYTES, 1, 1, 0, 0)
-#define Q8_TILE1(R) Q8_TILE_OF(q8_tile1, R, 0)
-#define Q6_TILE1(R) Q6_TILE_OF(q6_tile1, R, 0)
 Q4_R(Q4_TILE)
 Q4_R(Q40_TILE)
 Q4_R(Q4K_TILE)
@@ -321,25 +308,18 @@ Q4_R(Q5_TILE)
 Q4_R(Q5K_TILE)
 Q4_R(Q8_TILE)
 Q4_R(Q6_TILE)
-Q4_R1(Q4_TILE1)
-Q4_R1(Q40_TILE1)
-Q4_R1(Q4K_TILE1)
-Q4_R1(Q5_TILE1)
-Q4_R1(Q5K_TILE1)
-Q4_R1(Q8_TILE1)
-Q4_R1(Q6_TILE1)
 
 typedef void (*q4_tile_fn)(const uint8_t *, int64_t, const int8_t *, int64_t, const float *, float *, int64_t);
 typedef void (*q8_tile_fn)(const uint8_t *, int64_t, const int8_t *, int64_t, const float *, const int32_t *,
                            float *, int64_t);
-/* [two codes][R]: R up to Q4_ROWS1 for one code, Q4_ROWS for two */
-static const q4_tile_fn q4_tiles[2][13] = {Q4_FNS1(q4_tile1), Q4_FNS(q4_tile)};
-static const q8_tile_fn q8_tiles[2][13] = {Q4_FNS1(q8_tile1), Q4_FNS(q8_tile)};
-static const q4_tile_fn q40_tiles[2][13] = {Q4_FNS1(q40_tile1), Q4_FNS(q40_tile)};
-static const q4_tile_fn q4k_tiles[2][13] = {Q4_FNS1(q4k_tile1), Q4_FNS(q4k_tile)};
-static const q4_tile_fn q5_tiles[2][13] = {Q4_FNS1(q5_tile1), Q4_FNS(q5_tile)};
-static const q4_tile_fn q5k_tiles[2][13] = {Q4_FNS1(q5k_tile1), Q4_FNS(q5k_tile)};
-static const q8_tile_fn q6_tiles[2][13] = {Q4_FNS1(q6_tile1), Q4_FNS(q6_tile)};
+/* [two codes][R] */
+static const q4_tile_fn q4_tiles[2][9] = {Q4_FNS(q4_tile1), Q4_FNS(q4_tile)};
+static const q8_tile_fn q8_tiles[2][9] = {Q4_FNS(q8_tile1), Q4_FNS(q8_tile)};
+static const q4_tile_fn q40_tiles[2][9] = {Q4_FNS(q40_tile1), Q4_FNS(q40_tile)};
+static const q4_tile_fn q4k_tiles[2][9] = {Q4_FNS(q4k_tile1), Q4_FNS(q4k_tile)};
+static const q4_tile_fn q5_tiles[2][9] = {Q4_FNS(q5_tile1), Q4_FNS(q5_tile)};
+static const q4_tile_fn q5k_tiles[2][9] = {Q4_FNS(q5k_tile1), Q4_FNS(q5k_tile)};
+static const q8_tile_fn q6_tiles[2][9] = {Q4_FNS(q6_tile1), Q4_FNS(q6_tile)};
 
 /* Each half-group's sum of (128 hi + lo) of T quantized rows xq [T, 2K]: qsum16 [T, 2G]. */
 void q4_half_sums(const int8_t *xq, int64_t T, int64_t K, int32_t *qsum16) {
@@ -362,8 +342,7 @@ void q4_mm_tiles(const uint8_t *w, int kind, int one_code, int64_t K, const int8
                                 : kind == Q4K_KIND ? Q4K_TILE_BYTES + Q4K_HEAD / 8 : kind == Q5_KIND ? Q5_TILE_BYTES
                                 : kind == Q5K_KIND ? Q5K_TILE_BYTES + Q4K_HEAD / 8 : kind == Q40_KIND ? Q40_TILE_BYTES
                                 : Q4_TILE_BYTES;   /* a tile's bytes per group (with its share of the heads) */
-    int64_t most = one_code ? Q4_ROWS1 : Q4_ROWS;   /* rows a pass */
-    for (int64_t t0 = 0, passes = (T + most - 1) / most; t0 < T; passes--) {
+    for (int64_t t0 = 0, passes = (T + Q4_ROWS - 1) / Q4_ROWS; t0 < T; passes--) {
         int R = (int)((T - t0 + passes - 1) / passes);   /* rows split evenly: 9 = 5 + 4, not 8 + 1 */
         for (int64_t tile = tile0; tile < tile1; tile++) {
             const uint8_t *wt = w + tile * G * bytes;

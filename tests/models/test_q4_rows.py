@@ -121,8 +121,7 @@ def rows(T: int, K: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("kind", ["q4", "q40", "q8", "q6", "q4k", "q5", "q5k"])
 @pytest.mark.parametrize("dtype", ROWS, ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("T,N,K", [(1, 48, 64), (3, 960, 576), (8, 32, 1536), (9, 64, 96), (17, 48, 576),
-                                   (23, 48, 256), (40, 32, 256)])
-# AVX-512: 40 rows are five passes of 8 (two codes) or four of 10 (one code); 23 are 12 + 11 (one code)
+                                   (40, 32, 256)])   # 40: five passes of 8 rows (AVX-512)
 def test_products_are_the_reference_arithmetic_bit_for_bit(kind, dtype, T, N, K, codes):
     K = dims(kind, K)
     w, ref = make(kind, N, K, dtype)
