@@ -23,7 +23,8 @@ def add_dtype_args(ap: argparse.ArgumentParser) -> None:
                     help="the lm_head's form under an int4 plan (auto: the faster of the two measured on this CPU; "
                          "stored: the file's Q8_0 codes as stored, refused where the plan is not int4 or the head "
                          "is not Q8_0 or not batch-invariant here; float: the float head in the plan's dtype)")
-    ap.add_argument("--row-codes", default="auto", choices=("auto", "1", "2"),
+    from hal.launch.config import ROW_CODES
+    ap.add_argument("--row-codes", default="auto", choices=ROW_CODES,
                     help="a q4q8 plan's rows: int8 codes per input (auto: 1, llama.cpp's int8 rows, for a file with "
                          "K-quant tensors, else 2; 2: a value and its residual, about 15 bits, half the verify speed "
                          "on compute-bound shapes)")
