@@ -43,3 +43,11 @@ def test_bad_values_are_refused_once(field, value):
     given = {"max_context": 512, "max_num_seqs": 8, "max_num_batched_tokens": None, field: value}
     with pytest.raises(HalError, match=f"^{field}: expected"):
         LaunchConfig.from_args(namespace(), **given)
+
+
+def test_bad_row_codes_are_refused_naming_the_field():
+    import dataclasses
+    c = LaunchConfig.from_args(namespace(), max_context=512, max_num_seqs=8, max_num_batched_tokens=None)
+    assert c.row_codes == "auto"
+    with pytest.raises(HalError, match="^row_codes: expected one of"):
+        dataclasses.replace(c, row_codes="3")

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import hal
+from hal.errors import HalError
 from hal.engine import Request, SpeculativeDecoder
 from hal.models import layer_loop, q4_rows
 from hal.models.linear_layout import LinearPlan
@@ -144,6 +145,12 @@ def test_generate_says_how_each_tensor_type_runs(tmp_path, capsys):
     assert main(["generate", "--model", str(path), "--prompt", "x1x1", "--max-tokens", "4", "--draft", "none",
                  "--dtype", "stored", "--row-codes", "2"]) == 0   # the override: value and residual
     assert "rows quantized per 32 to int8 value and residual codes" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:   # refused by the parser, naming the flag, before anything loads
+        main(["generate", "--model", str(path), "--prompt", "x1", "--row-codes", "3"])
+    assert e.value.code == 2 and "--row-codes" in capsys.readouterr().err
+    with pytest.raises(HalError, match="codes"):
+        load_gguf(path, hal.get_backend("cpu"), plan=LinearPlan("mm", torch.bfloat16, (1, 2, 4, 8), weights="q4q8",
+                                                                 head="q6_k"), row_codes=3)
 
 
 def test_greedy_speculation_on_a_q4_k_m_file_equals_plain_greedy(tmp_path):

@@ -28,6 +28,7 @@ from gguf import quants
 
 from hal.errors import HalError
 from hal.models import int4, k_quants, plan_check, q4_reference, q4_rows
+from hal.models.linear_layout import LinearPlan
 from hal.models.linear_plan import choose_plan
 from hal.models.machine import cpu_flags
 from tests.models.compilers import plant_failing_compiler
@@ -342,6 +343,8 @@ def test_bad_input_is_refused_naming_the_argument():
                     (lambda: q4_rows.pack(blocks, torch.float32).mm(torch.zeros(2, 32)), "x"),
                     (lambda: q4_rows.pack(blocks, torch.float32).mm(torch.zeros(2, 64, dtype=torch.int32)), "x"),
                     (lambda: q4_rows.pack(blocks, torch.float32).to("meta"), "device"),
+                    (lambda: q4_rows.pack(blocks, torch.float32).with_codes(3), "weight"),   # 1 or 2 int8 codes
+                    (lambda: LinearPlan("mm", torch.bfloat16, (1,), weights="q4q8", codes=0), "codes"),
                     (lambda: q4_rows.pack_q6k(torch.full((48, 256), 40, dtype=torch.int8), torch.ones(48, 8),
                                               torch.ones(48, 16, dtype=torch.int8), torch.float32), "weight"),  # code > 31
                     (lambda: q4_rows.pack_q6k(torch.zeros(48, 256, dtype=torch.int8), torch.ones(48, 8),
