@@ -231,7 +231,7 @@ class SpeculativeDecoder:
                                       None if r is None else r.continuation)
         drafts = grammar.constrain(live, drafts, plan.k)   # deterministic drafts follow each request's grammar
         self._ahead = None
-        plan.ahead = None if r is None else r.asks_next(live, plan.k)   # whom to draft ahead for
+        plan.ahead = None if r is None or not self.drafter_caps.lookahead else r.asks_next(live, plan.k)
         self._apply_drafts(live, drafts)
         fed, decoding = len(live) + sum(drafts.counts), sum(blocks_for(s, 1 + c) for s, c in zip(live, drafts.counts))
         self._admit(self.scheduler.admit(self.pool.allocator.num_free - decoding))
@@ -322,7 +322,7 @@ class SpeculativeDecoder:
         if self.drafter is not None:
             rids = [state.rid for state in live]
             self.drafter.commit(rids, [len(state.tokens) + a for state, a in zip(live, accepted)])
-        if self.router is not None:
+        if self.router is not None and (any(counts) or result.drafts.shadow or result.drafts.asked is not None):
             shadow = result.drafts.shadow
             self.router.observe(live, counts, accepted)
             self.router.observe_scores([live[i] for i, _ in shadow], reads.shadow_scores or [])

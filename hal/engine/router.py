@@ -6,13 +6,8 @@ start-up) plus the draft chain. The router adds drafts one at a time, to the req
 largest marginal gain, while batch tokens per second ``sum E / cost`` still rises; so k
 shrinks smoothly as the batch grows (no threshold cliff). A drafter that often offers nothing
 gains only at its measured offer rate r: draft j is worth r * a^j.
-A free deterministic (``shadow``) drafter's request at k = 0 is measured without a verify: the
-decoder scores its first draft against the step's own target row, as the emitted token
-(greedy) or as p(draft) (sampled); it is drafted for only once ``evidence`` of its own first
-drafts were measured, so the prior is never spent on a verify. Scoring is free for n-gram
-lookup but not for an EAGLE head (docs/benchmarks.md, "Scoring a head's first drafts"): its
-cost is measured, and a greedy request's first draft is scored every `Router.score_every`
-steps, as often as keeps that cost within ``LEARN_SHARE`` of the time.
+Requests at k = 0 keep being measured (scored or probed), and steps that choose nothing
+skip the walk: `hal.engine.route_cadence`.
 
 A lookup drafter (n-gram lookup, alone or before a model drafter: ``lookup``, ``fallback``)
 is routed on its host lookup (`hal.engine.lookup`): no match, nothing to offer (alone) or the
@@ -30,32 +25,32 @@ never depends on this step's draws and the output distribution is unchanged
 from __future__ import annotations
 
 import heapq
-import math
 
 from hal.engine.acceptance import Ewma
-from hal.engine.costs import CostModel, interpolate
+from hal.engine.costs import CostModel
 from hal.engine.lookup import LookupIndex
 from hal.engine.requests import draft_room
+from hal.engine.route_cadence import QUIET, SPELL, RouteCadence
 from hal.errors import arg_error
 
-
-LEARN_SHARE = 0.01   # keeping requests at k = 0 measured (scores, probes) may cost this share of the time
-QUIET = 8            # while scoring every step, every QUIET-th step scores nothing: a plain step to compare
+__all__ = ["QUIET", "Router"]
 
 
-class Router:
+class Router(RouteCadence):
     """Chooses k per request (0 = plain decoding) to maximise expected tokens per second."""
 
     def __init__(self, costs: CostModel, max_k: int = 8, prior: float = 0.6, request_decay: float = 0.7,
                  global_decay: float = 0.95, prior_weight: float = 2.0, probe_every: int = 16, margin: float = 0.1,
                  shadow: bool = False, evidence: int = 2, lookup: tuple[int, int] | None = None,
-                 fallback: bool = False, memory=None):
+                 fallback: bool = False, memory=None, spell: int = SPELL):
         if max_k < 0:
             raise arg_error("max_k", "an int >= 0", max_k)
         if not 0 <= margin < 10:
             raise arg_error("margin", "a number in [0, 10)", margin)
         if not 0 <= evidence <= 1000:
             raise arg_error("evidence", "an int in [0, 1000]", evidence)
+        if not 0 <= spell <= 1000:
+            raise arg_error("spell", "an int in [0, 1000]", spell)
         self.costs, self.max_k, self.prior, self.prior_weight = costs, max_k, prior, prior_weight
         self.margin = margin   # drafts only where the model predicts this much more than plain decoding
         self.request_decay, self.probe_every = request_decay, probe_every
@@ -90,6 +85,10 @@ class Router:
         self.sampled: dict[object, bool] = {}   # a matched request samples (temperature > 0)
         self.found_per: dict[object, Ewma] = {}
         self.found_measured: dict[object, int] = {}
+        self.spell = spell       # steps a choice of nothing may be repeated without a walk (`choose`)
+        self._quiet: tuple = ()  # the states of the current quiet spell, and its steps left
+        self._quiet_left = 0
+        self._interval = probe_every   # the last `_keep_learning`'s probe (or score) interval
         self.memory = memory   # a `hal.engine.route_memory.RouteMemory`: where this router starts, and keeps
         if memory is not None:
             memory.restore(self)
@@ -128,20 +127,6 @@ class Router:
         if min(self.ratio_steps[0], self.ratio_steps[3]) < 4 or self.ratio[0] <= 0:
             return 1.0
         return max(1.0, self.ratio[3] / self.ratio[0])
-
-    @property
-    def score_every(self) -> int:
-        """Steps between scorings of a greedy request's first draft at k = 0: the fewest that keep
-        scoring's extra cost within ``LEARN_SHARE`` of the time, at most four times ``probe_every``
-        (1 where it is as cheap as a plain step: n-gram lookup). The extra cost is measured (scored
-        steps against plain ones), or until both have 4 steps, the profiled cost of a one-draft
-        chain over a one-token step."""
-        if min(self.ratio_steps[0], self.ratio_steps[2]) < 4 or self.ratio[0] <= 0:
-            c = self.costs   # unmeasured: the profiled chain of one draft over a one-token step
-            extra = interpolate(c.draft, 1) / interpolate(c.verify, 1) if c.draft and c.verify else 0.0
-        else:
-            extra = self.ratio[2] / self.ratio[0] - 1
-        return max(1, min(4 * (self.probe_every or 1), math.ceil(extra / LEARN_SHARE - 1e-9)))
 
     def acceptance(self, rid) -> float:
         overall, per, _ = self._source(rid)
@@ -209,9 +194,12 @@ class Router:
         ones, e.g. when decode has a single-token fast path, so stopping early would be wrong),
         if its predicted rate beats plain decoding's by ``margin`` (the cost model is measured,
         so noisy: a predicted gain smaller than its error is not taken)."""
-        n = len(states)
+        n, looked = len(states), self._look(states)
+        if self._quiet_left and len(states) == len(self._quiet) and all(
+                a is b and not self.matched.get(a.rid) for a, b in zip(states, self._quiet)):
+            return self._quiet_step(states)
         caps = [max(0, min(self.max_k, state.req.k, draft_room(state))) if has else 0
-                for state, has in zip(states, self._look(states))]
+                for state, has in zip(states, looked)]
         can = [i for i in range(n) if caps[i] and self._known(states[i].rid)]
         ks = [0] * n
         if not can:   # nobody to draft for: no walk (a step that drafts nothing costs next to nothing)
@@ -248,6 +236,7 @@ class Router:
         self._keep_learning(states, ks, caps, budget)
         self._lookup_only = any(ks) and all(self.matched.get(states[i].rid) for i in range(len(ks)) if ks[i])
         self._free_scores = bool(self.scored) and all(self.matched.get(rid) for rid in self.scored)
+        self._quiet, self._quiet_left = tuple(states), self._spell_length(states, ks, caps)
         return ks
 
     def _may_pay(self, states, can: list[int], caps: list[int], ctx: list[int], alpha: dict, offer: dict,
@@ -264,97 +253,6 @@ class Router:
         cheapest = self.costs.cost(n + 1, sum(ctx) + min(ctx[i] for i in can), chain) * penalty
         return (n + gain) / cheapest * (1 + 1e-9) >= plain * (1 + self.margin)
 
-    def _keep_learning(self, states, ks: list[int], caps: list[int], budget: int | None) -> None:
-        """Requests at k = 0 keep being measured. A ``shadow`` drafter's first draft is scored by
-        the decoder without verifying it (`scored`): a greedy request's every `score_every` steps
-        (all at once; when that is every step, all but every ``QUIET``-th, a plain step that keeps
-        the comparison measured) and on any step that drafts for another request (the drafter
-        runs then anyway), a sampled one's when a probe is due, and any while not yet `_known`. A
-        greedy request whose lookup matched is scored every step: no drafter runs for it, and a
-        step that scores only such drafts is measured as a plain one. Other drafters' idle
-        requests are probed with one verified draft every `_probe_interval` plain steps. Scorings at
-        the cadence and probes are for requests with at least a cadence's tokens left (`draft_room`):
-        what they measure pays only over the tokens left to use it on."""
-        self.scored, self.steps = set(), self.steps + 1
-        every = self._every = self.score_every if self.shadow else 1   # asks_next reads it on the same step
-        interval = self._score_interval(every) if self.shadow else self._probe_interval(states, ks, caps)
-        drafting, phase = any(ks), self._scoring_step(self.steps, every)
-        for i, state in enumerate(states):
-            rid = state.rid
-            self.idle[rid] = 0 if ks[i] else self.idle.get(rid, 0) + 1
-            if ks[i] or not caps[i]:
-                continue
-            left = draft_room(state)
-            due = bool(self.probe_every) and self.idle[rid] >= interval and left >= interval
-            greedy = drafting or (phase and left >= every)
-            matched = self.matched.get(rid)   # a lookup match is free to score (no drafter runs): every step
-            if (self.shadow or matched) and (
-                    (state.req.temperature == 0 and (greedy or matched)) or due or self._wants_evidence(rid)):
-                self.scored.add(rid)
-                if due:
-                    self.idle[rid] = 0
-            elif due and (budget is None or len(states) + sum(ks) < budget):
-                ks[i], self.idle[rid] = 1, 0
-
-    def asks_next(self, states, ks: list[int]) -> set:
-        """The requests of ``states`` (this step's, at ``ks``) that the next `choose` is likely to
-        ask for drafts or a score: those drafted for now, and those whose scoring or probe falls
-        due. A lookahead drafter drafts ahead for these only (`hal.engine.proposals.lookahead`): on
-        a step that drafts nothing, nothing is drafted ahead to be thrown away. None for a drafter
-        with a host lookup: where the next step's lookup matches, its drafts are read on the host
-        (`continuation`), and what it finds is not known yet. A forecast, not a promise: a request
-        asked after all is drafted for inline, so a wrong forecast costs time, never output."""
-        if self.lookup is not None:
-            return set()
-        every = self._every
-        phase = self._scoring_step(self.steps + 1, every)
-        interval = self._score_interval(every) if self.shadow else self.probe_every
-        out = set()
-        for state, k in zip(states, ks):
-            rid = state.rid
-            left = draft_room(state) - 1   # after this step
-            due = bool(self.probe_every) and self.idle.get(rid, 0) + 1 >= interval and left >= interval
-            if k or due or (self.shadow and (self._wants_evidence(rid) or (
-                    phase and left >= every and state.req.temperature == 0))):
-                out.add(rid)
-        return out
-
-    def _score_interval(self, every: int) -> int:
-        """Idle steps before a shadow drafter's request is scored whatever the phase: as often as
-        scoring is worth (`score_every`), at least every ``probe_every``."""
-        return max(self.probe_every, every)
-
-    @staticmethod
-    def _scoring_step(step: int, every: int) -> bool:
-        """Whether greedy requests at k = 0 are scored on ``step``: every ``every``-th, or where that
-        is every step, all but every ``QUIET``-th (a plain step to compare)."""
-        return step % every == 0 if every > 1 else step % QUIET != 0
-
-    def _probe_interval(self, states, ks: list[int], caps: list[int]) -> int:
-        """Plain steps between verified probes of an idle request: ``probe_every``, or up to four
-        times that where the cost model says the idle requests' probes (one more fed token and a
-        draft each, once per interval) would cost more than ``LEARN_SHARE`` of the time: on an
-        AVX2-only CPU a verified draft at batch 4 costs a third of a step."""
-        idle = sum(1 for k, cap in zip(ks, caps) if cap and not k)
-        fed, top = len(states) + sum(ks), max(ks, default=0)
-        base = self.costs.cost(fed, 0, top)
-        if not self.probe_every or not idle or base <= 0:
-            return self.probe_every
-        extra = self.costs.cost(fed + 1, 0, max(top, 1)) * self.draft_penalty - base   # as measured to run
-        return max(self.probe_every, min(4 * self.probe_every, math.ceil(idle * extra / (LEARN_SHARE * base))))
-
-    def _wants_evidence(self, rid) -> bool:
-        """Whether a request not yet `_known` is scored now rather than at the usual cadence: a lookup
-        match's first draft (cheap), or the drafter's while its overall rate is unmeasured or says a
-        first draft may pay. Where the overall rate says it does not, learning the request first
-        would cost more than it could return; it is still scored every `score_every` steps."""
-        if self._known(rid):
-            return False
-        if self.matched.get(rid) or self.glob.trials < 4:
-            return True
-        a, c = self.glob.rate(self.prior, 1.0), self.costs
-        return (1 + a) / (c.cost(2, 0, 1) * self.draft_penalty) > (1 + self.margin) / c.cost(1, 0, 0)
-
     def _known(self, rid) -> bool:
         """Whether a request has been measured enough to be drafted for (always, but for a shadow drafter's)."""
         return self._source(rid)[2].get(rid, 0) >= self.evidence
@@ -362,7 +260,7 @@ class Router:
     def observe(self, states, drafted: list[int], accepted: list[int]) -> None:
         for s, d, a in zip(states, drafted, accepted):
             if d:
-                self.idle[s.rid] = 0
+                self.idle[s.rid], self._quiet_left = 0, 0   # what was learned ends a quiet spell
                 overall, per, measured = self._source(s.rid)
                 measured[s.rid] = measured.get(s.rid, 0) + 1
                 per.setdefault(s.rid, Ewma(self.request_decay)).add(d, a)
@@ -371,6 +269,7 @@ class Router:
     def observe_scores(self, states, scores: list[float]) -> None:
         """First drafts scored, not verified (`scored`): each accepted with probability ``scores[i]``."""
         for s, p in zip(states, scores):
+            self._quiet_left = 0
             overall, per, measured = self._source(s.rid)
             measured[s.rid] = measured.get(s.rid, 0) + 1
             per.setdefault(s.rid, Ewma(self.request_decay)).score(p)
@@ -380,6 +279,7 @@ class Router:
         """Where the drafter was asked for ``asked[i]`` > 0 drafts, did it offer any (``offered[i]``)?"""
         for s, a, o in zip(states, asked, offered):
             if a:
+                self._quiet_left = 0
                 self.offered.setdefault(s.rid, Ewma(self.request_decay)).add(1, int(o > 0))
                 self.offers.add(1, int(o > 0))
 

@@ -147,3 +147,60 @@ def test_no_probe_or_cadence_scoring_without_the_tokens_left_to_use_it_on():
             r.choose([_S("a", left=left), _S("b", left=left)])
             seen += len(r.scored)
         assert (seen > 0) == scored, left
+
+
+def _spell_trace(spell: int, seed: int, mutant=None) -> tuple[list, int]:
+    """Every choice and scoring of routers driven step by step over random drafters (a model's,
+    a shadow one's, a lookup alone or before a model), costs, acceptances and batches, with
+    ``spell`` (0: no quiet spells); and how many steps were quiet."""
+    import random
+    from hal.engine.requests import draft_room
+    g, out, quiet = random.Random(seed), [], 0
+    for case in range(80):
+        kind = g.choice(["model", "shadow", "lookup", "fallback"])
+        r = Router(CostModel({1: 1.0, 2: 1.0 + g.uniform(0.01, 0.6), 9: g.uniform(2.0, 7.0)},
+                             {1: g.uniform(0.0, 0.4), 4: g.uniform(0.4, 1.5)}),
+                   max_k=g.randint(1, 6), probe_every=g.choice([0, 3, 8, 16]), prior=g.uniform(0.05, 0.9),
+                   shadow=kind != "model", evidence=g.choice([0, 2]), spell=spell,
+                   lookup=(2, 3) if kind in ("lookup", "fallback") else None, fallback=kind == "fallback")
+        if mutant is not None:
+            r._spell_length = mutant(r)
+        n = g.randint(1, 3)   # a batch's requests never run short of draft room (a shorter cap can make a walk pay)
+        live = [_S(i, k=g.randint(1, 6), left=g.randint(4, 90) if n == 1 else 2000, temperature=g.choice([0.0, 0.7]))
+                for i in range(n)]
+        accept = {s.rid: g.random() for s in live}
+        for s in live:
+            s.tokens = [g.randrange(12) for _ in range(g.randint(1, 60))]
+        for step in range(120):
+            live = [s for s in live if draft_room(s) >= 0]
+            if not live:
+                break
+            before = r._quiet_left
+            ks = r.choose(live)
+            quiet += bool(before) and r._quiet_left == before - 1
+            out.append((case, step, tuple(ks), tuple(sorted(r.scored))))
+            scored = [s for s in live if s.rid in r.scored]
+            r.observe_scores(scored, [float(g.random() < accept[s.rid]) for s in scored])
+            for s, k in zip(live, ks):
+                a = next((j for j in range(k) if g.random() >= accept[s.rid]), k)
+                r.observe([s], [k], [a])
+                r.observe_offers([s], [k], [1])
+                new = [g.randrange(12) for _ in range(a + 1)]
+                s.tokens += new
+                s.generated += new
+    return out, quiet
+
+
+def test_quiet_spells_change_no_choice_where_nothing_drifts():
+    """After a step that drafts, scores and probes nothing, the router repeats that choice without
+    the walk until the next probe or score falls due (`hal.engine.route_cadence`: a quiet spell).
+    Where the costs have no context term and no step is timed, every choice and scoring equals the
+    router's without spells (``spell=0``) over random drafters, costs, acceptances and batches, and
+    most such steps were quiet; a spell that ignores the cadence (a planted mutant) changes some."""
+    for seed in (1, 2):
+        spelled, quiet = _spell_trace(8, seed)
+        plain, none = _spell_trace(0, seed)
+        assert spelled == plain and none == 0
+        assert quiet > len(spelled) // 4, (quiet, len(spelled))
+    deaf = lambda r: (lambda states, ks, caps: 0 if any(ks) or r.scored else r.spell)   # noqa: E731
+    assert _spell_trace(8, 1, deaf)[0] != _spell_trace(0, 1)[0]
