@@ -3,6 +3,7 @@ walk where no draft can pay (the same choices), and the measured draft penalty o
 is never scored."""
 
 import pytest
+import torch
 
 from hal.engine.costs import CostModel
 from hal.engine.router import Router
@@ -204,3 +205,29 @@ def test_quiet_spells_change_no_choice_where_nothing_drifts():
         assert quiet > len(spelled) // 4, (quiet, len(spelled))
     deaf = lambda r: (lambda states, ks, caps: 0 if any(ks) or r.scored else r.spell)   # noqa: E731
     assert _spell_trace(8, 1, deaf)[0] != _spell_trace(0, 1)[0]
+
+
+@pytest.mark.parametrize("spell", [8, 0])
+def test_a_request_the_drafter_never_pays_for_walks_only_around_its_probes(spell):
+    """An engine whose drafter's every draft is rejected: once the router has learned that, the
+    request runs at k = 0, probed every `probe_every` steps or more (as the probes' measured cost
+    allows). With quiet spells the router walks on the probe steps, the step after each, and every
+    ``spell``-th step between: under a third of the steps; without (``spell=0``, the planted contrast) it walks on every step. The output is plain
+    greedy's either way."""
+    import hal
+    from hal.engine import Request, SpeculativeDecoder
+    from tests.engine.test_router import ToyTarget, constant_drafter
+    be = hal.get_backend("cpu")
+    p, q = torch.tensor([0.999, 0.001]), torch.tensor([0.001, 0.999])   # the drafter always says 1, the target 0
+    router = Router(CostModel({1: 1.0, 8: 1.3, 64: 4.0}), max_k=4, probe_every=16, spell=spell)
+    walks = []
+    spell_length = router._spell_length
+    router._spell_length = lambda *a: walks.append(1) or spell_length(*a)
+    dec = SpeculativeDecoder(ToyTarget(be, p), constant_drafter(be, q), num_blocks=64, router=router)
+    out = dec.generate([Request([0], max_new_tokens=240, temperature=0.0, k=4)])[0]
+    assert out == [0] * 240
+    assert 3 <= dec.metrics.total.num_drafts <= 20   # the prior's first drafts, then a probe every 16 to 64 steps
+    if spell:
+        assert len(walks) < 240 / 3, len(walks)
+    else:
+        assert len(walks) == dec.steps - 1   # every decode step (the first step prefills)
