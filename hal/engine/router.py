@@ -62,6 +62,7 @@ class Router(RouteCadence):
         self.scored: set = set()   # the last `choose`'s requests at k = 0 whose first draft the decoder scores
         self.evidence = evidence if shadow else 0   # a shadow drafter's request drafts after this many measured
         self.measured: dict[object, int] = {}       # ... first drafts of its own (scored or verified)
+        self.match_evidence = evidence if lookup else 0   # ... and any request's lookup matches (free to score)
         self.idle: dict[object, int] = {}
         # measured step time over the cost model's: steps without drafts or scores [0], with drafts [1]
         # (a model's among them), with scored first drafts only [2], with lookup matches' drafts only [3]
@@ -254,8 +255,12 @@ class Router(RouteCadence):
         return (n + gain) / cheapest * (1 + 1e-9) >= plain * (1 + self.margin)
 
     def _known(self, rid) -> bool:
-        """Whether a request has been measured enough to be drafted for (always, but for a shadow drafter's)."""
-        return self._source(rid)[2].get(rid, 0) >= self.evidence
+        """Whether a request has been measured enough to be drafted for: a shadow drafter's after
+        ``evidence`` of its first drafts; where its lookup matched, after ``evidence`` of its matches'
+        (scored for free until then, sampled or greedy: a match's overall rate, learned on other
+        text, says little of this request's); else always."""
+        _, _, measured = self._source(rid)
+        return measured.get(rid, 0) >= (self.match_evidence if measured is self.found_measured else self.evidence)
 
     def observe(self, states, drafted: list[int], accepted: list[int]) -> None:
         for s, d, a in zip(states, drafted, accepted):

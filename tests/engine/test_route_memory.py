@@ -73,6 +73,34 @@ def test_sampled_requests_matches_are_measured_apart_from_greedy_ones():
     assert "s" not in r.sampled
 
 
+@pytest.mark.parametrize("evidence", [2, 0])
+def test_a_sampled_request_measures_its_own_matches_before_the_overall_rate_decides(evidence):
+    """Matches in other text were rejected (the overall sampled rate is near 0); in this request's
+    copied text they are accepted. A model drafter's router (not shadow, as ``ngram+dspark``'s) scores
+    the request's first ``evidence`` matches for free and then drafts on them. With ``evidence=0``
+    (before stop 82) the overall rate alone decided: no draft and no score until a probe fell due, so
+    copy-heavy sampled text ran as plain decoding."""
+    r = Router(COSTS, max_k=6, lookup=(1, 3), fallback=True, evidence=evidence, prior=0.5)
+    other = _looked("other", [7, 8, 9, 7, 8], temperature=0.8)
+    r.choose([other])
+    for _ in range(30):
+        r.observe([other], [4], [0])
+    assert r.rates()["sampled2"].rate(0.5, 1.0) < 0.05
+    copy = _looked("copy", [7, 8, 9, 7, 8], temperature=0.8)
+    drafted = 0
+    for step in range(8):
+        ks = r.choose([copy])
+        if "copy" in r.scored:
+            r.observe_scores([copy], [0.95])
+        else:
+            r.observe([copy], ks, ks)   # what a verify of the copied text keeps: every draft
+        drafted += ks[0]
+    if evidence:
+        assert drafted >= 6 * 5, drafted   # scored twice, then drafting
+    else:
+        assert drafted == 0
+
+
 def _learned(memory=None, lookup=(1, 3)):
     r = Router(COSTS, max_k=6, shadow=True, lookup=lookup, fallback=True, memory=memory)
     a, b = _looked("a", [7, 8, 9, 7, 8]), _looked("b", [1, 2, 3])

@@ -80,7 +80,7 @@ def test_lookup_matches_pay_the_penalty_measured_on_their_own_steps():
     drafted while the model's drafts at about the same acceptance are not (before stop 79 one penalty
     for both kept a copy-heavy request of ``ngram+eagle`` from drafting at all)."""
     costs = CostModel({1: 1.0, 2: 1.05, 9: 1.6}, {1: 0.2, 4: 0.5})
-    r = Router(costs, max_k=4, probe_every=0, lookup=(2, 3), fallback=True)
+    r = Router(costs, max_k=4, probe_every=0, lookup=(2, 3), fallback=True, evidence=0)   # matches drafted at once
     copy = _S("copy")
     copy.tokens = [5, 6, 7, 8, 9] * 20            # the last tokens occurred before: a lookup match
     fresh = _S("fresh")
