@@ -16,10 +16,11 @@ alternately ``--reps`` times and each keeps its least time (a busy spell of a sh
 only adds time); only ``generate`` is timed (engine building is not). Reported: routed over
 plain tokens per second, geometric mean per mode, engine, temperature and group over the
 prompts and ``--rounds`` rounds; greedy outputs are checked to equal plain's. Then the cost of a routed step that
-drafts and scores nothing: a routed and a plain engine stepped alternately on one long
+drafts and scores nothing: routed and plain engines stepped in turn on one long
 open-ended request, the median of the routed engine's steps with k = 0 and nothing scored
 over the median plain step (all steps after the first 3, over ``--rounds`` rounds), beside the
-same for a router without quiet spells (`hal.engine.route_cadence`: every step walks).
+same for a router without quiet spells (`hal.engine.route_cadence`: every step walks) and for a
+second plain engine (the noise floor), all four stepped in turn.
 
     python benchmarks/routing.py [--modes ngram,ngram+eagle,ngram+dspark,dspark] [--rounds 1] [--reps 3]
         [--max-tokens 64] [--warm 4] [--out benchmarks/results/routing.md]
@@ -131,29 +132,31 @@ def run_fresh(model, be, mode, costs, ids, temp, max_tokens, seed):
 
 def step_overhead(model, be, mode, costs, ids, tokens, rounds):
     """(median routed step with nothing drafted or scored / median plain step, the same for a
-    router without quiet spells (``spell = 0``: every step walks), routed steps counted, median
-    plain step). The three engines step in turn, the order rotated step by step."""
+    router without quiet spells (``spell = 0``: every step walks), and for a second plain engine
+    (the noise floor: two identical engines differ this much), routed steps counted, median plain
+    step). The four engines step in turn, the order rotated step by step."""
     from hal.engine import Request
-    t = {"plain": [], "routed": [], "walking": []}
+    t = {"plain": [], "routed": [], "walking": [], "plain2": []}
     for _ in range(rounds):
         engines = {"plain": engine(model, be, "none", None, tokens), "routed": engine(model, be, mode, costs, tokens),
-                   "walking": engine(model, be, mode, costs, tokens)}
+                   "walking": engine(model, be, mode, costs, tokens), "plain2": engine(model, be, "none", None, tokens)}
         engines["walking"].router.spell = 0
         for name, e in engines.items():
-            e.add(Request(ids, max_new_tokens=tokens, k=0 if name == "plain" else 6))
+            e.add(Request(ids, max_new_tokens=tokens, k=0 if name.startswith("plain") else 6))
         order, i = list(engines.items()), 0
         while any(e.has_unfinished() for e in engines.values()):
-            for name, e in order[i % 3:] + order[:i % 3]:
+            for name, e in order[i % 4:] + order[:i % 4]:
                 if not e.has_unfinished():
                     continue
                 t0 = time.perf_counter()
                 out = e.step()
                 dt = time.perf_counter() - t0
-                if i >= 3 and (name == "plain" or not sum(out.k.values()) and not e.router.scored):
+                if i >= 3 and (e.router is None or not sum(out.k.values()) and not e.router.scored):
                     t[name].append(dt)
             i += 1
     plain = statistics.median(t["plain"])
-    return statistics.median(t["routed"]) / plain, statistics.median(t["walking"]) / plain, len(t["routed"]), plain
+    return (statistics.median(t["routed"]) / plain, statistics.median(t["walking"]) / plain,
+            statistics.median(t["plain2"]) / plain, len(t["routed"]), plain)
 
 
 def geomean(xs):
@@ -177,10 +180,10 @@ def write(args, modes, times, same, steps, machine):
     lines += ["", "Greedy outputs equal plain's: " + ", ".join(f"{m} {a}/{b}" for m, (a, b) in same.items()) + ".",
               "", "A routed step that drafts and scores nothing, against a plain step (interleaved step by step on "
               f"one open-ended request of {args.step_tokens} tokens; medians):", "",
-              "| mode | routed k=0 step / plain step | without quiet spells / plain step | routed steps measured "
-              "| plain step |", "|---|---|---|---|---|"]
-    for m, (ratio, walking, count, plain) in steps.items():
-        lines.append(f"| {m} | {ratio:.3f} | {walking:.3f} | {count} | {plain * 1e3:.2f} ms |")
+              "| mode | routed k=0 step / plain step | without quiet spells / plain step | a second plain engine / "
+              "plain step | routed steps measured | plain step |", "|---|---|---|---|---|---|"]
+    for m, (ratio, walking, floor, count, plain) in steps.items():
+        lines.append(f"| {m} | {ratio:.3f} | {walking:.3f} | {floor:.3f} | {count} | {plain * 1e3:.2f} ms |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
