@@ -14,6 +14,7 @@ from hal.drafters.ngram import NgramDrafter
 from hal.engine.costs import CostModel
 from hal.engine.route_memory import RouteMemory, fingerprint
 from hal.engine.router import Router
+from hal.errors import HalError
 from tests.engine.test_router import P2, _Counted, _S, emitted
 
 COSTS = CostModel({1: 1.0, 2: 1.05, 9: 1.6, 64: 6.0})   # drafts pay from an acceptance of about 0.1
@@ -99,6 +100,38 @@ def test_a_sampled_request_measures_its_own_matches_before_the_overall_rate_deci
         assert drafted >= 6 * 5, drafted   # scored twice, then drafting
     else:
         assert drafted == 0
+
+
+@pytest.mark.parametrize("match_decay", [0.85, 0.7])
+def test_a_requests_rejected_matches_outweigh_a_rate_learned_on_copied_text(match_decay):
+    """Matches in copied text were accepted (the overall rate of 2-gram matches near 1); in this
+    request's open text every match is rejected. Its own rate is shrunk towards the overall one by
+    ``prior_weight`` trials, so it must be able to hold more than that: at ``match_decay`` 0.85 it
+    falls to a quarter of the overall rate and the request stops drafting; at 0.7 (before stop 82, as
+    a request's model drafts decay) it stays near 0.3 and the request drafts on its matches."""
+    costs = CostModel({1: 1.0, 2: 1.18, 9: 3.5})   # one draft pays from an acceptance of about 0.3
+    r = Router(costs, max_k=6, shadow=True, lookup=(1, 3), fallback=True, prior=0.5, match_decay=match_decay)
+    copy = _looked("copy", [7, 8, 9, 7, 8])
+    r.choose([copy])
+    for _ in range(40):
+        r.observe([copy], [4], [4])
+    assert r.rates()["found2"].rate(0.5, 1.0) > 0.95
+    chat = _looked("chat", [1, 2, 3, 1, 2])
+    drafted = 0
+    for _ in range(30):
+        ks = r.choose([chat])
+        if "chat" in r.scored:
+            r.observe_scores([chat], [0.0])
+        else:
+            r.observe([chat], ks, [0])
+        r.observe([copy], [4], [4])   # copied text goes on elsewhere: the overall rate stays high
+        drafted += ks[0]
+    if match_decay == 0.85:
+        assert r.acceptance("chat") < 0.27 and r.choose([chat]) == [0]
+    else:
+        assert r.acceptance("chat") > 0.28 and drafted > 20, (r.acceptance("chat"), drafted)
+    with pytest.raises(HalError, match="match_decay"):
+        Router(COSTS, match_decay=1.0)
 
 
 def _learned(memory=None, lookup=(1, 3)):
