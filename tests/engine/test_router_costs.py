@@ -212,8 +212,8 @@ def test_a_request_the_drafter_never_pays_for_walks_only_around_its_probes(spell
     """An engine whose drafter's every draft is rejected: once the router has learned that, the
     request runs at k = 0, probed every `probe_every` steps or more (as the probes' measured cost
     allows). With quiet spells the router walks on the probe steps, the step after each, and every
-    ``spell``-th step between: under a third of the steps; without (``spell=0``, the planted contrast) it walks on every step. The output is plain
-    greedy's either way."""
+    ``spell``-th step between: under a third of the steps; without (``spell=0``, the planted
+    contrast) it walks on every step. The output is plain greedy's either way."""
     import hal
     from hal.engine import Request, SpeculativeDecoder
     from tests.engine.test_router import ToyTarget, constant_drafter
