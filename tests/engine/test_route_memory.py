@@ -74,6 +74,21 @@ def test_sampled_requests_matches_are_measured_apart_from_greedy_ones():
     assert "s" not in r.sampled
 
 
+def _drive(r: Router, state, steps: int, score: float, keep, beside=lambda: None) -> int:
+    """Route ``state`` alone for ``steps`` steps: a scored first draft scores ``score``, a verify
+    keeps ``keep(ks)`` drafts, ``beside`` runs after each step. Returns the drafts chosen."""
+    drafted = 0
+    for _ in range(steps):
+        ks = r.choose([state])
+        if state.rid in r.scored:
+            r.observe_scores([state], [score])
+        else:
+            r.observe([state], ks, keep(ks))
+        beside()
+        drafted += ks[0]
+    return drafted
+
+
 @pytest.mark.parametrize("evidence", [2, 0])
 def test_a_sampled_request_measures_its_own_matches_before_the_overall_rate_decides(evidence):
     """Matches in other text were rejected (the overall sampled rate is near 0); in this request's
@@ -88,14 +103,7 @@ def test_a_sampled_request_measures_its_own_matches_before_the_overall_rate_deci
         r.observe([other], [4], [0])
     assert r.rates()["sampled2"].rate(0.5, 1.0) < 0.05
     copy = _looked("copy", [7, 8, 9, 7, 8], temperature=0.8)
-    drafted = 0
-    for step in range(8):
-        ks = r.choose([copy])
-        if "copy" in r.scored:
-            r.observe_scores([copy], [0.95])
-        else:
-            r.observe([copy], ks, ks)   # what a verify of the copied text keeps: every draft
-        drafted += ks[0]
+    drafted = _drive(r, copy, 8, 0.95, lambda ks: ks)   # a verify of the copied text keeps every draft
     if evidence:
         assert drafted >= 6 * 5, drafted   # scored twice, then drafting
     else:
@@ -116,16 +124,8 @@ def test_a_requests_rejected_matches_outweigh_a_rate_learned_on_copied_text(matc
     for _ in range(40):
         r.observe([copy], [4], [4])
     assert r.rates()["found2"].rate(0.5, 1.0) > 0.95
-    chat = _looked("chat", [1, 2, 3, 1, 2])
-    drafted = 0
-    for _ in range(30):
-        ks = r.choose([chat])
-        if "chat" in r.scored:
-            r.observe_scores([chat], [0.0])
-        else:
-            r.observe([chat], ks, [0])
-        r.observe([copy], [4], [4])   # copied text goes on elsewhere: the overall rate stays high
-        drafted += ks[0]
+    chat = _looked("chat", [1, 2, 3, 1, 2])   # copied text goes on elsewhere: the overall rate stays high
+    drafted = _drive(r, chat, 30, 0.0, lambda ks: [0], beside=lambda: r.observe([copy], [4], [4]))
     if match_decay == 0.85:
         assert r.acceptance("chat") < 0.27 and r.choose([chat]) == [0]
     else:
