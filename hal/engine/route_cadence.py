@@ -51,7 +51,7 @@ class RouteCadence:
         until the first probe or score falls due (`_keep_learning`'s cadence), at most ``spell``.
         Those steps skip the walk and the cadence (`_quiet_step`): a step that drafts nothing costs
         next to nothing. Exact where context lengths and measured costs stay put
-        (tests/engine/test_router.py); where they move, a choice of nothing is at most ``spell`` steps old."""
+        (tests/engine/test_router_costs.py); where they move, a choice of nothing is at most ``spell`` steps old."""
         if any(ks) or self.scored or any(self.matched.get(state.rid) for state in states):
             return 0   # a match's rates are not the model's: a spell starts and holds with no match
         length, every, interval = self.spell, self._every, self._interval

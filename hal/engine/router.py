@@ -299,6 +299,7 @@ class Router(RouteCadence):
                 self.offers.add(1, int(o > 0))
 
     def release(self, state) -> None:
+        self._quiet, self._quiet_left = (), 0   # the batch changes: the spell ends, its states are not kept
         self.per.pop(state.rid, None)
         self.measured.pop(state.rid, None)
         self.offered.pop(state.rid, None)

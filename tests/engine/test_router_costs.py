@@ -205,6 +205,10 @@ def test_quiet_spells_change_no_choice_where_nothing_drifts():
         assert quiet > len(spelled) // 4, (quiet, len(spelled))
     deaf = lambda r: (lambda states, ks, caps: 0 if any(ks) or r.scored else r.spell)   # noqa: E731
     assert _spell_trace(8, 1, deaf)[0] != _spell_trace(0, 1)[0]
+    from hal.errors import HalError
+    for bad in (-1, 1001):
+        with pytest.raises(HalError, match="spell"):
+            Router(CostModel({1: 1.0}), spell=bad)
 
 
 @pytest.mark.parametrize("spell", [8, 0])
