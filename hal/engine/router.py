@@ -66,6 +66,9 @@ class Router(RouteCadence):
         self.offered: dict[object, Ewma] = {}
         self.shadow = shadow   # the decoder can score the drafter's first draft unverified at k = 0
         self.scored: set = set()   # the last `choose`'s requests at k = 0 whose first draft the decoder scores
+        # greedy requests at k = 0 whose lookup match's first draft the router scores itself, from the
+        # token the step commits (`_settle`): rid -> (its position, the draft, the match's length)
+        self.guesses: dict[object, tuple[int, int, int]] = {}
         self.evidence = evidence if shadow else 0   # a shadow drafter's request drafts after this many measured
         self.measured: dict[object, int] = {}       # ... first drafts of its own (scored or verified)
         self.match_evidence = evidence if lookup else 0   # ... and any request's lookup matches (free to score)
@@ -201,6 +204,7 @@ class Router(RouteCadence):
         ones, e.g. when decode has a single-token fast path, so stopping early would be wrong),
         if its predicted rate beats plain decoding's by ``margin`` (the cost model is measured,
         so noisy: a predicted gain smaller than its error is not taken)."""
+        self._settle(states)
         n, looked = len(states), self._look(states)
         if self._quiet_left and len(states) == len(self._quiet) and all(
                 a is b and not self.matched.get(a.rid) for a, b in zip(states, self._quiet)):
@@ -286,6 +290,32 @@ class Router(RouteCadence):
             per.setdefault(s.rid, self._own(per)).score(p)
             overall.score(p)
 
+    def guess(self, state) -> bool:
+        """Score a greedy request's lookup match on the host: its first draft against the token this
+        step commits, read by the next `choose` (`_settle`), as the decoder scores a draft against the
+        emitted token (`hal.engine.execution`), with no drafts built, moved or compared on the device.
+        False where the match is a sampled request's (its score is p(draft) under the target row)."""
+        if state.req.temperature > 0 or not self.matched.get(state.rid):
+            return False
+        n, end = self.match_at[state.rid]
+        self.guesses[state.rid] = (n, state.tokens[end + 1], self.matched[state.rid])
+        return True
+
+    def _settle(self, states) -> None:
+        """Score the `guess`es of requests whose next token is committed (greedy: 1 if it is the draft),
+        and count the offer, as `observe_scores` and `observe_offers` count a score on the device."""
+        for state in states:
+            at = self.guesses.get(state.rid)
+            if at is not None and len(state.tokens) > at[0]:
+                del self.guesses[state.rid]
+                self._quiet_left = 0
+                p = float(state.tokens[at[0]] == at[1])
+                self.found_measured[state.rid] = self.found_measured.get(state.rid, 0) + 1
+                self.found_per.setdefault(state.rid, self._own(self.found_per)).score(p)
+                self.found[at[2]].score(p)
+                self.offered.setdefault(state.rid, Ewma(self.request_decay)).add(1, 1)   # a match offers
+                self.offers.add(1, 1)
+
     def _own(self, per: dict) -> Ewma:
         """A request's own rate of ``per``'s kind: its lookup matches' (`found_per`) or its drafter's."""
         return Ewma(self.match_decay if per is self.found_per else self.request_decay)
@@ -299,12 +329,14 @@ class Router(RouteCadence):
                 self.offers.add(1, int(o > 0))
 
     def release(self, state) -> None:
+        self._settle([state])   # its last step's guess: the overall rate learns from it
         self._quiet, self._quiet_left = (), 0   # the batch changes: the spell ends, its states are not kept
         self.per.pop(state.rid, None)
         self.measured.pop(state.rid, None)
         self.offered.pop(state.rid, None)
         self.idle.pop(state.rid, None)
-        for kept in (self.index, self.matched, self.match_at, self.sampled, self.found_per, self.found_measured):
+        for kept in (self.index, self.matched, self.match_at, self.sampled, self.found_per, self.found_measured,
+                     self.guesses):
             kept.pop(state.rid, None)
         if self.memory is not None:
             self.memory.keep(self)

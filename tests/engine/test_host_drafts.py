@@ -4,6 +4,7 @@ backend op proposes; a step that drafts only lookup matches calls no drafter."""
 
 import random
 
+import pytest
 import torch
 
 import hal
@@ -112,3 +113,38 @@ def test_a_request_with_many_pending_features_calls_the_drafter():
     assert host_drafts(drafter, router.continuation, [state], [2], torch.device("cpu")) is not None
     state.features.append(torch.zeros(1, 4))
     assert host_drafts(drafter, router.continuation, [state], [2], torch.device("cpu")) is None
+
+
+def test_a_greedy_match_scored_on_the_host_learns_what_the_device_score_would():
+    """A greedy request's lookup match at k = 0 is scored by the router from the token the step
+    commits (`Router.guess`), not by the decoder on the device. Over requests on a small-vocabulary
+    model (matches accepted and rejected, drafted and scored) it makes every choice and learns every
+    rate as the decoder's score did (the device path: ``guess`` refused), and it builds no drafts to
+    score: the decoder's scoring runs only for the sampled request."""
+    from unittest import mock
+
+    from hal.engine import Request as Req, SpeculativeDecoder, execution
+    from hal.models.llama import random_llama
+    be = hal.get_backend("cpu")
+    model = random_llama(24, 2, 4, 2, 8, 64, 64, seed=5, scale=0.15)
+
+    class OnDevice(Router):
+        def guess(self, state):
+            return False
+
+    prompts = [[3, 4, 5, 3, 4, 6, 7, 3, 4], [1, 2, 1, 2, 1], list(range(20)), [9, 9, 8, 9, 9, 8, 9]]
+    runs = []
+    for kind in (Router, OnDevice):
+        router = kind(CostModel({1: 1.0, 2: 1.2, 9: 1.9}), max_k=4, lookup=(1, 3), probe_every=8)
+        dec = SpeculativeDecoder(model, NgramDrafter(be, 1, 3), router=router)
+        with mock.patch.object(execution, "_shadow_scores", wraps=execution._shadow_scores) as scores:
+            outs = [dec.generate([Req(p, max_new_tokens=40, k=4, temperature=0.8 if i == 3 else 0.0, seed=i)])[0]
+                    for i, p in enumerate(prompts)]
+        rates = {name: (e.accepted, e.trials) for name, e in router.rates().items()}
+        runs.append((outs, rates, dec.metrics.total.num_drafts, dec.metrics.total.num_draft_tokens, scores.call_count))
+    (outs, rates, drafts, tokens, host_calls), (outs2, rates2, drafts2, tokens2, device_calls) = runs
+    assert outs == outs2 and drafts == drafts2 and tokens == tokens2
+    for name in rates:
+        assert rates[name] == pytest.approx(rates2[name], rel=1e-12, abs=1e-12), name
+    assert rates["found1"][1] + rates["found2"][1] + rates["found3"][1] > 10   # greedy matches were measured
+    assert 0 < drafts and 0 < host_calls < device_calls, (drafts, host_calls, device_calls)

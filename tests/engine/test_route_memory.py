@@ -76,11 +76,18 @@ def test_sampled_requests_matches_are_measured_apart_from_greedy_ones():
 
 def _drive(r: Router, state, steps: int, score: float, keep, beside=lambda: None) -> int:
     """Route ``state`` alone for ``steps`` steps: a scored first draft scores ``score``, a verify
-    keeps ``keep(ks)`` drafts, ``beside`` runs after each step. Returns the drafts chosen."""
+    keeps ``keep(ks)`` drafts, ``beside`` runs after each step. Returns the drafts chosen. A greedy
+    match scored on the host (`Router.guess`) is settled as the engine would: the step commits the
+    draft (``score`` 1) or another token, which the history then drops (the text stays as it was)."""
     drafted = 0
     for _ in range(steps):
         ks = r.choose([state])
-        if state.rid in r.scored:
+        if state.rid in r.guesses:
+            _, draft, _ = r.guesses[state.rid]
+            state.tokens.append(draft if score == 1.0 else -1)
+            r._settle([state])
+            state.tokens.pop()
+        elif state.rid in r.scored:
             r.observe_scores([state], [score])
         else:
             r.observe([state], ks, keep(ks))

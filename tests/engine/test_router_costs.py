@@ -119,7 +119,7 @@ def test_a_lookup_match_is_scored_every_step_and_such_steps_count_as_plain():
     before, dear = r.ratio_steps[2], 0
     for _ in range(every):
         assert r.choose([copy, fresh]) == [0, 0]
-        assert "copy" in r.scored
+        assert "copy" in r.guesses and "copy" not in r.scored   # scored on the host (`Router.guess`)
         dear += "fresh" in r.scored
         r.observe_step(2, 0, 0, plain, scored=len(r.scored))
     assert dear <= 2 and r.ratio_steps[2] - before == dear   # its phase, or a probe fallen due
