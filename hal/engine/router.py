@@ -12,9 +12,9 @@ skip the walk: `hal.engine.route_cadence`.
 A lookup drafter (n-gram lookup, alone or before a model drafter: ``lookup``, ``fallback``)
 is routed on its host lookup (`hal.engine.lookup`): no match, nothing to offer (alone) or the
 model's acceptance (``fallback``); a match, the acceptance of matches of that length, with no
-model chain to pay, its first draft free to score, and its drafts read on the host
-(`Router.continuation`). What was learned is kept for the next engine (``memory``,
-`hal.engine.route_memory`).
+model chain to pay, its first draft scored on the host for free (`Router.guess`), and its
+drafts read on the host (`Router.continuation`). What was learned is kept for the next engine
+(``memory``, `hal.engine.route_memory`).
 
 Non-anticipating: `Router.choose` runs before anything is drafted and reads only finished
 steps (EWMA acceptance), prompt and context lengths and the batch size, so the choice of k
@@ -66,9 +66,9 @@ class Router(RouteCadence):
         self.offered: dict[object, Ewma] = {}
         self.shadow = shadow   # the decoder can score the drafter's first draft unverified at k = 0
         self.scored: set = set()   # the last `choose`'s requests at k = 0 whose first draft the decoder scores
-        # greedy requests at k = 0 whose lookup match's first draft the router scores itself, from the
-        # token the step commits (`_settle`): rid -> (its position, the draft, the match's length)
-        self.guesses: dict[object, tuple[int, int, int]] = {}
+        # requests at k = 0 whose lookup match's first draft the router scores itself, from the token
+        # the step commits (`_settle`): rid -> (its position, the draft, the overall rate it counts in)
+        self.guesses: dict[object, tuple[int, int, Ewma]] = {}
         self.evidence = evidence if shadow else 0   # a shadow drafter's request drafts after this many measured
         self.measured: dict[object, int] = {}       # ... first drafts of its own (scored or verified)
         self.match_evidence = evidence if lookup else 0   # ... and any request's lookup matches (free to score)
@@ -77,7 +77,6 @@ class Router(RouteCadence):
         # (a model's among them), with scored first drafts only [2], with lookup matches' drafts only [3]
         self.ratio, self.ratio_steps = [0.0, 0.0, 0.0, 0.0], [0, 0, 0, 0]
         self._lookup_only = False   # the last `choose` drafted only where the lookup matched
-        self._free_scores = False   # ... and scored only lookup matches' first drafts (as cheap as a plain step)
         self.steps = 0   # `choose` calls: the phase of `score_every`
         self._every = 1  # `score_every` as the last `choose` found it
         # a lookup drafter (`hal.engine.drafting.DrafterCapabilities.lookup`): where its host lookup finds a match
@@ -116,7 +115,7 @@ class Router(RouteCadence):
         lookup = drafted > 0 and self._lookup_only
         predicted = self.costs.cost(max(fed, 1), 0, 0 if lookup else chain)
         if predicted > 0 and seconds > 0:
-            i = 3 if lookup else 1 if drafted > 0 else 2 if scored > 0 and not self._free_scores else 0
+            i = 3 if lookup else 1 if drafted > 0 else 2 if scored > 0 else 0
             a = 0.9 if self.ratio_steps[i] >= 8 else 1.0 - 1.0 / (self.ratio_steps[i] + 1)   # a mean, then an EWMA
             self.ratio[i] = a * self.ratio[i] + (1 - a) * seconds / predicted
             self.ratio_steps[i] += 1
@@ -246,7 +245,6 @@ class Router(RouteCadence):
         """``ks`` once `_keep_learning` has had its say, and what `observe_step` reads of them."""
         self._keep_learning(states, ks, caps, budget)
         self._lookup_only = any(ks) and all(self.matched.get(states[i].rid) for i in range(len(ks)) if ks[i])
-        self._free_scores = bool(self.scored) and all(self.matched.get(rid) for rid in self.scored)
         self._quiet, self._quiet_left = tuple(states), self._spell_length(states, ks, caps)
         return ks
 
@@ -291,19 +289,21 @@ class Router(RouteCadence):
             overall.score(p)
 
     def guess(self, state) -> bool:
-        """Score a greedy request's lookup match on the host: its first draft against the token this
-        step commits, read by the next `choose` (`_settle`), as the decoder scores a draft against the
-        emitted token (`hal.engine.execution`), with no drafts built, moved or compared on the device.
-        False where the match is a sampled request's (its score is p(draft) under the target row)."""
-        if state.req.temperature > 0 or not self.matched.get(state.rid):
+        """Score a request's lookup match on the host: its first draft against the token this step
+        commits, read by the next `choose` (`_settle`), with no drafts built, moved or compared on the
+        device. Greedy, that is the decoder's score (is the draft the emitted token?). Sampled, the step
+        at k = 0 draws that token from the target's distribution, so it is the draft with probability
+        p(draft), the chance a verify accepts that deterministic draft: the decoder's score is p(draft)
+        itself, this is an unbiased draw of it (tests/engine/test_host_drafts.py). False without a match."""
+        if not self.matched.get(state.rid):
             return False
         n, end = self.match_at[state.rid]
-        self.guesses[state.rid] = (n, state.tokens[end + 1], self.matched[state.rid])
+        self.guesses[state.rid] = (n, state.tokens[end + 1], self._source(state.rid)[0])
         return True
 
     def _settle(self, states) -> None:
-        """Score the `guess`es of requests whose next token is committed (greedy: 1 if it is the draft),
-        and count the offer, as `observe_scores` and `observe_offers` count a score on the device."""
+        """Score the `guess`es of requests whose next token is committed (1 if it is the draft), and
+        count the offer, as `observe_scores` and `observe_offers` count a score on the device."""
         for state in states:
             at = self.guesses.get(state.rid)
             if at is not None and len(state.tokens) > at[0]:
@@ -312,7 +312,7 @@ class Router(RouteCadence):
                 p = float(state.tokens[at[0]] == at[1])
                 self.found_measured[state.rid] = self.found_measured.get(state.rid, 0) + 1
                 self.found_per.setdefault(state.rid, self._own(self.found_per)).score(p)
-                self.found[at[2]].score(p)
+                at[2].score(p)
                 self.offered.setdefault(state.rid, Ewma(self.request_decay)).add(1, 1)   # a match offers
                 self.offers.add(1, 1)
 
