@@ -276,7 +276,7 @@ class Router(RouteCadence):
                 self.idle[s.rid], self._quiet_left = 0, 0   # what was learned ends a quiet spell
                 overall, per, measured = self._source(s.rid)
                 measured[s.rid] = measured.get(s.rid, 0) + 1
-                per.setdefault(s.rid, self._own(per)).add(d, a)
+                self._own(per, s.rid).add(d, a)
                 overall.add(d, a)
 
     def observe_scores(self, states, scores: list[float]) -> None:
@@ -285,7 +285,7 @@ class Router(RouteCadence):
             self._quiet_left = 0
             overall, per, measured = self._source(s.rid)
             measured[s.rid] = measured.get(s.rid, 0) + 1
-            per.setdefault(s.rid, self._own(per)).score(p)
+            self._own(per, s.rid).score(p)
             overall.score(p)
 
     def guess(self, state) -> bool:
@@ -311,21 +311,25 @@ class Router(RouteCadence):
                 self._quiet_left = 0
                 p = float(state.tokens[at[0]] == at[1])
                 self.found_measured[state.rid] = self.found_measured.get(state.rid, 0) + 1
-                self.found_per.setdefault(state.rid, self._own(self.found_per)).score(p)
+                self._own(self.found_per, state.rid).score(p)
                 at[2].score(p)
-                self.offered.setdefault(state.rid, Ewma(self.request_decay)).add(1, 1)   # a match offers
+                self._own(self.offered, state.rid).add(1, 1)   # a match offers
                 self.offers.add(1, 1)
 
-    def _own(self, per: dict) -> Ewma:
-        """A request's own rate of ``per``'s kind: its lookup matches' (`found_per`) or its drafter's."""
-        return Ewma(self.match_decay if per is self.found_per else self.request_decay)
+    def _own(self, per: dict, rid) -> Ewma:
+        """``rid``'s own rate in ``per`` (made on first use): its lookup matches' (`found_per`), its
+        drafter's acceptance or offer rate."""
+        e = per.get(rid)
+        if e is None:
+            e = per[rid] = Ewma(self.match_decay if per is self.found_per else self.request_decay)
+        return e
 
     def observe_offers(self, states, asked: list[int], offered: list[int]) -> None:
         """Where the drafter was asked for ``asked[i]`` > 0 drafts, did it offer any (``offered[i]``)?"""
         for s, a, o in zip(states, asked, offered):
             if a:
                 self._quiet_left = 0
-                self.offered.setdefault(s.rid, Ewma(self.request_decay)).add(1, int(o > 0))
+                self._own(self.offered, s.rid).add(1, int(o > 0))
                 self.offers.add(1, int(o > 0))
 
     def release(self, state) -> None:
