@@ -89,7 +89,7 @@ def drafts_for(drafter: Drafter | None, scored: set, ahead: Lookahead | None, hi
                live: list[State], ks: list[int], dev, costs=None, host=None) -> StepDrafts:
     """The drafts each live request verifies this step (``ks[i]`` allowed to request i).
     ``scored``: the requests routed to k = 0 whose free deterministic first draft (a shadow
-    drafter's, or a sampled request's lookup match's: a greedy one's the router scores on the host)
+    drafter's; a lookup match's the router scores on the host, `hal.engine.router.Router.guess`)
     the router scores (`hal.engine.router.Router.scored`; not verified, only scored against the
     step's target row).
     ``costs``: the router's cost model, passed on in the `DraftBatch`.
