@@ -83,8 +83,9 @@ class RouteCadence:
         (all at once; when that is every step, all but every ``QUIET``-th, a plain step that keeps
         the comparison measured) and on any step that drafts for another request (the drafter
         runs then anyway), a sampled one's when a probe is due, and any while not yet `_known`. A
-        request whose lookup matched is scored every step, greedy or sampled: the router scores the
-        match's first draft on the host (`guess`), and nothing is drafted for it. Other drafters' idle
+        greedy request whose lookup matched is scored every step; a sampled one as a shadow drafter's
+        (scored on every step, its rate would learn most from the matches not worth drafting: the 1-gram
+        ones). The router scores a match's first draft on the host (`guess`). Other drafters' idle
         requests are probed with one verified draft every `_probe_interval` plain steps. Scorings at
         the cadence and probes are for requests with at least a cadence's tokens left (`draft_room`):
         what they measure pays only over the tokens left to use it on."""
@@ -102,8 +103,8 @@ class RouteCadence:
             due = bool(self.probe_every) and self.idle[rid] >= interval and left >= interval
             greedy = drafting or (phase and left >= every)
             matched = self.matched.get(rid)   # a lookup match is free to score (no drafter runs): every step
-            if matched or (self.shadow and (
-                    (state.req.temperature == 0 and greedy) or due or self._wants_evidence(rid))):
+            if (self.shadow or matched) and (
+                    (state.req.temperature == 0 and (greedy or matched)) or due or self._wants_evidence(rid)):
                 if not self.guess(state):   # a match's draft is scored on the host
                     self.scored.add(rid)
                 if due:
