@@ -48,7 +48,7 @@ def main() -> None:
     template = chat_template_of(model_path("smollm2-135m"))
     tree = Path(hal.__file__).resolve().parent.parent
     head = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True,
-                          text=True).stdout.strip() or "?"
+                          text=True).stdout.strip() or f"{tree} (not a git checkout)"
     rows = []
     for spec in args.specs:
         mode, group = spec.split(":")
