@@ -15,8 +15,8 @@ Reported per engine and kind of step (drafted, scored on the device, scored on t
 at the full batch: the steps counted and their median time over the plain engine's median step,
 and, for ``batch``, each engine's total step time over plain's (a second plain engine's: the noise
 floor). A kind of step is not a position: matched steps come later in a request, at longer contexts,
-than the steps of its start, so compare the engines' rows of one kind, not a row with plain's. Greedy outputs of the host and device
-routers are checked to be the same.
+than the steps of its start, so compare the engines' rows of one kind, not a row with plain's.
+Greedy outputs of the host and device routers are checked to be the same.
 
     python benchmarks/match_scoring.py [--mode ngram] [--rounds 3] [--alone-tokens 192] [--batch 4]
         [--batch-tokens 64] [--out benchmarks/results/match-scoring.md]
@@ -25,7 +25,6 @@ routers are checked to be the same.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
@@ -33,11 +32,9 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).parent))
 from defaults import OPEN as TUNED  # noqa: E402
-from routing import OPEN  # noqa: E402
+from routing import OPEN, bundled  # noqa: E402
 
 
 def main() -> None:
@@ -49,17 +46,11 @@ def main() -> None:
     ap.add_argument("--batch-tokens", type=int, default=64)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    os.environ["HAL_ROUTE_MEMORY"] = tempfile.mkdtemp(prefix="hal-route-memory-")   # before any engine is built
-    import hal
+    be, model, tok, template = bundled(tempfile.mkdtemp(prefix="hal-route-memory-"))
     from hal.cli import measured_costs
     from hal.launch.build import cli_drafter
-    from hal.models.fetch import load_model, model_path
     from hal.models.machine import machine_line
-    from hal.models.tokenizer import chat_template_of, prompt_ids
-    torch.set_num_threads(2)
-    be = hal.get_backend()
-    model, tok = load_model("smollm2-135m", be, "auto")
-    template = chat_template_of(model_path("smollm2-135m"))
+    from hal.models.tokenizer import prompt_ids
     costs = measured_costs(model, cli_drafter(args.mode, model, be), max_tokens=7)
     ids = lambda p: prompt_ids(tok, template, p)   # noqa: E731
     alone = run_alone(model, be, args, costs, [ids(p + " Take your time and go into detail.") for p in OPEN[:3]])

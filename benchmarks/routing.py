@@ -18,12 +18,13 @@ plain tokens per second, geometric mean per mode, engine, temperature and group 
 prompts and ``--rounds`` rounds; greedy outputs are checked to equal plain's. Then the cost of a routed step that
 drafts and scores nothing: routed and plain engines stepped in turn on one long
 open-ended request, the median of the routed engine's steps with k = 0 and nothing scored
-over the median plain step (all steps after the first 3, over ``--rounds`` rounds), beside the
-same for a router without quiet spells (`hal.engine.route_cadence`: every step walks) and for a
-second plain engine (the noise floor), all four stepped in turn.
+(on the device or, a lookup match's, on the host: `Router.guess`) over the median plain step
+(all steps after the first 3, over ``--rounds`` rounds), beside the same for a router without
+quiet spells (`hal.engine.route_cadence`: every step walks) and for a second plain engine (the
+noise floor), all four stepped in turn. ``--steps-only``: that table alone.
 
     python benchmarks/routing.py [--modes ngram,ngram+eagle,ngram+dspark,dspark] [--rounds 1] [--reps 3]
-        [--max-tokens 64] [--warm 4] [--out benchmarks/results/routing.md]
+        [--max-tokens 64] [--warm 4] [--steps-only] [--out benchmarks/results/routing.md]
 """
 
 from __future__ import annotations
@@ -59,31 +60,25 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--warm", type=int, default=4, help="requests per mode that fill the route memory first")
     ap.add_argument("--step-tokens", type=int, default=192, help="tokens of the step-overhead request")
+    ap.add_argument("--steps-only", action="store_true", help="only the cost of a step that drafts nothing")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    os.environ["HAL_ROUTE_MEMORY"] = tempfile.mkdtemp(prefix="hal-route-memory-")   # before any engine is built
-    import hal
+    be, model, tok, template = bundled(tempfile.mkdtemp(prefix="hal-route-memory-"))
     from hal.cli import measured_costs
     from hal.launch.build import cli_drafter
-    from hal.models.fetch import load_model
     from hal.models.machine import machine_line
-    from hal.models.tokenizer import chat_template_of, prompt_ids
-    from hal.models.fetch import model_path
-    torch.set_num_threads(2)
-    be = hal.get_backend()
-    model, tok = load_model("smollm2-135m", be, "auto")
-    template = chat_template_of(model_path("smollm2-135m"))
+    from hal.models.tokenizer import prompt_ids
     modes = args.modes.split(",")
     costs = {m: measured_costs(model, cli_drafter(m, model, be), max_tokens=7) for m in modes}
     ids = lambda p: prompt_ids(tok, template, p)   # noqa: E731
     for m in modes:   # what earlier commands left in the route memory
-        for p in TUNED[:args.warm]:
+        for p in TUNED[:0 if args.steps_only else args.warm]:
             run_fresh(model, be, m, costs[m], ids(p), 0.0, args.max_tokens, 0)
     persistent = {m: engine(model, be, m, costs.get(m), args.max_tokens) for m in ["none", *modes]}
     times = {}   # (mode, engine, temp, group) -> list of (routed tok/s / plain tok/s)
     same = {m: [0, 0] for m in modes}
     n = 0
-    for rnd in range(args.rounds):
+    for rnd in range(0 if args.steps_only else args.rounds):
         for temp in TEMPS:
             for group, prompts in GROUPS.items():
                 for i, p in enumerate(prompts):
@@ -109,6 +104,19 @@ def main() -> None:
     steps = {m: step_overhead(model, be, m, costs[m], ids(OPEN[0] + " Take your time and go into detail."),
                               args.step_tokens, args.rounds) for m in modes}
     write(args, modes, times, same, steps, machine_line(model.plan))
+
+
+def bundled(route_memory: str):
+    """(backend, model, tokenizer, chat template) of the bundled SmolLM2-135M on 2 threads, with
+    ``HAL_ROUTE_MEMORY`` set to ``route_memory`` first (before any engine is built)."""
+    os.environ["HAL_ROUTE_MEMORY"] = route_memory
+    import hal
+    from hal.models.fetch import load_model, model_path
+    from hal.models.tokenizer import chat_template_of
+    torch.set_num_threads(2)
+    be = hal.get_backend()
+    model, tok = load_model("smollm2-135m", be, "auto")
+    return be, model, tok, chat_template_of(model_path("smollm2-135m"))
 
 
 def engine(model, be, mode, costs, max_tokens):
@@ -151,7 +159,8 @@ def step_overhead(model, be, mode, costs, ids, tokens, rounds):
                 t0 = time.perf_counter()
                 out = e.step()
                 dt = time.perf_counter() - t0
-                if i >= 3 and (e.router is None or not sum(out.k.values()) and not e.router.scored):
+                if i >= 3 and (e.router is None or not sum(out.k.values()) and not e.router.scored
+                               and not e.router.guesses):
                     t[name].append(dt)
             i += 1
     plain = statistics.median(t["plain"])
@@ -173,7 +182,7 @@ def write(args, modes, times, same, steps, machine):
              "| mode | engine | " + " | ".join(f"{g} {'greedy' if t == 0 else 'T=0.7'}" for t in TEMPS
                                              for g in GROUPS) + " |",
              "|---|---|" + "---|" * (len(TEMPS) * len(GROUPS))]
-    for m in modes:
+    for m in modes if not args.steps_only else ():
         for kind in ("fresh", "persistent"):
             cells = [f"{geomean(times[(m, kind, t, g)]):.3f}x" for t in TEMPS for g in GROUPS]
             lines.append(f"| {m} | {kind} | " + " | ".join(cells) + " |")

@@ -13,17 +13,14 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).parent))
-from routing import COPY, OPEN  # noqa: E402
+from routing import COPY, OPEN, bundled  # noqa: E402
 
 
 def main() -> None:
@@ -34,18 +31,13 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    os.environ["HAL_ROUTE_MEMORY"] = "0"
+    be, model, tok, template = bundled("0")   # no route memory: each engine learns afresh
     import hal
     from hal.cli import measured_costs
     from hal.engine import Request
     from hal.launch.build import build_engine, cli_drafter, local_pool
-    from hal.models.fetch import load_model, model_path
     from hal.models.machine import machine_line
-    from hal.models.tokenizer import chat_template_of, prompt_ids
-    torch.set_num_threads(2)
-    be = hal.get_backend()
-    model, tok = load_model("smollm2-135m", be, "auto")
-    template = chat_template_of(model_path("smollm2-135m"))
+    from hal.models.tokenizer import prompt_ids
     tree = Path(hal.__file__).resolve().parent.parent
     head = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True,
                           text=True).stdout.strip() or f"{tree} (not a git checkout)"
