@@ -186,8 +186,11 @@ def write(args, modes, times, same, steps, machine):
         for kind in ("fresh", "persistent"):
             cells = [f"{geomean(times[(m, kind, t, g)]):.3f}x" for t in TEMPS for g in GROUPS]
             lines.append(f"| {m} | {kind} | " + " | ".join(cells) + " |")
-    lines += ["", "Greedy outputs equal plain's: " + ", ".join(f"{m} {a}/{b}" for m, (a, b) in same.items()) + ".",
-              "", "A routed step that drafts and scores nothing, against a plain step (interleaved step by step on "
+    lines += ["", "Greedy outputs equal plain's: " + ", ".join(f"{m} {a}/{b}" for m, (a, b) in same.items()) + "."]
+    if args.steps_only:   # no request was run: the cost of a step that drafts nothing alone
+        lines = lines[:2] + [f"Command: `{cmd}`. {machine}. Bundled SmolLM2-135M (GGUF Q4_1), k <= 6 routed, "
+                             f"{args.rounds} rounds."]
+    lines += ["", "A routed step that drafts and scores nothing, against a plain step (interleaved step by step on "
               f"one open-ended request of {args.step_tokens} tokens; medians):", "",
               "| mode | routed k=0 step / plain step | without quiet spells / plain step | a second plain engine / "
               "plain step | routed steps measured | plain step |", "|---|---|---|---|---|---|"]
