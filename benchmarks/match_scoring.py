@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from defaults import OPEN as TUNED  # noqa: E402
-from routing import OPEN, bundled  # noqa: E402
+from routing import OPEN, bundled, publish  # noqa: E402
 
 
 def main() -> None:
@@ -162,10 +162,7 @@ def write(args, alone, batch, machine):
               f"{len(OPEN) + len(TUNED)} open-ended prompts a round), steps at the full batch", ""]
     lines += table(tb, ("plain2",))
     lines += ["", "Total time over plain's: " + ", ".join(f"{n} {total[n] / total['plain']:.3f}" for n in total) + "."]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    publish(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -196,10 +196,15 @@ def write(args, modes, times, same, steps, machine):
               "plain step | routed steps measured | plain step |", "|---|---|---|---|---|---|"]
     for m, (ratio, walking, floor, count, plain) in steps.items():
         lines.append(f"| {m} | {ratio:.3f} | {walking:.3f} | {floor:.3f} | {count} | {plain * 1e3:.2f} ms |")
+    publish(lines, args.out)
+
+
+def publish(lines: list[str], out: str | None) -> None:
+    """Print a result's lines, and write them to ``out`` where given."""
     text = "\n".join(lines) + "\n"
     print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    if out:
+        Path(out).write_text(text)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from routing import COPY, OPEN, bundled  # noqa: E402
+from routing import COPY, OPEN, bundled, publish  # noqa: E402
 
 
 def main() -> None:
@@ -65,15 +65,12 @@ def main() -> None:
         rows.append(f"| {mode} | {group} | {len(ratios)} | {gm:.3f}x | {statistics.mean(steps):.1f} |")
         print(rows[-1], flush=True)
     cmd = "python benchmarks/sampled_seeds.py " + " ".join(sys.argv[1:])
-    text = "\n".join([f"# Sampled routing over seeds, {time.strftime('%Y-%m-%d')}", "",
-                      f"Command: `{cmd}`, `hal` from the tree at {head}. {machine_line(model.plan)}. Bundled "
-                      f"SmolLM2-135M, T={args.temperature}, {args.max_tokens} new tokens, k <= 6 routed, fresh "
-                      "engines without route memory, one run each (alternating).", "",
-                      "| mode | prompts | requests | routed / plain speed (geomean) | routed steps per request |",
-                      "|---|---|---|---|---|", *rows]) + "\n"
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    publish([f"# Sampled routing over seeds, {time.strftime('%Y-%m-%d')}", "",
+             f"Command: `{cmd}`, `hal` from the tree at {head}. {machine_line(model.plan)}. Bundled "
+             f"SmolLM2-135M, T={args.temperature}, {args.max_tokens} new tokens, k <= 6 routed, fresh "
+             "engines without route memory, one run each (alternating).", "",
+             "| mode | prompts | requests | routed / plain speed (geomean) | routed steps per request |",
+             "|---|---|---|---|---|", *rows], args.out)
 
 
 if __name__ == "__main__":
