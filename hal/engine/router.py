@@ -282,11 +282,14 @@ class Router(RouteCadence):
     def observe_scores(self, states, scores: list[float]) -> None:
         """First drafts scored, not verified (`scored`): each accepted with probability ``scores[i]``."""
         for s, p in zip(states, scores):
-            self._quiet_left = 0
-            overall, per, measured = self._source(s.rid)
-            measured[s.rid] = measured.get(s.rid, 0) + 1
-            self._own(per, s.rid).score(p)
-            overall.score(p)
+            self._scored(s.rid, *self._source(s.rid), p)
+
+    def _scored(self, rid, overall: Ewma, per: dict, measured: dict, p: float) -> None:
+        """One first draft of ``rid`` scored ``p``: counted in its own rate and the overall one."""
+        self._quiet_left = 0
+        measured[rid] = measured.get(rid, 0) + 1
+        self._own(per, rid).score(p)
+        overall.score(p)
 
     def guess(self, state) -> bool:
         """Score a request's lookup match on the host: its first draft against the token this step
@@ -308,13 +311,8 @@ class Router(RouteCadence):
             at = self.guesses.get(state.rid)
             if at is not None and len(state.tokens) > at[0]:
                 del self.guesses[state.rid]
-                self._quiet_left = 0
-                p = float(state.tokens[at[0]] == at[1])
-                self.found_measured[state.rid] = self.found_measured.get(state.rid, 0) + 1
-                self._own(self.found_per, state.rid).score(p)
-                at[2].score(p)
-                self._own(self.offered, state.rid).add(1, 1)   # a match offers
-                self.offers.add(1, 1)
+                self._scored(state.rid, at[2], self.found_per, self.found_measured, float(state.tokens[at[0]] == at[1]))
+                self._offered(state.rid, 1)   # a match offers
 
     def _own(self, per: dict, rid) -> Ewma:
         """``rid``'s own rate in ``per`` (made on first use): its lookup matches' (`found_per`), its
@@ -328,9 +326,13 @@ class Router(RouteCadence):
         """Where the drafter was asked for ``asked[i]`` > 0 drafts, did it offer any (``offered[i]``)?"""
         for s, a, o in zip(states, asked, offered):
             if a:
-                self._quiet_left = 0
-                self._own(self.offered, s.rid).add(1, int(o > 0))
-                self.offers.add(1, int(o > 0))
+                self._offered(s.rid, int(o > 0))
+
+    def _offered(self, rid, offered: int) -> None:
+        """Asked for drafts, did ``rid``'s drafter offer any (1) or not (0)?"""
+        self._quiet_left = 0
+        self._own(self.offered, rid).add(1, offered)
+        self.offers.add(1, offered)
 
     def release(self, state) -> None:
         self._settle([state])   # its last step's guess: the overall rate learns from it
