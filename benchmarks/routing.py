@@ -21,7 +21,9 @@ open-ended request, the median of the routed engine's steps with k = 0 and nothi
 (on the device or, a lookup match's, on the host: `Router.guess`) over the median plain step
 (all steps after the first 3, over ``--rounds`` rounds), beside the same for a router without
 quiet spells (`hal.engine.route_cadence`: every step walks) and for a second plain engine (the
-noise floor), all four stepped in turn. ``--steps-only``: that table alone.
+noise floor), all four stepped in turn; and the host's time outside the forward in such a step,
+routed and plain (routing's own work per step, free of the forward's noise). ``--steps-only``:
+that table alone.
 
     python benchmarks/routing.py [--modes ngram,ngram+eagle,ngram+dspark,dspark] [--rounds 1] [--reps 3]
         [--max-tokens 64] [--warm 4] [--steps-only] [--out benchmarks/results/routing.md]
@@ -142,9 +144,12 @@ def step_overhead(model, be, mode, costs, ids, tokens, rounds):
     """(median routed step with nothing drafted or scored / median plain step, the same for a
     router without quiet spells (``spell = 0``: every step walks), and for a second plain engine
     (the noise floor: two identical engines differ this much), routed steps counted, median plain
-    step). The four engines step in turn, the order rotated step by step."""
+    step, and the host's time outside the model's forward (`hal.engine.execution.execute`) in a
+    routed step that drafts nothing and in a plain step, medians). The four engines step in turn,
+    the order rotated step by step."""
     from hal.engine import Request
     t = {"plain": [], "routed": [], "walking": [], "plain2": []}
+    host = {"plain": [], "routed": []}   # step time less the forward's: routing's own work shows here
     for _ in range(rounds):
         engines = {"plain": engine(model, be, "none", None, tokens), "routed": engine(model, be, mode, costs, tokens),
                    "walking": engine(model, be, mode, costs, tokens), "plain2": engine(model, be, "none", None, tokens)}
@@ -152,20 +157,52 @@ def step_overhead(model, be, mode, costs, ids, tokens, rounds):
         for name, e in engines.items():
             e.add(Request(ids, max_new_tokens=tokens, k=0 if name.startswith("plain") else 6))
         order, i = list(engines.items()), 0
-        while any(e.has_unfinished() for e in engines.values()):
-            for name, e in order[i % 4:] + order[:i % 4]:
-                if not e.has_unfinished():
-                    continue
-                t0 = time.perf_counter()
-                out = e.step()
-                dt = time.perf_counter() - t0
-                if i >= 3 and (e.router is None or not sum(out.k.values()) and not e.router.scored
-                               and not e.router.guesses):
-                    t[name].append(dt)
-            i += 1
+        with ForwardTimer() as forward:
+            while any(e.has_unfinished() for e in engines.values()):
+                for name, e in order[i % 4:] + order[:i % 4]:
+                    if not e.has_unfinished():
+                        continue
+                    forward.seconds, t0 = 0.0, time.perf_counter()
+                    out = e.step()
+                    dt = time.perf_counter() - t0
+                    drafts_nothing = e.router is None or not sum(out.k.values()) and not e.router.scored
+                    if i >= 3 and drafts_nothing and (e.router is None or not e.router.guesses):
+                        t[name].append(dt)
+                    if i >= 3 and drafts_nothing and name in host:
+                        host[name].append(dt - forward.seconds)
+                i += 1
     plain = statistics.median(t["plain"])
     return (statistics.median(t["routed"]) / plain, statistics.median(t["walking"]) / plain,
-            statistics.median(t["plain2"]) / plain, len(t["routed"]), plain)
+            statistics.median(t["plain2"]) / plain, len(t["routed"]), plain,
+            statistics.median(host["routed"]), statistics.median(host["plain"]))
+
+
+class ForwardTimer:
+    """Times `hal.engine.execution.execute` (the step's forward, sampling and verification) as the
+    decoder calls it, less the lookahead drafting it does (`hal.engine.proposals.lookahead`: host
+    work of a drafter), into ``seconds``, while entered; a benchmark's instrument, restored on exit."""
+
+    def __enter__(self):
+        import hal.engine.decoder as decoder
+        import hal.engine.proposals as proposals
+        self.seconds, self.saved = 0.0, [(decoder, "execute", decoder.execute),
+                                         (proposals, "lookahead", proposals.lookahead)]
+        for module, name, inner in self.saved:
+            setattr(module, name, self._timed(inner, 1 if name == "execute" else -1))
+        return self
+
+    def _timed(self, inner, sign: int):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.seconds += sign * (time.perf_counter() - t0)
+        return timed
+
+    def __exit__(self, *exc):
+        for module, name, inner in self.saved:
+            setattr(module, name, inner)
 
 
 def geomean(xs):
@@ -193,9 +230,14 @@ def write(args, modes, times, same, steps, machine):
     lines += ["", "A routed step that drafts and scores nothing, against a plain step (interleaved step by step on "
               f"one open-ended request of {args.step_tokens} tokens; medians):", "",
               "| mode | routed k=0 step / plain step | without quiet spells / plain step | a second plain engine / "
-              "plain step | routed steps measured | plain step |", "|---|---|---|---|---|---|"]
-    for m, (ratio, walking, floor, count, plain) in steps.items():
-        lines.append(f"| {m} | {ratio:.3f} | {walking:.3f} | {floor:.3f} | {count} | {plain * 1e3:.2f} ms |")
+              "plain step | routed steps measured | plain step | host outside the forward: routed k=0 step, plain "
+              "step (µs) | the difference / plain step |", "|---|---|---|---|---|---|---|---|"]
+    for m, (ratio, walking, floor, count, plain, host_r, host_p) in steps.items():
+        lines.append(f"| {m} | {ratio:.3f} | {walking:.3f} | {floor:.3f} | {count} | {plain * 1e3:.2f} ms | "
+                     f"{host_r * 1e6:.0f}, {host_p * 1e6:.0f} | {(host_r - host_p) / plain * 100:+.2f}% |")
+    lines += ["", "Host outside the forward: a step's time less `hal.engine.execution.execute`'s (the forward, "
+              "sampling and verification; its lookahead drafting, host work, not subtracted), over the routed engine's steps that drafted nothing (its match scored on "
+              "the host or not) and the plain engine's; the difference is routing's own host work per step."]
     publish(lines, args.out)
 
 

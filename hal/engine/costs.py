@@ -37,15 +37,24 @@ class CostModel:
     def cost(self, fed: int, fed_x_context: int, chain: int) -> float:
         """A step feeding ``fed`` tokens with ``fed_x_context`` (fed token x context) pairs
         and a draft chain of ``chain`` tokens."""
+        verify = self.forward_at(fed)
+        if not chain or not self.draft:
+            return verify + self.per_context * fed_x_context
+        return verify + self.per_context * fed_x_context + self.chain_at(chain)
+
+    def forward_at(self, fed: int) -> float:
+        """``verify`` at ``fed`` tokens (interpolated once per point)."""
         verify = self._verify_at.get(fed)
         if verify is None:
             verify = self._verify_at[fed] = interpolate(self.verify, fed)
-        if not chain or not self.draft:
-            return verify + self.per_context * fed_x_context
+        return verify
+
+    def chain_at(self, chain: int) -> float:
+        """``draft`` at a chain of ``chain`` (interpolated once per point; ``draft`` must not be empty)."""
         draft = self._draft_at.get(chain)
         if draft is None:
             draft = self._draft_at[chain] = interpolate(self.draft, chain)
-        return verify + self.per_context * fed_x_context + draft
+        return draft
 
     def step(self, ks: list[int], contexts: list[int]) -> float:
         return self.cost(sum(1 + k for k in ks), sum((1 + k) * c for k, c in zip(ks, contexts)), max(ks, default=0))

@@ -171,12 +171,15 @@ def lookahead(drafter: Drafter | None, history: HistoryBuffer, live: list[State]
     ``ks``: this step's k per live request; a sampled request routed to 0 is not drafted for
     (a router that asks it again next step gets its drafts inline: `drafts_for`). ``asks``: where a
     router forecasts whom it asks next step (`hal.engine.router.Router.asks_next`), only those
-    live requests are drafted for; a request it asks after all is drafted for inline."""
-    if drafter is None or not capabilities(drafter).lookahead:
+    live requests are drafted for; a request it asks after all is drafted for inline. The caller
+    checks that ``drafter`` drafts ahead (`hal.engine.drafting.DrafterCapabilities.lookahead`)."""
+    if drafter is None:
         return None
     if ks is not None and live:
         keep = [i for i, (state, k) in enumerate(zip(live, ks))
                 if (state.rid in asks if asks is not None else k or state.req.temperature == 0)]
+        if not keep and not first and not resumed:   # nothing to draft ahead: no tensor is touched
+            return None
         if len(keep) < len(live):
             live, acc = [live[i] for i in keep], acc[torch.tensor(keep, dtype=torch.long).to(acc.device)]
     states = live + first + resumed

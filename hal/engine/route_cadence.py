@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 
-from hal.engine.costs import interpolate
 from hal.engine.requests import draft_room
 
 
@@ -40,7 +39,7 @@ class RouteCadence:
         chain over a one-token step."""
         if min(self.ratio_steps[0], self.ratio_steps[2]) < 4 or self.ratio[0] <= 0:
             c = self.costs   # unmeasured: the profiled chain of one draft over a one-token step
-            extra = interpolate(c.draft, 1) / interpolate(c.verify, 1) if c.draft and c.verify else 0.0
+            extra = c.chain_at(1) / c.forward_at(1) if c.draft and c.verify else 0.0
         else:
             extra = self.ratio[2] / self.ratio[0] - 1
         return max(1, min(4 * (self.probe_every or 1), math.ceil(extra / LEARN_SHARE - 1e-9)))

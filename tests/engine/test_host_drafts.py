@@ -206,3 +206,31 @@ def test_a_sampled_match_scored_on_the_host_is_an_unbiased_draw_of_the_device_sc
     err = 4 * math.sqrt(guessed.var() / len(guessed) + device.var() / len(device))
     gap = abs(guessed.mean() - device.mean())
     assert (gap <= err) == (host is Router), (float(gap), err)
+
+
+def test_drafting_ahead_for_no_one_touches_no_drafter_or_tensor():
+    """A lookup drafter's router forecasts no one (`Router.asks_next`: its matches are read on the host),
+    so `lookahead` returns before any drafter call or tensor is made; with a request just prefilled
+    (``first``) it drafts ahead for that one."""
+    from hal.engine.history import HistoryBuffer
+    from hal.engine.proposals import lookahead
+
+    class Refusing(NgramDrafter):
+        calls = 0
+
+        def propose(self, batch):
+            Refusing.calls += 1
+            return super().propose(batch)
+
+    be = hal.get_backend("cpu")
+    alloc = BlockAllocator(8, 4)
+    live = [State(Request([1, 2, 3, 1, 2], k=4), 0, [1, 2, 3, 1, 2], Sequence(alloc))]
+    first = [State(Request([5, 6, 5], k=4), 1, [5, 6, 5], Sequence(alloc))]
+    history = HistoryBuffer(torch.device("cpu"))
+    for s in live + first:
+        history.add(s.rid, s.tokens)
+    drafter, acc, dev = Refusing(be, 1, 3), torch.zeros(1, dtype=torch.long), torch.device("cpu")
+    assert lookahead(drafter, history, live, [], [], "not a tensor", dev, [0], set()) is None
+    assert Refusing.calls == 0
+    ahead = lookahead(drafter, history, live, first, [], acc, dev, [0], set())
+    assert Refusing.calls == 1 and ahead is not None and ahead.rids == [1]
