@@ -236,8 +236,9 @@ def write(args, modes, times, same, steps, machine):
         lines.append(f"| {m} | {ratio:.3f} | {walking:.3f} | {floor:.3f} | {count} | {plain * 1e3:.2f} ms | "
                      f"{host_r * 1e6:.0f}, {host_p * 1e6:.0f} | {(host_r - host_p) / plain * 100:+.2f}% |")
     lines += ["", "Host outside the forward: a step's time less `hal.engine.execution.execute`'s (the forward, "
-              "sampling and verification; its lookahead drafting, host work, not subtracted), over the routed engine's steps that drafted nothing (its match scored on "
-              "the host or not) and the plain engine's; the difference is routing's own host work per step."]
+              "sampling and verification) but for the drafting ahead it runs (`hal.engine.proposals.lookahead`, "
+              "host work), over the routed engine's steps that drafted nothing (its match scored on the host or "
+              "not) and the plain engine's; the difference is routing's own host work per step."]
     publish(lines, args.out)
 
 
