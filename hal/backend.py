@@ -16,6 +16,7 @@ from torch import Tensor
 
 from hal import checks, processor_checks
 from hal.errors import HalError, arg_error
+from hal.reductions import first_max
 from hal.ops import Ops
 
 
@@ -171,10 +172,10 @@ class Backend:
         argmax on the backend's device is the whole of it."""
         if target_logits.dim() != 2 or not target_logits.is_floating_point():
             raise arg_error("target_logits", "float logits [R, V]", f"{target_logits.dtype} {list(target_logits.shape)}")
-        top, at = target_logits.float().max(-1, keepdim=True)   # one pass: the first maximal index, NaN propagated
+        top, at = first_max(target_logits.float())   # the first maximal index, NaN propagated
         if self.check_values:
-            checks.logits_values("target_logits", target_logits, top[:, 0])
-        return at.int()
+            checks.logits_values("target_logits", target_logits, top)
+        return at.int()[:, None]
 
     def verify_rejection(self, draft_token_ids: Tensor, cu_num_draft_tokens: Tensor,
                          draft_probs: Tensor | None, target_probs: Tensor, seeds: Tensor,
