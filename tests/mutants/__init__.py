@@ -45,7 +45,7 @@ MUTANTS = {
                            "keep = slot_mapping >= -1", "test_kv.py"),
     "causal-off-by-one": ("verify_ops.paged_attention", "paged_attention", "own = j - ctx <= i",
                           "own = j - ctx <= i + 1", "test_kv.py"),
-    "greedy-tie-flipped": ("verify_ops.greedy", "verify_greedy", "top = target_logits.float().argmax(-1)[rows]",
+    "greedy-tie-flipped": ("verify_ops.greedy", "verify_greedy", "top = first_max(target_logits.float())[1][rows]",
                            "top = (target_logits.shape[-1] - 1 - target_logits.float().flip(-1).argmax(-1))[rows]",
                            "test_greedy.py"),
     "ngram-latest-match": ("verify_ops.ngram", "ngram_propose", "end = (match == best[:, None]).int().argmax(-1)",
