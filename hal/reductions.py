@@ -12,9 +12,9 @@ def first_max(x: Tensor) -> tuple[Tensor, Tensor]:
     """``x.max(-1)`` over the last dim of ``[R, V]``: each row's maximum and its first maximal index
     (ties to the lowest index; a NaN is the maximum, the first NaN its index), as torch's ``max``
     and ``argmax`` give them (tests/test_reductions.py). On a CPU torch's indexed reductions do not
-    vectorise (``argmax`` of a [4, 49152] float32 row set: 170-340 us), its plain ones do (``amax``:
-    12 us): so each block of `BLOCK` columns is reduced by ``amax``, and only the first block that
-    holds the row's maximum (or a NaN) is searched by ``argmax``."""
+    vectorise and its plain ones do (benchmarks/reductions.py): so each block of `BLOCK` columns is
+    reduced by ``amax``, and only the first block that holds the row's maximum (or a NaN) is
+    searched by ``argmax``."""
     rows, count = x.shape
     whole = count // BLOCK * BLOCK
     tops = [x[:, :whole].reshape(rows, whole // BLOCK, BLOCK).amax(-1)] if whole else []

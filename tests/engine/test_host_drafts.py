@@ -215,11 +215,11 @@ def test_drafting_ahead_for_no_one_touches_no_drafter_or_tensor():
     from hal.engine.history import HistoryBuffer
     from hal.engine.proposals import lookahead
 
-    class Refusing(NgramDrafter):
+    class Watched(NgramDrafter):
         calls = 0
 
         def propose(self, batch):
-            Refusing.calls += 1
+            Watched.calls += 1
             return super().propose(batch)
 
     be = hal.get_backend("cpu")
@@ -229,8 +229,8 @@ def test_drafting_ahead_for_no_one_touches_no_drafter_or_tensor():
     history = HistoryBuffer(torch.device("cpu"))
     for s in live + first:
         history.add(s.rid, s.tokens)
-    drafter, acc, dev = Refusing(be, 1, 3), torch.zeros(1, dtype=torch.long), torch.device("cpu")
+    drafter, acc, dev = Watched(be, 1, 3), torch.zeros(1, dtype=torch.long), torch.device("cpu")
     assert lookahead(drafter, history, live, [], [], "not a tensor", dev, [0], set()) is None
-    assert Refusing.calls == 0
+    assert Watched.calls == 0
     ahead = lookahead(drafter, history, live, first, [], acc, dev, [0], set())
-    assert Refusing.calls == 1 and ahead is not None and ahead.rids == [1]
+    assert Watched.calls == 1 and ahead is not None and ahead.rids == [1]
