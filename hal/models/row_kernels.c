@@ -214,34 +214,87 @@ static inline float hsum(vf a) {
     return d0 + d1;
 }
 
+/* a query head's row (qv: nc vectors) times one key row (k, as float32), lane by lane: lane l sums
+ * the products of elements l, l+VL, ... in order (`hsum` then adds the lanes) */
+static inline __attribute__((always_inline)) vf dot_lanes(const vf *qv, const vf *k, int64_t nc) {
+    vf acc = qv[0] * k[0];
+    for (int64_t c = 1; c < nc; c++) acc += qv[c] * k[c];
+    return acc;
+}
+
+/* lane i: `hsum`(a[i]), for VL vectors at once. Each level adds the very pairs `hsum` adds (halves,
+ * then their halves, then lanes 0+2 and 1+3, then those two), for two vectors' worth per
+ * shuffle: the same bits as VL calls of `hsum`, in about a quarter of the instructions. */
+static inline __attribute__((always_inline)) vf hsum_each(const vf *a) {
+#if VL == 16
+    vf x[8], y[4], z[2];
+    for (int p = 0; p < 8; p++)   /* lanes 0-7: key 2p's halves added; 8-15: key 2p+1's */
+        x[p] = __builtin_shufflevector(a[2 * p], a[2 * p + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               __builtin_shufflevector(a[2 * p], a[2 * p + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30,
+                                       31);
+    for (int p = 0; p < 4; p++)   /* 4 lanes per key, keys 4p..4p+3 */
+        y[p] = __builtin_shufflevector(x[2 * p], x[2 * p + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+               __builtin_shufflevector(x[2 * p], x[2 * p + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,
+                                       31);
+#else
+    vf y[4], z[2];
+    for (int p = 0; p < 4; p++)   /* 4 lanes per key, keys 2p, 2p+1 */
+        y[p] = __builtin_shufflevector(a[2 * p], a[2 * p + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+               __builtin_shufflevector(a[2 * p], a[2 * p + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+#endif
+#if VL == 16
+    for (int p = 0; p < 2; p++)   /* lanes 2i, 2i+1: key 8p+i's c0+c2 and c1+c3 */
+        z[p] = __builtin_shufflevector(y[2 * p], y[2 * p + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+               __builtin_shufflevector(y[2 * p], y[2 * p + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return __builtin_shufflevector(z[0], z[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           __builtin_shufflevector(z[0], z[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#else
+    for (int p = 0; p < 2; p++)   /* lanes 2i, 2i+1: key 4p+i's c0+c2 and c1+c3 */
+        z[p] = __builtin_shufflevector(y[2 * p], y[2 * p + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+               __builtin_shufflevector(y[2 * p], y[2 * p + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+    return __builtin_shufflevector(z[0], z[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+           __builtin_shufflevector(z[0], z[1], 1, 3, 5, 7, 9, 11, 13, 15);
+#endif
+}
+
 /* one query row t of one KV head group: its G heads' rows of q (qg [G, D]) against the key
  * list (slots), D = nc * VL. The dot products: VL lanes (lane l sums the elements l, l+VL,
- * ...) then `hsum`; the softmax: e_j = exp(s_j - max), o = sum_j e_j v_j in key order, over
+ * ...) then `hsum` (`hsum_each` for VL keys at once: the same bits); the softmax:
+ * e_j = exp(s_j - max), o = sum_j e_j v_j in key order, over
  * sum_j e_j (in LANES partial sums). */
 static inline __attribute__((always_inline)) void group_rows_n(
         const float *qg, int64_t G, int64_t nc, const char *kc, const char *vc, int is_bf16, int64_t row_bytes,
         const int64_t *slots, int64_t L, float scale, float *og, float *scores) {
-    int64_t D = nc * VL, esz = is_bf16 ? 2 : 4;
-    for (int64_t j = 0; j < L; j++) {
-        const char *k = kc + slots[j] * row_bytes;
-        vf kv[MAXC];
-        for (int64_t c = 0; c < nc; c++) kv[c] = loadv(k + c * VL * esz, is_bf16);
+    int64_t D = nc * VL, esz = is_bf16 ? 2 : 4, whole = L - L % VL;
+    vf qv[MAXG][MAXC], kb[VL][MAXC], acc[VL];
+    for (int64_t h = 0; h < G; h++)
+        for (int64_t c = 0; c < nc; c++) memcpy(&qv[h][c], qg + h * D + c * VL, sizeof qv[h][c]);
+    for (int64_t j0 = 0; j0 < L; j0 += VL) {   /* VL keys at a time (loaded once): their sums in one tree */
+        int64_t n = j0 < whole ? VL : L - whole;
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t c = 0; c < nc; c++) kb[i][c] = loadv(kc + slots[j0 + i] * row_bytes + c * VL * esz, is_bf16);
         for (int64_t h = 0; h < G; h++) {
-            vf acc, qv;
-            memcpy(&qv, qg + h * D, sizeof qv);
-            acc = qv * kv[0];
-            for (int64_t c = 1; c < nc; c++) {
-                memcpy(&qv, qg + h * D + c * VL, sizeof qv);
-                acc += qv * kv[c];
+            for (int64_t i = 0; i < n; i++) acc[i] = dot_lanes(qv[h], kb[i], nc);
+            if (n == VL) {
+                vf s = hsum_each(acc) * scale;
+                memcpy(scores + h * L + j0, &s, sizeof s);
+            } else {
+                for (int64_t i = 0; i < n; i++) scores[h * L + j0 + i] = scale * hsum(acc[i]);
             }
-            scores[h * L + j] = scale * hsum(acc);
         }
     }
     float inv[MAXG];
     vf o[MAXG][MAXC];
     for (int64_t h = 0; h < G; h++) {
-        float *e = scores + h * L, m = -INFINITY, lanes[LANES] = {0};
-        for (int64_t j = 0; j < L; j++) m = e[j] > m ? e[j] : m;
+        float *e = scores + h * L, m, lanes[LANES] = {0}, top[LANES];
+        for (int l = 0; l < LANES; l++) top[l] = -INFINITY;   /* the max in LANES partial maxima (NaNs skipped) */
+        int64_t i = 0;
+        for (; i + LANES <= L; i += LANES)
+            for (int l = 0; l < LANES; l++) top[l] = e[i + l] > top[l] ? e[i + l] : top[l];
+        for (int l = 0; i < L; i++, l++) top[l] = e[i] > top[l] ? e[i] : top[l];
+        for (int s = LANES / 2; s > 0; s /= 2)
+            for (int l = 0; l < s; l++) top[l] = top[l + s] > top[l] ? top[l + s] : top[l];
+        m = top[0];   /* a zero's sign may differ from a serial scan's: e_j - m, and so exp, cannot */
         for (int64_t j = 0; j < L; j++) e[j] = exp_f32(e[j] - m);
         int64_t j = 0;
         for (; j + LANES <= L; j += LANES)
