@@ -82,16 +82,29 @@ def llama_bench(binary: str, gguf: Path, threads: int, n: int, reps: int = 3) ->
     return float(runs[0]["avg_ts"])
 
 
-def our_decode_rate(target, n: int, reps: int = 3) -> float:
+def our_decode_rate(target, n: int, reps: int = 3, prompt: int = 1) -> float:
     """spec-hal's plain decode rate: ``n`` tokens after a one-token prompt (no stop), k = 0,
-    the best of ``reps`` (llama-bench reports its mean; both are steady-state rates)."""
+    the best of ``reps`` (llama-bench reports its mean; both are steady-state rates). With a
+    longer ``prompt`` (that many distinct tokens), the rate of the steps after its prefill: a
+    decode at that depth, as llama-bench's ``-d``."""
     from hal.engine import Request, SpeculativeDecoder
     best = 0.0
+    ids = [target.cfg.bos_id or 1] if prompt == 1 else [100 + i % 1000 for i in range(prompt)]
     for _ in range(reps):
-        dec = SpeculativeDecoder(target, None, num_blocks=64)
-        t = time.perf_counter()
-        out = dec.generate([Request([target.cfg.bos_id or 1], max_new_tokens=n, k=0)])[0]
-        best = max(best, len(out) / (time.perf_counter() - t))
+        dec = SpeculativeDecoder(target, None, num_blocks=(prompt + n) // 16 + 64)
+        if prompt == 1:
+            t = time.perf_counter()
+            out = dec.generate([Request(ids, max_new_tokens=n, k=0)])[0]
+            best = max(best, len(out) / (time.perf_counter() - t))
+            continue
+        dec.add(Request(ids, max_new_tokens=n + 1, k=0))
+        while not dec.step().tokens:   # the prefill, chunk by chunk, until its first token
+            pass
+        t, steps = time.perf_counter(), 0
+        while dec.has_unfinished():
+            dec.step()
+            steps += 1
+        best = max(best, steps / (time.perf_counter() - t))
     return best
 
 
