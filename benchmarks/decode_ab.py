@@ -107,7 +107,8 @@ def main() -> None:
              f"after: {after}; before: {before}. Decode: {args.tg} tokens after a "
              + ("one-token prompt" if args.prompt == 1 else f"{args.prompt}-token prompt (timed after its prefill)")
              + ", k = 0, "
-             f"{args.threads} threads; spec-hal best of 3 per process, llama-bench tg mean of 3; the median over "
+             f"{args.threads} threads; spec-hal best of 3 per process"
+             + ("" if args.no_llama else ", llama-bench tg mean of 3") + "; the median over "
              f"{args.rounds} interleaved rounds.", "",
              "| file | after tok/s | before tok/s | after / before | llama.cpp tok/s | after / llama.cpp | "
              "before / llama.cpp |", "|---|---|---|---|---|---|---|", *rows], Path(args.out))

@@ -131,7 +131,7 @@ def _load(name: str, backend, args):
     return model, tok, chat_template_of(model_path(name))
 
 
-DEMO_REPS = 3   # each run of the demo is timed this many times, interleaved; the least time counts
+DEMO_REPS = 5   # each run of the demo is timed this many times, interleaved; the least time counts
 
 
 def cmd_demo(args) -> int:
