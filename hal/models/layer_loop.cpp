@@ -123,7 +123,7 @@ int64_t parallel_attention(const float *q, const void *k_cache, const void *v_ca
                                   s.n_extra, &longest);
     if (err) return err;
     for (int64_t t = 0; t < s.T; t++) keys += s.n_cache[t] + s.n_extra[t];
-    int64_t units = s.T * s.Hkv, grain = keys * s.Hkv < 512 ? units : 1;   // small batches: one thread
+    int64_t units = s.T * s.Hkv, grain = keys * s.Hkv < 4096 ? units : 1;   // small batches: one thread
     std::atomic<int64_t> failed{0};
     at::parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
         if (attention_units(q, s.Hq, s.D, k_cache, v_cache, s.cache_bf16, s.Hkv, s.bs, s.bt, s.bts, s.req, s.n_cache,
