@@ -53,6 +53,21 @@ static float sum_squares(const float *x, int64_t n) {
     return acc[0];
 }
 
+/* the largest of x[0..n) (-inf for none; NaNs skipped), in LANES partial maxima as `sum_squares`
+ * sums: vectorizable, where one compare after another waits on the last. Of +0 and -0 either
+ * may come back (a caller subtracting it gets the same bits either way). */
+static float max_of(const float *x, int64_t n) {
+    float top[LANES];
+    for (int j = 0; j < LANES; j++) top[j] = -INFINITY;
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int j = 0; j < LANES; j++) top[j] = x[i + j] > top[j] ? x[i + j] : top[j];
+    for (int j = 0; i < n; i++, j++) top[j] = x[i] > top[j] ? x[i] : top[j];
+    for (int s = LANES / 2; s > 0; s /= 2)
+        for (int j = 0; j < s; j++) top[j] = top[j + s] > top[j] ? top[j + s] : top[j];
+    return top[0];
+}
+
 /* exp(x) for float32, a fixed polynomial (Cephes' expf): vectorizable, about 1 ulp;
  * arguments are clamped to [-87.3, 88.7] (results stay finite). */
 static inline float exp_f32(float x) {
@@ -236,19 +251,16 @@ static inline __attribute__((always_inline)) vf hsum_each(const vf *a) {
         y[p] = __builtin_shufflevector(x[2 * p], x[2 * p + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
                __builtin_shufflevector(x[2 * p], x[2 * p + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,
                                        31);
-#else
-    vf y[4], z[2];
-    for (int p = 0; p < 4; p++)   /* 4 lanes per key, keys 2p, 2p+1 */
-        y[p] = __builtin_shufflevector(a[2 * p], a[2 * p + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
-               __builtin_shufflevector(a[2 * p], a[2 * p + 1], 4, 5, 6, 7, 12, 13, 14, 15);
-#endif
-#if VL == 16
     for (int p = 0; p < 2; p++)   /* lanes 2i, 2i+1: key 8p+i's c0+c2 and c1+c3 */
         z[p] = __builtin_shufflevector(y[2 * p], y[2 * p + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
                __builtin_shufflevector(y[2 * p], y[2 * p + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
     return __builtin_shufflevector(z[0], z[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
            __builtin_shufflevector(z[0], z[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 #else
+    vf y[4], z[2];
+    for (int p = 0; p < 4; p++)   /* 4 lanes per key, keys 2p, 2p+1 */
+        y[p] = __builtin_shufflevector(a[2 * p], a[2 * p + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+               __builtin_shufflevector(a[2 * p], a[2 * p + 1], 4, 5, 6, 7, 12, 13, 14, 15);
     for (int p = 0; p < 2; p++)   /* lanes 2i, 2i+1: key 4p+i's c0+c2 and c1+c3 */
         z[p] = __builtin_shufflevector(y[2 * p], y[2 * p + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
                __builtin_shufflevector(y[2 * p], y[2 * p + 1], 2, 3, 6, 7, 10, 11, 14, 15);
@@ -286,15 +298,7 @@ static inline __attribute__((always_inline)) void group_rows_n(
     float inv[MAXG];
     vf o[MAXG][MAXC];
     for (int64_t h = 0; h < G; h++) {
-        float *e = scores + h * L, m, lanes[LANES] = {0}, top[LANES];
-        for (int l = 0; l < LANES; l++) top[l] = -INFINITY;   /* the max in LANES partial maxima (NaNs skipped) */
-        int64_t i = 0;
-        for (; i + LANES <= L; i += LANES)
-            for (int l = 0; l < LANES; l++) top[l] = e[i + l] > top[l] ? e[i + l] : top[l];
-        for (int l = 0; i < L; i++, l++) top[l] = e[i] > top[l] ? e[i] : top[l];
-        for (int s = LANES / 2; s > 0; s /= 2)
-            for (int l = 0; l < s; l++) top[l] = top[l + s] > top[l] ? top[l + s] : top[l];
-        m = top[0];   /* a zero's sign may differ from a serial scan's: e_j - m, and so exp, cannot */
+        float *e = scores + h * L, m = max_of(e, L), lanes[LANES] = {0};
         for (int64_t j = 0; j < L; j++) e[j] = exp_f32(e[j] - m);
         int64_t j = 0;
         for (; j + LANES <= L; j += LANES)
